@@ -1,0 +1,82 @@
+//! Copy lists: the unit a device executes as one batch.
+
+/// One contiguous copy; addresses are host virtual addresses or device pointers depending on
+/// the batch's [`crate::CopyDirection`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyOp {
+    pub src: u64,
+    pub dst: u64,
+    pub len: u64,
+}
+
+/// An ordered list of copies that merges a range into the previous one when the two are
+/// adjacent on both sides, so contiguous runs cost one driver call.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CopyList {
+    ops: Vec<CopyOp>,
+    bytes: u64,
+}
+
+impl CopyList {
+    pub fn with_capacity(n: usize) -> Self {
+        Self { ops: Vec::with_capacity(n), bytes: 0 }
+    }
+
+    /// Appends a copy, merging it into the last one where both sides continue it.
+    pub fn push(&mut self, src: u64, dst: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        self.bytes += len;
+        if let Some(last) = self.ops.last_mut() {
+            if last.src + last.len == src && last.dst + last.len == dst {
+                last.len += len;
+                return;
+            }
+        }
+        self.ops.push(CopyOp { src, dst, len });
+    }
+
+    pub fn ops(&self) -> &[CopyOp] {
+        &self.ops
+    }
+
+    /// Total bytes the list moves.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Number of copies after merging.
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merges_only_when_adjacent_on_both_sides() {
+        let mut l = CopyList::default();
+        l.push(0, 1000, 10);
+        l.push(10, 1010, 5); // adjacent both sides: merged
+        l.push(15, 2000, 5); // src adjacent, dst not
+        l.push(100, 2005, 5); // dst adjacent, src not
+        l.push(105, 2010, 0); // empty: ignored
+        assert_eq!(
+            l.ops(),
+            &[
+                CopyOp { src: 0, dst: 1000, len: 15 },
+                CopyOp { src: 15, dst: 2000, len: 5 },
+                CopyOp { src: 100, dst: 2005, len: 5 },
+            ]
+        );
+        assert_eq!(l.bytes(), 25);
+        assert_eq!(l.len(), 3);
+    }
+}

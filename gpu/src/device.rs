@@ -1,0 +1,237 @@
+//! The device-memory trait every backend implements.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use thiserror::Error;
+use tokio::sync::oneshot;
+
+use crate::CopyList;
+
+/// Which backend a device is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// Emulated device memory in host RAM.
+    Host,
+    /// An NVIDIA GPU through the CUDA driver API.
+    Cuda,
+}
+
+impl DeviceKind {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            DeviceKind::Host => "host",
+            DeviceKind::Cuda => "cuda",
+        }
+    }
+}
+
+/// Direction of one copy batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyDirection {
+    HostToDevice,
+    DeviceToHost,
+}
+
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeviceError {
+    #[error("no CUDA driver: {reason}")]
+    NoDriver { reason: String },
+    #[error("device {ordinal} does not exist ({count} present)")]
+    NoSuchDevice { ordinal: u32, count: u32 },
+    #[error("allocation of {bytes} bytes on device {ordinal} failed: {reason}")]
+    Alloc { ordinal: u32, bytes: u64, reason: String },
+    #[error("range {ptr:#x}+{len} is not inside one allocation of device {ordinal}")]
+    NotDeviceMemory { ordinal: u32, ptr: u64, len: u64 },
+    #[error("range {ptr:#x}+{len} is device memory of ordinal {found}, expected {ordinal}")]
+    WrongDevice { ordinal: u32, found: u32, ptr: u64, len: u64 },
+    #[error("host registration of {addr:#x}+{len} failed: {reason}")]
+    HostRegister { addr: u64, len: u64, reason: String },
+    #[error("copy batch of {ops} ops failed on device {ordinal}: {reason}")]
+    Copy { ordinal: u32, ops: usize, reason: String },
+    #[error("{what} is not supported by this device: {reason}")]
+    Unsupported { what: &'static str, reason: String },
+    #[error("device {ordinal} copy engine stopped")]
+    Stopped { ordinal: u32 },
+}
+
+/// What one completed batch did.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CopyStats {
+    pub bytes: u64,
+    pub ops: usize,
+    /// Seconds from submission to completion as seen by the device's completion path.
+    pub seconds: f64,
+}
+
+/// Completion of one submitted batch: a future that resolves when every copy of the batch has
+/// landed (or failed). Backends complete it from their own thread; awaiting never blocks a
+/// thread.
+pub struct CopyEvent {
+    rx: oneshot::Receiver<Result<CopyStats, DeviceError>>,
+    ordinal: u32,
+}
+
+impl CopyEvent {
+    /// A pair: the sender the backend completes, and the event the caller awaits.
+    pub fn channel(ordinal: u32) -> (oneshot::Sender<Result<CopyStats, DeviceError>>, Self) {
+        let (tx, rx) = oneshot::channel();
+        (tx, Self { rx, ordinal })
+    }
+
+    /// Non-blocking check; `None` while the batch is still running.
+    pub fn try_complete(&mut self) -> Option<Result<CopyStats, DeviceError>> {
+        match self.rx.try_recv() {
+            Ok(r) => Some(r),
+            Err(oneshot::error::TryRecvError::Empty) => None,
+            Err(oneshot::error::TryRecvError::Closed) => {
+                Some(Err(DeviceError::Stopped { ordinal: self.ordinal }))
+            }
+        }
+    }
+}
+
+impl fmt::Debug for CopyEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CopyEvent").field("ordinal", &self.ordinal).finish()
+    }
+}
+
+impl Future for CopyEvent {
+    type Output = Result<CopyStats, DeviceError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let ordinal = self.ordinal;
+        Pin::new(&mut self.rx)
+            .poll(cx)
+            .map(|r| r.unwrap_or(Err(DeviceError::Stopped { ordinal })))
+    }
+}
+
+/// Frees what a [`DeviceBuffer`] or [`HostRegistration`] holds when dropped.
+pub trait Release: Send + Sync {
+    fn release(&mut self);
+}
+
+/// Device memory owned by this process (tests, the demo, benchmarks and embedding engines that
+/// let kvferry allocate). Freed on drop.
+pub struct DeviceBuffer {
+    ptr: u64,
+    len: u64,
+    ordinal: u32,
+    owner: Box<dyn Release>,
+}
+
+impl DeviceBuffer {
+    pub fn new(ptr: u64, len: u64, ordinal: u32, owner: Box<dyn Release>) -> Self {
+        Self { ptr, len, ordinal, owner }
+    }
+
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn ordinal(&self) -> u32 {
+        self.ordinal
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        self.owner.release();
+    }
+}
+
+impl fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("ordinal", &self.ordinal)
+            .finish()
+    }
+}
+
+/// Host memory made usable by a device (pinned for DMA where the backend needs it); the
+/// registration is undone on drop.
+pub struct HostRegistration {
+    owner: Option<Box<dyn Release>>,
+}
+
+impl HostRegistration {
+    /// A registration with nothing to undo (backends whose host memory needs no pinning).
+    pub fn noop() -> Self {
+        Self { owner: None }
+    }
+
+    pub fn new(owner: Box<dyn Release>) -> Self {
+        Self { owner: Some(owner) }
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if let Some(o) = self.owner.as_mut() {
+            o.release();
+        }
+    }
+}
+
+impl fmt::Debug for HostRegistration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostRegistration").field("active", &self.owner.is_some()).finish()
+    }
+}
+
+/// One device: memory validation, allocation, host registration and batched async copies.
+pub trait Device: Send + Sync + fmt::Debug {
+    fn kind(&self) -> DeviceKind;
+
+    fn ordinal(&self) -> u32;
+
+    /// A human-readable name ("host-emulated #0", "NVIDIA H200 #0").
+    fn name(&self) -> String;
+
+    /// Checks that `[ptr, ptr + len)` is memory of this device inside one allocation.
+    fn check_range(&self, ptr: u64, len: u64) -> Result<(), DeviceError>;
+
+    /// Allocates `bytes` of device memory.
+    fn alloc(&self, bytes: u64) -> Result<DeviceBuffer, DeviceError>;
+
+    /// Makes `[addr, addr + len)` of host memory usable as a copy source or destination.
+    fn register_host(
+        &self,
+        addr: u64,
+        len: u64,
+        read_only: bool,
+    ) -> Result<HostRegistration, DeviceError>;
+
+    /// Submits one batch of copies and returns its completion event. Device-side ranges are
+    /// validated before anything is copied; a batch that fails validation copies nothing.
+    ///
+    /// # Safety
+    /// Every host-side range in `list` must stay valid (mapped, and not written by anyone else
+    /// for a device-to-host batch) until the returned event has resolved.
+    unsafe fn submit(
+        &self,
+        dir: CopyDirection,
+        list: CopyList,
+    ) -> Result<CopyEvent, DeviceError>;
+
+    /// Synchronous write into device memory (setup and verification, not the data path).
+    fn write(&self, dst: u64, data: &[u8]) -> Result<(), DeviceError>;
+
+    /// Synchronous read of device memory (setup and verification, not the data path).
+    fn read(&self, src: u64, out: &mut [u8]) -> Result<(), DeviceError>;
+}

@@ -1,0 +1,424 @@
+//! KV layouts: where one rank's segment of one block lives in device memory.
+
+use thiserror::Error;
+
+use crate::{Device, KvShape};
+
+/// The kind of KV group an engine registers. Only attention groups laid out layer-first can
+/// be loaded; the others are recognised so the refusal can name them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupKind {
+    /// Dense attention, one tensor (or K/V pair) per layer: supported.
+    Attention,
+    /// Page-first (block-major across K/V and layers) caches: refused.
+    PageFirst,
+    /// Recurrent / hybrid state groups (Mamba-style): refused.
+    Recurrent,
+}
+
+impl GroupKind {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            GroupKind::Attention => "attention",
+            GroupKind::PageFirst => "page-first",
+            GroupKind::Recurrent => "recurrent",
+        }
+    }
+}
+
+/// One layer's placement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerLayout {
+    /// K plane then V plane in one allocation, `kv_stride` bytes apart (with one segment per
+    /// layer, `kv_stride` is unused).
+    Contiguous { base: u64, kv_stride: u64 },
+    /// K and V in separate tensors.
+    Split { k_base: u64, v_base: u64 },
+}
+
+/// What an engine worker registers for one rank, before validation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvLayoutSpec {
+    pub kind: GroupKind,
+    pub layers: Vec<LayerLayout>,
+    /// Bytes between consecutive blocks within one plane.
+    pub block_stride: u64,
+    pub num_blocks: u32,
+    /// Offset of the view inside each tensor (a tensor that is a view into a larger one).
+    pub view_offset: u64,
+}
+
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LayoutError {
+    #[error("{group} KV groups cannot be loaded: only layer-first attention layouts are supported")]
+    Unsupported { group: &'static str },
+    #[error("layout has {got} layers, the shape has {expected}")]
+    LayerCount { expected: u32, got: usize },
+    #[error("layout has no blocks")]
+    NoBlocks,
+    #[error("layer {layer}: split K/V needs two segments per layer, the shape has {segments}")]
+    SplitNeedsTwoSegments { layer: u32, segments: u32 },
+    #[error("layer {layer}: block stride {stride} is smaller than a segment ({segment} bytes)")]
+    StrideTooSmall { layer: u32, stride: u64, segment: u64 },
+    #[error("layer {layer}: kv stride {stride} is smaller than one plane ({plane} bytes)")]
+    KvStrideTooSmall { layer: u32, stride: u64, plane: u64 },
+    #[error("layer {layer}: addresses overflow")]
+    Overflow { layer: u32 },
+    #[error("layer {first} {first_seg} overlaps layer {second} {second_seg}")]
+    Overlap { first: u32, first_seg: &'static str, second: u32, second_seg: &'static str },
+    #[error("layer {layer} {segment}: {source}")]
+    Memory {
+        layer: u32,
+        segment: &'static str,
+        #[source]
+        source: crate::DeviceError,
+    },
+    #[error("destination block {block} is out of range (the instance has {num_blocks} blocks)")]
+    BlockOutOfRange { block: u32, num_blocks: u32 },
+    #[error("destination block {block} is listed twice")]
+    DuplicateBlock { block: u32 },
+}
+
+/// A validated layout for one rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    layers: Vec<LayerLayout>,
+    block_stride: u64,
+    num_blocks: u32,
+    view_offset: u64,
+    segments: u32,
+    segment_bytes: u64,
+}
+
+/// One segment's plane: the bytes that segment `seg` of layer `layer` spans over all blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plane {
+    pub layer: u32,
+    pub segment: u32,
+    pub start: u64,
+    pub extent: u64,
+}
+
+fn seg_name(segments: u32, seg: u32) -> &'static str {
+    match (segments, seg) {
+        (1, _) => "KV",
+        (_, 0) => "K",
+        _ => "V",
+    }
+}
+
+impl KvLayout {
+    /// Validates a spec against the shape (without touching memory).
+    pub fn new(spec: KvLayoutSpec, shape: &KvShape) -> Result<Self, LayoutError> {
+        if spec.kind != GroupKind::Attention {
+            return Err(LayoutError::Unsupported { group: spec.kind.as_str() });
+        }
+        if spec.layers.len() != shape.layers() as usize {
+            return Err(LayoutError::LayerCount { expected: shape.layers(), got: spec.layers.len() });
+        }
+        if spec.num_blocks == 0 {
+            return Err(LayoutError::NoBlocks);
+        }
+        let seg = shape.segment_bytes();
+        let plane = (u64::from(spec.num_blocks) - 1)
+            .checked_mul(spec.block_stride)
+            .and_then(|v| v.checked_add(seg));
+        for (i, l) in spec.layers.iter().enumerate() {
+            let layer = i as u32;
+            if spec.block_stride < seg {
+                return Err(LayoutError::StrideTooSmall { layer, stride: spec.block_stride, segment: seg });
+            }
+            let plane = plane.ok_or(LayoutError::Overflow { layer })?;
+            match *l {
+                LayerLayout::Split { .. } if shape.segments() != 2 => {
+                    return Err(LayoutError::SplitNeedsTwoSegments { layer, segments: shape.segments() });
+                }
+                LayerLayout::Contiguous { kv_stride, .. }
+                    if shape.segments() == 2 && kv_stride < plane =>
+                {
+                    return Err(LayoutError::KvStrideTooSmall { layer, stride: kv_stride, plane });
+                }
+                _ => {}
+            }
+        }
+        let layout = Self {
+            layers: spec.layers,
+            block_stride: spec.block_stride,
+            num_blocks: spec.num_blocks,
+            view_offset: spec.view_offset,
+            segments: shape.segments(),
+            segment_bytes: seg,
+        };
+        let planes = layout.planes()?;
+        layout.check_overlaps(&planes)?;
+        Ok(layout)
+    }
+
+    /// Validates the layout and checks every plane against the device's allocations.
+    pub fn new_on(
+        spec: KvLayoutSpec,
+        shape: &KvShape,
+        device: &dyn Device,
+    ) -> Result<Self, LayoutError> {
+        let layout = Self::new(spec, shape)?;
+        for p in layout.planes()? {
+            device.check_range(p.start, p.extent).map_err(|source| LayoutError::Memory {
+                layer: p.layer,
+                segment: seg_name(layout.segments, p.segment),
+                source,
+            })?;
+        }
+        Ok(layout)
+    }
+
+    pub fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    pub fn block_stride(&self) -> u64 {
+        self.block_stride
+    }
+
+    pub fn segments(&self) -> u32 {
+        self.segments
+    }
+
+    pub fn segment_bytes(&self) -> u64 {
+        self.segment_bytes
+    }
+
+    pub fn num_layers(&self) -> u32 {
+        self.layers.len() as u32
+    }
+
+    /// Start of segment `seg` of `layer` for block 0 (the view offset applied).
+    fn plane_start(&self, layer: u32, seg: u32) -> Option<u64> {
+        let base = match self.layers[layer as usize] {
+            LayerLayout::Contiguous { base, kv_stride } => {
+                base.checked_add(u64::from(seg).checked_mul(kv_stride)?)?
+            }
+            LayerLayout::Split { k_base, v_base } => {
+                if seg == 0 {
+                    k_base
+                } else {
+                    v_base
+                }
+            }
+        };
+        base.checked_add(self.view_offset)
+    }
+
+    /// Every plane with its byte extent.
+    pub fn planes(&self) -> Result<Vec<Plane>, LayoutError> {
+        let extent = (u64::from(self.num_blocks) - 1) * self.block_stride + self.segment_bytes;
+        let mut out = Vec::with_capacity(self.layers.len() * self.segments as usize);
+        for layer in 0..self.num_layers() {
+            for segment in 0..self.segments {
+                let start = self
+                    .plane_start(layer, segment)
+                    .filter(|s| s.checked_add(extent).is_some())
+                    .ok_or(LayoutError::Overflow { layer })?;
+                out.push(Plane { layer, segment, start, extent });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Exact overlap test between two planes of the same stride: segments `a + i*S` and
+    /// `c + j*S` (length `L`, `0 <= i, j < n`) overlap iff some `k = i - j` with
+    /// `|k| < n` puts `k*S` strictly within `L` of `c - a`.
+    fn planes_overlap(&self, a: &Plane, b: &Plane) -> bool {
+        let (s, l, n) =
+            (i128::from(self.block_stride), i128::from(self.segment_bytes), i128::from(self.num_blocks));
+        let d = i128::from(b.start) - i128::from(a.start);
+        let k0 = d.div_euclid(s);
+        [k0, k0 + 1].iter().any(|&k| k.abs() < n && (k * s - d).abs() < l)
+    }
+
+    fn check_overlaps(&self, planes: &[Plane]) -> Result<(), LayoutError> {
+        let mut sorted: Vec<&Plane> = planes.iter().collect();
+        sorted.sort_by_key(|p| p.start);
+        for (i, a) in sorted.iter().enumerate() {
+            for b in &sorted[i + 1..] {
+                if b.start >= a.start + a.extent {
+                    break;
+                }
+                if self.planes_overlap(a, b) {
+                    let (x, y) = if (a.layer, a.segment) <= (b.layer, b.segment) { (a, b) } else { (b, a) };
+                    return Err(LayoutError::Overlap {
+                        first: x.layer,
+                        first_seg: seg_name(self.segments, x.segment),
+                        second: y.layer,
+                        second_seg: seg_name(self.segments, y.segment),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses destination lists with out-of-range or repeated blocks.
+    pub fn check_blocks(&self, blocks: &[u32]) -> Result<(), LayoutError> {
+        let mut seen = std::collections::HashSet::with_capacity(blocks.len());
+        for &block in blocks {
+            if block >= self.num_blocks {
+                return Err(LayoutError::BlockOutOfRange { block, num_blocks: self.num_blocks });
+            }
+            if !seen.insert(block) {
+                return Err(LayoutError::DuplicateBlock { block });
+            }
+        }
+        Ok(())
+    }
+
+    /// Device address of segment `seg` of `layer` in block `block` (the block must have been
+    /// checked with [`Self::check_blocks`]).
+    pub fn segment_addr(&self, layer: u32, seg: u32, block: u32) -> u64 {
+        // Validated at construction: planes do not overflow.
+        self.plane_start(layer, seg).unwrap_or(0) + u64::from(block) * self.block_stride
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::HostDevice;
+
+    fn shape(layers: u32, segs: u32) -> KvShape {
+        KvShape::new(layers, 1, segs, 256).unwrap()
+    }
+
+    fn split_spec(layers: u32, stride: u64, blocks: u32) -> KvLayoutSpec {
+        let plane = stride * u64::from(blocks);
+        KvLayoutSpec {
+            kind: GroupKind::Attention,
+            layers: (0..u64::from(layers))
+                .map(|l| LayerLayout::Split { k_base: 0x10_0000 + 2 * l * plane, v_base: 0x10_0000 + (2 * l + 1) * plane })
+                .collect(),
+            block_stride: stride,
+            num_blocks: blocks,
+            view_offset: 0,
+        }
+    }
+
+    #[test]
+    fn split_and_contiguous_addresses() {
+        let l = KvLayout::new(split_spec(2, 256, 8), &shape(2, 2)).unwrap();
+        assert_eq!(l.segment_addr(0, 0, 0), 0x10_0000);
+        assert_eq!(l.segment_addr(0, 1, 3), 0x10_0000 + 2048 + 3 * 256);
+        assert_eq!(l.segment_addr(1, 1, 7), 0x10_0000 + 3 * 2048 + 7 * 256);
+
+        let spec = KvLayoutSpec {
+            kind: GroupKind::Attention,
+            layers: vec![LayerLayout::Contiguous { base: 0x1000, kv_stride: 4096 }],
+            block_stride: 512,
+            num_blocks: 8,
+            view_offset: 64,
+        };
+        let l = KvLayout::new(spec, &shape(1, 2)).unwrap();
+        assert_eq!(l.segment_addr(0, 0, 2), 0x1000 + 64 + 1024);
+        assert_eq!(l.segment_addr(0, 1, 2), 0x1000 + 64 + 4096 + 1024);
+    }
+
+    #[test]
+    fn refuses_page_first_and_recurrent_by_name() {
+        for (kind, name) in [(GroupKind::PageFirst, "page-first"), (GroupKind::Recurrent, "recurrent")] {
+            let mut spec = split_spec(1, 256, 4);
+            spec.kind = kind;
+            let err = KvLayout::new(spec, &shape(1, 2)).unwrap_err();
+            assert_eq!(err, LayoutError::Unsupported { group: name });
+            assert!(err.to_string().contains(name));
+        }
+    }
+
+    #[test]
+    fn refuses_small_strides_and_bad_counts() {
+        let err = KvLayout::new(split_spec(1, 128, 4), &shape(1, 2)).unwrap_err();
+        assert!(matches!(err, LayoutError::StrideTooSmall { layer: 0, stride: 128, segment: 256 }));
+        let err = KvLayout::new(split_spec(2, 256, 4), &shape(3, 2)).unwrap_err();
+        assert_eq!(err, LayoutError::LayerCount { expected: 3, got: 2 });
+        let err = KvLayout::new(split_spec(1, 256, 0), &shape(1, 2)).unwrap_err();
+        assert_eq!(err, LayoutError::NoBlocks);
+        let err = KvLayout::new(split_spec(1, 256, 4), &shape(1, 1)).unwrap_err();
+        assert!(matches!(err, LayoutError::SplitNeedsTwoSegments { .. }));
+        let spec = KvLayoutSpec {
+            kind: GroupKind::Attention,
+            layers: vec![LayerLayout::Contiguous { base: 0x1000, kv_stride: 512 }],
+            block_stride: 256,
+            num_blocks: 4,
+            view_offset: 0,
+        };
+        assert!(matches!(KvLayout::new(spec, &shape(1, 2)), Err(LayoutError::KvStrideTooSmall { .. })));
+    }
+
+    #[test]
+    fn overlap_detection_is_exact() {
+        // Two layers interleaved inside one stride: legal (no byte shared).
+        let spec = KvLayoutSpec {
+            kind: GroupKind::Attention,
+            layers: vec![
+                LayerLayout::Split { k_base: 0, v_base: 256 },
+                LayerLayout::Split { k_base: 512, v_base: 768 },
+            ],
+            block_stride: 1024,
+            num_blocks: 16,
+            view_offset: 0,
+        };
+        assert!(KvLayout::new(spec.clone(), &shape(2, 2)).is_ok());
+        // Shift layer 1's K by 64 bytes into layer 0's V: refused, naming both.
+        let mut bad = spec;
+        bad.layers[1] = LayerLayout::Split { k_base: 256 + 64 + 1024 * 3, v_base: 768 };
+        let err = KvLayout::new(bad, &shape(2, 2)).unwrap_err();
+        assert_eq!(err, LayoutError::Overlap { first: 0, first_seg: "V", second: 1, second_seg: "K" });
+        // Same base for two layers.
+        let err = KvLayout::new(
+            KvLayoutSpec {
+                kind: GroupKind::Attention,
+                layers: vec![
+                    LayerLayout::Contiguous { base: 0, kv_stride: 4096 },
+                    LayerLayout::Contiguous { base: 4096 * 2 - 256, kv_stride: 4096 },
+                ],
+                block_stride: 256,
+                num_blocks: 16,
+                view_offset: 0,
+            },
+            &shape(2, 2),
+        )
+        .unwrap_err();
+        assert!(matches!(err, LayoutError::Overlap { first: 0, second: 1, .. }), "{err}");
+    }
+
+    #[test]
+    fn blocks_checked() {
+        let l = KvLayout::new(split_spec(1, 256, 4), &shape(1, 2)).unwrap();
+        assert!(l.check_blocks(&[3, 0, 2]).is_ok());
+        assert_eq!(l.check_blocks(&[4]), Err(LayoutError::BlockOutOfRange { block: 4, num_blocks: 4 }));
+        assert_eq!(l.check_blocks(&[1, 1]), Err(LayoutError::DuplicateBlock { block: 1 }));
+    }
+
+    #[test]
+    fn memory_check_names_the_layer() {
+        let dev = HostDevice::new(0);
+        let k = dev.alloc(4 * 256).unwrap();
+        let v = dev.alloc(4 * 256).unwrap();
+        let spec = KvLayoutSpec {
+            kind: GroupKind::Attention,
+            layers: vec![
+                LayerLayout::Split { k_base: k.ptr(), v_base: v.ptr() },
+                LayerLayout::Split { k_base: k.ptr() + 0x100_0000_0000, v_base: v.ptr() + 0x100_0000_0000 },
+            ],
+            block_stride: 256,
+            num_blocks: 4,
+            view_offset: 0,
+        };
+        let err = KvLayout::new_on(spec.clone(), &shape(2, 2), dev.as_ref()).unwrap_err();
+        assert!(matches!(err, LayoutError::Memory { layer: 1, segment: "K", .. }), "{err}");
+        // A nonzero view that runs past the allocation is refused too.
+        let mut one = spec;
+        one.layers.truncate(1);
+        one.view_offset = 64;
+        let err = KvLayout::new_on(one, &shape(1, 2), dev.as_ref()).unwrap_err();
+        assert!(matches!(err, LayoutError::Memory { layer: 0, .. }), "{err}");
+    }
+}

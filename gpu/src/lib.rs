@@ -1,0 +1,20 @@
+//! Device memory for kvferry: the [`Device`] trait, the emulated [`HostDevice`] backend, KV
+//! layouts ([`KvShape`], [`KvLayout`]) and batched copies ([`CopyList`]).
+//!
+//! The crate never links CUDA at build time; backends that need a driver load it at run time
+//! and fail with a typed error where none is present.
+
+mod copy;
+mod device;
+mod host;
+mod layout;
+mod shape;
+
+pub use copy::{CopyList, CopyOp};
+pub use device::{
+    CopyDirection, CopyEvent, CopyStats, Device, DeviceBuffer, DeviceError, DeviceKind,
+    HostRegistration,
+};
+pub use host::HostDevice;
+pub use layout::{GroupKind, KvLayout, KvLayoutSpec, LayerLayout, LayoutError};
+pub use shape::{KvShape, ShapeError};

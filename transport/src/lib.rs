@@ -1,0 +1,1 @@
+//! kvferry transport: memory regions, remote descriptors and one-sided read providers.
