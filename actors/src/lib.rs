@@ -1,1 +1,27 @@
-//! kvferry-actors
+//! The kvferry runtime. [`Node`] is the in-process handle over the actors:
+//! [`store::BlockStore`] (host block cache over the [`pool::HostPool`]),
+//! [`keeper::LeaseKeeper`] (queries, leases over [`lease::LeaseTable`], loads),
+//! [`registry::InstanceRegistry`] (engine instances and their KV layouts) and
+//! [`transfer::Transfer`] (one per load or save, owning what its copies touch).
+
+pub mod api;
+pub mod cache;
+pub mod clock;
+pub mod config;
+pub mod error;
+pub mod keeper;
+pub mod lease;
+pub mod metrics;
+pub mod model;
+pub mod node;
+pub mod pool;
+pub mod registry;
+pub mod store;
+pub mod transfer;
+
+pub use api::*;
+pub use clock::{Clock, ManualClock};
+pub use config::NodeConfig;
+pub use error::NodeError;
+pub use model::{BlockHash, BlockKey, InstanceId, LeaseId, Namespace};
+pub use node::Node;

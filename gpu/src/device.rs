@@ -94,6 +94,15 @@ impl CopyEvent {
     }
 }
 
+impl CopyEvent {
+    /// Blocks the calling thread until the batch resolves. Only for threads outside any
+    /// async runtime (draining a batch whose owner is being torn down).
+    pub fn wait_blocking(self) -> Result<CopyStats, DeviceError> {
+        let ordinal = self.ordinal;
+        self.rx.blocking_recv().unwrap_or(Err(DeviceError::Stopped { ordinal }))
+    }
+}
+
 impl fmt::Debug for CopyEvent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CopyEvent").field("ordinal", &self.ordinal).finish()

@@ -1,0 +1,436 @@
+//! The block cache: which host slot holds which block, sealing, pins and LRU eviction.
+//!
+//! Plain state, no actor: [`crate::store::BlockStore`] drives it.
+
+use std::collections::{BTreeMap, HashMap};
+
+use thiserror::Error;
+
+use crate::model::{BlockHash, BlockKey, Namespace};
+use crate::pool::{HostPool, PoolError};
+
+/// Eviction class: fetched copies go before blocks this node saved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockClass {
+    /// Saved here by a local engine.
+    Retained,
+    /// A copy fetched from a peer; evicted first.
+    Reclaimable,
+}
+
+impl BlockClass {
+    fn idx(self) -> usize {
+        match self {
+            BlockClass::Reclaimable => 0,
+            BlockClass::Retained => 1,
+        }
+    }
+}
+
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum CacheError {
+    #[error("block of {need} bytes does not fit a {slot}-byte pool slot")]
+    BlockTooLarge { need: u64, slot: u64 },
+    #[error("host pool full: {capacity} slots, {pinned} pinned, nothing evictable")]
+    Full { capacity: usize, pinned: usize },
+    #[error("rank {rank} out of range for tp {tp}")]
+    RankOutOfRange { rank: u32, tp: u32 },
+    #[error("block {hash:?} was stored with tp {stored}, written now with tp {tp}")]
+    TpMismatch { hash: BlockHash, stored: u32, tp: u32 },
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+}
+
+#[derive(Debug)]
+struct Entry {
+    slot: usize,
+    tp: u32,
+    written: u64,
+    pins: u32,
+    class: BlockClass,
+    /// LRU position while unpinned (0 = not in an LRU list).
+    tick: u64,
+}
+
+impl Entry {
+    fn sealed(&self) -> bool {
+        self.written == full_mask(self.tp)
+    }
+}
+
+fn full_mask(tp: u32) -> u64 {
+    if tp >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << tp) - 1
+    }
+}
+
+/// One pinned block as handed to a lease or a writer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotRef {
+    pub hash: BlockHash,
+    pub slot: usize,
+    pub addr: u64,
+}
+
+/// Result of reserving a block for writing one rank's part.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reservation {
+    /// Write this rank's part here; the block is pinned until commit or abort.
+    Write(SlotRef),
+    /// This rank's part is already present; nothing to write, nothing pinned.
+    Present,
+}
+
+/// Gauges an operator asks about.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub blocks: usize,
+    pub sealed: usize,
+    pub pinned_blocks: usize,
+    pub pins: u64,
+    pub capacity: usize,
+    pub evictions: u64,
+}
+
+pub struct BlockCache {
+    pool: HostPool,
+    map: HashMap<BlockKey, Entry>,
+    lru: [BTreeMap<u64, BlockKey>; 2],
+    tick: u64,
+    pinned_blocks: usize,
+    pins: u64,
+    evictions: u64,
+}
+
+impl BlockCache {
+    pub fn new(pool: HostPool) -> Self {
+        Self {
+            pool,
+            map: HashMap::new(),
+            lru: [BTreeMap::new(), BTreeMap::new()],
+            tick: 0,
+            pinned_blocks: 0,
+            pins: 0,
+            evictions: 0,
+        }
+    }
+
+    pub fn pool(&self) -> &HostPool {
+        &self.pool
+    }
+
+    fn next_tick(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
+    }
+
+    fn key(ns: &Namespace, hash: BlockHash) -> BlockKey {
+        BlockKey { namespace: ns.clone(), hash }
+    }
+
+    fn slot_ref(&self, hash: BlockHash, slot: usize) -> SlotRef {
+        SlotRef { hash, slot, addr: self.pool.slot_addr(slot) }
+    }
+
+    /// Takes one pin on an entry, moving it out of the LRU on its first pin.
+    fn pin_entry(&mut self, key: &BlockKey) {
+        let Some(e) = self.map.get_mut(key) else { return };
+        if e.pins == 0 {
+            self.lru[e.class.idx()].remove(&e.tick);
+            e.tick = 0;
+            self.pinned_blocks += 1;
+        }
+        e.pins += 1;
+        self.pins += 1;
+    }
+
+    /// Drops one pin; the last one puts the entry back at the young end of its LRU.
+    fn unpin_entry(&mut self, key: &BlockKey) {
+        let tick = self.next_tick();
+        let Some(e) = self.map.get_mut(key) else { return };
+        if e.pins == 0 {
+            return;
+        }
+        e.pins -= 1;
+        self.pins -= 1;
+        if e.pins == 0 {
+            self.pinned_blocks -= 1;
+            e.tick = tick;
+            self.lru[e.class.idx()].insert(tick, key.clone());
+        }
+    }
+
+    /// Length of the sealed prefix of `hashes` held here.
+    pub fn prefix_len(&self, ns: &Namespace, hashes: &[BlockHash]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.map.get(&Self::key(ns, **h)).is_some_and(Entry::sealed))
+            .count()
+    }
+
+    /// Pins the sealed prefix of `hashes` and returns its slots, in order.
+    pub fn pin_prefix(&mut self, ns: &Namespace, hashes: &[BlockHash]) -> Vec<SlotRef> {
+        let n = self.prefix_len(ns, hashes);
+        let mut out = Vec::with_capacity(n);
+        for h in &hashes[..n] {
+            let key = Self::key(ns, *h);
+            self.pin_entry(&key);
+            let slot = self.map[&key].slot;
+            out.push(self.slot_ref(*h, slot));
+        }
+        out
+    }
+
+    /// Releases one pin on each block (blocks evicted meanwhile are skipped).
+    pub fn unpin(&mut self, ns: &Namespace, hashes: &[BlockHash]) {
+        for h in hashes {
+            self.unpin_entry(&Self::key(ns, *h));
+        }
+    }
+
+    fn evict_one(&mut self) -> bool {
+        for class in 0..2 {
+            if let Some((_, key)) = self.lru[class].pop_first() {
+                if let Some(e) = self.map.remove(&key) {
+                    debug_assert_eq!(e.pins, 0);
+                    self.pool.free(e.slot);
+                    self.evictions += 1;
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    fn alloc_slot(&mut self) -> Result<usize, CacheError> {
+        loop {
+            match self.pool.alloc() {
+                Ok(s) => return Ok(s),
+                Err(PoolError::Exhausted { capacity }) => {
+                    if !self.evict_one() {
+                        return Err(CacheError::Full { capacity, pinned: self.pinned_blocks });
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Reserves `rank`'s part of a block of `block_bytes` for writing: pins the block
+    /// (allocating and evicting as needed) unless that part is already present.
+    pub fn reserve(
+        &mut self,
+        ns: &Namespace,
+        hash: BlockHash,
+        tp: u32,
+        rank: u32,
+        block_bytes: u64,
+        class: BlockClass,
+    ) -> Result<Reservation, CacheError> {
+        if rank >= tp {
+            return Err(CacheError::RankOutOfRange { rank, tp });
+        }
+        if block_bytes > self.pool.slot_bytes() {
+            return Err(CacheError::BlockTooLarge { need: block_bytes, slot: self.pool.slot_bytes() });
+        }
+        let key = Self::key(ns, hash);
+        let tick = self.next_tick();
+        if let Some(e) = self.map.get_mut(&key) {
+            if e.tp != tp {
+                return Err(CacheError::TpMismatch { hash, stored: e.tp, tp });
+            }
+            if class == BlockClass::Retained && e.class == BlockClass::Reclaimable {
+                // Saved here now: it joins the retained class as its youngest member.
+                if e.pins == 0 {
+                    self.lru[0].remove(&e.tick);
+                    e.tick = tick;
+                    self.lru[1].insert(tick, key.clone());
+                }
+                e.class = BlockClass::Retained;
+            }
+            if e.written & (1 << rank) != 0 {
+                return Ok(Reservation::Present);
+            }
+            let slot = e.slot;
+            self.pin_entry(&key);
+            return Ok(Reservation::Write(self.slot_ref(hash, slot)));
+        }
+        let slot = self.alloc_slot()?;
+        self.map.insert(key.clone(), Entry { slot, tp, written: 0, pins: 0, class, tick: 0 });
+        self.pin_entry(&key);
+        Ok(Reservation::Write(self.slot_ref(hash, slot)))
+    }
+
+    /// Marks `rank`'s part written and drops the writer pin. Returns true when this sealed
+    /// the block.
+    pub fn commit(&mut self, ns: &Namespace, hash: BlockHash, rank: u32) -> bool {
+        let key = Self::key(ns, hash);
+        let sealed_now = match self.map.get_mut(&key) {
+            Some(e) => {
+                let was = e.sealed();
+                e.written |= 1 << rank;
+                !was && e.sealed()
+            }
+            None => false,
+        };
+        self.unpin_entry(&key);
+        sealed_now
+    }
+
+    /// Drops a writer pin without marking anything written; a block left with nothing
+    /// written and no pins is freed at once.
+    pub fn abort(&mut self, ns: &Namespace, hash: BlockHash) {
+        let key = Self::key(ns, hash);
+        self.unpin_entry(&key);
+        if let Some(e) = self.map.get(&key) {
+            if e.written == 0 && e.pins == 0 {
+                let (slot, tick, class) = (e.slot, e.tick, e.class);
+                self.lru[class.idx()].remove(&tick);
+                self.map.remove(&key);
+                self.pool.free(slot);
+            }
+        }
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            blocks: self.map.len(),
+            sealed: self.map.values().filter(|e| e.sealed()).count(),
+            pinned_blocks: self.pinned_blocks,
+            pins: self.pins,
+            capacity: self.pool.capacity(),
+            evictions: self.evictions,
+        }
+    }
+
+    /// Whether a block is currently held (sealed or not).
+    pub fn contains(&self, ns: &Namespace, hash: BlockHash) -> bool {
+        self.map.contains_key(&Self::key(ns, hash))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ns() -> Namespace {
+        Namespace::new("m", "bf16", "t").unwrap()
+    }
+
+    fn h(i: u64) -> BlockHash {
+        BlockHash::from_u64(i)
+    }
+
+    fn cache(slots: u64) -> BlockCache {
+        BlockCache::new(HostPool::new(slots * 4096, 4096, false).unwrap())
+    }
+
+    fn put(c: &mut BlockCache, i: u64, class: BlockClass) {
+        match c.reserve(&ns(), h(i), 1, 0, 4096, class).unwrap() {
+            Reservation::Write(_) => assert!(c.commit(&ns(), h(i), 0)),
+            Reservation::Present => {}
+        }
+    }
+
+    #[test]
+    fn seals_when_every_rank_is_written() {
+        let mut c = cache(4);
+        let Reservation::Write(a) = c.reserve(&ns(), h(1), 2, 0, 4096, BlockClass::Retained).unwrap()
+        else {
+            panic!("expected a write reservation")
+        };
+        assert!(!c.commit(&ns(), h(1), 0));
+        assert_eq!(c.prefix_len(&ns(), &[h(1)]), 0, "half-written block is not a hit");
+        assert_eq!(c.reserve(&ns(), h(1), 2, 0, 4096, BlockClass::Retained).unwrap(), Reservation::Present);
+        let Reservation::Write(b) = c.reserve(&ns(), h(1), 2, 1, 4096, BlockClass::Retained).unwrap()
+        else {
+            panic!("expected a write reservation")
+        };
+        assert_eq!(a.slot, b.slot, "every rank of one block shares one slot");
+        assert!(c.commit(&ns(), h(1), 1));
+        assert_eq!(c.prefix_len(&ns(), &[h(1), h(2)]), 1);
+        assert!(matches!(
+            c.reserve(&ns(), h(1), 1, 0, 4096, BlockClass::Retained),
+            Err(CacheError::TpMismatch { stored: 2, tp: 1, .. })
+        ));
+        assert!(matches!(
+            c.reserve(&ns(), h(9), 2, 2, 4096, BlockClass::Retained),
+            Err(CacheError::RankOutOfRange { rank: 2, tp: 2 })
+        ));
+        assert!(matches!(
+            c.reserve(&ns(), h(9), 1, 0, 8192, BlockClass::Retained),
+            Err(CacheError::BlockTooLarge { need: 8192, slot: 4096 })
+        ));
+    }
+
+    #[test]
+    fn prefix_stops_at_first_miss() {
+        let mut c = cache(8);
+        for i in [0, 1, 2, 4] {
+            put(&mut c, i, BlockClass::Retained);
+        }
+        let hashes: Vec<_> = (0..5).map(h).collect();
+        assert_eq!(c.prefix_len(&ns(), &hashes), 3);
+        let other = Namespace::new("m", "fp8", "t").unwrap();
+        assert_eq!(c.prefix_len(&other, &hashes), 0, "namespaces do not mix");
+    }
+
+    #[test]
+    fn eviction_never_touches_pinned_blocks_and_prefers_reclaimable() {
+        let mut c = cache(3);
+        put(&mut c, 0, BlockClass::Retained);
+        put(&mut c, 1, BlockClass::Reclaimable);
+        put(&mut c, 2, BlockClass::Retained);
+        let pinned = c.pin_prefix(&ns(), &[h(0)]);
+        assert_eq!(pinned.len(), 1);
+        // Needs a slot: the reclaimable block 1 goes first although block 0 is older.
+        put(&mut c, 3, BlockClass::Retained);
+        assert!(!c.contains(&ns(), h(1)));
+        assert!(c.contains(&ns(), h(0)) && c.contains(&ns(), h(2)));
+        // Next: oldest unpinned retained block is 2 (0 is pinned).
+        put(&mut c, 4, BlockClass::Retained);
+        assert!(!c.contains(&ns(), h(2)));
+        assert!(c.contains(&ns(), h(0)));
+        // Pin everything: the pool is full and nothing is evictable.
+        let all = c.pin_prefix(&ns(), &[h(3)]);
+        let all2 = c.pin_prefix(&ns(), &[h(4)]);
+        assert_eq!(all.len() + all2.len(), 2);
+        let err = c.reserve(&ns(), h(5), 1, 0, 4096, BlockClass::Retained).unwrap_err();
+        assert!(matches!(err, CacheError::Full { capacity: 3, pinned: 3 }), "{err}");
+        assert_eq!(c.stats().pinned_blocks, 3);
+        // The failed reservation changed nothing.
+        assert_eq!(c.stats().blocks, 3);
+        c.unpin(&ns(), &[h(0), h(3), h(4)]);
+        assert_eq!(c.stats().pinned_blocks, 0);
+        assert_eq!(c.stats().pins, 0);
+        put(&mut c, 5, BlockClass::Retained);
+        assert!(!c.contains(&ns(), h(0)), "block 0 was unpinned first, so it is oldest");
+        assert_eq!(c.stats().evictions, 3);
+    }
+
+    #[test]
+    fn abort_frees_an_unwritten_block() {
+        let mut c = cache(1);
+        let r = c.reserve(&ns(), h(1), 1, 0, 4096, BlockClass::Retained).unwrap();
+        assert!(matches!(r, Reservation::Write(_)));
+        c.abort(&ns(), h(1));
+        assert_eq!(c.stats(), CacheStats { capacity: 1, ..Default::default() });
+        put(&mut c, 2, BlockClass::Retained);
+        assert!(c.contains(&ns(), h(2)));
+    }
+
+    #[test]
+    fn reclaimable_saved_locally_becomes_retained() {
+        let mut c = cache(2);
+        put(&mut c, 0, BlockClass::Reclaimable);
+        put(&mut c, 1, BlockClass::Retained);
+        // Saving block 0 here moves it to the retained class: block 1 (older retained) goes.
+        assert_eq!(c.reserve(&ns(), h(0), 1, 0, 4096, BlockClass::Retained).unwrap(), Reservation::Present);
+        put(&mut c, 2, BlockClass::Retained);
+        assert!(c.contains(&ns(), h(0)));
+        assert!(!c.contains(&ns(), h(1)));
+    }
+}

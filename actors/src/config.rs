@@ -1,0 +1,239 @@
+//! Node configuration: one TOML file, kebab-case keys, unknown keys refused.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    #[error("config {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("config key {key}: {reason}")]
+    Invalid { key: &'static str, reason: String },
+    #[error("reading config {path}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A byte count written as an integer or a string with a unit ("64MiB", "1 GiB", "4096").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ByteSize(pub u64);
+
+impl ByteSize {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+        let (num, unit) = s.split_at(split);
+        let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a byte size"))?;
+        let mult: u64 = match unit.trim() {
+            "" | "B" => 1,
+            "KiB" => 1 << 10,
+            "MiB" => 1 << 20,
+            "GiB" => 1 << 30,
+            "TiB" => 1 << 40,
+            u => return Err(format!("unknown unit {u:?} (use B, KiB, MiB, GiB or TiB)")),
+        };
+        n.checked_mul(mult).map(ByteSize).ok_or_else(|| format!("{s:?} overflows"))
+    }
+}
+
+impl fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let v = self.0;
+        for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
+            if v >= 1 << shift && v % (1 << shift) == 0 {
+                return write!(f, "{}{unit}", v >> shift);
+            }
+        }
+        write!(f, "{v}")
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(ByteSize(n)),
+            Raw::S(s) => ByteSize::parse(&s).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+impl Serialize for ByteSize {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case", default)]
+pub struct NodeConfig {
+    /// This node's id in the cluster.
+    pub node_id: String,
+    pub pool: PoolConfig,
+    pub lease: LeaseConfig,
+    pub device: DeviceConfig,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case", default)]
+pub struct PoolConfig {
+    /// Total host pool size.
+    pub size: ByteSize,
+    /// Bytes per slot: the largest block (every TP rank) the node can hold.
+    pub slot_bytes: ByteSize,
+    /// Back the pool with 2 MiB hugepages (fails clearly where none are reserved).
+    pub hugepages: bool,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case", default)]
+pub struct LeaseConfig {
+    pub ttl_secs: u64,
+    pub sweep_interval_secs: u64,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case", default)]
+pub struct DeviceConfig {
+    /// `host` (emulated), `cuda`, or `auto` (cuda where a driver and GPU are present).
+    pub kind: String,
+    /// How many devices to open (ordinals 0..count).
+    pub count: u32,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        Self {
+            node_id: "node-0".into(),
+            pool: PoolConfig::default(),
+            lease: LeaseConfig::default(),
+            device: DeviceConfig::default(),
+        }
+    }
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self { size: ByteSize(256 << 20), slot_bytes: ByteSize(1 << 20), hugepages: false }
+    }
+}
+
+impl Default for LeaseConfig {
+    fn default() -> Self {
+        Self { ttl_secs: 600, sweep_interval_secs: 30 }
+    }
+}
+
+impl Default for DeviceConfig {
+    fn default() -> Self {
+        Self { kind: "auto".into(), count: 1 }
+    }
+}
+
+impl LeaseConfig {
+    pub fn ttl(&self) -> Duration {
+        Duration::from_secs(self.ttl_secs)
+    }
+
+    pub fn sweep_interval(&self) -> Duration {
+        Duration::from_secs(self.sweep_interval_secs)
+    }
+}
+
+impl NodeConfig {
+    /// Parses and validates; `path` only names the source in errors.
+    pub fn from_toml(text: &str, path: &str) -> Result<Self, ConfigError> {
+        let cfg: NodeConfig = toml::from_str(text)
+            .map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string() })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn load(path: &str) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        Self::from_toml(&text, path)
+    }
+
+    /// Cross-field rules.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key, reason: String| Err(ConfigError::Invalid { key, reason });
+        if self.node_id.is_empty() || !self.node_id.chars().all(|c| c.is_ascii_graphic()) {
+            return invalid("node-id", format!("{:?} must be printable and nonempty", self.node_id));
+        }
+        let (size, slot) = (self.pool.size.0, self.pool.slot_bytes.0);
+        if slot == 0 || slot % 64 != 0 {
+            return invalid("pool.slot-bytes", format!("{slot} must be a nonzero multiple of 64"));
+        }
+        if size < slot {
+            return invalid("pool.size", format!("{} is smaller than one slot ({})", self.pool.size, self.pool.slot_bytes));
+        }
+        if self.lease.ttl_secs == 0 {
+            return invalid("lease.ttl-secs", "must be at least 1".into());
+        }
+        if self.lease.sweep_interval_secs == 0 || self.lease.sweep_interval_secs > self.lease.ttl_secs {
+            return invalid(
+                "lease.sweep-interval-secs",
+                format!("{} must be between 1 and lease.ttl-secs ({})", self.lease.sweep_interval_secs, self.lease.ttl_secs),
+            );
+        }
+        if !matches!(self.device.kind.as_str(), "host" | "cuda" | "auto") {
+            return invalid("device.kind", format!("{:?} is not one of host, cuda, auto", self.device.kind));
+        }
+        if self.device.count == 0 || self.device.count > 64 {
+            return invalid("device.count", format!("{} must be 1 to 64", self.device.count));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_and_sizes_parse() {
+        NodeConfig::default().validate().unwrap();
+        assert_eq!(ByteSize::parse("64MiB").unwrap(), ByteSize(64 << 20));
+        assert_eq!(ByteSize::parse("1 GiB").unwrap(), ByteSize(1 << 30));
+        assert_eq!(ByteSize::parse("4096").unwrap(), ByteSize(4096));
+        assert!(ByteSize::parse("12 parsecs").is_err());
+        assert_eq!(ByteSize(3 << 20).to_string(), "3MiB");
+    }
+
+    #[test]
+    fn unknown_key_names_line_and_column() {
+        let err = NodeConfig::from_toml("node-id = \"a\"\n[pool]\nsize = \"1GiB\"\nslots = 3\n", "x.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("slots"), "{err}");
+        assert!(err.contains("line 4"), "{err}");
+        assert!(err.contains("column 1"), "{err}");
+    }
+
+    #[test]
+    fn cross_field_rules_name_the_key() {
+        let cases = [
+            ("[pool]\nsize = \"1MiB\"\nslot-bytes = \"2MiB\"\n", "pool.size"),
+            ("[pool]\nslot-bytes = 100\n", "pool.slot-bytes"),
+            ("[lease]\nttl-secs = 10\nsweep-interval-secs = 30\n", "lease.sweep-interval-secs"),
+            ("[device]\nkind = \"tpu\"\n", "device.kind"),
+        ];
+        for (text, key) in cases {
+            let err = NodeConfig::from_toml(text, "t.toml").unwrap_err();
+            assert!(matches!(&err, ConfigError::Invalid { key: k, .. } if *k == key), "{err}");
+        }
+    }
+}

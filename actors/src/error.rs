@@ -1,0 +1,63 @@
+//! The error every `Node` operation returns.
+
+use kvferry_gpu::{DeviceError, LayoutError, ShapeError};
+use thiserror::Error;
+
+use crate::cache::CacheError;
+use crate::config::ConfigError;
+use crate::lease::LeaseError;
+use crate::model::{InstanceId, ModelError};
+use crate::pool::PoolError;
+
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum NodeError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Shape(#[from] ShapeError),
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("instance {instance} is not registered")]
+    UnknownInstance { instance: InstanceId },
+    #[error("instance {instance} rank {rank} is not registered")]
+    UnknownRank { instance: InstanceId, rank: u32 },
+    #[error("instance {instance} is registered with {existing}, rank {rank} registered {requested}")]
+    InstanceMismatch { instance: InstanceId, rank: u32, existing: String, requested: String },
+    #[error("instance {instance} rank {rank} is already registered")]
+    RankRegistered { instance: InstanceId, rank: u32 },
+    #[error("device {ordinal} is not configured on this node ({count} devices)")]
+    NoSuchDevice { ordinal: u32, count: usize },
+    #[error("bad request: {reason}")]
+    BadRequest { reason: String },
+    #[error("copy failed on {path} load: {source}")]
+    Transfer {
+        path: &'static str,
+        #[source]
+        source: DeviceError,
+    },
+    #[error("the node is shutting down ({what})")]
+    Stopped { what: &'static str },
+}
+
+impl NodeError {
+    pub(crate) fn bad(reason: impl Into<String>) -> Self {
+        NodeError::BadRequest { reason: reason.into() }
+    }
+}
+
+impl From<actix::MailboxError> for NodeError {
+    fn from(_: actix::MailboxError) -> Self {
+        NodeError::Stopped { what: "actor mailbox closed" }
+    }
+}

@@ -1,0 +1,216 @@
+//! The data model: namespaces, block hashes and keys, instance and lease ids.
+
+use std::fmt;
+use std::sync::Arc;
+
+use thiserror::Error;
+
+/// Longest block hash accepted (bytes).
+pub const MAX_HASH_LEN: usize = 32;
+
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ModelError {
+    #[error("block hash #{index} has {len} bytes; hashes must be 1 to 32 bytes")]
+    HashLength { index: usize, len: usize },
+    #[error("namespace {field} must be 1 to 128 printable characters without '/', got {value:?}")]
+    Namespace { field: &'static str, value: String },
+    #[error("instance id must be 1 to 128 printable characters, got {0:?}")]
+    InstanceId(String),
+    #[error("lease id must be 32 hex characters, got {0:?}")]
+    LeaseId(String),
+}
+
+/// What blocks are comparable across nodes: model, dtype and a layout fingerprint.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Namespace(Arc<str>);
+
+fn printable(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 128 && s.chars().all(|c| c.is_ascii_graphic() && c != '/')
+}
+
+impl Namespace {
+    /// `model/dtype/fingerprint`; each part 1 to 128 printable characters without '/'.
+    pub fn new(model: &str, dtype: &str, fingerprint: &str) -> Result<Self, ModelError> {
+        for (field, value) in [("model", model), ("dtype", dtype), ("fingerprint", fingerprint)] {
+            if !printable(value) {
+                return Err(ModelError::Namespace { field, value: value.to_owned() });
+            }
+        }
+        Ok(Self(format!("{model}/{dtype}/{fingerprint}").into()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Namespace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Namespace({})", self.0)
+    }
+}
+
+impl fmt::Display for Namespace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The engine's prefix hash of one token block: 1 to 32 bytes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockHash {
+    len: u8,
+    bytes: [u8; MAX_HASH_LEN],
+}
+
+impl BlockHash {
+    pub fn new(bytes: &[u8]) -> Result<Self, ModelError> {
+        Self::at(0, bytes)
+    }
+
+    /// Like [`Self::new`], with the hash's position in its request for the error.
+    pub fn at(index: usize, bytes: &[u8]) -> Result<Self, ModelError> {
+        if bytes.is_empty() || bytes.len() > MAX_HASH_LEN {
+            return Err(ModelError::HashLength { index, len: bytes.len() });
+        }
+        let mut b = [0u8; MAX_HASH_LEN];
+        b[..bytes.len()].copy_from_slice(bytes);
+        Ok(Self { len: bytes.len() as u8, bytes: b })
+    }
+
+    /// Parses a whole request's hashes, refusing it at the first bad one.
+    pub fn parse_all<T: AsRef<[u8]>>(hashes: &[T]) -> Result<Vec<Self>, ModelError> {
+        hashes.iter().enumerate().map(|(i, h)| Self::at(i, h.as_ref())).collect()
+    }
+
+    /// A deterministic 8-byte hash for tests and the demo.
+    pub fn from_u64(v: u64) -> Self {
+        Self::at(0, &v.to_be_bytes()).unwrap_or(Self { len: 1, bytes: [0; MAX_HASH_LEN] })
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+}
+
+impl fmt::Debug for BlockHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("BlockHash(")?;
+        for b in self.as_bytes() {
+            write!(f, "{b:02x}")?;
+        }
+        f.write_str(")")
+    }
+}
+
+/// A block's identity: namespace and hash.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct BlockKey {
+    pub namespace: Namespace,
+    pub hash: BlockHash,
+}
+
+/// One engine instance (all its TP ranks share it).
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct InstanceId(Arc<str>);
+
+impl InstanceId {
+    pub fn new(id: &str) -> Result<Self, ModelError> {
+        if id.is_empty() || id.len() > 128 || !id.chars().all(|c| c.is_ascii_graphic()) {
+            return Err(ModelError::InstanceId(id.to_owned()));
+        }
+        Ok(Self(id.into()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for InstanceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "InstanceId({})", self.0)
+    }
+}
+
+impl fmt::Display for InstanceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A lease: 16 random bytes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LeaseId(pub [u8; 16]);
+
+impl LeaseId {
+    /// A fresh random id (the OS RNG; a counter fallback keeps ids unique if it fails).
+    pub fn random() -> Self {
+        let mut b = [0u8; 16];
+        if getrandom::fill(&mut b).is_err() {
+            use std::sync::atomic::{AtomicU64, Ordering};
+            static NEXT: AtomicU64 = AtomicU64::new(1);
+            b[..8].copy_from_slice(&NEXT.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+            b[8..].copy_from_slice(&(std::process::id() as u64).to_le_bytes());
+        }
+        Self(b)
+    }
+
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    pub fn from_hex(s: &str) -> Result<Self, ModelError> {
+        let bad = || ModelError::LeaseId(s.to_owned());
+        if s.len() != 32 || !s.is_ascii() {
+            return Err(bad());
+        }
+        let mut b = [0u8; 16];
+        for (i, out) in b.iter_mut().enumerate() {
+            *out = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+        }
+        Ok(Self(b))
+    }
+}
+
+impl fmt::Debug for LeaseId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "LeaseId({})", self.to_hex())
+    }
+}
+
+impl fmt::Display for LeaseId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_lengths() {
+        assert!(BlockHash::new(&[1]).is_ok());
+        assert!(BlockHash::new(&[7; 32]).is_ok());
+        assert_eq!(BlockHash::new(&[]), Err(ModelError::HashLength { index: 0, len: 0 }));
+        assert_eq!(BlockHash::new(&[0; 33]), Err(ModelError::HashLength { index: 0, len: 33 }));
+        let err = BlockHash::parse_all(&[vec![1u8], vec![], vec![2]]).unwrap_err();
+        assert_eq!(err, ModelError::HashLength { index: 1, len: 0 });
+        // The length is part of the identity: a short hash is not a zero-padded long one.
+        assert_ne!(BlockHash::new(&[1]).unwrap(), BlockHash::new(&[1, 0]).unwrap());
+    }
+
+    #[test]
+    fn names_and_ids() {
+        assert_eq!(Namespace::new("llama", "bf16", "l4").unwrap().as_str(), "llama/bf16/l4");
+        assert!(Namespace::new("a/b", "bf16", "x").is_err());
+        assert!(Namespace::new("", "bf16", "x").is_err());
+        assert!(InstanceId::new("engine 0").is_err());
+        let id = LeaseId::random();
+        assert_eq!(LeaseId::from_hex(&id.to_hex()).unwrap(), id);
+        assert_ne!(LeaseId::random(), id);
+        assert!(LeaseId::from_hex("zz").is_err());
+    }
+}

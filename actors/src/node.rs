@@ -1,0 +1,243 @@
+//! The `Node` handle: the in-process embedding API. The actix system runs on its own named
+//! thread; the handle only holds actor addresses, so it is `Send + Sync + Clone` and usable
+//! from any async runtime.
+
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use actix::{Actor, Addr};
+use kvferry_gpu::{Device, HostDevice, HostRegistration};
+
+use crate::api::{
+    LoadRequest, PutBlocks, QueryRequest, QueryResponse, RegisterInstance, SaveRequest, Stats,
+    StoreReport, TransferReport,
+};
+use crate::clock::Clock;
+use crate::config::NodeConfig;
+use crate::error::NodeError;
+use crate::keeper::{self, LeaseKeeper, LeaseStats, Load, Query, Release, ReleaseInstance, Sweep};
+use crate::metrics::Counters;
+use crate::model::{InstanceId, LeaseId, Namespace};
+use crate::pool::HostPool;
+use crate::registry::{self, CountInstances, GetRank, InstanceRegistry};
+use crate::store::{self, BlockStore, GetCacheStats};
+
+struct Inner {
+    keeper: Addr<LeaseKeeper>,
+    store: Addr<BlockStore>,
+    registry: Addr<InstanceRegistry>,
+    devices: Vec<Arc<dyn Device>>,
+    counters: Arc<Counters>,
+    config: NodeConfig,
+    system: actix::System,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    _registrations: Vec<HostRegistration>,
+}
+
+/// A running node. Cloning shares it; it stops when `shutdown` is called or the last clone
+/// drops.
+#[derive(Clone)]
+pub struct Node {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node").field("node_id", &self.inner.config.node_id).finish()
+    }
+}
+
+/// Opens the devices a config names. `auto` and `cuda` use a CUDA backend where one is
+/// compiled in and a driver is present.
+pub fn open_devices(config: &NodeConfig) -> Result<Vec<Arc<dyn Device>>, NodeError> {
+    (0..config.device.count)
+        .map(|i| match config.device.kind.as_str() {
+            "host" | "auto" => Ok(HostDevice::new(i) as Arc<dyn Device>),
+            other => Err(NodeError::Device(kvferry_gpu::DeviceError::Unsupported {
+                what: "device kind",
+                reason: format!("{other} is not available in this build"),
+            })),
+        })
+        .collect()
+}
+
+impl Node {
+    /// Starts a node with the devices its config names.
+    pub fn start(config: NodeConfig) -> Result<Self, NodeError> {
+        let devices = open_devices(&config)?;
+        Self::start_with(config, devices, Clock::system())
+    }
+
+    /// Starts a node over given devices and clock (tests, embedding engines).
+    pub fn start_with(
+        config: NodeConfig,
+        devices: Vec<Arc<dyn Device>>,
+        clock: Clock,
+    ) -> Result<Self, NodeError> {
+        config.validate()?;
+        let pool = HostPool::new(config.pool.size.0, config.pool.slot_bytes.0, config.pool.hugepages)?;
+        let mut registrations = Vec::with_capacity(devices.len());
+        for d in &devices {
+            registrations.push(d.register_host(pool.base(), pool.memory().len(), false)?);
+        }
+        let counters = Arc::new(Counters::default());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let cfg = config.clone();
+        let devs = devices.clone();
+        let ctrs = Arc::clone(&counters);
+        let thread = std::thread::Builder::new()
+            .name("kvferry-actix".into())
+            .spawn(move || {
+                let sys = actix::System::new();
+                sys.block_on(async move {
+                    let store = BlockStore::new(pool, Arc::clone(&ctrs)).start();
+                    let registry = InstanceRegistry::new(devs).start();
+                    let keeper = LeaseKeeper::new(
+                        cfg.lease.ttl(),
+                        cfg.lease.sweep_interval(),
+                        clock,
+                        store.clone(),
+                        registry.clone(),
+                        ctrs,
+                    )
+                    .start();
+                    let _ = tx.send((keeper, store, registry, actix::System::current()));
+                });
+                let _ = sys.run();
+            })
+            .map_err(|_| NodeError::Stopped { what: "could not start the actor thread" })?;
+        let (keeper, store, registry, system) =
+            rx.recv().map_err(|_| NodeError::Stopped { what: "actor system failed to start" })?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                keeper,
+                store,
+                registry,
+                devices,
+                counters,
+                config,
+                system,
+                thread: Mutex::new(Some(thread)),
+                _registrations: registrations,
+            }),
+        })
+    }
+
+    pub fn config(&self) -> &NodeConfig {
+        &self.inner.config
+    }
+
+    pub fn device(&self, ordinal: u32) -> Option<Arc<dyn Device>> {
+        self.inner.devices.get(ordinal as usize).cloned()
+    }
+
+    pub fn devices(&self) -> &[Arc<dyn Device>] {
+        &self.inner.devices
+    }
+
+    /// Registers one TP rank's GPU KV; returns the instance's namespace.
+    pub async fn register_instance(&self, req: RegisterInstance) -> Result<Namespace, NodeError> {
+        self.inner.registry.send(registry::Register(req)).await?
+    }
+
+    /// Unregisters an instance: no new load can start, its leases are released, and this
+    /// returns once every transfer using it has drained. Replies with the leases released.
+    pub async fn unregister_instance(&self, instance: InstanceId) -> Result<usize, NodeError> {
+        let drains = self.inner.registry.send(registry::Unregister(instance.clone())).await??;
+        let released = self.inner.keeper.send(ReleaseInstance(instance)).await?;
+        for d in drains {
+            // An error means the sender dropped: drained all the same.
+            let _ = d.await;
+        }
+        Ok(released)
+    }
+
+    /// Puts one rank's bytes of whole blocks from host memory.
+    pub async fn put_blocks(&self, req: PutBlocks) -> Result<StoreReport, NodeError> {
+        let handle =
+            self.inner.registry.send(GetRank { instance: req.instance, rank: req.rank }).await??;
+        self.inner.store.send(store::Put { handle, blocks: req.blocks }).await?
+    }
+
+    /// Saves one rank's device KV blocks into host blocks.
+    pub async fn save(&self, req: SaveRequest) -> Result<StoreReport, NodeError> {
+        let handle =
+            self.inner.registry.send(GetRank { instance: req.instance, rank: req.rank }).await??;
+        self.inner
+            .store
+            .send(store::Save { handle, hashes: req.hashes, src_blocks: req.src_blocks })
+            .await?
+    }
+
+    /// Looks up a prompt's blocks and leases the hit.
+    pub async fn query(&self, req: QueryRequest) -> Result<QueryResponse, NodeError> {
+        self.inner.keeper.send(Query(req)).await?
+    }
+
+    /// Starts a load and returns once it is accepted; the receiver yields its report.
+    pub async fn start_load(&self, req: LoadRequest) -> Result<keeper::ReportRx, NodeError> {
+        self.inner.keeper.send(Load(req)).await?
+    }
+
+    /// Loads one rank's share and waits for the transfer to finish.
+    pub async fn load(&self, req: LoadRequest) -> Result<TransferReport, NodeError> {
+        let rx = self.start_load(req).await?;
+        rx.await.map_err(|_| NodeError::Stopped { what: "transfer" })?
+    }
+
+    /// Releases a lease whatever its ranks still owe.
+    pub async fn release(&self, lease: LeaseId) -> Result<(), NodeError> {
+        self.inner.keeper.send(Release(lease)).await?
+    }
+
+    /// Expires due leases now (the sweeper does so periodically); returns how many.
+    pub async fn sweep(&self) -> Result<usize, NodeError> {
+        Ok(self.inner.keeper.send(Sweep).await?)
+    }
+
+    pub async fn stats(&self) -> Result<Stats, NodeError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (leases_live, leases_expired) = self.inner.keeper.send(LeaseStats).await?;
+        let cache = self.inner.store.send(GetCacheStats).await?;
+        let instances = self.inner.registry.send(CountInstances).await?;
+        let c = &self.inner.counters;
+        Ok(Stats {
+            leases_live,
+            leases_expired,
+            blocks: cache.blocks,
+            sealed_blocks: cache.sealed,
+            pinned_blocks: cache.pinned_blocks,
+            pins: cache.pins,
+            pool_slots: cache.capacity,
+            evictions: cache.evictions,
+            instances,
+            transfers_in_flight: c.transfers_in_flight.load(Relaxed),
+            loads_ok: c.loads_ok.load(Relaxed),
+            loads_failed: c.loads_failed.load(Relaxed),
+            bytes_loaded: c.bytes_loaded.load(Relaxed),
+        })
+    }
+
+    /// Stops the actor system and waits for its thread.
+    pub fn shutdown(&self) {
+        self.inner.stop();
+    }
+}
+
+impl Inner {
+    fn stop(&self) {
+        self.system.stop();
+        let t = self.thread.lock().ok().and_then(|mut g| g.take());
+        if let Some(t) = t {
+            if std::thread::current().id() != t.thread().id() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
