@@ -9,6 +9,7 @@ pub mod cache;
 pub mod clock;
 pub mod config;
 pub mod error;
+pub mod fixture;
 pub mod keeper;
 pub mod lease;
 pub mod metrics;

@@ -1,1 +1,53 @@
-fn main() {}
+//! The `kvferry` binary: `node`, `demo` and `bench`.
+
+mod bench;
+mod demo;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use kvferry_actors::{Node, NodeConfig};
+
+#[derive(Parser)]
+#[command(name = "kvferry", version, about = "KV-cache blocks from host RAM and peers into GPU KV")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a node from a config file.
+    Node {
+        #[arg(long)]
+        config: String,
+        /// Validate the config and exit.
+        #[arg(long)]
+        check_config: bool,
+    },
+    /// Put, query, load and verify blocks on an embedded node.
+    Demo(demo::DemoArgs),
+    /// Measure against baselines taken in the same run.
+    #[command(subcommand)]
+    Bench(bench::BenchCmd),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Node { config, check_config } => {
+            let cfg = NodeConfig::load(&config)?;
+            if check_config {
+                println!("{config}: ok");
+                return Ok(());
+            }
+            let node = Node::start(cfg).context("starting the node")?;
+            eprintln!("kvferry node {} running; Ctrl-C to stop", node.config().node_id);
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(tokio::signal::ctrl_c())?;
+            node.shutdown();
+            Ok(())
+        }
+        Cmd::Demo(args) => demo::run(args),
+        Cmd::Bench(cmd) => bench::run(cmd),
+    }
+}

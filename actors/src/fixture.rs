@@ -1,0 +1,181 @@
+//! Deterministic KV contents and device KV with canaries, for the demo, the benchmarks and
+//! the tests: every byte a load writes is predictable from (block, rank, layer, segment,
+//! offset), and every byte it must not write holds a canary.
+
+use std::sync::Arc;
+
+use kvferry_gpu::{Device, DeviceBuffer, DeviceError, GroupKind, KvLayoutSpec, KvShape, LayerLayout};
+
+/// The byte every untouched device byte holds.
+pub const CANARY: u8 = 0xA5;
+
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Fills `out` with the pattern of one segment (offsets are multiples of 8 within it).
+pub fn fill_segment(out: &mut [u8], block: u64, rank: u32, layer: u32, seg: u32) {
+    let seed = mix(block ^ (u64::from(rank) << 48) ^ (u64::from(layer) << 32) ^ (u64::from(seg) << 24));
+    for (i, chunk) in out.chunks_mut(8).enumerate() {
+        let w = mix(seed ^ i as u64).to_le_bytes();
+        chunk.copy_from_slice(&w[..chunk.len()]);
+    }
+}
+
+/// One rank's part of a block in host layout (layer → segment), as `PutBlocks` takes it.
+pub fn rank_part(shape: &KvShape, block: u64, rank: u32) -> Vec<u8> {
+    let seg = shape.segment_bytes() as usize;
+    let mut out = vec![0u8; shape.rank_bytes() as usize];
+    for layer in 0..shape.layers() {
+        for s in 0..shape.segments() {
+            let i = (layer * shape.segments() + s) as usize;
+            fill_segment(&mut out[i * seg..(i + 1) * seg], block, rank, layer, s);
+        }
+    }
+    out
+}
+
+/// How a test lays out its device KV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvKind {
+    /// K and V in separate buffers per layer.
+    Split,
+    /// One buffer per layer, K plane then V plane.
+    Contiguous,
+}
+
+/// Device KV for one rank, allocated by us, every byte set to [`CANARY`].
+pub struct DeviceKv {
+    pub device: Arc<dyn Device>,
+    pub shape: KvShape,
+    pub kind: KvKind,
+    pub num_blocks: u32,
+    pub block_stride: u64,
+    pub view_offset: u64,
+    buffers: Vec<DeviceBuffer>,
+    plane: u64,
+}
+
+/// Bytes of canary after each plane, so a write past the last block is caught.
+const TAIL: u64 = 4096;
+
+impl DeviceKv {
+    pub fn alloc(
+        device: Arc<dyn Device>,
+        shape: KvShape,
+        kind: KvKind,
+        num_blocks: u32,
+        block_stride: u64,
+        view_offset: u64,
+    ) -> Result<Self, DeviceError> {
+        let plane = u64::from(num_blocks) * block_stride;
+        let per_buffer = match kind {
+            KvKind::Split => view_offset + plane + TAIL,
+            KvKind::Contiguous => view_offset + u64::from(shape.segments()) * plane + TAIL,
+        };
+        let count = match kind {
+            KvKind::Split => shape.layers() * shape.segments(),
+            KvKind::Contiguous => shape.layers(),
+        };
+        let mut buffers = Vec::with_capacity(count as usize);
+        let fill = vec![CANARY; per_buffer as usize];
+        for _ in 0..count {
+            let b = device.alloc(per_buffer)?;
+            device.write(b.ptr(), &fill)?;
+            buffers.push(b);
+        }
+        Ok(Self { device, shape, kind, num_blocks, block_stride, view_offset, buffers, plane })
+    }
+
+    /// The layout to register (the view starts `view_offset` into each buffer).
+    pub fn spec(&self) -> KvLayoutSpec {
+        let layers = (0..self.shape.layers() as usize)
+            .map(|l| match self.kind {
+                KvKind::Split => LayerLayout::Split {
+                    k_base: self.buffers[2 * l].ptr(),
+                    v_base: self.buffers[2 * l + 1].ptr(),
+                },
+                KvKind::Contiguous => {
+                    LayerLayout::Contiguous { base: self.buffers[l].ptr(), kv_stride: self.plane }
+                }
+            })
+            .collect();
+        KvLayoutSpec {
+            kind: GroupKind::Attention,
+            layers,
+            block_stride: self.block_stride,
+            num_blocks: self.num_blocks,
+            view_offset: self.view_offset,
+        }
+    }
+
+    /// Buffer index and byte offset of one segment of one block.
+    fn locate(&self, layer: u32, seg: u32, block: u32) -> (usize, u64) {
+        let at = self.view_offset + u64::from(block) * self.block_stride;
+        match self.kind {
+            KvKind::Split => ((layer * self.shape.segments() + seg) as usize, at),
+            KvKind::Contiguous => (layer as usize, at + u64::from(seg) * self.plane),
+        }
+    }
+
+    /// Writes the pattern of `block` for `rank` into device block `dst` (to be saved).
+    pub fn write_block(&self, dst: u32, block: u64, rank: u32) -> Result<(), DeviceError> {
+        let mut buf = vec![0u8; self.shape.segment_bytes() as usize];
+        for layer in 0..self.shape.layers() {
+            for seg in 0..self.shape.segments() {
+                fill_segment(&mut buf, block, rank, layer, seg);
+                let (b, off) = self.locate(layer, seg, dst);
+                self.device.write(self.buffers[b].ptr() + off, &buf)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks every byte of every buffer: the segments of `expected` `(device block,
+    /// pattern block)` hold that block's pattern for `rank`; every other byte is a canary.
+    /// Returns the bytes of pattern checked.
+    pub fn verify(&self, expected: &[(u32, u64)], rank: u32) -> Result<u64, String> {
+        let seg = self.shape.segment_bytes() as usize;
+        let mut images: Vec<Vec<u8>> = Vec::with_capacity(self.buffers.len());
+        for b in &self.buffers {
+            let mut img = vec![0u8; b.len() as usize];
+            self.device.read(b.ptr(), &mut img).map_err(|e| e.to_string())?;
+            images.push(img);
+        }
+        let mut want = vec![0u8; seg];
+        let mut checked = 0u64;
+        for &(dst, block) in expected {
+            for layer in 0..self.shape.layers() {
+                for s in 0..self.shape.segments() {
+                    fill_segment(&mut want, block, rank, layer, s);
+                    let (b, off) = self.locate(layer, s, dst);
+                    let off = off as usize;
+                    let got = &images[b][off..off + seg];
+                    if got != &want[..] {
+                        let i = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0);
+                        return Err(format!(
+                            "device block {dst} (pattern block {block}) layer {layer} segment {s}: \
+                             byte {i} is {:#04x}, expected {:#04x}",
+                            got[i], want[i]
+                        ));
+                    }
+                    // Checked: reset to canary so the sweep below flags only stray writes.
+                    images[b][off..off + seg].fill(CANARY);
+                    checked += seg as u64;
+                }
+            }
+        }
+        for (bi, img) in images.iter().enumerate() {
+            if let Some(i) = img.iter().position(|b| *b != CANARY) {
+                return Err(format!(
+                    "buffer {bi} byte {i} was overwritten ({:#04x}): a write outside the destinations",
+                    img[i]
+                ));
+            }
+        }
+        Ok(checked)
+    }
+}

@@ -1,0 +1,251 @@
+//! `kvferry bench`: each figure next to a baseline measured in the same run; medians.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use kvferry_actors::config::ByteSize;
+use kvferry_actors::fixture::{rank_part, DeviceKv, KvKind};
+use kvferry_actors::{
+    BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, PutBlocks, QueryRequest,
+    RegisterInstance,
+};
+use kvferry_gpu::{Device, HostDevice, KvShape};
+use serde_json::json;
+
+#[derive(clap::Subcommand)]
+pub enum BenchCmd {
+    /// Query + lease latency, and local-prefix loads against a baseline copy.
+    Local(LocalArgs),
+}
+
+#[derive(clap::Args)]
+pub struct LocalArgs {
+    #[arg(long)]
+    json: bool,
+    /// host, cuda or auto.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Timed repetitions of each measurement (the median is reported).
+    #[arg(long, default_value_t = 11)]
+    iters: usize,
+    /// Hit-set blocks for the load measurement (28 layers x split K/V x 64 KiB each).
+    #[arg(long, default_value_t = 64)]
+    blocks: u32,
+    /// Prefix length for the query + lease measurement.
+    #[arg(long, default_value_t = 1024)]
+    query_blocks: u32,
+}
+
+/// Opens devices by kind.
+pub fn open(kind: &str) -> anyhow::Result<Vec<Arc<dyn Device>>> {
+    match kind {
+        "host" | "auto" => Ok(vec![HostDevice::new(0) as Arc<dyn Device>]),
+        other => bail!("device kind {other:?} is not available in this build"),
+    }
+}
+
+pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
+    match cmd {
+        BenchCmd::Local(a) => local(a),
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v[v.len() / 2]
+}
+
+fn progress(json: bool, msg: &str) {
+    // Progress goes to stderr so `--json` output stays one object on stdout.
+    let _ = json;
+    eprintln!("bench: {msg}");
+}
+
+fn node(slot: u64, slots: u64, devices: Vec<Arc<dyn Device>>) -> anyhow::Result<Node> {
+    let mut cfg = NodeConfig::default();
+    cfg.node_id = "bench".into();
+    cfg.pool.slot_bytes = ByteSize(slot);
+    cfg.pool.size = ByteSize(slot * slots);
+    Ok(Node::start_with(cfg, devices, Clock::system())?)
+}
+
+async fn register(node: &Node, name: &str, kv: &DeviceKv) -> anyhow::Result<InstanceId> {
+    let instance = InstanceId::new(name)?;
+    node.register_instance(RegisterInstance {
+        instance: instance.clone(),
+        model: "bench".into(),
+        dtype: "bf16".into(),
+        shape: kv.shape,
+        rank: 0,
+        device: 0,
+        layout: kv.spec(),
+    })
+    .await?;
+    Ok(instance)
+}
+
+async fn put(node: &Node, instance: &InstanceId, shape: &KvShape, n: u32) -> anyhow::Result<Vec<BlockHash>> {
+    let hashes: Vec<BlockHash> = (0..u64::from(n)).map(BlockHash::from_u64).collect();
+    for chunk in hashes.chunks(64).enumerate() {
+        let (c, hs) = chunk;
+        let blocks =
+            hs.iter().enumerate().map(|(i, h)| (*h, rank_part(shape, (c * 64 + i) as u64, 0))).collect();
+        node.put_blocks(PutBlocks { instance: instance.clone(), rank: 0, blocks }).await?;
+    }
+    Ok(hashes)
+}
+
+fn local(a: LocalArgs) -> anyhow::Result<()> {
+    let devices = open(&a.device)?;
+    let device = Arc::clone(&devices[0]);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+
+    // 1. Query + lease for a long prefix, in process.
+    progress(a.json, &format!("query + lease, {}-block prefix", a.query_blocks));
+    let qshape = KvShape::new(2, 1, 2, 512)?;
+    let qnode = node(qshape.block_bytes(), u64::from(a.query_blocks), devices.clone())?;
+    let qkv = DeviceKv::alloc(Arc::clone(&device), qshape, KvKind::Split, 4, 512, 0)?;
+    let mut query_us = rt.block_on(async {
+        let inst = register(&qnode, "bench-query", &qkv).await?;
+        let hashes = put(&qnode, &inst, &qshape, a.query_blocks).await?;
+        let mut v = Vec::new();
+        for i in 0..(a.iters * 20).max(50) {
+            let t = Instant::now();
+            let q = qnode
+                .query(QueryRequest { instance: inst.clone(), hashes: hashes.clone(), direct_gpu: false })
+                .await?;
+            let dt = t.elapsed().as_secs_f64();
+            if q.local_blocks != a.query_blocks as usize {
+                bail!("query hit {} of {} blocks", q.local_blocks, a.query_blocks);
+            }
+            qnode.release(q.lease.context("no lease")?).await?;
+            if i >= 5 {
+                v.push(dt * 1e6);
+            }
+        }
+        let s = qnode.stats().await?;
+        if s.leases_live != 0 || s.pinned_blocks != 0 {
+            bail!("leak after the query benchmark: {s:?}");
+        }
+        Ok::<_, anyhow::Error>(v)
+    })?;
+    qnode.shutdown();
+    let q_median = median(&mut query_us);
+
+    // 2. Local load vs a plain copy of the same bytes.
+    let shape = KvShape::new(28, 1, 2, 64 << 10)?;
+    let bytes = u64::from(a.blocks) * shape.rank_bytes();
+    progress(
+        a.json,
+        &format!("local load, {} blocks x 28 layers x split K/V x 64 KiB = {} MiB", a.blocks, bytes >> 20),
+    );
+    let lnode = node(shape.block_bytes(), u64::from(a.blocks), devices.clone())?;
+    let kv = DeviceKv::alloc(Arc::clone(&device), shape, KvKind::Split, a.blocks * 3, 64 << 10, 0)?;
+    let dest: Vec<u32> = (0..a.blocks).map(|i| i * 3 + 1).collect();
+    let mut baseline = Baseline::new(device.as_ref(), bytes)?;
+    let (mut load_s, mut base_s, copies) = rt.block_on(async {
+        let inst = register(&lnode, "bench-load", &kv).await?;
+        let hashes = put(&lnode, &inst, &shape, a.blocks).await?;
+        let (mut l, mut b, mut copies) = (Vec::new(), Vec::new(), 0);
+        for i in 0..a.iters + 2 {
+            let q = lnode
+                .query(QueryRequest { instance: inst.clone(), hashes: hashes.clone(), direct_gpu: false })
+                .await?;
+            let lease = q.lease.context("no lease")?;
+            let t = Instant::now();
+            let r = lnode
+                .load(LoadRequest { lease, instance: inst.clone(), rank: 0, dest_blocks: dest.clone() })
+                .await?;
+            let dt = t.elapsed().as_secs_f64();
+            copies = r.copies;
+            let bt = baseline.run()?;
+            if i >= 2 {
+                l.push(dt);
+                b.push(bt);
+            }
+            progress(a.json, &format!("  iter {i}: load {:.2} GB/s, baseline {:.2} GB/s", bytes as f64 / dt / 1e9, bytes as f64 / bt / 1e9));
+        }
+        let s = lnode.stats().await?;
+        if s.leases_live != 0 || s.pinned_blocks != 0 || s.transfers_in_flight != 0 {
+            bail!("leak after the load benchmark: {s:?}");
+        }
+        Ok::<_, anyhow::Error>((l, b, copies))
+    })?;
+    let expected: Vec<(u32, u64)> = dest.iter().enumerate().map(|(i, d)| (*d, i as u64)).collect();
+    let verified = kv.verify(&expected, 0);
+    lnode.shutdown();
+    let (lm, bm) = (median(&mut load_s), median(&mut base_s));
+    let ratio = bm / lm;
+    if a.json {
+        let out = json!({
+            "device": device.name(),
+            "query_lease": { "blocks": a.query_blocks, "median_us": q_median, "samples": query_us.len() },
+            "local_load": {
+                "blocks": a.blocks,
+                "layers": 28,
+                "segment_bytes": 65536,
+                "bytes": bytes,
+                "copies": copies,
+                "median_s": lm,
+                "gbps": bytes as f64 / lm / 1e9,
+                "baseline": baseline.name(),
+                "baseline_median_s": bm,
+                "baseline_gbps": bytes as f64 / bm / 1e9,
+                "ratio_vs_baseline": ratio,
+                "iters": load_s.len(),
+                "verified": verified.is_ok(),
+            },
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!("device: {}", device.name());
+        println!("query + lease, {}-block prefix: median {:.1} us", a.query_blocks, q_median);
+        println!(
+            "local load, {} MiB in {copies} copies: median {:.3} ms ({:.2} GB/s)",
+            bytes >> 20,
+            lm * 1e3,
+            bytes as f64 / lm / 1e9
+        );
+        println!("{}: median {:.3} ms ({:.2} GB/s)", baseline.name(), bm * 1e3, bytes as f64 / bm / 1e9);
+        println!("ratio load / baseline: {ratio:.3}");
+        println!("verified: {}", verified.as_ref().map(|_| "ok".to_string()).unwrap_or_else(|e| e.clone()));
+    }
+    if let Err(e) = verified {
+        bail!("verification failed: {e}");
+    }
+    Ok(())
+}
+
+/// The baseline copy of the same number of bytes.
+enum Baseline {
+    Memcpy { src: Vec<u8>, dst: Vec<u8> },
+}
+
+impl Baseline {
+    fn new(_device: &dyn Device, bytes: u64) -> anyhow::Result<Self> {
+        let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
+        let dst = vec![1u8; bytes as usize];
+        Ok(Baseline::Memcpy { src, dst })
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Baseline::Memcpy { .. } => "memcpy (one contiguous copy)",
+        }
+    }
+
+    fn run(&mut self) -> anyhow::Result<f64> {
+        match self {
+            Baseline::Memcpy { src, dst } => {
+                let t = Instant::now();
+                dst.copy_from_slice(src);
+                std::hint::black_box(&dst);
+                Ok(t.elapsed().as_secs_f64())
+            }
+        }
+    }
+}
