@@ -97,3 +97,23 @@ pub trait Connector: Send + Sync {
         sink: Arc<dyn CompletionSink>,
     ) -> Result<Box<dyn Connection>, ConnectionError>;
 }
+
+impl<C: Connector + ?Sized> Connector for Box<C> {
+    fn connect(
+        &self,
+        qp: QpKey,
+        sink: Arc<dyn CompletionSink>,
+    ) -> Result<Box<dyn Connection>, ConnectionError> {
+        (**self).connect(qp, sink)
+    }
+}
+
+impl<C: Connector + ?Sized> Connector for Arc<C> {
+    fn connect(
+        &self,
+        qp: QpKey,
+        sink: Arc<dyn CompletionSink>,
+    ) -> Result<Box<dyn Connection>, ConnectionError> {
+        (**self).connect(qp, sink)
+    }
+}

@@ -36,3 +36,12 @@ pub use rc_queue::{
 pub use region::{HostRegion, RegionError};
 pub use scatter::{Scatter, ScatterError};
 pub use sink::{DeviceSink, SinkError};
+
+mod wire;
+
+pub mod loopback;
+pub mod shm;
+pub mod tcp;
+
+pub mod fault;
+mod fd_passing;
