@@ -87,7 +87,10 @@ pub struct TransferReport {
 
 impl TransferReport {
     pub fn stage(&self, name: &str) -> Option<f64> {
-        self.stages.iter().find(|s| s.name == name).map(|s| s.seconds)
+        self.stages
+            .iter()
+            .find(|s| s.name == name)
+            .map(|s| s.seconds)
     }
 }
 

@@ -37,7 +37,11 @@ pub enum CacheError {
     #[error("rank {rank} out of range for tp {tp}")]
     RankOutOfRange { rank: u32, tp: u32 },
     #[error("block {hash:?} was stored with tp {stored}, written now with tp {tp}")]
-    TpMismatch { hash: BlockHash, stored: u32, tp: u32 },
+    TpMismatch {
+        hash: BlockHash,
+        stored: u32,
+        tp: u32,
+    },
     #[error(transparent)]
     Pool(#[from] PoolError),
 }
@@ -128,16 +132,25 @@ impl BlockCache {
     }
 
     fn key(ns: &Namespace, hash: BlockHash) -> BlockKey {
-        BlockKey { namespace: ns.clone(), hash }
+        BlockKey {
+            namespace: ns.clone(),
+            hash,
+        }
     }
 
     fn slot_ref(&self, hash: BlockHash, slot: usize) -> SlotRef {
-        SlotRef { hash, slot, addr: self.pool.slot_addr(slot) }
+        SlotRef {
+            hash,
+            slot,
+            addr: self.pool.slot_addr(slot),
+        }
     }
 
     /// Takes one pin on an entry, moving it out of the LRU on its first pin.
     fn pin_entry(&mut self, key: &BlockKey) {
-        let Some(e) = self.map.get_mut(key) else { return };
+        let Some(e) = self.map.get_mut(key) else {
+            return;
+        };
         if e.pins == 0 {
             self.lru[e.class.idx()].remove(&e.tick);
             e.tick = 0;
@@ -150,7 +163,9 @@ impl BlockCache {
     /// Drops one pin; the last one puts the entry back at the young end of its LRU.
     fn unpin_entry(&mut self, key: &BlockKey) {
         let tick = self.next_tick();
-        let Some(e) = self.map.get_mut(key) else { return };
+        let Some(e) = self.map.get_mut(key) else {
+            return;
+        };
         if e.pins == 0 {
             return;
         }
@@ -211,7 +226,10 @@ impl BlockCache {
                 Ok(s) => return Ok(s),
                 Err(PoolError::Exhausted { capacity }) => {
                     if !self.evict_one() {
-                        return Err(CacheError::Full { capacity, pinned: self.pinned_blocks });
+                        return Err(CacheError::Full {
+                            capacity,
+                            pinned: self.pinned_blocks,
+                        });
                     }
                 }
                 Err(e) => return Err(e.into()),
@@ -234,13 +252,20 @@ impl BlockCache {
             return Err(CacheError::RankOutOfRange { rank, tp });
         }
         if block_bytes > self.pool.slot_bytes() {
-            return Err(CacheError::BlockTooLarge { need: block_bytes, slot: self.pool.slot_bytes() });
+            return Err(CacheError::BlockTooLarge {
+                need: block_bytes,
+                slot: self.pool.slot_bytes(),
+            });
         }
         let key = Self::key(ns, hash);
         let tick = self.next_tick();
         if let Some(e) = self.map.get_mut(&key) {
             if e.tp != tp {
-                return Err(CacheError::TpMismatch { hash, stored: e.tp, tp });
+                return Err(CacheError::TpMismatch {
+                    hash,
+                    stored: e.tp,
+                    tp,
+                });
             }
             if class == BlockClass::Retained && e.class == BlockClass::Reclaimable {
                 // Saved here now: it joins the retained class as its youngest member.
@@ -259,7 +284,17 @@ impl BlockCache {
             return Ok(Reservation::Write(self.slot_ref(hash, slot)));
         }
         let slot = self.alloc_slot()?;
-        self.map.insert(key.clone(), Entry { slot, tp, written: 0, pins: 0, class, tick: 0 });
+        self.map.insert(
+            key.clone(),
+            Entry {
+                slot,
+                tp,
+                written: 0,
+                pins: 0,
+                class,
+                tick: 0,
+            },
+        );
         self.pin_entry(&key);
         Ok(Reservation::Write(self.slot_ref(hash, slot)))
     }
@@ -338,14 +373,26 @@ mod tests {
     #[test]
     fn seals_when_every_rank_is_written() {
         let mut c = cache(4);
-        let Reservation::Write(a) = c.reserve(&ns(), h(1), 2, 0, 4096, BlockClass::Retained).unwrap()
+        let Reservation::Write(a) = c
+            .reserve(&ns(), h(1), 2, 0, 4096, BlockClass::Retained)
+            .unwrap()
         else {
             panic!("expected a write reservation")
         };
         assert!(!c.commit(&ns(), h(1), 0));
-        assert_eq!(c.prefix_len(&ns(), &[h(1)]), 0, "half-written block is not a hit");
-        assert_eq!(c.reserve(&ns(), h(1), 2, 0, 4096, BlockClass::Retained).unwrap(), Reservation::Present);
-        let Reservation::Write(b) = c.reserve(&ns(), h(1), 2, 1, 4096, BlockClass::Retained).unwrap()
+        assert_eq!(
+            c.prefix_len(&ns(), &[h(1)]),
+            0,
+            "half-written block is not a hit"
+        );
+        assert_eq!(
+            c.reserve(&ns(), h(1), 2, 0, 4096, BlockClass::Retained)
+                .unwrap(),
+            Reservation::Present
+        );
+        let Reservation::Write(b) = c
+            .reserve(&ns(), h(1), 2, 1, 4096, BlockClass::Retained)
+            .unwrap()
         else {
             panic!("expected a write reservation")
         };
@@ -354,7 +401,11 @@ mod tests {
         assert_eq!(c.prefix_len(&ns(), &[h(1), h(2)]), 1);
         assert!(matches!(
             c.reserve(&ns(), h(1), 1, 0, 4096, BlockClass::Retained),
-            Err(CacheError::TpMismatch { stored: 2, tp: 1, .. })
+            Err(CacheError::TpMismatch {
+                stored: 2,
+                tp: 1,
+                ..
+            })
         ));
         assert!(matches!(
             c.reserve(&ns(), h(9), 2, 2, 4096, BlockClass::Retained),
@@ -362,7 +413,10 @@ mod tests {
         ));
         assert!(matches!(
             c.reserve(&ns(), h(9), 1, 0, 8192, BlockClass::Retained),
-            Err(CacheError::BlockTooLarge { need: 8192, slot: 4096 })
+            Err(CacheError::BlockTooLarge {
+                need: 8192,
+                slot: 4096
+            })
         ));
     }
 
@@ -398,8 +452,19 @@ mod tests {
         let all = c.pin_prefix(&ns(), &[h(3)]);
         let all2 = c.pin_prefix(&ns(), &[h(4)]);
         assert_eq!(all.len() + all2.len(), 2);
-        let err = c.reserve(&ns(), h(5), 1, 0, 4096, BlockClass::Retained).unwrap_err();
-        assert!(matches!(err, CacheError::Full { capacity: 3, pinned: 3 }), "{err}");
+        let err = c
+            .reserve(&ns(), h(5), 1, 0, 4096, BlockClass::Retained)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CacheError::Full {
+                    capacity: 3,
+                    pinned: 3
+                }
+            ),
+            "{err}"
+        );
         assert_eq!(c.stats().pinned_blocks, 3);
         // The failed reservation changed nothing.
         assert_eq!(c.stats().blocks, 3);
@@ -407,17 +472,28 @@ mod tests {
         assert_eq!(c.stats().pinned_blocks, 0);
         assert_eq!(c.stats().pins, 0);
         put(&mut c, 5, BlockClass::Retained);
-        assert!(!c.contains(&ns(), h(0)), "block 0 was unpinned first, so it is oldest");
+        assert!(
+            !c.contains(&ns(), h(0)),
+            "block 0 was unpinned first, so it is oldest"
+        );
         assert_eq!(c.stats().evictions, 3);
     }
 
     #[test]
     fn abort_frees_an_unwritten_block() {
         let mut c = cache(1);
-        let r = c.reserve(&ns(), h(1), 1, 0, 4096, BlockClass::Retained).unwrap();
+        let r = c
+            .reserve(&ns(), h(1), 1, 0, 4096, BlockClass::Retained)
+            .unwrap();
         assert!(matches!(r, Reservation::Write(_)));
         c.abort(&ns(), h(1));
-        assert_eq!(c.stats(), CacheStats { capacity: 1, ..Default::default() });
+        assert_eq!(
+            c.stats(),
+            CacheStats {
+                capacity: 1,
+                ..Default::default()
+            }
+        );
         put(&mut c, 2, BlockClass::Retained);
         assert!(c.contains(&ns(), h(2)));
     }
@@ -428,7 +504,11 @@ mod tests {
         put(&mut c, 0, BlockClass::Reclaimable);
         put(&mut c, 1, BlockClass::Retained);
         // Saving block 0 here moves it to the retained class: block 1 (older retained) goes.
-        assert_eq!(c.reserve(&ns(), h(0), 1, 0, 4096, BlockClass::Retained).unwrap(), Reservation::Present);
+        assert_eq!(
+            c.reserve(&ns(), h(0), 1, 0, 4096, BlockClass::Retained)
+                .unwrap(),
+            Reservation::Present
+        );
         put(&mut c, 2, BlockClass::Retained);
         assert!(c.contains(&ns(), h(0)));
         assert!(!c.contains(&ns(), h(1)));

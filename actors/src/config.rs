@@ -30,7 +30,9 @@ impl ByteSize {
         let s = s.trim();
         let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
         let (num, unit) = s.split_at(split);
-        let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a byte size"))?;
+        let n: u64 = num
+            .parse()
+            .map_err(|_| format!("{s:?} is not a byte size"))?;
         let mult: u64 = match unit.trim() {
             "" | "B" => 1,
             "KiB" => 1 << 10,
@@ -39,7 +41,9 @@ impl ByteSize {
             "TiB" => 1 << 40,
             u => return Err(format!("unknown unit {u:?} (use B, KiB, MiB, GiB or TiB)")),
         };
-        n.checked_mul(mult).map(ByteSize).ok_or_else(|| format!("{s:?} overflows"))
+        n.checked_mul(mult)
+            .map(ByteSize)
+            .ok_or_else(|| format!("{s:?} overflows"))
     }
 }
 
@@ -126,19 +130,29 @@ impl Default for NodeConfig {
 
 impl Default for PoolConfig {
     fn default() -> Self {
-        Self { size: ByteSize(256 << 20), slot_bytes: ByteSize(1 << 20), hugepages: false }
+        Self {
+            size: ByteSize(256 << 20),
+            slot_bytes: ByteSize(1 << 20),
+            hugepages: false,
+        }
     }
 }
 
 impl Default for LeaseConfig {
     fn default() -> Self {
-        Self { ttl_secs: 600, sweep_interval_secs: 30 }
+        Self {
+            ttl_secs: 600,
+            sweep_interval_secs: 30,
+        }
     }
 }
 
 impl Default for DeviceConfig {
     fn default() -> Self {
-        Self { kind: "auto".into(), count: 1 }
+        Self {
+            kind: "auto".into(),
+            count: 1,
+        }
     }
 }
 
@@ -155,15 +169,19 @@ impl LeaseConfig {
 impl NodeConfig {
     /// Parses and validates; `path` only names the source in errors.
     pub fn from_toml(text: &str, path: &str) -> Result<Self, ConfigError> {
-        let cfg: NodeConfig = toml::from_str(text)
-            .map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string() })?;
+        let cfg: NodeConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?;
         cfg.validate()?;
         Ok(cfg)
     }
 
     pub fn load(path: &str) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
         Self::from_toml(&text, path)
     }
 
@@ -171,29 +189,52 @@ impl NodeConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |key, reason: String| Err(ConfigError::Invalid { key, reason });
         if self.node_id.is_empty() || !self.node_id.chars().all(|c| c.is_ascii_graphic()) {
-            return invalid("node-id", format!("{:?} must be printable and nonempty", self.node_id));
+            return invalid(
+                "node-id",
+                format!("{:?} must be printable and nonempty", self.node_id),
+            );
         }
         let (size, slot) = (self.pool.size.0, self.pool.slot_bytes.0);
         if slot == 0 || slot % 64 != 0 {
-            return invalid("pool.slot-bytes", format!("{slot} must be a nonzero multiple of 64"));
+            return invalid(
+                "pool.slot-bytes",
+                format!("{slot} must be a nonzero multiple of 64"),
+            );
         }
         if size < slot {
-            return invalid("pool.size", format!("{} is smaller than one slot ({})", self.pool.size, self.pool.slot_bytes));
+            return invalid(
+                "pool.size",
+                format!(
+                    "{} is smaller than one slot ({})",
+                    self.pool.size, self.pool.slot_bytes
+                ),
+            );
         }
         if self.lease.ttl_secs == 0 {
             return invalid("lease.ttl-secs", "must be at least 1".into());
         }
-        if self.lease.sweep_interval_secs == 0 || self.lease.sweep_interval_secs > self.lease.ttl_secs {
+        if self.lease.sweep_interval_secs == 0
+            || self.lease.sweep_interval_secs > self.lease.ttl_secs
+        {
             return invalid(
                 "lease.sweep-interval-secs",
-                format!("{} must be between 1 and lease.ttl-secs ({})", self.lease.sweep_interval_secs, self.lease.ttl_secs),
+                format!(
+                    "{} must be between 1 and lease.ttl-secs ({})",
+                    self.lease.sweep_interval_secs, self.lease.ttl_secs
+                ),
             );
         }
         if !matches!(self.device.kind.as_str(), "host" | "cuda" | "auto") {
-            return invalid("device.kind", format!("{:?} is not one of host, cuda, auto", self.device.kind));
+            return invalid(
+                "device.kind",
+                format!("{:?} is not one of host, cuda, auto", self.device.kind),
+            );
         }
         if self.device.count == 0 || self.device.count > 64 {
-            return invalid("device.count", format!("{} must be 1 to 64", self.device.count));
+            return invalid(
+                "device.count",
+                format!("{} must be 1 to 64", self.device.count),
+            );
         }
         Ok(())
     }
@@ -215,9 +256,12 @@ mod tests {
 
     #[test]
     fn unknown_key_names_line_and_column() {
-        let err = NodeConfig::from_toml("node-id = \"a\"\n[pool]\nsize = \"1GiB\"\nslots = 3\n", "x.toml")
-            .unwrap_err()
-            .to_string();
+        let err = NodeConfig::from_toml(
+            "node-id = \"a\"\n[pool]\nsize = \"1GiB\"\nslots = 3\n",
+            "x.toml",
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("slots"), "{err}");
         assert!(err.contains("line 4"), "{err}");
         assert!(err.contains("column 1"), "{err}");
@@ -226,14 +270,23 @@ mod tests {
     #[test]
     fn cross_field_rules_name_the_key() {
         let cases = [
-            ("[pool]\nsize = \"1MiB\"\nslot-bytes = \"2MiB\"\n", "pool.size"),
+            (
+                "[pool]\nsize = \"1MiB\"\nslot-bytes = \"2MiB\"\n",
+                "pool.size",
+            ),
             ("[pool]\nslot-bytes = 100\n", "pool.slot-bytes"),
-            ("[lease]\nttl-secs = 10\nsweep-interval-secs = 30\n", "lease.sweep-interval-secs"),
+            (
+                "[lease]\nttl-secs = 10\nsweep-interval-secs = 30\n",
+                "lease.sweep-interval-secs",
+            ),
             ("[device]\nkind = \"tpu\"\n", "device.kind"),
         ];
         for (text, key) in cases {
             let err = NodeConfig::from_toml(text, "t.toml").unwrap_err();
-            assert!(matches!(&err, ConfigError::Invalid { key: k, .. } if *k == key), "{err}");
+            assert!(
+                matches!(&err, ConfigError::Invalid { key: k, .. } if *k == key),
+                "{err}"
+            );
         }
     }
 }

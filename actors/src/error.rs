@@ -32,8 +32,15 @@ pub enum NodeError {
     UnknownInstance { instance: InstanceId },
     #[error("instance {instance} rank {rank} is not registered")]
     UnknownRank { instance: InstanceId, rank: u32 },
-    #[error("instance {instance} is registered with {existing}, rank {rank} registered {requested}")]
-    InstanceMismatch { instance: InstanceId, rank: u32, existing: String, requested: String },
+    #[error(
+        "instance {instance} is registered with {existing}, rank {rank} registered {requested}"
+    )]
+    InstanceMismatch {
+        instance: InstanceId,
+        rank: u32,
+        existing: String,
+        requested: String,
+    },
     #[error("instance {instance} rank {rank} is already registered")]
     RankRegistered { instance: InstanceId, rank: u32 },
     #[error("device {ordinal} is not configured on this node ({count} devices)")]
@@ -52,12 +59,16 @@ pub enum NodeError {
 
 impl NodeError {
     pub(crate) fn bad(reason: impl Into<String>) -> Self {
-        NodeError::BadRequest { reason: reason.into() }
+        NodeError::BadRequest {
+            reason: reason.into(),
+        }
     }
 }
 
 impl From<actix::MailboxError> for NodeError {
     fn from(_: actix::MailboxError) -> Self {
-        NodeError::Stopped { what: "actor mailbox closed" }
+        NodeError::Stopped {
+            what: "actor mailbox closed",
+        }
     }
 }

@@ -4,7 +4,9 @@
 
 use std::sync::Arc;
 
-use kvferry_gpu::{Device, DeviceBuffer, DeviceError, GroupKind, KvLayoutSpec, KvShape, LayerLayout};
+use kvferry_gpu::{
+    Device, DeviceBuffer, DeviceError, GroupKind, KvLayoutSpec, KvShape, LayerLayout,
+};
 
 /// The byte every untouched device byte holds.
 pub const CANARY: u8 = 0xA5;
@@ -18,7 +20,8 @@ fn mix(mut z: u64) -> u64 {
 
 /// Fills `out` with the pattern of one segment (offsets are multiples of 8 within it).
 pub fn fill_segment(out: &mut [u8], block: u64, rank: u32, layer: u32, seg: u32) {
-    let seed = mix(block ^ (u64::from(rank) << 48) ^ (u64::from(layer) << 32) ^ (u64::from(seg) << 24));
+    let seed =
+        mix(block ^ (u64::from(rank) << 48) ^ (u64::from(layer) << 32) ^ (u64::from(seg) << 24));
     for (i, chunk) in out.chunks_mut(8).enumerate() {
         let w = mix(seed ^ i as u64).to_le_bytes();
         chunk.copy_from_slice(&w[..chunk.len()]);
@@ -87,7 +90,16 @@ impl DeviceKv {
             device.write(b.ptr(), &fill)?;
             buffers.push(b);
         }
-        Ok(Self { device, shape, kind, num_blocks, block_stride, view_offset, buffers, plane })
+        Ok(Self {
+            device,
+            shape,
+            kind,
+            num_blocks,
+            block_stride,
+            view_offset,
+            buffers,
+            plane,
+        })
     }
 
     /// The layout to register (the view starts `view_offset` into each buffer).
@@ -98,9 +110,10 @@ impl DeviceKv {
                     k_base: self.buffers[2 * l].ptr(),
                     v_base: self.buffers[2 * l + 1].ptr(),
                 },
-                KvKind::Contiguous => {
-                    LayerLayout::Contiguous { base: self.buffers[l].ptr(), kv_stride: self.plane }
-                }
+                KvKind::Contiguous => LayerLayout::Contiguous {
+                    base: self.buffers[l].ptr(),
+                    kv_stride: self.plane,
+                },
             })
             .collect();
         KvLayoutSpec {
@@ -142,7 +155,9 @@ impl DeviceKv {
         let mut images: Vec<Vec<u8>> = Vec::with_capacity(self.buffers.len());
         for b in &self.buffers {
             let mut img = vec![0u8; b.len() as usize];
-            self.device.read(b.ptr(), &mut img).map_err(|e| e.to_string())?;
+            self.device
+                .read(b.ptr(), &mut img)
+                .map_err(|e| e.to_string())?;
             images.push(img);
         }
         let mut want = vec![0u8; seg];

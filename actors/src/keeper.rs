@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::fut::{wrap_future, ActorFutureExt};
-use actix::{Actor, ActorContext, Addr, AsyncContext, Context, Handler, Message, ResponseActFuture};
+use actix::{
+    Actor, ActorContext, Addr, AsyncContext, Context, Handler, Message, ResponseActFuture,
+};
 use kvferry_gpu::{CopyDirection, CopyList};
 use tokio::sync::oneshot;
 
@@ -50,7 +52,14 @@ impl LeaseKeeper {
         registry: Addr<InstanceRegistry>,
         counters: Arc<Counters>,
     ) -> Self {
-        Self { table: LeaseTable::new(ttl), clock, sweep_every, store, registry, counters }
+        Self {
+            table: LeaseTable::new(ttl),
+            clock,
+            sweep_every,
+            store,
+            registry,
+            counters,
+        }
     }
 
     fn sweep(&mut self) -> usize {
@@ -81,14 +90,21 @@ impl Handler<Query> for LeaseKeeper {
         let instance = q.instance.clone();
         let lookup = async move {
             let (namespace, shape) = registry.send(GetInstance(instance)).await??;
-            let pinned = store.send(PinPrefix { namespace: namespace.clone(), hashes: q.hashes }).await?;
+            let pinned = store
+                .send(PinPrefix {
+                    namespace: namespace.clone(),
+                    hashes: q.hashes,
+                })
+                .await?;
             Ok::<_, NodeError>((namespace, shape, pinned))
         };
         Box::pin(wrap_future(lookup).map(move |r, act: &mut Self, _| {
             let (namespace, shape, pinned) = r?;
             let local_blocks = pinned.blocks.len();
             let direct = if q.direct_gpu {
-                DirectGrant::Refused { reason: DIRECT_REFUSAL.into() }
+                DirectGrant::Refused {
+                    reason: DIRECT_REFUSAL.into(),
+                }
             } else {
                 DirectGrant::NotRequested
             };
@@ -98,9 +114,16 @@ impl Handler<Query> for LeaseKeeper {
                     local: pinned.blocks,
                     pins: pinned.guard,
                 };
-                act.table.create(q.instance, shape.tp_size(), plan, act.clock.now())
+                act.table
+                    .create(q.instance, shape.tp_size(), plan, act.clock.now())
             });
-            Ok(QueryResponse { lease, namespace, local_blocks, remote_blocks: 0, direct })
+            Ok(QueryResponse {
+                lease,
+                namespace,
+                local_blocks,
+                remote_blocks: 0,
+                direct,
+            })
         }))
     }
 }
@@ -118,7 +141,10 @@ impl Handler<Load> for LeaseKeeper {
 
     fn handle(&mut self, Load(req): Load, _: &mut Context<Self>) -> Self::Result {
         let t0 = Instant::now();
-        let get = self.registry.send(GetRank { instance: req.instance.clone(), rank: req.rank });
+        let get = self.registry.send(GetRank {
+            instance: req.instance.clone(),
+            rank: req.rank,
+        });
         Box::pin(wrap_future(get).map(move |r, act: &mut Self, _| {
             let handle = r??;
             let now = act.clock.now();
@@ -133,7 +159,10 @@ impl Handler<Load> for LeaseKeeper {
                 )));
             }
             handle.layout.check_blocks(&req.dest_blocks)?;
-            let share = act.table.consume(req.lease, &req.instance, req.rank, now)?.share;
+            let share = act
+                .table
+                .consume(req.lease, &req.instance, req.rank, now)?
+                .share;
             let shape = handle.shape;
             let per_block = (shape.layers() * shape.segments()) as usize;
             let mut list = CopyList::with_capacity(share.local.len() * per_block);
@@ -158,7 +187,10 @@ impl Handler<Load> for LeaseKeeper {
                 blocks: share.local.len(),
                 holds: vec![Box::new(share), Box::new(handle)],
                 on_success: None,
-                stages: vec![Stage { name: "plan", seconds: plan_s }],
+                stages: vec![Stage {
+                    name: "plan",
+                    seconds: plan_s,
+                }],
                 started: t0,
                 in_flight: InFlight::new(Arc::clone(&act.counters)),
             };

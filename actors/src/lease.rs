@@ -16,11 +16,19 @@ pub enum LeaseError {
     #[error("lease {lease} is unknown or expired")]
     UnknownOrExpired { lease: LeaseId },
     #[error("lease {lease} belongs to instance {owner}, not {caller}")]
-    WrongInstance { lease: LeaseId, owner: InstanceId, caller: InstanceId },
+    WrongInstance {
+        lease: LeaseId,
+        owner: InstanceId,
+        caller: InstanceId,
+    },
     #[error("rank {rank} already consumed lease {lease}")]
     RankConsumed { lease: LeaseId, rank: u32 },
     #[error("rank {rank} is out of range for lease {lease} (tp {world})")]
-    RankOutOfRange { lease: LeaseId, rank: u32, world: u32 },
+    RankOutOfRange {
+        lease: LeaseId,
+        rank: u32,
+        world: u32,
+    },
 }
 
 #[derive(Debug)]
@@ -51,7 +59,11 @@ pub struct LeaseTable<P> {
 
 impl<P: Clone> LeaseTable<P> {
     pub fn new(ttl: Duration) -> Self {
-        Self { leases: HashMap::new(), ttl, expired: 0 }
+        Self {
+            leases: HashMap::new(),
+            ttl,
+            expired: 0,
+        }
     }
 
     pub fn ttl(&self) -> Duration {
@@ -78,7 +90,16 @@ impl<P: Clone> LeaseTable<P> {
         while self.leases.contains_key(&id) {
             id = LeaseId::random();
         }
-        self.leases.insert(id, Entry { instance, world, consumed: 0, expires: now + self.ttl, plan });
+        self.leases.insert(
+            id,
+            Entry {
+                instance,
+                world,
+                consumed: 0,
+                expires: now + self.ttl,
+                plan,
+            },
+        );
         id
     }
 
@@ -103,7 +124,11 @@ impl<P: Clone> LeaseTable<P> {
             });
         }
         if rank >= e.world {
-            return Err(LeaseError::RankOutOfRange { lease: id, rank, world: e.world });
+            return Err(LeaseError::RankOutOfRange {
+                lease: id,
+                rank,
+                world: e.world,
+            });
         }
         if e.consumed & (1 << rank) != 0 {
             return Err(LeaseError::RankConsumed { lease: id, rank });
@@ -127,35 +152,67 @@ impl<P: Clone> LeaseTable<P> {
             }
             return Err(e);
         }
-        let e = self.leases.get_mut(&id).ok_or(LeaseError::UnknownOrExpired { lease: id })?;
+        let e = self
+            .leases
+            .get_mut(&id)
+            .ok_or(LeaseError::UnknownOrExpired { lease: id })?;
         e.consumed |= 1 << rank;
-        let full = if e.world >= 64 { u64::MAX } else { (1u64 << e.world) - 1 };
-        if e.consumed == full {
-            let e = self.leases.remove(&id).ok_or(LeaseError::UnknownOrExpired { lease: id })?;
-            Ok(Consumed { share: e.plan, last: true })
+        let full = if e.world >= 64 {
+            u64::MAX
         } else {
-            Ok(Consumed { share: e.plan.clone(), last: false })
+            (1u64 << e.world) - 1
+        };
+        if e.consumed == full {
+            let e = self
+                .leases
+                .remove(&id)
+                .ok_or(LeaseError::UnknownOrExpired { lease: id })?;
+            Ok(Consumed {
+                share: e.plan,
+                last: true,
+            })
+        } else {
+            Ok(Consumed {
+                share: e.plan.clone(),
+                last: false,
+            })
         }
     }
 
     /// Removes a lease whatever its consumers still owe.
     pub fn release(&mut self, id: LeaseId) -> Result<P, LeaseError> {
-        self.leases.remove(&id).map(|e| e.plan).ok_or(LeaseError::UnknownOrExpired { lease: id })
+        self.leases
+            .remove(&id)
+            .map(|e| e.plan)
+            .ok_or(LeaseError::UnknownOrExpired { lease: id })
     }
 
     /// Removes every lease of an instance.
     pub fn release_instance(&mut self, instance: &InstanceId) -> Vec<P> {
-        let ids: Vec<LeaseId> =
-            self.leases.iter().filter(|(_, e)| &e.instance == instance).map(|(id, _)| *id).collect();
-        ids.into_iter().filter_map(|id| self.leases.remove(&id)).map(|e| e.plan).collect()
+        let ids: Vec<LeaseId> = self
+            .leases
+            .iter()
+            .filter(|(_, e)| &e.instance == instance)
+            .map(|(id, _)| *id)
+            .collect();
+        ids.into_iter()
+            .filter_map(|id| self.leases.remove(&id))
+            .map(|e| e.plan)
+            .collect()
     }
 
     /// Removes every lease whose deadline has passed.
     pub fn expire(&mut self, now: Instant) -> Vec<(LeaseId, P)> {
-        let ids: Vec<LeaseId> =
-            self.leases.iter().filter(|(_, e)| now >= e.expires).map(|(id, _)| *id).collect();
+        let ids: Vec<LeaseId> = self
+            .leases
+            .iter()
+            .filter(|(_, e)| now >= e.expires)
+            .map(|(id, _)| *id)
+            .collect();
         self.expired += ids.len() as u64;
-        ids.into_iter().filter_map(|id| self.leases.remove(&id).map(|e| (id, e.plan))).collect()
+        ids.into_iter()
+            .filter_map(|id| self.leases.remove(&id).map(|e| (id, e.plan)))
+            .collect()
     }
 }
 
@@ -202,16 +259,29 @@ mod tests {
         let id = t.create(inst("e"), 2, Rc::clone(&plan), now);
         let c1 = t.consume(id, &inst("e"), 1, now).unwrap();
         assert!(!c1.last);
-        assert_eq!(t.consume(id, &inst("e"), 1, now).unwrap_err(), LeaseError::RankConsumed { lease: id, rank: 1 });
+        assert_eq!(
+            t.consume(id, &inst("e"), 1, now).unwrap_err(),
+            LeaseError::RankConsumed { lease: id, rank: 1 }
+        );
         assert_eq!(
             t.consume(id, &inst("e"), 2, now).unwrap_err(),
-            LeaseError::RankOutOfRange { lease: id, rank: 2, world: 2 }
+            LeaseError::RankOutOfRange {
+                lease: id,
+                rank: 2,
+                world: 2
+            }
         );
-        assert!(matches!(t.consume(id, &inst("x"), 0, now), Err(LeaseError::WrongInstance { .. })));
+        assert!(matches!(
+            t.consume(id, &inst("x"), 0, now),
+            Err(LeaseError::WrongInstance { .. })
+        ));
         let c0 = t.consume(id, &inst("e"), 0, now).unwrap();
         assert!(c0.last);
         assert!(t.is_empty(), "last consume removes the lease");
-        assert_eq!(t.consume(id, &inst("e"), 0, now).unwrap_err(), LeaseError::UnknownOrExpired { lease: id });
+        assert_eq!(
+            t.consume(id, &inst("e"), 0, now).unwrap_err(),
+            LeaseError::UnknownOrExpired { lease: id }
+        );
         // Shares outlive the lease until the transfers drop them.
         assert_eq!(Rc::strong_count(&plan), 3);
         drop((c0, c1));
@@ -223,7 +293,10 @@ mod tests {
         let now = Instant::now();
         let mut t = LeaseTable::<Plan>::new(DEFAULT_TTL);
         let unknown = LeaseId::random();
-        assert_eq!(t.release(unknown).unwrap_err(), LeaseError::UnknownOrExpired { lease: unknown });
+        assert_eq!(
+            t.release(unknown).unwrap_err(),
+            LeaseError::UnknownOrExpired { lease: unknown }
+        );
         // Release while rank 1 still owes its consume.
         let id = t.create(inst("e"), 2, Rc::new("p"), now);
         let _share = t.consume(id, &inst("e"), 0, now).unwrap();

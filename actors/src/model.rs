@@ -32,9 +32,16 @@ fn printable(s: &str) -> bool {
 impl Namespace {
     /// `model/dtype/fingerprint`; each part 1 to 128 printable characters without '/'.
     pub fn new(model: &str, dtype: &str, fingerprint: &str) -> Result<Self, ModelError> {
-        for (field, value) in [("model", model), ("dtype", dtype), ("fingerprint", fingerprint)] {
+        for (field, value) in [
+            ("model", model),
+            ("dtype", dtype),
+            ("fingerprint", fingerprint),
+        ] {
             if !printable(value) {
-                return Err(ModelError::Namespace { field, value: value.to_owned() });
+                return Err(ModelError::Namespace {
+                    field,
+                    value: value.to_owned(),
+                });
             }
         }
         Ok(Self(format!("{model}/{dtype}/{fingerprint}").into()))
@@ -72,21 +79,34 @@ impl BlockHash {
     /// Like [`Self::new`], with the hash's position in its request for the error.
     pub fn at(index: usize, bytes: &[u8]) -> Result<Self, ModelError> {
         if bytes.is_empty() || bytes.len() > MAX_HASH_LEN {
-            return Err(ModelError::HashLength { index, len: bytes.len() });
+            return Err(ModelError::HashLength {
+                index,
+                len: bytes.len(),
+            });
         }
         let mut b = [0u8; MAX_HASH_LEN];
         b[..bytes.len()].copy_from_slice(bytes);
-        Ok(Self { len: bytes.len() as u8, bytes: b })
+        Ok(Self {
+            len: bytes.len() as u8,
+            bytes: b,
+        })
     }
 
     /// Parses a whole request's hashes, refusing it at the first bad one.
     pub fn parse_all<T: AsRef<[u8]>>(hashes: &[T]) -> Result<Vec<Self>, ModelError> {
-        hashes.iter().enumerate().map(|(i, h)| Self::at(i, h.as_ref())).collect()
+        hashes
+            .iter()
+            .enumerate()
+            .map(|(i, h)| Self::at(i, h.as_ref()))
+            .collect()
     }
 
     /// A deterministic 8-byte hash for tests and the demo.
     pub fn from_u64(v: u64) -> Self {
-        Self::at(0, &v.to_be_bytes()).unwrap_or(Self { len: 1, bytes: [0; MAX_HASH_LEN] })
+        Self::at(0, &v.to_be_bytes()).unwrap_or(Self {
+            len: 1,
+            bytes: [0; MAX_HASH_LEN],
+        })
     }
 
     pub fn as_bytes(&self) -> &[u8] {
@@ -194,17 +214,29 @@ mod tests {
     fn hash_lengths() {
         assert!(BlockHash::new(&[1]).is_ok());
         assert!(BlockHash::new(&[7; 32]).is_ok());
-        assert_eq!(BlockHash::new(&[]), Err(ModelError::HashLength { index: 0, len: 0 }));
-        assert_eq!(BlockHash::new(&[0; 33]), Err(ModelError::HashLength { index: 0, len: 33 }));
+        assert_eq!(
+            BlockHash::new(&[]),
+            Err(ModelError::HashLength { index: 0, len: 0 })
+        );
+        assert_eq!(
+            BlockHash::new(&[0; 33]),
+            Err(ModelError::HashLength { index: 0, len: 33 })
+        );
         let err = BlockHash::parse_all(&[vec![1u8], vec![], vec![2]]).unwrap_err();
         assert_eq!(err, ModelError::HashLength { index: 1, len: 0 });
         // The length is part of the identity: a short hash is not a zero-padded long one.
-        assert_ne!(BlockHash::new(&[1]).unwrap(), BlockHash::new(&[1, 0]).unwrap());
+        assert_ne!(
+            BlockHash::new(&[1]).unwrap(),
+            BlockHash::new(&[1, 0]).unwrap()
+        );
     }
 
     #[test]
     fn names_and_ids() {
-        assert_eq!(Namespace::new("llama", "bf16", "l4").unwrap().as_str(), "llama/bf16/l4");
+        assert_eq!(
+            Namespace::new("llama", "bf16", "l4").unwrap().as_str(),
+            "llama/bf16/l4"
+        );
         assert!(Namespace::new("a/b", "bf16", "x").is_err());
         assert!(Namespace::new("", "bf16", "x").is_err());
         assert!(InstanceId::new("engine 0").is_err());

@@ -43,7 +43,9 @@ pub struct Node {
 
 impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Node").field("node_id", &self.inner.config.node_id).finish()
+        f.debug_struct("Node")
+            .field("node_id", &self.inner.config.node_id)
+            .finish()
     }
 }
 
@@ -75,7 +77,11 @@ impl Node {
         clock: Clock,
     ) -> Result<Self, NodeError> {
         config.validate()?;
-        let pool = HostPool::new(config.pool.size.0, config.pool.slot_bytes.0, config.pool.hugepages)?;
+        let pool = HostPool::new(
+            config.pool.size.0,
+            config.pool.slot_bytes.0,
+            config.pool.hugepages,
+        )?;
         let mut registrations = Vec::with_capacity(devices.len());
         for d in &devices {
             registrations.push(d.register_host(pool.base(), pool.memory().len(), false)?);
@@ -105,9 +111,12 @@ impl Node {
                 });
                 let _ = sys.run();
             })
-            .map_err(|_| NodeError::Stopped { what: "could not start the actor thread" })?;
-        let (keeper, store, registry, system) =
-            rx.recv().map_err(|_| NodeError::Stopped { what: "actor system failed to start" })?;
+            .map_err(|_| NodeError::Stopped {
+                what: "could not start the actor thread",
+            })?;
+        let (keeper, store, registry, system) = rx.recv().map_err(|_| NodeError::Stopped {
+            what: "actor system failed to start",
+        })?;
         Ok(Self {
             inner: Arc::new(Inner {
                 keeper,
@@ -143,7 +152,11 @@ impl Node {
     /// Unregisters an instance: no new load can start, its leases are released, and this
     /// returns once every transfer using it has drained. Replies with the leases released.
     pub async fn unregister_instance(&self, instance: InstanceId) -> Result<usize, NodeError> {
-        let drains = self.inner.registry.send(registry::Unregister(instance.clone())).await??;
+        let drains = self
+            .inner
+            .registry
+            .send(registry::Unregister(instance.clone()))
+            .await??;
         let released = self.inner.keeper.send(ReleaseInstance(instance)).await?;
         for d in drains {
             // An error means the sender dropped: drained all the same.
@@ -154,18 +167,40 @@ impl Node {
 
     /// Puts one rank's bytes of whole blocks from host memory.
     pub async fn put_blocks(&self, req: PutBlocks) -> Result<StoreReport, NodeError> {
-        let handle =
-            self.inner.registry.send(GetRank { instance: req.instance, rank: req.rank }).await??;
-        self.inner.store.send(store::Put { handle, blocks: req.blocks }).await?
+        let handle = self
+            .inner
+            .registry
+            .send(GetRank {
+                instance: req.instance,
+                rank: req.rank,
+            })
+            .await??;
+        self.inner
+            .store
+            .send(store::Put {
+                handle,
+                blocks: req.blocks,
+            })
+            .await?
     }
 
     /// Saves one rank's device KV blocks into host blocks.
     pub async fn save(&self, req: SaveRequest) -> Result<StoreReport, NodeError> {
-        let handle =
-            self.inner.registry.send(GetRank { instance: req.instance, rank: req.rank }).await??;
+        let handle = self
+            .inner
+            .registry
+            .send(GetRank {
+                instance: req.instance,
+                rank: req.rank,
+            })
+            .await??;
         self.inner
             .store
-            .send(store::Save { handle, hashes: req.hashes, src_blocks: req.src_blocks })
+            .send(store::Save {
+                handle,
+                hashes: req.hashes,
+                src_blocks: req.src_blocks,
+            })
             .await?
     }
 
@@ -182,7 +217,8 @@ impl Node {
     /// Loads one rank's share and waits for the transfer to finish.
     pub async fn load(&self, req: LoadRequest) -> Result<TransferReport, NodeError> {
         let rx = self.start_load(req).await?;
-        rx.await.map_err(|_| NodeError::Stopped { what: "transfer" })?
+        rx.await
+            .map_err(|_| NodeError::Stopped { what: "transfer" })?
     }
 
     /// Releases a lease whatever its ranks still owe.

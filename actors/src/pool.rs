@@ -98,7 +98,10 @@ impl HostPool {
         }
         let capacity = size / slot_bytes;
         if capacity == 0 {
-            return Err(PoolError::TooSmall { size, slot: slot_bytes });
+            return Err(PoolError::TooSmall {
+                size,
+                slot: slot_bytes,
+            });
         }
         let align = if hugepages { HUGE_PAGE } else { PAGE };
         let len = (capacity * slot_bytes).div_ceil(align) * align;
@@ -124,9 +127,15 @@ impl HostPool {
         let os = |op: &'static str| {
             let source = std::io::Error::last_os_error();
             if hugepages {
-                PoolError::Hugepages { reason: format!("{op}: {source}") }
+                PoolError::Hugepages {
+                    reason: format!("{op}: {source}"),
+                }
             } else {
-                PoolError::Os { op, size: len, source }
+                PoolError::Os {
+                    op,
+                    size: len,
+                    source,
+                }
             }
         };
         let mut flags = libc::MFD_CLOEXEC;
@@ -143,9 +152,15 @@ impl HostPool {
         let file = File::from(fd);
         file.set_len(len).map_err(|source| {
             if hugepages {
-                PoolError::Hugepages { reason: format!("ftruncate: {source}") }
+                PoolError::Hugepages {
+                    reason: format!("ftruncate: {source}"),
+                }
             } else {
-                PoolError::Os { op: "ftruncate", size: len, source }
+                PoolError::Os {
+                    op: "ftruncate",
+                    size: len,
+                    source,
+                }
             }
         })?;
         let fd = OwnedFd::from(file);
@@ -165,7 +180,11 @@ impl HostPool {
             return Err(os("mmap"));
         }
         Ok(Self {
-            mem: Arc::new(PoolMemory { base: base.cast(), len, fd }),
+            mem: Arc::new(PoolMemory {
+                base: base.cast(),
+                len,
+                fd,
+            }),
             slot_bytes,
             capacity: capacity as usize,
             hugepages,
@@ -176,7 +195,9 @@ impl HostPool {
     /// Takes a free slot.
     pub fn alloc(&mut self) -> Result<usize, PoolError> {
         if self.slots.len() >= self.capacity {
-            return Err(PoolError::Exhausted { capacity: self.capacity });
+            return Err(PoolError::Exhausted {
+                capacity: self.capacity,
+            });
         }
         Ok(self.slots.insert(()))
     }
@@ -269,7 +290,10 @@ mod tests {
         assert_eq!(p.capacity(), 4);
         assert_eq!(p.base() % 4096, 0, "page aligned");
         let s: Vec<usize> = (0..4).map(|_| p.alloc().unwrap()).collect();
-        assert!(matches!(p.alloc(), Err(PoolError::Exhausted { capacity: 4 })));
+        assert!(matches!(
+            p.alloc(),
+            Err(PoolError::Exhausted { capacity: 4 })
+        ));
         p.write(s[2], 10, b"hello");
         let mut out = [0u8; 5];
         p.read(s[2], 10, &mut out);
@@ -281,9 +305,18 @@ mod tests {
 
     #[test]
     fn bad_sizes_are_typed_errors() {
-        assert!(matches!(HostPool::new(100, 4096, false), Err(PoolError::TooSmall { .. })));
-        assert!(matches!(HostPool::new(1 << 20, 100, false), Err(PoolError::SlotSize(100))));
-        assert!(matches!(HostPool::new(1 << 20, 0, false), Err(PoolError::SlotSize(0))));
+        assert!(matches!(
+            HostPool::new(100, 4096, false),
+            Err(PoolError::TooSmall { .. })
+        ));
+        assert!(matches!(
+            HostPool::new(1 << 20, 100, false),
+            Err(PoolError::SlotSize(100))
+        ));
+        assert!(matches!(
+            HostPool::new(1 << 20, 0, false),
+            Err(PoolError::SlotSize(0))
+        ));
     }
 
     #[test]

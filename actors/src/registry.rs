@@ -52,7 +52,10 @@ pub struct InstanceRegistry {
 
 impl InstanceRegistry {
     pub fn new(devices: Vec<Arc<dyn Device>>) -> Self {
-        Self { devices, instances: HashMap::new() }
+        Self {
+            devices,
+            instances: HashMap::new(),
+        }
     }
 }
 
@@ -69,11 +72,14 @@ impl Handler<Register> for InstanceRegistry {
     type Result = Result<Namespace, NodeError>;
 
     fn handle(&mut self, Register(req): Register, _: &mut Context<Self>) -> Self::Result {
-        let device = self
-            .devices
-            .get(req.device as usize)
-            .cloned()
-            .ok_or(NodeError::NoSuchDevice { ordinal: req.device, count: self.devices.len() })?;
+        let device =
+            self.devices
+                .get(req.device as usize)
+                .cloned()
+                .ok_or(NodeError::NoSuchDevice {
+                    ordinal: req.device,
+                    count: self.devices.len(),
+                })?;
         let namespace = Namespace::new(&req.model, &req.dtype, &req.shape.fingerprint())?;
         if req.rank >= req.shape.tp_size() {
             return Err(NodeError::bad(format!(
@@ -92,7 +98,10 @@ impl Handler<Register> for InstanceRegistry {
                 });
             }
             if inst.ranks[req.rank as usize].is_some() {
-                return Err(NodeError::RankRegistered { instance: req.instance, rank: req.rank });
+                return Err(NodeError::RankRegistered {
+                    instance: req.instance,
+                    rank: req.rank,
+                });
             }
         }
         let layout = KvLayout::new_on(req.layout, &req.shape, device.as_ref())?;
@@ -106,11 +115,14 @@ impl Handler<Register> for InstanceRegistry {
             device,
             _drain: DrainSignal(Some(tx)),
         });
-        let inst = self.instances.entry(req.instance).or_insert_with(|| Instance {
-            namespace: namespace.clone(),
-            shape: req.shape,
-            ranks: (0..req.shape.tp_size()).map(|_| None).collect(),
-        });
+        let inst = self
+            .instances
+            .entry(req.instance)
+            .or_insert_with(|| Instance {
+                namespace: namespace.clone(),
+                shape: req.shape,
+                ranks: (0..req.shape.tp_size()).map(|_| None).collect(),
+            });
         inst.ranks[req.rank as usize] = Some((handle, rx));
         Ok(namespace)
     }
@@ -131,12 +143,17 @@ impl Handler<GetRank> for InstanceRegistry {
         let inst = self
             .instances
             .get(&m.instance)
-            .ok_or_else(|| NodeError::UnknownInstance { instance: m.instance.clone() })?;
+            .ok_or_else(|| NodeError::UnknownInstance {
+                instance: m.instance.clone(),
+            })?;
         inst.ranks
             .get(m.rank as usize)
             .and_then(|r| r.as_ref())
             .map(|(h, _)| Arc::clone(h))
-            .ok_or(NodeError::UnknownRank { instance: m.instance, rank: m.rank })
+            .ok_or(NodeError::UnknownRank {
+                instance: m.instance,
+                rank: m.rank,
+            })
     }
 }
 
@@ -166,8 +183,10 @@ impl Handler<Unregister> for InstanceRegistry {
     type Result = Result<Vec<oneshot::Receiver<()>>, NodeError>;
 
     fn handle(&mut self, m: Unregister, _: &mut Context<Self>) -> Self::Result {
-        let inst =
-            self.instances.remove(&m.0).ok_or(NodeError::UnknownInstance { instance: m.0 })?;
+        let inst = self
+            .instances
+            .remove(&m.0)
+            .ok_or(NodeError::UnknownInstance { instance: m.0 })?;
         // Dropping our handle here leaves only the transfers' clones.
         Ok(inst.ranks.into_iter().flatten().map(|(_, rx)| rx).collect())
     }

@@ -24,7 +24,10 @@ pub struct BlockStore {
 
 impl BlockStore {
     pub fn new(pool: HostPool, counters: Arc<Counters>) -> Self {
-        Self { cache: BlockCache::new(pool), counters }
+        Self {
+            cache: BlockCache::new(pool),
+            counters,
+        }
     }
 }
 
@@ -45,14 +48,19 @@ impl Drop for PinGuard {
     fn drop(&mut self) {
         let hashes = std::mem::take(&mut self.hashes);
         if !hashes.is_empty() {
-            self.store.do_send(Unpin { namespace: self.namespace.clone(), hashes });
+            self.store.do_send(Unpin {
+                namespace: self.namespace.clone(),
+                hashes,
+            });
         }
     }
 }
 
 impl std::fmt::Debug for PinGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PinGuard").field("blocks", &self.hashes.len()).finish()
+        f.debug_struct("PinGuard")
+            .field("blocks", &self.hashes.len())
+            .finish()
     }
 }
 
@@ -83,7 +91,10 @@ impl Handler<PinPrefix> for BlockStore {
                 _memory: Arc::clone(self.cache.pool().memory()),
             })
         });
-        actix::MessageResult(PinnedPrefix { blocks: Arc::new(blocks), guard })
+        actix::MessageResult(PinnedPrefix {
+            blocks: Arc::new(blocks),
+            guard,
+        })
     }
 }
 
@@ -163,7 +174,10 @@ struct WriteGuard {
 impl Drop for WriteGuard {
     fn drop(&mut self) {
         if self.armed {
-            self.store.do_send(Abort { namespace: self.namespace.clone(), hash: self.hash });
+            self.store.do_send(Abort {
+                namespace: self.namespace.clone(),
+                hash: self.hash,
+            });
         }
     }
 }
@@ -196,7 +210,10 @@ impl Handler<Commit> for BlockStore {
     type Result = usize;
 
     fn handle(&mut self, m: Commit, _: &mut Context<Self>) -> usize {
-        m.hashes.iter().filter(|h| self.cache.commit(&m.namespace, **h, m.rank)).count()
+        m.hashes
+            .iter()
+            .filter(|h| self.cache.commit(&m.namespace, **h, m.rank))
+            .count()
     }
 }
 
@@ -219,7 +236,10 @@ impl Handler<Save> for BlockStore {
             Ok(p) => p,
             Err(e) => return Box::pin(async move { Err(e) }),
         };
-        let mut report = StoreReport { present, ..Default::default() };
+        let mut report = StoreReport {
+            present,
+            ..Default::default()
+        };
         if guards.is_empty() {
             report.seconds = t0.elapsed().as_secs_f64();
             return Box::pin(async move { Ok(report) });
@@ -232,9 +252,15 @@ impl Handler<Save> for BlockStore {
             device: Arc::clone(&m.handle.device),
             list,
             blocks: guards.len(),
-            holds: vec![Box::new(Arc::clone(&m.handle)), Box::new(Arc::clone(self.cache.pool().memory()))],
+            holds: vec![
+                Box::new(Arc::clone(&m.handle)),
+                Box::new(Arc::clone(self.cache.pool().memory())),
+            ],
             on_success: None,
-            stages: vec![Stage { name: "plan", seconds: plan }],
+            stages: vec![Stage {
+                name: "plan",
+                seconds: plan,
+            }],
             started: t0,
             in_flight: InFlight::new(Arc::clone(&self.counters)),
         };
@@ -245,9 +271,17 @@ impl Handler<Save> for BlockStore {
             // The guards stay here until the copies are done: the blocks cannot be evicted
             // or reused while the device writes them.
             let mut guards = guards;
-            let done = rx.await.map_err(|_| NodeError::Stopped { what: "save transfer" })??;
+            let done = rx.await.map_err(|_| NodeError::Stopped {
+                what: "save transfer",
+            })??;
             let hashes: Vec<BlockHash> = guards.iter().map(|g| g.hash).collect();
-            report.sealed = store.send(Commit { namespace, rank, hashes }).await?;
+            report.sealed = store
+                .send(Commit {
+                    namespace,
+                    rank,
+                    hashes,
+                })
+                .await?;
             for g in &mut guards {
                 g.armed = false;
             }

@@ -83,13 +83,19 @@ impl Transfer {
     }
 
     fn finish(&mut self, result: Result<CopyStats, DeviceError>, ctx: &mut Context<Self>) {
-        let copy_seconds = self.submitted.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+        let copy_seconds = self
+            .submitted
+            .map(|t| t.elapsed().as_secs_f64())
+            .unwrap_or(0.0);
         let out = match result {
             Ok(stats) => {
                 if let Some(f) = self.on_success.take() {
                     f();
                 }
-                self.stages.push(Stage { name: self.copy_stage(), seconds: copy_seconds });
+                self.stages.push(Stage {
+                    name: self.copy_stage(),
+                    seconds: copy_seconds,
+                });
                 Ok(TransferReport {
                     path: self.path,
                     blocks: self.blocks,
@@ -99,7 +105,10 @@ impl Transfer {
                     stages: std::mem::take(&mut self.stages),
                 })
             }
-            Err(source) => Err(NodeError::Transfer { path: self.path, source }),
+            Err(source) => Err(NodeError::Transfer {
+                path: self.path,
+                source,
+            }),
         };
         if self.dir == CopyDirection::HostToDevice {
             if let Some(f) = &self.in_flight {
@@ -159,7 +168,9 @@ impl Actor for Transfer {
         match unsafe { self.device.submit(self.dir, list) } {
             Ok(ev) => {
                 self.pending = Some(ev);
-                ctx.spawn(actix::fut::ActorFutureExt::map(AwaitCopy, |r, act, ctx| act.finish(r, ctx)));
+                ctx.spawn(actix::fut::ActorFutureExt::map(AwaitCopy, |r, act, ctx| {
+                    act.finish(r, ctx)
+                }));
             }
             Err(e) => self.finish(Err(e), ctx),
         }
@@ -175,11 +186,13 @@ impl Drop for Transfer {
             // holds leak, which is safe, instead of freeing memory a copy may still use.
             let holds = std::mem::ManuallyDrop::new(std::mem::take(&mut self.holds));
             let in_flight = self.in_flight.take();
-            let _ = std::thread::Builder::new().name("kvferry-drain".into()).spawn(move || {
-                let _ = ev.wait_blocking();
-                drop(std::mem::ManuallyDrop::into_inner(holds));
-                drop(in_flight);
-            });
+            let _ = std::thread::Builder::new()
+                .name("kvferry-drain".into())
+                .spawn(move || {
+                    let _ = ev.wait_blocking();
+                    drop(std::mem::ManuallyDrop::into_inner(holds));
+                    drop(in_flight);
+                });
         }
     }
 }

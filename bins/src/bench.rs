@@ -88,13 +88,26 @@ async fn register(node: &Node, name: &str, kv: &DeviceKv) -> anyhow::Result<Inst
     Ok(instance)
 }
 
-async fn put(node: &Node, instance: &InstanceId, shape: &KvShape, n: u32) -> anyhow::Result<Vec<BlockHash>> {
+async fn put(
+    node: &Node,
+    instance: &InstanceId,
+    shape: &KvShape,
+    n: u32,
+) -> anyhow::Result<Vec<BlockHash>> {
     let hashes: Vec<BlockHash> = (0..u64::from(n)).map(BlockHash::from_u64).collect();
     for chunk in hashes.chunks(64).enumerate() {
         let (c, hs) = chunk;
-        let blocks =
-            hs.iter().enumerate().map(|(i, h)| (*h, rank_part(shape, (c * 64 + i) as u64, 0))).collect();
-        node.put_blocks(PutBlocks { instance: instance.clone(), rank: 0, blocks }).await?;
+        let blocks = hs
+            .iter()
+            .enumerate()
+            .map(|(i, h)| (*h, rank_part(shape, (c * 64 + i) as u64, 0)))
+            .collect();
+        node.put_blocks(PutBlocks {
+            instance: instance.clone(),
+            rank: 0,
+            blocks,
+        })
+        .await?;
     }
     Ok(hashes)
 }
@@ -102,12 +115,22 @@ async fn put(node: &Node, instance: &InstanceId, shape: &KvShape, n: u32) -> any
 fn local(a: LocalArgs) -> anyhow::Result<()> {
     let devices = open(&a.device)?;
     let device = Arc::clone(&devices[0]);
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
 
     // 1. Query + lease for a long prefix, in process.
-    progress(a.json, &format!("query + lease, {}-block prefix", a.query_blocks));
+    progress(
+        a.json,
+        &format!("query + lease, {}-block prefix", a.query_blocks),
+    );
     let qshape = KvShape::new(2, 1, 2, 512)?;
-    let qnode = node(qshape.block_bytes(), u64::from(a.query_blocks), devices.clone())?;
+    let qnode = node(
+        qshape.block_bytes(),
+        u64::from(a.query_blocks),
+        devices.clone(),
+    )?;
     let qkv = DeviceKv::alloc(Arc::clone(&device), qshape, KvKind::Split, 4, 512, 0)?;
     let mut query_us = rt.block_on(async {
         let inst = register(&qnode, "bench-query", &qkv).await?;
@@ -116,7 +139,11 @@ fn local(a: LocalArgs) -> anyhow::Result<()> {
         for i in 0..(a.iters * 20).max(50) {
             let t = Instant::now();
             let q = qnode
-                .query(QueryRequest { instance: inst.clone(), hashes: hashes.clone(), direct_gpu: false })
+                .query(QueryRequest {
+                    instance: inst.clone(),
+                    hashes: hashes.clone(),
+                    direct_gpu: false,
+                })
                 .await?;
             let dt = t.elapsed().as_secs_f64();
             if q.local_blocks != a.query_blocks as usize {
@@ -141,10 +168,21 @@ fn local(a: LocalArgs) -> anyhow::Result<()> {
     let bytes = u64::from(a.blocks) * shape.rank_bytes();
     progress(
         a.json,
-        &format!("local load, {} blocks x 28 layers x split K/V x 64 KiB = {} MiB", a.blocks, bytes >> 20),
+        &format!(
+            "local load, {} blocks x 28 layers x split K/V x 64 KiB = {} MiB",
+            a.blocks,
+            bytes >> 20
+        ),
     );
     let lnode = node(shape.block_bytes(), u64::from(a.blocks), devices.clone())?;
-    let kv = DeviceKv::alloc(Arc::clone(&device), shape, KvKind::Split, a.blocks * 3, 64 << 10, 0)?;
+    let kv = DeviceKv::alloc(
+        Arc::clone(&device),
+        shape,
+        KvKind::Split,
+        a.blocks * 3,
+        64 << 10,
+        0,
+    )?;
     let dest: Vec<u32> = (0..a.blocks).map(|i| i * 3 + 1).collect();
     let mut baseline = Baseline::new(device.as_ref(), bytes)?;
     let (mut load_s, mut base_s, copies) = rt.block_on(async {
@@ -153,12 +191,21 @@ fn local(a: LocalArgs) -> anyhow::Result<()> {
         let (mut l, mut b, mut copies) = (Vec::new(), Vec::new(), 0);
         for i in 0..a.iters + 2 {
             let q = lnode
-                .query(QueryRequest { instance: inst.clone(), hashes: hashes.clone(), direct_gpu: false })
+                .query(QueryRequest {
+                    instance: inst.clone(),
+                    hashes: hashes.clone(),
+                    direct_gpu: false,
+                })
                 .await?;
             let lease = q.lease.context("no lease")?;
             let t = Instant::now();
             let r = lnode
-                .load(LoadRequest { lease, instance: inst.clone(), rank: 0, dest_blocks: dest.clone() })
+                .load(LoadRequest {
+                    lease,
+                    instance: inst.clone(),
+                    rank: 0,
+                    dest_blocks: dest.clone(),
+                })
                 .await?;
             let dt = t.elapsed().as_secs_f64();
             copies = r.copies;
@@ -167,7 +214,14 @@ fn local(a: LocalArgs) -> anyhow::Result<()> {
                 l.push(dt);
                 b.push(bt);
             }
-            progress(a.json, &format!("  iter {i}: load {:.2} GB/s, baseline {:.2} GB/s", bytes as f64 / dt / 1e9, bytes as f64 / bt / 1e9));
+            progress(
+                a.json,
+                &format!(
+                    "  iter {i}: load {:.2} GB/s, baseline {:.2} GB/s",
+                    bytes as f64 / dt / 1e9,
+                    bytes as f64 / bt / 1e9
+                ),
+            );
         }
         let s = lnode.stats().await?;
         if s.leases_live != 0 || s.pinned_blocks != 0 || s.transfers_in_flight != 0 {
@@ -175,7 +229,11 @@ fn local(a: LocalArgs) -> anyhow::Result<()> {
         }
         Ok::<_, anyhow::Error>((l, b, copies))
     })?;
-    let expected: Vec<(u32, u64)> = dest.iter().enumerate().map(|(i, d)| (*d, i as u64)).collect();
+    let expected: Vec<(u32, u64)> = dest
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (*d, i as u64))
+        .collect();
     let verified = kv.verify(&expected, 0);
     lnode.shutdown();
     let (lm, bm) = (median(&mut load_s), median(&mut base_s));
@@ -203,16 +261,30 @@ fn local(a: LocalArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!("device: {}", device.name());
-        println!("query + lease, {}-block prefix: median {:.1} us", a.query_blocks, q_median);
+        println!(
+            "query + lease, {}-block prefix: median {:.1} us",
+            a.query_blocks, q_median
+        );
         println!(
             "local load, {} MiB in {copies} copies: median {:.3} ms ({:.2} GB/s)",
             bytes >> 20,
             lm * 1e3,
             bytes as f64 / lm / 1e9
         );
-        println!("{}: median {:.3} ms ({:.2} GB/s)", baseline.name(), bm * 1e3, bytes as f64 / bm / 1e9);
+        println!(
+            "{}: median {:.3} ms ({:.2} GB/s)",
+            baseline.name(),
+            bm * 1e3,
+            bytes as f64 / bm / 1e9
+        );
         println!("ratio load / baseline: {ratio:.3}");
-        println!("verified: {}", verified.as_ref().map(|_| "ok".to_string()).unwrap_or_else(|e| e.clone()));
+        println!(
+            "verified: {}",
+            verified
+                .as_ref()
+                .map(|_| "ok".to_string())
+                .unwrap_or_else(|e| e.clone())
+        );
     }
     if let Err(e) = verified {
         bail!("verification failed: {e}");

@@ -35,12 +35,18 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let devices = crate::bench::open(&args.device)?;
     let device = Arc::clone(&devices[0]);
     let node = Node::start_with(cfg, devices, Clock::system()).context("starting the node")?;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
     let result = rt.block_on(demo(&node, device));
     node.shutdown();
     let (report, verified, lease) = result?;
-    let stages: serde_json::Map<String, serde_json::Value> =
-        report.stages.iter().map(|s| (s.name.to_string(), json!(s.seconds))).collect();
+    let stages: serde_json::Map<String, serde_json::Value> = report
+        .stages
+        .iter()
+        .map(|s| (s.name.to_string(), json!(s.seconds)))
+        .collect();
     if args.json {
         let out = json!({
             "verified": verified.is_ok(),
@@ -61,7 +67,10 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     } else {
         println!("kvferry demo on {}", node_device_name(&node));
         println!("  put      {BLOCKS} blocks (4 layers, TP 1, split K/V, 32 KiB segments)");
-        println!("  query    {BLOCKS} hashes -> lease {lease}: {} local, 0 remote", report.blocks);
+        println!(
+            "  query    {BLOCKS} hashes -> lease {lease}: {} local, 0 remote",
+            report.blocks
+        );
         println!(
             "  load     {} bytes in {} copies to device blocks {:?}",
             report.bytes, report.copies, DEST
@@ -107,16 +116,38 @@ async fn demo(
     })
     .await?;
     let hashes: Vec<BlockHash> = (0..BLOCKS).map(BlockHash::from_u64).collect();
-    let blocks = hashes.iter().enumerate().map(|(i, h)| (*h, rank_part(&shape, i as u64, 0))).collect();
-    node.put_blocks(PutBlocks { instance: instance.clone(), rank: 0, blocks }).await?;
+    let blocks = hashes
+        .iter()
+        .enumerate()
+        .map(|(i, h)| (*h, rank_part(&shape, i as u64, 0)))
+        .collect();
+    node.put_blocks(PutBlocks {
+        instance: instance.clone(),
+        rank: 0,
+        blocks,
+    })
+    .await?;
     let q = node
-        .query(QueryRequest { instance: instance.clone(), hashes, direct_gpu: false })
+        .query(QueryRequest {
+            instance: instance.clone(),
+            hashes,
+            direct_gpu: false,
+        })
         .await?;
     let lease = q.lease.context("the demo's blocks did not hit")?;
     let report = node
-        .load(LoadRequest { lease, instance: instance.clone(), rank: 0, dest_blocks: DEST.to_vec() })
+        .load(LoadRequest {
+            lease,
+            instance: instance.clone(),
+            rank: 0,
+            dest_blocks: DEST.to_vec(),
+        })
         .await?;
-    let expected: Vec<(u32, u64)> = DEST.iter().enumerate().map(|(i, d)| (*d, i as u64)).collect();
+    let expected: Vec<(u32, u64)> = DEST
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (*d, i as u64))
+        .collect();
     let verified = kv.verify(&expected, 0);
     node.unregister_instance(instance).await?;
     Ok((report, verified, lease.to_hex()))

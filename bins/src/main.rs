@@ -8,7 +8,11 @@ use clap::{Parser, Subcommand};
 use kvferry_actors::{Node, NodeConfig};
 
 #[derive(Parser)]
-#[command(name = "kvferry", version, about = "KV-cache blocks from host RAM and peers into GPU KV")]
+#[command(
+    name = "kvferry",
+    version,
+    about = "KV-cache blocks from host RAM and peers into GPU KV"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -34,15 +38,23 @@ enum Cmd {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Node { config, check_config } => {
+        Cmd::Node {
+            config,
+            check_config,
+        } => {
             let cfg = NodeConfig::load(&config)?;
             if check_config {
                 println!("{config}: ok");
                 return Ok(());
             }
             let node = Node::start(cfg).context("starting the node")?;
-            eprintln!("kvferry node {} running; Ctrl-C to stop", node.config().node_id);
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            eprintln!(
+                "kvferry node {} running; Ctrl-C to stop",
+                node.config().node_id
+            );
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
             rt.block_on(tokio::signal::ctrl_c())?;
             node.shutdown();
             Ok(())

@@ -1,1 +1,102 @@
-//! Shared helpers for the integration tests.
+//! Shared helpers for the integration tests: a node over a host-emulated device, instances
+//! with canaried device KV, and gauge checks.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvferry_actors::config::ByteSize;
+use kvferry_actors::fixture::{rank_part, DeviceKv, KvKind};
+use kvferry_actors::{
+    BlockHash, Clock, InstanceId, Node, NodeConfig, PutBlocks, RegisterInstance, Stats,
+};
+use kvferry_gpu::{Device, HostDevice, KvShape};
+
+pub fn config(slot: u64, slots: u64) -> NodeConfig {
+    let mut cfg = NodeConfig::default();
+    cfg.node_id = "test".into();
+    cfg.pool.slot_bytes = ByteSize(slot);
+    cfg.pool.size = ByteSize(slot * slots);
+    cfg
+}
+
+/// A node over one host-emulated device.
+pub fn node(slot: u64, slots: u64, clock: Clock) -> (Node, Arc<dyn Device>) {
+    let dev: Arc<dyn Device> = HostDevice::new(0);
+    let node = Node::start_with(config(slot, slots), vec![Arc::clone(&dev)], clock).unwrap();
+    (node, dev)
+}
+
+pub fn hashes(range: std::ops::Range<u64>) -> Vec<BlockHash> {
+    range.map(BlockHash::from_u64).collect()
+}
+
+/// Registers `rank` of `instance` over freshly allocated device KV.
+pub async fn register(
+    node: &Node,
+    dev: &Arc<dyn Device>,
+    instance: &str,
+    shape: KvShape,
+    rank: u32,
+    kind: KvKind,
+    num_blocks: u32,
+    view_offset: u64,
+) -> DeviceKv {
+    let kv = DeviceKv::alloc(
+        Arc::clone(dev),
+        shape,
+        kind,
+        num_blocks,
+        shape.segment_bytes(),
+        view_offset,
+    )
+    .unwrap();
+    node.register_instance(RegisterInstance {
+        instance: InstanceId::new(instance).unwrap(),
+        model: "m".into(),
+        dtype: "bf16".into(),
+        shape,
+        rank,
+        device: 0,
+        layout: kv.spec(),
+    })
+    .await
+    .unwrap();
+    kv
+}
+
+/// Puts pattern blocks `ids` (pattern block = hash value) for one rank.
+pub async fn put(
+    node: &Node,
+    instance: &str,
+    shape: &KvShape,
+    rank: u32,
+    ids: std::ops::Range<u64>,
+) {
+    let blocks = ids
+        .map(|i| (BlockHash::from_u64(i), rank_part(shape, i, rank)))
+        .collect();
+    node.put_blocks(PutBlocks {
+        instance: InstanceId::new(instance).unwrap(),
+        rank,
+        blocks,
+    })
+    .await
+    .unwrap();
+}
+
+pub fn id(s: &str) -> InstanceId {
+    InstanceId::new(s).unwrap()
+}
+
+/// Waits (briefly) until the leak gauges are back to zero, then returns the stats.
+pub async fn settled(node: &Node) -> Stats {
+    for _ in 0..200 {
+        let s = node.stats().await.unwrap();
+        if s.leases_live == 0 && s.pinned_blocks == 0 && s.pins == 0 && s.transfers_in_flight == 0 {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let s = node.stats().await.unwrap();
+    panic!("gauges did not return to zero: {s:?}");
+}
