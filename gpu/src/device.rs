@@ -43,19 +43,44 @@ pub enum DeviceError {
     #[error("device {ordinal} does not exist ({count} present)")]
     NoSuchDevice { ordinal: u32, count: u32 },
     #[error("allocation of {bytes} bytes on device {ordinal} failed: {reason}")]
-    Alloc { ordinal: u32, bytes: u64, reason: String },
+    Alloc {
+        ordinal: u32,
+        bytes: u64,
+        reason: String,
+    },
     #[error("range {ptr:#x}+{len} is not inside one allocation of device {ordinal}")]
     NotDeviceMemory { ordinal: u32, ptr: u64, len: u64 },
     #[error("range {ptr:#x}+{len} is device memory of ordinal {found}, expected {ordinal}")]
-    WrongDevice { ordinal: u32, found: u32, ptr: u64, len: u64 },
+    WrongDevice {
+        ordinal: u32,
+        found: u32,
+        ptr: u64,
+        len: u64,
+    },
     #[error("host registration of {addr:#x}+{len} failed: {reason}")]
     HostRegister { addr: u64, len: u64, reason: String },
     #[error("copy batch of {ops} ops failed on device {ordinal}: {reason}")]
-    Copy { ordinal: u32, ops: usize, reason: String },
+    Copy {
+        ordinal: u32,
+        ops: usize,
+        reason: String,
+    },
     #[error("{what} is not supported by this device: {reason}")]
     Unsupported { what: &'static str, reason: String },
     #[error("device {ordinal} copy engine stopped")]
     Stopped { ordinal: u32 },
+    #[error("device {ordinal}: {call} failed: {reason}")]
+    Driver {
+        ordinal: u32,
+        call: &'static str,
+        reason: String,
+    },
+    #[error("device {ordinal}: importing {what} failed: {reason}")]
+    Import {
+        ordinal: u32,
+        what: &'static str,
+        reason: String,
+    },
 }
 
 /// What one completed batch did.
@@ -87,9 +112,9 @@ impl CopyEvent {
         match self.rx.try_recv() {
             Ok(r) => Some(r),
             Err(oneshot::error::TryRecvError::Empty) => None,
-            Err(oneshot::error::TryRecvError::Closed) => {
-                Some(Err(DeviceError::Stopped { ordinal: self.ordinal }))
-            }
+            Err(oneshot::error::TryRecvError::Closed) => Some(Err(DeviceError::Stopped {
+                ordinal: self.ordinal,
+            })),
         }
     }
 }
@@ -99,13 +124,17 @@ impl CopyEvent {
     /// async runtime (draining a batch whose owner is being torn down).
     pub fn wait_blocking(self) -> Result<CopyStats, DeviceError> {
         let ordinal = self.ordinal;
-        self.rx.blocking_recv().unwrap_or(Err(DeviceError::Stopped { ordinal }))
+        self.rx
+            .blocking_recv()
+            .unwrap_or(Err(DeviceError::Stopped { ordinal }))
     }
 }
 
 impl fmt::Debug for CopyEvent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CopyEvent").field("ordinal", &self.ordinal).finish()
+        f.debug_struct("CopyEvent")
+            .field("ordinal", &self.ordinal)
+            .finish()
     }
 }
 
@@ -136,7 +165,12 @@ pub struct DeviceBuffer {
 
 impl DeviceBuffer {
     pub fn new(ptr: u64, len: u64, ordinal: u32, owner: Box<dyn Release>) -> Self {
-        Self { ptr, len, ordinal, owner }
+        Self {
+            ptr,
+            len,
+            ordinal,
+            owner,
+        }
     }
 
     pub fn ptr(&self) -> u64 {
@@ -199,7 +233,80 @@ impl Drop for HostRegistration {
 
 impl fmt::Debug for HostRegistration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HostRegistration").field("active", &self.owner.is_some()).finish()
+        f.debug_struct("HostRegistration")
+            .field("active", &self.owner.is_some())
+            .finish()
+    }
+}
+
+/// What a device can do beyond the basics every backend has. Missing capabilities are not
+/// errors: callers pick another path (staged instead of direct loads, say) and log `notes`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeviceCaps {
+    /// Device memory can be exported as a DMA-BUF fd ([`Device::export_dmabuf`]).
+    pub dmabuf_export: bool,
+    /// Allocations of other processes can be mapped by CUDA IPC handle ([`Device::import_ipc`]).
+    pub ipc_import: bool,
+    /// Host memory can be registered read-only (same-host peer pools).
+    pub read_only_host_register: bool,
+    /// Fragmented batches run as one gather/scatter kernel launch.
+    pub gather_kernel: bool,
+    /// The driver's batched copy call is available.
+    pub batch_copy: bool,
+    /// [`Device::flush_direct_writes`] does work on this device (otherwise a no-op).
+    pub direct_write_flush: bool,
+    /// Why capabilities are missing, one line each.
+    pub notes: Vec<String>,
+}
+
+/// A DMA-BUF fd covering `[base, base + len)` of device memory, as this process addresses it;
+/// what a NIC registers for direct (GPUDirect RDMA) writes. Closing happens on drop.
+#[derive(Debug)]
+pub struct DmaBuf {
+    fd: std::os::fd::OwnedFd,
+    base: u64,
+    len: u64,
+    ordinal: u32,
+}
+
+impl DmaBuf {
+    pub fn new(fd: std::os::fd::OwnedFd, base: u64, len: u64, ordinal: u32) -> Self {
+        Self {
+            fd,
+            base,
+            len,
+            ordinal,
+        }
+    }
+
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.fd.as_fd()
+    }
+
+    /// Device address of byte 0 of the buffer.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn ordinal(&self) -> u32 {
+        self.ordinal
+    }
+
+    /// Offset inside the buffer of `[ptr, ptr + len)`, where the range lies inside it (the
+    /// `offset` argument of `ibv_reg_dmabuf_mr`).
+    pub fn offset_of(&self, ptr: u64, len: u64) -> Option<u64> {
+        let end = ptr.checked_add(len)?;
+        (ptr >= self.base && end <= self.base + self.len).then(|| ptr - self.base)
     }
 }
 
@@ -232,15 +339,57 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// # Safety
     /// Every host-side range in `list` must stay valid (mapped, and not written by anyone else
     /// for a device-to-host batch) until the returned event has resolved.
-    unsafe fn submit(
-        &self,
-        dir: CopyDirection,
-        list: CopyList,
-    ) -> Result<CopyEvent, DeviceError>;
+    unsafe fn submit(&self, dir: CopyDirection, list: CopyList) -> Result<CopyEvent, DeviceError>;
 
     /// Synchronous write into device memory (setup and verification, not the data path).
     fn write(&self, dst: u64, data: &[u8]) -> Result<(), DeviceError>;
 
     /// Synchronous read of device memory (setup and verification, not the data path).
     fn read(&self, src: u64, out: &mut [u8]) -> Result<(), DeviceError>;
+
+    /// What this device supports beyond the required methods.
+    fn capabilities(&self) -> DeviceCaps {
+        DeviceCaps::default()
+    }
+
+    /// Maps an allocation that another process exported with a CUDA IPC handle (64 bytes).
+    /// The buffer starts at the exporter's allocation base (add the exporter's offset) and
+    /// unmaps on drop.
+    fn import_ipc(&self, _handle: &[u8]) -> Result<DeviceBuffer, DeviceError> {
+        Err(DeviceError::Unsupported {
+            what: "CUDA IPC import",
+            reason: self.kind().as_str().into(),
+        })
+    }
+
+    /// Exports device memory this process owns as a DMA-BUF: the returned buffer covers the
+    /// page-aligned span around `[ptr, ptr + len)` inside one allocation.
+    fn export_dmabuf(&self, _ptr: u64, _len: u64) -> Result<DmaBuf, DeviceError> {
+        Err(DeviceError::Unsupported {
+            what: "DMA-BUF export",
+            reason: self.kind().as_str().into(),
+        })
+    }
+
+    /// Accepts a DMA-BUF fd exported by the process that owns the memory, covering
+    /// `[base, base + len)` as this process addresses it (an IPC mapping, say). The fd is
+    /// checked to be a DMA-BUF of at least `len` bytes and the range to be this device's.
+    fn import_dmabuf(
+        &self,
+        _fd: std::os::fd::OwnedFd,
+        _base: u64,
+        _len: u64,
+    ) -> Result<DmaBuf, DeviceError> {
+        Err(DeviceError::Unsupported {
+            what: "DMA-BUF import",
+            reason: self.kind().as_str().into(),
+        })
+    }
+
+    /// Makes direct (GPUDirect RDMA) writes that have completed at the NIC visible to device
+    /// work submitted afterwards. Call after a direct load's last completion, before telling
+    /// the engine. A no-op where the platform needs none.
+    fn flush_direct_writes(&self) -> Result<(), DeviceError> {
+        Ok(())
+    }
 }

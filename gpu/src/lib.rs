@@ -5,6 +5,7 @@
 //! and fail with a typed error where none is present.
 
 mod copy;
+pub mod cuda;
 mod device;
 mod host;
 mod layout;
@@ -12,9 +13,10 @@ mod shape;
 
 pub use copy::{CopyList, CopyOp};
 pub use device::{
-    CopyDirection, CopyEvent, CopyStats, Device, DeviceBuffer, DeviceError, DeviceKind,
-    HostRegistration,
+    CopyDirection, CopyEvent, CopyStats, Device, DeviceBuffer, DeviceCaps, DeviceError, DeviceKind,
+    DmaBuf, HostRegistration,
 };
+pub use cuda::{open_device, CudaDevice};
 pub use host::HostDevice;
 pub use layout::{GroupKind, KvLayout, KvLayoutSpec, LayerLayout, LayoutError};
 pub use shape::{KvShape, ShapeError};

@@ -1,0 +1,768 @@
+//! [`CudaDevice`]: one GPU through the driver API, with a dedicated stream and completion
+//! thread per copy direction.
+
+use std::collections::BTreeMap;
+use std::ffi::c_void;
+use std::fmt;
+use std::os::fd::OwnedFd;
+use std::sync::{mpsc, Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use cudarc::driver::sys::CUdevice_attribute as Attr;
+use tokio::sync::oneshot;
+
+use crate::device::Release;
+use crate::{
+    CopyDirection, CopyEvent, CopyList, CopyStats, Device, DeviceBuffer, DeviceCaps, DeviceError,
+    DeviceKind, DmaBuf, HostRegistration,
+};
+
+use super::error::CudaError;
+use super::ffi;
+use super::kernel::{Desc, GatherKernel};
+use super::plan::{plan, CopyPath, HostMap, Plan, Resolver};
+
+/// How a [`CudaDevice`] issues copies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CudaOptions {
+    pub copy_path: CopyPath,
+}
+
+impl CudaOptions {
+    pub fn with_copy_path(copy_path: CopyPath) -> Self {
+        Self { copy_path }
+    }
+}
+
+/// A CUDA IPC handle of one allocation and the offset of the exported address inside it: what
+/// an engine worker sends so that kvferry can map its KV tensors ([`Device::import_ipc`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpcHandle {
+    pub bytes: [u8; 64],
+    pub offset: u64,
+}
+
+/// One NVIDIA GPU. Copies run on two non-blocking streams (host→device and device→host); a
+/// thread per stream waits on each batch's event and completes its [`CopyEvent`], so no
+/// caller ever blocks on the GPU.
+pub struct CudaDevice {
+    inner: Arc<Inner>,
+    lanes: [Lane; 2],
+}
+
+struct Lane {
+    tx: Mutex<Option<mpsc::Sender<Pending>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// Everything that must outlive the device handle while buffers, registrations or in-flight
+/// batches still use it; dropped (streams destroyed, context released) with the last of them.
+struct Inner {
+    ordinal: u32,
+    ctx: ffi::CUcontext,
+    dev: ffi::CUdevice,
+    name: String,
+    sm_count: u32,
+    caps: DeviceCaps,
+    options: CudaOptions,
+    kernel: Option<GatherKernel>,
+    streams: Vec<ffi::CUstream>,
+    events: Mutex<Vec<ffi::CUevent>>,
+    descs: Mutex<Vec<PinnedDescs>>,
+    /// Registered host spans: start → mapping.
+    hosts: RwLock<BTreeMap<u64, HostMap>>,
+    /// Errors of teardown (frees, unregistrations) that had no caller to return them to.
+    teardown: Mutex<Vec<DeviceError>>,
+}
+
+// SAFETY: the raw handles (context, streams, events, module) are driver objects usable from
+// any thread once the context is bound there, which every entry point does first (`bind`);
+// the mutable collections are behind locks; streams are only enqueued under the lane lock.
+unsafe impl Send for Inner {}
+// SAFETY: as above; shared access only reads the handles or goes through the locks.
+unsafe impl Sync for Inner {}
+
+/// A pinned, device-mapped array of kernel descriptors, reused across batches.
+struct PinnedDescs {
+    host: *mut Desc,
+    cap: usize,
+    device: u64,
+}
+
+// SAFETY: plain pinned memory owned by exactly one batch (or the pool) at a time; moving it
+// between the submitting thread and the lane thread is the hand-over.
+unsafe impl Send for PinnedDescs {}
+
+struct Pending {
+    event: Option<ffi::CUevent>,
+    done: oneshot::Sender<Result<CopyStats, DeviceError>>,
+    submitted: Instant,
+    bytes: u64,
+    ops: usize,
+    descs: Option<PinnedDescs>,
+    error: Option<DeviceError>,
+}
+
+// SAFETY: the event handle is handed from the submitting thread to the lane thread, which is
+// then its only user; driver handles are valid from any thread of the bound context.
+unsafe impl Send for Pending {}
+
+fn no_driver(e: CudaError) -> DeviceError {
+    DeviceError::NoDriver { reason: e.to_string() }
+}
+
+/// True where the CUDA driver library can be loaded (says nothing about GPUs).
+pub fn driver_present() -> bool {
+    ffi::init().is_ok() || ffi::has_symbol("cuInit")
+}
+
+impl CudaDevice {
+    /// Opens GPU `ordinal` with default options. Fails with [`DeviceError::NoDriver`] where
+    /// no driver is installed and [`DeviceError::NoSuchDevice`] where the GPU is missing.
+    pub fn open(ordinal: u32) -> Result<Arc<Self>, DeviceError> {
+        Self::open_with(ordinal, CudaOptions::default())
+    }
+
+    pub fn open_with(ordinal: u32, options: CudaOptions) -> Result<Arc<Self>, DeviceError> {
+        ffi::init().map_err(no_driver)?;
+        let count = ffi::device_count().map_err(no_driver)?;
+        if ordinal >= count.max(0) as u32 {
+            return Err(DeviceError::NoSuchDevice { ordinal, count: count.max(0) as u32 });
+        }
+        let drv = |call: &'static str| move |e: CudaError| DeviceError::Driver {
+            ordinal,
+            call,
+            reason: e.to_string(),
+        };
+        let dev = ffi::device_get(ordinal as i32).map_err(drv("cuDeviceGet"))?;
+        let name = ffi::device_name(dev).map_err(drv("cuDeviceGetName"))?;
+        let sm_count = ffi::device_attribute(dev, Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(drv("cuDeviceGetAttribute"))? as u32;
+        let ctx = ffi::primary_ctx_retain(dev).map_err(drv("cuDevicePrimaryCtxRetain"))?;
+        let mut inner = Inner {
+            ordinal,
+            ctx,
+            dev,
+            name,
+            sm_count,
+            caps: DeviceCaps::default(),
+            options,
+            kernel: None,
+            streams: Vec::new(),
+            events: Mutex::new(Vec::new()),
+            descs: Mutex::new(Vec::new()),
+            hosts: RwLock::new(BTreeMap::new()),
+            teardown: Mutex::new(Vec::new()),
+        };
+        // From here on, dropping `inner` releases whatever was set up.
+        inner.bind()?;
+        for _ in 0..2 {
+            inner.streams.push(ffi::stream_create().map_err(drv("cuStreamCreate"))?);
+        }
+        inner.caps = probe_caps(dev);
+        match GatherKernel::load() {
+            Ok(k) => {
+                inner.kernel = Some(k);
+                inner.caps.gather_kernel = true;
+            }
+            Err(e) => inner.caps.notes.push(format!("gather kernel unavailable: {e}")),
+        }
+        let inner = Arc::new(inner);
+        let lanes = [Lane::start(&inner, 0)?, Lane::start(&inner, 1)?];
+        Ok(Arc::new(Self { inner, lanes }))
+    }
+
+    /// The CUDA IPC handle of the allocation holding `ptr` (the exporting side; engine
+    /// workers normally do this through their framework).
+    pub fn ipc_handle(&self, ptr: u64) -> Result<IpcHandle, DeviceError> {
+        self.inner.bind()?;
+        let (start, _) = self.inner.device_alloc(ptr, 1)?;
+        let bytes = ffi::ipc_get_handle(start).map_err(|e| self.inner.driver("cuIpcGetMemHandle", e))?;
+        Ok(IpcHandle { bytes, offset: ptr - start })
+    }
+
+    /// Errors that teardown (freeing, unmapping, unregistering) met since the last call.
+    pub fn take_teardown_errors(&self) -> Vec<DeviceError> {
+        match self.inner.teardown.lock() {
+            Ok(mut v) => std::mem::take(&mut *v),
+            Err(p) => std::mem::take(&mut *p.into_inner()),
+        }
+    }
+
+    /// The driver's CUDA version (13000 for 13.0).
+    pub fn driver_version(&self) -> Result<i32, DeviceError> {
+        ffi::driver_version().map_err(|e| self.inner.driver("cuDriverGetVersion", e))
+    }
+
+    pub fn options(&self) -> CudaOptions {
+        self.inner.options
+    }
+
+    /// Number of streaming multiprocessors (sizes the gather kernel's grid).
+    pub fn sm_count(&self) -> u32 {
+        self.inner.sm_count
+    }
+}
+
+fn probe_caps(dev: ffi::CUdevice) -> DeviceCaps {
+    let mut caps = DeviceCaps { ipc_import: true, ..DeviceCaps::default() };
+    let attr = |a: Attr| ffi::device_attribute(dev, a).unwrap_or(0);
+    if !ffi::has_symbol("cuMemGetHandleForAddressRange") {
+        caps.notes.push("dmabuf: driver lacks cuMemGetHandleForAddressRange".into());
+    } else if attr(Attr::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED) != 1 {
+        caps.notes.push("dmabuf: the device does not support DMA-BUF export".into());
+    } else {
+        caps.dmabuf_export = true;
+    }
+    caps.read_only_host_register =
+        attr(Attr::CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED) == 1;
+    if !caps.read_only_host_register {
+        caps.notes.push("read-only host registration unsupported".into());
+    }
+    caps.batch_copy = ffi::has_memcpy_batch();
+    if !caps.batch_copy {
+        caps.notes.push("batched copies need a CUDA 13 driver".into());
+    }
+    // Bit 0: CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST (cuFlushGPUDirectRDMAWrites works).
+    caps.direct_write_flush = ffi::has_symbol("cuFlushGPUDirectRDMAWrites")
+        && attr(Attr::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS) & 1 == 1;
+    caps
+}
+
+impl Lane {
+    fn start(inner: &Arc<Inner>, index: usize) -> Result<Self, DeviceError> {
+        let (tx, rx) = mpsc::channel::<Pending>();
+        let worker = Arc::clone(inner);
+        let dir = if index == 0 { "h2d" } else { "d2h" };
+        let thread = std::thread::Builder::new()
+            .name(format!("kvferry-cuda{}-{dir}", inner.ordinal))
+            .spawn(move || worker.complete_loop(rx))
+            .map_err(|e| DeviceError::Driver {
+                ordinal: inner.ordinal,
+                call: "spawning the completion thread",
+                reason: e.to_string(),
+            })?;
+        Ok(Self { tx: Mutex::new(Some(tx)), thread: Mutex::new(Some(thread)) })
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // Closing the channels lets each completion thread finish the batches already queued
+        // (their events still resolve) and exit; joining keeps streams alive until then.
+        for lane in &self.lanes {
+            if let Ok(mut tx) = lane.tx.lock() {
+                tx.take();
+            }
+        }
+        for lane in &self.lanes {
+            if let Some(t) = lane.thread.lock().ok().and_then(|mut t| t.take()) {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl Inner {
+    fn bind(&self) -> Result<(), DeviceError> {
+        // SAFETY: `ctx` stays retained for as long as `self` lives.
+        unsafe { ffi::ctx_set_current(self.ctx) }.map_err(|e| self.driver("cuCtxSetCurrent", e))
+    }
+
+    fn driver(&self, call: &'static str, e: CudaError) -> DeviceError {
+        DeviceError::Driver { ordinal: self.ordinal, call, reason: e.to_string() }
+    }
+
+    fn record_teardown(&self, e: DeviceError) {
+        match self.teardown.lock() {
+            Ok(mut v) => v.push(e),
+            Err(p) => p.into_inner().push(e),
+        }
+    }
+
+    fn check(&self, ptr: u64, len: u64) -> Result<(), DeviceError> {
+        self.device_alloc(ptr, len).map(|_| ())
+    }
+
+    fn take_event(&self) -> Result<ffi::CUevent, DeviceError> {
+        if let Some(e) = self.events.lock().ok().and_then(|mut v| v.pop()) {
+            return Ok(e);
+        }
+        ffi::event_create(false).map_err(|e| self.driver("cuEventCreate", e))
+    }
+
+    fn take_descs(&self, n: usize) -> Result<PinnedDescs, DeviceError> {
+        if let Ok(mut pool) = self.descs.lock() {
+            if let Some(i) = pool.iter().position(|d| d.cap >= n) {
+                return Ok(pool.swap_remove(i));
+            }
+        }
+        let cap = n.next_power_of_two().max(4096);
+        let bytes = cap * std::mem::size_of::<Desc>();
+        let host = ffi::mem_host_alloc(bytes).map_err(|e| self.driver("cuMemHostAlloc", e))?;
+        let info = ffi::pointer_info(host as u64).unwrap_or_default();
+        let device = if info.device_pointer != 0 { info.device_pointer } else { host as u64 };
+        Ok(PinnedDescs { host: host.cast(), cap, device })
+    }
+
+    /// Queues a batch's work on `stream`. On error, whatever was queued before it is still in
+    /// flight; the caller records the event anyway so the batch resolves only after it.
+    fn enqueue(
+        &self,
+        stream: ffi::CUstream,
+        plan: &Plan,
+        pending: &mut Pending,
+    ) -> Result<(), DeviceError> {
+        if !plan.kernel.is_empty() {
+            let kernel = self.kernel.as_ref().ok_or(DeviceError::Unsupported {
+                what: "gather kernel",
+                reason: "not loaded".into(),
+            })?;
+            let n = plan.kernel.len();
+            let count = u32::try_from(n).map_err(|_| DeviceError::Copy {
+                ordinal: self.ordinal,
+                ops: n,
+                reason: "too many ranges for one launch".into(),
+            })?;
+            let descs = self.take_descs(n)?;
+            // SAFETY: the buffer holds `cap >= n` descriptors, is owned by this batch alone,
+            // and no earlier launch still reads it (buffers return to the pool only after
+            // their batch's event completed).
+            unsafe { std::ptr::copy_nonoverlapping(plan.kernel.as_ptr(), descs.host, n) };
+            let device = descs.device;
+            pending.descs = Some(descs);
+            // SAFETY: the descriptors stay untouched until the batch completes (held by
+            // `pending`); device ranges were validated by the planner and host ranges are
+            // mapped registrations the caller of `submit` keeps valid; context is bound.
+            unsafe { kernel.launch(stream, device, count, self.sm_count) }
+                .map_err(|e| self.driver("cuLaunchKernel", e))?;
+        }
+        if plan.engine.is_empty() {
+            return Ok(());
+        }
+        if plan.engine_batched {
+            let mut dsts: Vec<u64> = plan.engine.iter().map(|o| o.dst).collect();
+            let mut srcs: Vec<u64> = plan.engine.iter().map(|o| o.src).collect();
+            let mut sizes: Vec<usize> = plan.engine.iter().map(|o| o.len as usize).collect();
+            // SAFETY: device sides validated, host sides kept valid by the caller of `submit`
+            // until the batch completes; the symbol was checked at open (`batch_copy`).
+            unsafe { ffi::memcpy_batch_async(&mut dsts, &mut srcs, &mut sizes, stream) }
+                .map_err(|e| self.driver("cuMemcpyBatchAsync", e))?;
+        } else {
+            for op in &plan.engine {
+                // SAFETY: as above, one range at a time.
+                unsafe { ffi::memcpy_async(op.dst, op.src, op.len as usize, stream) }
+                    .map_err(|e| self.driver("cuMemcpyAsync", e))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn complete_loop(&self, rx: mpsc::Receiver<Pending>) {
+        let bound = self.bind();
+        while let Ok(mut p) = rx.recv() {
+            let mut error = p.error.take();
+            if let Some(ev) = p.event {
+                let waited = match &bound {
+                    // SAFETY: the event is live (taken from the pool, recorded by `submit`).
+                    Ok(()) => unsafe { ffi::event_synchronize(ev) }
+                        .map_err(|e| DeviceError::Copy {
+                            ordinal: self.ordinal,
+                            ops: p.ops,
+                            reason: e.to_string(),
+                        }),
+                    Err(e) => Err(e.clone()),
+                };
+                match waited {
+                    Ok(()) => {
+                        if let Ok(mut pool) = self.events.lock() {
+                            pool.push(ev);
+                        }
+                    }
+                    // The context is likely unusable (a sticky fault); do not reuse its event.
+                    Err(e) => {
+                        error.get_or_insert(e);
+                    }
+                }
+            }
+            if let Some(d) = p.descs.take() {
+                if let Ok(mut pool) = self.descs.lock() {
+                    pool.push(d);
+                }
+            }
+            let r = match error {
+                Some(e) => Err(e),
+                None => Ok(CopyStats {
+                    bytes: p.bytes,
+                    ops: p.ops,
+                    seconds: p.submitted.elapsed().as_secs_f64(),
+                }),
+            };
+            // The waiter may have gone away (a cancelled load); nothing to report then.
+            let _ = p.done.send(r);
+        }
+    }
+}
+
+impl Resolver for Inner {
+    fn device_alloc(&self, ptr: u64, len: u64) -> Result<(u64, u64), DeviceError> {
+        let ordinal = self.ordinal;
+        let not_dev = || DeviceError::NotDeviceMemory { ordinal, ptr, len };
+        let info = ffi::pointer_info(ptr).map_err(|_| not_dev())?;
+        if info.memory_type != ffi::MEMORYTYPE_DEVICE {
+            return Err(not_dev());
+        }
+        if info.device_ordinal != ordinal as i32 {
+            return Err(DeviceError::WrongDevice {
+                ordinal,
+                found: info.device_ordinal.max(0) as u32,
+                ptr,
+                len,
+            });
+        }
+        let end = info.range_start.checked_add(info.range_size).ok_or_else(not_dev)?;
+        match ptr.checked_add(len) {
+            Some(e) if ptr >= info.range_start && e <= end => Ok((info.range_start, end)),
+            _ => Err(not_dev()),
+        }
+    }
+
+    fn host_map(&self, addr: u64, len: u64) -> Option<HostMap> {
+        let end = addr.checked_add(len)?;
+        if let Ok(hosts) = self.hosts.read() {
+            if let Some((_, m)) = hosts.range(..=addr).next_back() {
+                if end <= m.end {
+                    return Some(*m);
+                }
+            }
+        }
+        // Pinned memory CUDA allocated itself (cuMemHostAlloc) or registered elsewhere.
+        let info = ffi::pointer_info(addr).ok()?;
+        if info.memory_type != ffi::MEMORYTYPE_HOST || info.device_pointer == 0 {
+            return None;
+        }
+        if info.range_size > 0 {
+            let m = HostMap {
+                start: info.range_start,
+                end: info.range_start + info.range_size,
+                device: info.device_pointer - (addr - info.range_start),
+            };
+            return (addr >= m.start && end <= m.end).then_some(m);
+        }
+        let last = ffi::pointer_info(end - 1).ok()?;
+        (last.device_pointer == info.device_pointer + (len - 1))
+            .then_some(HostMap { start: addr, end, device: info.device_pointer })
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Nothing can report these any more; teardown is best-effort once the handle is gone.
+        if self.bind().is_err() {
+            return;
+        }
+        for &s in &self.streams {
+            // SAFETY: streams are ours; the lanes are gone, so nothing enqueues any more.
+            unsafe {
+                let _ = ffi::stream_synchronize(s);
+                let _ = ffi::stream_destroy(s);
+            }
+        }
+        if let Some(k) = &self.kernel {
+            // SAFETY: the streams were drained above, so no launch is running.
+            let _ = unsafe { k.unload() };
+        }
+        for e in self.events.get_mut().map(std::mem::take).unwrap_or_default() {
+            // SAFETY: pooled events are idle and ours.
+            let _ = unsafe { ffi::event_destroy(e) };
+        }
+        for d in self.descs.get_mut().map(std::mem::take).unwrap_or_default() {
+            // SAFETY: pooled descriptor buffers are idle and ours.
+            let _ = unsafe { ffi::mem_free_host(d.host.cast()) };
+        }
+        // SAFETY: balances the retain in `open_with`; nothing of this device is used after.
+        let _ = unsafe { ffi::primary_ctx_release(self.dev) };
+    }
+}
+
+/// What a [`DeviceBuffer`] or [`HostRegistration`] of this backend undoes on drop.
+enum Held {
+    Alloc(u64),
+    Ipc(u64),
+    Host(u64),
+}
+
+struct CudaRelease {
+    inner: Arc<Inner>,
+    held: Option<Held>,
+}
+
+impl Release for CudaRelease {
+    fn release(&mut self) {
+        let Some(held) = self.held.take() else { return };
+        let inner = &self.inner;
+        if let Err(e) = inner.bind() {
+            inner.record_teardown(e);
+            return;
+        }
+        let r = match held {
+            // SAFETY: allocated by `alloc`, released once (`held` is taken); the owner of the
+            // buffer guarantees no batch still uses it (buffers outlive their loads).
+            Held::Alloc(p) => unsafe { ffi::mem_free(p) }.map_err(|e| inner.driver("cuMemFree", e)),
+            // SAFETY: opened by `import_ipc`, closed once, same guarantee as above.
+            Held::Ipc(p) => {
+                unsafe { ffi::ipc_close(p) }.map_err(|e| inner.driver("cuIpcCloseMemHandle", e))
+            }
+            Held::Host(p) => {
+                if let Ok(mut hosts) = inner.hosts.write() {
+                    hosts.remove(&p);
+                }
+                // SAFETY: registered by `register_host`, unregistered once; the registration's
+                // owner guarantees no batch still reads it.
+                unsafe { ffi::mem_host_unregister(p as *mut c_void) }
+                    .map_err(|e| inner.driver("cuMemHostUnregister", e))
+            }
+        };
+        if let Err(e) = r {
+            inner.record_teardown(e);
+        }
+    }
+}
+
+impl fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.inner.ordinal)
+            .field("name", &self.inner.name)
+            .field("options", &self.inner.options)
+            .finish()
+    }
+}
+
+impl Device for CudaDevice {
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Cuda
+    }
+
+    fn ordinal(&self) -> u32 {
+        self.inner.ordinal
+    }
+
+    fn name(&self) -> String {
+        format!("{} #{}", self.inner.name, self.inner.ordinal)
+    }
+
+    fn check_range(&self, ptr: u64, len: u64) -> Result<(), DeviceError> {
+        self.inner.bind()?;
+        self.inner.check(ptr, len)
+    }
+
+    fn alloc(&self, bytes: u64) -> Result<DeviceBuffer, DeviceError> {
+        let ordinal = self.inner.ordinal;
+        let fail = |reason: String| DeviceError::Alloc { ordinal, bytes, reason };
+        if bytes == 0 {
+            return Err(fail("zero-sized allocation".into()));
+        }
+        let size = usize::try_from(bytes).map_err(|_| fail("size exceeds the address space".into()))?;
+        self.inner.bind()?;
+        let ptr = ffi::mem_alloc(size).map_err(|e| fail(e.to_string()))?;
+        let owner = CudaRelease { inner: Arc::clone(&self.inner), held: Some(Held::Alloc(ptr)) };
+        Ok(DeviceBuffer::new(ptr, bytes, ordinal, Box::new(owner)))
+    }
+
+    fn register_host(
+        &self,
+        addr: u64,
+        len: u64,
+        read_only: bool,
+    ) -> Result<HostRegistration, DeviceError> {
+        let fail = |reason: String| DeviceError::HostRegister { addr, len, reason };
+        if len == 0 || addr.checked_add(len).is_none() {
+            return Err(fail("empty or overflowing range".into()));
+        }
+        if read_only && !self.inner.caps.read_only_host_register {
+            return Err(DeviceError::Unsupported {
+                what: "read-only host registration",
+                reason: "CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED is 0".into(),
+            });
+        }
+        self.inner.bind()?;
+        let size = usize::try_from(len).map_err(|_| fail("size exceeds the address space".into()))?;
+        // SAFETY: the caller owns the mapping; the returned registration is dropped (and the
+        // range unregistered) before the caller unmaps it, as `HostRegistration` documents.
+        unsafe { ffi::mem_host_register(addr as *mut c_void, size, read_only) }
+            .map_err(|e| fail(e.to_string()))?;
+        let info = ffi::pointer_info(addr).unwrap_or_default();
+        let device = if info.device_pointer != 0 { info.device_pointer } else { addr };
+        if let Ok(mut hosts) = self.inner.hosts.write() {
+            hosts.insert(addr, HostMap { start: addr, end: addr + len, device });
+        }
+        let owner = CudaRelease { inner: Arc::clone(&self.inner), held: Some(Held::Host(addr)) };
+        Ok(HostRegistration::new(Box::new(owner)))
+    }
+
+    unsafe fn submit(
+        &self,
+        dir: CopyDirection,
+        list: CopyList,
+    ) -> Result<CopyEvent, DeviceError> {
+        let inner = &self.inner;
+        let ordinal = inner.ordinal;
+        let (done, event) = CopyEvent::channel(ordinal);
+        let submitted = Instant::now();
+        if list.is_empty() {
+            let _ = done.send(Ok(CopyStats { bytes: 0, ops: 0, seconds: 0.0 }));
+            return Ok(event);
+        }
+        inner.bind()?;
+        let kernel_ok = inner.kernel.is_some();
+        let plan = match plan(dir, &list, inner.options.copy_path, kernel_ok, inner.caps.batch_copy, &**inner) {
+            Ok(p) => p,
+            Err(e) => {
+                // Refused before anything was queued: nothing was copied.
+                let _ = done.send(Err(e));
+                return Ok(event);
+            }
+        };
+        let index = match dir {
+            CopyDirection::HostToDevice => 0,
+            CopyDirection::DeviceToHost => 1,
+        };
+        let stream = inner.streams[index];
+        let tx = self.lanes[index].tx.lock().map_err(|_| DeviceError::Stopped { ordinal })?;
+        let tx = tx.as_ref().ok_or(DeviceError::Stopped { ordinal })?;
+        let mut pending = Pending {
+            event: None,
+            done,
+            submitted,
+            bytes: list.bytes(),
+            ops: list.len(),
+            descs: None,
+            error: None,
+        };
+        pending.error = inner.enqueue(stream, &plan, &mut pending).err();
+        let recorded = inner.take_event().and_then(|ev| {
+            // SAFETY: the event and stream are live handles of the bound context.
+            unsafe { ffi::event_record(ev, stream) }
+                .map(|()| ev)
+                .map_err(|e| inner.driver("cuEventRecord", e))
+        });
+        match recorded {
+            Ok(ev) => pending.event = Some(ev),
+            Err(e) => {
+                // Without an event, wait here so no queued copy outlives the batch.
+                // SAFETY: the stream is live.
+                let _ = unsafe { ffi::stream_synchronize(stream) };
+                pending.error.get_or_insert(e);
+            }
+        }
+        if let Err(mpsc::SendError(p)) = tx.send(pending) {
+            if let Some(ev) = p.event {
+                // SAFETY: the event was recorded on a live stream.
+                let _ = unsafe { ffi::event_synchronize(ev) };
+            }
+            let _ = p.done.send(Err(DeviceError::Stopped { ordinal }));
+        }
+        Ok(event)
+    }
+
+    fn write(&self, dst: u64, data: &[u8]) -> Result<(), DeviceError> {
+        self.inner.bind()?;
+        self.inner.check(dst, data.len() as u64)?;
+        // SAFETY: the destination lies inside one allocation of this device (checked), and
+        // `data` is a live slice for the duration of this synchronous call.
+        unsafe { ffi::memcpy_htod(dst, data.as_ptr().cast(), data.len()) }
+            .map_err(|e| self.inner.driver("cuMemcpyHtoD", e))
+    }
+
+    fn read(&self, src: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+        self.inner.bind()?;
+        self.inner.check(src, out.len() as u64)?;
+        // SAFETY: the source lies inside one allocation of this device (checked), and `out`
+        // is a live, exclusively borrowed slice for the duration of this synchronous call.
+        unsafe { ffi::memcpy_dtoh(out.as_mut_ptr().cast(), src, out.len()) }
+            .map_err(|e| self.inner.driver("cuMemcpyDtoH", e))
+    }
+
+    fn capabilities(&self) -> DeviceCaps {
+        self.inner.caps.clone()
+    }
+
+    fn import_ipc(&self, handle: &[u8]) -> Result<DeviceBuffer, DeviceError> {
+        let inner = &self.inner;
+        let ordinal = inner.ordinal;
+        let fail = |reason: String| DeviceError::Import { ordinal, what: "CUDA IPC handle", reason };
+        let bytes: &[u8; 64] =
+            handle.try_into().map_err(|_| fail(format!("{} bytes, expected 64", handle.len())))?;
+        inner.bind()?;
+        let base = ffi::ipc_open(bytes).map_err(|e| fail(e.to_string()))?;
+        let owner = CudaRelease { inner: Arc::clone(inner), held: Some(Held::Ipc(base)) };
+        let info = ffi::pointer_info(base).unwrap_or_default();
+        // Dropping `owner` (through the buffer or on error) closes the mapping again.
+        let buf = DeviceBuffer::new(base, info.range_size, ordinal, Box::new(owner));
+        if info.memory_type != ffi::MEMORYTYPE_DEVICE || info.range_size == 0 {
+            return Err(fail("the mapping is not device memory".into()));
+        }
+        if info.device_ordinal != ordinal as i32 {
+            return Err(DeviceError::WrongDevice {
+                ordinal,
+                found: info.device_ordinal.max(0) as u32,
+                ptr: base,
+                len: info.range_size,
+            });
+        }
+        Ok(buf)
+    }
+
+    fn export_dmabuf(&self, ptr: u64, len: u64) -> Result<DmaBuf, DeviceError> {
+        let inner = &self.inner;
+        if !inner.caps.dmabuf_export {
+            let reason = inner.caps.notes.iter().find(|n| n.starts_with("dmabuf")).cloned();
+            return Err(DeviceError::Unsupported {
+                what: "DMA-BUF export",
+                reason: reason.unwrap_or_else(|| "unsupported".into()),
+            });
+        }
+        inner.bind()?;
+        inner.check(ptr, len.max(1))?;
+        // SAFETY: sysconf only reads a system constant.
+        let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+            p if p > 0 => p as u64,
+            _ => 4096,
+        };
+        let start = ptr & !(page - 1);
+        let end = (ptr + len.max(1)).div_ceil(page) * page;
+        match ffi::dmabuf_export(start, (end - start) as usize) {
+            Ok(fd) => Ok(DmaBuf::new(fd, start, end - start, inner.ordinal)),
+            Err(e) if e.is_not_supported() => {
+                Err(DeviceError::Unsupported { what: "DMA-BUF export", reason: e.to_string() })
+            }
+            Err(e) => Err(inner.driver("cuMemGetHandleForAddressRange", e)),
+        }
+    }
+
+    fn import_dmabuf(&self, fd: OwnedFd, base: u64, len: u64) -> Result<DmaBuf, DeviceError> {
+        use std::os::fd::AsFd;
+        let ordinal = self.inner.ordinal;
+        let fail = |reason: String| DeviceError::Import { ordinal, what: "DMA-BUF fd", reason };
+        if !ffi::fd_is_dmabuf(fd.as_fd()) {
+            return Err(fail("the fd is not a DMA-BUF".into()));
+        }
+        let size = ffi::dmabuf_size(fd.as_fd()).map_err(|e| fail(format!("size: {e}")))?;
+        if size < len {
+            return Err(fail(format!("the DMA-BUF has {size} bytes, {len} claimed")));
+        }
+        self.check_range(base, len)?;
+        Ok(DmaBuf::new(fd, base, len, ordinal))
+    }
+
+    fn flush_direct_writes(&self) -> Result<(), DeviceError> {
+        if !self.inner.caps.direct_write_flush {
+            return Ok(());
+        }
+        self.inner.bind()?;
+        ffi::flush_gpudirect_rdma_writes().map_err(|e| self.inner.driver("cuFlushGPUDirectRDMAWrites", e))
+    }
+}

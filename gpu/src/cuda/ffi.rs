@@ -1,0 +1,587 @@
+//! Raw CUDA driver calls, one thin wrapper each, turning return codes into [`CudaError`].
+//!
+//! This is the only file of the backend that calls into the driver. cudarc loads
+//! `libcuda.so` lazily and panics when the library or a symbol is missing, so [`init`] proves
+//! the library and every required symbol present before anything else here may be called,
+//! and optional calls check [`has_symbol`] first. Functions that take raw handles or raw
+//! addresses are `unsafe fn`: their callers vouch for the handles' liveness and for the
+//! memory the addresses name.
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::OnceLock;
+
+use cudarc::driver::sys;
+
+pub use sys::{CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmodule, CUstream};
+
+use super::error::CudaError;
+
+/// Every driver symbol the backend calls unconditionally (the optional ones are checked
+/// where they are used). All exist since CUDA 11.4; a driver lacking one is refused at init.
+const REQUIRED: &[&str] = &[
+    "cuInit",
+    "cuDriverGetVersion",
+    "cuGetErrorName",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetName",
+    "cuDeviceGetAttribute",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxSetCurrent",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuEventCreate",
+    "cuEventDestroy_v2",
+    "cuEventRecord",
+    "cuEventSynchronize",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuMemcpyHtoD_v2",
+    "cuMemcpyDtoH_v2",
+    "cuMemcpyAsync",
+    "cuMemcpyHtoDAsync_v2",
+    "cuPointerGetAttributes",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
+    "cuModuleLoadData",
+    "cuModuleUnload",
+    "cuModuleGetFunction",
+    "cuLaunchKernel",
+];
+
+static LIBRARY: OnceLock<bool> = OnceLock::new();
+
+fn library_loaded() -> bool {
+    *LIBRARY.get_or_init(|| {
+        // SAFETY: loading libcuda runs its initialisers; this is the library cudarc itself
+        // loads, and it is built to be loaded into any process.
+        unsafe { sys::is_culib_present() }
+    })
+}
+
+/// True where the driver library is loaded and exports `name`.
+pub fn has_symbol(name: &str) -> bool {
+    if !library_loaded() {
+        return false;
+    }
+    // SAFETY: `culib` only panics when no library can be loaded, which `library_loaded` just
+    // ruled out; looking a symbol up has no side effects, and the pointer is not used.
+    unsafe { sys::culib().get::<*const c_void>(name.as_bytes()).is_ok() }
+}
+
+fn check(call: &'static str, r: sys::CUresult) -> Result<(), CudaError> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut p: *const c_char = std::ptr::null();
+    // SAFETY: cuGetErrorName only writes a pointer to a static string into `p`.
+    let named = unsafe { sys::cuGetErrorName(r, &mut p) };
+    let name = if named == sys::CUresult::CUDA_SUCCESS && !p.is_null() {
+        // SAFETY: the driver returned a NUL-terminated static string.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    } else {
+        format!("{r:?}")
+    };
+    Err(CudaError::Driver { call, code: r as u32, name })
+}
+
+/// Loads the driver, proves every required symbol present and initialises it (idempotent).
+pub fn init() -> Result<(), CudaError> {
+    static INIT: OnceLock<Result<(), CudaError>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        if !library_loaded() {
+            return Err(CudaError::NoLibrary);
+        }
+        if let Some(symbol) = REQUIRED.iter().find(|s| !has_symbol(s)) {
+            return Err(CudaError::MissingSymbol { symbol });
+        }
+        // SAFETY: cuInit takes flags only (0 is the only valid value); the symbol exists.
+        check("cuInit", unsafe { sys::cuInit(0) })
+    })
+    .clone()
+}
+
+pub fn driver_version() -> Result<i32, CudaError> {
+    let mut v: c_int = 0;
+    // SAFETY: writes one int into `v`.
+    check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut v) })?;
+    Ok(v)
+}
+
+pub fn device_count() -> Result<i32, CudaError> {
+    let mut n: c_int = 0;
+    // SAFETY: writes one int into `n`; the driver was initialised by `init`.
+    check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
+    Ok(n)
+}
+
+pub fn device_get(ordinal: i32) -> Result<CUdevice, CudaError> {
+    let mut d: CUdevice = 0;
+    // SAFETY: writes one device handle (an int) into `d`.
+    check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut d, ordinal) })?;
+    Ok(d)
+}
+
+pub fn device_name(dev: CUdevice) -> Result<String, CudaError> {
+    let mut buf = [0 as c_char; 256];
+    // SAFETY: the driver writes at most `len` bytes, NUL-terminated, into `buf`.
+    check("cuDeviceGetName", unsafe { sys::cuDeviceGetName(buf.as_mut_ptr(), 256, dev) })?;
+    // SAFETY: NUL-terminated within the buffer (the last byte is never written past `len`).
+    Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+}
+
+pub fn device_attribute(dev: CUdevice, attr: sys::CUdevice_attribute) -> Result<i32, CudaError> {
+    let mut v: c_int = 0;
+    // SAFETY: writes one int into `v`; an unknown attribute is an error code, not UB.
+    check("cuDeviceGetAttribute", unsafe { sys::cuDeviceGetAttribute(&mut v, attr, dev) })?;
+    Ok(v)
+}
+
+pub fn primary_ctx_retain(dev: CUdevice) -> Result<CUcontext, CudaError> {
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one context handle into `ctx`; the caller releases it once.
+    check("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
+    Ok(ctx)
+}
+
+/// # Safety
+/// Balances exactly one successful [`primary_ctx_retain`] of `dev`; nothing of this retain
+/// (streams, events, modules) may be used afterwards.
+pub unsafe fn primary_ctx_release(dev: CUdevice) -> Result<(), CudaError> {
+    // SAFETY: the caller balances one retain.
+    check("cuDevicePrimaryCtxRelease", unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) })
+}
+
+/// # Safety
+/// `ctx` is a live (retained) context.
+pub unsafe fn ctx_set_current(ctx: CUcontext) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees `ctx` is retained; binding it to this thread is all this
+    // does.
+    check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) })
+}
+
+/// A non-blocking stream (no implicit synchronisation with the legacy default stream) in the
+/// current context.
+pub fn stream_create() -> Result<CUstream, CudaError> {
+    let mut s: CUstream = std::ptr::null_mut();
+    let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint;
+    // SAFETY: writes one stream handle into `s`.
+    check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut s, flags) })?;
+    Ok(s)
+}
+
+/// # Safety
+/// `s` is a live stream of the current context, destroyed once.
+pub unsafe fn stream_destroy(s: CUstream) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees `s` is live and not used afterwards.
+    check("cuStreamDestroy", unsafe { sys::cuStreamDestroy_v2(s) })
+}
+
+/// # Safety
+/// `s` is a live stream.
+pub unsafe fn stream_synchronize(s: CUstream) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees `s` is live.
+    check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(s) })
+}
+
+/// An event; `timing` keeps timestamps (for benchmarks), otherwise they are disabled, which
+/// makes record and wait cheaper. Waiting on it blocks the thread instead of spinning.
+pub fn event_create(timing: bool) -> Result<CUevent, CudaError> {
+    let mut e: CUevent = std::ptr::null_mut();
+    let mut flags = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as c_uint;
+    if !timing {
+        flags |= sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
+    }
+    // SAFETY: writes one event handle into `e`.
+    check("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, flags) })?;
+    Ok(e)
+}
+
+/// # Safety
+/// `e` is a live event, destroyed once.
+pub unsafe fn event_destroy(e: CUevent) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees `e` is live and not used afterwards.
+    check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(e) })
+}
+
+/// # Safety
+/// `e` and `s` are live and of the same context.
+pub unsafe fn event_record(e: CUevent, s: CUstream) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees both handles.
+    check("cuEventRecord", unsafe { sys::cuEventRecord(e, s) })
+}
+
+/// # Safety
+/// `e` is a live event.
+pub unsafe fn event_synchronize(e: CUevent) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees `e` is live.
+    check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(e) })
+}
+
+/// Milliseconds between two recorded timing events.
+///
+/// # Safety
+/// Both events are live, created with timing, and have completed.
+pub unsafe fn event_elapsed_ms(start: CUevent, end: CUevent) -> Result<f32, CudaError> {
+    let mut ms = 0f32;
+    // SAFETY: the caller guarantees both events; writes one float. CUDA 13 renamed the
+    // call to `_v2` and dropped the old name from its headers; older drivers have only the
+    // first.
+    let r = unsafe {
+        if has_symbol("cuEventElapsedTime_v2") {
+            sys::cuEventElapsedTime_v2(&mut ms, start, end)
+        } else {
+            return Err(CudaError::MissingSymbol { symbol: "cuEventElapsedTime_v2" });
+        }
+    };
+    check("cuEventElapsedTime", r)?;
+    Ok(ms)
+}
+
+pub fn mem_alloc(bytes: usize) -> Result<CUdeviceptr, CudaError> {
+    let mut p: CUdeviceptr = 0;
+    // SAFETY: writes one device pointer into `p`; needs a current context, which every
+    // caller sets first (without one the driver returns an error code).
+    check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut p, bytes) })?;
+    Ok(p)
+}
+
+/// # Safety
+/// `p` came from [`mem_alloc`], is freed once, and no queued work still uses it.
+pub unsafe fn mem_free(p: CUdeviceptr) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees ownership and that no work is pending on it.
+    check("cuMemFree", unsafe { sys::cuMemFree_v2(p) })
+}
+
+/// Page-locked host memory, mapped into the device address space and usable from every
+/// context.
+pub fn mem_host_alloc(bytes: usize) -> Result<*mut c_void, CudaError> {
+    let mut p: *mut c_void = std::ptr::null_mut();
+    let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+    // SAFETY: writes one pointer into `p`.
+    check("cuMemHostAlloc", unsafe { sys::cuMemHostAlloc(&mut p, bytes, flags) })?;
+    Ok(p)
+}
+
+/// # Safety
+/// `p` came from [`mem_host_alloc`], is freed once, and no queued work still uses it.
+pub unsafe fn mem_free_host(p: *mut c_void) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees ownership and that no work is pending on it.
+    check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(p) })
+}
+
+/// Pins `[p, p + len)` and maps it for every context (`read_only` for mappings the process
+/// may not write, such as a peer's pool).
+///
+/// # Safety
+/// The range is mapped host memory that stays mapped until [`mem_host_unregister`].
+pub unsafe fn mem_host_register(p: *mut c_void, len: usize, read_only: bool) -> Result<(), CudaError> {
+    let mut flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+    if read_only {
+        flags |= sys::CU_MEMHOSTREGISTER_READ_ONLY;
+    }
+    // SAFETY: the caller guarantees the range stays mapped while registered.
+    check("cuMemHostRegister", unsafe { sys::cuMemHostRegister_v2(p, len, flags) })
+}
+
+/// # Safety
+/// `p` is the base of a live registration and no queued work still uses it.
+pub unsafe fn mem_host_unregister(p: *mut c_void) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees a live registration with no pending work.
+    check("cuMemHostUnregister", unsafe { sys::cuMemHostUnregister(p) })
+}
+
+/// Synchronous host → device copy.
+///
+/// # Safety
+/// `src` is readable host memory of `len` bytes; `dst..dst+len` is device memory of the
+/// current context.
+pub unsafe fn memcpy_htod(dst: CUdeviceptr, src: *const c_void, len: usize) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees both ranges.
+    check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(dst, src, len) })
+}
+
+/// Synchronous device → host copy.
+///
+/// # Safety
+/// `dst` is writable host memory of `len` bytes; `src..src+len` is device memory.
+pub unsafe fn memcpy_dtoh(dst: *mut c_void, src: CUdeviceptr, len: usize) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees both ranges.
+    check("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(dst, src, len) })
+}
+
+/// Asynchronous host → device copy on `s` (truly asynchronous only from pinned memory).
+///
+/// # Safety
+/// Both ranges stay valid until the work on `s` completes; `s` is live.
+pub unsafe fn memcpy_htod_async(
+    dst: CUdeviceptr,
+    src: *const c_void,
+    len: usize,
+    s: CUstream,
+) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees both ranges and the stream.
+    check("cuMemcpyHtoDAsync", unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src, len, s) })
+}
+
+/// Asynchronous copy between two unified addresses (host or device, the driver infers which).
+///
+/// # Safety
+/// Both ranges stay valid until the work on `s` completes; `s` is live.
+pub unsafe fn memcpy_async(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    len: usize,
+    s: CUstream,
+) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees both ranges and the stream.
+    check("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(dst, src, len, s) })
+}
+
+/// True where the batched copy call of CUDA 13 exists.
+pub fn has_memcpy_batch() -> bool {
+    has_symbol("cuMemcpyBatchAsync_v2")
+}
+
+/// One batched submission of `dsts.len()` copies with a single attribute set that says the
+/// sources are only read in stream order.
+///
+/// # Safety
+/// Every `(dst, src, size)` triple names valid memory (host memory pinned or not, device
+/// memory of this context) that stays valid until the work on `s` completes; `s` is live;
+/// [`has_memcpy_batch`] returned true.
+pub unsafe fn memcpy_batch_async(
+    dsts: &mut [CUdeviceptr],
+    srcs: &mut [CUdeviceptr],
+    sizes: &mut [usize],
+    s: CUstream,
+) -> Result<(), CudaError> {
+    if dsts.len() != srcs.len() || dsts.len() != sizes.len() {
+        return Err(CudaError::Driver {
+            call: "cuMemcpyBatchAsync",
+            code: 1,
+            name: "mismatched batch arrays".into(),
+        });
+    }
+    // SAFETY: all-zero is a valid bit pattern for this plain C struct of enums-as-u32
+    // (location type 0 = invalid, i.e. "no hint") and integers.
+    let mut attr: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+    attr.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+    let mut attr_idx: usize = 0;
+    // SAFETY: the arrays have `count` entries each (checked above), one attribute applies from
+    // index 0; the caller guarantees the ranges, the stream and the symbol.
+    let r = unsafe {
+        sys::cuMemcpyBatchAsync_v2(
+            dsts.as_mut_ptr(),
+            srcs.as_mut_ptr(),
+            sizes.as_mut_ptr(),
+            dsts.len(),
+            &mut attr,
+            &mut attr_idx,
+            1,
+            s,
+        )
+    };
+    check("cuMemcpyBatchAsync", r)
+}
+
+/// What the driver knows about one address.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PointerInfo {
+    /// `CU_MEMORYTYPE_*` (1 host, 2 device, 0 unknown to CUDA).
+    pub memory_type: u32,
+    pub device_ordinal: i32,
+    /// The allocation that holds the address.
+    pub range_start: u64,
+    pub range_size: u64,
+    /// For host memory: where the device sees it (0 where not mapped).
+    pub device_pointer: u64,
+}
+
+pub const MEMORYTYPE_HOST: u32 = sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32;
+pub const MEMORYTYPE_DEVICE: u32 = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32;
+
+/// Attributes of `ptr`; an address CUDA does not know is not an error but has memory type 0.
+pub fn pointer_info(ptr: u64) -> Result<PointerInfo, CudaError> {
+    use sys::CUpointer_attribute as A;
+    let mut memory_type: c_uint = 0;
+    let mut ordinal: c_int = -1;
+    let mut start: u64 = 0;
+    let mut size: usize = 0;
+    let mut dev_ptr: u64 = 0;
+    let mut attrs = [
+        A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        A::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+    ];
+    let mut data: [*mut c_void; 5] = [
+        (&mut memory_type as *mut c_uint).cast(),
+        (&mut ordinal as *mut c_int).cast(),
+        (&mut start as *mut u64).cast(),
+        (&mut size as *mut usize).cast(),
+        (&mut dev_ptr as *mut u64).cast(),
+    ];
+    // SAFETY: five attributes, each with a pointer to storage of the type the driver writes
+    // for it (unsigned int, int, CUdeviceptr, size_t, CUdeviceptr); the address itself is
+    // only looked up, never dereferenced.
+    let r = unsafe { sys::cuPointerGetAttributes(5, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) };
+    check("cuPointerGetAttributes", r)?;
+    Ok(PointerInfo {
+        memory_type,
+        device_ordinal: ordinal,
+        range_start: start,
+        range_size: size as u64,
+        device_pointer: dev_ptr,
+    })
+}
+
+pub fn ipc_get_handle(ptr: CUdeviceptr) -> Result<[u8; 64], CudaError> {
+    // SAFETY: all-zero is a valid handle value (64 opaque bytes).
+    let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+    // SAFETY: writes 64 bytes into `h`; an address that is no device allocation is an error
+    // code.
+    check("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut h, ptr) })?;
+    Ok(h.reserved.map(|c| c as u8))
+}
+
+/// Maps another process's allocation into this one; the returned base is the start of the
+/// exporter's whole allocation.
+pub fn ipc_open(handle: &[u8; 64]) -> Result<CUdeviceptr, CudaError> {
+    let h = sys::CUipcMemHandle { reserved: handle.map(|b| b as c_char) };
+    let mut p: CUdeviceptr = 0;
+    let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as c_uint;
+    // SAFETY: the handle is passed by value and only interpreted by the driver (a forged one is
+    // an error code); writes one pointer into `p`.
+    check("cuIpcOpenMemHandle", unsafe { sys::cuIpcOpenMemHandle_v2(&mut p, h, flags) })?;
+    Ok(p)
+}
+
+/// # Safety
+/// `p` came from [`ipc_open`], is closed once, and no queued work still uses it.
+pub unsafe fn ipc_close(p: CUdeviceptr) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees ownership and that no work is pending on it.
+    check("cuIpcCloseMemHandle", unsafe { sys::cuIpcCloseMemHandle(p) })
+}
+
+/// Exports `[ptr, ptr + len)` of device memory as a DMA-BUF file descriptor (flags 0).
+/// Both must be aligned to the host page size.
+pub fn dmabuf_export(ptr: CUdeviceptr, len: usize) -> Result<OwnedFd, CudaError> {
+    if !has_symbol("cuMemGetHandleForAddressRange") {
+        return Err(CudaError::MissingSymbol { symbol: "cuMemGetHandleForAddressRange" });
+    }
+    let mut fd: c_int = -1;
+    let ty = sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD;
+    // SAFETY: for the DMA-BUF handle type the driver writes one int (the fd) into `handle`;
+    // the range is only looked up (a bad one is an error code); the symbol exists.
+    let r = unsafe {
+        sys::cuMemGetHandleForAddressRange((&mut fd as *mut c_int).cast(), ptr, len, ty, 0)
+    };
+    check("cuMemGetHandleForAddressRange", r)?;
+    // SAFETY: on success the driver handed us a new fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Makes earlier GPUDirect RDMA writes into the current context's memory visible to work
+/// launched after this call.
+pub fn flush_gpudirect_rdma_writes() -> Result<(), CudaError> {
+    if !has_symbol("cuFlushGPUDirectRDMAWrites") {
+        return Err(CudaError::MissingSymbol { symbol: "cuFlushGPUDirectRDMAWrites" });
+    }
+    let target =
+        sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX;
+    let scope = sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER;
+    // SAFETY: takes two enums and acts on the current context; the symbol exists.
+    check("cuFlushGPUDirectRDMAWrites", unsafe { sys::cuFlushGPUDirectRDMAWrites(target, scope) })
+}
+
+/// Loads a module from a NUL-terminated PTX image into the current context (JIT compiled
+/// for the device).
+pub fn module_load_data(image: &CStr) -> Result<CUmodule, CudaError> {
+    let mut m: CUmodule = std::ptr::null_mut();
+    // SAFETY: `image` is a NUL-terminated PTX text the driver only reads during the call;
+    // writes one module handle into `m`.
+    check("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut m, image.as_ptr().cast()) })?;
+    Ok(m)
+}
+
+/// # Safety
+/// `m` is a live module, unloaded once, with no kernel of it still running.
+pub unsafe fn module_unload(m: CUmodule) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees the module is live and idle.
+    check("cuModuleUnload", unsafe { sys::cuModuleUnload(m) })
+}
+
+/// # Safety
+/// `m` is a live module.
+pub unsafe fn module_get_function(m: CUmodule, name: &CStr) -> Result<CUfunction, CudaError> {
+    let mut f: CUfunction = std::ptr::null_mut();
+    // SAFETY: the caller guarantees `m`; `name` is NUL-terminated; writes one handle.
+    check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut f, m, name.as_ptr()) })?;
+    Ok(f)
+}
+
+/// Launches a 1-D grid.
+///
+/// # Safety
+/// `f` is a live function whose parameter list matches `params` (each entry points to one
+/// argument of the right type), every address the kernel will touch stays valid until the
+/// work on `s` completes, and `s` is live.
+pub unsafe fn launch_kernel(
+    f: CUfunction,
+    grid: u32,
+    block: u32,
+    s: CUstream,
+    params: &mut [*mut c_void],
+) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees the function, the arguments and the stream; no extra
+    // launch options and no dynamic shared memory.
+    let r = unsafe {
+        sys::cuLaunchKernel(
+            f,
+            grid,
+            1,
+            1,
+            block,
+            1,
+            1,
+            0,
+            s,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    };
+    check("cuLaunchKernel", r)
+}
+
+/// True where `fd` is a DMA-BUF (the kernel names its inode `dmabuf`).
+pub fn fd_is_dmabuf(fd: BorrowedFd<'_>) -> bool {
+    match std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())) {
+        Ok(target) => {
+            let t = target.to_string_lossy();
+            t.starts_with("anon_inode:dmabuf") || t.starts_with("/dmabuf:")
+        }
+        Err(_) => false,
+    }
+}
+
+/// Size of a DMA-BUF in bytes (DMA-BUFs answer `SEEK_END` with their size).
+pub fn dmabuf_size(fd: BorrowedFd<'_>) -> Result<u64, std::io::Error> {
+    // SAFETY: lseek only reads the fd's state; `fd` is open for the borrow's lifetime.
+    let end = unsafe { libc::lseek(fd.as_raw_fd(), 0, libc::SEEK_END) };
+    if end < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: as above; puts the offset back where importers expect it.
+    unsafe { libc::lseek(fd.as_raw_fd(), 0, libc::SEEK_SET) };
+    Ok(end as u64)
+}

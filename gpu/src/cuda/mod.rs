@@ -1,0 +1,25 @@
+//! The `cuda` backend: NVIDIA GPUs through the CUDA driver API, loaded at run time.
+//!
+//! [`CudaDevice`] implements [`crate::Device`]: pointer validation with the driver's pointer
+//! attributes, allocations of this process or mapped from another one by CUDA IPC handle,
+//! DMA-BUF export and import, pinned host registrations (read-only for peers' pools), and
+//! batched copies on one stream per direction completed by a backend thread. Fragmented
+//! batches run as one launch of a gather/scatter kernel ([`CopyPath`]). Without a driver,
+//! opening fails with [`crate::DeviceError::NoDriver`]; nothing here panics for lack of CUDA.
+//!
+//! Layers, as in cudarc: `ffi` makes every raw call; `CudaDevice` and the kernel wrapper own
+//! the resources.
+
+mod bench;
+mod device;
+mod error;
+mod ffi;
+mod kernel;
+mod open;
+mod plan;
+
+pub use bench::{bench_raw_h2d, median};
+pub use device::{driver_present, CudaDevice, CudaOptions, IpcHandle};
+pub use error::CudaError;
+pub use open::open_device;
+pub use plan::CopyPath;
