@@ -66,8 +66,10 @@ fn progress(json: bool, msg: &str) {
 }
 
 fn node(slot: u64, slots: u64, devices: Vec<Arc<dyn Device>>) -> anyhow::Result<Node> {
-    let mut cfg = NodeConfig::default();
-    cfg.node_id = "bench".into();
+    let mut cfg = NodeConfig {
+        node_id: "bench".into(),
+        ..Default::default()
+    };
     cfg.pool.slot_bytes = ByteSize(slot);
     cfg.pool.size = ByteSize(slot * slots);
     Ok(Node::start_with(cfg, devices, Clock::system())?)

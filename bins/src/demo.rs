@@ -27,8 +27,10 @@ const BLOCKS: u64 = 12;
 const DEST: [u32; 12] = [1, 3, 4, 7, 8, 9, 13, 17, 20, 21, 26, 30];
 
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
-    let mut cfg = NodeConfig::default();
-    cfg.node_id = "demo".into();
+    let mut cfg = NodeConfig {
+        node_id: "demo".into(),
+        ..Default::default()
+    };
     cfg.pool.size = kvferry_actors::config::ByteSize(8 << 20);
     cfg.pool.slot_bytes = kvferry_actors::config::ByteSize(256 << 10);
     cfg.device.kind = args.device.clone();

@@ -12,8 +12,10 @@ use kvferry_actors::{
 use kvferry_gpu::{Device, HostDevice, KvShape};
 
 pub fn config(slot: u64, slots: u64) -> NodeConfig {
-    let mut cfg = NodeConfig::default();
-    cfg.node_id = "test".into();
+    let mut cfg = NodeConfig {
+        node_id: "test".into(),
+        ..Default::default()
+    };
     cfg.pool.slot_bytes = ByteSize(slot);
     cfg.pool.size = ByteSize(slot * slots);
     cfg
@@ -31,6 +33,8 @@ pub fn hashes(range: std::ops::Range<u64>) -> Vec<BlockHash> {
 }
 
 /// Registers `rank` of `instance` over freshly allocated device KV.
+// Every argument is one knob a test turns; a builder would only hide them.
+#[allow(clippy::too_many_arguments)]
 pub async fn register(
     node: &Node,
     dev: &Arc<dyn Device>,
