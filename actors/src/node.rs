@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use actix::{Actor, Addr};
-use kvferry_gpu::{Device, HostDevice, HostRegistration};
+use kvferry_gpu::{Device, HostRegistration};
 
 use crate::api::{
     LoadRequest, PutBlocks, QueryRequest, QueryResponse, RegisterInstance, SaveRequest, Stats,
@@ -49,17 +49,11 @@ impl std::fmt::Debug for Node {
     }
 }
 
-/// Opens the devices a config names. `auto` and `cuda` use a CUDA backend where one is
-/// compiled in and a driver is present.
+/// Opens the devices a config names: `cuda` (a typed error without a driver), `host`
+/// (emulated), or `auto` (the GPU where a driver and device are present, else emulated).
 pub fn open_devices(config: &NodeConfig) -> Result<Vec<Arc<dyn Device>>, NodeError> {
     (0..config.device.count)
-        .map(|i| match config.device.kind.as_str() {
-            "host" | "auto" => Ok(HostDevice::new(i) as Arc<dyn Device>),
-            other => Err(NodeError::Device(kvferry_gpu::DeviceError::Unsupported {
-                what: "device kind",
-                reason: format!("{other} is not available in this build"),
-            })),
-        })
+        .map(|i| Ok(kvferry_gpu::open_device(&config.device.kind, i)?))
         .collect()
 }
 

@@ -10,7 +10,7 @@ use kvferry_actors::{
     BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, PutBlocks, QueryRequest,
     RegisterInstance,
 };
-use kvferry_gpu::{Device, HostDevice, KvShape};
+use kvferry_gpu::{Device, DeviceKind, KvShape};
 use serde_json::json;
 
 #[derive(clap::Subcommand)]
@@ -35,14 +35,14 @@ pub struct LocalArgs {
     /// Prefix length for the query + lease measurement.
     #[arg(long, default_value_t = 1024)]
     query_blocks: u32,
+    /// Load into consecutive destination blocks instead of every third block.
+    #[arg(long)]
+    contiguous: bool,
 }
 
-/// Opens devices by kind.
+/// Opens device 0 of a kind (`auto`: the GPU where a driver and device are present).
 pub fn open(kind: &str) -> anyhow::Result<Vec<Arc<dyn Device>>> {
-    match kind {
-        "host" | "auto" => Ok(vec![HostDevice::new(0) as Arc<dyn Device>]),
-        other => bail!("device kind {other:?} is not available in this build"),
-    }
+    Ok(vec![kvferry_gpu::open_device(kind, 0).with_context(|| format!("opening a {kind} device"))?])
 }
 
 pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
@@ -186,7 +186,7 @@ fn local(a: LocalArgs) -> anyhow::Result<()> {
         0,
     )?;
     let dest: Vec<u32> = (0..a.blocks).map(|i| i * 3 + 1).collect();
-    let mut baseline = Baseline::new(device.as_ref(), bytes)?;
+    let mut baseline = Baseline::new(&device, bytes)?;
     let (mut load_s, mut base_s, copies) = rt.block_on(async {
         let inst = register(&lnode, "bench-load", &kv).await?;
         let hashes = put(&lnode, &inst, &shape, a.blocks).await?;
@@ -246,6 +246,7 @@ fn local(a: LocalArgs) -> anyhow::Result<()> {
             "query_lease": { "blocks": a.query_blocks, "median_us": q_median, "samples": query_us.len() },
             "local_load": {
                 "blocks": a.blocks,
+                "destinations": if a.contiguous { "contiguous" } else { "fragmented" },
                 "layers": 28,
                 "segment_bytes": 65536,
                 "bytes": bytes,
@@ -294,21 +295,39 @@ fn local(a: LocalArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The baseline copy of the same number of bytes.
+/// The baseline copy of the same number of bytes: a plain memcpy on the host device, one
+/// raw `cuMemcpyHtoDAsync` from pinned memory on a GPU.
 enum Baseline {
-    Memcpy { src: Vec<u8>, dst: Vec<u8> },
+    Memcpy {
+        src: Vec<u8>,
+        dst: Vec<u8>,
+    },
+    RawH2d {
+        device: Arc<dyn Device>,
+        // Field order matters: the registration is undone before the memory is freed.
+        _pin: kvferry_gpu::HostRegistration,
+        src: Vec<u8>,
+        dst: kvferry_gpu::DeviceBuffer,
+    },
 }
 
 impl Baseline {
-    fn new(_device: &dyn Device, bytes: u64) -> anyhow::Result<Self> {
+    fn new(device: &Arc<dyn Device>, bytes: u64) -> anyhow::Result<Self> {
         let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
-        let dst = vec![1u8; bytes as usize];
-        Ok(Baseline::Memcpy { src, dst })
+        match device.kind() {
+            DeviceKind::Host => Ok(Baseline::Memcpy { src, dst: vec![1u8; bytes as usize] }),
+            DeviceKind::Cuda => {
+                let pin = device.register_host(src.as_ptr() as u64, bytes, true)?;
+                let dst = device.alloc(bytes)?;
+                Ok(Baseline::RawH2d { device: Arc::clone(device), _pin: pin, src, dst })
+            }
+        }
     }
 
     fn name(&self) -> &'static str {
         match self {
             Baseline::Memcpy { .. } => "memcpy (one contiguous copy)",
+            Baseline::RawH2d { .. } => "raw cuMemcpyHtoDAsync from pinned memory",
         }
     }
 
@@ -319,6 +338,19 @@ impl Baseline {
                 dst.copy_from_slice(src);
                 std::hint::black_box(&dst);
                 Ok(t.elapsed().as_secs_f64())
+            }
+            Baseline::RawH2d { device, src, dst, .. } => {
+                // SAFETY: `src` is a live, pinned Vec that outlives the call.
+                let s = unsafe {
+                    kvferry_gpu::cuda::bench_raw_h2d(
+                        device.as_ref(),
+                        src.as_ptr() as u64,
+                        dst.ptr(),
+                        src.len() as u64,
+                        1,
+                    )
+                }?;
+                Ok(s)
             }
         }
     }
