@@ -35,8 +35,18 @@ enum Cmd {
     Bench(bench::BenchCmd),
 }
 
-fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+fn main() -> std::process::ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line with the whole cause chain; no backtrace for an operator's mistake.
+            eprintln!("kvferry: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Node {
             config,
