@@ -26,10 +26,12 @@ pub unsafe fn bench_raw_h2d(
         });
     }
     device.check_range(dev_ptr, bytes)?;
-    let drv = |call: &'static str| move |e: super::CudaError| DeviceError::Driver {
-        ordinal,
-        call,
-        reason: e.to_string(),
+    let drv = |call: &'static str| {
+        move |e: super::CudaError| DeviceError::Driver {
+            ordinal,
+            call,
+            reason: e.to_string(),
+        }
     };
     let dev = ffi::device_get(ordinal as i32).map_err(drv("cuDeviceGet"))?;
     let ctx = ffi::primary_ctx_retain(dev).map_err(drv("cuDevicePrimaryCtxRetain"))?;
@@ -64,7 +66,8 @@ pub unsafe fn bench_raw_h2d(
                         .map_err(drv("cuMemcpyHtoDAsync"))?;
                         ffi::event_record(end, stream).map_err(drv("cuEventRecord"))?;
                         ffi::event_synchronize(end).map_err(drv("cuEventSynchronize"))?;
-                        let ms = ffi::event_elapsed_ms(start, end).map_err(drv("cuEventElapsedTime"))?;
+                        let ms =
+                            ffi::event_elapsed_ms(start, end).map_err(drv("cuEventElapsedTime"))?;
                         if i > 0 {
                             times.push(f64::from(ms) / 1e3);
                         }

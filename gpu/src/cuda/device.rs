@@ -22,6 +22,7 @@ use super::error::CudaError;
 use super::ffi;
 use super::kernel::{Desc, GatherKernel};
 use super::plan::{plan, CopyPath, HostMap, Plan, Resolver};
+use super::shared;
 
 /// How a [`CudaDevice`] issues copies.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -110,7 +111,9 @@ struct Pending {
 unsafe impl Send for Pending {}
 
 fn no_driver(e: CudaError) -> DeviceError {
-    DeviceError::NoDriver { reason: e.to_string() }
+    DeviceError::NoDriver {
+        reason: e.to_string(),
+    }
 }
 
 /// True where the CUDA driver library can be loaded (says nothing about GPUs).
@@ -129,12 +132,17 @@ impl CudaDevice {
         ffi::init().map_err(no_driver)?;
         let count = ffi::device_count().map_err(no_driver)?;
         if ordinal >= count.max(0) as u32 {
-            return Err(DeviceError::NoSuchDevice { ordinal, count: count.max(0) as u32 });
+            return Err(DeviceError::NoSuchDevice {
+                ordinal,
+                count: count.max(0) as u32,
+            });
         }
-        let drv = |call: &'static str| move |e: CudaError| DeviceError::Driver {
-            ordinal,
-            call,
-            reason: e.to_string(),
+        let drv = |call: &'static str| {
+            move |e: CudaError| DeviceError::Driver {
+                ordinal,
+                call,
+                reason: e.to_string(),
+            }
         };
         let dev = ffi::device_get(ordinal as i32).map_err(drv("cuDeviceGet"))?;
         let name = ffi::device_name(dev).map_err(drv("cuDeviceGetName"))?;
@@ -159,7 +167,9 @@ impl CudaDevice {
         // From here on, dropping `inner` releases whatever was set up.
         inner.bind()?;
         for _ in 0..2 {
-            inner.streams.push(ffi::stream_create().map_err(drv("cuStreamCreate"))?);
+            inner
+                .streams
+                .push(ffi::stream_create().map_err(drv("cuStreamCreate"))?);
         }
         inner.caps = probe_caps(dev);
         match GatherKernel::load() {
@@ -167,7 +177,10 @@ impl CudaDevice {
                 inner.kernel = Some(k);
                 inner.caps.gather_kernel = true;
             }
-            Err(e) => inner.caps.notes.push(format!("gather kernel unavailable: {e}")),
+            Err(e) => inner
+                .caps
+                .notes
+                .push(format!("gather kernel unavailable: {e}")),
         }
         let inner = Arc::new(inner);
         let lanes = [Lane::start(&inner, 0)?, Lane::start(&inner, 1)?];
@@ -179,8 +192,12 @@ impl CudaDevice {
     pub fn ipc_handle(&self, ptr: u64) -> Result<IpcHandle, DeviceError> {
         self.inner.bind()?;
         let (start, _) = self.inner.device_alloc(ptr, 1)?;
-        let bytes = ffi::ipc_get_handle(start).map_err(|e| self.inner.driver("cuIpcGetMemHandle", e))?;
-        Ok(IpcHandle { bytes, offset: ptr - start })
+        let bytes =
+            ffi::ipc_get_handle(start).map_err(|e| self.inner.driver("cuIpcGetMemHandle", e))?;
+        Ok(IpcHandle {
+            bytes,
+            offset: ptr - start,
+        })
     }
 
     /// Errors that teardown (freeing, unmapping, unregistering) met since the last call.
@@ -207,23 +224,30 @@ impl CudaDevice {
 }
 
 fn probe_caps(dev: ffi::CUdevice) -> DeviceCaps {
-    let mut caps = DeviceCaps { ipc_import: true, ..DeviceCaps::default() };
+    let mut caps = DeviceCaps {
+        ipc_import: true,
+        ..DeviceCaps::default()
+    };
     let attr = |a: Attr| ffi::device_attribute(dev, a).unwrap_or(0);
     if !ffi::has_symbol("cuMemGetHandleForAddressRange") {
-        caps.notes.push("dmabuf: driver lacks cuMemGetHandleForAddressRange".into());
+        caps.notes
+            .push("dmabuf: driver lacks cuMemGetHandleForAddressRange".into());
     } else if attr(Attr::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED) != 1 {
-        caps.notes.push("dmabuf: the device does not support DMA-BUF export".into());
+        caps.notes
+            .push("dmabuf: the device does not support DMA-BUF export".into());
     } else {
         caps.dmabuf_export = true;
     }
     caps.read_only_host_register =
         attr(Attr::CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED) == 1;
     if !caps.read_only_host_register {
-        caps.notes.push("read-only host registration unsupported".into());
+        caps.notes
+            .push("read-only host registration unsupported".into());
     }
     caps.batch_copy = ffi::has_memcpy_batch();
     if !caps.batch_copy {
-        caps.notes.push("batched copies need a CUDA 13 driver".into());
+        caps.notes
+            .push("batched copies need a CUDA 13 driver".into());
     }
     // Bit 0: CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST (cuFlushGPUDirectRDMAWrites works).
     caps.direct_write_flush = ffi::has_symbol("cuFlushGPUDirectRDMAWrites")
@@ -244,7 +268,10 @@ impl Lane {
                 call: "spawning the completion thread",
                 reason: e.to_string(),
             })?;
-        Ok(Self { tx: Mutex::new(Some(tx)), thread: Mutex::new(Some(thread)) })
+        Ok(Self {
+            tx: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
+        })
     }
 }
 
@@ -272,7 +299,11 @@ impl Inner {
     }
 
     fn driver(&self, call: &'static str, e: CudaError) -> DeviceError {
-        DeviceError::Driver { ordinal: self.ordinal, call, reason: e.to_string() }
+        DeviceError::Driver {
+            ordinal: self.ordinal,
+            call,
+            reason: e.to_string(),
+        }
     }
 
     fn record_teardown(&self, e: DeviceError) {
@@ -303,8 +334,16 @@ impl Inner {
         let bytes = cap * std::mem::size_of::<Desc>();
         let host = ffi::mem_host_alloc(bytes).map_err(|e| self.driver("cuMemHostAlloc", e))?;
         let info = ffi::pointer_info(host as u64).unwrap_or_default();
-        let device = if info.device_pointer != 0 { info.device_pointer } else { host as u64 };
-        Ok(PinnedDescs { host: host.cast(), cap, device })
+        let device = if info.device_pointer != 0 {
+            info.device_pointer
+        } else {
+            host as u64
+        };
+        Ok(PinnedDescs {
+            host: host.cast(),
+            cap,
+            device,
+        })
     }
 
     /// Queues a batch's work on `stream`. On error, whatever was queued before it is still in
@@ -367,12 +406,13 @@ impl Inner {
             if let Some(ev) = p.event {
                 let waited = match &bound {
                     // SAFETY: the event is live (taken from the pool, recorded by `submit`).
-                    Ok(()) => unsafe { ffi::event_synchronize(ev) }
-                        .map_err(|e| DeviceError::Copy {
+                    Ok(()) => {
+                        unsafe { ffi::event_synchronize(ev) }.map_err(|e| DeviceError::Copy {
                             ordinal: self.ordinal,
                             ops: p.ops,
                             reason: e.to_string(),
-                        }),
+                        })
+                    }
                     Err(e) => Err(e.clone()),
                 };
                 match waited {
@@ -422,7 +462,10 @@ impl Resolver for Inner {
                 len,
             });
         }
-        let end = info.range_start.checked_add(info.range_size).ok_or_else(not_dev)?;
+        let end = info
+            .range_start
+            .checked_add(info.range_size)
+            .ok_or_else(not_dev)?;
         match ptr.checked_add(len) {
             Some(e) if ptr >= info.range_start && e <= end => Ok((info.range_start, end)),
             _ => Err(not_dev()),
@@ -452,8 +495,11 @@ impl Resolver for Inner {
             return (addr >= m.start && end <= m.end).then_some(m);
         }
         let last = ffi::pointer_info(end - 1).ok()?;
-        (last.device_pointer == info.device_pointer + (len - 1))
-            .then_some(HostMap { start: addr, end, device: info.device_pointer })
+        (last.device_pointer == info.device_pointer + (len - 1)).then_some(HostMap {
+            start: addr,
+            end,
+            device: info.device_pointer,
+        })
     }
 }
 
@@ -474,7 +520,12 @@ impl Drop for Inner {
             // SAFETY: the streams were drained above, so no launch is running.
             let _ = unsafe { k.unload() };
         }
-        for e in self.events.get_mut().map(std::mem::take).unwrap_or_default() {
+        for e in self
+            .events
+            .get_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+        {
             // SAFETY: pooled events are idle and ours.
             let _ = unsafe { ffi::event_destroy(e) };
         }
@@ -490,8 +541,8 @@ impl Drop for Inner {
 /// What a [`DeviceBuffer`] or [`HostRegistration`] of this backend undoes on drop.
 enum Held {
     Alloc(u64),
-    Ipc(u64),
-    Host(u64),
+    Ipc([u8; 64]),
+    Host(u64, u64),
 }
 
 struct CudaRelease {
@@ -512,17 +563,22 @@ impl Release for CudaRelease {
             // buffer guarantees no batch still uses it (buffers outlive their loads).
             Held::Alloc(p) => unsafe { ffi::mem_free(p) }.map_err(|e| inner.driver("cuMemFree", e)),
             // SAFETY: opened by `import_ipc`, closed once, same guarantee as above.
-            Held::Ipc(p) => {
+            Held::Ipc(handle) => shared::IPC.release((inner.ordinal, handle), |p| {
+                // SAFETY: opened by `import_ipc`, closed by the last reference only; the
+                // buffers' owners guarantee no batch still uses it.
                 unsafe { ffi::ipc_close(p) }.map_err(|e| inner.driver("cuIpcCloseMemHandle", e))
-            }
-            Held::Host(p) => {
+            }),
+            Held::Host(p, len) => {
                 if let Ok(mut hosts) = inner.hosts.write() {
                     hosts.remove(&p);
                 }
-                // SAFETY: registered by `register_host`, unregistered once; the registration's
-                // owner guarantees no batch still reads it.
-                unsafe { ffi::mem_host_unregister(p as *mut c_void) }
-                    .map_err(|e| inner.driver("cuMemHostUnregister", e))
+                shared::HOST.release((p, len), |_| {
+                    // SAFETY: registered by `register_host`, unregistered by the last
+                    // reference only; the registrations' owners guarantee no batch still
+                    // reads it.
+                    unsafe { ffi::mem_host_unregister(p as *mut c_void) }
+                        .map_err(|e| inner.driver("cuMemHostUnregister", e))
+                })
             }
         };
         if let Err(e) = r {
@@ -561,14 +617,22 @@ impl Device for CudaDevice {
 
     fn alloc(&self, bytes: u64) -> Result<DeviceBuffer, DeviceError> {
         let ordinal = self.inner.ordinal;
-        let fail = |reason: String| DeviceError::Alloc { ordinal, bytes, reason };
+        let fail = |reason: String| DeviceError::Alloc {
+            ordinal,
+            bytes,
+            reason,
+        };
         if bytes == 0 {
             return Err(fail("zero-sized allocation".into()));
         }
-        let size = usize::try_from(bytes).map_err(|_| fail("size exceeds the address space".into()))?;
+        let size =
+            usize::try_from(bytes).map_err(|_| fail("size exceeds the address space".into()))?;
         self.inner.bind()?;
         let ptr = ffi::mem_alloc(size).map_err(|e| fail(e.to_string()))?;
-        let owner = CudaRelease { inner: Arc::clone(&self.inner), held: Some(Held::Alloc(ptr)) };
+        let owner = CudaRelease {
+            inner: Arc::clone(&self.inner),
+            held: Some(Held::Alloc(ptr)),
+        };
         Ok(DeviceBuffer::new(ptr, bytes, ordinal, Box::new(owner)))
     }
 
@@ -589,36 +653,61 @@ impl Device for CudaDevice {
             });
         }
         self.inner.bind()?;
-        let size = usize::try_from(len).map_err(|_| fail("size exceeds the address space".into()))?;
-        // SAFETY: the caller owns the mapping; the returned registration is dropped (and the
-        // range unregistered) before the caller unmaps it, as `HostRegistration` documents.
-        unsafe { ffi::mem_host_register(addr as *mut c_void, size, read_only) }
-            .map_err(|e| fail(e.to_string()))?;
-        let info = ffi::pointer_info(addr).unwrap_or_default();
-        let device = if info.device_pointer != 0 { info.device_pointer } else { addr };
+        let size =
+            usize::try_from(len).map_err(|_| fail("size exceeds the address space".into()))?;
+        let device = shared::HOST.acquire((addr, len), || {
+            // SAFETY: the caller owns the mapping; the returned registration is dropped (and
+            // the range unregistered with the last one) before the caller unmaps it, as
+            // `HostRegistration` documents.
+            unsafe { ffi::mem_host_register(addr as *mut c_void, size, read_only) }
+                .map_err(|e| fail(e.to_string()))?;
+            let info = ffi::pointer_info(addr).unwrap_or_default();
+            Ok(if info.device_pointer != 0 {
+                info.device_pointer
+            } else {
+                addr
+            })
+        })?;
         if let Ok(mut hosts) = self.inner.hosts.write() {
-            hosts.insert(addr, HostMap { start: addr, end: addr + len, device });
+            hosts.insert(
+                addr,
+                HostMap {
+                    start: addr,
+                    end: addr + len,
+                    device,
+                },
+            );
         }
-        let owner = CudaRelease { inner: Arc::clone(&self.inner), held: Some(Held::Host(addr)) };
+        let owner = CudaRelease {
+            inner: Arc::clone(&self.inner),
+            held: Some(Held::Host(addr, len)),
+        };
         Ok(HostRegistration::new(Box::new(owner)))
     }
 
-    unsafe fn submit(
-        &self,
-        dir: CopyDirection,
-        list: CopyList,
-    ) -> Result<CopyEvent, DeviceError> {
+    unsafe fn submit(&self, dir: CopyDirection, list: CopyList) -> Result<CopyEvent, DeviceError> {
         let inner = &self.inner;
         let ordinal = inner.ordinal;
         let (done, event) = CopyEvent::channel(ordinal);
         let submitted = Instant::now();
         if list.is_empty() {
-            let _ = done.send(Ok(CopyStats { bytes: 0, ops: 0, seconds: 0.0 }));
+            let _ = done.send(Ok(CopyStats {
+                bytes: 0,
+                ops: 0,
+                seconds: 0.0,
+            }));
             return Ok(event);
         }
         inner.bind()?;
         let kernel_ok = inner.kernel.is_some();
-        let plan = match plan(dir, &list, inner.options.copy_path, kernel_ok, inner.caps.batch_copy, &**inner) {
+        let plan = match plan(
+            dir,
+            &list,
+            inner.options.copy_path,
+            kernel_ok,
+            inner.caps.batch_copy,
+            &**inner,
+        ) {
             Ok(p) => p,
             Err(e) => {
                 // Refused before anything was queued: nothing was copied.
@@ -631,7 +720,10 @@ impl Device for CudaDevice {
             CopyDirection::DeviceToHost => 1,
         };
         let stream = inner.streams[index];
-        let tx = self.lanes[index].tx.lock().map_err(|_| DeviceError::Stopped { ordinal })?;
+        let tx = self.lanes[index]
+            .tx
+            .lock()
+            .map_err(|_| DeviceError::Stopped { ordinal })?;
         let tx = tx.as_ref().ok_or(DeviceError::Stopped { ordinal })?;
         let mut pending = Pending {
             event: None,
@@ -693,12 +785,22 @@ impl Device for CudaDevice {
     fn import_ipc(&self, handle: &[u8]) -> Result<DeviceBuffer, DeviceError> {
         let inner = &self.inner;
         let ordinal = inner.ordinal;
-        let fail = |reason: String| DeviceError::Import { ordinal, what: "CUDA IPC handle", reason };
-        let bytes: &[u8; 64] =
-            handle.try_into().map_err(|_| fail(format!("{} bytes, expected 64", handle.len())))?;
+        let fail = |reason: String| DeviceError::Import {
+            ordinal,
+            what: "CUDA IPC handle",
+            reason,
+        };
+        let bytes: &[u8; 64] = handle
+            .try_into()
+            .map_err(|_| fail(format!("{} bytes, expected 64", handle.len())))?;
         inner.bind()?;
-        let base = ffi::ipc_open(bytes).map_err(|e| fail(e.to_string()))?;
-        let owner = CudaRelease { inner: Arc::clone(inner), held: Some(Held::Ipc(base)) };
+        let base = shared::IPC
+            .acquire((ordinal, *bytes), || ffi::ipc_open(bytes))
+            .map_err(|e| fail(e.to_string()))?;
+        let owner = CudaRelease {
+            inner: Arc::clone(inner),
+            held: Some(Held::Ipc(*bytes)),
+        };
         let info = ffi::pointer_info(base).unwrap_or_default();
         // Dropping `owner` (through the buffer or on error) closes the mapping again.
         let buf = DeviceBuffer::new(base, info.range_size, ordinal, Box::new(owner));
@@ -719,7 +821,12 @@ impl Device for CudaDevice {
     fn export_dmabuf(&self, ptr: u64, len: u64) -> Result<DmaBuf, DeviceError> {
         let inner = &self.inner;
         if !inner.caps.dmabuf_export {
-            let reason = inner.caps.notes.iter().find(|n| n.starts_with("dmabuf")).cloned();
+            let reason = inner
+                .caps
+                .notes
+                .iter()
+                .find(|n| n.starts_with("dmabuf"))
+                .cloned();
             return Err(DeviceError::Unsupported {
                 what: "DMA-BUF export",
                 reason: reason.unwrap_or_else(|| "unsupported".into()),
@@ -736,9 +843,10 @@ impl Device for CudaDevice {
         let end = (ptr + len.max(1)).div_ceil(page) * page;
         match ffi::dmabuf_export(start, (end - start) as usize) {
             Ok(fd) => Ok(DmaBuf::new(fd, start, end - start, inner.ordinal)),
-            Err(e) if e.is_not_supported() => {
-                Err(DeviceError::Unsupported { what: "DMA-BUF export", reason: e.to_string() })
-            }
+            Err(e) if e.is_not_supported() => Err(DeviceError::Unsupported {
+                what: "DMA-BUF export",
+                reason: e.to_string(),
+            }),
             Err(e) => Err(inner.driver("cuMemGetHandleForAddressRange", e)),
         }
     }
@@ -746,7 +854,11 @@ impl Device for CudaDevice {
     fn import_dmabuf(&self, fd: OwnedFd, base: u64, len: u64) -> Result<DmaBuf, DeviceError> {
         use std::os::fd::AsFd;
         let ordinal = self.inner.ordinal;
-        let fail = |reason: String| DeviceError::Import { ordinal, what: "DMA-BUF fd", reason };
+        let fail = |reason: String| DeviceError::Import {
+            ordinal,
+            what: "DMA-BUF fd",
+            reason,
+        };
         if !ffi::fd_is_dmabuf(fd.as_fd()) {
             return Err(fail("the fd is not a DMA-BUF".into()));
         }
@@ -763,6 +875,7 @@ impl Device for CudaDevice {
             return Ok(());
         }
         self.inner.bind()?;
-        ffi::flush_gpudirect_rdma_writes().map_err(|e| self.inner.driver("cuFlushGPUDirectRDMAWrites", e))
+        ffi::flush_gpudirect_rdma_writes()
+            .map_err(|e| self.inner.driver("cuFlushGPUDirectRDMAWrites", e))
     }
 }

@@ -17,7 +17,11 @@ pub enum CudaError {
     MissingSymbol { symbol: &'static str },
     /// A driver call returned an error code.
     #[error("{call} failed: {name} ({code})")]
-    Driver { call: &'static str, code: u32, name: String },
+    Driver {
+        call: &'static str,
+        code: u32,
+        name: String,
+    },
 }
 
 impl CudaError {

@@ -90,7 +90,11 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<(), CudaError> {
     } else {
         format!("{r:?}")
     };
-    Err(CudaError::Driver { call, code: r as u32, name })
+    Err(CudaError::Driver {
+        call,
+        code: r as u32,
+        name,
+    })
 }
 
 /// Loads the driver, proves every required symbol present and initialises it (idempotent).
@@ -112,7 +116,9 @@ pub fn init() -> Result<(), CudaError> {
 pub fn driver_version() -> Result<i32, CudaError> {
     let mut v: c_int = 0;
     // SAFETY: writes one int into `v`.
-    check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut v) })?;
+    check("cuDriverGetVersion", unsafe {
+        sys::cuDriverGetVersion(&mut v)
+    })?;
     Ok(v)
 }
 
@@ -133,22 +139,30 @@ pub fn device_get(ordinal: i32) -> Result<CUdevice, CudaError> {
 pub fn device_name(dev: CUdevice) -> Result<String, CudaError> {
     let mut buf = [0 as c_char; 256];
     // SAFETY: the driver writes at most `len` bytes, NUL-terminated, into `buf`.
-    check("cuDeviceGetName", unsafe { sys::cuDeviceGetName(buf.as_mut_ptr(), 256, dev) })?;
+    check("cuDeviceGetName", unsafe {
+        sys::cuDeviceGetName(buf.as_mut_ptr(), 256, dev)
+    })?;
     // SAFETY: NUL-terminated within the buffer (the last byte is never written past `len`).
-    Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+    Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned())
 }
 
 pub fn device_attribute(dev: CUdevice, attr: sys::CUdevice_attribute) -> Result<i32, CudaError> {
     let mut v: c_int = 0;
     // SAFETY: writes one int into `v`; an unknown attribute is an error code, not UB.
-    check("cuDeviceGetAttribute", unsafe { sys::cuDeviceGetAttribute(&mut v, attr, dev) })?;
+    check("cuDeviceGetAttribute", unsafe {
+        sys::cuDeviceGetAttribute(&mut v, attr, dev)
+    })?;
     Ok(v)
 }
 
 pub fn primary_ctx_retain(dev: CUdevice) -> Result<CUcontext, CudaError> {
     let mut ctx: CUcontext = std::ptr::null_mut();
     // SAFETY: writes one context handle into `ctx`; the caller releases it once.
-    check("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
+    check("cuDevicePrimaryCtxRetain", unsafe {
+        sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
+    })?;
     Ok(ctx)
 }
 
@@ -157,7 +171,9 @@ pub fn primary_ctx_retain(dev: CUdevice) -> Result<CUcontext, CudaError> {
 /// (streams, events, modules) may be used afterwards.
 pub unsafe fn primary_ctx_release(dev: CUdevice) -> Result<(), CudaError> {
     // SAFETY: the caller balances one retain.
-    check("cuDevicePrimaryCtxRelease", unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) })
+    check("cuDevicePrimaryCtxRelease", unsafe {
+        sys::cuDevicePrimaryCtxRelease_v2(dev)
+    })
 }
 
 /// # Safety
@@ -174,7 +190,9 @@ pub fn stream_create() -> Result<CUstream, CudaError> {
     let mut s: CUstream = std::ptr::null_mut();
     let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint;
     // SAFETY: writes one stream handle into `s`.
-    check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut s, flags) })?;
+    check("cuStreamCreate", unsafe {
+        sys::cuStreamCreate(&mut s, flags)
+    })?;
     Ok(s)
 }
 
@@ -189,7 +207,9 @@ pub unsafe fn stream_destroy(s: CUstream) -> Result<(), CudaError> {
 /// `s` is a live stream.
 pub unsafe fn stream_synchronize(s: CUstream) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees `s` is live.
-    check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(s) })
+    check("cuStreamSynchronize", unsafe {
+        sys::cuStreamSynchronize(s)
+    })
 }
 
 /// An event; `timing` keeps timestamps (for benchmarks), otherwise they are disabled, which
@@ -201,7 +221,9 @@ pub fn event_create(timing: bool) -> Result<CUevent, CudaError> {
         flags |= sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
     }
     // SAFETY: writes one event handle into `e`.
-    check("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, flags) })?;
+    check("cuEventCreate", unsafe {
+        sys::cuEventCreate(&mut e, flags)
+    })?;
     Ok(e)
 }
 
@@ -239,7 +261,9 @@ pub unsafe fn event_elapsed_ms(start: CUevent, end: CUevent) -> Result<f32, Cuda
         if has_symbol("cuEventElapsedTime_v2") {
             sys::cuEventElapsedTime_v2(&mut ms, start, end)
         } else {
-            return Err(CudaError::MissingSymbol { symbol: "cuEventElapsedTime_v2" });
+            return Err(CudaError::MissingSymbol {
+                symbol: "cuEventElapsedTime_v2",
+            });
         }
     };
     check("cuEventElapsedTime", r)?;
@@ -267,7 +291,9 @@ pub fn mem_host_alloc(bytes: usize) -> Result<*mut c_void, CudaError> {
     let mut p: *mut c_void = std::ptr::null_mut();
     let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
     // SAFETY: writes one pointer into `p`.
-    check("cuMemHostAlloc", unsafe { sys::cuMemHostAlloc(&mut p, bytes, flags) })?;
+    check("cuMemHostAlloc", unsafe {
+        sys::cuMemHostAlloc(&mut p, bytes, flags)
+    })?;
     Ok(p)
 }
 
@@ -283,20 +309,28 @@ pub unsafe fn mem_free_host(p: *mut c_void) -> Result<(), CudaError> {
 ///
 /// # Safety
 /// The range is mapped host memory that stays mapped until [`mem_host_unregister`].
-pub unsafe fn mem_host_register(p: *mut c_void, len: usize, read_only: bool) -> Result<(), CudaError> {
+pub unsafe fn mem_host_register(
+    p: *mut c_void,
+    len: usize,
+    read_only: bool,
+) -> Result<(), CudaError> {
     let mut flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
     if read_only {
         flags |= sys::CU_MEMHOSTREGISTER_READ_ONLY;
     }
     // SAFETY: the caller guarantees the range stays mapped while registered.
-    check("cuMemHostRegister", unsafe { sys::cuMemHostRegister_v2(p, len, flags) })
+    check("cuMemHostRegister", unsafe {
+        sys::cuMemHostRegister_v2(p, len, flags)
+    })
 }
 
 /// # Safety
 /// `p` is the base of a live registration and no queued work still uses it.
 pub unsafe fn mem_host_unregister(p: *mut c_void) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees a live registration with no pending work.
-    check("cuMemHostUnregister", unsafe { sys::cuMemHostUnregister(p) })
+    check("cuMemHostUnregister", unsafe {
+        sys::cuMemHostUnregister(p)
+    })
 }
 
 /// Synchronous host → device copy.
@@ -304,9 +338,15 @@ pub unsafe fn mem_host_unregister(p: *mut c_void) -> Result<(), CudaError> {
 /// # Safety
 /// `src` is readable host memory of `len` bytes; `dst..dst+len` is device memory of the
 /// current context.
-pub unsafe fn memcpy_htod(dst: CUdeviceptr, src: *const c_void, len: usize) -> Result<(), CudaError> {
+pub unsafe fn memcpy_htod(
+    dst: CUdeviceptr,
+    src: *const c_void,
+    len: usize,
+) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees both ranges.
-    check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(dst, src, len) })
+    check("cuMemcpyHtoD", unsafe {
+        sys::cuMemcpyHtoD_v2(dst, src, len)
+    })
 }
 
 /// Synchronous device → host copy.
@@ -315,7 +355,9 @@ pub unsafe fn memcpy_htod(dst: CUdeviceptr, src: *const c_void, len: usize) -> R
 /// `dst` is writable host memory of `len` bytes; `src..src+len` is device memory.
 pub unsafe fn memcpy_dtoh(dst: *mut c_void, src: CUdeviceptr, len: usize) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees both ranges.
-    check("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(dst, src, len) })
+    check("cuMemcpyDtoH", unsafe {
+        sys::cuMemcpyDtoH_v2(dst, src, len)
+    })
 }
 
 /// Asynchronous host → device copy on `s` (truly asynchronous only from pinned memory).
@@ -329,7 +371,9 @@ pub unsafe fn memcpy_htod_async(
     s: CUstream,
 ) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees both ranges and the stream.
-    check("cuMemcpyHtoDAsync", unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src, len, s) })
+    check("cuMemcpyHtoDAsync", unsafe {
+        sys::cuMemcpyHtoDAsync_v2(dst, src, len, s)
+    })
 }
 
 /// Asynchronous copy between two unified addresses (host or device, the driver infers which).
@@ -343,7 +387,9 @@ pub unsafe fn memcpy_async(
     s: CUstream,
 ) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees both ranges and the stream.
-    check("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(dst, src, len, s) })
+    check("cuMemcpyAsync", unsafe {
+        sys::cuMemcpyAsync(dst, src, len, s)
+    })
 }
 
 /// True where the batched copy call of CUDA 13 exists.
@@ -450,19 +496,25 @@ pub fn ipc_get_handle(ptr: CUdeviceptr) -> Result<[u8; 64], CudaError> {
     let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
     // SAFETY: writes 64 bytes into `h`; an address that is no device allocation is an error
     // code.
-    check("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut h, ptr) })?;
+    check("cuIpcGetMemHandle", unsafe {
+        sys::cuIpcGetMemHandle(&mut h, ptr)
+    })?;
     Ok(h.reserved.map(|c| c as u8))
 }
 
 /// Maps another process's allocation into this one; the returned base is the start of the
 /// exporter's whole allocation.
 pub fn ipc_open(handle: &[u8; 64]) -> Result<CUdeviceptr, CudaError> {
-    let h = sys::CUipcMemHandle { reserved: handle.map(|b| b as c_char) };
+    let h = sys::CUipcMemHandle {
+        reserved: handle.map(|b| b as c_char),
+    };
     let mut p: CUdeviceptr = 0;
     let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as c_uint;
     // SAFETY: the handle is passed by value and only interpreted by the driver (a forged one is
     // an error code); writes one pointer into `p`.
-    check("cuIpcOpenMemHandle", unsafe { sys::cuIpcOpenMemHandle_v2(&mut p, h, flags) })?;
+    check("cuIpcOpenMemHandle", unsafe {
+        sys::cuIpcOpenMemHandle_v2(&mut p, h, flags)
+    })?;
     Ok(p)
 }
 
@@ -470,14 +522,18 @@ pub fn ipc_open(handle: &[u8; 64]) -> Result<CUdeviceptr, CudaError> {
 /// `p` came from [`ipc_open`], is closed once, and no queued work still uses it.
 pub unsafe fn ipc_close(p: CUdeviceptr) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees ownership and that no work is pending on it.
-    check("cuIpcCloseMemHandle", unsafe { sys::cuIpcCloseMemHandle(p) })
+    check("cuIpcCloseMemHandle", unsafe {
+        sys::cuIpcCloseMemHandle(p)
+    })
 }
 
 /// Exports `[ptr, ptr + len)` of device memory as a DMA-BUF file descriptor (flags 0).
 /// Both must be aligned to the host page size.
 pub fn dmabuf_export(ptr: CUdeviceptr, len: usize) -> Result<OwnedFd, CudaError> {
     if !has_symbol("cuMemGetHandleForAddressRange") {
-        return Err(CudaError::MissingSymbol { symbol: "cuMemGetHandleForAddressRange" });
+        return Err(CudaError::MissingSymbol {
+            symbol: "cuMemGetHandleForAddressRange",
+        });
     }
     let mut fd: c_int = -1;
     let ty = sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD;
@@ -495,13 +551,17 @@ pub fn dmabuf_export(ptr: CUdeviceptr, len: usize) -> Result<OwnedFd, CudaError>
 /// launched after this call.
 pub fn flush_gpudirect_rdma_writes() -> Result<(), CudaError> {
     if !has_symbol("cuFlushGPUDirectRDMAWrites") {
-        return Err(CudaError::MissingSymbol { symbol: "cuFlushGPUDirectRDMAWrites" });
+        return Err(CudaError::MissingSymbol {
+            symbol: "cuFlushGPUDirectRDMAWrites",
+        });
     }
     let target =
         sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX;
     let scope = sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER;
     // SAFETY: takes two enums and acts on the current context; the symbol exists.
-    check("cuFlushGPUDirectRDMAWrites", unsafe { sys::cuFlushGPUDirectRDMAWrites(target, scope) })
+    check("cuFlushGPUDirectRDMAWrites", unsafe {
+        sys::cuFlushGPUDirectRDMAWrites(target, scope)
+    })
 }
 
 /// Loads a module from a NUL-terminated PTX image into the current context (JIT compiled
@@ -510,7 +570,9 @@ pub fn module_load_data(image: &CStr) -> Result<CUmodule, CudaError> {
     let mut m: CUmodule = std::ptr::null_mut();
     // SAFETY: `image` is a NUL-terminated PTX text the driver only reads during the call;
     // writes one module handle into `m`.
-    check("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut m, image.as_ptr().cast()) })?;
+    check("cuModuleLoadData", unsafe {
+        sys::cuModuleLoadData(&mut m, image.as_ptr().cast())
+    })?;
     Ok(m)
 }
 
@@ -526,7 +588,9 @@ pub unsafe fn module_unload(m: CUmodule) -> Result<(), CudaError> {
 pub unsafe fn module_get_function(m: CUmodule, name: &CStr) -> Result<CUfunction, CudaError> {
     let mut f: CUfunction = std::ptr::null_mut();
     // SAFETY: the caller guarantees `m`; `name` is NUL-terminated; writes one handle.
-    check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut f, m, name.as_ptr()) })?;
+    check("cuModuleGetFunction", unsafe {
+        sys::cuModuleGetFunction(&mut f, m, name.as_ptr())
+    })?;
     Ok(f)
 }
 

@@ -179,8 +179,10 @@ impl GatherKernel {
         let grid = count.min(sm_count.max(1) * BLOCKS_PER_SM);
         let mut descs = descs;
         let mut count = count;
-        let mut params: [*mut c_void; 2] =
-            [(&mut descs as *mut u64).cast(), (&mut count as *mut u32).cast()];
+        let mut params: [*mut c_void; 2] = [
+            (&mut descs as *mut u64).cast(),
+            (&mut count as *mut u32).cast(),
+        ];
         // SAFETY: the parameters match `(u64 descs, u32 count)`; the caller guarantees the
         // descriptors, the ranges, the stream and the context.
         unsafe { ffi::launch_kernel(self.function, grid, BLOCK_THREADS, stream, &mut params) }
@@ -201,7 +203,11 @@ pub fn push_chunked(out: &mut Vec<Desc>, src: u64, dst: u64, len: u64) {
     let mut off = 0;
     while off < len {
         let n = (len - off).min(CHUNK_BYTES);
-        out.push(Desc { src: src + off, dst: dst + off, len: n });
+        out.push(Desc {
+            src: src + off,
+            dst: dst + off,
+            len: n,
+        });
         off += n;
     }
 }
@@ -215,7 +221,14 @@ mod tests {
         let mut v = Vec::new();
         push_chunked(&mut v, 1000, 5000, 2 * CHUNK_BYTES + 16);
         assert_eq!(v.len(), 3);
-        assert_eq!(v[2], Desc { src: 1000 + 2 * CHUNK_BYTES, dst: 5000 + 2 * CHUNK_BYTES, len: 16 });
+        assert_eq!(
+            v[2],
+            Desc {
+                src: 1000 + 2 * CHUNK_BYTES,
+                dst: 5000 + 2 * CHUNK_BYTES,
+                len: 16
+            }
+        );
         assert_eq!(v.iter().map(|d| d.len).sum::<u64>(), 2 * CHUNK_BYTES + 16);
         assert_eq!(std::mem::size_of::<Desc>(), 24);
     }

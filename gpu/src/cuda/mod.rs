@@ -17,6 +17,7 @@ mod ffi;
 mod kernel;
 mod open;
 mod plan;
+mod shared;
 
 pub use bench::{bench_raw_h2d, median};
 pub use device::{driver_present, CudaDevice, CudaOptions, IpcHandle};

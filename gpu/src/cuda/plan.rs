@@ -75,7 +75,8 @@ pub fn plan(
             CopyDirection::HostToDevice => op.dst,
             CopyDirection::DeviceToHost => op.src,
         };
-        let inside = |(s, e): (u64, u64)| dev >= s && dev.checked_add(op.len).is_some_and(|x| x <= e);
+        let inside =
+            |(s, e): (u64, u64)| dev >= s && dev.checked_add(op.len).is_some_and(|x| x <= e);
         if last.is_some_and(inside) {
             continue;
         }
@@ -83,7 +84,11 @@ pub fn plan(
         last = Some(range);
     }
 
-    let avg = if ops.is_empty() { 0 } else { list.bytes() / ops.len() as u64 };
+    let avg = if ops.is_empty() {
+        0
+    } else {
+        list.bytes() / ops.len() as u64
+    };
     let use_kernel = kernel_ok
         && match path {
             CopyPath::Auto => ops.len() > ENGINE_MAX_OPS && avg < ENGINE_MIN_AVG_BYTES,
@@ -140,11 +145,15 @@ mod tests {
             if ptr >= 1 << 20 && ptr + len <= 2 << 20 {
                 Ok((1 << 20, 2 << 20))
             } else {
-                Err(DeviceError::NotDeviceMemory { ordinal: 0, ptr, len })
+                Err(DeviceError::NotDeviceMemory {
+                    ordinal: 0,
+                    ptr,
+                    len,
+                })
             }
         }
         fn host_map(&self, addr: u64, _len: u64) -> Option<HostMap> {
-            (addr >= 10 << 20 && addr < 11 << 20).then_some(HostMap {
+            ((10 << 20..11 << 20).contains(&addr)).then_some(HostMap {
                 start: 10 << 20,
                 end: 11 << 20,
                 device: 50 << 20,
@@ -163,10 +172,25 @@ mod tests {
     #[test]
     fn fragmented_mapped_batches_go_to_the_kernel() {
         let l = fragmented(16, 10 << 20);
-        let p = plan(CopyDirection::HostToDevice, &l, CopyPath::Auto, true, true, &Fake).unwrap();
+        let p = plan(
+            CopyDirection::HostToDevice,
+            &l,
+            CopyPath::Auto,
+            true,
+            true,
+            &Fake,
+        )
+        .unwrap();
         assert_eq!(p.kernel.len(), 16);
         assert!(p.engine.is_empty());
-        assert_eq!(p.kernel[3], Desc { src: (50 << 20) + 3 * 4096, dst: (1 << 20) + 3 * 8192, len: 4096 });
+        assert_eq!(
+            p.kernel[3],
+            Desc {
+                src: (50 << 20) + 3 * 4096,
+                dst: (1 << 20) + 3 * 8192,
+                len: 4096
+            }
+        );
     }
 
     #[test]
@@ -174,11 +198,27 @@ mod tests {
         let mut l = fragmented(8, 10 << 20);
         l.push(20 << 20, (1 << 20) + 200_000, 64); // host not mapped
         l.push((10 << 20) + 500_001, (1 << 20) + 300_000, 64); // unaligned
-        let p = plan(CopyDirection::HostToDevice, &l, CopyPath::Auto, true, true, &Fake).unwrap();
+        let p = plan(
+            CopyDirection::HostToDevice,
+            &l,
+            CopyPath::Auto,
+            true,
+            true,
+            &Fake,
+        )
+        .unwrap();
         assert_eq!(p.kernel.len(), 8);
         assert_eq!(p.engine.len(), 2);
         assert!(!p.engine_batched, "two leftovers go one call each");
-        let p = plan(CopyDirection::HostToDevice, &l, CopyPath::Auto, false, true, &Fake).unwrap();
+        let p = plan(
+            CopyDirection::HostToDevice,
+            &l,
+            CopyPath::Auto,
+            false,
+            true,
+            &Fake,
+        )
+        .unwrap();
         assert!(p.kernel.is_empty());
         assert_eq!(p.engine.len(), 10);
         assert!(p.engine_batched);
@@ -188,10 +228,26 @@ mod tests {
     fn long_contiguous_ranges_use_engines() {
         let mut l = CopyList::default();
         l.push(10 << 20, 1 << 20, 512 << 10);
-        let p = plan(CopyDirection::HostToDevice, &l, CopyPath::Auto, true, true, &Fake).unwrap();
+        let p = plan(
+            CopyDirection::HostToDevice,
+            &l,
+            CopyPath::Auto,
+            true,
+            true,
+            &Fake,
+        )
+        .unwrap();
         assert!(p.kernel.is_empty());
         assert_eq!(p.engine.len(), 1);
-        let p = plan(CopyDirection::HostToDevice, &l, CopyPath::Kernel, true, true, &Fake).unwrap();
+        let p = plan(
+            CopyDirection::HostToDevice,
+            &l,
+            CopyPath::Kernel,
+            true,
+            true,
+            &Fake,
+        )
+        .unwrap();
         assert_eq!(p.kernel.len(), 8, "cut into 64 KiB chunks");
     }
 
@@ -201,7 +257,15 @@ mod tests {
         for i in 0..8u64 {
             l.push((1 << 20) + i * 8192, (10 << 20) + i * 4096, 4096);
         }
-        let p = plan(CopyDirection::DeviceToHost, &l, CopyPath::Auto, true, true, &Fake).unwrap();
+        let p = plan(
+            CopyDirection::DeviceToHost,
+            &l,
+            CopyPath::Auto,
+            true,
+            true,
+            &Fake,
+        )
+        .unwrap();
         assert_eq!(p.kernel.len(), 8);
         assert_eq!(p.kernel[1].dst, (50 << 20) + 4096);
         assert_eq!(p.kernel[1].src, (1 << 20) + 8192);
@@ -211,18 +275,53 @@ mod tests {
     fn one_bad_device_range_refuses_the_batch() {
         let mut l = fragmented(8, 10 << 20);
         l.push(10 << 20, (2 << 20) - 32, 64); // runs past the allocation
-        let err = plan(CopyDirection::HostToDevice, &l, CopyPath::Auto, true, true, &Fake).unwrap_err();
-        assert!(matches!(err, DeviceError::NotDeviceMemory { len: 64, .. }), "{err}");
+        let err = plan(
+            CopyDirection::HostToDevice,
+            &l,
+            CopyPath::Auto,
+            true,
+            true,
+            &Fake,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, DeviceError::NotDeviceMemory { len: 64, .. }),
+            "{err}"
+        );
     }
 
     #[test]
     fn forced_paths() {
         let l = fragmented(16, 10 << 20);
-        let p = plan(CopyDirection::HostToDevice, &l, CopyPath::Batch, true, true, &Fake).unwrap();
+        let p = plan(
+            CopyDirection::HostToDevice,
+            &l,
+            CopyPath::Batch,
+            true,
+            true,
+            &Fake,
+        )
+        .unwrap();
         assert!(p.kernel.is_empty() && p.engine_batched && p.engine.len() == 16);
-        let p = plan(CopyDirection::HostToDevice, &l, CopyPath::PerOp, true, true, &Fake).unwrap();
+        let p = plan(
+            CopyDirection::HostToDevice,
+            &l,
+            CopyPath::PerOp,
+            true,
+            true,
+            &Fake,
+        )
+        .unwrap();
         assert!(p.kernel.is_empty() && !p.engine_batched);
-        let p = plan(CopyDirection::HostToDevice, &l, CopyPath::Batch, true, false, &Fake).unwrap();
+        let p = plan(
+            CopyDirection::HostToDevice,
+            &l,
+            CopyPath::Batch,
+            true,
+            false,
+            &Fake,
+        )
+        .unwrap();
         assert!(!p.engine_batched, "no batch call in this driver");
     }
 }

@@ -1,0 +1,928 @@
+//! The `cuda` backend. Without a GPU only the "no driver" behaviour runs; everything else is
+//! `#[ignore = "needs a CUDA GPU"]` and runs on the GPU machine with `--ignored`.
+//!
+//! Every load fills host blocks with a pattern derived from (host block, rank, layer,
+//! segment, offset), fills GPU KV with a canary, and checks every byte of the GPU allocations
+//! afterwards: loaded segments hold the pattern, everything else still holds the canary.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvferry_gpu::cuda::{self, CopyPath, CudaDevice, CudaOptions};
+use kvferry_gpu::{
+    open_device, CopyDirection, CopyEvent, CopyList, CopyStats, Device, DeviceBuffer, DeviceError,
+    DeviceKind, GroupKind, KvLayout, KvLayoutSpec, KvShape, LayerLayout, LayoutError,
+};
+
+const CANARY: u8 = 0xCD;
+
+fn pat(block: u32, rank: u32, layer: u32, seg: u32, off: u64) -> u8 {
+    ((u64::from(block) * 131
+        + u64::from(rank) * 53
+        + u64::from(layer) * 31
+        + u64::from(seg) * 17
+        + off * 7)
+        % 251) as u8
+}
+
+fn wait(ev: CopyEvent) -> Result<CopyStats, DeviceError> {
+    tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime")
+        .block_on(ev)
+}
+
+/// Page-aligned anonymous host memory, unmapped on drop.
+struct HostMem {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl HostMem {
+    fn new(len: usize) -> Self {
+        // SAFETY: anonymous private mapping, no fd; the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED, "mmap");
+        Self { ptr: p.cast(), len }
+    }
+
+    fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: the mapping is `len` bytes, readable and writable, owned by `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for HostMem {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping made in `new`.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// A host pool of `slots` blocks of `shape`, each block filled with the pattern of its own
+/// slot number for every rank.
+fn fill_pool(mem: &mut HostMem, shape: &KvShape, slots: u32) {
+    let bb = shape.block_bytes() as usize;
+    let seg = shape.segment_bytes();
+    let buf = mem.bytes();
+    for slot in 0..slots {
+        for rank in 0..shape.tp_size() {
+            for layer in 0..shape.layers() {
+                for s in 0..shape.segments() {
+                    let o = slot as usize * bb + shape.segment_offset(rank, layer, s) as usize;
+                    for off in 0..seg {
+                        buf[o + off as usize] = pat(slot, rank, layer, s, off);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `(host slot, destination block)` pairs → one copy list for one rank.
+fn load_list(
+    pool: u64,
+    shape: &KvShape,
+    layout: &KvLayout,
+    rank: u32,
+    pairs: &[(u32, u32)],
+) -> CopyList {
+    let mut l = CopyList::default();
+    for &(slot, block) in pairs {
+        for layer in 0..shape.layers() {
+            for s in 0..shape.segments() {
+                l.push(
+                    pool + u64::from(slot) * shape.block_bytes()
+                        + shape.segment_offset(rank, layer, s),
+                    layout.segment_addr(layer, s, block),
+                    shape.segment_bytes(),
+                );
+            }
+        }
+    }
+    l
+}
+
+/// The reverse: GPU blocks → host slots.
+fn save_list(
+    pool: u64,
+    shape: &KvShape,
+    layout: &KvLayout,
+    rank: u32,
+    pairs: &[(u32, u32)],
+) -> CopyList {
+    let mut l = CopyList::default();
+    for &(slot, block) in pairs {
+        for layer in 0..shape.layers() {
+            for s in 0..shape.segments() {
+                l.push(
+                    layout.segment_addr(layer, s, block),
+                    pool + u64::from(slot) * shape.block_bytes()
+                        + shape.segment_offset(rank, layer, s),
+                    shape.segment_bytes(),
+                );
+            }
+        }
+    }
+    l
+}
+
+/// Reads every buffer back and checks: segment `(layer, s)` of a loaded block holds the
+/// pattern of its source slot, every other byte the canary.
+fn verify(
+    dev: &dyn Device,
+    bufs: &[&DeviceBuffer],
+    shape: &KvShape,
+    layout: &KvLayout,
+    rank: u32,
+    pairs: &[(u32, u32)],
+) {
+    let mut expect: Vec<Vec<u8>> = bufs
+        .iter()
+        .map(|b| vec![CANARY; b.len() as usize])
+        .collect();
+    for &(slot, block) in pairs {
+        for layer in 0..shape.layers() {
+            for s in 0..shape.segments() {
+                let a = layout.segment_addr(layer, s, block);
+                let (i, b) = bufs
+                    .iter()
+                    .enumerate()
+                    .find(|(_, b)| a >= b.ptr() && a < b.ptr() + b.len())
+                    .expect("segment inside a buffer");
+                let o = (a - b.ptr()) as usize;
+                for off in 0..shape.segment_bytes() {
+                    expect[i][o + off as usize] = pat(slot, rank, layer, s, off);
+                }
+            }
+        }
+    }
+    for (i, b) in bufs.iter().enumerate() {
+        let mut got = vec![0u8; b.len() as usize];
+        dev.read(b.ptr(), &mut got).expect("read back");
+        if got != expect[i] {
+            let at = got
+                .iter()
+                .zip(&expect[i])
+                .position(|(g, e)| g != e)
+                .unwrap_or(0);
+            panic!(
+                "buffer {i} (rank {rank}): first mismatch at byte {at}: got {:#x}, expected {:#x}",
+                got[at], expect[i][at]
+            );
+        }
+    }
+}
+
+fn canary(dev: &dyn Device, b: &DeviceBuffer) {
+    dev.write(b.ptr(), &vec![CANARY; b.len() as usize])
+        .expect("canary fill");
+}
+
+fn open(path: CopyPath) -> Arc<CudaDevice> {
+    CudaDevice::open_with(0, CudaOptions::with_copy_path(path)).expect("open CUDA device 0")
+}
+
+#[test]
+fn opening_without_a_driver_is_a_typed_error() {
+    if cuda::driver_present() {
+        // A GPU machine: auto picks cuda there when a device is present.
+        let d = open_device("auto", 0).expect("auto");
+        assert!(matches!(d.kind(), DeviceKind::Cuda | DeviceKind::Host));
+        return;
+    }
+    let err = CudaDevice::open(0).unwrap_err();
+    assert!(matches!(err, DeviceError::NoDriver { .. }), "{err}");
+    let err = open_device("cuda", 0).unwrap_err();
+    assert!(matches!(err, DeviceError::NoDriver { .. }), "{err}");
+    let d = open_device("auto", 0).expect("auto falls back to host");
+    assert_eq!(d.kind(), DeviceKind::Host);
+    let err = open_device("tpu", 0).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DeviceError::Unsupported {
+                what: "device kind",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // The host backend keeps its defaults for the new trait methods.
+    let h = open_device("host", 0).unwrap();
+    assert!(!h.capabilities().dmabuf_export);
+    assert!(h.flush_direct_writes().is_ok());
+    assert!(matches!(
+        h.export_dmabuf(0, 1),
+        Err(DeviceError::Unsupported { .. })
+    ));
+}
+
+/// One rank, one load of `pairs`, then a save of those blocks into fresh slots, a canary
+/// refill, and a load of the saved slots into other blocks: the round trip.
+fn load_save_load(
+    dev: &Arc<CudaDevice>,
+    shape: KvShape,
+    split: bool,
+    view: u64,
+    pairs: &[(u32, u32)],
+) {
+    let blocks = 16u32;
+    let stride = shape.segment_bytes() * 2; // room between blocks: fragmented destinations
+    let plane = u64::from(blocks) * stride;
+    let mut bufs = Vec::new();
+    let mut layers = Vec::new();
+    for _ in 0..shape.layers() {
+        if split {
+            let k = dev.alloc(plane + view).unwrap();
+            let v = dev.alloc(plane + view).unwrap();
+            layers.push(LayerLayout::Split {
+                k_base: k.ptr(),
+                v_base: v.ptr(),
+            });
+            bufs.push(k);
+            bufs.push(v);
+        } else {
+            let kv_stride = plane + 4096;
+            let b = dev
+                .alloc(view + kv_stride * u64::from(shape.segments()))
+                .unwrap();
+            layers.push(LayerLayout::Contiguous {
+                base: b.ptr(),
+                kv_stride,
+            });
+            bufs.push(b);
+        }
+    }
+    let spec = KvLayoutSpec {
+        kind: GroupKind::Attention,
+        layers,
+        block_stride: stride,
+        num_blocks: blocks,
+        view_offset: view,
+    };
+    let layout = KvLayout::new_on(spec, &shape, dev.as_ref()).expect("layout on the GPU");
+    for b in &bufs {
+        canary(dev.as_ref(), b);
+    }
+    let slots = 8u32;
+    let mut pool = HostMem::new((shape.block_bytes() * u64::from(slots * 2)) as usize);
+    fill_pool(&mut pool, &shape, slots);
+    let _reg = dev
+        .register_host(pool.addr(), pool.len as u64, false)
+        .unwrap();
+    let refs: Vec<&DeviceBuffer> = bufs.iter().collect();
+
+    // SAFETY: `pool` outlives the awaited event.
+    let ev = unsafe {
+        dev.submit(
+            CopyDirection::HostToDevice,
+            load_list(pool.addr(), &shape, &layout, 0, pairs),
+        )
+    };
+    let st = wait(ev.unwrap()).unwrap();
+    assert_eq!(st.bytes, pairs.len() as u64 * shape.rank_bytes());
+    verify(dev.as_ref(), &refs, &shape, &layout, 0, pairs);
+
+    // Save: GPU blocks → slots `slots..2*slots` (after a canary fill of those slots).
+    let saved: Vec<(u32, u32)> = pairs
+        .iter()
+        .enumerate()
+        .map(|(i, &(_, b))| (slots + i as u32, b))
+        .collect();
+    let hb = shape.block_bytes() as usize;
+    pool.bytes()[slots as usize * hb..].fill(CANARY);
+    // SAFETY: `pool` outlives the awaited event and nobody else touches it meanwhile.
+    let ev = unsafe {
+        dev.submit(
+            CopyDirection::DeviceToHost,
+            save_list(pool.addr(), &shape, &layout, 0, &saved),
+        )
+    };
+    wait(ev.unwrap()).unwrap();
+    for (i, &(src_slot, _)) in pairs.iter().enumerate() {
+        let (a, b) = pool.bytes().split_at_mut((slots as usize + i) * hb);
+        assert_eq!(
+            &b[..hb],
+            &a[src_slot as usize * hb..src_slot as usize * hb + hb],
+            "saved block {i}"
+        );
+    }
+    // Everything past the saved slots is untouched.
+    let tail = (slots as usize + pairs.len()) * hb;
+    assert!(
+        pool.bytes()[tail..].iter().all(|&b| b == CANARY),
+        "save wrote outside its slots"
+    );
+
+    // Load the saved copies into other blocks: the round trip.
+    for b in &bufs {
+        canary(dev.as_ref(), b);
+    }
+    let back: Vec<(u32, u32)> = saved
+        .iter()
+        .map(|&(slot, b)| (slot, (b + 5) % blocks))
+        .collect();
+    // SAFETY: `pool` outlives the awaited event.
+    let ev = unsafe {
+        dev.submit(
+            CopyDirection::HostToDevice,
+            load_list(pool.addr(), &shape, &layout, 0, &back),
+        )
+    };
+    wait(ev.unwrap()).unwrap();
+    // Saved slot `slots + i` holds the pattern of source slot pairs[i].0.
+    let expect: Vec<(u32, u32)> = back
+        .iter()
+        .zip(pairs)
+        .map(|(&(_, b), &(s, _))| (s, b))
+        .collect();
+    verify(dev.as_ref(), &refs, &shape, &layout, 0, &expect);
+    assert!(dev.take_teardown_errors().is_empty());
+}
+
+const FRAGMENTED: &[(u32, u32)] = &[(0, 9), (3, 2), (1, 14), (7, 5), (2, 0), (5, 11)];
+const CONTIGUOUS: &[(u32, u32)] = &[(0, 4), (1, 5), (2, 6), (3, 7)];
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn split_kv_fragmented_every_path() {
+    let shape = KvShape::new(2, 1, 2, 4096).unwrap();
+    for path in [
+        CopyPath::Auto,
+        CopyPath::Kernel,
+        CopyPath::Batch,
+        CopyPath::PerOp,
+    ] {
+        let dev = open(path);
+        load_save_load(&dev, shape, true, 0, FRAGMENTED);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn contiguous_kv_with_view_offset() {
+    let shape = KvShape::new(3, 1, 2, 2048).unwrap();
+    for path in [CopyPath::Auto, CopyPath::Kernel, CopyPath::Batch] {
+        let dev = open(path);
+        load_save_load(&dev, shape, false, 768, FRAGMENTED);
+        load_save_load(&dev, shape, false, 768, CONTIGUOUS);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn mla_single_segment_and_multilayer() {
+    let dev = open(CopyPath::Auto);
+    load_save_load(
+        &dev,
+        KvShape::new(4, 1, 1, 1024).unwrap(),
+        false,
+        64,
+        FRAGMENTED,
+    );
+    load_save_load(
+        &dev,
+        KvShape::new(32, 1, 2, 512).unwrap(),
+        true,
+        128,
+        FRAGMENTED,
+    );
+    load_save_load(
+        &dev,
+        KvShape::new(32, 1, 2, 512).unwrap(),
+        true,
+        0,
+        CONTIGUOUS,
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pageable_host_memory_still_copies() {
+    // Not registered: the planner sends those ranges to the copy engines.
+    let dev = open(CopyPath::Auto);
+    let shape = KvShape::new(2, 1, 2, 1024).unwrap();
+    let layout_buf = dev.alloc(64 * 1024).unwrap();
+    canary(dev.as_ref(), &layout_buf);
+    let spec = KvLayoutSpec {
+        kind: GroupKind::Attention,
+        layers: vec![
+            LayerLayout::Split {
+                k_base: layout_buf.ptr(),
+                v_base: layout_buf.ptr() + 16384,
+            },
+            LayerLayout::Split {
+                k_base: layout_buf.ptr() + 32768,
+                v_base: layout_buf.ptr() + 49152,
+            },
+        ],
+        block_stride: 2048,
+        num_blocks: 8,
+        view_offset: 0,
+    };
+    let layout = KvLayout::new_on(spec, &shape, dev.as_ref()).unwrap();
+    let mut pool = HostMem::new(shape.block_bytes() as usize * 8);
+    fill_pool(&mut pool, &shape, 8);
+    let pairs = [(0, 3), (1, 1), (2, 7), (3, 5), (4, 0)];
+    // SAFETY: `pool` outlives the awaited event.
+    let ev = unsafe {
+        dev.submit(
+            CopyDirection::HostToDevice,
+            load_list(pool.addr(), &shape, &layout, 0, &pairs),
+        )
+    };
+    wait(ev.unwrap()).unwrap();
+    verify(dev.as_ref(), &[&layout_buf], &shape, &layout, 0, &pairs);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn two_tp_ranks_on_one_gpu() {
+    let shape = KvShape::new(4, 2, 2, 2048).unwrap();
+    let slots = 6u32;
+    let mut pool = HostMem::new((shape.block_bytes() * u64::from(slots)) as usize);
+    fill_pool(&mut pool, &shape, slots);
+    let ranks: Vec<Arc<CudaDevice>> = (0..2).map(|_| open(CopyPath::Auto)).collect();
+    // Both handles register the same pool: the driver registers it once, counted.
+    let _regs: Vec<_> = ranks
+        .iter()
+        .map(|d| {
+            d.register_host(pool.addr(), pool.len as u64, false)
+                .unwrap()
+        })
+        .collect();
+    let pairs = [(0, 7), (4, 1), (2, 3), (5, 6), (1, 0)];
+    let mut state = Vec::new();
+    for (rank, dev) in ranks.iter().enumerate() {
+        let mut bufs = Vec::new();
+        let mut layers = Vec::new();
+        for _ in 0..shape.layers() {
+            let k = dev.alloc(8 * 4096).unwrap();
+            let v = dev.alloc(8 * 4096).unwrap();
+            canary(dev.as_ref(), &k);
+            canary(dev.as_ref(), &v);
+            layers.push(LayerLayout::Split {
+                k_base: k.ptr(),
+                v_base: v.ptr(),
+            });
+            bufs.push(k);
+            bufs.push(v);
+        }
+        let spec = KvLayoutSpec {
+            kind: GroupKind::Attention,
+            layers,
+            block_stride: 4096,
+            num_blocks: 8,
+            view_offset: 0,
+        };
+        let layout = KvLayout::new_on(spec, &shape, dev.as_ref()).unwrap();
+        let list = load_list(pool.addr(), &shape, &layout, rank as u32, &pairs);
+        // SAFETY: `pool` outlives the awaited events.
+        let ev = unsafe { dev.submit(CopyDirection::HostToDevice, list) }.unwrap();
+        state.push((bufs, layout, ev));
+    }
+    // Both ranks' batches were in flight together.
+    for (rank, (bufs, layout, ev)) in state.into_iter().enumerate() {
+        wait(ev).unwrap();
+        let refs: Vec<&DeviceBuffer> = bufs.iter().collect();
+        verify(
+            ranks[rank].as_ref(),
+            &refs,
+            &shape,
+            &layout,
+            rank as u32,
+            &pairs,
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn validation_names_the_layer_and_refuses_foreign_memory() {
+    let dev = open(CopyPath::Auto);
+    let shape = KvShape::new(2, 1, 2, 1024).unwrap();
+    let k = dev.alloc(8192).unwrap();
+    let v = dev.alloc(8192).unwrap();
+    let host = vec![0u8; 8192];
+    // Layer 1's V is host memory.
+    let spec = KvLayoutSpec {
+        kind: GroupKind::Attention,
+        layers: vec![
+            LayerLayout::Split {
+                k_base: k.ptr(),
+                v_base: v.ptr(),
+            },
+            LayerLayout::Split {
+                k_base: k.ptr() + 4096,
+                v_base: host.as_ptr() as u64,
+            },
+        ],
+        block_stride: 1024,
+        num_blocks: 4,
+        view_offset: 0,
+    };
+    let err = KvLayout::new_on(spec, &shape, dev.as_ref()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            LayoutError::Memory {
+                layer: 1,
+                segment: "V",
+                source: DeviceError::NotDeviceMemory { .. }
+            }
+        ),
+        "{err}"
+    );
+    // Runs past the end of its allocation.
+    let err = dev.check_range(k.ptr() + 4096, 8192).unwrap_err();
+    assert!(matches!(err, DeviceError::NotDeviceMemory { .. }), "{err}");
+    assert!(dev.check_range(k.ptr() + 100, 8000).is_ok());
+    // A batch with one bad range copies nothing.
+    canary(dev.as_ref(), &k);
+    let src = vec![7u8; 16384];
+    let mut l = CopyList::default();
+    l.push(src.as_ptr() as u64, k.ptr(), 64);
+    l.push(src.as_ptr() as u64 + 4096, k.ptr() + 8190, 64);
+    // SAFETY: `src` outlives the awaited event.
+    let err = wait(unsafe { dev.submit(CopyDirection::HostToDevice, l) }.unwrap()).unwrap_err();
+    assert!(matches!(err, DeviceError::NotDeviceMemory { .. }), "{err}");
+    let mut back = vec![0u8; 64];
+    dev.read(k.ptr(), &mut back).unwrap();
+    assert!(
+        back.iter().all(|&b| b == CANARY),
+        "refused batch wrote nothing"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn capabilities_dmabuf_flush_and_read_only_peer_mapping() {
+    let dev = open(CopyPath::Auto);
+    let caps = dev.capabilities();
+    println!(
+        "caps: {caps:?}; driver {:?}; {}",
+        dev.driver_version(),
+        dev.name()
+    );
+    assert!(caps.gather_kernel, "{caps:?}");
+    dev.flush_direct_writes().expect("flush");
+
+    let buf = dev.alloc(4 << 20).unwrap();
+    match dev.export_dmabuf(buf.ptr() + 8192, 65536) {
+        Ok(d) => {
+            println!(
+                "dmabuf: fd {:?} base {:#x} len {}",
+                d.fd(),
+                d.base(),
+                d.len()
+            );
+            assert_eq!(
+                d.offset_of(buf.ptr() + 8192, 65536),
+                Some(buf.ptr() + 8192 - d.base())
+            );
+            // The owning process hands the fd over: accepted as a DMA-BUF of this device.
+            let fd = d.fd().try_clone_to_owned().unwrap();
+            let imported = dev
+                .import_dmabuf(fd, d.base(), d.len())
+                .expect("import dmabuf");
+            assert_eq!(imported.len(), d.len());
+        }
+        Err(DeviceError::Unsupported { what, reason }) => {
+            assert!(!caps.dmabuf_export || reason.contains("801") || reason.contains("SUPPORTED"));
+            println!("dmabuf unsupported here: {what}: {reason}");
+        }
+        Err(e) => panic!("dmabuf export: {e}"),
+    }
+    // A non-DMA-BUF fd is refused.
+    let f = std::fs::File::open("/proc/self/stat").unwrap();
+    let err = dev.import_dmabuf(f.into(), buf.ptr(), 4096).unwrap_err();
+    assert!(matches!(err, DeviceError::Import { .. }), "{err}");
+
+    // A peer's pool, mapped read-only (memfd, PROT_READ), registered read-only and copied from.
+    let len = 1 << 20;
+    // SAFETY: creates a new anonymous file; the name is NUL-terminated.
+    let fd = unsafe { libc::memfd_create(c"kvferry-peer".as_ptr(), 0) };
+    assert!(fd >= 0);
+    // SAFETY: `fd` is ours; sizes the file.
+    assert_eq!(unsafe { libc::ftruncate(fd, len as i64) }, 0);
+    // SAFETY: maps the file read-write once to fill it; checked.
+    let w = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    assert_ne!(w, libc::MAP_FAILED);
+    // SAFETY: `w` maps `len` writable bytes.
+    unsafe { std::slice::from_raw_parts_mut(w.cast::<u8>(), len) }
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, b)| *b = (i % 253) as u8);
+    // SAFETY: the read-only view a peer would have.
+    let r = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    assert_ne!(r, libc::MAP_FAILED);
+    match dev.register_host(r as u64, len as u64, true) {
+        Ok(reg) => {
+            let mut l = CopyList::default();
+            for i in 0..16u64 {
+                l.push(r as u64 + i * 65536, buf.ptr() + i * 131072, 65536);
+            }
+            // SAFETY: the mapping outlives the awaited event.
+            wait(unsafe { dev.submit(CopyDirection::HostToDevice, l) }.unwrap()).unwrap();
+            let mut back = vec![0u8; 65536];
+            dev.read(buf.ptr() + 3 * 131072, &mut back).unwrap();
+            assert!(back
+                .iter()
+                .enumerate()
+                .all(|(i, &b)| b == ((3 * 65536 + i) % 253) as u8));
+            drop(reg);
+        }
+        Err(e) => {
+            assert!(!caps.read_only_host_register, "{e}");
+            println!("read-only registration unsupported: {e}");
+        }
+    }
+    // SAFETY: unmaps the two mappings made above and closes the fd.
+    unsafe {
+        libc::munmap(w, len);
+        libc::munmap(r, len);
+        libc::close(fd);
+    }
+    assert!(dev.take_teardown_errors().is_empty());
+}
+
+fn gbps(bytes: u64, s: f64) -> f64 {
+    bytes as f64 / s / 1e9
+}
+
+/// Median seconds of `iters` submit-to-completion runs of the same list.
+fn time_submit(dev: &CudaDevice, dir: CopyDirection, list: &CopyList, iters: usize) -> f64 {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let mut t = Vec::new();
+    for i in 0..=iters {
+        let t0 = Instant::now();
+        // SAFETY: the caller's host memory outlives the awaited event.
+        let ev = unsafe { dev.submit(dir, list.clone()) }.unwrap();
+        rt.block_on(ev).unwrap();
+        if i > 0 {
+            t.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    cuda::median(&mut t)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fragmented_and_contiguous_bandwidth() {
+    const SEG: u64 = 64 << 10;
+    const N: u64 = 3584; // 224 MiB
+    const BIG: u64 = 1 << 30;
+    let total = SEG * N;
+    let host = HostMem::new(BIG as usize);
+    let auto = open(CopyPath::Auto);
+    let _reg = auto.register_host(host.addr(), BIG, false).unwrap();
+    let dst = auto.alloc(BIG + total * 2).unwrap();
+
+    // SAFETY: `host` is mapped for the whole call.
+    let raw_224 =
+        unsafe { cuda::bench_raw_h2d(auto.as_ref(), host.addr(), dst.ptr(), total, 10) }.unwrap();
+    // SAFETY: as above.
+    let raw_1g =
+        unsafe { cuda::bench_raw_h2d(auto.as_ref(), host.addr(), dst.ptr(), BIG, 5) }.unwrap();
+    println!(
+        "raw H2D 224 MiB: {:.2} GB/s ({:.3} ms)",
+        gbps(total, raw_224),
+        raw_224 * 1e3
+    );
+    println!(
+        "raw H2D 1 GiB:   {:.2} GB/s ({:.3} ms)",
+        gbps(BIG, raw_1g),
+        raw_1g * 1e3
+    );
+
+    // Contiguous host source, every other 64 KiB slot of the destination.
+    let mut frag = CopyList::default();
+    for i in 0..N {
+        frag.push(host.addr() + i * SEG, dst.ptr() + i * 2 * SEG, SEG);
+    }
+    assert_eq!(frag.len() as u64, N);
+    let mut back = CopyList::default();
+    for i in 0..N {
+        back.push(dst.ptr() + i * 2 * SEG, host.addr() + i * SEG, SEG);
+    }
+    let mut ratio_auto = 0.0;
+    for path in [
+        CopyPath::Auto,
+        CopyPath::Kernel,
+        CopyPath::Batch,
+        CopyPath::PerOp,
+    ] {
+        let dev = if path == CopyPath::Auto {
+            Arc::clone(&auto)
+        } else {
+            open(path)
+        };
+        let s = time_submit(&dev, CopyDirection::HostToDevice, &frag, 10);
+        let d = time_submit(&dev, CopyDirection::DeviceToHost, &back, 5);
+        let ratio = raw_224 / s;
+        println!(
+            "fragmented {path:?}: H2D {:.2} GB/s ({:.3} ms, {:.2} of raw), D2H {:.2} GB/s",
+            gbps(total, s),
+            s * 1e3,
+            ratio,
+            gbps(total, d)
+        );
+        if path == CopyPath::Auto {
+            ratio_auto = ratio;
+        }
+    }
+    let mut one = CopyList::default();
+    one.push(host.addr(), dst.ptr(), BIG);
+    let s = time_submit(&auto, CopyDirection::HostToDevice, &one, 5);
+    let ratio_big = raw_1g / s;
+    println!(
+        "contiguous 1 GiB via submit: {:.2} GB/s ({:.2} of raw)",
+        gbps(BIG, s),
+        ratio_big
+    );
+    assert!(
+        ratio_auto >= 0.8,
+        "fragmented batch at {ratio_auto:.2} of raw"
+    );
+    assert!(
+        ratio_big >= 0.9,
+        "contiguous batch at {ratio_big:.2} of raw"
+    );
+}
+
+const TORCH_OWNER: &str = r#"
+import sys, json, torch
+CANARY = 0xCD
+layers, blocks, stride, seg, view = [int(a) for a in sys.argv[1:6]]
+def pat(block, layer, s, n):
+    off = torch.arange(n, dtype=torch.int64)
+    return ((block * 131 + layer * 31 + s * 17 + off * 7) % 251).to(torch.uint8)
+bases, views, out = [], [], []
+for layer in range(layers):
+    for s in range(2):
+        base = torch.full((view + blocks * stride,), CANARY, dtype=torch.uint8, device="cuda")
+        t = base[view:]
+        st = t.untyped_storage()
+        dev, handle, size, offset = st._share_cuda_()[:4]
+        assert t.data_ptr() == st.data_ptr() + view
+        bases.append(base); views.append(t)
+        out.append({"handle": handle.hex(), "alloc_offset": offset, "view": view, "size": size})
+torch.cuda.synchronize()
+print(json.dumps(out), flush=True)
+pairs = json.loads(sys.stdin.readline())
+torch.cuda.synchronize()
+loaded = {b: slot for slot, b in pairs}
+bad = []
+for layer in range(layers):
+    for s in range(2):
+        base = bases[layer * 2 + s].cpu()
+        if not bool((base[:view] == CANARY).all()):
+            bad.append(f"layer {layer} seg {s}: bytes before the view changed")
+        for b in range(blocks):
+            got = base[view + b * stride: view + b * stride + stride]
+            if b in loaded:
+                if not torch.equal(got[:seg], pat(loaded[b], layer, s, seg)):
+                    bad.append(f"layer {layer} seg {s} block {b}: wrong bytes")
+                if not bool((got[seg:] == CANARY).all()):
+                    bad.append(f"layer {layer} seg {s} block {b}: canary after segment")
+            elif not bool((got == CANARY).all()):
+                bad.append(f"layer {layer} seg {s} block {b}: written but not loaded")
+print("OK" if not bad else "FAIL " + "; ".join(bad[:5]), flush=True)
+"#;
+
+/// A separate PyTorch process allocates the KV tensors (views at an offset into larger
+/// tensors) with its own caching allocator, hands their IPC handles over, and checks the
+/// loaded bytes itself.
+#[test]
+#[ignore = "needs a CUDA GPU and PyTorch"]
+fn pytorch_owned_kv_through_ipc() {
+    let (layers, blocks, stride, seg, view) = (3u32, 12u32, 8192u64, 4096u64, 512u64);
+    let mut child = Command::new("python3")
+        .args(["-c", TORCH_OWNER])
+        .args([layers, blocks].map(|v| v.to_string()))
+        .args([stride, seg, view].map(|v| v.to_string()))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let tensors = parse_torch(&line);
+    assert_eq!(tensors.len(), (layers * 2) as usize, "{line}");
+
+    let dev = open(CopyPath::Auto);
+    let mut maps = Vec::new();
+    let mut layer_specs = Vec::new();
+    for l in 0..layers as usize {
+        let mut bases = [0u64; 2];
+        for s in 0..2 {
+            let (handle, alloc_offset) = &tensors[l * 2 + s];
+            let m = dev.import_ipc(handle).expect("import IPC handle");
+            // The view offset is applied by the layout; the storage offset inside the
+            // caching allocator's block is where the storage starts.
+            bases[s] = m.ptr() + alloc_offset;
+            maps.push(m);
+        }
+        layer_specs.push(LayerLayout::Split {
+            k_base: bases[0],
+            v_base: bases[1],
+        });
+    }
+    let shape = KvShape::new(layers, 1, 2, seg).unwrap();
+    let spec = KvLayoutSpec {
+        kind: GroupKind::Attention,
+        layers: layer_specs,
+        block_stride: stride,
+        num_blocks: blocks,
+        view_offset: view,
+    };
+    let layout = KvLayout::new_on(spec, &shape, dev.as_ref()).expect("layout over torch memory");
+    let slots = 6u32;
+    let mut pool = HostMem::new((shape.block_bytes() * u64::from(slots)) as usize);
+    fill_pool(&mut pool, &shape, slots);
+    let _reg = dev
+        .register_host(pool.addr(), pool.len as u64, false)
+        .unwrap();
+    let pairs = [(0u32, 10u32), (3, 1), (5, 4), (1, 7), (2, 0)];
+    // SAFETY: `pool` outlives the awaited event.
+    let ev = unsafe {
+        dev.submit(
+            CopyDirection::HostToDevice,
+            load_list(pool.addr(), &shape, &layout, 0, &pairs),
+        )
+    };
+    wait(ev.unwrap()).unwrap();
+
+    let mut stdin = child.stdin.take().unwrap();
+    let msg: Vec<String> = pairs.iter().map(|(s, b)| format!("[{s},{b}]")).collect();
+    writeln!(stdin, "[{}]", msg.join(",")).unwrap();
+    let mut verdict = String::new();
+    out.read_line(&mut verdict).unwrap();
+    drop(maps);
+    let status = child.wait().unwrap();
+    assert_eq!(verdict.trim(), "OK", "torch says: {verdict}");
+    assert!(status.success());
+    assert!(dev.take_teardown_errors().is_empty());
+}
+
+/// `[{"handle": hex, "alloc_offset": n, ...}, ...]` without a JSON dependency.
+fn parse_torch(line: &str) -> Vec<(Vec<u8>, u64)> {
+    line.split('{')
+        .skip(1)
+        .map(|obj| {
+            let field = |name: &str| {
+                let i = obj.find(&format!("\"{name}\": ")).expect(name) + name.len() + 4;
+                obj[i..]
+                    .split([',', '}'])
+                    .next()
+                    .unwrap()
+                    .trim()
+                    .trim_matches('"')
+                    .to_string()
+            };
+            let hex = field("handle");
+            let bytes = (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+                .collect();
+            (bytes, field("alloc_offset").parse().unwrap())
+        })
+        .collect()
+}
