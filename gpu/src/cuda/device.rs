@@ -405,9 +405,11 @@ impl Inner {
             let mut error = p.error.take();
             if let Some(ev) = p.event {
                 let waited = match &bound {
-                    // SAFETY: the event is live (taken from the pool, recorded by `submit`).
                     Ok(()) => {
-                        unsafe { ffi::event_synchronize(ev) }.map_err(|e| DeviceError::Copy {
+                        // SAFETY: the event is live (taken from the pool, recorded by
+                        // `submit`) and only this thread uses it until it returns to the pool.
+                        let r = unsafe { ffi::event_synchronize(ev) };
+                        r.map_err(|e| DeviceError::Copy {
                             ordinal: self.ordinal,
                             ops: p.ops,
                             reason: e.to_string(),
@@ -595,6 +597,21 @@ impl fmt::Debug for CudaDevice {
             .field("options", &self.inner.options)
             .finish()
     }
+}
+
+/// The 64-byte `cudaIpcMemHandle_t` inside `handle`: either that handle itself, or PyTorch's
+/// storage handle (`storage._share_cuda_()[1]`: a version byte, the type `c` for a
+/// `cudaMalloc` block, then the 64 bytes), so engines can pass what their framework gives them.
+fn ipc_payload(handle: &[u8]) -> Result<&[u8; 64], String> {
+    let raw = match handle {
+        [_version, b'c', rest @ ..] if rest.len() == 64 => rest,
+        [_version, b'e', ..] if handle.len() != 64 => {
+            return Err("PyTorch expandable segments cannot be imported by CUDA IPC handle".into())
+        }
+        _ => handle,
+    };
+    raw.try_into()
+        .map_err(|_| format!("{} bytes, expected a 64-byte handle", handle.len()))
 }
 
 impl Device for CudaDevice {
@@ -790,9 +807,7 @@ impl Device for CudaDevice {
             what: "CUDA IPC handle",
             reason,
         };
-        let bytes: &[u8; 64] = handle
-            .try_into()
-            .map_err(|_| fail(format!("{} bytes, expected 64", handle.len())))?;
+        let bytes = ipc_payload(handle).map_err(fail)?;
         inner.bind()?;
         let base = shared::IPC
             .acquire((ordinal, *bytes), || ffi::ipc_open(bytes))
@@ -877,5 +892,23 @@ impl Device for CudaDevice {
         self.inner.bind()?;
         ffi::flush_gpudirect_rdma_writes()
             .map_err(|e| self.inner.driver("cuFlushGPUDirectRDMAWrites", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ipc_handles_raw_and_pytorch_framed() {
+        let raw = [9u8; 64];
+        assert_eq!(ipc_payload(&raw).unwrap(), &raw);
+        let mut torch = vec![2u8, b'c'];
+        torch.extend_from_slice(&raw);
+        assert_eq!(ipc_payload(&torch).unwrap(), &raw);
+        let mut expandable = vec![2u8, b'e'];
+        expandable.extend_from_slice(&[0; 40]);
+        assert!(ipc_payload(&expandable).unwrap_err().contains("expandable"));
+        assert!(ipc_payload(&[1, 2, 3]).unwrap_err().contains("3 bytes"));
     }
 }
