@@ -291,7 +291,12 @@ impl Qp {
                 Ok(()) => issued += 1,
                 Err(source) => {
                     // The request was just issued, so the queue knows it.
-                    let _ = self.queue.handle_post_failure(wr_id);
+                    let _ = match source {
+                        ConnectionError::ConnectionLost { .. } => {
+                            self.queue.handle_connection_lost(wr_id)
+                        }
+                        _ => self.queue.handle_post_failure(wr_id),
+                    };
                     conn.abort();
                     break Err(QpError::Post {
                         qp: self.key,

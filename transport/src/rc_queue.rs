@@ -78,7 +78,9 @@ pub enum QueueFault {
     PostFailed { wr_id: u64 },
     /// A request stayed outstanding past the completion timeout.
     Timeout { wr_id: u64 },
-    /// The driver moved the queue to error (lost connection, shutdown).
+    /// A post found the connection already gone; that request is flushed.
+    ConnectionLost { wr_id: u64 },
+    /// The driver moved the queue to error (lost connection noticed elsewhere, shutdown).
     Requested,
 }
 
@@ -148,6 +150,9 @@ struct Slot<P> {
     wr_id: u64,
     state: SlotState,
     timed_out: bool,
+    /// Posted after the request that moved the queue to error: reported as flushed whatever
+    /// the provider says, as an RC QP would (it stops executing at the failed request).
+    flush: bool,
     payload: P,
 }
 
@@ -263,6 +268,7 @@ impl<P: Clone> RcQueue<P> {
                 wr_id: s.wr_id,
                 state: SlotState::Queued,
                 timed_out: false,
+                flush: false,
                 payload: s.payload,
             });
         }
@@ -286,8 +292,18 @@ impl<P: Clone> RcQueue<P> {
     /// The provider refused the request just issued: it completes as `PostFailed` and the queue
     /// goes to error.
     pub fn handle_post_failure(&mut self, wr_id: u64) -> Result<(), RcQueueError> {
-        self.complete(wr_id, CompletionStatus::PostFailed, 0)?;
+        let index = self.complete(wr_id, CompletionStatus::PostFailed, 0)?;
         self.enter_error(QueueFault::PostFailed { wr_id });
+        self.flush_after(index);
+        Ok(())
+    }
+
+    /// The provider refused the request just issued because its connection is gone: the
+    /// request never ran, so it is flushed, and the queue goes to error.
+    pub fn handle_connection_lost(&mut self, wr_id: u64) -> Result<(), RcQueueError> {
+        let index = self.complete(wr_id, CompletionStatus::Flushed, 0)?;
+        self.enter_error(QueueFault::ConnectionLost { wr_id });
+        self.flush_after(index);
         Ok(())
     }
 
@@ -298,36 +314,54 @@ impl<P: Clone> RcQueue<P> {
         status: CompletionStatus,
         bytes: u64,
     ) -> Result<CompletionEffect, RcQueueError> {
-        self.complete(wr_id, status, bytes)?;
+        let index = self.complete(wr_id, status, bytes)?;
         if !status.is_success() && self.state != QpState::Error {
             self.enter_error(QueueFault::Completion { wr_id, status });
+            self.flush_after(index);
             return Ok(CompletionEffect::EnteredError);
         }
         Ok(CompletionEffect::Accepted)
     }
 
+    /// Marks an issued request done; returns its index.
     fn complete(
         &mut self,
         wr_id: u64,
         status: CompletionStatus,
         bytes: u64,
-    ) -> Result<(), RcQueueError> {
+    ) -> Result<usize, RcQueueError> {
         // In flight is at most the window, so this scan is short.
-        let slot = self
+        let index = self
             .slots
-            .iter_mut()
+            .iter()
             .take(self.next_issue)
-            .find(|s| s.wr_id == wr_id && matches!(s.state, SlotState::Issued { .. }))
+            .position(|s| s.wr_id == wr_id && matches!(s.state, SlotState::Issued { .. }))
             .ok_or(RcQueueError::UnknownCompletion { wr_id })?;
+        let slot = &mut self.slots[index];
         let status = if slot.timed_out {
             CompletionStatus::TimedOut
+        } else if slot.flush {
+            CompletionStatus::Flushed
         } else {
             status
         };
         let bytes = if status.is_success() { bytes } else { 0 };
         slot.state = SlotState::Done { status, bytes };
         self.in_flight -= 1;
-        Ok(())
+        Ok(index)
+    }
+
+    /// Everything after `index` reports as flushed.
+    fn flush_after(&mut self, index: usize) {
+        for s in self.slots.iter_mut().skip(index + 1) {
+            s.flush = true;
+            if let SlotState::Done { .. } = s.state {
+                s.state = SlotState::Done {
+                    status: CompletionStatus::Flushed,
+                    bytes: 0,
+                };
+            }
+        }
     }
 
     /// Moves the queue to error if the oldest issued request has been outstanding longer than
@@ -337,12 +371,14 @@ impl<P: Clone> RcQueue<P> {
             return None;
         }
         let timeout = self.limits.completion_timeout;
-        let slot = self.slots.iter_mut().take(self.next_issue).find(|s| {
+        let index = self.slots.iter().take(self.next_issue).position(|s| {
             matches!(s.state, SlotState::Issued { at } if now.saturating_duration_since(at) >= timeout)
         })?;
+        let slot = &mut self.slots[index];
         slot.timed_out = true;
         let fault = QueueFault::Timeout { wr_id: slot.wr_id };
         self.enter_error(fault);
+        self.flush_after(index);
         Some(fault)
     }
 
@@ -487,6 +523,10 @@ mod tests {
         let mut q = ready(limits(4, 4));
         q.submit(batch(0..8)).unwrap();
         while q.next_to_issue(t0).is_some() {}
+        q.handle_completion(2, CompletionStatus::Success, 10)
+            .unwrap();
+        q.handle_completion(2, CompletionStatus::Success, 10)
+            .unwrap_err();
         assert_eq!(
             q.handle_completion(1, CompletionStatus::RemoteAccessError, 0)
                 .unwrap(),
@@ -502,9 +542,8 @@ mod tests {
         assert!(q.poll_reported().is_none());
         q.handle_completion(0, CompletionStatus::Success, 10)
             .unwrap();
-        q.handle_completion(3, CompletionStatus::Flushed, 0)
-            .unwrap();
-        q.handle_completion(2, CompletionStatus::Flushed, 0)
+        // Executed by the provider, but after the failed request: reported flushed (as 2 was).
+        q.handle_completion(3, CompletionStatus::Success, 10)
             .unwrap();
         let got: Vec<_> =
             std::iter::from_fn(|| q.poll_reported().map(|r| (r.wr_id, r.status))).collect();
