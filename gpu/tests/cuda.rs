@@ -684,18 +684,19 @@ fn gbps(bytes: u64, s: f64) -> f64 {
     bytes as f64 / s / 1e9
 }
 
-/// Median seconds of `iters` submit-to-completion runs of the same list.
+/// Median seconds of `iters` submit-to-completion runs of the same list, after three
+/// warm-up runs (clocks ramp up, pools fill).
 fn time_submit(dev: &CudaDevice, dir: CopyDirection, list: &CopyList, iters: usize) -> f64 {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
     let mut t = Vec::new();
-    for i in 0..=iters {
+    for i in 0..iters + 3 {
         let t0 = Instant::now();
         // SAFETY: the caller's host memory outlives the awaited event.
         let ev = unsafe { dev.submit(dir, list.clone()) }.unwrap();
         rt.block_on(ev).unwrap();
-        if i > 0 {
+        if i >= 3 {
             t.push(t0.elapsed().as_secs_f64());
         }
     }
@@ -753,7 +754,7 @@ fn fragmented_and_contiguous_bandwidth() {
         } else {
             open(path)
         };
-        let s = time_submit(&dev, CopyDirection::HostToDevice, &frag, 10);
+        let s = time_submit(&dev, CopyDirection::HostToDevice, &frag, 20);
         let d = time_submit(&dev, CopyDirection::DeviceToHost, &back, 5);
         let ratio = raw_224 / s;
         println!(
