@@ -5,13 +5,14 @@
 //! [`RemoteDescriptor`] scattered into [`LocalSegment`]s); [`RcQueue`], the provider-neutral
 //! RC state machine, and [`Qp`], which pairs it with a provider [`Connection`];
 //! [`CompletionQueue`] for poller threads; [`NicConfig`]. Providers: [`loopback`], [`tcp`],
-//! [`shm`], and the [`fault`] wrapper. [`bench`] measures them.
+//! [`shm`], and the [`fault`] wrapper; [`mod@bench`] measures them.
 
 mod completion;
 mod config;
 mod connection;
 mod cq;
 mod descriptor;
+mod fd_passing;
 mod mr_table;
 mod qp;
 mod qp_key;
@@ -19,6 +20,13 @@ mod rc_queue;
 mod region;
 mod scatter;
 mod sink;
+mod wire;
+
+pub mod bench;
+pub mod fault;
+pub mod loopback;
+pub mod shm;
+pub mod tcp;
 
 pub use completion::{CompletionSink, CompletionStatus, WorkCompletion};
 pub use config::{ConfigError, NicConfig, ProviderKind};
@@ -36,12 +44,3 @@ pub use rc_queue::{
 pub use region::{HostRegion, RegionError};
 pub use scatter::{Scatter, ScatterError};
 pub use sink::{DeviceSink, SinkError};
-
-mod wire;
-
-pub mod loopback;
-pub mod shm;
-pub mod tcp;
-
-pub mod fault;
-mod fd_passing;

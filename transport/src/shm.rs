@@ -23,6 +23,9 @@ use crate::wire::{self, Export, Hello, HelloAck};
 
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
 
+/// Served connections: a handle to shut each down, and its thread.
+type Conns = Arc<Mutex<Vec<(UnixStream, JoinHandle<()>)>>>;
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Critical sections only push/take whole entries; poisoning carries no meaning.
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -32,7 +35,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct ShmOwner {
     stop: Arc<AtomicBool>,
     accept: Option<JoinHandle<()>>,
-    conns: Arc<Mutex<Vec<(UnixStream, JoinHandle<()>)>>>,
+    conns: Conns,
     live: Arc<AtomicUsize>,
 }
 
@@ -49,7 +52,7 @@ impl ShmOwner {
     pub fn spawn(listener: UnixListener, node: NodeId, table: MrTable) -> io::Result<ShmOwner> {
         listener.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<Vec<(UnixStream, JoinHandle<()>)>>> = Arc::default();
+        let conns: Conns = Arc::default();
         let live = Arc::new(AtomicUsize::new(0));
         let accept = {
             let (stop, conns, live) = (stop.clone(), conns.clone(), live.clone());
@@ -106,7 +109,7 @@ fn accept_loop(
     node: NodeId,
     table: MrTable,
     stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<(UnixStream, JoinHandle<()>)>>>,
+    conns: Conns,
     live: Arc<AtomicUsize>,
 ) {
     let next_qp = AtomicU32::new(1);

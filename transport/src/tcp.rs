@@ -24,6 +24,9 @@ const POLL_INTERVAL: Duration = Duration::from_millis(20);
 /// Bounce buffer for device destinations.
 const BOUNCE: usize = 256 * 1024;
 
+/// Served connections: a handle to shut each down, and its thread.
+type Conns = Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>>;
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every critical section here leaves the data consistent, so poisoning carries no meaning.
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -34,7 +37,7 @@ pub struct TcpOwner {
     local_addr: SocketAddr,
     stop: Arc<AtomicBool>,
     accept: Option<JoinHandle<()>>,
-    conns: Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>>,
+    conns: Conns,
     live: Arc<AtomicUsize>,
 }
 
@@ -53,7 +56,7 @@ impl TcpOwner {
         let local_addr = listener.local_addr()?;
         listener.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>> = Arc::default();
+        let conns: Conns = Arc::default();
         let live = Arc::new(AtomicUsize::new(0));
         let accept = {
             let (stop, conns, live) = (stop.clone(), conns.clone(), live.clone());
@@ -117,7 +120,7 @@ fn accept_loop(
     node: NodeId,
     table: MrTable,
     stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>>,
+    conns: Conns,
     live: Arc<AtomicUsize>,
 ) {
     let next_qp = AtomicU32::new(1);

@@ -394,6 +394,7 @@ fn child_entry() {
 
 struct ChildOwner {
     child: Child,
+    path: Option<PathBuf>,
     stdin: Option<ChildStdin>,
     addr: String,
     rkey: MrKey,
@@ -427,6 +428,7 @@ fn spawn_child(role: &str, seed: u8, len: usize, path: Option<&PathBuf>) -> Chil
     });
     let mut owner = ChildOwner {
         child,
+        path: path.cloned(),
         stdin,
         addr: String::new(),
         rkey: MrKey(0),
@@ -453,6 +455,9 @@ impl ChildOwner {
 
 impl Drop for ChildOwner {
     fn drop(&mut self) {
+        if let Some(p) = self.path.take() {
+            let _ = std::fs::remove_file(p);
+        }
         drop(self.stdin.take());
         let end = Instant::now() + Duration::from_secs(5);
         while Instant::now() < end {
@@ -566,7 +571,6 @@ fn cross_process(prov: Prov) {
     assert_eq!(r.gauges.snapshot(), QpGaugeValues::default());
     assert_eq!(r.table.gauges().uses, 0);
     drop(child);
-    let _ = std::fs::remove_file(path);
 }
 
 /// Checks only the pieces of a plan (when other plans overlapped its surroundings).
