@@ -12,11 +12,11 @@ mod layout;
 mod shape;
 
 pub use copy::{CopyList, CopyOp};
+pub use cuda::{open_device, CudaDevice};
 pub use device::{
     CopyDirection, CopyEvent, CopyStats, Device, DeviceBuffer, DeviceCaps, DeviceError, DeviceKind,
     DmaBuf, HostRegistration,
 };
-pub use cuda::{open_device, CudaDevice};
 pub use host::HostDevice;
 pub use layout::{GroupKind, KvLayout, KvLayoutSpec, LayerLayout, LayoutError};
 pub use shape::{KvShape, ShapeError};
