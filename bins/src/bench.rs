@@ -17,6 +17,21 @@ use serde_json::json;
 pub enum BenchCmd {
     /// Query + lease latency, and local-prefix loads against a baseline copy.
     Local(LocalArgs),
+    /// Providers against plain copies of the same bytes: tcp vs socket, shm vs memcpy,
+    /// and loopback 4 KiB reads per second.
+    Transport(TransportArgs),
+}
+
+#[derive(clap::Args)]
+pub struct TransportArgs {
+    #[arg(long)]
+    json: bool,
+    /// Measured repetitions of each figure (after one warm-up).
+    #[arg(long, default_value_t = 5)]
+    repetitions: usize,
+    /// MiB moved per repetition by the throughput figures.
+    #[arg(long, default_value_t = 64)]
+    mib: usize,
 }
 
 #[derive(clap::Args)]
@@ -42,13 +57,82 @@ pub struct LocalArgs {
 
 /// Opens device 0 of a kind (`auto`: the GPU where a driver and device are present).
 pub fn open(kind: &str) -> anyhow::Result<Vec<Arc<dyn Device>>> {
-    Ok(vec![kvferry_gpu::open_device(kind, 0).with_context(|| format!("opening a {kind} device"))?])
+    Ok(vec![
+        kvferry_gpu::open_device(kind, 0).with_context(|| format!("opening a {kind} device"))?
+    ])
 }
 
 pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Local(a) => local(a),
+        BenchCmd::Transport(a) => transport(a),
     }
+}
+
+fn transport(a: TransportArgs) -> anyhow::Result<()> {
+    use kvferry_transport::bench;
+    let cfg = bench::BenchConfig {
+        bytes: a.mib << 20,
+        repetitions: a.repetitions.max(1),
+        ..Default::default()
+    };
+    progress(
+        a.json,
+        &format!(
+            "tcp provider vs plain socket, {} MiB x {}",
+            a.mib, cfg.repetitions
+        ),
+    );
+    let tcp = bench::tcp_vs_socket(&cfg)?;
+    progress(
+        a.json,
+        &format!(
+            "shm provider vs memcpy, {} MiB x {}",
+            a.mib, cfg.repetitions
+        ),
+    );
+    let shm = bench::shm_vs_memcpy(&cfg)?;
+    progress(a.json, "loopback provider, 4 KiB reads");
+    let lo = bench::loopback_rate(&cfg)?;
+    let tp = |r: &bench::ThroughputResult| {
+        json!({
+            "bytes": r.bytes,
+            "repetitions": r.repetitions,
+            "provider_gib_s": r.provider_gib_s,
+            "baseline_gib_s": r.baseline_gib_s,
+            "ratio": r.ratio,
+        })
+    };
+    if a.json {
+        let out = json!({
+            "tcp_vs_socket": tcp.ratio,
+            "shm_vs_memcpy": shm.ratio,
+            "loopback_reads_per_sec": lo.reads_per_sec,
+            "tcp": tp(&tcp),
+            "shm": tp(&shm),
+            "loopback": {
+                "read_size": lo.read_size,
+                "reads": lo.reads,
+                "repetitions": lo.repetitions,
+                "reads_per_sec": lo.reads_per_sec,
+            },
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!(
+            "tcp  {:.2} GiB/s vs socket {:.2} GiB/s: tcp_vs_socket {:.2} (target 0.7)",
+            tcp.provider_gib_s, tcp.baseline_gib_s, tcp.ratio
+        );
+        println!(
+            "shm  {:.2} GiB/s vs memcpy {:.2} GiB/s: shm_vs_memcpy {:.2} (target 0.8)",
+            shm.provider_gib_s, shm.baseline_gib_s, shm.ratio
+        );
+        println!(
+            "loopback {} B reads: {:.0} reads/s",
+            lo.read_size, lo.reads_per_sec
+        );
+    }
+    Ok(())
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -315,11 +399,19 @@ impl Baseline {
     fn new(device: &Arc<dyn Device>, bytes: u64) -> anyhow::Result<Self> {
         let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
         match device.kind() {
-            DeviceKind::Host => Ok(Baseline::Memcpy { src, dst: vec![1u8; bytes as usize] }),
+            DeviceKind::Host => Ok(Baseline::Memcpy {
+                src,
+                dst: vec![1u8; bytes as usize],
+            }),
             DeviceKind::Cuda => {
                 let pin = device.register_host(src.as_ptr() as u64, bytes, true)?;
                 let dst = device.alloc(bytes)?;
-                Ok(Baseline::RawH2d { device: Arc::clone(device), _pin: pin, src, dst })
+                Ok(Baseline::RawH2d {
+                    device: Arc::clone(device),
+                    _pin: pin,
+                    src,
+                    dst,
+                })
             }
         }
     }
@@ -339,7 +431,9 @@ impl Baseline {
                 std::hint::black_box(&dst);
                 Ok(t.elapsed().as_secs_f64())
             }
-            Baseline::RawH2d { device, src, dst, .. } => {
+            Baseline::RawH2d {
+                device, src, dst, ..
+            } => {
                 // SAFETY: `src` is a live, pinned Vec that outlives the call.
                 let s = unsafe {
                     kvferry_gpu::cuda::bench_raw_h2d(

@@ -19,7 +19,10 @@ pub struct CopyList {
 
 impl CopyList {
     pub fn with_capacity(n: usize) -> Self {
-        Self { ops: Vec::with_capacity(n), bytes: 0 }
+        Self {
+            ops: Vec::with_capacity(n),
+            bytes: 0,
+        }
     }
 
     /// Appends a copy, merging it into the last one where both sides continue it.
@@ -71,9 +74,21 @@ mod tests {
         assert_eq!(
             l.ops(),
             &[
-                CopyOp { src: 0, dst: 1000, len: 15 },
-                CopyOp { src: 15, dst: 2000, len: 5 },
-                CopyOp { src: 100, dst: 2005, len: 5 },
+                CopyOp {
+                    src: 0,
+                    dst: 1000,
+                    len: 15
+                },
+                CopyOp {
+                    src: 15,
+                    dst: 2000,
+                    len: 5
+                },
+                CopyOp {
+                    src: 100,
+                    dst: 2005,
+                    len: 5
+                },
             ]
         );
         assert_eq!(l.bytes(), 25);

@@ -40,7 +40,10 @@ struct Job {
 impl HostDevice {
     /// Starts an emulated device with its copy thread.
     pub fn new(ordinal: u32) -> Arc<Self> {
-        let inner = Arc::new(Inner { ordinal, allocs: RwLock::new(BTreeMap::new()) });
+        let inner = Arc::new(Inner {
+            ordinal,
+            allocs: RwLock::new(BTreeMap::new()),
+        });
         let (tx, rx) = mpsc::channel::<Job>();
         let worker = Arc::clone(&inner);
         std::thread::Builder::new()
@@ -53,7 +56,10 @@ impl HostDevice {
                 }
             })
             .expect("spawning the host device copy thread");
-        Arc::new(Self { inner, jobs: Mutex::new(tx) })
+        Arc::new(Self {
+            inner,
+            jobs: Mutex::new(tx),
+        })
     }
 
     /// Number of live allocations (a gauge for tests: leaks show up here).
@@ -64,7 +70,11 @@ impl HostDevice {
 
 impl Inner {
     fn check(&self, allocs: &BTreeMap<u64, u64>, ptr: u64, len: u64) -> Result<(), DeviceError> {
-        let err = || DeviceError::NotDeviceMemory { ordinal: self.ordinal, ptr, len };
+        let err = || DeviceError::NotDeviceMemory {
+            ordinal: self.ordinal,
+            ptr,
+            len,
+        };
         let (base, size) = allocs.range(..=ptr).next_back().ok_or_else(err)?;
         let end = ptr.checked_add(len).ok_or_else(err)?;
         if end > base + size {
@@ -79,7 +89,9 @@ impl Inner {
         list: &CopyList,
         submitted: Instant,
     ) -> Result<CopyStats, DeviceError> {
-        let allocs = self.allocs.read().map_err(|_| DeviceError::Stopped { ordinal: self.ordinal })?;
+        let allocs = self.allocs.read().map_err(|_| DeviceError::Stopped {
+            ordinal: self.ordinal,
+        })?;
         for op in list.ops() {
             let dev = match dir {
                 CopyDirection::HostToDevice => op.dst,
@@ -133,7 +145,9 @@ impl Release for HostAlloc {
 
 impl fmt::Debug for HostDevice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HostDevice").field("ordinal", &self.inner.ordinal).finish()
+        f.debug_struct("HostDevice")
+            .field("ordinal", &self.inner.ordinal)
+            .finish()
     }
 }
 
@@ -151,17 +165,19 @@ impl Device for HostDevice {
     }
 
     fn check_range(&self, ptr: u64, len: u64) -> Result<(), DeviceError> {
-        let allocs = self
-            .inner
-            .allocs
-            .read()
-            .map_err(|_| DeviceError::Stopped { ordinal: self.inner.ordinal })?;
+        let allocs = self.inner.allocs.read().map_err(|_| DeviceError::Stopped {
+            ordinal: self.inner.ordinal,
+        })?;
         self.inner.check(&allocs, ptr, len)
     }
 
     fn alloc(&self, bytes: u64) -> Result<DeviceBuffer, DeviceError> {
         let ordinal = self.inner.ordinal;
-        let fail = |reason: &str| DeviceError::Alloc { ordinal, bytes, reason: reason.into() };
+        let fail = |reason: &str| DeviceError::Alloc {
+            ordinal,
+            bytes,
+            reason: reason.into(),
+        };
         if bytes == 0 {
             return Err(fail("zero-sized allocation"));
         }
@@ -173,12 +189,20 @@ impl Device for HostDevice {
             return Err(fail("out of host memory"));
         }
         let ptr = p as usize as u64;
-        self.inner.allocs.write().map_err(|_| DeviceError::Stopped { ordinal })?.insert(ptr, bytes);
+        self.inner
+            .allocs
+            .write()
+            .map_err(|_| DeviceError::Stopped { ordinal })?
+            .insert(ptr, bytes);
         Ok(DeviceBuffer::new(
             ptr,
             bytes,
             ordinal,
-            Box::new(HostAlloc { inner: Arc::clone(&self.inner), ptr, len: bytes }),
+            Box::new(HostAlloc {
+                inner: Arc::clone(&self.inner),
+                ptr,
+                len: bytes,
+            }),
         ))
     }
 
@@ -191,14 +215,15 @@ impl Device for HostDevice {
         Ok(HostRegistration::noop())
     }
 
-    unsafe fn submit(
-        &self,
-        dir: CopyDirection,
-        list: CopyList,
-    ) -> Result<CopyEvent, DeviceError> {
+    unsafe fn submit(&self, dir: CopyDirection, list: CopyList) -> Result<CopyEvent, DeviceError> {
         let ordinal = self.inner.ordinal;
         let (done, event) = CopyEvent::channel(ordinal);
-        let job = Job { dir, list, submitted: Instant::now(), done };
+        let job = Job {
+            dir,
+            list,
+            submitted: Instant::now(),
+            done,
+        };
         self.jobs
             .lock()
             .map_err(|_| DeviceError::Stopped { ordinal })?
@@ -208,8 +233,9 @@ impl Device for HostDevice {
     }
 
     fn write(&self, dst: u64, data: &[u8]) -> Result<(), DeviceError> {
-        let allocs =
-            self.inner.allocs.read().map_err(|_| DeviceError::Stopped { ordinal: self.ordinal() })?;
+        let allocs = self.inner.allocs.read().map_err(|_| DeviceError::Stopped {
+            ordinal: self.ordinal(),
+        })?;
         self.inner.check(&allocs, dst, data.len() as u64)?;
         // SAFETY: the destination lies inside a live allocation (checked under the lock we
         // hold), and `data` is a distinct Rust slice.
@@ -220,8 +246,9 @@ impl Device for HostDevice {
     }
 
     fn read(&self, src: u64, out: &mut [u8]) -> Result<(), DeviceError> {
-        let allocs =
-            self.inner.allocs.read().map_err(|_| DeviceError::Stopped { ordinal: self.ordinal() })?;
+        let allocs = self.inner.allocs.read().map_err(|_| DeviceError::Stopped {
+            ordinal: self.ordinal(),
+        })?;
         self.inner.check(&allocs, src, out.len() as u64)?;
         // SAFETY: the source lies inside a live allocation (checked under the lock we hold),
         // and `out` is a distinct Rust slice.
@@ -237,7 +264,10 @@ mod tests {
     use super::*;
 
     fn block_on<F: std::future::Future>(f: F) -> F::Output {
-        tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(f)
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(f)
     }
 
     #[test]
@@ -255,7 +285,10 @@ mod tests {
         assert_eq!(stats.bytes, 4096);
         let mut back = vec![0u8; 4196];
         dev.read(buf.ptr(), &mut back).unwrap();
-        assert!(back[..100].iter().all(|b| *b == 0), "canary before destination");
+        assert!(
+            back[..100].iter().all(|b| *b == 0),
+            "canary before destination"
+        );
         assert_eq!(&back[100..], &src[..]);
 
         let mut out = vec![0u8; 4096];
@@ -275,13 +308,19 @@ mod tests {
         let mut list = CopyList::default();
         list.push(src.as_ptr() as u64, buf.ptr(), 64);
         list.push(src.as_ptr() as u64 + 1000, buf.ptr() + 4000, 200); // runs past the end
-        // SAFETY: `src` outlives the awaited event.
+                                                                      // SAFETY: `src` outlives the awaited event.
         let ev = unsafe { dev.submit(CopyDirection::HostToDevice, list) }.unwrap();
         let err = block_on(ev).unwrap_err();
-        assert!(matches!(err, DeviceError::NotDeviceMemory { ordinal: 3, .. }), "{err}");
+        assert!(
+            matches!(err, DeviceError::NotDeviceMemory { ordinal: 3, .. }),
+            "{err}"
+        );
         let mut back = vec![1u8; 64];
         dev.read(buf.ptr(), &mut back).unwrap();
-        assert!(back.iter().all(|b| *b == 0), "nothing written by a refused batch");
+        assert!(
+            back.iter().all(|b| *b == 0),
+            "nothing written by a refused batch"
+        );
     }
 
     #[test]
@@ -293,7 +332,10 @@ mod tests {
         assert_eq!(dev.live_allocations(), 1);
         drop(buf);
         assert_eq!(dev.live_allocations(), 0);
-        assert!(matches!(dev.check_range(p, 1), Err(DeviceError::NotDeviceMemory { .. })));
+        assert!(matches!(
+            dev.check_range(p, 1),
+            Err(DeviceError::NotDeviceMemory { .. })
+        ));
         assert!(dev.alloc(0).is_err());
     }
 }

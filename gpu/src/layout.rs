@@ -51,7 +51,9 @@ pub struct KvLayoutSpec {
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum LayoutError {
-    #[error("{group} KV groups cannot be loaded: only layer-first attention layouts are supported")]
+    #[error(
+        "{group} KV groups cannot be loaded: only layer-first attention layouts are supported"
+    )]
     Unsupported { group: &'static str },
     #[error("layout has {got} layers, the shape has {expected}")]
     LayerCount { expected: u32, got: usize },
@@ -60,13 +62,22 @@ pub enum LayoutError {
     #[error("layer {layer}: split K/V needs two segments per layer, the shape has {segments}")]
     SplitNeedsTwoSegments { layer: u32, segments: u32 },
     #[error("layer {layer}: block stride {stride} is smaller than a segment ({segment} bytes)")]
-    StrideTooSmall { layer: u32, stride: u64, segment: u64 },
+    StrideTooSmall {
+        layer: u32,
+        stride: u64,
+        segment: u64,
+    },
     #[error("layer {layer}: kv stride {stride} is smaller than one plane ({plane} bytes)")]
     KvStrideTooSmall { layer: u32, stride: u64, plane: u64 },
     #[error("layer {layer}: addresses overflow")]
     Overflow { layer: u32 },
     #[error("layer {first} {first_seg} overlaps layer {second} {second_seg}")]
-    Overlap { first: u32, first_seg: &'static str, second: u32, second_seg: &'static str },
+    Overlap {
+        first: u32,
+        first_seg: &'static str,
+        second: u32,
+        second_seg: &'static str,
+    },
     #[error("layer {layer} {segment}: {source}")]
     Memory {
         layer: u32,
@@ -112,10 +123,15 @@ impl KvLayout {
     /// Validates a spec against the shape (without touching memory).
     pub fn new(spec: KvLayoutSpec, shape: &KvShape) -> Result<Self, LayoutError> {
         if spec.kind != GroupKind::Attention {
-            return Err(LayoutError::Unsupported { group: spec.kind.as_str() });
+            return Err(LayoutError::Unsupported {
+                group: spec.kind.as_str(),
+            });
         }
         if spec.layers.len() != shape.layers() as usize {
-            return Err(LayoutError::LayerCount { expected: shape.layers(), got: spec.layers.len() });
+            return Err(LayoutError::LayerCount {
+                expected: shape.layers(),
+                got: spec.layers.len(),
+            });
         }
         if spec.num_blocks == 0 {
             return Err(LayoutError::NoBlocks);
@@ -127,17 +143,28 @@ impl KvLayout {
         for (i, l) in spec.layers.iter().enumerate() {
             let layer = i as u32;
             if spec.block_stride < seg {
-                return Err(LayoutError::StrideTooSmall { layer, stride: spec.block_stride, segment: seg });
+                return Err(LayoutError::StrideTooSmall {
+                    layer,
+                    stride: spec.block_stride,
+                    segment: seg,
+                });
             }
             let plane = plane.ok_or(LayoutError::Overflow { layer })?;
             match *l {
                 LayerLayout::Split { .. } if shape.segments() != 2 => {
-                    return Err(LayoutError::SplitNeedsTwoSegments { layer, segments: shape.segments() });
+                    return Err(LayoutError::SplitNeedsTwoSegments {
+                        layer,
+                        segments: shape.segments(),
+                    });
                 }
                 LayerLayout::Contiguous { kv_stride, .. }
                     if shape.segments() == 2 && kv_stride < plane =>
                 {
-                    return Err(LayoutError::KvStrideTooSmall { layer, stride: kv_stride, plane });
+                    return Err(LayoutError::KvStrideTooSmall {
+                        layer,
+                        stride: kv_stride,
+                        plane,
+                    });
                 }
                 _ => {}
             }
@@ -163,11 +190,13 @@ impl KvLayout {
     ) -> Result<Self, LayoutError> {
         let layout = Self::new(spec, shape)?;
         for p in layout.planes()? {
-            device.check_range(p.start, p.extent).map_err(|source| LayoutError::Memory {
-                layer: p.layer,
-                segment: seg_name(layout.segments, p.segment),
-                source,
-            })?;
+            device
+                .check_range(p.start, p.extent)
+                .map_err(|source| LayoutError::Memory {
+                    layer: p.layer,
+                    segment: seg_name(layout.segments, p.segment),
+                    source,
+                })?;
         }
         Ok(layout)
     }
@@ -219,7 +248,12 @@ impl KvLayout {
                     .plane_start(layer, segment)
                     .filter(|s| s.checked_add(extent).is_some())
                     .ok_or(LayoutError::Overflow { layer })?;
-                out.push(Plane { layer, segment, start, extent });
+                out.push(Plane {
+                    layer,
+                    segment,
+                    start,
+                    extent,
+                });
             }
         }
         Ok(out)
@@ -229,11 +263,16 @@ impl KvLayout {
     /// `c + j*S` (length `L`, `0 <= i, j < n`) overlap iff some `k = i - j` with
     /// `|k| < n` puts `k*S` strictly within `L` of `c - a`.
     fn planes_overlap(&self, a: &Plane, b: &Plane) -> bool {
-        let (s, l, n) =
-            (i128::from(self.block_stride), i128::from(self.segment_bytes), i128::from(self.num_blocks));
+        let (s, l, n) = (
+            i128::from(self.block_stride),
+            i128::from(self.segment_bytes),
+            i128::from(self.num_blocks),
+        );
         let d = i128::from(b.start) - i128::from(a.start);
         let k0 = d.div_euclid(s);
-        [k0, k0 + 1].iter().any(|&k| k.abs() < n && (k * s - d).abs() < l)
+        [k0, k0 + 1]
+            .iter()
+            .any(|&k| k.abs() < n && (k * s - d).abs() < l)
     }
 
     fn check_overlaps(&self, planes: &[Plane]) -> Result<(), LayoutError> {
@@ -245,7 +284,11 @@ impl KvLayout {
                     break;
                 }
                 if self.planes_overlap(a, b) {
-                    let (x, y) = if (a.layer, a.segment) <= (b.layer, b.segment) { (a, b) } else { (b, a) };
+                    let (x, y) = if (a.layer, a.segment) <= (b.layer, b.segment) {
+                        (a, b)
+                    } else {
+                        (b, a)
+                    };
                     return Err(LayoutError::Overlap {
                         first: x.layer,
                         first_seg: seg_name(self.segments, x.segment),
@@ -263,7 +306,10 @@ impl KvLayout {
         let mut seen = std::collections::HashSet::with_capacity(blocks.len());
         for &block in blocks {
             if block >= self.num_blocks {
-                return Err(LayoutError::BlockOutOfRange { block, num_blocks: self.num_blocks });
+                return Err(LayoutError::BlockOutOfRange {
+                    block,
+                    num_blocks: self.num_blocks,
+                });
             }
             if !seen.insert(block) {
                 return Err(LayoutError::DuplicateBlock { block });
@@ -294,7 +340,10 @@ mod tests {
         KvLayoutSpec {
             kind: GroupKind::Attention,
             layers: (0..u64::from(layers))
-                .map(|l| LayerLayout::Split { k_base: 0x10_0000 + 2 * l * plane, v_base: 0x10_0000 + (2 * l + 1) * plane })
+                .map(|l| LayerLayout::Split {
+                    k_base: 0x10_0000 + 2 * l * plane,
+                    v_base: 0x10_0000 + (2 * l + 1) * plane,
+                })
                 .collect(),
             block_stride: stride,
             num_blocks: blocks,
@@ -311,7 +360,10 @@ mod tests {
 
         let spec = KvLayoutSpec {
             kind: GroupKind::Attention,
-            layers: vec![LayerLayout::Contiguous { base: 0x1000, kv_stride: 4096 }],
+            layers: vec![LayerLayout::Contiguous {
+                base: 0x1000,
+                kv_stride: 4096,
+            }],
             block_stride: 512,
             num_blocks: 8,
             view_offset: 64,
@@ -323,7 +375,10 @@ mod tests {
 
     #[test]
     fn refuses_page_first_and_recurrent_by_name() {
-        for (kind, name) in [(GroupKind::PageFirst, "page-first"), (GroupKind::Recurrent, "recurrent")] {
+        for (kind, name) in [
+            (GroupKind::PageFirst, "page-first"),
+            (GroupKind::Recurrent, "recurrent"),
+        ] {
             let mut spec = split_spec(1, 256, 4);
             spec.kind = kind;
             let err = KvLayout::new(spec, &shape(1, 2)).unwrap_err();
@@ -335,21 +390,40 @@ mod tests {
     #[test]
     fn refuses_small_strides_and_bad_counts() {
         let err = KvLayout::new(split_spec(1, 128, 4), &shape(1, 2)).unwrap_err();
-        assert!(matches!(err, LayoutError::StrideTooSmall { layer: 0, stride: 128, segment: 256 }));
+        assert!(matches!(
+            err,
+            LayoutError::StrideTooSmall {
+                layer: 0,
+                stride: 128,
+                segment: 256
+            }
+        ));
         let err = KvLayout::new(split_spec(2, 256, 4), &shape(3, 2)).unwrap_err();
-        assert_eq!(err, LayoutError::LayerCount { expected: 3, got: 2 });
+        assert_eq!(
+            err,
+            LayoutError::LayerCount {
+                expected: 3,
+                got: 2
+            }
+        );
         let err = KvLayout::new(split_spec(1, 256, 0), &shape(1, 2)).unwrap_err();
         assert_eq!(err, LayoutError::NoBlocks);
         let err = KvLayout::new(split_spec(1, 256, 4), &shape(1, 1)).unwrap_err();
         assert!(matches!(err, LayoutError::SplitNeedsTwoSegments { .. }));
         let spec = KvLayoutSpec {
             kind: GroupKind::Attention,
-            layers: vec![LayerLayout::Contiguous { base: 0x1000, kv_stride: 512 }],
+            layers: vec![LayerLayout::Contiguous {
+                base: 0x1000,
+                kv_stride: 512,
+            }],
             block_stride: 256,
             num_blocks: 4,
             view_offset: 0,
         };
-        assert!(matches!(KvLayout::new(spec, &shape(1, 2)), Err(LayoutError::KvStrideTooSmall { .. })));
+        assert!(matches!(
+            KvLayout::new(spec, &shape(1, 2)),
+            Err(LayoutError::KvStrideTooSmall { .. })
+        ));
     }
 
     #[test]
@@ -358,8 +432,14 @@ mod tests {
         let spec = KvLayoutSpec {
             kind: GroupKind::Attention,
             layers: vec![
-                LayerLayout::Split { k_base: 0, v_base: 256 },
-                LayerLayout::Split { k_base: 512, v_base: 768 },
+                LayerLayout::Split {
+                    k_base: 0,
+                    v_base: 256,
+                },
+                LayerLayout::Split {
+                    k_base: 512,
+                    v_base: 768,
+                },
             ],
             block_stride: 1024,
             num_blocks: 16,
@@ -368,16 +448,33 @@ mod tests {
         assert!(KvLayout::new(spec.clone(), &shape(2, 2)).is_ok());
         // Shift layer 1's K by 64 bytes into layer 0's V: refused, naming both.
         let mut bad = spec;
-        bad.layers[1] = LayerLayout::Split { k_base: 256 + 64 + 1024 * 3, v_base: 768 };
+        bad.layers[1] = LayerLayout::Split {
+            k_base: 256 + 64 + 1024 * 3,
+            v_base: 768,
+        };
         let err = KvLayout::new(bad, &shape(2, 2)).unwrap_err();
-        assert_eq!(err, LayoutError::Overlap { first: 0, first_seg: "V", second: 1, second_seg: "K" });
+        assert_eq!(
+            err,
+            LayoutError::Overlap {
+                first: 0,
+                first_seg: "V",
+                second: 1,
+                second_seg: "K"
+            }
+        );
         // Same base for two layers.
         let err = KvLayout::new(
             KvLayoutSpec {
                 kind: GroupKind::Attention,
                 layers: vec![
-                    LayerLayout::Contiguous { base: 0, kv_stride: 4096 },
-                    LayerLayout::Contiguous { base: 4096 * 2 - 256, kv_stride: 4096 },
+                    LayerLayout::Contiguous {
+                        base: 0,
+                        kv_stride: 4096,
+                    },
+                    LayerLayout::Contiguous {
+                        base: 4096 * 2 - 256,
+                        kv_stride: 4096,
+                    },
                 ],
                 block_stride: 256,
                 num_blocks: 16,
@@ -386,15 +483,34 @@ mod tests {
             &shape(2, 2),
         )
         .unwrap_err();
-        assert!(matches!(err, LayoutError::Overlap { first: 0, second: 1, .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                LayoutError::Overlap {
+                    first: 0,
+                    second: 1,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 
     #[test]
     fn blocks_checked() {
         let l = KvLayout::new(split_spec(1, 256, 4), &shape(1, 2)).unwrap();
         assert!(l.check_blocks(&[3, 0, 2]).is_ok());
-        assert_eq!(l.check_blocks(&[4]), Err(LayoutError::BlockOutOfRange { block: 4, num_blocks: 4 }));
-        assert_eq!(l.check_blocks(&[1, 1]), Err(LayoutError::DuplicateBlock { block: 1 }));
+        assert_eq!(
+            l.check_blocks(&[4]),
+            Err(LayoutError::BlockOutOfRange {
+                block: 4,
+                num_blocks: 4
+            })
+        );
+        assert_eq!(
+            l.check_blocks(&[1, 1]),
+            Err(LayoutError::DuplicateBlock { block: 1 })
+        );
     }
 
     #[test]
@@ -405,15 +521,31 @@ mod tests {
         let spec = KvLayoutSpec {
             kind: GroupKind::Attention,
             layers: vec![
-                LayerLayout::Split { k_base: k.ptr(), v_base: v.ptr() },
-                LayerLayout::Split { k_base: k.ptr() + 0x100_0000_0000, v_base: v.ptr() + 0x100_0000_0000 },
+                LayerLayout::Split {
+                    k_base: k.ptr(),
+                    v_base: v.ptr(),
+                },
+                LayerLayout::Split {
+                    k_base: k.ptr() + 0x100_0000_0000,
+                    v_base: v.ptr() + 0x100_0000_0000,
+                },
             ],
             block_stride: 256,
             num_blocks: 4,
             view_offset: 0,
         };
         let err = KvLayout::new_on(spec.clone(), &shape(2, 2), dev.as_ref()).unwrap_err();
-        assert!(matches!(err, LayoutError::Memory { layer: 1, segment: "K", .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                LayoutError::Memory {
+                    layer: 1,
+                    segment: "K",
+                    ..
+                }
+            ),
+            "{err}"
+        );
         // A nonzero view that runs past the allocation is refused too.
         let mut one = spec;
         one.layers.truncate(1);

@@ -27,7 +27,12 @@ pub enum ShapeError {
     #[error("segment bytes must be nonzero and a multiple of 64, got {0}")]
     SegmentBytes(u64),
     #[error("block of {layers} layers x {segments} segments x {segment_bytes} bytes x tp {tp} overflows")]
-    Overflow { layers: u32, segments: u32, segment_bytes: u64, tp: u32 },
+    Overflow {
+        layers: u32,
+        segments: u32,
+        segment_bytes: u64,
+        tp: u32,
+    },
 }
 
 /// Largest TP world a lease can track (one bit per rank).
@@ -58,9 +63,19 @@ impl KvShape {
             .and_then(|v| v.checked_mul(u64::from(tp_size)))
             .filter(|v| *v <= (1 << 40));
         if total.is_none() {
-            return Err(ShapeError::Overflow { layers, segments, segment_bytes, tp: tp_size });
+            return Err(ShapeError::Overflow {
+                layers,
+                segments,
+                segment_bytes,
+                tp: tp_size,
+            });
         }
-        Ok(Self { layers, tp_size, segments, segment_bytes })
+        Ok(Self {
+            layers,
+            tp_size,
+            segments,
+            segment_bytes,
+        })
     }
 
     pub fn layers(&self) -> u32 {
@@ -103,7 +118,10 @@ impl KvShape {
 
     /// A short stable string naming the shape, used in namespace fingerprints.
     pub fn fingerprint(&self) -> String {
-        format!("l{}-tp{}-s{}-b{}", self.layers, self.tp_size, self.segments, self.segment_bytes)
+        format!(
+            "l{}-tp{}-s{}-b{}",
+            self.layers, self.tp_size, self.segments, self.segment_bytes
+        )
     }
 }
 
@@ -128,7 +146,13 @@ mod tests {
         assert_eq!(KvShape::new(1, 0, 2, 64), Err(ShapeError::TpSize(0)));
         assert_eq!(KvShape::new(1, 65, 2, 64), Err(ShapeError::TpSize(65)));
         assert_eq!(KvShape::new(1, 1, 3, 64), Err(ShapeError::Segments(3)));
-        assert_eq!(KvShape::new(1, 1, 2, 100), Err(ShapeError::SegmentBytes(100)));
-        assert!(matches!(KvShape::new(1 << 20, 64, 2, 1 << 20), Err(ShapeError::Overflow { .. })));
+        assert_eq!(
+            KvShape::new(1, 1, 2, 100),
+            Err(ShapeError::SegmentBytes(100))
+        );
+        assert!(matches!(
+            KvShape::new(1 << 20, 64, 2, 1 << 20),
+            Err(ShapeError::Overflow { .. })
+        ));
     }
 }
