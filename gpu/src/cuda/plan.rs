@@ -68,20 +68,22 @@ pub fn plan(
     r: &dyn Resolver,
 ) -> Result<Plan, DeviceError> {
     let ops = list.ops();
-    // Validate first: a batch with one bad range copies nothing.
-    let mut last: Option<(u64, u64)> = None;
+    // Validate first: a batch with one bad range copies nothing. A KV batch cycles through
+    // every layer's tensors (split K/V: one allocation per segment), so remember every
+    // allocation already seen in this batch instead of only the last one: one driver query
+    // per allocation rather than one per range.
+    let mut seen: Vec<(u64, u64)> = Vec::new();
     for op in ops {
         let dev = match dir {
             CopyDirection::HostToDevice => op.dst,
             CopyDirection::DeviceToHost => op.src,
         };
         let inside =
-            |(s, e): (u64, u64)| dev >= s && dev.checked_add(op.len).is_some_and(|x| x <= e);
-        if last.is_some_and(inside) {
+            |&(s, e): &(u64, u64)| dev >= s && dev.checked_add(op.len).is_some_and(|x| x <= e);
+        if seen.iter().rev().any(inside) {
             continue;
         }
-        let range = r.device_alloc(dev, op.len)?;
-        last = Some(range);
+        seen.push(r.device_alloc(dev, op.len)?);
     }
 
     let avg = if ops.is_empty() {
@@ -167,6 +169,58 @@ mod tests {
             l.push(host + i * 4096, (1 << 20) + i * 8192, 4096);
         }
         l
+    }
+
+    /// Two allocations, [1M, 2M) and [4M, 5M); counts the driver queries.
+    struct Counting(std::cell::Cell<usize>);
+
+    impl Resolver for Counting {
+        fn device_alloc(&self, ptr: u64, len: u64) -> Result<(u64, u64), DeviceError> {
+            self.0.set(self.0.get() + 1);
+            [(1u64 << 20, 2u64 << 20), (4 << 20, 5 << 20)]
+                .into_iter()
+                .find(|&(s, e)| ptr >= s && ptr + len <= e)
+                .ok_or(DeviceError::NotDeviceMemory {
+                    ordinal: 0,
+                    ptr,
+                    len,
+                })
+        }
+        fn host_map(&self, _: u64, _: u64) -> Option<HostMap> {
+            None
+        }
+    }
+
+    #[test]
+    fn validation_queries_each_allocation_once_per_batch() {
+        // Alternating between two tensors, as a split K/V load does.
+        let mut l = CopyList::default();
+        for i in 0..64u64 {
+            let dst = if i % 2 == 0 { 1 << 20 } else { 4 << 20 };
+            l.push(10 << 20 | (i * 8192), dst + i * 4096, 1024);
+        }
+        let r = Counting(std::cell::Cell::new(0));
+        plan(
+            CopyDirection::HostToDevice,
+            &l,
+            CopyPath::PerOp,
+            false,
+            false,
+            &r,
+        )
+        .unwrap();
+        assert_eq!(r.0.get(), 2);
+        // A range outside both is still refused.
+        l.push(0, 3 << 20, 64);
+        assert!(plan(
+            CopyDirection::HostToDevice,
+            &l,
+            CopyPath::PerOp,
+            false,
+            false,
+            &r
+        )
+        .is_err());
     }
 
     #[test]
