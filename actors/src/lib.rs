@@ -14,6 +14,7 @@ pub mod keeper;
 pub mod lease;
 pub mod metrics;
 pub mod model;
+pub mod nic;
 pub mod node;
 pub mod pool;
 pub mod registry;
