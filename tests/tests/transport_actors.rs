@@ -646,3 +646,57 @@ fn fault_matrix_drains_then_recovers() {
         });
     }
 }
+
+/// A dead peer: the batch fails and drains, reconnects fail with a typed error until the
+/// peer comes back, then reads work again.
+#[test]
+fn peer_death_then_revival() {
+    rt().block_on(async {
+        let src = owner(0x71, 1 << 20);
+        let faulty = Arc::new(FaultyConnector::new(
+            LoopbackConnector::new(OWNER, src.table.clone()),
+            OWNER,
+        ));
+        let rt = NicRuntime::start(vec![nic("lo0", ProviderKind::Loopback, 4)]).unwrap();
+        rt.workers[0]
+            .send(Connect {
+                peer: OWNER,
+                connector: faulty.clone(),
+                qps: Some(1),
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        let (dst, h) = register_dst(&rt, 4 << 20).await;
+        faulty.inject(Fault {
+            at: 2,
+            kind: FaultKind::PeerDeath,
+        });
+        let (reads, pieces) = plan(&src, &dst, h.key(NIC).unwrap(), 8, 10_000);
+        let err = post(&rt, reads).await.unwrap_err();
+        let WorkerError::ReadFailed { completions, .. } = err else {
+            panic!("expected a read failure, got {err:?}");
+        };
+        let ok: Vec<bool> = completions.iter().map(|c| c.status.is_success()).collect();
+        verify(&src, &dst, &pieces, &ok);
+        let g = settled(&rt).await;
+        assert_eq!(
+            (g.qp.outstanding, g.qp.in_error, g.batches),
+            (0, 0, 0),
+            "{g:?}"
+        );
+
+        let (reads, _) = plan(&src, &dst, h.key(NIC).unwrap(), 2, 10_000);
+        let err = post(&rt, reads).await.unwrap_err();
+        assert!(matches!(err, WorkerError::Reconnect { .. }), "{err}");
+
+        faulty.revive();
+        dst.fill(CANARY).unwrap();
+        let (reads, pieces) = plan(&src, &dst, h.key(NIC).unwrap(), 4, 10_000);
+        let done = post(&rt, reads).await.unwrap();
+        assert!(done.iter().all(|c| c.status.is_success()));
+        verify(&src, &dst, &pieces, &[true; 4]);
+        let g = settled(&rt).await;
+        assert_eq!((g.qp.outstanding, g.ready, g.waiting), (0, 1, 0), "{g:?}");
+    });
+}
