@@ -624,9 +624,12 @@ fn tcp_owner_process_death_drains_and_recovers() {
     let (rest, _) = drive(&mut qp, &r.cq, Duration::from_secs(10));
     done.extend(rest);
     assert_in_order(&done, &p.reads);
+    // Under load every issued read may land before the kill; then the loss is seen with
+    // nothing issued and the rest is flushed. Either way the queue records the fault.
     assert!(
         done.iter()
-            .any(|c| c.status == CompletionStatus::TransportError),
+            .any(|c| c.status == CompletionStatus::TransportError)
+            || qp.fault().is_some(),
         "{done:?}"
     );
     assert!(!all_ok(&done));
