@@ -78,7 +78,7 @@ impl Node {
         )?;
         let mut registrations = Vec::with_capacity(devices.len());
         for d in &devices {
-            registrations.push(d.register_host(pool.base(), pool.memory().len(), false)?);
+            registrations.push(d.register_host(pool.base(), pool.memory().len() as u64, false)?);
         }
         let counters = Arc::new(Counters::default());
         let (tx, rx) = std::sync::mpsc::channel();

@@ -1,10 +1,11 @@
 //! The host pool: one memfd-backed, page-aligned mapping cut into fixed-size slots.
 
 use std::fs::File;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{FromRawFd, OwnedFd};
 
 use std::sync::Arc;
 
+use kvferry_transport::HostRegion;
 use slab::Slab;
 use thiserror::Error;
 
@@ -31,47 +32,10 @@ pub enum PoolError {
     Exhausted { capacity: usize },
 }
 
-/// The pool's memory: a shared mapping of a memfd, unmapped when the last holder drops it.
-/// Copy engines and transfers hold an `Arc` so the memory outlives every copy into or out
-/// of it, whatever happens to the block store.
-pub struct PoolMemory {
-    base: *mut u8,
-    len: u64,
-    fd: OwnedFd,
-}
-
-// SAFETY: the mapping is owned by this struct for its whole life and unmapped only in Drop;
-// the base pointer is only handed out as an address whose use is governed by pins.
-unsafe impl Send for PoolMemory {}
-// SAFETY: see above; shared access only reads immutable fields.
-unsafe impl Sync for PoolMemory {}
-
-impl PoolMemory {
-    pub fn base(&self) -> u64 {
-        self.base as u64
-    }
-
-    pub fn len(&self) -> u64 {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The memfd, for same-host peers (shm provider) and GPU registration.
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
-    }
-}
-
-impl Drop for PoolMemory {
-    fn drop(&mut self) {
-        // SAFETY: unmapping exactly the mapping created in `HostPool::new`; every user holds
-        // an `Arc<PoolMemory>`, so nothing can use it after this.
-        unsafe { libc::munmap(self.base.cast(), self.len as usize) };
-    }
-}
+/// The pool's memory: a transport [`HostRegion`] over a memfd, so the same mapping is what
+/// copy engines read, what the MR table registers for peers, and what the shm provider hands
+/// out. Transfers hold an `Arc` so the memory outlives every copy into or out of it.
+pub type PoolMemory = HostRegion;
 
 /// The mapping and its slot allocator. Slot contents are accessed through raw addresses by
 /// copy engines; who may touch which slot when is decided by the block cache's pins.
@@ -164,27 +128,16 @@ impl HostPool {
             }
         })?;
         let fd = OwnedFd::from(file);
-        // SAFETY: mapping a memfd we own, of exactly its length, shared so same-host peers see
-        // the same pages; the result is checked below.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(os("mmap"));
-        }
+        let mem = HostRegion::map_shared(fd, len as usize, true).map_err(|e| {
+            let source = std::io::Error::other(e.to_string());
+            if hugepages {
+                PoolError::Hugepages { reason: format!("mmap: {source}") }
+            } else {
+                PoolError::Os { op: "mmap", size: len, source }
+            }
+        })?;
         Ok(Self {
-            mem: Arc::new(PoolMemory {
-                base: base.cast(),
-                len,
-                fd,
-            }),
+            mem: Arc::new(mem),
             slot_bytes,
             capacity: capacity as usize,
             hugepages,
@@ -209,7 +162,7 @@ impl HostPool {
 
     /// Address of a slot's first byte.
     pub fn slot_addr(&self, slot: usize) -> u64 {
-        self.mem.base() + slot as u64 * self.slot_bytes
+        self.mem.addr() + slot as u64 * self.slot_bytes
     }
 
     /// The memory, for holders that must keep it mapped (transfers, registrations).
@@ -230,7 +183,7 @@ impl HostPool {
     }
 
     pub fn base(&self) -> u64 {
-        self.mem.base()
+        self.mem.addr()
     }
 
     pub fn hugepages(&self) -> bool {
@@ -271,7 +224,7 @@ impl HostPool {
 impl std::fmt::Debug for HostPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostPool")
-            .field("len", &self.mem.len)
+            .field("len", &self.mem.len())
             .field("slot_bytes", &self.slot_bytes)
             .field("capacity", &self.capacity)
             .field("used", &self.slots.len())

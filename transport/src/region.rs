@@ -131,6 +131,32 @@ impl HostRegion {
         Self::from_mmap(ptr, len, Some(fd), true)
     }
 
+    /// Maps a memfd the caller created and sized (with whatever flags it needed, hugepages
+    /// for example) shared and writable: the form a node's host pool takes. `populate`
+    /// prefaults every page so the first copies do not pay for page faults.
+    pub fn map_shared(fd: OwnedFd, len: usize, populate: bool) -> Result<Self, RegionError> {
+        if len == 0 {
+            return Err(RegionError::Empty);
+        }
+        let mut flags = libc::MAP_SHARED;
+        if populate {
+            flags |= libc::MAP_POPULATE;
+        }
+        // SAFETY: maps `len` bytes of a descriptor we own; no existing memory is affected. The
+        // caller sized the file to at least `len`.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        Self::from_mmap(ptr, len, Some(fd), true)
+    }
+
     /// Maps a peer's memfd `PROT_READ`. `fd` should itself be read-only so that the mapping can
     /// never be upgraded with `mprotect`.
     pub fn map_read_only(fd: OwnedFd, len: usize) -> Result<Self, RegionError> {
