@@ -5,7 +5,8 @@
 //! [`RemoteDescriptor`] scattered into [`LocalSegment`]s); [`RcQueue`], the provider-neutral
 //! RC state machine, and [`Qp`], which pairs it with a provider [`Connection`];
 //! [`CompletionQueue`] for poller threads; [`NicConfig`]. Providers: [`loopback`], [`tcp`],
-//! [`shm`], and the [`fault`] wrapper; [`mod@bench`] measures them.
+//! [`shm`], [`verbs`] (its rdma-core layer behind the `verbs` feature), and the [`fault`]
+//! wrapper; [`mod@bench`] measures them.
 
 mod completion;
 mod config;
@@ -27,6 +28,7 @@ pub mod fault;
 pub mod loopback;
 pub mod shm;
 pub mod tcp;
+pub mod verbs;
 
 pub use completion::{CompletionSink, CompletionStatus, WorkCompletion};
 pub use config::{ConfigError, NicConfig, ProviderKind};

@@ -1,0 +1,26 @@
+//! The RDMA verbs provider and the logic under it.
+//!
+//! Everything that decides something is plain code, compiled and tested on every build:
+//! [`gid`] (GID/LID choice, path MTU), [`sysfs`] and [`affinity`] (devices, PCIe placement,
+//! NIC choice and striping), [`registration`] (splitting, access flags, key lookup), [`work`]
+//! (RDMA READ requests, completion statuses), [`qp_attrs`] (the reset → RTS attributes) and
+//! [`capability`] (the `direct_gpu` gate). With the `verbs` cargo feature, `ffi` wraps the
+//! rdma-core calls and [`VerbsNic`] / [`VerbsConnector`] implement the provider over them.
+
+pub mod affinity;
+pub mod capability;
+pub mod config;
+pub mod gid;
+pub mod qp_attrs;
+pub mod registration;
+pub mod sysfs;
+pub mod work;
+
+pub use affinity::{choose_nics, stripe, Affinity, AffinityError, Destination};
+pub use capability::{probe, VerbsCapability};
+pub use config::{VerbsConfig, VerbsConfigError};
+pub use gid::{choose_address, GidError, PortAddress, PortInfo};
+pub use qp_attrs::QpEndpoint;
+pub use registration::{KeyMap, RegistrationError};
+pub use sysfs::{NicInfo, Sysfs, SysfsError};
+pub use work::{build_read, ReadWr, WorkError};
