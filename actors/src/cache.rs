@@ -107,6 +107,8 @@ pub struct BlockCache {
     pinned_blocks: usize,
     pins: u64,
     evictions: u64,
+    /// Sealed blocks evicted since the last `take_evicted` (to withdraw from the directory).
+    evicted: Vec<BlockKey>,
 }
 
 impl BlockCache {
@@ -119,7 +121,13 @@ impl BlockCache {
             pinned_blocks: 0,
             pins: 0,
             evictions: 0,
+            evicted: Vec::new(),
         }
+    }
+
+    /// Sealed blocks evicted since the last call.
+    pub fn take_evicted(&mut self) -> Vec<BlockKey> {
+        std::mem::take(&mut self.evicted)
     }
 
     pub fn pool(&self) -> &HostPool {
@@ -213,6 +221,9 @@ impl BlockCache {
                     debug_assert_eq!(e.pins, 0);
                     self.pool.free(e.slot);
                     self.evictions += 1;
+                    if e.sealed() {
+                        self.evicted.push(key);
+                    }
                     return true;
                 }
             }
@@ -297,6 +308,48 @@ impl BlockCache {
         );
         self.pin_entry(&key);
         Ok(Reservation::Write(self.slot_ref(hash, slot)))
+    }
+
+    /// Like [`Self::reserve`] for a fetched copy, but a part that is already present is
+    /// pinned too and returned, so the caller can copy it to the device: `(slot, must_write)`.
+    pub fn reserve_fetch(
+        &mut self,
+        ns: &Namespace,
+        hash: BlockHash,
+        tp: u32,
+        rank: u32,
+        block_bytes: u64,
+    ) -> Result<(SlotRef, bool), CacheError> {
+        match self.reserve(ns, hash, tp, rank, block_bytes, BlockClass::Reclaimable)? {
+            Reservation::Write(slot) => Ok((slot, true)),
+            Reservation::Present => {
+                let key = Self::key(ns, hash);
+                self.pin_entry(&key);
+                let slot = self.map[&key].slot;
+                Ok((self.slot_ref(hash, slot), false))
+            }
+        }
+    }
+
+    /// Drops one pin on a block without marking anything written.
+    pub fn unpin_one(&mut self, ns: &Namespace, hash: BlockHash) {
+        self.unpin_entry(&Self::key(ns, hash));
+    }
+
+    /// Evicts every unpinned reclaimable block (fetched copies); returns how many.
+    pub fn drop_reclaimable(&mut self) -> usize {
+        let keys: Vec<BlockKey> = self.lru[0].values().cloned().collect();
+        self.lru[0].clear();
+        for key in &keys {
+            if let Some(e) = self.map.remove(key) {
+                self.pool.free(e.slot);
+                self.evictions += 1;
+                if e.sealed() {
+                    self.evicted.push(key.clone());
+                }
+            }
+        }
+        keys.len()
     }
 
     /// Marks `rank`'s part written and drops the writer pin. Returns true when this sealed

@@ -106,6 +106,8 @@ pub struct PoolConfig {
 pub struct LeaseConfig {
     pub ttl_secs: u64,
     pub sweep_interval_secs: u64,
+    /// How long an owner keeps blocks pinned for a peer that has not unpinned them.
+    pub peer_pin_ttl_secs: u64,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -143,6 +145,7 @@ impl Default for LeaseConfig {
         Self {
             ttl_secs: 600,
             sweep_interval_secs: 30,
+            peer_pin_ttl_secs: 120,
         }
     }
 }
@@ -163,6 +166,10 @@ impl LeaseConfig {
 
     pub fn sweep_interval(&self) -> Duration {
         Duration::from_secs(self.sweep_interval_secs)
+    }
+
+    pub fn peer_pin_ttl(&self) -> Duration {
+        Duration::from_secs(self.peer_pin_ttl_secs)
     }
 }
 
@@ -223,6 +230,9 @@ impl NodeConfig {
                     self.lease.sweep_interval_secs, self.lease.ttl_secs
                 ),
             );
+        }
+        if self.lease.peer_pin_ttl_secs == 0 {
+            return invalid("lease.peer-pin-ttl-secs", "must be at least 1".into());
         }
         if !matches!(self.device.kind.as_str(), "host" | "cuda" | "auto") {
             return invalid(

@@ -53,6 +53,8 @@ pub enum NodeError {
         #[source]
         source: DeviceError,
     },
+    #[error("peer {peer}: {reason}")]
+    Remote { peer: String, reason: String },
     #[error("the node is shutting down ({what})")]
     Stopped { what: &'static str },
 }

@@ -134,6 +134,15 @@ impl DeviceKv {
         }
     }
 
+    /// Sets every byte back to [`CANARY`] (between loads that reuse the destinations).
+    pub fn reset(&self) -> Result<(), DeviceError> {
+        for b in &self.buffers {
+            self.device
+                .write(b.ptr(), &vec![CANARY; b.len() as usize])?;
+        }
+        Ok(())
+    }
+
     /// Writes the pattern of `block` for `rank` into device block `dst` (to be saved).
     pub fn write_block(&self, dst: u32, block: u64, rank: u32) -> Result<(), DeviceError> {
         let mut buf = vec![0u8; self.shape.segment_bytes() as usize];

@@ -8,7 +8,7 @@ use actix::fut::{wrap_future, ActorFutureExt};
 use actix::{
     Actor, ActorContext, Addr, AsyncContext, Context, Handler, Message, ResponseActFuture,
 };
-use kvferry_gpu::{CopyDirection, CopyList};
+use kvferry_gpu::{CopyDirection, CopyList, CopyOp};
 use tokio::sync::oneshot;
 
 use crate::api::{DirectGrant, LoadRequest, QueryRequest, QueryResponse, Stage, TransferReport};
@@ -17,21 +17,49 @@ use crate::clock::Clock;
 use crate::error::NodeError;
 use crate::lease::LeaseTable;
 use crate::metrics::{Counters, InFlight};
+use crate::model::BlockHash;
 use crate::model::{InstanceId, LeaseId, Namespace};
+use crate::registry::RankHandle;
 use crate::registry::{GetInstance, GetRank, InstanceRegistry};
-use crate::store::{BlockStore, PinGuard, PinPrefix};
+use crate::remote::link::{BoxFut, Drained, Keep};
+use crate::remote::{LocalCluster, PeerLink, RemoteBlock, RemotePin};
+use crate::store::{BlockStore, PinGuard, PinPrefix, ReserveFetch};
 use crate::transfer::{Transfer, TransferSpec};
 
-/// Why a direct-GPU request is refused until remote suffixes exist.
-pub const DIRECT_REFUSAL: &str = "remote suffix not supported";
+/// Why a direct-GPU request is refused on a node without peers.
+pub const DIRECT_REFUSAL: &str = "remote suffix not supported: this node has no peers";
 
-/// What a lease holds: the pinned local prefix (and, later, the remote plan). Each rank's
+/// One owner's part of a remote suffix: its pinned blocks, in block order.
+#[derive(Debug)]
+pub struct RemoteSeg {
+    pub link: Arc<dyn PeerLink>,
+    pub blocks: Vec<RemoteBlock>,
+    /// Released (the owner unpins) when the lease and every share are gone.
+    pub pin: Option<RemotePin>,
+}
+
+/// What a lease holds: the pinned local prefix and the ordered remote plan. Each rank's
 /// share is a clone; the pins go when the lease and every share are gone.
 #[derive(Clone, Debug)]
 pub struct LeasePlan {
     pub namespace: Namespace,
     pub local: Arc<Vec<SlotRef>>,
     pub pins: Option<Arc<PinGuard>>,
+    pub remote: Arc<Vec<RemoteSeg>>,
+    /// The query asked for direct loads and was granted them.
+    pub direct: bool,
+    /// Seconds the query spent pinning on owners.
+    pub pin_seconds: f64,
+}
+
+impl LeasePlan {
+    pub fn remote_blocks(&self) -> usize {
+        self.remote.iter().map(|s| s.blocks.len()).sum()
+    }
+
+    pub fn blocks(&self) -> usize {
+        self.local.len() + self.remote_blocks()
+    }
 }
 
 pub struct LeaseKeeper {
@@ -41,9 +69,12 @@ pub struct LeaseKeeper {
     store: Addr<BlockStore>,
     registry: Addr<InstanceRegistry>,
     counters: Arc<Counters>,
+    node_id: String,
+    cluster: Option<Arc<LocalCluster>>,
 }
 
 impl LeaseKeeper {
+    #[allow(clippy::too_many_arguments)] // one per collaborator; built once by the node
     pub fn new(
         ttl: Duration,
         sweep_every: Duration,
@@ -51,6 +82,8 @@ impl LeaseKeeper {
         store: Addr<BlockStore>,
         registry: Addr<InstanceRegistry>,
         counters: Arc<Counters>,
+        node_id: String,
+        cluster: Option<Arc<LocalCluster>>,
     ) -> Self {
         Self {
             table: LeaseTable::new(ttl),
@@ -59,6 +92,8 @@ impl LeaseKeeper {
             store,
             registry,
             counters,
+            node_id,
+            cluster,
         }
     }
 
@@ -87,32 +122,45 @@ impl Handler<Query> for LeaseKeeper {
 
     fn handle(&mut self, Query(q): Query, _: &mut Context<Self>) -> Self::Result {
         let (registry, store) = (self.registry.clone(), self.store.clone());
+        let (cluster, node_id) = (self.cluster.clone(), self.node_id.clone());
         let instance = q.instance.clone();
+        let hashes = q.hashes;
         let lookup = async move {
             let (namespace, shape) = registry.send(GetInstance(instance)).await??;
             let pinned = store
                 .send(PinPrefix {
                     namespace: namespace.clone(),
-                    hashes: q.hashes,
+                    hashes: hashes.clone(),
                 })
                 .await?;
-            Ok::<_, NodeError>((namespace, shape, pinned))
+            let t = Instant::now();
+            let remote = match &cluster {
+                Some(c) => {
+                    plan_remote(c, &node_id, &namespace, &hashes[pinned.blocks.len()..]).await
+                }
+                None => Vec::new(),
+            };
+            Ok::<_, NodeError>((namespace, shape, pinned, remote, t.elapsed().as_secs_f64()))
         };
         Box::pin(wrap_future(lookup).map(move |r, act: &mut Self, _| {
-            let (namespace, shape, pinned) = r?;
+            let (namespace, shape, pinned, remote, pin_seconds) = r?;
             let local_blocks = pinned.blocks.len();
-            let direct = if q.direct_gpu {
-                DirectGrant::Refused {
+            let remote_blocks: usize = remote.iter().map(|s| s.blocks.len()).sum();
+            let direct = match (q.direct_gpu, &act.cluster) {
+                (false, _) => DirectGrant::NotRequested,
+                (true, None) => DirectGrant::Refused {
                     reason: DIRECT_REFUSAL.into(),
-                }
-            } else {
-                DirectGrant::NotRequested
+                },
+                (true, Some(_)) => DirectGrant::Granted,
             };
-            let lease = (local_blocks > 0).then(|| {
+            let lease = (local_blocks + remote_blocks > 0).then(|| {
                 let plan = LeasePlan {
                     namespace: namespace.clone(),
                     local: pinned.blocks,
                     pins: pinned.guard,
+                    remote: Arc::new(remote),
+                    direct: direct.is_granted(),
+                    pin_seconds,
                 };
                 act.table
                     .create(q.instance, shape.tp_size(), plan, act.clock.now())
@@ -121,11 +169,56 @@ impl Handler<Query> for LeaseKeeper {
                 lease,
                 namespace,
                 local_blocks,
-                remote_blocks: 0,
+                remote_blocks,
                 direct,
             })
         }))
     }
+}
+
+/// Looks the suffix up in the directory and pins it on its owners, segment by segment, in
+/// block order. Stops at the first miss, at an owner that cannot be reached, and after a
+/// segment an owner shortened (blocks that vanished shorten the hit; they are no error).
+async fn plan_remote(
+    cluster: &LocalCluster,
+    node_id: &str,
+    namespace: &Namespace,
+    hashes: &[BlockHash],
+) -> Vec<RemoteSeg> {
+    let mut out = Vec::new();
+    if hashes.is_empty() {
+        return out;
+    }
+    for seg in cluster.directory().lookup(namespace, hashes, node_id) {
+        let want = &hashes[seg.start..seg.start + seg.len];
+        let mut pinned = None;
+        for owner in &seg.owners {
+            let Ok(link) = cluster.link(node_id, owner) else {
+                continue;
+            };
+            if let Ok(p) = link.pin(namespace.clone(), want.to_vec()).await {
+                if !p.blocks.is_empty() {
+                    pinned = Some((link, p));
+                    break;
+                }
+            }
+        }
+        let Some((link, p)) = pinned else { break };
+        let short = p.blocks.len() < seg.len;
+        let pin = Some(RemotePin {
+            link: Arc::clone(&link),
+            pin_id: p.pin_id,
+        });
+        out.push(RemoteSeg {
+            link,
+            blocks: p.blocks,
+            pin,
+        });
+        if short {
+            break;
+        }
+    }
+    out
 }
 
 pub type ReportRx = oneshot::Receiver<Result<TransferReport, NodeError>>;
@@ -150,11 +243,11 @@ impl Handler<Load> for LeaseKeeper {
             let now = act.clock.now();
             // Validate everything before consuming, so a bad request changes nothing.
             let plan = act.table.check(req.lease, &req.instance, req.rank, now)?;
-            if req.dest_blocks.len() != plan.local.len() {
+            if req.dest_blocks.len() != plan.blocks() {
                 return Err(NodeError::bad(format!(
                     "lease {} holds {} blocks, {} destination blocks given",
                     req.lease,
-                    plan.local.len(),
+                    plan.blocks(),
                     req.dest_blocks.len()
                 )));
             }
@@ -179,20 +272,43 @@ impl Handler<Load> for LeaseKeeper {
             }
             let plan_s = t0.elapsed().as_secs_f64();
             let (tx, rx) = oneshot::channel();
+            let remote_dest = req.dest_blocks[share.local.len()..].to_vec();
+            let then = (!share.remote.is_empty()).then(|| {
+                remote_load(
+                    share.clone(),
+                    Arc::clone(&handle),
+                    remote_dest,
+                    act.store.clone(),
+                )
+            });
+            let path = match (share.remote.is_empty(), share.direct) {
+                (true, _) => "local",
+                (false, true) => "direct",
+                (false, false) => "staged",
+            };
+            let mut stages = vec![Stage {
+                name: "plan",
+                seconds: plan_s,
+            }];
+            if !share.remote.is_empty() {
+                stages.push(Stage {
+                    name: "pin",
+                    seconds: share.pin_seconds,
+                });
+            }
+            let blocks = share.blocks();
             let spec = TransferSpec {
-                path: "local",
+                path,
                 dir: CopyDirection::HostToDevice,
                 device: Arc::clone(&handle.device),
                 list,
-                blocks: share.local.len(),
+                blocks,
                 holds: vec![Box::new(share), Box::new(handle)],
                 on_success: None,
-                stages: vec![Stage {
-                    name: "plan",
-                    seconds: plan_s,
-                }],
+                stages,
                 started: t0,
                 in_flight: InFlight::new(Arc::clone(&act.counters)),
+                then,
             };
             Transfer::new(spec, tx).start();
             Ok(rx)
@@ -262,5 +378,155 @@ impl Handler<Shutdown> for LeaseKeeper {
 
     fn handle(&mut self, _: Shutdown, ctx: &mut Context<Self>) {
         ctx.stop();
+    }
+}
+
+/// Blocks per pipeline step of a staged load: reads of later chunks overlap the device copy
+/// of earlier ones.
+const STAGED_CHUNK: usize = 8;
+
+/// The remote suffix of one rank's load, run after the local prefix has landed: segment by
+/// segment in block order, each block's rank part read as one remote range scattered into
+/// its layer segments, either straight into device KV (direct) or through pool slots
+/// (staged). Direct errors are load failures: nothing falls back to staging.
+fn remote_load(
+    share: LeasePlan,
+    handle: Arc<RankHandle>,
+    dest: Vec<u32>,
+    store: Addr<BlockStore>,
+) -> BoxFut<Result<(u64, Vec<Stage>), NodeError>> {
+    Box::pin(async move {
+        let shape = handle.shape;
+        let rank = handle.rank;
+        let layout = &handle.layout;
+        let mut stages = Vec::new();
+        let bytes = share.remote_blocks() as u64 * shape.rank_bytes();
+        let mut dests = dest.into_iter();
+        if share.direct {
+            let t = Instant::now();
+            for seg in share.remote.iter() {
+                let mut list = CopyList::with_capacity(seg.blocks.len() * per_block(&shape));
+                for (b, dst) in seg.blocks.iter().zip(dests.by_ref()) {
+                    push_block(
+                        &mut list,
+                        &shape,
+                        layout,
+                        b.addr + shape.rank_offset(rank),
+                        dst,
+                    );
+                }
+                let keep: Keep = Box::new(Arc::clone(&handle));
+                seg.link
+                    .read_device(Arc::clone(&handle.device), list, keep)
+                    .await?;
+            }
+            stages.push(Stage {
+                name: "wire",
+                seconds: t.elapsed().as_secs_f64(),
+            });
+            let t = Instant::now();
+            handle.device.flush_direct_writes()?;
+            stages.push(Stage {
+                name: "fence",
+                seconds: t.elapsed().as_secs_f64(),
+            });
+            return Ok((bytes, stages));
+        }
+        // Staged: reserve slots, read each chunk into them, copy each chunk to the device as
+        // soon as it has landed; later reads run while earlier chunks copy.
+        let (mut wire, mut h2d) = (0.0f64, 0.0f64);
+        let mut copies = Vec::new();
+        for seg in share.remote.iter() {
+            let hashes: Vec<BlockHash> = seg.blocks.iter().map(|b| b.hash).collect();
+            let (slots, guard) = store
+                .send(ReserveFetch {
+                    namespace: share.namespace.clone(),
+                    tp: shape.tp_size(),
+                    rank,
+                    block_bytes: shape.block_bytes(),
+                    hashes,
+                })
+                .await??;
+            let seg_dests: Vec<u32> = dests.by_ref().take(seg.blocks.len()).collect();
+            let memory = Arc::clone(guard.memory());
+            let mut reads = Vec::new();
+            for (i, chunk) in seg.blocks.chunks(STAGED_CHUNK).enumerate() {
+                let ops: Vec<CopyOp> = chunk
+                    .iter()
+                    .zip(&slots[i * STAGED_CHUNK..])
+                    .filter(|(_, s)| s.must_write)
+                    .map(|(b, s)| CopyOp {
+                        src: b.addr + shape.rank_offset(rank),
+                        dst: s.addr + shape.rank_offset(rank),
+                        len: shape.rank_bytes(),
+                    })
+                    .collect();
+                let keep: Keep = Box::new(Arc::clone(&memory));
+                reads.push(tokio::spawn(seg.link.read_host(ops, keep)));
+            }
+            for (i, read) in reads.into_iter().enumerate() {
+                let tr = Instant::now();
+                read.await.map_err(|_| NodeError::Stopped {
+                    what: "remote read",
+                })??;
+                wire += tr.elapsed().as_secs_f64();
+                let lo = i * STAGED_CHUNK;
+                let hi = (lo + STAGED_CHUNK).min(slots.len());
+                let mut list = CopyList::with_capacity((hi - lo) * per_block(&shape));
+                for (s, &dst) in slots[lo..hi].iter().zip(&seg_dests[lo..hi]) {
+                    push_block(
+                        &mut list,
+                        &shape,
+                        layout,
+                        s.addr + shape.rank_offset(rank),
+                        dst,
+                    );
+                }
+                // SAFETY: sources are pool slots pinned by `guard` (kept until every copy of
+                // this segment resolved, below) in memory kept mapped by `memory`;
+                // destinations are device KV held by `handle`.
+                let ev = unsafe { handle.device.submit(CopyDirection::HostToDevice, list) }?;
+                copies.push(Drained::new(ev, vec![Box::new(Arc::clone(&memory))]));
+            }
+            let th = Instant::now();
+            for c in copies.drain(..) {
+                c.await?;
+            }
+            h2d += th.elapsed().as_secs_f64();
+            guard.finish();
+        }
+        stages.push(Stage {
+            name: "wire",
+            seconds: wire,
+        });
+        stages.push(Stage {
+            name: "h2d",
+            seconds: h2d,
+        });
+        Ok((bytes, stages))
+    })
+}
+
+fn per_block(shape: &kvferry_gpu::KvShape) -> usize {
+    (shape.layers() * shape.segments()) as usize
+}
+
+/// Scatters one rank part (host layout, starting at `src`) into device block `dst`.
+fn push_block(
+    list: &mut CopyList,
+    shape: &kvferry_gpu::KvShape,
+    layout: &kvferry_gpu::KvLayout,
+    src: u64,
+    dst: u32,
+) {
+    for layer in 0..shape.layers() {
+        for seg in 0..shape.segments() {
+            let off = u64::from(layer * shape.segments() + seg) * shape.segment_bytes();
+            list.push(
+                src + off,
+                layout.segment_addr(layer, seg, dst),
+                shape.segment_bytes(),
+            );
+        }
     }
 }

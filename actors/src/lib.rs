@@ -18,6 +18,7 @@ pub mod nic;
 pub mod node;
 pub mod pool;
 pub mod registry;
+pub mod remote;
 pub mod store;
 pub mod transfer;
 

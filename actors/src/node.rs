@@ -20,6 +20,7 @@ use crate::metrics::Counters;
 use crate::model::{InstanceId, LeaseId, Namespace};
 use crate::pool::HostPool;
 use crate::registry::{self, CountInstances, GetRank, InstanceRegistry};
+use crate::remote::LocalCluster;
 use crate::store::{self, BlockStore, GetCacheStats};
 
 struct Inner {
@@ -31,6 +32,7 @@ struct Inner {
     config: NodeConfig,
     system: actix::System,
     thread: Mutex<Option<JoinHandle<()>>>,
+    cluster: Option<Arc<LocalCluster>>,
     _registrations: Vec<HostRegistration>,
 }
 
@@ -70,6 +72,18 @@ impl Node {
         devices: Vec<Arc<dyn Device>>,
         clock: Clock,
     ) -> Result<Self, NodeError> {
+        Self::start_in(config, devices, clock, None)
+    }
+
+    /// Starts a node that is a member of an in-process cluster: it advertises its blocks in
+    /// the cluster's directory, serves its pool to the other members over the cluster's
+    /// provider, and reads remote suffixes from them.
+    pub fn start_in(
+        config: NodeConfig,
+        devices: Vec<Arc<dyn Device>>,
+        clock: Clock,
+        cluster: Option<Arc<LocalCluster>>,
+    ) -> Result<Self, NodeError> {
         config.validate()?;
         let pool = HostPool::new(
             config.pool.size.0,
@@ -85,12 +99,23 @@ impl Node {
         let cfg = config.clone();
         let devs = devices.clone();
         let ctrs = Arc::clone(&counters);
+        let memory = Arc::clone(pool.memory());
+        let directory = cluster.as_ref().map(|c| Arc::clone(c.directory()));
+        let member = cluster.clone();
         let thread = std::thread::Builder::new()
             .name("kvferry-actix".into())
             .spawn(move || {
                 let sys = actix::System::new();
                 sys.block_on(async move {
-                    let store = BlockStore::new(pool, Arc::clone(&ctrs)).start();
+                    let store = BlockStore::new(
+                        pool,
+                        Arc::clone(&ctrs),
+                        cfg.node_id.clone(),
+                        directory,
+                        clock.clone(),
+                        cfg.lease.peer_pin_ttl(),
+                    )
+                    .start();
                     let registry = InstanceRegistry::new(devs).start();
                     let keeper = LeaseKeeper::new(
                         cfg.lease.ttl(),
@@ -99,6 +124,8 @@ impl Node {
                         store.clone(),
                         registry.clone(),
                         ctrs,
+                        cfg.node_id.clone(),
+                        member,
                     )
                     .start();
                     let _ = tx.send((keeper, store, registry, actix::System::current()));
@@ -111,6 +138,13 @@ impl Node {
         let (keeper, store, registry, system) = rx.recv().map_err(|_| NodeError::Stopped {
             what: "actor system failed to start",
         })?;
+        if let Some(c) = &cluster {
+            if let Err(e) = c.join(&config.node_id, store.clone(), memory) {
+                system.stop();
+                let _ = thread.join();
+                return Err(e);
+            }
+        }
         Ok(Self {
             inner: Arc::new(Inner {
                 keeper,
@@ -121,6 +155,7 @@ impl Node {
                 config,
                 system,
                 thread: Mutex::new(Some(thread)),
+                cluster,
                 _registrations: registrations,
             }),
         })
@@ -248,6 +283,21 @@ impl Node {
         })
     }
 
+    /// Live pins this node holds for peers.
+    pub async fn peer_pins(&self) -> Result<usize, NodeError> {
+        Ok(self.inner.store.send(store::PeerPinCount).await?)
+    }
+
+    /// Expires due peer pins now (the store sweeps every second); returns how many.
+    pub async fn sweep_peer_pins(&self) -> Result<usize, NodeError> {
+        Ok(self.inner.store.send(store::SweepPeerPins).await?)
+    }
+
+    /// Evicts every unpinned fetched copy; returns how many.
+    pub async fn drop_reclaimable(&self) -> Result<usize, NodeError> {
+        Ok(self.inner.store.send(store::DropReclaimable).await?)
+    }
+
     /// Stops the actor system and waits for its thread.
     pub fn shutdown(&self) {
         self.inner.stop();
@@ -256,6 +306,9 @@ impl Node {
 
 impl Inner {
     fn stop(&self) {
+        if let Some(c) = &self.cluster {
+            c.leave(&self.config.node_id);
+        }
         self.system.stop();
         let t = self.thread.lock().ok().and_then(|mut g| g.take());
         if let Some(t) = t {

@@ -131,9 +131,15 @@ impl HostPool {
         let mem = HostRegion::map_shared(fd, len as usize, true).map_err(|e| {
             let source = std::io::Error::other(e.to_string());
             if hugepages {
-                PoolError::Hugepages { reason: format!("mmap: {source}") }
+                PoolError::Hugepages {
+                    reason: format!("mmap: {source}"),
+                }
             } else {
-                PoolError::Os { op: "mmap", size: len, source }
+                PoolError::Os {
+                    op: "mmap",
+                    size: len,
+                    source,
+                }
             }
         })?;
         Ok(Self {

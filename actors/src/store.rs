@@ -2,7 +2,7 @@
 //! saves into the host pool.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use actix::{Actor, Addr, AsyncContext, Context, Handler, Message, ResponseFuture};
 use kvferry_gpu::{CopyDirection, CopyList};
@@ -10,29 +10,80 @@ use tokio::sync::oneshot;
 
 use crate::api::{Stage, StoreReport};
 use crate::cache::{BlockCache, BlockClass, CacheStats, Reservation, SlotRef};
+use crate::clock::Clock;
 use crate::error::NodeError;
 use crate::metrics::{Counters, InFlight};
 use crate::model::{BlockHash, Namespace};
 use crate::pool::{HostPool, PoolMemory};
 use crate::registry::RankHandle;
+use crate::remote::directory::Directory;
+use crate::remote::link::{PinnedRemote, RemoteBlock};
+use crate::remote::pins::PeerPins;
 use crate::transfer::{Transfer, TransferSpec};
 
 pub struct BlockStore {
     cache: BlockCache,
     counters: Arc<Counters>,
+    node_id: String,
+    directory: Option<Arc<dyn Directory>>,
+    peer_pins: PeerPins,
+    clock: Clock,
 }
 
 impl BlockStore {
-    pub fn new(pool: HostPool, counters: Arc<Counters>) -> Self {
+    pub fn new(
+        pool: HostPool,
+        counters: Arc<Counters>,
+        node_id: String,
+        directory: Option<Arc<dyn Directory>>,
+        clock: Clock,
+        peer_pin_ttl: Duration,
+    ) -> Self {
         Self {
             cache: BlockCache::new(pool),
             counters,
+            node_id,
+            directory,
+            peer_pins: PeerPins::new(peer_pin_ttl),
+            clock,
         }
+    }
+
+    /// Advertises newly sealed blocks and withdraws evicted ones.
+    fn advertise(&mut self, ns: &Namespace, sealed: &[BlockHash]) {
+        let evicted = self.cache.take_evicted();
+        let Some(dir) = &self.directory else { return };
+        if !sealed.is_empty() {
+            dir.publish(&self.node_id, ns, sealed);
+        }
+        for key in evicted {
+            dir.withdraw(&self.node_id, &key.namespace, &[key.hash]);
+        }
+    }
+
+    fn sweep_peer_pins(&mut self) -> usize {
+        let gone = self.peer_pins.expire(self.clock.now());
+        for (ns, hashes) in &gone {
+            self.cache.unpin(ns, hashes);
+        }
+        gone.len()
     }
 }
 
 impl Actor for BlockStore {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.run_interval(Duration::from_secs(1), |act, _| {
+            act.sweep_peer_pins();
+        });
+    }
+
+    fn stopped(&mut self, _: &mut Self::Context) {
+        if let Some(dir) = &self.directory {
+            dir.withdraw_node(&self.node_id);
+        }
+    }
 }
 
 /// Pins on a prefix, released when the last holder (a lease, or a transfer using its share)
@@ -140,6 +191,7 @@ impl Handler<Put> for BlockStore {
         }
         let mut report = StoreReport::default();
         let offset = h.shape.rank_offset(h.rank);
+        let mut sealed = Vec::new();
         for (hash, data) in &m.blocks {
             match self.cache.reserve(
                 &h.namespace,
@@ -148,23 +200,31 @@ impl Handler<Put> for BlockStore {
                 h.rank,
                 h.shape.block_bytes(),
                 BlockClass::Retained,
-            )? {
-                Reservation::Present => report.present += 1,
-                Reservation::Write(slot) => {
+            ) {
+                Err(e) => {
+                    self.advertise(&h.namespace, &sealed);
+                    return Err(e.into());
+                }
+                Ok(Reservation::Present) => report.present += 1,
+                Ok(Reservation::Write(slot)) => {
                     self.cache.pool().write(slot.slot, offset, data);
-                    report.sealed += usize::from(self.cache.commit(&h.namespace, *hash, h.rank));
+                    if self.cache.commit(&h.namespace, *hash, h.rank) {
+                        sealed.push(*hash);
+                    }
                     report.written += 1;
                     report.bytes += rank_bytes;
                 }
             }
         }
+        report.sealed = sealed.len();
+        self.advertise(&h.namespace, &sealed);
         report.seconds = t0.elapsed().as_secs_f64();
         Ok(report)
     }
 }
 
 /// A writer pin on one rank part; aborts the reservation if dropped before commit.
-struct WriteGuard {
+pub(crate) struct WriteGuard {
     store: Addr<BlockStore>,
     namespace: Namespace,
     hash: BlockHash,
@@ -184,7 +244,7 @@ impl Drop for WriteGuard {
 
 #[derive(Message)]
 #[rtype(result = "()")]
-struct Abort {
+pub(crate) struct Abort {
     namespace: Namespace,
     hash: BlockHash,
 }
@@ -194,16 +254,17 @@ impl Handler<Abort> for BlockStore {
 
     fn handle(&mut self, m: Abort, _: &mut Context<Self>) {
         self.cache.abort(&m.namespace, m.hash);
+        self.advertise(&m.namespace, &[]);
     }
 }
 
 /// Marks rank parts written; replies with how many blocks this sealed.
 #[derive(Message)]
 #[rtype(result = "usize")]
-struct Commit {
-    namespace: Namespace,
-    rank: u32,
-    hashes: Vec<BlockHash>,
+pub(crate) struct Commit {
+    pub(crate) namespace: Namespace,
+    pub(crate) rank: u32,
+    pub(crate) hashes: Vec<BlockHash>,
 }
 
 impl Handler<Commit> for BlockStore {
@@ -263,6 +324,7 @@ impl Handler<Save> for BlockStore {
             }],
             started: t0,
             in_flight: InFlight::new(Arc::clone(&self.counters)),
+            then: None,
         };
         Transfer::new(spec, tx).start();
         let store = ctx.address();
@@ -369,5 +431,237 @@ impl Handler<GetCacheStats> for BlockStore {
 
     fn handle(&mut self, _: GetCacheStats, _: &mut Context<Self>) -> Self::Result {
         actix::MessageResult(self.cache.stats())
+    }
+}
+
+/// Owner side: pins the present sealed prefix of `hashes` for a peer. Blocks that vanished
+/// since the peer's lookup shorten the answer.
+#[derive(Message)]
+#[rtype(result = "PinnedRemote")]
+pub struct PinForPeer {
+    pub namespace: Namespace,
+    pub hashes: Vec<BlockHash>,
+}
+
+impl Handler<PinForPeer> for BlockStore {
+    type Result = actix::MessageResult<PinForPeer>;
+
+    fn handle(&mut self, m: PinForPeer, _: &mut Context<Self>) -> Self::Result {
+        let blocks = self.cache.pin_prefix(&m.namespace, &m.hashes);
+        if blocks.is_empty() {
+            return actix::MessageResult(PinnedRemote {
+                pin_id: 0,
+                blocks: Vec::new(),
+            });
+        }
+        let hashes = blocks.iter().map(|b| b.hash).collect();
+        let pin_id = self.peer_pins.create(m.namespace, hashes, self.clock.now());
+        let blocks = blocks
+            .iter()
+            .map(|b| RemoteBlock {
+                hash: b.hash,
+                addr: b.addr,
+            })
+            .collect();
+        actix::MessageResult(PinnedRemote { pin_id, blocks })
+    }
+}
+
+/// Owner side, control: releases a peer pin (unknown ids are ignored: it expired).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct UnpinForPeer(pub u64);
+
+impl Handler<UnpinForPeer> for BlockStore {
+    type Result = ();
+
+    fn handle(&mut self, m: UnpinForPeer, _: &mut Context<Self>) {
+        if let Some((ns, hashes)) = self.peer_pins.remove(m.0) {
+            self.cache.unpin(&ns, &hashes);
+        }
+    }
+}
+
+/// Expires due peer pins now; replies with how many (the store also sweeps every second).
+#[derive(Message)]
+#[rtype(result = "usize")]
+pub struct SweepPeerPins;
+
+impl Handler<SweepPeerPins> for BlockStore {
+    type Result = usize;
+
+    fn handle(&mut self, _: SweepPeerPins, _: &mut Context<Self>) -> usize {
+        self.sweep_peer_pins()
+    }
+}
+
+/// Live peer pins held by this owner.
+#[derive(Message)]
+#[rtype(result = "usize")]
+pub struct PeerPinCount;
+
+impl Handler<PeerPinCount> for BlockStore {
+    type Result = usize;
+
+    fn handle(&mut self, _: PeerPinCount, _: &mut Context<Self>) -> usize {
+        self.peer_pins.len()
+    }
+}
+
+/// Evicts every unpinned fetched copy (benchmarks and operators: start cold).
+#[derive(Message)]
+#[rtype(result = "usize")]
+pub struct DropReclaimable;
+
+impl Handler<DropReclaimable> for BlockStore {
+    type Result = usize;
+
+    fn handle(&mut self, _: DropReclaimable, _: &mut Context<Self>) -> usize {
+        let n = self.cache.drop_reclaimable();
+        self.advertise_evictions();
+        n
+    }
+}
+
+impl BlockStore {
+    fn advertise_evictions(&mut self) {
+        let evicted = self.cache.take_evicted();
+        if let Some(dir) = &self.directory {
+            for key in evicted {
+                dir.withdraw(&self.node_id, &key.namespace, &[key.hash]);
+            }
+        }
+    }
+}
+
+/// One block reserved for a fetched copy of one rank's part.
+pub(crate) struct FetchSlot {
+    pub(crate) addr: u64,
+    /// False when the part is already here: nothing to read, only to copy to the device.
+    pub(crate) must_write: bool,
+}
+
+/// Reserves slots (class reclaimable) for a staged remote read. Replies with the slots and
+/// a guard that keeps them pinned; `FinishFetch` commits the written parts and unpins all.
+#[derive(Message)]
+#[rtype(result = "Result<(Vec<FetchSlot>, FetchGuard), NodeError>")]
+pub(crate) struct ReserveFetch {
+    pub(crate) namespace: Namespace,
+    pub(crate) tp: u32,
+    pub(crate) rank: u32,
+    pub(crate) block_bytes: u64,
+    pub(crate) hashes: Vec<BlockHash>,
+}
+
+/// Pins of a staged fetch; unpins everything (committing nothing) if dropped unfinished.
+pub(crate) struct FetchGuard {
+    store: Addr<BlockStore>,
+    namespace: Namespace,
+    rank: u32,
+    pinned: Vec<(BlockHash, bool)>,
+    memory: Arc<PoolMemory>,
+}
+
+impl FetchGuard {
+    /// Commits the written parts (they seal and are advertised once every rank has them)
+    /// and unpins every block.
+    pub(crate) fn finish(mut self) {
+        let pinned = std::mem::take(&mut self.pinned);
+        self.store.do_send(FinishFetch {
+            namespace: self.namespace.clone(),
+            rank: self.rank,
+            pinned,
+            commit: true,
+        });
+    }
+
+    pub(crate) fn memory(&self) -> &Arc<PoolMemory> {
+        &self.memory
+    }
+}
+
+impl Drop for FetchGuard {
+    fn drop(&mut self) {
+        let pinned = std::mem::take(&mut self.pinned);
+        if !pinned.is_empty() {
+            self.store.do_send(FinishFetch {
+                namespace: self.namespace.clone(),
+                rank: self.rank,
+                pinned,
+                commit: false,
+            });
+        }
+    }
+}
+
+impl Handler<ReserveFetch> for BlockStore {
+    type Result = actix::MessageResult<ReserveFetch>;
+
+    fn handle(&mut self, m: ReserveFetch, ctx: &mut Context<Self>) -> Self::Result {
+        let mut slots = Vec::with_capacity(m.hashes.len());
+        let mut guard = FetchGuard {
+            store: ctx.address(),
+            namespace: m.namespace.clone(),
+            rank: m.rank,
+            pinned: Vec::with_capacity(m.hashes.len()),
+            memory: Arc::clone(self.cache.pool().memory()),
+        };
+        for hash in &m.hashes {
+            match self
+                .cache
+                .reserve_fetch(&m.namespace, *hash, m.tp, m.rank, m.block_bytes)
+            {
+                Ok((slot, must_write)) => {
+                    guard.pinned.push((*hash, must_write));
+                    slots.push(FetchSlot {
+                        addr: slot.addr,
+                        must_write,
+                    });
+                }
+                Err(e) => {
+                    // Undo synchronously so the error leaves no state behind.
+                    for (h, w) in std::mem::take(&mut guard.pinned) {
+                        if w {
+                            self.cache.abort(&m.namespace, h);
+                        } else {
+                            self.cache.unpin_one(&m.namespace, h);
+                        }
+                    }
+                    self.advertise_evictions();
+                    return actix::MessageResult(Err(e.into()));
+                }
+            }
+        }
+        self.advertise_evictions();
+        actix::MessageResult(Ok((slots, guard)))
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct FinishFetch {
+    namespace: Namespace,
+    rank: u32,
+    pinned: Vec<(BlockHash, bool)>,
+    commit: bool,
+}
+
+impl Handler<FinishFetch> for BlockStore {
+    type Result = ();
+
+    fn handle(&mut self, m: FinishFetch, _: &mut Context<Self>) {
+        let mut sealed = Vec::new();
+        for (hash, written) in m.pinned {
+            match (written, m.commit) {
+                (true, true) => {
+                    if self.cache.commit(&m.namespace, hash, m.rank) {
+                        sealed.push(hash);
+                    }
+                }
+                (true, false) => self.cache.abort(&m.namespace, hash),
+                (false, _) => self.cache.unpin_one(&m.namespace, hash),
+            }
+        }
+        self.advertise(&m.namespace, &sealed);
     }
 }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::task::{self, Poll};
 use std::time::Instant;
 
+use actix::fut::ActorFutureExt;
 use actix::{Actor, ActorContext, ActorFuture, AsyncContext, Context};
 use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, CopyStats, Device, DeviceError};
 use tokio::sync::oneshot;
@@ -16,6 +17,7 @@ use tokio::sync::oneshot;
 use crate::api::{Stage, TransferReport};
 use crate::error::NodeError;
 use crate::metrics::InFlight;
+use crate::remote::link::BoxFut;
 
 /// Something a transfer keeps alive until its copies have drained.
 pub type Hold = Box<dyn Any + Send>;
@@ -24,6 +26,10 @@ pub type Hold = Box<dyn Any + Send>;
 pub type OnSuccess = Box<dyn FnOnce() + Send>;
 
 pub type ReportTx = oneshot::Sender<Result<TransferReport, NodeError>>;
+
+/// Work that runs once the batch has landed (the remote suffix of a load): bytes it moved and
+/// the stages it spent.
+pub type Then = BoxFut<Result<(u64, Vec<Stage>), NodeError>>;
 
 pub struct Transfer {
     path: &'static str,
@@ -39,6 +45,9 @@ pub struct Transfer {
     submitted: Option<Instant>,
     pending: Option<CopyEvent>,
     in_flight: Option<InFlight>,
+    then: Option<Then>,
+    /// The batch's result while `then` runs.
+    local: Option<CopyStats>,
 }
 
 /// Everything a transfer needs, built by whoever accepted the request.
@@ -54,6 +63,7 @@ pub struct TransferSpec {
     pub stages: Vec<Stage>,
     pub started: Instant,
     pub in_flight: InFlight,
+    pub then: Option<Then>,
 }
 
 impl Transfer {
@@ -72,6 +82,8 @@ impl Transfer {
             submitted: None,
             pending: None,
             in_flight: Some(spec.in_flight),
+            then: spec.then,
+            local: None,
         }
     }
 
@@ -87,6 +99,16 @@ impl Transfer {
             .submitted
             .map(|t| t.elapsed().as_secs_f64())
             .unwrap_or(0.0);
+        if let (Ok(stats), Some(then)) = (&result, self.then.take()) {
+            // The local prefix landed; now the remote suffix, still owning everything.
+            self.stages.push(Stage {
+                name: self.copy_stage(),
+                seconds: copy_seconds,
+            });
+            self.local = Some(*stats);
+            ctx.spawn(actix::fut::wrap_future(then).map(|r, act: &mut Self, ctx| act.done(r, ctx)));
+            return;
+        }
         let out = match result {
             Ok(stats) => {
                 if let Some(f) = self.on_success.take() {
@@ -110,6 +132,27 @@ impl Transfer {
                 source,
             }),
         };
+        self.reply_with(out, ctx);
+    }
+
+    /// The remote suffix finished.
+    fn done(&mut self, r: Result<(u64, Vec<Stage>), NodeError>, ctx: &mut Context<Self>) {
+        let local = self.local.take().unwrap_or_default();
+        let out = r.map(|(bytes, stages)| {
+            self.stages.extend(stages);
+            TransferReport {
+                path: self.path,
+                blocks: self.blocks,
+                bytes: local.bytes + bytes,
+                copies: local.ops,
+                seconds: self.started.elapsed().as_secs_f64(),
+                stages: std::mem::take(&mut self.stages),
+            }
+        });
+        self.reply_with(out, ctx);
+    }
+
+    fn reply_with(&mut self, out: Result<TransferReport, NodeError>, ctx: &mut Context<Self>) {
         if self.dir == CopyDirection::HostToDevice {
             if let Some(f) = &self.in_flight {
                 f.0.load(out.is_ok(), out.as_ref().map(|r| r.bytes).unwrap_or(0));

@@ -483,7 +483,7 @@ fn direct_gpu_is_refused_with_a_reason() {
         assert_eq!(
             q.direct,
             DirectGrant::Refused {
-                reason: "remote suffix not supported".into()
+                reason: kvferry_actors::keeper::DIRECT_REFUSAL.into()
             }
         );
         node.release(q.lease.unwrap()).await.unwrap();

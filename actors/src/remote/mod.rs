@@ -1,0 +1,11 @@
+//! Remote suffixes: the directory, owner-side peer pins, links to owners and the in-process
+//! cluster.
+
+pub mod cluster;
+pub mod directory;
+pub mod link;
+pub mod pins;
+
+pub use cluster::{LocalCluster, Provider};
+pub use directory::{Directory, EmbeddedDirectory, Segment};
+pub use link::{PeerLink, PinnedRemote, RemoteBlock, RemotePin};

@@ -1,0 +1,389 @@
+//! Remote suffixes across in-process nodes: the worked example (B holds 0–3, A 4–7, C 8–11;
+//! B queries 0–11) on every provider, direct and staged, byte for byte with canaries, and
+//! the pin lifecycle around it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvferry_actors::fixture::{DeviceKv, KvKind};
+use kvferry_actors::remote::{LocalCluster, Provider};
+use kvferry_actors::{Clock, DirectGrant, LoadRequest, ManualClock, Node, NodeError, QueryRequest};
+use kvferry_gpu::{Device, HostDevice, KvShape};
+use kvferry_tests::*;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+struct Cluster {
+    cluster: Arc<LocalCluster>,
+    nodes: Vec<(Node, Arc<dyn Device>)>,
+    hand: ManualClock,
+}
+
+impl Cluster {
+    fn new(provider: Provider, names: &[&str]) -> Self {
+        let cluster = LocalCluster::new(provider);
+        let (clock, hand) = Clock::manual();
+        let nodes = names
+            .iter()
+            .map(|n| {
+                let dev: Arc<dyn Device> = HostDevice::new(0);
+                let mut cfg = config(64 << 10, 32);
+                cfg.node_id = (*n).into();
+                let node = Node::start_in(
+                    cfg,
+                    vec![Arc::clone(&dev)],
+                    clock.clone(),
+                    Some(Arc::clone(&cluster)),
+                )
+                .unwrap();
+                (node, dev)
+            })
+            .collect();
+        Self {
+            cluster,
+            nodes,
+            hand,
+        }
+    }
+
+    fn node(&self, i: usize) -> &Node {
+        &self.nodes[i].0
+    }
+
+    fn dev(&self, i: usize) -> &Arc<dyn Device> {
+        &self.nodes[i].1
+    }
+}
+
+fn shape(tp: u32) -> KvShape {
+    KvShape::new(3, tp, 2, 1024).unwrap()
+}
+
+/// Nodes 0 = B, 1 = A, 2 = C; every node registers rank parts of `tp` ranks and holds its
+/// third of the 12 blocks. Returns B's device KV per rank.
+async fn worked_example(c: &Cluster, tp: u32) -> Vec<DeviceKv> {
+    let s = shape(tp);
+    let mut b_kv = Vec::new();
+    for (i, range) in [(0usize, 0u64..4), (1, 4..8), (2, 8..12)] {
+        for rank in 0..tp {
+            let kv = register(c.node(i), c.dev(i), "eng", s, rank, KvKind::Split, 16, 128).await;
+            put(c.node(i), "eng", &s, rank, range.clone()).await;
+            if i == 0 {
+                b_kv.push(kv);
+            } else {
+                std::mem::forget(kv); // owners' KV stays allocated for the test's life
+            }
+        }
+    }
+    b_kv
+}
+
+const DEST: [u32; 12] = [15, 0, 3, 4, 9, 1, 2, 12, 11, 6, 7, 14];
+
+fn expected() -> Vec<(u32, u64)> {
+    DEST.iter()
+        .enumerate()
+        .map(|(i, d)| (*d, i as u64))
+        .collect()
+}
+
+async fn query(node: &Node, direct: bool) -> kvferry_actors::QueryResponse {
+    node.query(QueryRequest {
+        instance: id("eng"),
+        hashes: hashes(0..12),
+        direct_gpu: direct,
+    })
+    .await
+    .unwrap()
+}
+
+async fn all_settled(c: &Cluster) {
+    for (n, _) in &c.nodes {
+        settled(n).await;
+        for _ in 0..200 {
+            if n.peer_pins().await.unwrap() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            n.peer_pins().await.unwrap(),
+            0,
+            "peer pins left on an owner"
+        );
+    }
+}
+
+fn run_worked_example(provider: Provider) {
+    rt().block_on(async {
+        let c = Cluster::new(provider, &["b", "a", "c"]);
+        let kv = worked_example(&c, 1).await;
+        for direct in [true, false] {
+            kv[0].reset().unwrap();
+            let q = query(c.node(0), direct).await;
+            assert_eq!(
+                (q.local_blocks, q.remote_blocks),
+                (4, 8),
+                "{provider:?} direct={direct}"
+            );
+            assert_eq!(q.direct.is_granted(), direct);
+            let r = c
+                .node(0)
+                .load(LoadRequest {
+                    lease: q.lease.unwrap(),
+                    instance: id("eng"),
+                    rank: 0,
+                    dest_blocks: DEST.to_vec(),
+                })
+                .await
+                .unwrap();
+            assert_eq!(r.path, if direct { "direct" } else { "staged" });
+            assert_eq!(r.bytes, 12 * shape(1).rank_bytes());
+            assert!(r.stage("wire").is_some(), "{r:?}");
+            kv[0]
+                .verify(&expected(), 0)
+                .unwrap_or_else(|e| panic!("{provider:?} direct={direct}: {e}"));
+            all_settled(&c).await;
+            let stats = c.node(0).stats().await.unwrap();
+            if direct {
+                // Direct destinations are never inserted into the host cache.
+                assert_eq!(stats.blocks, 4, "direct load inserted blocks");
+            } else {
+                // Staged copies are inserted (reclaimable) and advertised.
+                assert_eq!(stats.blocks, 12);
+                assert_eq!(c.node(0).drop_reclaimable().await.unwrap(), 8);
+            }
+        }
+    });
+}
+
+#[test]
+fn worked_example_loopback() {
+    run_worked_example(Provider::Loopback);
+}
+
+#[test]
+fn worked_example_shm() {
+    run_worked_example(Provider::Shm);
+}
+
+#[test]
+fn staged_copies_are_advertised_and_then_hit_locally() {
+    rt().block_on(async {
+        let c = Cluster::new(Provider::Loopback, &["b", "a", "c", "d"]);
+        let _kv = worked_example(&c, 1).await;
+        let q = query(c.node(0), false).await;
+        c.node(0)
+            .load(LoadRequest {
+                lease: q.lease.unwrap(),
+                instance: id("eng"),
+                rank: 0,
+                dest_blocks: DEST.to_vec(),
+            })
+            .await
+            .unwrap();
+        all_settled(&c).await;
+        // B now holds all 12 locally (fetched copies), so its next query is all local...
+        let q = query(c.node(0), false).await;
+        assert_eq!((q.local_blocks, q.remote_blocks), (12, 0));
+        c.node(0).release(q.lease.unwrap()).await.unwrap();
+        // ...and a fourth node finds B among the owners of 4–11.
+        let d_kv = register(
+            c.node(3),
+            c.dev(3),
+            "eng",
+            shape(1),
+            0,
+            KvKind::Split,
+            16,
+            0,
+        )
+        .await;
+        let dir = c.cluster.directory();
+        let owners = dir.owners(&q.namespace, &hashes(4..5), "d");
+        assert!(owners[0].contains(&"b".to_string()), "{owners:?}");
+        let q = c
+            .node(3)
+            .query(QueryRequest {
+                instance: id("eng"),
+                hashes: hashes(0..12),
+                direct_gpu: true,
+            })
+            .await
+            .unwrap();
+        assert_eq!((q.local_blocks, q.remote_blocks), (0, 12));
+        c.node(3)
+            .load(LoadRequest {
+                lease: q.lease.unwrap(),
+                instance: id("eng"),
+                rank: 0,
+                dest_blocks: DEST.to_vec(),
+            })
+            .await
+            .unwrap();
+        d_kv.verify(&expected(), 0).unwrap();
+        all_settled(&c).await;
+    });
+}
+
+#[test]
+fn tp2_each_rank_reads_its_own_part() {
+    rt().block_on(async {
+        let c = Cluster::new(Provider::Shm, &["b", "a", "c"]);
+        let kv = worked_example(&c, 2).await;
+        for direct in [true, false] {
+            for k in &kv {
+                k.reset().unwrap();
+            }
+            let q = query(c.node(0), direct).await;
+            assert_eq!((q.local_blocks, q.remote_blocks), (4, 8));
+            for rank in [1, 0] {
+                c.node(0)
+                    .load(LoadRequest {
+                        lease: q.lease.unwrap(),
+                        instance: id("eng"),
+                        rank,
+                        dest_blocks: DEST.to_vec(),
+                    })
+                    .await
+                    .unwrap();
+            }
+            for rank in 0..2 {
+                kv[rank as usize].verify(&expected(), rank).unwrap();
+            }
+            all_settled(&c).await;
+            c.node(0).drop_reclaimable().await.unwrap();
+        }
+    });
+}
+
+#[test]
+fn owner_eviction_between_lookup_and_pin_shortens_the_hit() {
+    rt().block_on(async {
+        let c = Cluster::new(Provider::Loopback, &["b", "a", "c"]);
+        let kv = worked_example(&c, 1).await;
+        // A loses blocks 4–7 to eviction, but the directory still lists it: the race of a
+        // lookup that happens before the eviction, then a pin after it.
+        let s = shape(1);
+        put(c.node(1), "eng", &s, 0, 100..132).await; // A's pool holds 32 slots
+        let q0 = query(c.node(0), false).await;
+        assert_eq!(
+            (q0.local_blocks, q0.remote_blocks),
+            (4, 0),
+            "A's copies are gone"
+        );
+        c.node(0).release(q0.lease.unwrap()).await.unwrap();
+        c.cluster
+            .directory()
+            .publish("a", &q0.namespace, &hashes(4..8));
+        let q = query(c.node(0), true).await;
+        // A answers its pin with nothing: the suffix stops after B's 4 local blocks.
+        assert_eq!((q.local_blocks, q.remote_blocks), (4, 0), "{q:?}");
+        kv[0].reset().unwrap();
+        c.node(0)
+            .load(LoadRequest {
+                lease: q.lease.unwrap(),
+                instance: id("eng"),
+                rank: 0,
+                dest_blocks: DEST[..4].to_vec(),
+            })
+            .await
+            .unwrap();
+        let want: Vec<(u32, u64)> = expected().into_iter().take(4).collect();
+        kv[0].verify(&want, 0).unwrap();
+        all_settled(&c).await;
+    });
+}
+
+#[test]
+fn lease_expiry_and_release_release_owner_pins() {
+    rt().block_on(async {
+        let c = Cluster::new(Provider::Shm, &["b", "a", "c"]);
+        let _kv = worked_example(&c, 1).await;
+        let q = query(c.node(0), true).await;
+        assert_eq!(c.node(1).peer_pins().await.unwrap(), 1);
+        assert_eq!(c.node(2).peer_pins().await.unwrap(), 1);
+        c.node(0).release(q.lease.unwrap()).await.unwrap();
+        all_settled(&c).await;
+        // Expiry of the requester's lease unpins on the owners.
+        let q = query(c.node(0), false).await;
+        assert_eq!(c.node(1).peer_pins().await.unwrap(), 1);
+        c.hand.advance(Duration::from_secs(601));
+        assert_eq!(c.node(0).sweep().await.unwrap(), 1);
+        all_settled(&c).await;
+        let err = c
+            .node(0)
+            .load(LoadRequest {
+                lease: q.lease.unwrap(),
+                instance: id("eng"),
+                rank: 0,
+                dest_blocks: DEST.to_vec(),
+            })
+            .await
+            .unwrap_err();
+        assert!(matches!(err, NodeError::Lease(_)), "{err}");
+        // Owner-side expiry: a requester that never unpins loses its pins after 120 s.
+        let q = query(c.node(0), false).await;
+        c.hand.advance(Duration::from_secs(121));
+        assert_eq!(c.node(1).sweep_peer_pins().await.unwrap(), 1);
+        assert_eq!(c.node(1).peer_pins().await.unwrap(), 0);
+        c.node(0).release(q.lease.unwrap()).await.unwrap();
+        all_settled(&c).await;
+    });
+}
+
+#[test]
+fn unregister_during_50_in_flight_remote_loads() {
+    rt().block_on(async {
+        let c = Cluster::new(Provider::Loopback, &["b", "a", "c"]);
+        let _kv = worked_example(&c, 1).await;
+        let mut pending = Vec::new();
+        for i in 0..50 {
+            let q = query(c.node(0), i % 2 == 0).await;
+            let rx = c
+                .node(0)
+                .start_load(LoadRequest {
+                    lease: q.lease.unwrap(),
+                    instance: id("eng"),
+                    rank: 0,
+                    dest_blocks: DEST.to_vec(),
+                })
+                .await
+                .unwrap();
+            pending.push(rx);
+        }
+        c.node(0).unregister_instance(id("eng")).await.unwrap();
+        assert_eq!(c.node(0).stats().await.unwrap().transfers_in_flight, 0);
+        for rx in pending {
+            rx.await.unwrap().unwrap();
+        }
+        all_settled(&c).await;
+    });
+}
+
+#[test]
+fn direct_is_refused_without_peers_and_granted_with_them() {
+    rt().block_on(async {
+        let (node, dev) = node(64 << 10, 8, Clock::system());
+        let _kv = register(&node, &dev, "eng", shape(1), 0, KvKind::Split, 16, 0).await;
+        put(&node, "eng", &shape(1), 0, 0..2).await;
+        let q = node
+            .query(QueryRequest {
+                instance: id("eng"),
+                hashes: hashes(0..2),
+                direct_gpu: true,
+            })
+            .await
+            .unwrap();
+        assert!(
+            matches!(q.direct, DirectGrant::Refused { ref reason } if reason.contains("no peers"))
+        );
+        node.release(q.lease.unwrap()).await.unwrap();
+    });
+}
