@@ -110,3 +110,155 @@ fn capability_gate_says_why() {
         Err(AffinityError::NoUsableNic { .. })
     ));
 }
+
+/// Runs everywhere the feature is on: without a device, discovery answers with a typed error.
+#[cfg(feature = "verbs")]
+#[test]
+fn discovery_without_device_is_an_error_not_a_panic() {
+    use kvferry_transport::verbs::device::{device_names, DeviceError};
+    match device_names() {
+        Ok(names) => assert!(!names.is_empty()),
+        Err(DeviceError::NoDevice) | Err(DeviceError::List { .. }) => {}
+        Err(e) => panic!("unexpected error {e}"),
+    }
+}
+
+#[cfg(feature = "verbs")]
+mod nic {
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    use kvferry_transport::verbs::device::{device_names, Registration};
+    use kvferry_transport::verbs::provider::{EndpointExchange, VerbsConnector, VerbsNic};
+    use kvferry_transport::verbs::registration::{KeyMap, NicKeys};
+    use kvferry_transport::verbs::{QpEndpoint, Sysfs, VerbsConfig};
+    use kvferry_transport::{
+        Access, CompletionQueue, CompletionStatus, ConnectionError, Connector, HostRegion,
+        LocalSegment, MrTable, NicConfig, NicId, NodeId, ProviderKind, Qp, QpGauges, QpKey, QpNum,
+        ReadRequest, RemoteDescriptor,
+    };
+
+    /// Both ends live in this process: the "owner" QP answers the requester's endpoint.
+    struct SelfExchange {
+        owner: Arc<VerbsNic>,
+        keys: KeyMap,
+        owner_conn: Mutex<Vec<Box<dyn kvferry_transport::Connection>>>,
+    }
+
+    impl EndpointExchange for SelfExchange {
+        fn exchange(
+            &self,
+            _qp: QpKey,
+            local: QpEndpoint,
+        ) -> Result<(QpEndpoint, KeyMap), ConnectionError> {
+            // The owner side connects back with our endpoint as its remote.
+            struct Fixed(QpEndpoint, Mutex<Option<QpEndpoint>>);
+            impl EndpointExchange for Fixed {
+                fn exchange(
+                    &self,
+                    _qp: QpKey,
+                    mine: QpEndpoint,
+                ) -> Result<(QpEndpoint, KeyMap), ConnectionError> {
+                    *self.1.lock().unwrap() = Some(mine);
+                    Ok((self.0, KeyMap::new()))
+                }
+            }
+            let fixed = Arc::new(Fixed(local, Mutex::new(None)));
+            let back = VerbsConnector::new(self.owner.clone(), NodeId(0), fixed.clone());
+            let conn = back.connect(
+                QpKey::new(NodeId(0), NicId(0), QpNum(0)),
+                Arc::new(CompletionQueue::new(1)),
+            )?;
+            self.owner_conn.lock().unwrap().push(conn);
+            let theirs = fixed.1.lock().unwrap().unwrap();
+            Ok((theirs, self.keys.clone()))
+        }
+    }
+
+    #[test]
+    #[ignore = "needs an RDMA NIC"]
+    fn rdma_read_over_one_nic() {
+        let name = device_names().unwrap().remove(0);
+        let sysfs = Sysfs::default();
+        let nic_cfg = NicConfig {
+            provider: ProviderKind::Verbs,
+            ..NicConfig::default()
+        };
+        let nic =
+            VerbsNic::open(&name, &sysfs, nic_cfg.clone(), VerbsConfig::default(), 4).unwrap();
+        // Owner pool, registered for remote read.
+        let pool = Arc::new(HostRegion::anonymous(1 << 20).unwrap());
+        let pattern: Vec<u8> = (0..1 << 20).map(|i: u32| (i * 7 + 3) as u8).collect();
+        pool.write_at(0, &pattern).unwrap();
+        let reg: Registration = nic.register_host(&pool).unwrap();
+        let mut keys = KeyMap::new();
+        for (c, k) in reg.advertised() {
+            keys.insert(
+                c,
+                NicKeys {
+                    lkey: k.lkey,
+                    rkey: k.rkey,
+                },
+            )
+            .unwrap();
+        }
+        let exchange = Arc::new(SelfExchange {
+            owner: nic.clone(),
+            keys,
+            owner_conn: Mutex::new(Vec::new()),
+        });
+        let connector = VerbsConnector::new(nic.clone(), NodeId(1), exchange);
+        // Requester destination, checked by the MR table as for every provider.
+        let local = MrTable::new();
+        let dst = Arc::new(HostRegion::anonymous(8192).unwrap());
+        let h = local
+            .register_host(dst.clone(), Access::LOCAL_WRITE)
+            .unwrap();
+        let key = QpKey::new(NodeId(1), NicId(0), QpNum(1));
+        let cq = Arc::new(CompletionQueue::new(64));
+        let mut qp = Qp::new(
+            key,
+            nic_cfg.queue_limits(),
+            local,
+            Arc::new(QpGauges::default()),
+        );
+        qp.connect(&connector, cq.clone()).unwrap();
+        let read = ReadRequest {
+            wr_id: 1,
+            remote: RemoteDescriptor {
+                addr: pool.addr() + 4096,
+                len: 6000,
+                rkey: kvferry_transport::MrKey(0),
+            },
+            local: vec![
+                LocalSegment {
+                    lkey: h.key(),
+                    addr: dst.addr() + 100,
+                    len: 2000,
+                },
+                LocalSegment {
+                    lkey: h.key(),
+                    addr: dst.addr() + 4000,
+                    len: 4000,
+                },
+            ],
+        };
+        qp.post(&[read], Instant::now()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut out = Vec::new();
+        while out.is_empty() && Instant::now() < deadline {
+            let mut raw = Vec::new();
+            cq.wait(&mut raw, 16, Duration::from_millis(10));
+            for wc in raw {
+                qp.handle_completion(&wc, Instant::now()).unwrap();
+            }
+            qp.poll_completions(&mut out);
+        }
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].status, CompletionStatus::Success);
+        let got = dst.to_vec();
+        assert_eq!(&got[100..2100], &pattern[4096..6096]);
+        assert_eq!(&got[4000..8000], &pattern[6096..10096]);
+        assert!(got[..100].iter().all(|&b| b == 0));
+    }
+}

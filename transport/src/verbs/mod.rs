@@ -16,6 +16,13 @@ pub mod registration;
 pub mod sysfs;
 pub mod work;
 
+#[cfg(feature = "verbs")]
+pub mod device;
+#[cfg(feature = "verbs")]
+mod ffi;
+#[cfg(feature = "verbs")]
+pub mod provider;
+
 pub use affinity::{choose_nics, stripe, Affinity, AffinityError, Destination};
 pub use capability::{probe, VerbsCapability};
 pub use config::{VerbsConfig, VerbsConfigError};
