@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::fmt;
 use std::os::fd::OwnedFd;
-use std::sync::{mpsc, Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -21,19 +22,59 @@ use crate::{
 use super::error::CudaError;
 use super::ffi;
 use super::kernel::{Desc, GatherKernel};
-use super::plan::{plan, CopyPath, HostMap, Plan, Resolver};
+use super::plan::{plan, CopyPath, HostMap, Paths, Plan, Resolver, Staged, ENGINE_MAX_OPS};
 use super::shared;
 
 /// How a [`CudaDevice`] issues copies.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct CudaOptions {
     pub copy_path: CopyPath,
+    /// Bytes of one staging chunk of the staged path (rounded down to 256, at least 4 KiB);
+    /// 0 turns the staged path off.
+    pub staging_chunk_bytes: u64,
+    /// Staging chunks per direction (at least 2): while one is scattered on the device, the
+    /// copy engines fill the next.
+    pub staging_chunks: u32,
+}
+
+/// Default staging: two 32 MiB chunks per direction, allocated on the first fragmented
+/// batch. A chunk takes the copy engines ~0.6 ms at PCIe 5 speed and its scatter ~30 us,
+/// so two keep the engines busy and the last scatter adds little.
+pub const DEFAULT_STAGING_CHUNK_BYTES: u64 = 32 << 20;
+pub const DEFAULT_STAGING_CHUNKS: u32 = 2;
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        Self {
+            copy_path: CopyPath::Auto,
+            staging_chunk_bytes: DEFAULT_STAGING_CHUNK_BYTES,
+            staging_chunks: DEFAULT_STAGING_CHUNKS,
+        }
+    }
 }
 
 impl CudaOptions {
     pub fn with_copy_path(copy_path: CopyPath) -> Self {
-        Self { copy_path }
+        Self {
+            copy_path,
+            ..Self::default()
+        }
+    }
+
+    /// Staging of `chunks` chunks of `chunk_bytes` each (see the fields).
+    pub fn with_staging(mut self, chunk_bytes: u64, chunks: u32) -> Self {
+        self.staging_chunk_bytes = chunk_bytes;
+        self.staging_chunks = chunks;
+        self
+    }
+
+    /// The chunk size in use, 0 where staging is off.
+    fn stage_chunk(&self) -> u64 {
+        match self.staging_chunk_bytes {
+            0 => 0,
+            n => (n & !255).max(4096),
+        }
     }
 }
 
@@ -76,6 +117,100 @@ struct Inner {
     hosts: RwLock<BTreeMap<u64, HostMap>>,
     /// Errors of teardown (frees, unregistrations) that had no caller to return them to.
     teardown: Mutex<Vec<DeviceError>>,
+    /// Staging buffers per lane, allocated on the lane's first fragmented batch. Only used
+    /// under the lane's sender lock, so batches of one lane never share them concurrently.
+    staging: [Mutex<Option<Staging>>; 2],
+    staged_batches: AtomicU64,
+}
+
+/// A lane's staging chunks and the stream on which the device side of the staged path runs
+/// (the scatter for H2D, the gather for D2H); the lane's own stream drives the copy engines.
+///
+/// Ordering, per chunk `i` in buffer `b = i % n`: the filling stream waits `free[b]`, fills
+/// and records `filled[b]`; the draining stream waits `filled[b]`, drains and records
+/// `free[b]`. `entry` (lane → aux) keeps batches of a lane in order; `join` (aux → lane)
+/// makes the batch's completion event, recorded on the lane stream, come after the last
+/// scatter.
+struct Staging {
+    aux: ffi::CUstream,
+    bufs: Vec<u64>,
+    filled: Vec<ffi::CUevent>,
+    free: Vec<ffi::CUevent>,
+    entry: ffi::CUevent,
+    join: ffi::CUevent,
+}
+
+impl Staging {
+    fn empty() -> Self {
+        Self {
+            aux: std::ptr::null_mut(),
+            bufs: Vec::new(),
+            filled: Vec::new(),
+            free: Vec::new(),
+            entry: std::ptr::null_mut(),
+            join: std::ptr::null_mut(),
+        }
+    }
+
+    /// Allocates `n` chunks of `chunk` bytes, their events and the aux stream in the bound
+    /// context; on failure frees what it made.
+    fn create(inner: &Inner, chunk: u64, n: u32) -> Result<Self, DeviceError> {
+        let mut st = Self::empty();
+        let r = (|| {
+            st.aux = ffi::stream_create().map_err(|e| inner.driver("cuStreamCreate", e))?;
+            let ev = || ffi::event_create(false).map_err(|e| inner.driver("cuEventCreate", e));
+            st.entry = ev()?;
+            st.join = ev()?;
+            for _ in 0..n.max(2) {
+                let size = usize::try_from(chunk).unwrap_or(usize::MAX);
+                let p = ffi::mem_alloc(size).map_err(|e| DeviceError::Alloc {
+                    ordinal: inner.ordinal,
+                    bytes: chunk,
+                    reason: format!("staging buffer: {e}"),
+                })?;
+                st.bufs.push(p);
+                st.filled.push(ev()?);
+                st.free.push(ev()?);
+            }
+            Ok(())
+        })();
+        match r {
+            Ok(()) => Ok(st),
+            Err(e) => {
+                st.destroy();
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits for the aux stream and frees everything; best-effort (teardown or a failed
+    /// create). The context is bound and the lane stream holds no work on these buffers.
+    fn destroy(&mut self) {
+        // SAFETY: every handle is ours and created in the bound context; null ones were never
+        // created. The aux stream is drained first, so no queued work uses the buffers or
+        // events when they go.
+        unsafe {
+            if !self.aux.is_null() {
+                let _ = ffi::stream_synchronize(self.aux);
+                let _ = ffi::stream_destroy(self.aux);
+            }
+            for e in [self.entry, self.join]
+                .into_iter()
+                .chain(self.filled.drain(..))
+                .chain(self.free.drain(..))
+            {
+                if !e.is_null() {
+                    let _ = ffi::event_destroy(e);
+                }
+            }
+            for p in self.bufs.drain(..) {
+                let _ = ffi::mem_free(p);
+            }
+        }
+        self.aux = std::ptr::null_mut();
+        self.entry = std::ptr::null_mut();
+        self.join = std::ptr::null_mut();
+    }
 }
 
 // SAFETY: the raw handles (context, streams, events, module) are driver objects usable from
@@ -109,6 +244,13 @@ struct Pending {
 // SAFETY: the event handle is handed from the submitting thread to the lane thread, which is
 // then its only user; driver handles are valid from any thread of the bound context.
 unsafe impl Send for Pending {}
+
+fn lane_index(dir: CopyDirection) -> usize {
+    match dir {
+        CopyDirection::HostToDevice => 0,
+        CopyDirection::DeviceToHost => 1,
+    }
+}
 
 fn no_driver(e: CudaError) -> DeviceError {
     DeviceError::NoDriver {
@@ -163,6 +305,8 @@ impl CudaDevice {
             descs: Mutex::new(Vec::new()),
             hosts: RwLock::new(BTreeMap::new()),
             teardown: Mutex::new(Vec::new()),
+            staging: [Mutex::new(None), Mutex::new(None)],
+            staged_batches: AtomicU64::new(0),
         };
         // From here on, dropping `inner` releases whatever was set up.
         inner.bind()?;
@@ -220,6 +364,11 @@ impl CudaDevice {
     /// Number of streaming multiprocessors (sizes the gather kernel's grid).
     pub fn sm_count(&self) -> u32 {
         self.inner.sm_count
+    }
+
+    /// Batches that took the staged path since the device opened.
+    pub fn staged_batches(&self) -> u64 {
+        self.inner.staged_batches.load(Ordering::Relaxed)
     }
 }
 
@@ -350,10 +499,21 @@ impl Inner {
     /// flight; the caller records the event anyway so the batch resolves only after it.
     fn enqueue(
         &self,
+        dir: CopyDirection,
         stream: ffi::CUstream,
         plan: &Plan,
         pending: &mut Pending,
     ) -> Result<(), DeviceError> {
+        if let Some(staged) = &plan.staged {
+            let index = lane_index(dir);
+            let guard = self.lock_staging(index);
+            let st = guard.as_ref().ok_or(DeviceError::Unsupported {
+                what: "staged copies",
+                reason: "no staging buffers".into(),
+            })?;
+            self.staged_batches.fetch_add(1, Ordering::Relaxed);
+            return self.enqueue_staged(dir, stream, st, staged, pending);
+        }
         if !plan.kernel.is_empty() {
             let kernel = self.kernel.as_ref().ok_or(DeviceError::Unsupported {
                 what: "gather kernel",
@@ -397,6 +557,122 @@ impl Inner {
             }
         }
         Ok(())
+    }
+
+    fn lock_staging(&self, index: usize) -> MutexGuard<'_, Option<Staging>> {
+        match self.staging[index].lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    /// Allocates the lane's staging on first use. False where staging is off or could not
+    /// be allocated (the error is returned for a forced staged path).
+    fn ensure_staging(&self, index: usize) -> Result<bool, DeviceError> {
+        let chunk = self.options.stage_chunk();
+        if chunk == 0 || self.kernel.is_none() {
+            return Ok(false);
+        }
+        let mut g = self.lock_staging(index);
+        if g.is_none() {
+            *g = Some(Staging::create(self, chunk, self.options.staging_chunks)?);
+        }
+        Ok(true)
+    }
+
+    /// Queues the staged path: per chunk, the copy engines between host runs and a staging
+    /// buffer on the lane stream, the scatter (H2D) or gather (D2H) kernel on the aux stream,
+    /// handed over by events (see [`Staging`]). However it ends, the lane stream waits for
+    /// the aux stream, so the batch's event covers everything queued.
+    fn enqueue_staged(
+        &self,
+        dir: CopyDirection,
+        lane: ffi::CUstream,
+        st: &Staging,
+        staged: &Staged,
+        pending: &mut Pending,
+    ) -> Result<(), DeviceError> {
+        let kernel = self.kernel.as_ref().ok_or(DeviceError::Unsupported {
+            what: "gather kernel",
+            reason: "not loaded".into(),
+        })?;
+        let descs = staged.relocate(dir, &st.bufs);
+        let pinned = self.take_descs(descs.len().max(1))?;
+        // SAFETY: the buffer holds `cap >= descs.len()` descriptors and is owned by this batch
+        // alone (pooled buffers return only after their batch completed).
+        unsafe { std::ptr::copy_nonoverlapping(descs.as_ptr(), pinned.host, descs.len()) };
+        let table = pinned.device;
+        pending.descs = Some(pinned);
+        let wait = |s: ffi::CUstream, e: ffi::CUevent| {
+            // SAFETY: both are live handles of the bound context, owned by this lane.
+            unsafe { ffi::stream_wait_event(s, e) }.map_err(|e| self.driver("cuStreamWaitEvent", e))
+        };
+        let record = |e: ffi::CUevent, s: ffi::CUstream| {
+            // SAFETY: as above.
+            unsafe { ffi::event_record(e, s) }.map_err(|e| self.driver("cuEventRecord", e))
+        };
+        let copies = |chunk: &super::plan::StageChunk, base: u64| {
+            for sp in &chunk.spans {
+                let (dst, src) = match dir {
+                    CopyDirection::HostToDevice => (base + sp.offset, sp.host),
+                    CopyDirection::DeviceToHost => (sp.host, base + sp.offset),
+                };
+                // SAFETY: the staging side lies inside one of this lane's buffers (offsets
+                // below the chunk size), which no other batch touches until this one's
+                // `free` event; the host side is the caller's, kept valid until the batch
+                // completes as `submit` requires.
+                unsafe { ffi::memcpy_async(dst, src, sp.len as usize, lane) }
+                    .map_err(|e| self.driver("cuMemcpyAsync", e))?;
+            }
+            Ok::<(), DeviceError>(())
+        };
+        let scatter = |chunk: &super::plan::StageChunk, s: ffi::CUstream| {
+            let n = chunk.descs.len();
+            let count = u32::try_from(n).map_err(|_| DeviceError::Copy {
+                ordinal: self.ordinal,
+                ops: n,
+                reason: "too many ranges for one launch".into(),
+            })?;
+            let at = table + (chunk.descs.start * std::mem::size_of::<Desc>()) as u64;
+            // SAFETY: the descriptors stay untouched until the batch completes (held by
+            // `pending`); their device sides were validated by the planner and their staging
+            // sides lie inside this lane's buffers; the stream is live and the context bound.
+            unsafe { kernel.launch(s, at, count, self.sm_count) }
+                .map_err(|e| self.driver("cuLaunchKernel", e))
+        };
+        let queued = (|| {
+            record(st.entry, lane)?;
+            wait(st.aux, st.entry)?;
+            for (i, chunk) in staged.chunks.iter().enumerate() {
+                let b = i % st.bufs.len();
+                match dir {
+                    CopyDirection::HostToDevice => {
+                        wait(lane, st.free[b])?;
+                        copies(chunk, st.bufs[b])?;
+                        record(st.filled[b], lane)?;
+                        wait(st.aux, st.filled[b])?;
+                        scatter(chunk, st.aux)?;
+                        record(st.free[b], st.aux)?;
+                    }
+                    CopyDirection::DeviceToHost => {
+                        wait(st.aux, st.free[b])?;
+                        scatter(chunk, st.aux)?;
+                        record(st.filled[b], st.aux)?;
+                        wait(lane, st.filled[b])?;
+                        copies(chunk, st.bufs[b])?;
+                        record(st.free[b], lane)?;
+                    }
+                }
+            }
+            Ok(())
+        })();
+        let joined = record(st.join, st.aux).and_then(|()| wait(lane, st.join));
+        if joined.is_err() {
+            // Without the hand-over, wait here so no queued work outlives the batch.
+            // SAFETY: the aux stream is live.
+            let _ = unsafe { ffi::stream_synchronize(st.aux) };
+        }
+        queued.and(joined)
     }
 
     fn complete_loop(&self, rx: mpsc::Receiver<Pending>) {
@@ -516,6 +792,15 @@ impl Drop for Inner {
             unsafe {
                 let _ = ffi::stream_synchronize(s);
                 let _ = ffi::stream_destroy(s);
+            }
+        }
+        for st in &mut self.staging {
+            let st = match st.get_mut() {
+                Ok(s) => s.take(),
+                Err(p) => p.into_inner().take(),
+            };
+            if let Some(mut st) = st {
+                st.destroy();
             }
         }
         if let Some(k) = &self.kernel {
@@ -716,25 +1001,40 @@ impl Device for CudaDevice {
             return Ok(event);
         }
         inner.bind()?;
-        let kernel_ok = inner.kernel.is_some();
-        let plan = match plan(
-            dir,
-            &list,
-            inner.options.copy_path,
-            kernel_ok,
-            inner.caps.batch_copy,
-            &**inner,
-        ) {
+        let index = lane_index(dir);
+        let path = inner.options.copy_path;
+        // Staging buffers come with the lane's first batch that might use them.
+        let staging = match path {
+            CopyPath::Staged => inner.ensure_staging(index),
+            CopyPath::Auto if list.len() > ENGINE_MAX_OPS => {
+                Ok(inner.ensure_staging(index).unwrap_or(false))
+            }
+            _ => Ok(false),
+        };
+        let staging = match staging {
+            Ok(s) => s,
+            Err(e) => {
+                // A forced staged path without its buffers: refused, nothing copied.
+                let _ = done.send(Err(e));
+                return Ok(event);
+            }
+        };
+        let paths = Paths {
+            kernel: inner.kernel.is_some(),
+            batch: inner.caps.batch_copy,
+            stage_chunk: if staging {
+                inner.options.stage_chunk()
+            } else {
+                0
+            },
+        };
+        let plan = match plan(dir, &list, path, paths, &**inner) {
             Ok(p) => p,
             Err(e) => {
                 // Refused before anything was queued: nothing was copied.
                 let _ = done.send(Err(e));
                 return Ok(event);
             }
-        };
-        let index = match dir {
-            CopyDirection::HostToDevice => 0,
-            CopyDirection::DeviceToHost => 1,
         };
         let stream = inner.streams[index];
         let tx = self.lanes[index]
@@ -751,7 +1051,7 @@ impl Device for CudaDevice {
             descs: None,
             error: None,
         };
-        pending.error = inner.enqueue(stream, &plan, &mut pending).err();
+        pending.error = inner.enqueue(dir, stream, &plan, &mut pending).err();
         let recorded = inner.take_event().and_then(|ev| {
             // SAFETY: the event and stream are live handles of the bound context.
             unsafe { ffi::event_record(ev, stream) }

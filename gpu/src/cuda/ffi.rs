@@ -33,6 +33,7 @@ const REQUIRED: &[&str] = &[
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",
+    "cuStreamWaitEvent",
     "cuEventCreate",
     "cuEventDestroy_v2",
     "cuEventRecord",
@@ -209,6 +210,18 @@ pub unsafe fn stream_synchronize(s: CUstream) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees `s` is live.
     check("cuStreamSynchronize", unsafe {
         sys::cuStreamSynchronize(s)
+    })
+}
+
+/// Makes all later work on `s` wait until the most recent record of `e` has completed (an
+/// event never recorded counts as completed). The host does not wait.
+///
+/// # Safety
+/// `s` and `e` are live handles of the same context.
+pub unsafe fn stream_wait_event(s: CUstream, e: CUevent) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees both handles; flags 0 is the only defined value.
+    check("cuStreamWaitEvent", unsafe {
+        sys::cuStreamWaitEvent(s, e, 0)
     })
 }
 

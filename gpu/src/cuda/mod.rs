@@ -4,7 +4,9 @@
 //! attributes, allocations of this process or mapped from another one by CUDA IPC handle,
 //! DMA-BUF export and import, pinned host registrations (read-only for peers' pools), and
 //! batched copies on one stream per direction completed by a backend thread. Fragmented
-//! batches run as one launch of a gather/scatter kernel ([`CopyPath`]). Without a driver,
+//! batches whose host side is long pinned runs go through a device staging buffer (copy
+//! engines at link speed, then a device-to-device scatter); other fragmented batches run as
+//! one launch of a gather/scatter kernel ([`CopyPath`]). Without a driver,
 //! opening fails with [`crate::DeviceError::NoDriver`]; nothing here panics for lack of CUDA.
 //!
 //! Layers, as in cudarc: `ffi` makes every raw call; `CudaDevice` and the kernel wrapper own
@@ -20,7 +22,10 @@ mod plan;
 mod shared;
 
 pub use bench::{bench_raw_h2d, median};
-pub use device::{driver_present, CudaDevice, CudaOptions, IpcHandle};
+pub use device::{
+    driver_present, CudaDevice, CudaOptions, IpcHandle, DEFAULT_STAGING_CHUNKS,
+    DEFAULT_STAGING_CHUNK_BYTES,
+};
 pub use error::CudaError;
 pub use open::open_device;
 pub use plan::CopyPath;

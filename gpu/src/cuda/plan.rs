@@ -1,6 +1,8 @@
 //! Turning one [`CopyList`] into driver work: device-side validation, host address
-//! translation and the choice between copy engines and the gather kernel. Pure logic over a
-//! [`Resolver`], so it is tested without a GPU.
+//! translation and the choice between copy engines, the gather kernel and the staged path.
+//! Pure logic over a [`Resolver`], so it is tested without a GPU.
+
+use std::ops::Range;
 
 use crate::{CopyDirection, CopyList, CopyOp, DeviceError};
 
@@ -9,7 +11,8 @@ use super::kernel::{push_chunked, Desc};
 /// How a batch's copies are issued.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CopyPath {
-    /// Copy engines for short lists of long ranges; the gather kernel for fragmented batches
+    /// Copy engines for short lists of long ranges; the staged path for fragmented batches
+    /// whose host side is long pinned runs; the gather kernel for other fragmented batches
     /// whose host side is mapped; the batched copy call (or one call per range) for the rest.
     #[default]
     Auto,
@@ -19,12 +22,24 @@ pub enum CopyPath {
     Batch,
     /// One `cuMemcpyAsync` per range (the baseline).
     PerOp,
+    /// Every host-contiguous run through the copy engines into a device staging buffer, then
+    /// one device-to-device scatter per staging chunk (gather then copy out for D2H). Falls
+    /// back to the copy engines where the kernel is not loaded.
+    Staged,
 }
 
 /// Below this many ranges, or at this average size and above, copy engines win: each call is
 /// long enough that its launch cost vanishes, and they run at full link speed.
 pub const ENGINE_MAX_OPS: usize = 4;
 pub const ENGINE_MIN_AVG_BYTES: u64 = 4 << 20;
+
+/// Host runs at least this long on average make staging pay in `Auto`: the copy engines move
+/// them at link speed, where the kernel reading host memory over PCIe tops out near 0.88 of
+/// it; shorter runs would cost one engine call each for little data.
+pub const STAGE_MIN_AVG_RUN: u64 = 256 << 10;
+/// Below this a batch is latency-bound and the extra hop (engine copy, event, launch) of the
+/// staged path is not worth it.
+pub const STAGE_MIN_BYTES: u64 = 1 << 20;
 
 /// Where a host address is visible to the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,6 +61,45 @@ pub trait Resolver {
     fn host_map(&self, addr: u64, len: u64) -> Option<HostMap>;
 }
 
+/// The paths a device can take for a batch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Paths {
+    /// The gather kernel is loaded.
+    pub kernel: bool,
+    /// The driver has the batched copy call.
+    pub batch: bool,
+    /// Bytes of one staging chunk; 0 where the device has no staging buffers.
+    pub stage_chunk: u64,
+}
+
+/// One host-contiguous piece the copy engines move between host memory and a staging chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    /// Host address (unified address, as the caller gave it).
+    pub host: u64,
+    /// Offset inside the chunk's staging buffer.
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// The work of one staging chunk: engine copies and the kernel descriptors that scatter (H2D)
+/// or gather (D2H) the same bytes on the device.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StageChunk {
+    pub spans: Vec<Span>,
+    /// This chunk's descriptors in [`Staged::descs`].
+    pub descs: Range<usize>,
+}
+
+/// A batch cut into staging chunks, in order. Chunk `i` uses staging buffer `i % n`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Staged {
+    pub chunks: Vec<StageChunk>,
+    /// Kernel descriptors whose staging side (`src` for H2D, `dst` for D2H) is an offset into
+    /// the chunk's buffer until [`Staged::relocate`] turns it into an address.
+    pub descs: Vec<Desc>,
+}
+
 /// The work for one batch.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Plan {
@@ -55,18 +109,134 @@ pub struct Plan {
     pub engine: Vec<CopyOp>,
     /// Issue `engine` as one batched call rather than one call each.
     pub engine_batched: bool,
+    /// The staged path; when set, `kernel` and `engine` are empty.
+    pub staged: Option<Staged>,
+}
+
+/// `(host, device)` addresses of an op.
+fn sides(dir: CopyDirection, op: &CopyOp) -> (u64, u64) {
+    match dir {
+        CopyDirection::HostToDevice => (op.src, op.dst),
+        CopyDirection::DeviceToHost => (op.dst, op.src),
+    }
+}
+
+/// The host-contiguous runs of `ops` as `(host, len)`: consecutive ops whose host ranges are
+/// adjacent (a block-major pool makes one run of each block's rank part).
+pub fn host_runs(dir: CopyDirection, ops: &[CopyOp]) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for op in ops {
+        let (host, _) = sides(dir, op);
+        match runs.last_mut() {
+            Some((start, len)) if *start + *len == host => *len += op.len,
+            _ => runs.push((host, op.len)),
+        }
+    }
+    runs
+}
+
+/// Cuts `ops` into staging chunks of `chunk` bytes (a multiple of 16, at least 32). Each run
+/// is copied into consecutive staging bytes, cut where a chunk ends; a new run starts at a
+/// staging offset congruent to its host address modulo 16, so the kernel's 16-byte path
+/// applies wherever the device side allows it.
+pub fn stage(dir: CopyDirection, ops: &[CopyOp], chunk: u64) -> Staged {
+    let mut out = Staged::default();
+    let mut spans: Vec<Span> = Vec::new();
+    let mut first = 0usize;
+    let mut cursor = 0u64;
+    let close = |out: &mut Staged, spans: &mut Vec<Span>, first: &mut usize| {
+        let end = out.descs.len();
+        out.chunks.push(StageChunk {
+            spans: std::mem::take(spans),
+            descs: *first..end,
+        });
+        *first = end;
+    };
+    for op in ops {
+        let (mut host, mut dev) = sides(dir, op);
+        let mut left = op.len;
+        while left > 0 {
+            let continues = cursor < chunk && spans.last().is_some_and(|s| s.host + s.len == host);
+            if !continues {
+                let mut at = (cursor & !15) + host % 16;
+                if at < cursor {
+                    at += 16;
+                }
+                if at >= chunk {
+                    close(&mut out, &mut spans, &mut first);
+                    at = host % 16;
+                }
+                spans.push(Span {
+                    host,
+                    offset: at,
+                    len: 0,
+                });
+                cursor = at;
+            }
+            let take = left.min(chunk - cursor);
+            if let Some(s) = spans.last_mut() {
+                s.len += take;
+            }
+            match dir {
+                CopyDirection::HostToDevice => push_chunked(&mut out.descs, cursor, dev, take),
+                CopyDirection::DeviceToHost => push_chunked(&mut out.descs, dev, cursor, take),
+            }
+            cursor += take;
+            host += take;
+            dev += take;
+            left -= take;
+        }
+    }
+    if !spans.is_empty() {
+        close(&mut out, &mut spans, &mut first);
+    }
+    out
+}
+
+impl Staged {
+    /// The descriptors with staging offsets turned into addresses: chunk `i` uses
+    /// `bases[i % bases.len()]`.
+    pub fn relocate(&self, dir: CopyDirection, bases: &[u64]) -> Vec<Desc> {
+        let mut out = self.descs.clone();
+        if bases.is_empty() {
+            return out;
+        }
+        for (i, c) in self.chunks.iter().enumerate() {
+            let base = bases[i % bases.len()];
+            for d in &mut out[c.descs.clone()] {
+                match dir {
+                    CopyDirection::HostToDevice => d.src += base,
+                    CopyDirection::DeviceToHost => d.dst += base,
+                }
+            }
+        }
+        out
+    }
+}
+
+/// True where every run lies in pinned, device-mapped host memory: the copy engines move
+/// those asynchronously at link speed; pageable runs keep the old paths.
+fn runs_pinned(runs: &[(u64, u64)], r: &dyn Resolver) -> bool {
+    let mut map: Option<HostMap> = None;
+    runs.iter().all(|&(host, len)| {
+        let fits = |m: &HostMap| host >= m.start && host + len <= m.end;
+        if !map.as_ref().is_some_and(fits) {
+            map = r.host_map(host, len).filter(fits);
+        }
+        map.is_some()
+    })
 }
 
 /// Validates every device-side range of `list` and splits the batch between the kernel and
-/// the copy engines. `kernel_ok` and `batch_ok` say whether those paths exist.
+/// the copy engines, or cuts it into staging chunks. `paths` says which paths exist.
 pub fn plan(
     dir: CopyDirection,
     list: &CopyList,
     path: CopyPath,
-    kernel_ok: bool,
-    batch_ok: bool,
+    paths: Paths,
     r: &dyn Resolver,
 ) -> Result<Plan, DeviceError> {
+    let (kernel_ok, batch_ok) = (paths.kernel, paths.batch);
     let ops = list.ops();
     // Validate first: a batch with one bad range copies nothing. A KV batch cycles through
     // every layer's tensors (split K/V: one allocation per segment), so remember every
@@ -91,13 +261,28 @@ pub fn plan(
     } else {
         list.bytes() / ops.len() as u64
     };
+    let fragmented = ops.len() > ENGINE_MAX_OPS && avg < ENGINE_MIN_AVG_BYTES;
+    let mut out = Plan::default();
+    if kernel_ok && paths.stage_chunk > 0 {
+        let staged = match path {
+            CopyPath::Staged => true,
+            CopyPath::Auto if fragmented && list.bytes() >= STAGE_MIN_BYTES => {
+                let runs = host_runs(dir, ops);
+                list.bytes() / runs.len() as u64 >= STAGE_MIN_AVG_RUN && runs_pinned(&runs, r)
+            }
+            _ => false,
+        };
+        if staged {
+            out.staged = Some(stage(dir, ops, paths.stage_chunk));
+            return Ok(out);
+        }
+    }
     let use_kernel = kernel_ok
         && match path {
-            CopyPath::Auto => ops.len() > ENGINE_MAX_OPS && avg < ENGINE_MIN_AVG_BYTES,
+            CopyPath::Auto => fragmented,
             CopyPath::Kernel => true,
-            CopyPath::Batch | CopyPath::PerOp => false,
+            CopyPath::Batch | CopyPath::PerOp | CopyPath::Staged => false,
         };
-    let mut out = Plan::default();
     if !use_kernel {
         out.engine = ops.to_vec();
     } else {
@@ -129,7 +314,7 @@ pub fn plan(
         && out.engine.len() > 1
         && match path {
             CopyPath::Batch => true,
-            CopyPath::Auto => out.engine.len() > ENGINE_MAX_OPS,
+            CopyPath::Auto | CopyPath::Staged => out.engine.len() > ENGINE_MAX_OPS,
             CopyPath::Kernel | CopyPath::PerOp => false,
         };
     Ok(out)
@@ -138,6 +323,14 @@ pub fn plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn paths(kernel: bool, batch: bool, stage_chunk: u64) -> Paths {
+        Paths {
+            kernel,
+            batch,
+            stage_chunk,
+        }
+    }
 
     /// Device memory: one allocation at [1M, 2M); host: registered [10M, 11M) mapped at 50M.
     struct Fake;
@@ -204,8 +397,7 @@ mod tests {
             CopyDirection::HostToDevice,
             &l,
             CopyPath::PerOp,
-            false,
-            false,
+            paths(false, false, 0),
             &r,
         )
         .unwrap();
@@ -216,8 +408,7 @@ mod tests {
             CopyDirection::HostToDevice,
             &l,
             CopyPath::PerOp,
-            false,
-            false,
+            paths(false, false, 0),
             &r
         )
         .is_err());
@@ -230,8 +421,7 @@ mod tests {
             CopyDirection::HostToDevice,
             &l,
             CopyPath::Auto,
-            true,
-            true,
+            paths(true, true, 0),
             &Fake,
         )
         .unwrap();
@@ -256,8 +446,7 @@ mod tests {
             CopyDirection::HostToDevice,
             &l,
             CopyPath::Auto,
-            true,
-            true,
+            paths(true, true, 0),
             &Fake,
         )
         .unwrap();
@@ -268,8 +457,7 @@ mod tests {
             CopyDirection::HostToDevice,
             &l,
             CopyPath::Auto,
-            false,
-            true,
+            paths(false, true, 0),
             &Fake,
         )
         .unwrap();
@@ -286,8 +474,7 @@ mod tests {
             CopyDirection::HostToDevice,
             &l,
             CopyPath::Auto,
-            true,
-            true,
+            paths(true, true, 0),
             &Fake,
         )
         .unwrap();
@@ -297,8 +484,7 @@ mod tests {
             CopyDirection::HostToDevice,
             &l,
             CopyPath::Kernel,
-            true,
-            true,
+            paths(true, true, 0),
             &Fake,
         )
         .unwrap();
@@ -315,8 +501,7 @@ mod tests {
             CopyDirection::DeviceToHost,
             &l,
             CopyPath::Auto,
-            true,
-            true,
+            paths(true, true, 0),
             &Fake,
         )
         .unwrap();
@@ -333,8 +518,7 @@ mod tests {
             CopyDirection::HostToDevice,
             &l,
             CopyPath::Auto,
-            true,
-            true,
+            paths(true, true, 0),
             &Fake,
         )
         .unwrap_err();
@@ -351,8 +535,7 @@ mod tests {
             CopyDirection::HostToDevice,
             &l,
             CopyPath::Batch,
-            true,
-            true,
+            paths(true, true, 0),
             &Fake,
         )
         .unwrap();
@@ -361,8 +544,7 @@ mod tests {
             CopyDirection::HostToDevice,
             &l,
             CopyPath::PerOp,
-            true,
-            true,
+            paths(true, true, 0),
             &Fake,
         )
         .unwrap();
@@ -371,11 +553,352 @@ mod tests {
             CopyDirection::HostToDevice,
             &l,
             CopyPath::Batch,
-            true,
-            false,
+            paths(true, false, 0),
             &Fake,
         )
         .unwrap();
         assert!(!p.engine_batched, "no batch call in this driver");
+    }
+
+    /// Device memory: everything in [4G, 8G); host: [16G, 20G) pinned and mapped at 64G, the
+    /// rest pageable.
+    struct Big;
+
+    const DEV: u64 = 4 << 30;
+    const HOST: u64 = 16 << 30;
+
+    impl Resolver for Big {
+        fn device_alloc(&self, ptr: u64, len: u64) -> Result<(u64, u64), DeviceError> {
+            if ptr >= DEV && ptr + len <= 2 * DEV {
+                Ok((DEV, 2 * DEV))
+            } else {
+                Err(DeviceError::NotDeviceMemory {
+                    ordinal: 0,
+                    ptr,
+                    len,
+                })
+            }
+        }
+        fn host_map(&self, addr: u64, len: u64) -> Option<HostMap> {
+            (addr >= HOST && addr + len <= HOST + (4 << 30)).then_some(HostMap {
+                start: HOST,
+                end: HOST + (4 << 30),
+                device: 64 << 30,
+            })
+        }
+    }
+
+    /// A load as the keeper builds it: `blocks` host blocks of `layers` x 2 segments of
+    /// `seg` bytes each, block `i` from host slot `slot(i)` (each block's rank part one host
+    /// run), every segment to its own place on the device.
+    fn load(blocks: u64, layers: u64, seg: u64, slot: impl Fn(u64) -> u64) -> CopyList {
+        let mut l = CopyList::default();
+        for b in 0..blocks {
+            for i in 0..layers * 2 {
+                l.push(
+                    HOST + slot(b) * layers * 2 * seg + i * seg,
+                    DEV + i * (64 << 20) + b * 3 * seg,
+                    seg,
+                );
+            }
+        }
+        l
+    }
+
+    #[test]
+    fn host_runs_join_adjacent_host_ranges() {
+        let l = load(3, 2, 4096, |b| [0, 1, 5][b as usize]);
+        // Blocks 0 and 1 are adjacent slots: one run; block 2 its own.
+        assert_eq!(
+            host_runs(CopyDirection::HostToDevice, l.ops()),
+            vec![(HOST, 2 * 16384), (HOST + 5 * 16384, 16384)]
+        );
+        let mut d = CopyList::default();
+        d.push(DEV, HOST, 100);
+        d.push(DEV + 500, HOST + 100, 100);
+        d.push(DEV + 100, HOST + 300, 100);
+        assert_eq!(
+            host_runs(CopyDirection::DeviceToHost, d.ops()),
+            vec![(HOST, 200), (HOST + 300, 100)]
+        );
+    }
+
+    #[test]
+    fn auto_stages_long_pinned_host_runs_only() {
+        let all = paths(true, true, 32 << 20);
+        let h2d = CopyDirection::HostToDevice;
+        // The bench's load: 3.5 MiB runs, 64 KiB device segments.
+        let l = load(16, 28, 64 << 10, |b| b * 2);
+        let p = plan(h2d, &l, CopyPath::Auto, all, &Big).unwrap();
+        let st = p.staged.as_ref().expect("staged");
+        assert!(p.kernel.is_empty() && p.engine.is_empty());
+        assert_eq!(st.chunks.len(), 2, "56 MiB in 32 MiB chunks");
+        assert_eq!(
+            st.chunks[0].spans.len(),
+            10,
+            "nine whole runs and a cut one"
+        );
+        // The mirror save stages too.
+        let mut save = CopyList::default();
+        for op in l.ops() {
+            save.push(op.dst, op.src, op.len);
+        }
+        let p = plan(
+            CopyDirection::DeviceToHost,
+            &save,
+            CopyPath::Auto,
+            all,
+            &Big,
+        )
+        .unwrap();
+        assert!(p.staged.is_some());
+        // 128 KiB runs: too short to pay; the kernel takes them.
+        let l = load(64, 1, 64 << 10, |b| b * 2);
+        let p = plan(h2d, &l, CopyPath::Auto, all, &Big).unwrap();
+        assert!(p.staged.is_none() && p.kernel.len() == 128);
+        // Small batches stay on the kernel.
+        let l = load(2, 3, 64 << 10, |b| b * 2);
+        assert!(l.bytes() < STAGE_MIN_BYTES);
+        let p = plan(h2d, &l, CopyPath::Auto, all, &Big).unwrap();
+        assert!(p.staged.is_none() && !p.kernel.is_empty());
+        // Pageable host memory: neither staged nor the kernel.
+        let mut l = CopyList::default();
+        for i in 0..64u64 {
+            l.push((1 << 40) + i * 65536, DEV + i * 3 * 65536, 65536);
+        }
+        let p = plan(h2d, &l, CopyPath::Auto, all, &Big).unwrap();
+        assert!(p.staged.is_none() && p.kernel.is_empty() && p.engine_batched);
+        // Without staging buffers or without the kernel: the old paths.
+        let l = load(16, 28, 64 << 10, |b| b);
+        let p = plan(h2d, &l, CopyPath::Auto, paths(true, true, 0), &Big).unwrap();
+        assert!(p.staged.is_none() && !p.kernel.is_empty());
+        let p = plan(
+            h2d,
+            &l,
+            CopyPath::Staged,
+            paths(false, true, 32 << 20),
+            &Big,
+        )
+        .unwrap();
+        assert!(p.staged.is_none() && p.engine_batched && p.engine.len() == l.len());
+        // Forced: staged even for pageable, short or tiny batches.
+        let mut l = CopyList::default();
+        l.push(1 << 40, DEV, 100);
+        let p = plan(h2d, &l, CopyPath::Staged, all, &Big).unwrap();
+        assert_eq!(p.staged.unwrap().chunks.len(), 1);
+        // Other forced paths never stage.
+        let l = load(16, 28, 64 << 10, |b| b);
+        let p = plan(h2d, &l, CopyPath::Kernel, all, &Big).unwrap();
+        assert!(p.staged.is_none());
+    }
+
+    #[test]
+    fn staged_batches_still_validate_every_device_range() {
+        let mut l = load(4, 28, 64 << 10, |b| b);
+        l.push(HOST, 3 * DEV, 64);
+        let err = plan(
+            CopyDirection::HostToDevice,
+            &l,
+            CopyPath::Staged,
+            paths(true, true, 1 << 20),
+            &Big,
+        )
+        .unwrap_err();
+        assert!(matches!(err, DeviceError::NotDeviceMemory { len: 64, .. }));
+    }
+
+    /// xorshift64: deterministic inputs without a dependency.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self, n: u64) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0 % n
+        }
+    }
+
+    /// Random ops: runs of host-adjacent ranges at odd offsets and lengths, scattered over a
+    /// device region of `space` bytes without overlap.
+    fn random_ops(rng: &mut Rng, space: u64) -> Vec<CopyOp> {
+        let mut ops = Vec::new();
+        let mut host = 1000 + rng.next(64);
+        let mut dev_next = rng.next(32);
+        for _ in 0..1 + rng.next(6) {
+            for _ in 0..1 + rng.next(8) {
+                let max = if rng.next(2) == 0 { 64 } else { 9000 };
+                let len = 1 + rng.next(max);
+                let dev = dev_next + rng.next(3) * 16 + rng.next(2) * rng.next(16);
+                dev_next = dev + len;
+                assert!(dev_next <= space);
+                ops.push(CopyOp {
+                    src: host,
+                    dst: dev,
+                    len,
+                });
+                host += len;
+            }
+            host += rng.next(100);
+        }
+        ops
+    }
+
+    fn mirror(ops: &[CopyOp]) -> Vec<CopyOp> {
+        ops.iter()
+            .map(|o| CopyOp {
+                src: o.dst,
+                dst: o.src,
+                len: o.len,
+            })
+            .collect()
+    }
+
+    /// Runs a staged plan on simulated memory: engine copies into (or out of) one staging
+    /// buffer per chunk, then the descriptors.
+    fn execute(dir: CopyDirection, st: &Staged, chunk: u64, host: &mut [u8], dev: &mut [u8]) {
+        for c in &st.chunks {
+            let mut stage = vec![0u8; chunk as usize];
+            let descs = &st.descs[c.descs.clone()];
+            let copy = |from: &[u8], to: &mut [u8], d: &Desc| {
+                let (s, t, n) = (d.src as usize, d.dst as usize, d.len as usize);
+                to[t..t + n].copy_from_slice(&from[s..s + n]);
+            };
+            match dir {
+                CopyDirection::HostToDevice => {
+                    for s in &c.spans {
+                        let (h, o, n) = (s.host as usize, s.offset as usize, s.len as usize);
+                        stage[o..o + n].copy_from_slice(&host[h..h + n]);
+                    }
+                    descs.iter().for_each(|d| copy(&stage, dev, d));
+                }
+                CopyDirection::DeviceToHost => {
+                    descs.iter().for_each(|d| copy(dev, &mut stage, d));
+                    for s in &c.spans {
+                        let (h, o, n) = (s.host as usize, s.offset as usize, s.len as usize);
+                        host[h..h + n].copy_from_slice(&stage[o..o + n]);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn staging_chunks_cover_every_byte_once_in_both_directions() {
+        const SPACE: u64 = 1 << 20;
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for round in 0..300 {
+            let ops = random_ops(&mut rng, SPACE);
+            let chunk = [32, 256, 4096, 12288, 1 << 20][round % 5];
+            let bytes: u64 = ops.iter().map(|o| o.len).sum();
+            let host_len = (ops.iter().map(|o| o.src + o.len).max().unwrap() + 64) as usize;
+            let src: Vec<u8> = (0..host_len).map(|i| (i * 7 % 251) as u8 + 1).collect();
+
+            // H2D against the plain copies.
+            let st = stage(CopyDirection::HostToDevice, &ops, chunk);
+            let mut want = vec![0u8; SPACE as usize];
+            for o in &ops {
+                let (s, d, n) = (o.src as usize, o.dst as usize, o.len as usize);
+                want[d..d + n].copy_from_slice(&src[s..s + n]);
+            }
+            let mut got = vec![0u8; SPACE as usize];
+            execute(
+                CopyDirection::HostToDevice,
+                &st,
+                chunk,
+                &mut src.clone(),
+                &mut got,
+            );
+            assert!(got == want, "round {round}: H2D bytes differ");
+
+            // Chunk invariants.
+            let mut moved = 0;
+            for c in &st.chunks {
+                let mut spans = c.spans.clone();
+                spans.sort_by_key(|s| s.offset);
+                for w in spans.windows(2) {
+                    assert!(w[0].offset + w[0].len <= w[1].offset, "overlap");
+                }
+                for s in &spans {
+                    assert!(s.len > 0 && s.offset + s.len <= chunk, "round {round}");
+                    assert_eq!(s.offset % 16, s.host % 16, "alignment kept");
+                    moved += s.len;
+                }
+                assert!(!c.descs.is_empty());
+            }
+            assert_eq!(moved, bytes, "every byte staged once");
+            assert!(st.descs.iter().all(|d| d.len > 0 && d.len <= 64 << 10));
+            assert_eq!(st.descs.iter().map(|d| d.len).sum::<u64>(), bytes);
+            let min_chunks = bytes.div_ceil(chunk) as usize;
+            assert!(st.chunks.len() >= min_chunks);
+
+            // D2H: device `want` back into a fresh host buffer.
+            let back = mirror(&ops);
+            let st = stage(CopyDirection::DeviceToHost, &back, chunk);
+            let mut host = vec![0u8; host_len];
+            execute(
+                CopyDirection::DeviceToHost,
+                &st,
+                chunk,
+                &mut host,
+                &mut want.clone(),
+            );
+            for o in &ops {
+                let (s, n) = (o.src as usize, o.len as usize);
+                assert!(host[s..s + n] == src[s..s + n], "round {round}: D2H bytes");
+            }
+        }
+    }
+
+    #[test]
+    fn a_long_run_fills_chunks_back_to_back() {
+        // One 10 MiB host run scattered in 64 KiB pieces, 4 MiB chunks: two full chunks and
+        // a 2 MiB one, one span each, staging offsets from 0.
+        let mut ops = Vec::new();
+        for i in 0..160u64 {
+            ops.push(CopyOp {
+                src: HOST + i * 65536,
+                dst: DEV + i * 3 * 65536,
+                len: 65536,
+            });
+        }
+        let st = stage(CopyDirection::HostToDevice, &ops, 4 << 20);
+        let spans: Vec<Vec<Span>> = st.chunks.iter().map(|c| c.spans.clone()).collect();
+        assert_eq!(
+            spans,
+            vec![
+                vec![Span {
+                    host: HOST,
+                    offset: 0,
+                    len: 4 << 20
+                }],
+                vec![Span {
+                    host: HOST + (4 << 20),
+                    offset: 0,
+                    len: 4 << 20
+                }],
+                vec![Span {
+                    host: HOST + (8 << 20),
+                    offset: 0,
+                    len: 2 << 20
+                }],
+            ]
+        );
+        assert_eq!(st.chunks[1].descs, 64..128);
+        assert_eq!(
+            st.descs[64],
+            Desc {
+                src: 0,
+                dst: DEV + 64 * 3 * 65536,
+                len: 65536
+            }
+        );
+        // Buffers in turn: chunk 2 reuses buffer 0.
+        let r = st.relocate(CopyDirection::HostToDevice, &[1 << 30, 2 << 30]);
+        assert_eq!(r[0].src, 1 << 30);
+        assert_eq!(r[64].src, 2 << 30);
+        assert_eq!(r[128].src, 1 << 30);
+        assert_eq!(r[129].src, (1 << 30) + 65536);
+        assert!(r.iter().zip(&st.descs).all(|(a, b)| a.dst == b.dst));
     }
 }
