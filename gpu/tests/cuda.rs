@@ -368,6 +368,7 @@ fn split_kv_fragmented_every_path() {
         CopyPath::Kernel,
         CopyPath::Batch,
         CopyPath::PerOp,
+        CopyPath::Staged,
     ] {
         let dev = open(path);
         load_save_load(&dev, shape, true, 0, FRAGMENTED);
@@ -378,7 +379,12 @@ fn split_kv_fragmented_every_path() {
 #[ignore = "needs a CUDA GPU"]
 fn contiguous_kv_with_view_offset() {
     let shape = KvShape::new(3, 1, 2, 2048).unwrap();
-    for path in [CopyPath::Auto, CopyPath::Kernel, CopyPath::Batch] {
+    for path in [
+        CopyPath::Auto,
+        CopyPath::Kernel,
+        CopyPath::Batch,
+        CopyPath::Staged,
+    ] {
         let dev = open(path);
         load_save_load(&dev, shape, false, 768, FRAGMENTED);
         load_save_load(&dev, shape, false, 768, CONTIGUOUS);
@@ -410,6 +416,193 @@ fn mla_single_segment_and_multilayer() {
         0,
         CONTIGUOUS,
     );
+}
+
+fn open_staged(path: CopyPath, chunk: u64, chunks: u32) -> Arc<CudaDevice> {
+    CudaDevice::open_with(
+        0,
+        CudaOptions::with_copy_path(path).with_staging(chunk, chunks),
+    )
+    .expect("open CUDA device 0")
+}
+
+/// The staged path with chunks far smaller than a block, so runs are cut mid-segment and
+/// every staging buffer is reused several times within one batch.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn staged_small_chunks_split_contiguous_and_views() {
+    for (chunk, n) in [(4096, 2), (12288, 3), (1 << 20, 2)] {
+        let dev = open_staged(CopyPath::Staged, chunk, n);
+        load_save_load(
+            &dev,
+            KvShape::new(2, 1, 2, 4096).unwrap(),
+            true,
+            0,
+            FRAGMENTED,
+        );
+        let shape = KvShape::new(3, 1, 2, 2048).unwrap();
+        load_save_load(&dev, shape, false, 768, FRAGMENTED);
+        load_save_load(&dev, shape, false, 768, CONTIGUOUS);
+        load_save_load(
+            &dev,
+            KvShape::new(32, 1, 2, 512).unwrap(),
+            true,
+            128,
+            FRAGMENTED,
+        );
+        assert_eq!(dev.staged_batches(), 12, "chunk {chunk}");
+    }
+}
+
+/// The bench's shape (28 layers, split K/V, 64 KiB segments): `Auto` stages the loads and the
+/// save with the default chunks and with 4 MiB ones (runs of 3.5 MiB cut across chunks).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn staged_auto_on_the_bench_shape() {
+    let shape = KvShape::new(28, 1, 2, 64 << 10).unwrap();
+    let dev = open(CopyPath::Auto);
+    load_save_load(&dev, shape, true, 0, FRAGMENTED);
+    assert_eq!(dev.staged_batches(), 3, "Auto took the staged path");
+    let dev = open_staged(CopyPath::Auto, 4 << 20, 2);
+    load_save_load(&dev, shape, true, 4096, FRAGMENTED);
+    load_save_load(&dev, shape, false, 4096, CONTIGUOUS);
+    assert_eq!(dev.staged_batches(), 6);
+    // With staging off, Auto keeps the kernel.
+    let dev = open_staged(CopyPath::Auto, 0, 2);
+    load_save_load(&dev, shape, true, 0, FRAGMENTED);
+    assert_eq!(dev.staged_batches(), 0);
+}
+
+/// Odd offsets and lengths on both sides (the kernel's byte path), runs cut by small chunks,
+/// pinned and pageable host memory, both directions, byte for byte with canaries; and a
+/// staged batch with one bad range copies nothing.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn staged_unaligned_ranges_both_directions() {
+    const N: usize = 1 << 20;
+    for pinned in [true, false] {
+        for chunk in [4096u64, 8192 + 256, 32 << 20] {
+            let dev = open_staged(CopyPath::Staged, chunk, 2);
+            let buf = dev.alloc(N as u64).unwrap();
+            canary(dev.as_ref(), &buf);
+            let mut host = HostMem::new(N);
+            for (i, b) in host.bytes().iter_mut().enumerate() {
+                *b = (i * 13 % 241) as u8;
+            }
+            let _reg = pinned.then(|| dev.register_host(host.addr(), N as u64, false).unwrap());
+            // (host offset, device offset, len): two host runs, the second at an odd start.
+            let ops: Vec<(u64, u64, u64)> = vec![
+                (5, 3, 1000),
+                (1005, 2000, 77),
+                (1082, 4096, 20000),
+                (21082, 30001, 16),
+                (21098, 40000, 9),
+                (50003, 60000, 70001),
+                (120004, 140000, 4096),
+                (124100, 150001, 33333),
+            ];
+            let mut l = CopyList::default();
+            let mut want = vec![CANARY; N];
+            for &(h, d, n) in &ops {
+                l.push(host.addr() + h, buf.ptr() + d, n);
+                let (h, d, n) = (h as usize, d as usize, n as usize);
+                want[d..d + n].copy_from_slice(&host.bytes()[h..h + n]);
+            }
+            assert!(l.len() >= 7);
+            // SAFETY: `host` outlives the awaited event.
+            wait(unsafe { dev.submit(CopyDirection::HostToDevice, l) }.unwrap()).unwrap();
+            let mut got = vec![0u8; N];
+            dev.read(buf.ptr(), &mut got).unwrap();
+            let at = got.iter().zip(&want).position(|(g, w)| g != w);
+            assert_eq!(at, None, "H2D pinned {pinned} chunk {chunk}");
+
+            // Back into a canary-filled host buffer at the same offsets.
+            let mut back = HostMem::new(N);
+            back.bytes().fill(CANARY);
+            let _reg2 = pinned.then(|| dev.register_host(back.addr(), N as u64, false).unwrap());
+            let mut l = CopyList::default();
+            let mut expect = vec![CANARY; N];
+            for &(h, d, n) in &ops {
+                l.push(buf.ptr() + d, back.addr() + h, n);
+                let (h, d, n) = (h as usize, d as usize, n as usize);
+                expect[h..h + n].copy_from_slice(&want[d..d + n]);
+            }
+            // SAFETY: `back` outlives the awaited event.
+            wait(unsafe { dev.submit(CopyDirection::DeviceToHost, l) }.unwrap()).unwrap();
+            let at = back.bytes().iter().zip(&expect).position(|(g, w)| g != w);
+            assert_eq!(at, None, "D2H pinned {pinned} chunk {chunk}");
+            assert_eq!(dev.staged_batches(), 2);
+
+            // One bad range: refused, nothing copied.
+            canary(dev.as_ref(), &buf);
+            let mut l = CopyList::default();
+            l.push(host.addr(), buf.ptr(), 4096);
+            l.push(host.addr() + 4096, buf.ptr() + N as u64 - 16, 64);
+            // SAFETY: `host` outlives the awaited event.
+            let err =
+                wait(unsafe { dev.submit(CopyDirection::HostToDevice, l) }.unwrap()).unwrap_err();
+            assert!(matches!(err, DeviceError::NotDeviceMemory { .. }), "{err}");
+            dev.read(buf.ptr(), &mut got).unwrap();
+            assert!(got.iter().all(|&b| b == CANARY), "refused batch wrote");
+            assert_eq!(dev.staged_batches(), 2);
+            drop(_reg2);
+            drop(_reg);
+            assert!(dev.take_teardown_errors().is_empty());
+        }
+    }
+}
+
+/// Many batches in flight on one lane at once reuse the staging buffers: each load's bytes
+/// must still land whole (the events order refills after scatters).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn staged_batches_in_flight_together() {
+    const SEG: u64 = 64 << 10;
+    let dev = open_staged(CopyPath::Staged, 1 << 20, 2);
+    let rounds = 12u64;
+    let per = 40u64; // 2.5 MiB per batch: three chunks
+    let host_len = (rounds * per * SEG) as usize;
+    let mut host = HostMem::new(host_len);
+    for (i, b) in host.bytes().iter_mut().enumerate() {
+        *b = ((i / 4096) * 7 + i) as u8;
+    }
+    let _reg = dev
+        .register_host(host.addr(), host_len as u64, false)
+        .unwrap();
+    let buf = dev.alloc(rounds * per * SEG * 2).unwrap();
+    canary(dev.as_ref(), &buf);
+    let mut events = Vec::new();
+    for r in 0..rounds {
+        let mut l = CopyList::default();
+        for i in 0..per {
+            let k = r * per + i;
+            // Reverse order inside a batch: device side descending.
+            let slot = (rounds * per - 1 - k) * 2;
+            l.push(host.addr() + k * SEG, buf.ptr() + slot * SEG, SEG);
+        }
+        // SAFETY: `host` outlives every awaited event.
+        events.push(unsafe { dev.submit(CopyDirection::HostToDevice, l) }.unwrap());
+    }
+    for ev in events {
+        wait(ev).unwrap();
+    }
+    let mut got = vec![0u8; (rounds * per * SEG * 2) as usize];
+    dev.read(buf.ptr(), &mut got).unwrap();
+    for k in 0..rounds * per {
+        let slot = ((rounds * per - 1 - k) * 2 * SEG) as usize;
+        let h = (k * SEG) as usize;
+        assert!(
+            got[slot..slot + SEG as usize] == host.bytes()[h..h + SEG as usize],
+            "segment {k}"
+        );
+        assert!(
+            got[slot + SEG as usize..slot + 2 * SEG as usize]
+                .iter()
+                .all(|&b| b == CANARY),
+            "gap after segment {k}"
+        );
+    }
+    assert_eq!(dev.staged_batches(), rounds);
 }
 
 #[test]
@@ -713,7 +906,7 @@ fn fragmented_and_contiguous_bandwidth() {
     let host = HostMem::new(BIG as usize);
     let auto = open(CopyPath::Auto);
     let _reg = auto.register_host(host.addr(), BIG, false).unwrap();
-    let dst = auto.alloc(BIG + total * 2).unwrap();
+    let dst = auto.alloc(2 * BIG + total * 2).unwrap();
 
     // SAFETY: `host` is mapped for the whole call.
     let raw_224 =
@@ -745,6 +938,7 @@ fn fragmented_and_contiguous_bandwidth() {
     let mut ratio_auto = 0.0;
     for path in [
         CopyPath::Auto,
+        CopyPath::Staged,
         CopyPath::Kernel,
         CopyPath::Batch,
         CopyPath::PerOp,
@@ -768,6 +962,61 @@ fn fragmented_and_contiguous_bandwidth() {
             ratio_auto = ratio;
         }
     }
+    // ~1 GiB fragmented, as the bench's 293-block hit set: host runs of 3.5 MiB (a 64 KiB gap
+    // between blocks), 64 KiB device segments; the staged path with several chunk sizes.
+    let per_block = 56u64;
+    let blocks = BIG / ((per_block + 1) * SEG);
+    let mut big_frag = CopyList::default();
+    for b in 0..blocks {
+        for i in 0..per_block {
+            let k = b * per_block + i;
+            big_frag.push(
+                host.addr() + (b * (per_block + 1) + i) * SEG,
+                dst.ptr() + k * 2 * SEG,
+                SEG,
+            );
+        }
+    }
+    let big_bytes = big_frag.bytes();
+    // SAFETY: as above.
+    let raw_big =
+        unsafe { cuda::bench_raw_h2d(auto.as_ref(), host.addr(), dst.ptr(), big_bytes, 5) }
+            .unwrap();
+    let s = time_submit(
+        &open(CopyPath::Kernel),
+        CopyDirection::HostToDevice,
+        &big_frag,
+        5,
+    );
+    println!(
+        "fragmented {} MiB, 3.5 MiB host runs, Kernel: {:.2} GB/s ({:.3} of raw)",
+        big_bytes >> 20,
+        gbps(big_bytes, s),
+        raw_big / s
+    );
+    for (chunk, n) in [
+        (8u64 << 20, 2u32),
+        (16 << 20, 2),
+        (32 << 20, 2),
+        (32 << 20, 3),
+        (64 << 20, 2),
+    ] {
+        let dev = open_staged(CopyPath::Auto, chunk, n);
+        let s = time_submit(&dev, CopyDirection::HostToDevice, &frag, 20);
+        let b = time_submit(&dev, CopyDirection::HostToDevice, &big_frag, 7);
+        let d = time_submit(&dev, CopyDirection::DeviceToHost, &back, 5);
+        println!(
+            "staged {} MiB x {n}: 224 MiB {:.3} of raw, {} MiB {:.3} of raw ({:.2} GB/s), D2H {:.2} GB/s",
+            chunk >> 20,
+            raw_224 / s,
+            big_bytes >> 20,
+            raw_big / b,
+            gbps(big_bytes, b),
+            gbps(total, d)
+        );
+        assert!(dev.staged_batches() > 0);
+    }
+
     let mut one = CopyList::default();
     one.push(host.addr(), dst.ptr(), BIG);
     let s = time_submit(&auto, CopyDirection::HostToDevice, &one, 5);
