@@ -143,6 +143,34 @@ impl DeviceKv {
         Ok(())
     }
 
+    /// Checks that every byte outside the segments of `blocks` still holds [`CANARY`]
+    /// (after a failed load: whatever it wrote, it wrote only into its destinations).
+    pub fn untouched_outside(&self, blocks: &[u32]) -> Result<(), String> {
+        let seg = self.shape.segment_bytes() as usize;
+        for (bi, b) in self.buffers.iter().enumerate() {
+            let mut img = vec![0u8; b.len() as usize];
+            self.device
+                .read(b.ptr(), &mut img)
+                .map_err(|e| e.to_string())?;
+            for &dst in blocks {
+                for layer in 0..self.shape.layers() {
+                    for s in 0..self.shape.segments() {
+                        let (buf, off) = self.locate(layer, s, dst);
+                        if buf == bi {
+                            img[off as usize..off as usize + seg].fill(CANARY);
+                        }
+                    }
+                }
+            }
+            if let Some(i) = img.iter().position(|x| *x != CANARY) {
+                return Err(format!(
+                    "buffer {bi} byte {i} written outside the destinations"
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Writes the pattern of `block` for `rank` into device block `dst` (to be saved).
     pub fn write_block(&self, dst: u32, block: u64, rank: u32) -> Result<(), DeviceError> {
         let mut buf = vec![0u8; self.shape.segment_bytes() as usize];

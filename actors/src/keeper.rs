@@ -403,6 +403,11 @@ fn remote_load(
         let bytes = share.remote_blocks() as u64 * shape.rank_bytes();
         let mut dests = dest.into_iter();
         if share.direct {
+            let planes: Vec<(u64, u64)> = layout
+                .planes()?
+                .iter()
+                .map(|p| (p.start, p.extent))
+                .collect();
             let t = Instant::now();
             for seg in share.remote.iter() {
                 let mut list = CopyList::with_capacity(seg.blocks.len() * per_block(&shape));
@@ -417,7 +422,7 @@ fn remote_load(
                 }
                 let keep: Keep = Box::new(Arc::clone(&handle));
                 seg.link
-                    .read_device(Arc::clone(&handle.device), list, keep)
+                    .read_device(Arc::clone(&handle.device), list, planes.clone(), keep)
                     .await?;
             }
             stages.push(Stage {

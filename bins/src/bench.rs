@@ -261,15 +261,19 @@ fn local(a: LocalArgs) -> anyhow::Result<()> {
         ),
     );
     let lnode = node(shape.block_bytes(), u64::from(a.blocks), devices.clone())?;
+    let spread = if a.contiguous { 1 } else { 3 };
     let kv = DeviceKv::alloc(
         Arc::clone(&device),
         shape,
         KvKind::Split,
-        a.blocks * 3,
+        a.blocks * spread,
         64 << 10,
         0,
     )?;
-    let dest: Vec<u32> = (0..a.blocks).map(|i| i * 3 + 1).collect();
+    // Fragmented: every third block; contiguous: blocks 0..n in order.
+    let dest: Vec<u32> = (0..a.blocks)
+        .map(|i| i * spread + u32::from(spread > 1))
+        .collect();
     let mut baseline = Baseline::new(&device, bytes)?;
     let (mut load_s, mut base_s, copies) = rt.block_on(async {
         let inst = register(&lnode, "bench-load", &kv).await?;

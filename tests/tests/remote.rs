@@ -174,6 +174,63 @@ fn worked_example_shm() {
 }
 
 #[test]
+fn worked_example_tcp() {
+    run_worked_example(Provider::Tcp);
+}
+
+#[test]
+fn owner_killed_after_pinning_fails_a_tcp_load_hard() {
+    for direct in [true, false] {
+        rt().block_on(async {
+            let c = Cluster::new(Provider::Tcp, &["b", "a", "c"]);
+            let kv = worked_example(&c, 1).await;
+            let q = query(c.node(0), direct).await;
+            assert_eq!(q.remote_blocks, 8);
+            // C's data path dies after the query pinned its blocks.
+            c.cluster.kill_server("c");
+            let err = c
+                .node(0)
+                .load(LoadRequest {
+                    lease: q.lease.unwrap(),
+                    instance: id("eng"),
+                    rank: 0,
+                    dest_blocks: DEST.to_vec(),
+                })
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(err, NodeError::Remote { ref peer, .. } if peer == "c"),
+                "{err}"
+            );
+            // A hard error, never a fallback; nothing written outside the destinations.
+            kv[0].untouched_outside(&DEST).unwrap();
+            let s = settled(c.node(0)).await;
+            assert_eq!(s.loads_failed, 1);
+            // C goes away for good: the next query ends the suffix where C's blocks were,
+            // and the next load works.
+            c.node(2).shutdown();
+            c.node(0).drop_reclaimable().await.unwrap();
+            let q = query(c.node(0), direct).await;
+            assert_eq!((q.local_blocks, q.remote_blocks), (4, 4));
+            kv[0].reset().unwrap();
+            c.node(0)
+                .load(LoadRequest {
+                    lease: q.lease.unwrap(),
+                    instance: id("eng"),
+                    rank: 0,
+                    dest_blocks: DEST[..8].to_vec(),
+                })
+                .await
+                .unwrap();
+            let want: Vec<(u32, u64)> = expected().into_iter().take(8).collect();
+            kv[0].verify(&want, 0).unwrap();
+            settled(c.node(0)).await;
+            assert_eq!(c.node(1).peer_pins().await.unwrap(), 0);
+        });
+    }
+}
+
+#[test]
 fn staged_copies_are_advertised_and_then_hit_locally() {
     rt().block_on(async {
         let c = Cluster::new(Provider::Loopback, &["b", "a", "c", "d"]);

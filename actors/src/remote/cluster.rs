@@ -1,6 +1,7 @@
-//! An in-process cluster: nodes of one process sharing an embedded directory, reaching each
-//! other's pools over a chosen provider (loopback: the owner's own mapping; shm: the owner's
-//! memfd passed over a Unix socket and mapped read-only).
+//! An in-process cluster: nodes of one process sharing a directory, reaching each other's
+//! pools over a chosen provider (loopback: the owner's own mapping; shm: the owner's memfd
+//! passed over a Unix socket and mapped read-only; tcp: the transport's RC queue contract
+//! over a TCP connection to the owner's server, driven by the requester's NIC worker).
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -10,11 +11,14 @@ use std::sync::{Arc, Mutex};
 
 use actix::Addr;
 use kvferry_transport::shm::{ShmConnector, ShmOwner};
-use kvferry_transport::{Access, HostRegion, MrHandle, MrTable, NodeId};
+use kvferry_transport::tcp::TcpOwner;
+use kvferry_transport::{Access, HostRegion, MrHandle, MrTable, NicConfig, NodeId, ProviderKind};
 
 use super::directory::{Directory, EmbeddedDirectory};
 use super::link::{MappedLink, MappedView, PeerLink};
+use super::tcp::{TcpEndpoints, TcpLink};
 use crate::error::NodeError;
+use crate::nic::runtime::NicRuntime;
 use crate::store::BlockStore;
 
 /// How nodes of a cluster read each other's pools.
@@ -22,6 +26,7 @@ use crate::store::BlockStore;
 pub enum Provider {
     Loopback,
     Shm,
+    Tcp,
 }
 
 impl Provider {
@@ -29,8 +34,9 @@ impl Provider {
         match s {
             "loopback" => Ok(Provider::Loopback),
             "shm" => Ok(Provider::Shm),
+            "tcp" => Ok(Provider::Tcp),
             other => Err(NodeError::bad(format!(
-                "provider {other:?} is not one of loopback, shm"
+                "provider {other:?} is not one of loopback, shm, tcp"
             ))),
         }
     }
@@ -39,6 +45,7 @@ impl Provider {
         match self {
             Provider::Loopback => "loopback",
             Provider::Shm => "shm",
+            Provider::Tcp => "tcp",
         }
     }
 }
@@ -50,12 +57,32 @@ pub fn transport_id(node: &str) -> NodeId {
     NodeId(h.finish())
 }
 
+/// A member's tcp endpoints: the owner server for its pool, and its own NIC runtime (one
+/// tcp NIC) with its pool registered for local write, for the reads it makes.
+struct TcpSide {
+    owner: Option<TcpOwner>,
+    addr: std::net::SocketAddr,
+    pool_mr: MrHandle,
+    max_sge: usize,
+    nic: NicRuntime,
+}
+
+impl TcpSide {
+    fn kill(&mut self) {
+        if let Some(o) = self.owner.take() {
+            o.drop_connections();
+            o.shutdown();
+        }
+    }
+}
+
 struct Member {
     store: Addr<BlockStore>,
     memory: Arc<HostRegion>,
     _table: MrTable,
-    _mr: MrHandle,
+    mr: MrHandle,
     shm: Option<(PathBuf, ShmOwner)>,
+    tcp: Option<TcpSide>,
 }
 
 /// Nodes of one process.
@@ -72,6 +99,13 @@ impl std::fmt::Debug for LocalCluster {
         f.debug_struct("LocalCluster")
             .field("provider", &self.provider)
             .finish()
+    }
+}
+
+fn remote(peer: &str, reason: impl Into<String>) -> NodeError {
+    NodeError::Remote {
+        peer: peer.to_owned(),
+        reason: reason.into(),
     }
 }
 
@@ -101,6 +135,16 @@ impl LocalCluster {
         self.provider
     }
 
+    /// Simulates the death of a member's data path: its tcp server drops every connection
+    /// and stops, while its node keeps running (its pins stay until they expire).
+    pub fn kill_server(&self, node: &str) {
+        if let Ok(mut m) = self.members.lock() {
+            if let Some(t) = m.get_mut(node).and_then(|mem| mem.tcp.as_mut()) {
+                t.kill();
+            }
+        }
+    }
+
     /// Adds a node: its pool is registered for remote read and served on the provider.
     pub(crate) fn join(
         &self,
@@ -111,38 +155,56 @@ impl LocalCluster {
         let table = MrTable::new();
         let mr = table
             .register_host(Arc::clone(&memory), Access::REMOTE_READ)
-            .map_err(|e| NodeError::Remote {
-                peer: node.into(),
-                reason: e.to_string(),
-            })?;
-        let shm =
-            match self.provider {
-                Provider::Loopback => None,
-                Provider::Shm => {
-                    std::fs::create_dir_all(&self.dir).map_err(|e| NodeError::Remote {
-                        peer: node.into(),
-                        reason: format!("creating {}: {e}", self.dir.display()),
-                    })?;
-                    let path = self.dir.join(format!("{node}.sock"));
-                    let _ = std::fs::remove_file(&path);
-                    let listener = UnixListener::bind(&path).map_err(|e| NodeError::Remote {
-                        peer: node.into(),
-                        reason: format!("binding {}: {e}", path.display()),
-                    })?;
-                    let owner = ShmOwner::spawn(listener, transport_id(node), table.clone())
-                        .map_err(|e| NodeError::Remote {
-                            peer: node.into(),
-                            reason: e.to_string(),
-                        })?;
-                    Some((path, owner))
-                }
-            };
+            .map_err(|e| remote(node, e.to_string()))?;
+        let shm = match self.provider {
+            Provider::Shm => {
+                std::fs::create_dir_all(&self.dir)
+                    .map_err(|e| remote(node, format!("creating {}: {e}", self.dir.display())))?;
+                let path = self.dir.join(format!("{node}.sock"));
+                let _ = std::fs::remove_file(&path);
+                let listener = UnixListener::bind(&path)
+                    .map_err(|e| remote(node, format!("binding {}: {e}", path.display())))?;
+                let owner = ShmOwner::spawn(listener, transport_id(node), table.clone())
+                    .map_err(|e| remote(node, e.to_string()))?;
+                Some((path, owner))
+            }
+            _ => None,
+        };
+        let tcp = match self.provider {
+            Provider::Tcp => {
+                let listener = std::net::TcpListener::bind("127.0.0.1:0")
+                    .map_err(|e| remote(node, format!("binding 127.0.0.1:0: {e}")))?;
+                let owner = TcpOwner::spawn(listener, transport_id(node), table.clone())
+                    .map_err(|e| remote(node, e.to_string()))?;
+                let addr = owner.local_addr();
+                let nic_cfg = NicConfig {
+                    name: format!("{node}-tcp0"),
+                    provider: ProviderKind::Tcp,
+                    ..NicConfig::default()
+                };
+                let max_sge = nic_cfg.max_sge as usize;
+                let nic =
+                    NicRuntime::start(vec![nic_cfg]).map_err(|e| remote(node, e.to_string()))?;
+                let pool_mr = nic.tables[0]
+                    .register_host(Arc::clone(&memory), Access::LOCAL_WRITE)
+                    .map_err(|e| remote(node, e.to_string()))?;
+                Some(TcpSide {
+                    owner: Some(owner),
+                    addr,
+                    pool_mr,
+                    max_sge,
+                    nic,
+                })
+            }
+            _ => None,
+        };
         let m = Member {
             store,
             memory,
             _table: table,
-            _mr: mr,
+            mr,
             shm,
+            tcp,
         };
         self.members
             .lock()
@@ -158,13 +220,14 @@ impl LocalCluster {
             l.retain(|(a, b), _| a != node && b != node);
         }
         let gone = self.members.lock().ok().and_then(|mut m| m.remove(node));
-        if let Some(Member {
-            shm: Some((path, owner)),
-            ..
-        }) = gone
-        {
-            owner.shutdown();
-            let _ = std::fs::remove_file(path);
+        if let Some(m) = gone {
+            if let Some((path, owner)) = m.shm {
+                owner.shutdown();
+                let _ = std::fs::remove_file(path);
+            }
+            if let Some(mut t) = m.tcp {
+                t.kill();
+            }
         }
     }
 
@@ -174,50 +237,69 @@ impl LocalCluster {
         if let Some(l) = self.links.lock().ok().and_then(|l| l.get(&key).cloned()) {
             return Ok(l);
         }
-        let unreachable = |reason: String| NodeError::Remote {
-            peer: to.to_owned(),
-            reason,
-        };
-        let (store, view) = {
+        let link: Arc<dyn PeerLink> = {
             let members = self
                 .members
                 .lock()
                 .map_err(|_| NodeError::Stopped { what: "cluster" })?;
             let m = members
                 .get(to)
-                .ok_or_else(|| unreachable("not a member of this cluster".into()))?;
-            let view = match (&self.provider, &m.shm) {
-                (Provider::Shm, Some((path, _))) => {
+                .ok_or_else(|| remote(to, "not a member of this cluster"))?;
+            match (&self.provider, &m.shm, &m.tcp) {
+                (Provider::Tcp, _, Some(t)) => {
+                    let me = members
+                        .get(from)
+                        .and_then(|f| f.tcp.as_ref())
+                        .ok_or_else(|| remote(to, format!("{from} has no tcp endpoint")))?;
+                    Arc::new(TcpLink::new(
+                        to.to_owned(),
+                        TcpEndpoints {
+                            owner: m.store.clone(),
+                            rkey: m.mr.key(),
+                            local: transport_id(from),
+                            peer: transport_id(to),
+                            addr: t.addr,
+                            worker: me.nic.workers[0].clone(),
+                            table: me.nic.tables[0].clone(),
+                            pool_lkey: me.pool_mr.key(),
+                            max_sge: me.max_sge,
+                        },
+                    ))
+                }
+                (Provider::Shm, Some((path, _)), _) => {
                     let mapping = ShmConnector::new(transport_id(from), transport_id(to), path)
                         .map_exports()
-                        .map_err(|e| unreachable(e.to_string()))?;
+                        .map_err(|e| remote(to, e.to_string()))?;
                     let r = mapping
                         .regions()
                         .into_iter()
                         .find(|r| r.remote_addr == m.memory.addr())
-                        .ok_or_else(|| unreachable("owner exports no pool".into()))?;
-                    MappedView {
+                        .ok_or_else(|| remote(to, "owner exports no pool"))?;
+                    let view = MappedView {
                         holder: Arc::new(Mutex::new(mapping)),
                         remote_base: r.remote_addr,
                         local_base: r.local_addr,
                         len: r.len,
-                    }
+                    };
+                    Arc::new(MappedLink::new(to.to_owned(), "shm", m.store.clone(), view))
                 }
-                _ => MappedView {
-                    holder: Arc::clone(&m.memory) as Arc<dyn std::any::Any + Send + Sync>,
-                    remote_base: m.memory.addr(),
-                    local_base: m.memory.addr(),
-                    len: m.memory.len() as u64,
-                },
-            };
-            (m.store.clone(), view)
+                (Provider::Loopback, _, _) => {
+                    let view = MappedView {
+                        holder: Arc::clone(&m.memory) as Arc<dyn std::any::Any + Send + Sync>,
+                        remote_base: m.memory.addr(),
+                        local_base: m.memory.addr(),
+                        len: m.memory.len() as u64,
+                    };
+                    Arc::new(MappedLink::new(
+                        to.to_owned(),
+                        "loopback",
+                        m.store.clone(),
+                        view,
+                    ))
+                }
+                _ => return Err(remote(to, "no server for this provider")),
+            }
         };
-        let link: Arc<dyn PeerLink> = Arc::new(MappedLink::new(
-            to.to_owned(),
-            self.provider.as_str(),
-            store,
-            view,
-        ));
         if let Ok(mut l) = self.links.lock() {
             l.insert(key, Arc::clone(&link));
         }

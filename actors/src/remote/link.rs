@@ -45,12 +45,14 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
     fn unpin(&self, pin_id: u64);
     /// Reads `(owner address → local host address, len)` ranges; `keep` lives until done.
     fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<u64, NodeError>>;
-    /// Reads owner ranges straight into device memory (`src` = owner address); `keep` lives
-    /// until the device reports the batch landed.
+    /// Reads owner ranges straight into device memory (`src` = owner address); `regions`
+    /// are the destination planes `(base, len)` (registered for local write where the
+    /// provider needs it); `keep` lives until the device reports the batch landed.
     fn read_device(
         &self,
         device: Arc<dyn Device>,
         list: CopyList,
+        regions: Vec<(u64, u64)>,
         keep: Keep,
     ) -> BoxFut<Result<u64, NodeError>>;
 }
@@ -234,6 +236,7 @@ impl PeerLink for MappedLink {
         &self,
         device: Arc<dyn Device>,
         list: CopyList,
+        _regions: Vec<(u64, u64)>,
         keep: Keep,
     ) -> BoxFut<Result<u64, NodeError>> {
         let prepared = (|| {

@@ -5,6 +5,7 @@ pub mod cluster;
 pub mod directory;
 pub mod link;
 pub mod pins;
+pub mod tcp;
 
 pub use cluster::{LocalCluster, Provider};
 pub use directory::{Directory, EmbeddedDirectory, Segment};

@@ -1,0 +1,278 @@
+//! The tcp link: reads go through the transport's RC queue contract over a TCP connection
+//! to the owner, which checks key and bounds on every read. Host destinations are pool
+//! slots registered for local write; device destinations are registered per load (local
+//! write only) and written through a sink over the device.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use actix::Addr;
+use kvferry_gpu::{CopyList, CopyOp, Device};
+use kvferry_transport::tcp::TcpConnector;
+use kvferry_transport::{
+    CompletionStatus, DeviceSink, LocalSegment, MrKey, MrTable, NodeId, ReadRequest,
+    RemoteDescriptor, SinkError,
+};
+use tokio::sync::oneshot;
+
+use super::link::{BoxFut, Keep, PeerLink, PinnedRemote};
+use crate::error::NodeError;
+use crate::model::{BlockHash, Namespace};
+use crate::nic::worker::{Connect, NicWorker, PostReads};
+use crate::store::{BlockStore, PinForPeer, UnpinForPeer};
+
+/// Writes a read's device pieces through the device (the gpu copier's synchronous path).
+pub struct DeviceWriter(pub Arc<dyn Device>);
+
+impl DeviceSink for DeviceWriter {
+    fn write(&self, dst: u64, data: &[u8]) -> Result<(), SinkError> {
+        self.0.write(dst, data).map_err(|e| SinkError::Write {
+            dst,
+            len: data.len() as u64,
+            reason: e.to_string(),
+        })
+    }
+
+    fn flush(&self) -> Result<(), SinkError> {
+        self.0.flush_direct_writes().map_err(|e| SinkError::Flush {
+            reason: e.to_string(),
+        })
+    }
+}
+
+pub struct TcpLink {
+    node_id: String,
+    owner: Addr<BlockStore>,
+    rkey: MrKey,
+    local: NodeId,
+    peer: NodeId,
+    addr: std::net::SocketAddr,
+    worker: Addr<NicWorker>,
+    table: MrTable,
+    pool_lkey: MrKey,
+    max_sge: usize,
+    connected: Arc<AtomicBool>,
+    next_wr: AtomicU64,
+}
+
+impl std::fmt::Debug for TcpLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpLink")
+            .field("node", &self.node_id)
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+/// Where a tcp link reaches its owner and how it addresses local memory.
+pub struct TcpEndpoints {
+    pub owner: Addr<BlockStore>,
+    pub rkey: MrKey,
+    pub local: NodeId,
+    pub peer: NodeId,
+    pub addr: std::net::SocketAddr,
+    pub worker: Addr<NicWorker>,
+    pub table: MrTable,
+    pub pool_lkey: MrKey,
+    pub max_sge: usize,
+}
+
+impl TcpLink {
+    pub fn new(node_id: String, e: TcpEndpoints) -> Self {
+        Self {
+            node_id,
+            owner: e.owner,
+            rkey: e.rkey,
+            local: e.local,
+            peer: e.peer,
+            addr: e.addr,
+            worker: e.worker,
+            table: e.table,
+            pool_lkey: e.pool_lkey,
+            max_sge: e.max_sge.max(1),
+            connected: Arc::new(AtomicBool::new(false)),
+            next_wr: AtomicU64::new(1),
+        }
+    }
+
+    fn err(&self, reason: impl Into<String>) -> NodeError {
+        NodeError::Remote {
+            peer: self.node_id.clone(),
+            reason: reason.into(),
+        }
+    }
+
+    fn wr(&self) -> u64 {
+        self.next_wr.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Posts one ordered batch and waits until every request was reported (successful,
+    /// failed or flushed): nothing it touches is released before that.
+    fn post(&self, reads: Vec<ReadRequest>, keep: Vec<Keep>) -> BoxFut<Result<u64, NodeError>> {
+        let worker = self.worker.clone();
+        let (peer, local, addr) = (self.peer, self.local, self.addr);
+        let connected = Arc::clone(&self.connected);
+        let name = self.node_id.clone();
+        Box::pin(async move {
+            let err = |reason: String| NodeError::Remote {
+                peer: name.clone(),
+                reason,
+            };
+            if !connected.load(Ordering::Acquire) {
+                let connector = Arc::new(TcpConnector::new(local, peer, addr));
+                worker
+                    .send(Connect {
+                        peer,
+                        connector,
+                        qps: None,
+                    })
+                    .await
+                    .map_err(|_| err("nic worker stopped".into()))?
+                    .map_err(|e| err(e.to_string()))?;
+                connected.store(true, Ordering::Release);
+            }
+            let (tx, rx) = oneshot::channel();
+            worker
+                .send(PostReads {
+                    peer,
+                    reads,
+                    reply: tx,
+                })
+                .await
+                .map_err(|_| err("nic worker stopped".into()))?;
+            let done = rx
+                .await
+                .map_err(|_| err("nic worker dropped the batch".into()))?;
+            drop(keep);
+            let wcs = done.map_err(|e| err(e.to_string()))?;
+            let mut bytes = 0;
+            for wc in &wcs {
+                if wc.status != CompletionStatus::Success {
+                    return Err(err(format!(
+                        "read {} completed with {}",
+                        wc.wr_id, wc.status
+                    )));
+                }
+                bytes += wc.bytes;
+            }
+            Ok(bytes)
+        })
+    }
+}
+
+impl PeerLink for TcpLink {
+    fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    fn provider(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn pin(
+        &self,
+        ns: Namespace,
+        hashes: Vec<BlockHash>,
+    ) -> BoxFut<Result<PinnedRemote, NodeError>> {
+        let owner = self.owner.clone();
+        let peer = self.node_id.clone();
+        Box::pin(async move {
+            owner
+                .send(PinForPeer {
+                    namespace: ns,
+                    hashes,
+                })
+                .await
+                .map_err(|_| NodeError::Remote {
+                    peer,
+                    reason: "owner unreachable".into(),
+                })
+        })
+    }
+
+    fn unpin(&self, pin_id: u64) {
+        self.owner.do_send(UnpinForPeer(pin_id));
+    }
+
+    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<u64, NodeError>> {
+        let reads = ops
+            .iter()
+            .map(|op| ReadRequest {
+                wr_id: self.wr(),
+                remote: RemoteDescriptor {
+                    addr: op.src,
+                    len: op.len,
+                    rkey: self.rkey,
+                },
+                local: vec![LocalSegment {
+                    lkey: self.pool_lkey,
+                    addr: op.dst,
+                    len: op.len,
+                }],
+            })
+            .collect();
+        self.post(reads, vec![keep])
+    }
+
+    fn read_device(
+        &self,
+        device: Arc<dyn Device>,
+        list: CopyList,
+        regions: Vec<(u64, u64)>,
+        keep: Keep,
+    ) -> BoxFut<Result<u64, NodeError>> {
+        // Register the destination planes for local write for this load only; the handles
+        // live until the batch has drained, then deregistration completes.
+        let sink: Arc<dyn DeviceSink> = Arc::new(DeviceWriter(Arc::clone(&device)));
+        let mut mrs = Vec::with_capacity(regions.len());
+        for (base, len) in &regions {
+            match self.table.register_device(*base, *len, Arc::clone(&sink)) {
+                Ok(h) => mrs.push(h),
+                Err(e) => {
+                    let e = self.err(format!("registering device memory: {e}"));
+                    return Box::pin(async move { Err(e) });
+                }
+            }
+        }
+        let lkey = |dst: u64, len: u64| {
+            mrs.iter()
+                .find(|h| dst >= h.addr() && dst + len <= h.addr() + h.len())
+                .map(|h| h.key())
+        };
+        // One remote range per run of source-contiguous ops (a block's rank part), scattered
+        // into at most `max_sge` local pieces per request.
+        let mut reads: Vec<ReadRequest> = Vec::new();
+        for op in list.ops() {
+            let Some(key) = lkey(op.dst, op.len) else {
+                let e = self.err(format!(
+                    "destination {:#x}+{} is not in a registered plane",
+                    op.dst, op.len
+                ));
+                return Box::pin(async move { Err(e) });
+            };
+            let piece = LocalSegment {
+                lkey: key,
+                addr: op.dst,
+                len: op.len,
+            };
+            match reads.last_mut() {
+                Some(r)
+                    if r.remote.addr + r.remote.len == op.src && r.local.len() < self.max_sge =>
+                {
+                    r.remote.len += op.len;
+                    r.local.push(piece);
+                }
+                _ => reads.push(ReadRequest {
+                    wr_id: self.wr(),
+                    remote: RemoteDescriptor {
+                        addr: op.src,
+                        len: op.len,
+                        rkey: self.rkey,
+                    },
+                    local: vec![piece],
+                }),
+            }
+        }
+        self.post(reads, vec![keep, Box::new(mrs)])
+    }
+}
