@@ -5,7 +5,8 @@
 //! NIC choice and striping), [`registration`] (splitting, access flags, key lookup), [`work`]
 //! (RDMA READ requests, completion statuses), [`qp_attrs`] (the reset → RTS attributes) and
 //! [`capability`] (the `direct_gpu` gate). With the `verbs` cargo feature, `ffi` wraps the
-//! rdma-core calls and [`VerbsNic`] / [`VerbsConnector`] implement the provider over them.
+//! rdma-core calls, `device` owns the objects, and `provider::VerbsNic` /
+//! `provider::VerbsConnector` implement the provider over them.
 
 pub mod affinity;
 pub mod capability;
