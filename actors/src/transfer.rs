@@ -139,7 +139,13 @@ impl Transfer {
     fn done(&mut self, r: Result<(u64, Vec<Stage>), NodeError>, ctx: &mut Context<Self>) {
         let local = self.local.take().unwrap_or_default();
         let out = r.map(|(bytes, stages)| {
-            self.stages.extend(stages);
+            // One entry per stage: the prefix's and the suffix's device copies add up.
+            for st in stages {
+                match self.stages.iter_mut().find(|s| s.name == st.name) {
+                    Some(s) => s.seconds += st.seconds,
+                    None => self.stages.push(st),
+                }
+            }
             TransferReport {
                 path: self.path,
                 blocks: self.blocks,

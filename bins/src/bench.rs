@@ -17,6 +17,8 @@ use serde_json::json;
 pub enum BenchCmd {
     /// Query + lease latency, and local-prefix loads against a baseline copy.
     Local(LocalArgs),
+    /// A remote suffix loaded direct and staged from an owner node, in the same run.
+    Remote(crate::bench_remote::RemoteArgs),
     /// Providers against plain copies of the same bytes: tcp vs socket, shm vs memcpy,
     /// and loopback 4 KiB reads per second.
     Transport(TransportArgs),
@@ -65,6 +67,7 @@ pub fn open(kind: &str) -> anyhow::Result<Vec<Arc<dyn Device>>> {
 pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Local(a) => local(a),
+        BenchCmd::Remote(a) => crate::bench_remote::run(a),
         BenchCmd::Transport(a) => transport(a),
     }
 }

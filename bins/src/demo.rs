@@ -1,15 +1,19 @@
-//! `kvferry demo`: 12 blocks (4 layers, TP 1, split K/V) put into an embedded node, queried,
-//! loaded into device KV at non-consecutive blocks and verified byte for byte.
+//! `kvferry demo`: three in-process nodes. B holds blocks 0–3, A holds 4–7, C holds 8–11
+//! (4 layers, TP 1, split K/V). B queries 0–11 and loads them into device KV at
+//! non-consecutive blocks, once direct (remote blocks read straight into device KV) and once
+//! staged (through B's host pool), verifying every byte and the canaries after each.
 
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
+use kvferry_actors::config::ByteSize;
 use kvferry_actors::fixture::{rank_part, DeviceKv, KvKind};
+use kvferry_actors::remote::{LocalCluster, Provider};
 use kvferry_actors::{
     BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, PutBlocks, QueryRequest,
     RegisterInstance, TransferReport,
 };
-use kvferry_gpu::{Device, KvShape};
+use kvferry_gpu::{Device, HostDevice, KvShape};
 use serde_json::json;
 
 #[derive(clap::Args)]
@@ -17,81 +21,116 @@ pub struct DemoArgs {
     /// Print one JSON object instead of the readable report.
     #[arg(long)]
     json: bool,
-    /// host, cuda or auto.
+    /// Device of the querying node: host, cuda or auto.
     #[arg(long, default_value = "auto")]
     device: String,
+    /// How nodes read each other's pools: tcp, shm or loopback.
+    #[arg(long, default_value = "tcp")]
+    provider: String,
 }
 
-const BLOCKS: u64 = 12;
 /// Non-consecutive destinations, so every block lands in a different place than its index.
 const DEST: [u32; 12] = [1, 3, 4, 7, 8, 9, 13, 17, 20, 21, 26, 30];
+const ENGINE: &str = "demo-engine";
 
-pub fn run(args: DemoArgs) -> anyhow::Result<()> {
+struct Run {
+    direct: bool,
+    local: usize,
+    remote: usize,
+    report: TransferReport,
+    verified: Result<u64, String>,
+}
+
+fn config(name: &str) -> NodeConfig {
     let mut cfg = NodeConfig {
-        node_id: "demo".into(),
+        node_id: name.into(),
         ..Default::default()
     };
-    cfg.pool.size = kvferry_actors::config::ByteSize(8 << 20);
-    cfg.pool.slot_bytes = kvferry_actors::config::ByteSize(256 << 10);
-    cfg.device.kind = args.device.clone();
-    let devices = crate::bench::open(&args.device)?;
-    let device = Arc::clone(&devices[0]);
-    let node = Node::start_with(cfg, devices, Clock::system()).context("starting the node")?;
+    cfg.pool.size = ByteSize(8 << 20);
+    cfg.pool.slot_bytes = ByteSize(256 << 10);
+    cfg
+}
+
+pub fn run(args: DemoArgs) -> anyhow::Result<()> {
+    let provider = Provider::parse(&args.provider)?;
+    let cluster = LocalCluster::new(provider);
+    let device = Arc::clone(&crate::bench::open(&args.device)?[0]);
+    let start = |name: &str, dev: Arc<dyn Device>| {
+        Node::start_in(
+            config(name),
+            vec![dev],
+            Clock::system(),
+            Some(Arc::clone(&cluster)),
+        )
+        .with_context(|| format!("starting node {name}"))
+    };
+    let b = start("b", Arc::clone(&device))?;
+    let owners = [("a", 4..8u64), ("c", 8..12u64)];
+    let owner_nodes: Vec<Node> = owners
+        .iter()
+        .map(|(n, _)| start(n, HostDevice::new(0)))
+        .collect::<Result<_, _>>()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()?;
-    let result = rt.block_on(demo(&node, device));
-    node.shutdown();
-    let (report, verified, lease) = result?;
-    let stages: serde_json::Map<String, serde_json::Value> = report
-        .stages
-        .iter()
-        .map(|s| (s.name.to_string(), json!(s.seconds)))
-        .collect();
+    let result = rt.block_on(demo(&b, &owner_nodes, &owners, device));
+    for n in owner_nodes.iter().chain([&b]) {
+        n.shutdown();
+    }
+    let runs = result?;
+    let verified = runs.iter().all(|r| r.verified.is_ok());
     if args.json {
         let out = json!({
-            "verified": verified.is_ok(),
-            "error": verified.as_ref().err(),
-            "device": node_device_name(&node),
-            "local_blocks": report.blocks,
-            "remote_blocks": 0,
-            "lease": lease,
-            "runs": [{
-                "path": report.path,
-                "bytes": report.bytes,
-                "copies": report.copies,
-                "seconds": report.seconds,
-                "stages": stages,
-            }],
+            "verified": verified,
+            "device": node_device_name(&b),
+            "provider": provider.as_str(),
+            "nodes": { "b": "0-3", "a": "4-7", "c": "8-11" },
+            "local_blocks": runs[0].local,
+            "remote_blocks": runs[0].remote,
+            "runs": runs.iter().map(|r| json!({
+                "path": r.report.path,
+                "direct": r.direct,
+                "verified": r.verified.is_ok(),
+                "error": r.verified.as_ref().err(),
+                "bytes": r.report.bytes,
+                "copies": r.report.copies,
+                "seconds": r.report.seconds,
+                "stages": r.report.stages.iter()
+                    .map(|s| (s.name.to_string(), json!(s.seconds)))
+                    .collect::<serde_json::Map<_, _>>(),
+            })).collect::<Vec<_>>(),
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        println!("kvferry demo on {}", node_device_name(&node));
-        println!("  put      {BLOCKS} blocks (4 layers, TP 1, split K/V, 32 KiB segments)");
         println!(
-            "  query    {BLOCKS} hashes -> lease {lease}: {} local, 0 remote",
-            report.blocks
+            "kvferry demo: three nodes over {}; B queries on {}",
+            provider.as_str(),
+            node_device_name(&b)
         );
-        println!(
-            "  load     {} bytes in {} copies to device blocks {:?}",
-            report.bytes, report.copies, DEST
-        );
-        for s in &report.stages {
-            println!("           {:<6} {:>9.3} ms", s.name, s.seconds * 1e3);
-        }
-        println!(
-            "           total  {:>9.3} ms ({:.2} GB/s)",
-            report.seconds * 1e3,
-            report.bytes as f64 / report.seconds / 1e9
-        );
-        match &verified {
-            Ok(n) => println!("  verify   ok: {n} bytes match, every canary intact"),
-            Err(e) => println!("  verify   FAILED: {e}"),
+        println!("  B holds blocks 0-3, A holds 4-7, C holds 8-11 (4 layers, TP 1, split K/V, 32 KiB segments)");
+        for r in &runs {
+            println!(
+                "  {:<6} {} local + {} remote blocks, {} bytes in {:.3} ms ({:.2} GB/s) to device blocks {:?}",
+                r.report.path,
+                r.local,
+                r.remote,
+                r.report.bytes,
+                r.report.seconds * 1e3,
+                r.report.bytes as f64 / r.report.seconds / 1e9,
+                DEST
+            );
+            for s in &r.report.stages {
+                println!("           {:<6} {:>9.3} ms", s.name, s.seconds * 1e3);
+            }
+            match &r.verified {
+                Ok(n) => println!("           verify ok: {n} bytes match, every canary intact"),
+                Err(e) => println!("           verify FAILED: {e}"),
+            }
         }
     }
-    if let Err(e) = verified {
-        bail!("verification failed: {e}");
+    if !verified {
+        bail!("verification failed");
     }
     Ok(())
 }
@@ -100,15 +139,9 @@ fn node_device_name(node: &Node) -> String {
     node.device(0).map(|d| d.name()).unwrap_or_default()
 }
 
-async fn demo(
-    node: &Node,
-    device: Arc<dyn Device>,
-) -> anyhow::Result<(TransferReport, Result<u64, String>, String)> {
-    let shape = KvShape::new(4, 1, 2, 32 << 10)?;
-    let kv = DeviceKv::alloc(device, shape, KvKind::Split, 32, 32 << 10, 256)?;
-    let instance = InstanceId::new("demo-engine")?;
+async fn register(node: &Node, shape: KvShape, kv: &DeviceKv) -> anyhow::Result<()> {
     node.register_instance(RegisterInstance {
-        instance: instance.clone(),
+        instance: InstanceId::new(ENGINE)?,
         model: "demo-model".into(),
         dtype: "bf16".into(),
         shape,
@@ -117,40 +150,86 @@ async fn demo(
         layout: kv.spec(),
     })
     .await?;
-    let hashes: Vec<BlockHash> = (0..BLOCKS).map(BlockHash::from_u64).collect();
-    let blocks = hashes
-        .iter()
-        .enumerate()
-        .map(|(i, h)| (*h, rank_part(&shape, i as u64, 0)))
+    Ok(())
+}
+
+async fn put(node: &Node, shape: &KvShape, range: std::ops::Range<u64>) -> anyhow::Result<()> {
+    let blocks = range
+        .map(|i| (BlockHash::from_u64(i), rank_part(shape, i, 0)))
         .collect();
     node.put_blocks(PutBlocks {
-        instance: instance.clone(),
+        instance: InstanceId::new(ENGINE)?,
         rank: 0,
         blocks,
     })
     .await?;
-    let q = node
-        .query(QueryRequest {
-            instance: instance.clone(),
-            hashes,
-            direct_gpu: false,
-        })
-        .await?;
-    let lease = q.lease.context("the demo's blocks did not hit")?;
-    let report = node
-        .load(LoadRequest {
-            lease,
-            instance: instance.clone(),
-            rank: 0,
-            dest_blocks: DEST.to_vec(),
-        })
-        .await?;
+    Ok(())
+}
+
+async fn demo(
+    b: &Node,
+    owners: &[Node],
+    ranges: &[(&str, std::ops::Range<u64>)],
+    device: Arc<dyn Device>,
+) -> anyhow::Result<Vec<Run>> {
+    let shape = KvShape::new(4, 1, 2, 32 << 10)?;
+    let kv = DeviceKv::alloc(device, shape, KvKind::Split, 32, 32 << 10, 256)?;
+    register(b, shape, &kv).await?;
+    put(b, &shape, 0..4).await?;
+    let mut owner_kv = Vec::new();
+    for (node, (_, range)) in owners.iter().zip(ranges) {
+        let okv = DeviceKv::alloc(
+            node.device(0).context("owner device")?,
+            shape,
+            KvKind::Split,
+            4,
+            32 << 10,
+            0,
+        )?;
+        register(node, shape, &okv).await?;
+        put(node, &shape, range.clone()).await?;
+        owner_kv.push(okv);
+    }
+    let instance = InstanceId::new(ENGINE)?;
+    let hashes: Vec<BlockHash> = (0..12).map(BlockHash::from_u64).collect();
     let expected: Vec<(u32, u64)> = DEST
         .iter()
         .enumerate()
         .map(|(i, d)| (*d, i as u64))
         .collect();
-    let verified = kv.verify(&expected, 0);
-    node.unregister_instance(instance).await?;
-    Ok((report, verified, lease.to_hex()))
+    let mut runs = Vec::new();
+    for direct in [true, false] {
+        kv.reset()?;
+        let q = b
+            .query(QueryRequest {
+                instance: instance.clone(),
+                hashes: hashes.clone(),
+                direct_gpu: direct,
+            })
+            .await?;
+        if direct && !q.direct.is_granted() {
+            bail!("direct loads were not granted: {:?}", q.direct);
+        }
+        let lease = q.lease.context("the demo's blocks did not hit")?;
+        let report = b
+            .load(LoadRequest {
+                lease,
+                instance: instance.clone(),
+                rank: 0,
+                dest_blocks: DEST.to_vec(),
+            })
+            .await?;
+        let verified = kv.verify(&expected, 0);
+        runs.push(Run {
+            direct,
+            local: q.local_blocks,
+            remote: q.remote_blocks,
+            report,
+            verified,
+        });
+        // Start the next run cold: the staged copies B just made would otherwise hit locally.
+        b.drop_reclaimable().await?;
+    }
+    b.unregister_instance(instance).await?;
+    Ok(runs)
 }

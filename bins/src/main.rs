@@ -1,6 +1,7 @@
 //! The `kvferry` binary: `node`, `demo` and `bench`.
 
 mod bench;
+mod bench_remote;
 mod demo;
 
 use anyhow::Context;

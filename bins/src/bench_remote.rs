@@ -1,0 +1,315 @@
+//! `kvferry bench remote`: a remote suffix loaded direct and staged in the same run, from an
+//! owner node to a requester node of one process, over a chosen provider.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use kvferry_actors::config::ByteSize;
+use kvferry_actors::fixture::{rank_part, DeviceKv, KvKind};
+use kvferry_actors::remote::{LocalCluster, Provider};
+use kvferry_actors::{
+    BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, PutBlocks, QueryRequest,
+    RegisterInstance, TransferReport,
+};
+use kvferry_gpu::{Device, HostDevice, KvShape};
+use serde_json::json;
+
+#[derive(clap::Args)]
+pub struct RemoteArgs {
+    #[arg(long)]
+    json: bool,
+    /// Device of the requesting node: host, cuda or auto.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// tcp, shm or loopback.
+    #[arg(long, default_value = "shm")]
+    provider: String,
+    /// Remote hit-set blocks (28 layers x split K/V x 64 KiB = 3.5 MiB each).
+    #[arg(long, default_value_t = 64)]
+    blocks: u32,
+    /// Timed repetitions per path (medians are reported).
+    #[arg(long, default_value_t = 7)]
+    iters: usize,
+    /// Also measure a range of hit-set sizes.
+    #[arg(long)]
+    sweep: bool,
+    /// With --sweep: write GB/s against hit-set size for both paths as a PNG chart.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
+}
+
+const ENGINE: &str = "bench-remote";
+
+fn shape() -> anyhow::Result<KvShape> {
+    Ok(KvShape::new(28, 1, 2, 64 << 10)?)
+}
+
+fn node_config(name: &str, slot: u64, slots: u64) -> NodeConfig {
+    let mut cfg = NodeConfig {
+        node_id: name.into(),
+        ..Default::default()
+    };
+    cfg.pool.slot_bytes = ByteSize(slot);
+    cfg.pool.size = ByteSize(slot * slots);
+    cfg
+}
+
+async fn register(node: &Node, kv: &DeviceKv) -> anyhow::Result<InstanceId> {
+    let instance = InstanceId::new(ENGINE)?;
+    node.register_instance(RegisterInstance {
+        instance: instance.clone(),
+        model: "bench".into(),
+        dtype: "bf16".into(),
+        shape: kv.shape,
+        rank: 0,
+        device: 0,
+        layout: kv.spec(),
+    })
+    .await?;
+    Ok(instance)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// One hit-set size measured on both paths.
+struct Point {
+    blocks: u32,
+    bytes: u64,
+    direct_s: f64,
+    staged_s: f64,
+    direct_report: TransferReport,
+    staged_report: TransferReport,
+    verified: bool,
+}
+
+async fn measure(
+    requester: &Node,
+    kv: &DeviceKv,
+    instance: &InstanceId,
+    blocks: u32,
+    iters: usize,
+) -> anyhow::Result<Point> {
+    let hashes: Vec<BlockHash> = (0..u64::from(blocks)).map(BlockHash::from_u64).collect();
+    let dest: Vec<u32> = (0..blocks).map(|i| i * 3 + 1).collect();
+    let bytes = u64::from(blocks) * kv.shape.rank_bytes();
+    let (mut d, mut s) = (Vec::new(), Vec::new());
+    let (mut dr, mut sr) = (None, None);
+    let mut verified = true;
+    let expected: Vec<(u32, u64)> = dest
+        .iter()
+        .enumerate()
+        .map(|(i, x)| (*x, i as u64))
+        .collect();
+    for i in 0..iters + 1 {
+        for direct in [true, false] {
+            let q = requester
+                .query(QueryRequest {
+                    instance: instance.clone(),
+                    hashes: hashes.clone(),
+                    direct_gpu: direct,
+                })
+                .await?;
+            if q.remote_blocks != blocks as usize {
+                bail!("query found {} remote blocks of {blocks}", q.remote_blocks);
+            }
+            let t = Instant::now();
+            let r = requester
+                .load(LoadRequest {
+                    lease: q.lease.context("no lease")?,
+                    instance: instance.clone(),
+                    rank: 0,
+                    dest_blocks: dest.clone(),
+                })
+                .await?;
+            let dt = t.elapsed().as_secs_f64();
+            if i == iters {
+                // Check bytes on the last round of each path, then reset the destinations.
+                verified &= kv.verify(&expected, 0).is_ok();
+                kv.reset()?;
+            }
+            if i > 0 {
+                if direct {
+                    d.push(dt);
+                    dr = Some(r);
+                } else {
+                    s.push(dt);
+                    sr = Some(r);
+                }
+            }
+            // Staged copies would hit locally next time: start every load cold.
+            requester.drop_reclaimable().await?;
+        }
+        eprintln!(
+            "bench: {blocks} blocks ({} MiB), round {i}/{iters}{}",
+            bytes >> 20,
+            if i == 0 { " (warm-up)" } else { "" }
+        );
+    }
+    Ok(Point {
+        blocks,
+        bytes,
+        direct_s: median(&mut d),
+        staged_s: median(&mut s),
+        direct_report: dr.context("no direct run")?,
+        staged_report: sr.context("no staged run")?,
+        verified,
+    })
+}
+
+fn stages(r: &TransferReport) -> serde_json::Value {
+    r.stages
+        .iter()
+        .map(|s| (s.name.to_string(), json!(s.seconds)))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
+    let provider = Provider::parse(&a.provider)?;
+    let device = Arc::clone(&crate::bench::open(&a.device)?[0]);
+    let shape = shape()?;
+    let sizes: Vec<u32> = if a.sweep {
+        let mut v: Vec<u32> = [2u32, 4, 8, 16, 32, 64, 128]
+            .into_iter()
+            .filter(|s| *s < a.blocks)
+            .collect();
+        v.push(a.blocks);
+        v
+    } else {
+        vec![a.blocks]
+    };
+    let max = *sizes.iter().max().unwrap_or(&a.blocks);
+    let cluster = LocalCluster::new(provider);
+    let slot = shape.block_bytes();
+    let owner = Node::start_in(
+        node_config("owner", slot, u64::from(max)),
+        vec![HostDevice::new(0) as Arc<dyn Device>],
+        Clock::system(),
+        Some(Arc::clone(&cluster)),
+    )?;
+    let requester = Node::start_in(
+        node_config("requester", slot, u64::from(max) + 1),
+        vec![Arc::clone(&device)],
+        Clock::system(),
+        Some(Arc::clone(&cluster)),
+    )?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    eprintln!(
+        "bench: remote suffix over {} into {}, {} blocks of {} KiB",
+        provider.as_str(),
+        device.name(),
+        max,
+        shape.rank_bytes() >> 10
+    );
+    let points = rt.block_on(async {
+        let okv = DeviceKv::alloc(
+            owner.device(0).context("owner device")?,
+            shape,
+            KvKind::Split,
+            1,
+            64 << 10,
+            0,
+        )?;
+        let oinst = register(&owner, &okv).await?;
+        for c in 0..max.div_ceil(16) {
+            let lo = u64::from(c * 16);
+            let hi = u64::from(((c + 1) * 16).min(max));
+            let blocks = (lo..hi)
+                .map(|i| (BlockHash::from_u64(i), rank_part(&shape, i, 0)))
+                .collect();
+            owner
+                .put_blocks(PutBlocks {
+                    instance: oinst.clone(),
+                    rank: 0,
+                    blocks,
+                })
+                .await?;
+        }
+        let kv = DeviceKv::alloc(
+            Arc::clone(&device),
+            shape,
+            KvKind::Split,
+            max * 3,
+            64 << 10,
+            0,
+        )?;
+        let inst = register(&requester, &kv).await?;
+        let mut points = Vec::new();
+        for &n in &sizes {
+            points.push(measure(&requester, &kv, &inst, n, a.iters).await?);
+        }
+        let st = requester.stats().await?;
+        if st.leases_live != 0 || st.pinned_blocks != 0 || st.transfers_in_flight != 0 {
+            bail!("leak after the benchmark: {st:?}");
+        }
+        requester.unregister_instance(inst).await?;
+        Ok::<_, anyhow::Error>(points)
+    });
+    requester.shutdown();
+    owner.shutdown();
+    let points = points?;
+    let main = points.last().context("no measurement")?;
+    let ratio = main.staged_s / main.direct_s;
+    let gbps = |b: u64, s: f64| b as f64 / s / 1e9;
+    if let Some(path) = &a.plot {
+        if !a.sweep {
+            bail!("--plot needs --sweep");
+        }
+        bail!("plotting is not built yet: {}", path.display());
+    }
+    let verified = points.iter().all(|p| p.verified);
+    if a.json {
+        let out = json!({
+            "device": device.name(),
+            "provider": provider.as_str(),
+            "blocks": main.blocks,
+            "bytes": main.bytes,
+            "iters": a.iters,
+            "direct": {
+                "median_s": main.direct_s,
+                "gbps": gbps(main.bytes, main.direct_s),
+                "stages": stages(&main.direct_report),
+            },
+            "staged": {
+                "median_s": main.staged_s,
+                "gbps": gbps(main.bytes, main.staged_s),
+                "stages": stages(&main.staged_report),
+            },
+            "direct_vs_staged": ratio,
+            "verified": verified,
+            "sweep": points.iter().map(|p| json!({
+                "blocks": p.blocks,
+                "bytes": p.bytes,
+                "direct_gbps": gbps(p.bytes, p.direct_s),
+                "staged_gbps": gbps(p.bytes, p.staged_s),
+            })).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        for p in &points {
+            println!(
+                "{:>4} blocks {:>5} MiB: direct {:>6.2} GB/s, staged {:>6.2} GB/s, direct/staged {:.2}",
+                p.blocks,
+                p.bytes >> 20,
+                gbps(p.bytes, p.direct_s),
+                gbps(p.bytes, p.staged_s),
+                p.staged_s / p.direct_s
+            );
+        }
+        println!(
+            "direct_vs_staged ({} blocks): {ratio:.2}; verified: {verified}",
+            main.blocks
+        );
+    }
+    if !verified {
+        bail!("verification failed");
+    }
+    Ok(())
+}
