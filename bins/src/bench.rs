@@ -388,7 +388,7 @@ fn local(a: LocalArgs) -> anyhow::Result<()> {
 
 /// The baseline copy of the same number of bytes: a plain memcpy on the host device, one
 /// raw `cuMemcpyHtoDAsync` from pinned memory on a GPU.
-enum Baseline {
+pub(crate) enum Baseline {
     Memcpy {
         src: Vec<u8>,
         dst: Vec<u8>,
@@ -403,7 +403,7 @@ enum Baseline {
 }
 
 impl Baseline {
-    fn new(device: &Arc<dyn Device>, bytes: u64) -> anyhow::Result<Self> {
+    pub(crate) fn new(device: &Arc<dyn Device>, bytes: u64) -> anyhow::Result<Self> {
         let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
         match device.kind() {
             DeviceKind::Host => Ok(Baseline::Memcpy {
@@ -423,14 +423,14 @@ impl Baseline {
         }
     }
 
-    fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self {
             Baseline::Memcpy { .. } => "memcpy (one contiguous copy)",
             Baseline::RawH2d { .. } => "raw cuMemcpyHtoDAsync from pinned memory",
         }
     }
 
-    fn run(&mut self) -> anyhow::Result<f64> {
+    pub(crate) fn run(&mut self) -> anyhow::Result<f64> {
         match self {
             Baseline::Memcpy { src, dst } => {
                 let t = Instant::now();

@@ -208,6 +208,14 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
         max,
         shape.rank_bytes() >> 10
     );
+    // The raw copy of the same bytes: a pinned cuMemcpyHtoDAsync on a GPU, memcpy on host.
+    let mut baseline =
+        crate::bench::Baseline::new(&device, u64::from(a.blocks) * shape.rank_bytes())?;
+    let mut base_s: Vec<f64> = (0..a.iters + 1)
+        .map(|_| baseline.run())
+        .collect::<Result<_, _>>()?;
+    base_s.remove(0);
+    let base_median = median(&mut base_s);
     let points = rt.block_on(async {
         let okv = DeviceKv::alloc(
             owner.device(0).context("owner device")?,
@@ -283,6 +291,9 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
                 "stages": stages(&main.staged_report),
             },
             "direct_vs_staged": ratio,
+            "baseline": baseline.name(),
+            "baseline_gbps": gbps(main.bytes, base_median),
+            "direct_vs_baseline": base_median / main.direct_s,
             "verified": verified,
             "sweep": points.iter().map(|p| json!({
                 "blocks": p.blocks,
@@ -306,6 +317,12 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
         println!(
             "direct_vs_staged ({} blocks): {ratio:.2}; verified: {verified}",
             main.blocks
+        );
+        println!(
+            "{}: {:.2} GB/s; direct_vs_baseline {:.2}",
+            baseline.name(),
+            gbps(main.bytes, base_median),
+            base_median / main.direct_s
         );
     }
     if !verified {

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_remote;
 mod demo;
+mod plot;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
