@@ -115,7 +115,7 @@ fn render(title: &str, x_label: &str, y_label: &str, series: &[Series]) -> Canva
     let w = text_width(title, 3);
     c.text((WIDTH as i64 - w) / 2, 18, title, 3, BLACK);
     let x_label = if log_x {
-        format!("{x_label} (log2 scale)")
+        format!("{x_label}, log2 scale")
     } else {
         x_label.to_string()
     };
@@ -369,13 +369,14 @@ impl Canvas {
         self.glyphs(s, scale, c, |col, row| (x + row, y - col));
     }
 
-    /// Draws `s` with the 5×7 font; `at` maps an unrotated pixel offset
-    /// (column, row) from the start of the string to canvas coordinates.
+    /// Draws `s` with the 5×7 font (a 6 px advance per char, before scaling);
+    /// `at` maps an unrotated pixel offset (column, row) from the start of the
+    /// string to canvas coordinates.
     fn glyphs(&mut self, s: &str, scale: i64, c: Rgb, at: impl Fn(i64, i64) -> (i64, i64)) {
         for (i, ch) in s.chars().enumerate() {
             let g = glyph(ch);
             for (gx, &bits) in g.iter().enumerate() {
-                for gy in 0..7 {
+                for gy in 0..8 {
                     if bits >> gy & 1 == 0 {
                         continue;
                     }
@@ -468,7 +469,8 @@ fn adler32(data: &[u8]) -> u32 {
     (b << 16) | a
 }
 
-/// The 5×7 glyph for `ch`: five columns, left to right, bit 0 the top row.
+/// The 5×7 glyph for `ch`: five columns, left to right, bit 0 the top row
+/// (bit 7, an eighth row, is used only by descenders).
 /// Anything outside ASCII 32–126 draws as '?'.
 fn glyph(ch: char) -> [u8; 5] {
     let i = ch as usize;
@@ -479,7 +481,8 @@ fn glyph(ch: char) -> [u8; 5] {
     }
 }
 
-/// The classic 5×7 LCD font, ASCII 32 (' ') to 126 ('~').
+/// The classic 5×7 LCD font, ASCII 32 (' ') to 126 ('~'), with g, j, p, q
+/// and y moved down into an 8th row so their descenders read as such.
 #[rustfmt::skip]
 const FONT: [[u8; 5]; 95] = [
     [0x00, 0x00, 0x00, 0x00, 0x00], // ' '
@@ -553,17 +556,17 @@ const FONT: [[u8; 5]; 95] = [
     [0x38, 0x44, 0x44, 0x48, 0x7f], // d
     [0x38, 0x54, 0x54, 0x54, 0x18], // e
     [0x08, 0x7e, 0x09, 0x01, 0x02], // f
-    [0x0c, 0x52, 0x52, 0x52, 0x3e], // g
+    [0x18, 0xa4, 0xa4, 0xa4, 0x7c], // g
     [0x7f, 0x08, 0x04, 0x04, 0x78], // h
     [0x00, 0x44, 0x7d, 0x40, 0x00], // i
-    [0x20, 0x40, 0x44, 0x3d, 0x00], // j
+    [0x40, 0x80, 0x80, 0x84, 0x7d], // j
     [0x7f, 0x10, 0x28, 0x44, 0x00], // k
     [0x00, 0x41, 0x7f, 0x40, 0x00], // l
     [0x7c, 0x04, 0x18, 0x04, 0x78], // m
     [0x7c, 0x08, 0x04, 0x04, 0x78], // n
     [0x38, 0x44, 0x44, 0x44, 0x38], // o
-    [0x7c, 0x14, 0x14, 0x14, 0x08], // p
-    [0x08, 0x14, 0x14, 0x18, 0x7c], // q
+    [0xfc, 0x24, 0x24, 0x24, 0x18], // p
+    [0x18, 0x24, 0x24, 0x24, 0xfc], // q
     [0x7c, 0x08, 0x04, 0x04, 0x08], // r
     [0x48, 0x54, 0x54, 0x54, 0x20], // s
     [0x04, 0x3f, 0x44, 0x40, 0x20], // t
@@ -571,7 +574,7 @@ const FONT: [[u8; 5]; 95] = [
     [0x1c, 0x20, 0x40, 0x20, 0x1c], // v
     [0x3c, 0x40, 0x30, 0x40, 0x3c], // w
     [0x44, 0x28, 0x10, 0x28, 0x44], // x
-    [0x0c, 0x50, 0x50, 0x50, 0x3c], // y
+    [0x1c, 0xa0, 0xa0, 0xa0, 0x7c], // y
     [0x44, 0x64, 0x54, 0x4c, 0x44], // z
     [0x00, 0x08, 0x36, 0x41, 0x00], // {
     [0x00, 0x00, 0x7f, 0x00, 0x00], // |
