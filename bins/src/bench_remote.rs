@@ -270,7 +270,28 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
         if !a.sweep {
             bail!("--plot needs --sweep");
         }
-        bail!("plotting is not built yet: {}", path.display());
+        let series = |name: &str, secs: fn(&Point) -> f64| crate::plot::Series {
+            name: name.into(),
+            points: points
+                .iter()
+                .map(|p| ((p.bytes >> 20) as f64, gbps(p.bytes, secs(p))))
+                .collect(),
+        };
+        crate::plot::line_chart(
+            path,
+            &format!(
+                "remote suffix over {} into {}",
+                provider.as_str(),
+                device.name()
+            ),
+            "hit set (MiB)",
+            "GB/s",
+            &[
+                series("direct", |p| p.direct_s),
+                series("staged", |p| p.staged_s),
+            ],
+        )?;
+        eprintln!("bench: chart written to {}", path.display());
     }
     let verified = points.iter().all(|p| p.verified);
     if a.json {

@@ -6,10 +6,6 @@
 //! CRC-32, an Adler-32 and some framing. Files are ~1.7 MB for 960×600, which
 //! is fine for a benchmark artefact.
 
-// Until `bench.rs` calls `line_chart` (the `--plot` wiring), nothing in this
-// module is reachable from `main` outside tests; drop this once it is.
-#![allow(dead_code)]
-
 use std::path::Path;
 
 use anyhow::Context;
