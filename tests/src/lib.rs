@@ -104,3 +104,59 @@ pub async fn settled(node: &Node) -> Stats {
     let s = node.stats().await.unwrap();
     panic!("gauges did not return to zero: {s:?}");
 }
+
+/// A real `redis-server` on a free loopback port, killed on drop.
+pub struct RedisServer {
+    child: std::process::Child,
+    pub addr: String,
+}
+
+impl RedisServer {
+    pub fn start() -> Self {
+        for _ in 0..5 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("a free loopback port")
+                .port();
+            let child = std::process::Command::new("redis-server")
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
+                .args(["--bind", "127.0.0.1"])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "redis-server could not start ({e}): run ./scripts/test, which installs it"
+                    )
+                });
+            let mut s = RedisServer {
+                child,
+                addr: format!("127.0.0.1:{port}"),
+            };
+            for _ in 0..500 {
+                if matches!(s.child.try_wait(), Ok(Some(_))) {
+                    break; // the port was taken meanwhile: try another
+                }
+                if std::net::TcpStream::connect(&s.addr).is_ok() {
+                    return s;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        panic!("redis-server did not come up");
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

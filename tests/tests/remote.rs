@@ -27,7 +27,10 @@ struct Cluster {
 
 impl Cluster {
     fn new(provider: Provider, names: &[&str]) -> Self {
-        let cluster = LocalCluster::new(provider);
+        Self::with(LocalCluster::new(provider), names)
+    }
+
+    fn with(cluster: Arc<LocalCluster>, names: &[&str]) -> Self {
         let (clock, hand) = Clock::manual();
         let nodes = names
             .iter()
@@ -174,6 +177,43 @@ fn worked_example_shm() {
 }
 
 #[test]
+fn worked_example_with_the_redis_directory() {
+    let server = RedisServer::start();
+    let dir = kvferry_actors::remote::RedisDirectory::connect(&server.addr, "kvf-test").unwrap();
+    let dir: Arc<dyn kvferry_actors::remote::Directory> = Arc::new(dir);
+    rt().block_on(async {
+        let c = Cluster::with(
+            LocalCluster::with_directory(Provider::Shm, Arc::clone(&dir)),
+            &["b", "a", "c"],
+        );
+        let kv = worked_example(&c, 1).await;
+        for direct in [true, false] {
+            kv[0].reset().unwrap();
+            let q = query(c.node(0), direct).await;
+            assert_eq!((q.local_blocks, q.remote_blocks), (4, 8));
+            c.node(0)
+                .load(LoadRequest {
+                    lease: q.lease.unwrap(),
+                    instance: id("eng"),
+                    rank: 0,
+                    dest_blocks: DEST.to_vec(),
+                })
+                .await
+                .unwrap();
+            kv[0].verify(&expected(), 0).unwrap();
+            all_settled(&c).await;
+            c.node(0).drop_reclaimable().await.unwrap();
+        }
+        // A node that leaves is withdrawn from the shared directory.
+        c.node(2).shutdown();
+        let q = query(c.node(0), false).await;
+        assert_eq!((q.local_blocks, q.remote_blocks), (4, 4));
+        c.node(0).release(q.lease.unwrap()).await.unwrap();
+    });
+    drop(server);
+}
+
+#[test]
 fn worked_example_tcp() {
     run_worked_example(Provider::Tcp);
 }
@@ -227,6 +267,78 @@ fn owner_killed_after_pinning_fails_a_tcp_load_hard() {
             settled(c.node(0)).await;
             assert_eq!(c.node(1).peer_pins().await.unwrap(), 0);
         });
+    }
+}
+
+/// The transport fault matrix, end to end through a load over tcp: each fault makes the
+/// load fail with a typed error (or, for a delay, only slows it), writes nothing outside the
+/// destinations, leaves every gauge at zero, and the next load works.
+#[test]
+fn transport_fault_matrix_end_to_end() {
+    use kvferry_transport::fault::{Fault, FaultKind};
+    use kvferry_transport::CompletionStatus;
+    let cases: Vec<(&str, FaultKind, bool)> = vec![
+        ("failed post", FaultKind::FailPost, true),
+        (
+            "remote access error",
+            FaultKind::CompletionError(CompletionStatus::RemoteAccessError),
+            true,
+        ),
+        (
+            "transport error",
+            FaultKind::CompletionError(CompletionStatus::TransportError),
+            true,
+        ),
+        ("connection drop", FaultKind::DropConnection, true),
+        ("delay", FaultKind::Delay(Duration::from_millis(30)), false),
+    ];
+    for (name, kind, fails) in cases {
+        for direct in [true, false] {
+            rt().block_on(async {
+                let cluster = LocalCluster::new(Provider::Tcp);
+                // The third read to A (block 6) hits the fault.
+                cluster.inject_faults("a", vec![Fault { at: 3, kind }]);
+                let c = Cluster::with(cluster, &["b", "a", "c"]);
+                let kv = worked_example(&c, 1).await;
+                let q = query(c.node(0), direct).await;
+                let r = c
+                    .node(0)
+                    .load(LoadRequest {
+                        lease: q.lease.unwrap(),
+                        instance: id("eng"),
+                        rank: 0,
+                        dest_blocks: DEST.to_vec(),
+                    })
+                    .await;
+                match (fails, r) {
+                    (true, Err(NodeError::Remote { peer, .. })) => assert_eq!(peer, "a", "{name}"),
+                    (false, Ok(_)) => {
+                        kv[0].verify(&expected(), 0).unwrap();
+                    }
+                    (_, other) => panic!("{name} direct={direct}: {other:?}"),
+                }
+                kv[0]
+                    .untouched_outside(&DEST)
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                all_settled(&c).await;
+                c.node(0).drop_reclaimable().await.unwrap();
+                // The next load works: the worker drained, reset and reconnected the QP.
+                kv[0].reset().unwrap();
+                let q = query(c.node(0), direct).await;
+                assert_eq!(q.remote_blocks, 8, "{name}");
+                c.node(0)
+                    .load(LoadRequest {
+                        lease: q.lease.unwrap(),
+                        instance: id("eng"),
+                        rank: 0,
+                        dest_blocks: DEST.to_vec(),
+                    })
+                    .await
+                    .unwrap_or_else(|e| panic!("{name} direct={direct}: next load: {e}"));
+                kv[0].verify(&expected(), 0).unwrap();
+                all_settled(&c).await;
+            });
+        }
     }
 }
 

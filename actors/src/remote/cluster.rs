@@ -91,6 +91,7 @@ pub struct LocalCluster {
     provider: Provider,
     members: Mutex<HashMap<String, Member>>,
     links: Mutex<HashMap<(String, String), Arc<dyn PeerLink>>>,
+    faults: Mutex<HashMap<String, Vec<kvferry_transport::fault::Fault>>>,
     dir: PathBuf,
 }
 
@@ -123,6 +124,7 @@ impl LocalCluster {
             provider,
             members: Mutex::new(HashMap::new()),
             links: Mutex::new(HashMap::new()),
+            faults: Mutex::new(HashMap::new()),
             dir,
         })
     }
@@ -142,6 +144,14 @@ impl LocalCluster {
             if let Some(t) = m.get_mut(node).and_then(|mem| mem.tcp.as_mut()) {
                 t.kill();
             }
+        }
+    }
+
+    /// Injects transport faults into tcp links made to `node` from now on (request numbers
+    /// count across reconnects; each fault fires once). For fault tests.
+    pub fn inject_faults(&self, node: &str, faults: Vec<kvferry_transport::fault::Fault>) {
+        if let Ok(mut f) = self.faults.lock() {
+            f.insert(node.to_owned(), faults);
         }
     }
 
@@ -263,6 +273,12 @@ impl LocalCluster {
                             table: me.nic.tables[0].clone(),
                             pool_lkey: me.pool_mr.key(),
                             max_sge: me.max_sge,
+                            faults: self
+                                .faults
+                                .lock()
+                                .ok()
+                                .and_then(|f| f.get(to).cloned())
+                                .unwrap_or_default(),
                         },
                     ))
                 }

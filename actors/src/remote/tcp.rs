@@ -8,9 +8,10 @@ use std::sync::Arc;
 
 use actix::Addr;
 use kvferry_gpu::{CopyList, CopyOp, Device};
+use kvferry_transport::fault::{Fault, FaultyConnector};
 use kvferry_transport::tcp::TcpConnector;
 use kvferry_transport::{
-    CompletionStatus, DeviceSink, LocalSegment, MrKey, MrTable, NodeId, ReadRequest,
+    CompletionStatus, Connector, DeviceSink, LocalSegment, MrKey, MrTable, NodeId, ReadRequest,
     RemoteDescriptor, SinkError,
 };
 use tokio::sync::oneshot;
@@ -51,6 +52,7 @@ pub struct TcpLink {
     table: MrTable,
     pool_lkey: MrKey,
     max_sge: usize,
+    faults: Vec<Fault>,
     connected: Arc<AtomicBool>,
     next_wr: AtomicU64,
 }
@@ -75,6 +77,9 @@ pub struct TcpEndpoints {
     pub table: MrTable,
     pub pool_lkey: MrKey,
     pub max_sge: usize,
+    /// Faults injected into this link's connection (tests: the transport fault matrix end
+    /// to end); empty in service.
+    pub faults: Vec<Fault>,
 }
 
 impl TcpLink {
@@ -90,6 +95,7 @@ impl TcpLink {
             table: e.table,
             pool_lkey: e.pool_lkey,
             max_sge: e.max_sge.max(1),
+            faults: e.faults,
             connected: Arc::new(AtomicBool::new(false)),
             next_wr: AtomicU64::new(1),
         }
@@ -113,13 +119,23 @@ impl TcpLink {
         let (peer, local, addr) = (self.peer, self.local, self.addr);
         let connected = Arc::clone(&self.connected);
         let name = self.node_id.clone();
+        let faults = self.faults.clone();
         Box::pin(async move {
             let err = |reason: String| NodeError::Remote {
                 peer: name.clone(),
                 reason,
             };
             if !connected.load(Ordering::Acquire) {
-                let connector = Arc::new(TcpConnector::new(local, peer, addr));
+                let tcp = TcpConnector::new(local, peer, addr);
+                let connector: Arc<dyn Connector> = if faults.is_empty() {
+                    Arc::new(tcp)
+                } else {
+                    let faulty = FaultyConnector::new(tcp, peer);
+                    for f in faults {
+                        faulty.inject(f);
+                    }
+                    Arc::new(faulty)
+                };
                 worker
                     .send(Connect {
                         peer,
