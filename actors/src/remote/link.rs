@@ -57,6 +57,29 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
     ) -> BoxFut<Result<u64, NodeError>>;
 }
 
+/// Pins on an owner through its block store (the control path of in-process links).
+pub(crate) fn pin_on(
+    owner: &Addr<BlockStore>,
+    peer: &str,
+    ns: Namespace,
+    hashes: Vec<BlockHash>,
+) -> BoxFut<Result<PinnedRemote, NodeError>> {
+    let owner = owner.clone();
+    let peer = peer.to_owned();
+    Box::pin(async move {
+        owner
+            .send(PinForPeer {
+                namespace: ns,
+                hashes,
+            })
+            .await
+            .map_err(|_| NodeError::Remote {
+                peer,
+                reason: "owner unreachable".into(),
+            })
+    })
+}
+
 /// Releases an owner pin when the last holder (the lease or a transfer's share) drops it.
 pub struct RemotePin {
     pub link: Arc<dyn PeerLink>,
@@ -171,20 +194,7 @@ impl PeerLink for MappedLink {
         ns: Namespace,
         hashes: Vec<BlockHash>,
     ) -> BoxFut<Result<PinnedRemote, NodeError>> {
-        let owner = self.owner.clone();
-        let peer = self.node_id.clone();
-        Box::pin(async move {
-            owner
-                .send(PinForPeer {
-                    namespace: ns,
-                    hashes,
-                })
-                .await
-                .map_err(|_| NodeError::Remote {
-                    peer,
-                    reason: "owner unreachable".into(),
-                })
-        })
+        pin_on(&self.owner, &self.node_id, ns, hashes)
     }
 
     fn unpin(&self, pin_id: u64) {

@@ -16,11 +16,11 @@ use kvferry_transport::{
 };
 use tokio::sync::oneshot;
 
-use super::link::{BoxFut, Keep, PeerLink, PinnedRemote};
+use super::link::{pin_on, BoxFut, Keep, PeerLink, PinnedRemote};
 use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
 use crate::nic::worker::{Connect, NicWorker, PostReads};
-use crate::store::{BlockStore, PinForPeer, UnpinForPeer};
+use crate::store::{BlockStore, UnpinForPeer};
 
 /// Writes a read's device pieces through the device (the gpu copier's synchronous path).
 pub struct DeviceWriter(pub Arc<dyn Device>);
@@ -190,20 +190,7 @@ impl PeerLink for TcpLink {
         ns: Namespace,
         hashes: Vec<BlockHash>,
     ) -> BoxFut<Result<PinnedRemote, NodeError>> {
-        let owner = self.owner.clone();
-        let peer = self.node_id.clone();
-        Box::pin(async move {
-            owner
-                .send(PinForPeer {
-                    namespace: ns,
-                    hashes,
-                })
-                .await
-                .map_err(|_| NodeError::Remote {
-                    peer,
-                    reason: "owner unreachable".into(),
-                })
-        })
+        pin_on(&self.owner, &self.node_id, ns, hashes)
     }
 
     fn unpin(&self, pin_id: u64) {
