@@ -19,6 +19,7 @@ pub mod node;
 pub mod pool;
 pub mod registry;
 pub mod remote;
+pub mod rpc;
 pub mod store;
 pub mod transfer;
 

@@ -33,6 +33,8 @@ struct Inner {
     system: actix::System,
     thread: Mutex<Option<JoinHandle<()>>>,
     cluster: Option<Arc<LocalCluster>>,
+    /// The host pool's `(addr, len)`, for the Peer service's descriptors.
+    pool_region: (u64, u64),
     _registrations: Vec<HostRegistration>,
 }
 
@@ -94,6 +96,7 @@ impl Node {
         for d in &devices {
             registrations.push(d.register_host(pool.base(), pool.memory().len() as u64, false)?);
         }
+        let pool_region = (pool.base(), pool.memory().len() as u64);
         let counters = Arc::new(Counters::default());
         let (tx, rx) = std::sync::mpsc::channel();
         let cfg = config.clone();
@@ -156,6 +159,7 @@ impl Node {
                 system,
                 thread: Mutex::new(Some(thread)),
                 cluster,
+                pool_region,
                 _registrations: registrations,
             }),
         })
@@ -322,5 +326,21 @@ impl Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+impl Node {
+    /// What the owner side of `kvferry.v1.Peer` needs from this node (store, id, pool, peer
+    /// pin TTL). Whoever serves the pool's data path adds it with
+    /// [`crate::rpc::PeerBackend::with_endpoint`].
+    pub fn peer_backend(&self) -> crate::rpc::PeerBackend {
+        let i = &self.inner;
+        crate::rpc::PeerBackend::new(
+            i.store.clone(),
+            i.config.node_id.clone(),
+            i.pool_region,
+            i.config.pool.slot_bytes.0,
+            i.config.lease.peer_pin_ttl(),
+        )
     }
 }

@@ -1,0 +1,369 @@
+//! The requester's client of `kvferry.v1.Peer`. Every call has a deadline (sent to the owner
+//! as `grpc-timeout` and enforced here), and every answer is checked before it is believed:
+//! a pin answer must be a prefix of what was asked, in order.
+
+use std::time::Duration;
+
+use thiserror::Error;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Request, Status};
+
+use super::proto::peer_client::PeerClient as RawClient;
+use super::proto::{HandshakeRequest, HelloRequest, NodeInfo, PinBlocksRequest, UnpinRequest};
+use super::{CAPABILITIES, PROTOCOL, VERSION};
+use crate::model::{BlockHash, Namespace};
+use crate::remote::link::{PinnedRemote, RemoteBlock};
+use crate::remote::Provider;
+
+/// Deadline of every call unless [`PeerClient::with_deadline`] says otherwise.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum PeerClientError {
+    #[error("peer at {addr}: {reason}")]
+    Address { addr: String, reason: String },
+    #[error("peer at {addr}: connecting")]
+    Connect {
+        addr: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// The owner answered with an error status (or the call ran past its deadline:
+    /// `DeadlineExceeded`, or the connection broke: `Unavailable`).
+    #[error("peer at {addr}: {method} failed: {code:?}: {message}")]
+    Call {
+        addr: String,
+        method: &'static str,
+        code: Code,
+        message: String,
+    },
+    /// The owner answered something this client does not believe.
+    #[error("peer at {addr}: {method} answered a malformed response: {reason}")]
+    Malformed {
+        addr: String,
+        method: &'static str,
+        reason: String,
+    },
+}
+
+impl PeerClientError {
+    /// The gRPC status code of a failed call.
+    pub fn code(&self) -> Option<Code> {
+        match self {
+            PeerClientError::Call { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+/// What a node says about itself in Hello.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerInfo {
+    pub node_id: String,
+    pub version: String,
+    pub protocol: u32,
+    pub capabilities: Vec<String>,
+    pub providers: Vec<String>,
+    pub nics: Vec<String>,
+}
+
+impl PeerInfo {
+    /// This build's version, protocol and capabilities for `node_id`.
+    pub fn local(node_id: &str, providers: &[Provider], nics: &[String]) -> Self {
+        Self {
+            node_id: node_id.to_owned(),
+            version: VERSION.to_owned(),
+            protocol: PROTOCOL,
+            capabilities: CAPABILITIES.iter().map(|c| (*c).to_owned()).collect(),
+            providers: providers.iter().map(|p| p.as_str().to_owned()).collect(),
+            nics: nics.to_vec(),
+        }
+    }
+
+    fn into_proto(self) -> NodeInfo {
+        NodeInfo {
+            node_id: self.node_id,
+            version: self.version,
+            protocol: self.protocol,
+            capabilities: self.capabilities,
+            providers: self.providers,
+            nics: self.nics,
+        }
+    }
+
+    fn from_proto(n: NodeInfo) -> Self {
+        Self {
+            node_id: n.node_id,
+            version: n.version,
+            protocol: n.protocol,
+            capabilities: n.capabilities,
+            providers: n.providers,
+            nics: n.nics,
+        }
+    }
+}
+
+/// One registration of the owner's pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteRegion {
+    pub nic: String,
+    pub addr: u64,
+    pub len: u64,
+    pub rkey: u32,
+}
+
+/// Where and how the owner's pool is read over one provider.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerHandshake {
+    pub provider: Provider,
+    pub endpoint: String,
+    pub regions: Vec<RemoteRegion>,
+}
+
+/// One block pinned on the owner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PinnedBlockInfo {
+    pub hash: BlockHash,
+    pub addr: u64,
+    pub len: u64,
+}
+
+/// A pin on the owner: the present prefix of the requested hashes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerPin {
+    /// 0 when nothing was pinned (nothing to unpin).
+    pub pin_id: u64,
+    /// The owner drops the pin on its own after this long.
+    pub ttl: Duration,
+    pub blocks: Vec<PinnedBlockInfo>,
+}
+
+impl PeerPin {
+    /// The form `PeerLink::pin` answers in.
+    pub fn to_remote(&self) -> PinnedRemote {
+        PinnedRemote {
+            pin_id: self.pin_id,
+            blocks: self
+                .blocks
+                .iter()
+                .map(|b| RemoteBlock {
+                    hash: b.hash,
+                    addr: b.addr,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A connection to one owner's Peer service. Cloning shares the HTTP/2 connection.
+#[derive(Clone, Debug)]
+pub struct PeerClient {
+    raw: RawClient<Channel>,
+    addr: String,
+    token: String,
+    deadline: Duration,
+}
+
+impl PeerClient {
+    /// Connects to `addr` ("host:port"), giving up after the default deadline.
+    pub async fn connect(
+        addr: impl Into<String>,
+        token: impl Into<String>,
+    ) -> Result<Self, PeerClientError> {
+        let addr = addr.into();
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| PeerClientError::Address {
+                addr: addr.clone(),
+                reason: e.to_string(),
+            })?
+            .connect_timeout(DEFAULT_DEADLINE)
+            .timeout(DEFAULT_DEADLINE)
+            .tcp_nodelay(true);
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|source| PeerClientError::Connect {
+                addr: addr.clone(),
+                source,
+            })?;
+        Ok(Self {
+            raw: RawClient::new(channel),
+            addr,
+            token: token.into(),
+            deadline: DEFAULT_DEADLINE,
+        })
+    }
+
+    /// Sets the deadline of every later call made through this handle.
+    pub fn with_deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The generated client over the same connection, for requests this wrapper would
+    /// refuse to build (tests of the owner's validation).
+    pub fn raw(&self) -> RawClient<Channel> {
+        self.raw.clone()
+    }
+
+    fn request<T>(&self, msg: T) -> Request<T> {
+        let mut r = Request::new(msg);
+        r.set_timeout(self.deadline);
+        r
+    }
+
+    fn failed(&self, method: &'static str, s: Status) -> PeerClientError {
+        PeerClientError::Call {
+            addr: self.addr.clone(),
+            method,
+            code: s.code(),
+            message: s.message().to_owned(),
+        }
+    }
+
+    fn malformed(&self, method: &'static str, reason: impl Into<String>) -> PeerClientError {
+        PeerClientError::Malformed {
+            addr: self.addr.clone(),
+            method,
+            reason: reason.into(),
+        }
+    }
+
+    /// Awaits a call, enforcing the deadline here too (a stalled connection never answers
+    /// the owner's deadline).
+    async fn call<T>(
+        &self,
+        method: &'static str,
+        fut: impl std::future::Future<Output = Result<tonic::Response<T>, Status>>,
+    ) -> Result<T, PeerClientError> {
+        match tokio::time::timeout(self.deadline, fut).await {
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(s)) => Err(self.failed(method, s)),
+            Err(_) => Err(self.failed(
+                method,
+                Status::deadline_exceeded(format!("no answer within {:?}", self.deadline)),
+            )),
+        }
+    }
+
+    /// Exchanges versions and capabilities; refuses an owner of another protocol revision.
+    pub async fn hello(&self, me: PeerInfo) -> Result<PeerInfo, PeerClientError> {
+        let req = self.request(HelloRequest {
+            token: self.token.clone(),
+            node: Some(me.into_proto()),
+        });
+        let mut raw = self.raw.clone();
+        let resp = self.call("Hello", raw.hello(req)).await?;
+        let node = resp
+            .node
+            .ok_or_else(|| self.malformed("Hello", "no node info"))?;
+        if node.protocol != PROTOCOL {
+            return Err(self.malformed(
+                "Hello",
+                format!(
+                    "owner {} speaks peer protocol {}; this node speaks {PROTOCOL}",
+                    node.node_id, node.protocol
+                ),
+            ));
+        }
+        Ok(PeerInfo::from_proto(node))
+    }
+
+    /// Asks where the owner's pool is read over `provider`.
+    pub async fn handshake(
+        &self,
+        node_id: &str,
+        provider: Provider,
+    ) -> Result<PeerHandshake, PeerClientError> {
+        let req = self.request(HandshakeRequest {
+            token: self.token.clone(),
+            node_id: node_id.to_owned(),
+            provider: provider.as_str().to_owned(),
+        });
+        let mut raw = self.raw.clone();
+        let resp = self.call("Handshake", raw.handshake(req)).await?;
+        let got = Provider::parse(&resp.provider)
+            .map_err(|e| self.malformed("Handshake", e.to_string()))?;
+        if got != provider {
+            return Err(self.malformed(
+                "Handshake",
+                format!("asked for {}, answered {}", provider.as_str(), got.as_str()),
+            ));
+        }
+        Ok(PeerHandshake {
+            provider,
+            endpoint: resp.endpoint,
+            regions: resp
+                .regions
+                .into_iter()
+                .map(|r| RemoteRegion {
+                    nic: r.nic,
+                    addr: r.addr,
+                    len: r.len,
+                    rkey: r.rkey,
+                })
+                .collect(),
+        })
+    }
+
+    /// Pins the present prefix of `hashes` on the owner.
+    pub async fn pin_blocks(
+        &self,
+        namespace: &Namespace,
+        hashes: &[BlockHash],
+    ) -> Result<PeerPin, PeerClientError> {
+        let req = self.request(PinBlocksRequest {
+            token: self.token.clone(),
+            namespace: namespace.as_str().to_owned(),
+            hashes: hashes.iter().map(|h| h.as_bytes().to_vec()).collect(),
+        });
+        let mut raw = self.raw.clone();
+        let resp = self.call("PinBlocks", raw.pin_blocks(req)).await?;
+        if resp.blocks.len() > hashes.len() {
+            return Err(self.malformed(
+                "PinBlocks",
+                format!("{} blocks for {} hashes", resp.blocks.len(), hashes.len()),
+            ));
+        }
+        if resp.pin_id == 0 && !resp.blocks.is_empty() {
+            return Err(self.malformed("PinBlocks", "blocks without a pin id"));
+        }
+        let mut blocks = Vec::with_capacity(resp.blocks.len());
+        for (i, (b, asked)) in resp.blocks.iter().zip(hashes).enumerate() {
+            let hash = BlockHash::at(i, &b.hash)
+                .map_err(|e| self.malformed("PinBlocks", e.to_string()))?;
+            if hash != *asked {
+                return Err(self.malformed(
+                    "PinBlocks",
+                    format!("block #{i} is {hash:?}, asked for {asked:?}"),
+                ));
+            }
+            blocks.push(PinnedBlockInfo {
+                hash,
+                addr: b.addr,
+                len: b.len,
+            });
+        }
+        Ok(PeerPin {
+            pin_id: resp.pin_id,
+            ttl: Duration::from_millis(resp.ttl_ms),
+            blocks,
+        })
+    }
+
+    /// Releases a pin (0 and unknown ids are no-ops on the owner).
+    pub async fn unpin(&self, pin_id: u64) -> Result<(), PeerClientError> {
+        let req = self.request(UnpinRequest {
+            token: self.token.clone(),
+            pin_id,
+        });
+        let mut raw = self.raw.clone();
+        self.call("Unpin", raw.unpin(req)).await?;
+        Ok(())
+    }
+}
