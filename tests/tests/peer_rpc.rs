@@ -1,0 +1,488 @@
+//! The owner side of `kvferry.v1.Peer` over real gRPC on loopback TCP: Hello, Handshake,
+//! PinBlocks (prefix order, shortened hits, addresses inside the pool), Unpin, and the
+//! refusals (bad token, malformed input) that must leave the owner unchanged. The last test
+//! runs the owner in a child process (this binary re-executed) and pins from the parent.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use kvferry_actors::fixture::{DeviceKv, KvKind};
+use kvferry_actors::remote::Provider;
+use kvferry_actors::rpc::peer_client::PeerInfo;
+use kvferry_actors::rpc::{
+    self, proto, Code, DataEndpoint, NicRegistration, PeerBackend, PeerClient, PeerClientError,
+};
+use kvferry_actors::{BlockHash, Clock, Namespace, Node};
+use kvferry_gpu::{Device, KvShape};
+use kvferry_tests::*;
+use tokio::sync::oneshot;
+
+const TOKEN: &str = "cluster-secret";
+const SLOT: u64 = 64 << 10;
+const SLOTS: u64 = 32;
+const CHILD_ENV: &str = "KVFERRY_PEER_RPC_CHILD";
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn shape() -> KvShape {
+    KvShape::new(3, 1, 2, 1024).unwrap()
+}
+
+/// A node holding blocks 0..6 of one namespace, serving Peer on 127.0.0.1:0.
+struct Owner {
+    node: Node,
+    _dev: std::sync::Arc<dyn Device>,
+    _kv: DeviceKv,
+    ns: Namespace,
+    addr: SocketAddr,
+    pool: (u64, u64),
+    stop: Option<oneshot::Sender<()>>,
+    server: tokio::task::JoinHandle<Result<(), rpc::PeerServeError>>,
+}
+
+impl Owner {
+    async fn start(token: &str) -> Self {
+        Self::start_with(token, |b| b).await
+    }
+
+    async fn start_with(token: &str, backend: impl FnOnce(PeerBackend) -> PeerBackend) -> Self {
+        let (node, dev) = node(SLOT, SLOTS, Clock::system());
+        let s = shape();
+        let kv = register(&node, &dev, "eng", s, 0, KvKind::Split, 16, 128).await;
+        put(&node, "eng", &s, 0, 0..6).await;
+        let ns = Namespace::new("m", "bf16", &s.fingerprint()).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let backend = backend(node.peer_backend());
+        let pool = backend.pool();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let server = tokio::spawn(rpc::serve(listener, backend, token.into(), async move {
+            let _ = stopped.await;
+        }));
+        Self {
+            node,
+            _dev: dev,
+            _kv: kv,
+            ns,
+            addr,
+            pool,
+            stop: Some(stop),
+            server,
+        }
+    }
+
+    async fn client(&self, token: &str) -> PeerClient {
+        PeerClient::connect(self.addr.to_string(), token)
+            .await
+            .unwrap()
+    }
+
+    /// No peer pin and no pinned block on the owner.
+    async fn unchanged(&self) {
+        assert_eq!(self.node.peer_pins().await.unwrap(), 0);
+        settled(&self.node).await;
+    }
+
+    /// Stops the server gracefully (clients must be dropped first) and the node.
+    async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        tokio::time::timeout(Duration::from_secs(10), &mut self.server)
+            .await
+            .expect("the server stops after its shutdown signal")
+            .unwrap()
+            .unwrap();
+        self.node.shutdown();
+    }
+}
+
+fn me() -> PeerInfo {
+    PeerInfo::local("requester", &[Provider::Tcp], &[])
+}
+
+fn code(r: Result<impl std::fmt::Debug, PeerClientError>) -> Code {
+    r.unwrap_err().code().expect("a gRPC status")
+}
+
+fn hashes_bytes(ids: &[u64]) -> Vec<Vec<u8>> {
+    ids.iter()
+        .map(|i| BlockHash::from_u64(*i).as_bytes().to_vec())
+        .collect()
+}
+
+#[test]
+fn hello_returns_node_id_and_version() {
+    rt().block_on(async {
+        let o = Owner::start(TOKEN).await;
+        let c = o.client(TOKEN).await;
+        let info = c.hello(me()).await.unwrap();
+        assert_eq!(info.node_id, "test");
+        assert_eq!(info.version, rpc::VERSION);
+        assert_eq!(info.protocol, rpc::PROTOCOL);
+        assert!(info.capabilities.iter().any(|c| c == "pin-blocks"));
+        // No data path added: none is announced.
+        assert!(info.providers.is_empty());
+
+        // Another protocol revision is refused, not silently accepted.
+        let mut old = me();
+        old.protocol = rpc::PROTOCOL + 1;
+        assert_eq!(code(c.hello(old).await), Code::FailedPrecondition);
+        // Hello without node info is malformed.
+        let r = c
+            .raw()
+            .hello(proto::HelloRequest {
+                token: TOKEN.into(),
+                node: None,
+            })
+            .await;
+        assert_eq!(r.unwrap_err().code(), Code::InvalidArgument);
+        drop(c);
+        o.stop().await;
+    });
+}
+
+#[test]
+fn handshake_answers_the_served_provider_only() {
+    rt().block_on(async {
+        let o = Owner::start_with(TOKEN, |b| {
+            b.with_endpoint(DataEndpoint {
+                provider: Provider::Tcp,
+                endpoint: "127.0.0.1:7000".into(),
+                nics: vec![
+                    NicRegistration {
+                        nic: "tcp0".into(),
+                        rkey: 7,
+                    },
+                    NicRegistration {
+                        nic: "tcp1".into(),
+                        rkey: 9,
+                    },
+                ],
+            })
+        })
+        .await;
+        let c = o.client(TOKEN).await;
+        let info = c.hello(me()).await.unwrap();
+        assert_eq!(info.providers, vec!["tcp".to_string()]);
+        assert_eq!(info.nics, vec!["tcp0".to_string(), "tcp1".to_string()]);
+
+        let h = c.handshake("requester", Provider::Tcp).await.unwrap();
+        assert_eq!(h.endpoint, "127.0.0.1:7000");
+        assert_eq!(h.regions.len(), 2);
+        for (r, (nic, rkey)) in h.regions.iter().zip([("tcp0", 7), ("tcp1", 9)]) {
+            assert_eq!((r.nic.as_str(), r.rkey), (nic, rkey));
+            assert_eq!((r.addr, r.len), o.pool);
+        }
+        assert_eq!(o.pool.1, SLOT * SLOTS);
+
+        assert_eq!(
+            code(c.handshake("requester", Provider::Shm).await),
+            Code::FailedPrecondition
+        );
+        let r = c
+            .raw()
+            .handshake(proto::HandshakeRequest {
+                token: TOKEN.into(),
+                node_id: "requester".into(),
+                provider: "carrier-pigeon".into(),
+            })
+            .await;
+        assert_eq!(r.unwrap_err().code(), Code::InvalidArgument);
+        drop(c);
+        o.stop().await;
+    });
+}
+
+#[test]
+fn pin_blocks_prefix_in_order_and_unpin_releases() {
+    rt().block_on(async {
+        let o = Owner::start(TOKEN).await;
+        let c = o.client(TOKEN).await;
+        let (base, len) = o.pool;
+
+        let all = c.pin_blocks(&o.ns, &hashes(0..4)).await.unwrap();
+        assert_ne!(all.pin_id, 0);
+        assert_eq!(all.ttl, Duration::from_secs(120));
+        assert_eq!(
+            all.blocks.iter().map(|b| b.hash).collect::<Vec<_>>(),
+            hashes(0..4)
+        );
+        let mut addrs = Vec::new();
+        for b in &all.blocks {
+            assert_eq!(b.len, SLOT);
+            assert!(
+                b.addr >= base && b.addr + b.len <= base + len,
+                "{b:?} outside the pool {base:#x}+{len}"
+            );
+            assert_eq!((b.addr - base) % SLOT, 0, "{b:?} is not a slot start");
+            addrs.push(b.addr);
+        }
+        addrs.sort_unstable();
+        addrs.dedup();
+        assert_eq!(addrs.len(), 4, "every block has its own slot");
+        assert_eq!(o.node.peer_pins().await.unwrap(), 1);
+
+        // The owner holds 0..6: asking for 0..10 is shortened to the present prefix.
+        let longer = c.pin_blocks(&o.ns, &hashes(0..10)).await.unwrap();
+        assert_eq!(
+            longer.blocks.iter().map(|b| b.hash).collect::<Vec<_>>(),
+            hashes(0..6)
+        );
+        // Same blocks, same addresses as the first pin.
+        assert_eq!(
+            longer.blocks[..4]
+                .iter()
+                .map(|b| b.addr)
+                .collect::<Vec<_>>(),
+            all.blocks.iter().map(|b| b.addr).collect::<Vec<_>>()
+        );
+        // A hole stops the prefix.
+        let holed = [0u64, 1, 99, 3].map(BlockHash::from_u64);
+        let short = c.pin_blocks(&o.ns, &holed).await.unwrap();
+        assert_eq!(short.blocks.len(), 2);
+        // A miss at the front pins nothing.
+        let none = c
+            .pin_blocks(&o.ns, &[BlockHash::from_u64(99), BlockHash::from_u64(0)])
+            .await
+            .unwrap();
+        assert_eq!((none.pin_id, none.blocks.len()), (0, 0));
+        // Another namespace holds nothing.
+        let other = Namespace::new("m", "fp8", &shape().fingerprint()).unwrap();
+        assert!(c
+            .pin_blocks(&other, &hashes(0..4))
+            .await
+            .unwrap()
+            .blocks
+            .is_empty());
+        assert_eq!(o.node.peer_pins().await.unwrap(), 3);
+
+        for p in [&all, &longer, &short] {
+            c.unpin(p.pin_id).await.unwrap();
+        }
+        // Unpinning twice, or an unknown id, is not an error.
+        c.unpin(all.pin_id).await.unwrap();
+        c.unpin(0).await.unwrap();
+        o.unchanged().await;
+        drop(c);
+        o.stop().await;
+    });
+}
+
+#[test]
+fn bad_token_is_unauthenticated_and_pins_nothing() {
+    rt().block_on(async {
+        let o = Owner::start(TOKEN).await;
+        let bad = o.client("not-the-token").await;
+        assert_eq!(
+            code(bad.pin_blocks(&o.ns, &hashes(0..4)).await),
+            Code::Unauthenticated
+        );
+        assert_eq!(code(bad.hello(me()).await), Code::Unauthenticated);
+        assert_eq!(
+            code(bad.handshake("requester", Provider::Tcp).await),
+            Code::Unauthenticated
+        );
+        let empty = o.client("").await;
+        assert_eq!(
+            code(empty.pin_blocks(&o.ns, &hashes(0..4)).await),
+            Code::Unauthenticated
+        );
+        o.unchanged().await;
+
+        // A wrong token cannot release someone else's pin either.
+        let good = o.client(TOKEN).await;
+        let pin = good.pin_blocks(&o.ns, &hashes(0..2)).await.unwrap();
+        assert_eq!(code(bad.unpin(pin.pin_id).await), Code::Unauthenticated);
+        assert_eq!(o.node.peer_pins().await.unwrap(), 1);
+        good.unpin(pin.pin_id).await.unwrap();
+        o.unchanged().await;
+        drop((bad, empty, good));
+        o.stop().await;
+    });
+}
+
+#[test]
+fn empty_configured_token_accepts_any() {
+    rt().block_on(async {
+        let o = Owner::start("").await;
+        let c = o.client("whatever").await;
+        let pin = c.pin_blocks(&o.ns, &hashes(0..3)).await.unwrap();
+        assert_eq!(pin.blocks.len(), 3);
+        c.unpin(pin.pin_id).await.unwrap();
+        o.unchanged().await;
+        drop(c);
+        o.stop().await;
+    });
+}
+
+#[test]
+fn malformed_requests_are_invalid_and_change_nothing() {
+    rt().block_on(async {
+        let o = Owner::start(TOKEN).await;
+        let c = o.client(TOKEN).await;
+        let ns = o.ns.as_str().to_string();
+        let pin = |namespace: String, hashes: Vec<Vec<u8>>| {
+            let mut raw = c.raw();
+            async move {
+                raw.pin_blocks(proto::PinBlocksRequest {
+                    token: TOKEN.into(),
+                    namespace,
+                    hashes,
+                })
+                .await
+            }
+        };
+        // A valid prefix followed by an empty hash: the whole request is refused.
+        let mut h = hashes_bytes(&[0, 1]);
+        h.push(Vec::new());
+        let e = pin(ns.clone(), h).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument);
+        assert!(e.message().contains("#2"), "{}", e.message());
+        // 33 bytes.
+        let mut h = hashes_bytes(&[0]);
+        h.push(vec![1; 33]);
+        let e = pin(ns.clone(), h).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument);
+        // Namespaces that are not model/dtype/fingerprint.
+        for bad in ["", "m/bf16", "m/bf16/x/y", "m/b f16/x"] {
+            let e = pin(bad.into(), hashes_bytes(&[0])).await.unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument, "{bad:?}");
+        }
+        // Too many hashes.
+        let many = (0..rpc::MAX_PIN_HASHES as u64 + 1).collect::<Vec<_>>();
+        let e = pin(ns.clone(), hashes_bytes(&many)).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument);
+        assert!(e.message().contains("4096"), "{}", e.message());
+        // The limit itself is fine (the present prefix is pinned).
+        let most = (0..rpc::MAX_PIN_HASHES as u64).collect::<Vec<_>>();
+        let ok = pin(ns.clone(), hashes_bytes(&most))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(ok.blocks.len(), 6);
+        assert_eq!(o.node.peer_pins().await.unwrap(), 1);
+        c.unpin(ok.pin_id).await.unwrap();
+        o.unchanged().await;
+        drop(c);
+        o.stop().await;
+    });
+}
+
+/// Kills the child if the test fails before it exits.
+struct ChildGuard(Option<Child>);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The owner role of `cross_process_pin`: runs only when re-executed with `CHILD_ENV`.
+/// Prints its address and pool, serves until stdin closes, then checks that every pin the
+/// parent took was released.
+#[test]
+fn child_owner() {
+    if std::env::var_os(CHILD_ENV).is_none() {
+        return;
+    }
+    rt().block_on(async {
+        let o = Owner::start(TOKEN).await;
+        println!("PEER_ADDR={}", o.addr);
+        println!("PEER_POOL={} {}", o.pool.0, o.pool.1);
+        std::io::stdout().flush().unwrap();
+        tokio::task::spawn_blocking(|| {
+            let mut line = String::new();
+            let _ = std::io::stdin().read_line(&mut line);
+        })
+        .await
+        .unwrap();
+        o.unchanged().await;
+        println!("PEER_CHILD_OK");
+        std::io::stdout().flush().unwrap();
+        o.stop().await;
+    });
+}
+
+#[test]
+fn cross_process_pin() {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let mut child = Command::new(exe)
+        .args(["--exact", "child_owner", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let stdin = child.stdin.take().unwrap();
+    let mut guard = ChildGuard(Some(child));
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let wait_for = |prefix: &str| -> String {
+        loop {
+            let line = rx
+                .recv_timeout(Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("the child never printed {prefix}"));
+            // libtest prints "test child_owner ... " on the same line first.
+            if let Some(at) = line.find(prefix) {
+                return line[at + prefix.len()..].to_owned();
+            }
+        }
+    };
+    let addr = wait_for("PEER_ADDR=");
+    let pool = wait_for("PEER_POOL=");
+    let (base, len) = pool.split_once(' ').unwrap();
+    let (base, len): (u64, u64) = (base.parse().unwrap(), len.parse().unwrap());
+
+    rt().block_on(async {
+        let c = PeerClient::connect(addr.clone(), TOKEN).await.unwrap();
+        let info = c.hello(me()).await.unwrap();
+        assert_eq!(info.node_id, "test");
+        let ns = Namespace::new("m", "bf16", &shape().fingerprint()).unwrap();
+        let pin = c.pin_blocks(&ns, &hashes(0..9)).await.unwrap();
+        assert_eq!(
+            pin.blocks.iter().map(|b| b.hash).collect::<Vec<_>>(),
+            hashes(0..6)
+        );
+        assert!(pin
+            .blocks
+            .iter()
+            .all(|b| b.addr >= base && b.addr + b.len <= base + len));
+        let bad = PeerClient::connect(addr, "nope").await.unwrap();
+        assert_eq!(
+            code(bad.pin_blocks(&ns, &hashes(0..2)).await),
+            Code::Unauthenticated
+        );
+        c.unpin(pin.pin_id).await.unwrap();
+    });
+
+    // Closing stdin tells the child to check its gauges and stop.
+    drop(stdin);
+    wait_for("PEER_CHILD_OK");
+    let mut child = guard.0.take().unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "child exited with {status}");
+}
