@@ -22,7 +22,7 @@ use crate::model::{InstanceId, LeaseId, Namespace};
 use crate::registry::RankHandle;
 use crate::registry::{GetInstance, GetRank, InstanceRegistry};
 use crate::remote::link::{BoxFut, Drained, Keep};
-use crate::remote::{LocalCluster, PeerLink, RemoteBlock, RemotePin};
+use crate::remote::{PeerLink, Peers, RemoteBlock, RemotePin};
 use crate::store::{BlockStore, PinGuard, PinPrefix, ReserveFetch};
 use crate::transfer::{Transfer, TransferSpec};
 
@@ -70,7 +70,7 @@ pub struct LeaseKeeper {
     registry: Addr<InstanceRegistry>,
     counters: Arc<Counters>,
     node_id: String,
-    cluster: Option<Arc<LocalCluster>>,
+    cluster: Option<Arc<dyn Peers>>,
 }
 
 impl LeaseKeeper {
@@ -83,7 +83,7 @@ impl LeaseKeeper {
         registry: Addr<InstanceRegistry>,
         counters: Arc<Counters>,
         node_id: String,
-        cluster: Option<Arc<LocalCluster>>,
+        cluster: Option<Arc<dyn Peers>>,
     ) -> Self {
         Self {
             table: LeaseTable::new(ttl),
@@ -136,7 +136,13 @@ impl Handler<Query> for LeaseKeeper {
             let t = Instant::now();
             let remote = match &cluster {
                 Some(c) => {
-                    plan_remote(c, &node_id, &namespace, &hashes[pinned.blocks.len()..]).await
+                    plan_remote(
+                        c.as_ref(),
+                        &node_id,
+                        &namespace,
+                        &hashes[pinned.blocks.len()..],
+                    )
+                    .await
                 }
                 None => Vec::new(),
             };
@@ -180,7 +186,7 @@ impl Handler<Query> for LeaseKeeper {
 /// block order. Stops at the first miss, at an owner that cannot be reached, and after a
 /// segment an owner shortened (blocks that vanished shorten the hit; they are no error).
 async fn plan_remote(
-    cluster: &LocalCluster,
+    cluster: &dyn Peers,
     node_id: &str,
     namespace: &Namespace,
     hashes: &[BlockHash],

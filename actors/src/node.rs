@@ -20,7 +20,7 @@ use crate::metrics::Counters;
 use crate::model::{InstanceId, LeaseId, Namespace};
 use crate::pool::HostPool;
 use crate::registry::{self, CountInstances, GetRank, InstanceRegistry};
-use crate::remote::LocalCluster;
+use crate::remote::{LocalCluster, Peers};
 use crate::store::{self, BlockStore, GetCacheStats};
 
 struct Inner {
@@ -32,7 +32,7 @@ struct Inner {
     config: NodeConfig,
     system: actix::System,
     thread: Mutex<Option<JoinHandle<()>>>,
-    cluster: Option<Arc<LocalCluster>>,
+    cluster: Option<Arc<dyn Peers>>,
     /// The host pool's `(addr, len)`, for the Peer service's descriptors.
     pool_region: (u64, u64),
     _registrations: Vec<HostRegistration>,
@@ -74,18 +74,19 @@ impl Node {
         devices: Vec<Arc<dyn Device>>,
         clock: Clock,
     ) -> Result<Self, NodeError> {
-        Self::start_in(config, devices, clock, None)
+        Self::start_in(config, devices, clock, None::<Arc<LocalCluster>>)
     }
 
     /// Starts a node that is a member of an in-process cluster: it advertises its blocks in
     /// the cluster's directory, serves its pool to the other members over the cluster's
     /// provider, and reads remote suffixes from them.
-    pub fn start_in(
+    pub fn start_in<P: Peers + 'static>(
         config: NodeConfig,
         devices: Vec<Arc<dyn Device>>,
         clock: Clock,
-        cluster: Option<Arc<LocalCluster>>,
+        cluster: Option<Arc<P>>,
     ) -> Result<Self, NodeError> {
+        let cluster: Option<Arc<dyn Peers>> = cluster.map(|c| c as Arc<dyn Peers>);
         config.validate()?;
         let pool = HostPool::new(
             config.pool.size.0,

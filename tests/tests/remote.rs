@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvferry_actors::fixture::{DeviceKv, KvKind};
-use kvferry_actors::remote::{LocalCluster, Provider};
+use kvferry_actors::remote::{LocalCluster, Peers, Provider};
 use kvferry_actors::{Clock, DirectGrant, LoadRequest, ManualClock, Node, NodeError, QueryRequest};
 use kvferry_gpu::{Device, HostDevice, KvShape};
 use kvferry_tests::*;

@@ -129,10 +129,6 @@ impl LocalCluster {
         })
     }
 
-    pub fn directory(&self) -> &Arc<dyn Directory> {
-        &self.directory
-    }
-
     pub fn provider(&self) -> Provider {
         self.provider
     }
@@ -156,7 +152,7 @@ impl LocalCluster {
     }
 
     /// Adds a node: its pool is registered for remote read and served on the provider.
-    pub(crate) fn join(
+    fn join_member(
         &self,
         node: &str,
         store: Addr<BlockStore>,
@@ -224,7 +220,7 @@ impl LocalCluster {
     }
 
     /// Removes a node: its entries leave the directory and links to it are dropped.
-    pub(crate) fn leave(&self, node: &str) {
+    fn leave_member(&self, node: &str) {
         self.directory.withdraw_node(node);
         if let Ok(mut l) = self.links.lock() {
             l.retain(|(a, b), _| a != node && b != node);
@@ -242,7 +238,7 @@ impl LocalCluster {
     }
 
     /// A link from `from` to `to`, made once and shared.
-    pub(crate) fn link(&self, from: &str, to: &str) -> Result<Arc<dyn PeerLink>, NodeError> {
+    fn link_to(&self, from: &str, to: &str) -> Result<Arc<dyn PeerLink>, NodeError> {
         let key = (from.to_owned(), to.to_owned());
         if let Some(l) = self.links.lock().ok().and_then(|l| l.get(&key).cloned()) {
             return Ok(l);
@@ -320,6 +316,29 @@ impl LocalCluster {
             l.insert(key, Arc::clone(&link));
         }
         Ok(link)
+    }
+}
+
+impl super::Peers for LocalCluster {
+    fn directory(&self) -> &Arc<dyn Directory> {
+        &self.directory
+    }
+
+    fn link(&self, from: &str, to: &str) -> Result<Arc<dyn PeerLink>, NodeError> {
+        self.link_to(from, to)
+    }
+
+    fn join(
+        &self,
+        node: &str,
+        store: Addr<BlockStore>,
+        memory: Arc<HostRegion>,
+    ) -> Result<(), NodeError> {
+        self.join_member(node, store, memory)
+    }
+
+    fn leave(&self, node: &str) {
+        self.leave_member(node)
     }
 }
 

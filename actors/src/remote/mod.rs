@@ -12,3 +12,28 @@ pub use cluster::{LocalCluster, Provider};
 pub use directory::{Directory, EmbeddedDirectory, Segment};
 pub use link::{PeerLink, PinnedRemote, RemoteBlock, RemotePin};
 pub use redis::RedisDirectory;
+
+use std::sync::Arc;
+
+use actix::Addr;
+use kvferry_transport::HostRegion;
+
+use crate::error::NodeError;
+use crate::store::BlockStore;
+
+/// How a node reaches its peers: the directory it shares with them, and a link to each.
+/// [`LocalCluster`] is the in-process implementation.
+pub trait Peers: Send + Sync + std::fmt::Debug {
+    fn directory(&self) -> &Arc<dyn Directory>;
+    /// A link from node `from` to owner `to`.
+    fn link(&self, from: &str, to: &str) -> Result<Arc<dyn PeerLink>, NodeError>;
+    /// Makes `node`'s pool reachable to the others.
+    fn join(
+        &self,
+        node: &str,
+        store: Addr<BlockStore>,
+        memory: Arc<HostRegion>,
+    ) -> Result<(), NodeError>;
+    /// Withdraws `node`: its directory entries go and links to it are dropped.
+    fn leave(&self, node: &str);
+}
