@@ -182,9 +182,10 @@ impl Handler<Query> for LeaseKeeper {
     }
 }
 
-/// Looks the suffix up in the directory and pins it on its owners, segment by segment, in
-/// block order. Stops at the first miss, at an owner that cannot be reached, and after a
-/// segment an owner shortened (blocks that vanished shorten the hit; they are no error).
+/// Looks the suffix up in the directory and pins it on its owners, in block order: at each
+/// position the first candidate owner that pins at least one block wins and the plan moves
+/// past what it pinned (a shortened pin is no error: blocks vanished since the lookup).
+/// Stops where no candidate pins anything or an owner cannot be reached.
 async fn plan_remote(
     cluster: &dyn Peers,
     node_id: &str,
@@ -192,14 +193,20 @@ async fn plan_remote(
     hashes: &[BlockHash],
 ) -> Vec<RemoteSeg> {
     let mut out = Vec::new();
-    if hashes.is_empty() {
-        return out;
-    }
-    for seg in cluster.directory().lookup(namespace, hashes, node_id) {
-        let want = &hashes[seg.start..seg.start + seg.len];
+    let mut pos = 0;
+    while pos < hashes.len() {
+        let Some(seg) = cluster
+            .directory()
+            .lookup(namespace, &hashes[pos..], node_id)
+            .into_iter()
+            .next()
+        else {
+            break;
+        };
+        let want = &hashes[pos..pos + seg.len];
         let mut pinned = None;
         for owner in &seg.owners {
-            let Ok(link) = cluster.link(node_id, owner) else {
+            let Ok(link) = cluster.link(node_id, owner).await else {
                 continue;
             };
             if let Ok(p) = link.pin(namespace.clone(), want.to_vec()).await {
@@ -210,7 +217,7 @@ async fn plan_remote(
             }
         }
         let Some((link, p)) = pinned else { break };
-        let short = p.blocks.len() < seg.len;
+        pos += p.blocks.len();
         let pin = Some(RemotePin {
             link: Arc::clone(&link),
             pin_id: p.pin_id,
@@ -220,9 +227,6 @@ async fn plan_remote(
             blocks: p.blocks,
             pin,
         });
-        if short {
-            break;
-        }
     }
     out
 }

@@ -15,7 +15,7 @@ use kvferry_transport::tcp::TcpOwner;
 use kvferry_transport::{Access, HostRegion, MrHandle, MrTable, NicConfig, NodeId, ProviderKind};
 
 use super::directory::{Directory, EmbeddedDirectory};
-use super::link::{MappedLink, MappedView, PeerLink};
+use super::link::{Control, MappedLink, MappedView, PeerLink};
 use super::tcp::{TcpEndpoints, TcpLink};
 use crate::error::NodeError;
 use crate::nic::runtime::NicRuntime;
@@ -57,14 +57,14 @@ pub fn transport_id(node: &str) -> NodeId {
     NodeId(h.finish())
 }
 
-/// A member's tcp endpoints: the owner server for its pool, and its own NIC runtime (one
-/// tcp NIC) with its pool registered for local write, for the reads it makes.
-struct TcpSide {
+/// A node's tcp endpoints: the owner server for its pool, and its own NIC runtime (one tcp
+/// NIC) with its pool registered for local write, for the reads it makes.
+pub(crate) struct TcpSide {
     owner: Option<TcpOwner>,
-    addr: std::net::SocketAddr,
-    pool_mr: MrHandle,
-    max_sge: usize,
-    nic: NicRuntime,
+    pub(crate) addr: std::net::SocketAddr,
+    pub(crate) pool_mr: MrHandle,
+    pub(crate) max_sge: usize,
+    pub(crate) nic: NicRuntime,
 }
 
 impl TcpSide {
@@ -76,13 +76,112 @@ impl TcpSide {
     }
 }
 
+/// What makes a node's pool readable by peers over one provider, and what it reads them
+/// with: its pool registered for remote read, plus the provider's server (shm socket or
+/// tcp server and NIC runtime).
+pub(crate) struct DataSide {
+    pub(crate) memory: Arc<HostRegion>,
+    _table: MrTable,
+    pub(crate) mr: MrHandle,
+    pub(crate) shm: Option<(PathBuf, ShmOwner)>,
+    pub(crate) tcp: Option<TcpSide>,
+}
+
+impl DataSide {
+    /// Registers and serves `memory`; shm sockets go in `dir`.
+    pub(crate) fn start(
+        node: &str,
+        provider: Provider,
+        memory: Arc<HostRegion>,
+        dir: &std::path::Path,
+        tcp_listen: &str,
+    ) -> Result<Self, NodeError> {
+        let table = MrTable::new();
+        let mr = table
+            .register_host(Arc::clone(&memory), Access::REMOTE_READ)
+            .map_err(|e| remote(node, e.to_string()))?;
+        let shm = match provider {
+            Provider::Shm => {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| remote(node, format!("creating {}: {e}", dir.display())))?;
+                let path = dir.join(format!("{node}.sock"));
+                let _ = std::fs::remove_file(&path);
+                let listener = UnixListener::bind(&path)
+                    .map_err(|e| remote(node, format!("binding {}: {e}", path.display())))?;
+                // Only this user may connect and receive the pool's descriptor.
+                use std::os::unix::fs::PermissionsExt;
+                let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600));
+                let owner = ShmOwner::spawn(listener, transport_id(node), table.clone())
+                    .map_err(|e| remote(node, e.to_string()))?;
+                Some((path, owner))
+            }
+            _ => None,
+        };
+        let tcp = match provider {
+            Provider::Tcp => {
+                let listener = std::net::TcpListener::bind(tcp_listen)
+                    .map_err(|e| remote(node, format!("binding {tcp_listen}: {e}")))?;
+                let owner = TcpOwner::spawn(listener, transport_id(node), table.clone())
+                    .map_err(|e| remote(node, e.to_string()))?;
+                let addr = owner.local_addr();
+                let nic_cfg = NicConfig {
+                    name: format!("{node}-tcp0"),
+                    provider: ProviderKind::Tcp,
+                    ..NicConfig::default()
+                };
+                let max_sge = nic_cfg.max_sge as usize;
+                let nic =
+                    NicRuntime::start(vec![nic_cfg]).map_err(|e| remote(node, e.to_string()))?;
+                let pool_mr = nic.tables[0]
+                    .register_host(Arc::clone(&memory), Access::LOCAL_WRITE)
+                    .map_err(|e| remote(node, e.to_string()))?;
+                Some(TcpSide {
+                    owner: Some(owner),
+                    addr,
+                    pool_mr,
+                    max_sge,
+                    nic,
+                })
+            }
+            _ => None,
+        };
+        Ok(Self {
+            memory,
+            _table: table,
+            mr,
+            shm,
+            tcp,
+        })
+    }
+
+    /// Where peers reach this side: the tcp server's address or the shm socket path.
+    pub(crate) fn endpoint(&self) -> Option<String> {
+        if let Some(t) = &self.tcp {
+            return Some(t.addr.to_string());
+        }
+        self.shm.as_ref().map(|(p, _)| p.display().to_string())
+    }
+
+    pub(crate) fn stop(mut self) {
+        if let Some((path, owner)) = self.shm.take() {
+            owner.shutdown();
+            let _ = std::fs::remove_file(path);
+        }
+        if let Some(mut t) = self.tcp.take() {
+            t.kill();
+        }
+    }
+
+    pub(crate) fn kill_server(&mut self) {
+        if let Some(t) = self.tcp.as_mut() {
+            t.kill();
+        }
+    }
+}
+
 struct Member {
     store: Addr<BlockStore>,
-    memory: Arc<HostRegion>,
-    _table: MrTable,
-    mr: MrHandle,
-    shm: Option<(PathBuf, ShmOwner)>,
-    tcp: Option<TcpSide>,
+    side: DataSide,
 }
 
 /// Nodes of one process.
@@ -137,8 +236,8 @@ impl LocalCluster {
     /// and stops, while its node keeps running (its pins stay until they expire).
     pub fn kill_server(&self, node: &str) {
         if let Ok(mut m) = self.members.lock() {
-            if let Some(t) = m.get_mut(node).and_then(|mem| mem.tcp.as_mut()) {
-                t.kill();
+            if let Some(mem) = m.get_mut(node) {
+                mem.side.kill_server();
             }
         }
     }
@@ -158,64 +257,11 @@ impl LocalCluster {
         store: Addr<BlockStore>,
         memory: Arc<HostRegion>,
     ) -> Result<(), NodeError> {
-        let table = MrTable::new();
-        let mr = table
-            .register_host(Arc::clone(&memory), Access::REMOTE_READ)
-            .map_err(|e| remote(node, e.to_string()))?;
-        let shm = match self.provider {
-            Provider::Shm => {
-                std::fs::create_dir_all(&self.dir)
-                    .map_err(|e| remote(node, format!("creating {}: {e}", self.dir.display())))?;
-                let path = self.dir.join(format!("{node}.sock"));
-                let _ = std::fs::remove_file(&path);
-                let listener = UnixListener::bind(&path)
-                    .map_err(|e| remote(node, format!("binding {}: {e}", path.display())))?;
-                let owner = ShmOwner::spawn(listener, transport_id(node), table.clone())
-                    .map_err(|e| remote(node, e.to_string()))?;
-                Some((path, owner))
-            }
-            _ => None,
-        };
-        let tcp = match self.provider {
-            Provider::Tcp => {
-                let listener = std::net::TcpListener::bind("127.0.0.1:0")
-                    .map_err(|e| remote(node, format!("binding 127.0.0.1:0: {e}")))?;
-                let owner = TcpOwner::spawn(listener, transport_id(node), table.clone())
-                    .map_err(|e| remote(node, e.to_string()))?;
-                let addr = owner.local_addr();
-                let nic_cfg = NicConfig {
-                    name: format!("{node}-tcp0"),
-                    provider: ProviderKind::Tcp,
-                    ..NicConfig::default()
-                };
-                let max_sge = nic_cfg.max_sge as usize;
-                let nic =
-                    NicRuntime::start(vec![nic_cfg]).map_err(|e| remote(node, e.to_string()))?;
-                let pool_mr = nic.tables[0]
-                    .register_host(Arc::clone(&memory), Access::LOCAL_WRITE)
-                    .map_err(|e| remote(node, e.to_string()))?;
-                Some(TcpSide {
-                    owner: Some(owner),
-                    addr,
-                    pool_mr,
-                    max_sge,
-                    nic,
-                })
-            }
-            _ => None,
-        };
-        let m = Member {
-            store,
-            memory,
-            _table: table,
-            mr,
-            shm,
-            tcp,
-        };
+        let side = DataSide::start(node, self.provider, memory, &self.dir, "127.0.0.1:0")?;
         self.members
             .lock()
             .map_err(|_| NodeError::Stopped { what: "cluster" })?
-            .insert(node.to_owned(), m);
+            .insert(node.to_owned(), Member { store, side });
         Ok(())
     }
 
@@ -227,13 +273,7 @@ impl LocalCluster {
         }
         let gone = self.members.lock().ok().and_then(|mut m| m.remove(node));
         if let Some(m) = gone {
-            if let Some((path, owner)) = m.shm {
-                owner.shutdown();
-                let _ = std::fs::remove_file(path);
-            }
-            if let Some(mut t) = m.tcp {
-                t.kill();
-            }
+            m.side.stop();
         }
     }
 
@@ -251,17 +291,17 @@ impl LocalCluster {
             let m = members
                 .get(to)
                 .ok_or_else(|| remote(to, "not a member of this cluster"))?;
-            match (&self.provider, &m.shm, &m.tcp) {
+            match (&self.provider, &m.side.shm, &m.side.tcp) {
                 (Provider::Tcp, _, Some(t)) => {
                     let me = members
                         .get(from)
-                        .and_then(|f| f.tcp.as_ref())
+                        .and_then(|f| f.side.tcp.as_ref())
                         .ok_or_else(|| remote(to, format!("{from} has no tcp endpoint")))?;
                     Arc::new(TcpLink::new(
                         to.to_owned(),
                         TcpEndpoints {
-                            owner: m.store.clone(),
-                            rkey: m.mr.key(),
+                            control: Control::Actor(m.store.clone()),
+                            rkey: m.side.mr.key(),
                             local: transport_id(from),
                             peer: transport_id(to),
                             addr: t.addr,
@@ -285,7 +325,7 @@ impl LocalCluster {
                     let r = mapping
                         .regions()
                         .into_iter()
-                        .find(|r| r.remote_addr == m.memory.addr())
+                        .find(|r| r.remote_addr == m.side.memory.addr())
                         .ok_or_else(|| remote(to, "owner exports no pool"))?;
                     let view = MappedView {
                         holder: Arc::new(Mutex::new(mapping)),
@@ -293,19 +333,24 @@ impl LocalCluster {
                         local_base: r.local_addr,
                         len: r.len,
                     };
-                    Arc::new(MappedLink::new(to.to_owned(), "shm", m.store.clone(), view))
+                    Arc::new(MappedLink::new(
+                        to.to_owned(),
+                        "shm",
+                        Control::Actor(m.store.clone()),
+                        view,
+                    ))
                 }
                 (Provider::Loopback, _, _) => {
                     let view = MappedView {
-                        holder: Arc::clone(&m.memory) as Arc<dyn std::any::Any + Send + Sync>,
-                        remote_base: m.memory.addr(),
-                        local_base: m.memory.addr(),
-                        len: m.memory.len() as u64,
+                        holder: Arc::clone(&m.side.memory) as Arc<dyn std::any::Any + Send + Sync>,
+                        remote_base: m.side.memory.addr(),
+                        local_base: m.side.memory.addr(),
+                        len: m.side.memory.len() as u64,
                     };
                     Arc::new(MappedLink::new(
                         to.to_owned(),
                         "loopback",
-                        m.store.clone(),
+                        Control::Actor(m.store.clone()),
                         view,
                     ))
                 }
@@ -324,8 +369,13 @@ impl super::Peers for LocalCluster {
         &self.directory
     }
 
-    fn link(&self, from: &str, to: &str) -> Result<Arc<dyn PeerLink>, NodeError> {
-        self.link_to(from, to)
+    fn link(
+        &self,
+        from: &str,
+        to: &str,
+    ) -> super::link::BoxFut<Result<Arc<dyn PeerLink>, NodeError>> {
+        let r = self.link_to(from, to);
+        Box::pin(async move { r })
     }
 
     fn join(

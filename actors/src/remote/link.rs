@@ -57,27 +57,67 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
     ) -> BoxFut<Result<u64, NodeError>>;
 }
 
-/// Pins on an owner through its block store (the control path of in-process links).
-pub(crate) fn pin_on(
-    owner: &Addr<BlockStore>,
-    peer: &str,
-    ns: Namespace,
-    hashes: Vec<BlockHash>,
-) -> BoxFut<Result<PinnedRemote, NodeError>> {
-    let owner = owner.clone();
-    let peer = peer.to_owned();
-    Box::pin(async move {
-        owner
-            .send(PinForPeer {
-                namespace: ns,
-                hashes,
-            })
-            .await
-            .map_err(|_| NodeError::Remote {
-                peer,
-                reason: "owner unreachable".into(),
-            })
-    })
+/// The control path to an owner: its block store's address (same process) or its Peer
+/// service (another process).
+#[derive(Clone, Debug)]
+pub enum Control {
+    Actor(Addr<BlockStore>),
+    Grpc {
+        client: crate::rpc::peer_client::PeerClient,
+        /// The runtime unpins are spawned on (they are fire and forget, often from `Drop`).
+        runtime: tokio::runtime::Handle,
+    },
+}
+
+impl Control {
+    pub fn pin(
+        &self,
+        peer: &str,
+        ns: Namespace,
+        hashes: Vec<BlockHash>,
+    ) -> BoxFut<Result<PinnedRemote, NodeError>> {
+        let peer = peer.to_owned();
+        match self.clone() {
+            Control::Actor(owner) => Box::pin(async move {
+                owner
+                    .send(PinForPeer {
+                        namespace: ns,
+                        hashes,
+                    })
+                    .await
+                    .map_err(|_| NodeError::Remote {
+                        peer,
+                        reason: "owner unreachable".into(),
+                    })
+            }),
+            Control::Grpc { client, .. } => Box::pin(async move {
+                client
+                    .pin_blocks(&ns, &hashes)
+                    .await
+                    .map(|p| p.to_remote())
+                    .map_err(|e| NodeError::Remote {
+                        peer,
+                        reason: e.to_string(),
+                    })
+            }),
+        }
+    }
+
+    pub fn unpin(&self, pin_id: u64) {
+        if pin_id == 0 {
+            return;
+        }
+        match self {
+            Control::Actor(owner) => owner.do_send(UnpinForPeer(pin_id)),
+            Control::Grpc { client, runtime } => {
+                let client = client.clone();
+                // An unpin that fails leaves the pin to expire on the owner (its TTL).
+                runtime.spawn(async move {
+                    let _ = client.unpin(pin_id).await;
+                });
+            }
+        }
+    }
 }
 
 /// Releases an owner pin when the last holder (the lease or a transfer's share) drops it.
@@ -126,7 +166,7 @@ impl MappedView {
 pub struct MappedLink {
     pub node_id: String,
     pub provider: &'static str,
-    pub owner: Addr<BlockStore>,
+    pub control: Control,
     pub view: Arc<MappedView>,
     /// Device registrations of the view (read-only), made lazily once per device.
     registered: Mutex<Vec<(u32, HostRegistration)>>,
@@ -136,13 +176,13 @@ impl MappedLink {
     pub fn new(
         node_id: String,
         provider: &'static str,
-        owner: Addr<BlockStore>,
+        control: Control,
         view: MappedView,
     ) -> Self {
         Self {
             node_id,
             provider,
-            owner,
+            control,
             view: Arc::new(view),
             registered: Mutex::new(Vec::new()),
         }
@@ -194,11 +234,11 @@ impl PeerLink for MappedLink {
         ns: Namespace,
         hashes: Vec<BlockHash>,
     ) -> BoxFut<Result<PinnedRemote, NodeError>> {
-        pin_on(&self.owner, &self.node_id, ns, hashes)
+        self.control.pin(&self.node_id, ns, hashes)
     }
 
     fn unpin(&self, pin_id: u64) {
-        self.owner.do_send(UnpinForPeer(pin_id));
+        self.control.unpin(pin_id);
     }
 
     fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<u64, NodeError>> {

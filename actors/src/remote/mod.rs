@@ -25,8 +25,9 @@ use crate::store::BlockStore;
 /// [`LocalCluster`] is the in-process implementation.
 pub trait Peers: Send + Sync + std::fmt::Debug {
     fn directory(&self) -> &Arc<dyn Directory>;
-    /// A link from node `from` to owner `to`.
-    fn link(&self, from: &str, to: &str) -> Result<Arc<dyn PeerLink>, NodeError>;
+    /// A link from node `from` to owner `to` (made once and shared; making one may take a
+    /// round trip to the owner).
+    fn link(&self, from: &str, to: &str) -> link::BoxFut<Result<Arc<dyn PeerLink>, NodeError>>;
     /// Makes `node`'s pool reachable to the others.
     fn join(
         &self,

@@ -16,11 +16,10 @@ use kvferry_transport::{
 };
 use tokio::sync::oneshot;
 
-use super::link::{pin_on, BoxFut, Keep, PeerLink, PinnedRemote};
+use super::link::{BoxFut, Control, Keep, PeerLink, PinnedRemote};
 use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
 use crate::nic::worker::{Connect, NicWorker, PostReads};
-use crate::store::{BlockStore, UnpinForPeer};
 
 /// Writes a read's device pieces through the device (the gpu copier's synchronous path).
 pub struct DeviceWriter(pub Arc<dyn Device>);
@@ -43,7 +42,7 @@ impl DeviceSink for DeviceWriter {
 
 pub struct TcpLink {
     node_id: String,
-    owner: Addr<BlockStore>,
+    control: Control,
     rkey: MrKey,
     local: NodeId,
     peer: NodeId,
@@ -68,7 +67,7 @@ impl std::fmt::Debug for TcpLink {
 
 /// Where a tcp link reaches its owner and how it addresses local memory.
 pub struct TcpEndpoints {
-    pub owner: Addr<BlockStore>,
+    pub control: Control,
     pub rkey: MrKey,
     pub local: NodeId,
     pub peer: NodeId,
@@ -86,7 +85,7 @@ impl TcpLink {
     pub fn new(node_id: String, e: TcpEndpoints) -> Self {
         Self {
             node_id,
-            owner: e.owner,
+            control: e.control,
             rkey: e.rkey,
             local: e.local,
             peer: e.peer,
@@ -190,11 +189,11 @@ impl PeerLink for TcpLink {
         ns: Namespace,
         hashes: Vec<BlockHash>,
     ) -> BoxFut<Result<PinnedRemote, NodeError>> {
-        pin_on(&self.owner, &self.node_id, ns, hashes)
+        self.control.pin(&self.node_id, ns, hashes)
     }
 
     fn unpin(&self, pin_id: u64) {
-        self.owner.do_send(UnpinForPeer(pin_id));
+        self.control.unpin(pin_id);
     }
 
     fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<u64, NodeError>> {
