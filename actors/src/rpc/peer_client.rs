@@ -2,6 +2,7 @@
 //! as `grpc-timeout` and enforced here), and every answer is checked before it is believed:
 //! a pin answer must be a prefix of what was asked, in order.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use thiserror::Error;
@@ -29,6 +30,8 @@ pub enum PeerClientError {
         #[source]
         source: tonic::transport::Error,
     },
+    #[error("peer at {addr}: no connection within {after:?}")]
+    ConnectTimeout { addr: String, after: Duration },
     /// The owner answered with an error status (or the call ran past its deadline:
     /// `DeadlineExceeded`, or the connection broke: `Unavailable`).
     #[error("peer at {addr}: {method} failed: {code:?}: {message}")]
@@ -156,9 +159,15 @@ impl PeerPin {
     }
 }
 
-/// A connection to one owner's Peer service. Cloning shares the HTTP/2 connection.
+/// A connection to one owner's Peer service. Cloning shares the HTTP/2 connection; the
+/// handle is one pointer, so links can hold it inline.
 #[derive(Clone, Debug)]
 pub struct PeerClient {
+    inner: Arc<Inner>,
+}
+
+#[derive(Clone, Debug)]
+struct Inner {
     raw: RawClient<Channel>,
     addr: String,
     token: String,
@@ -166,10 +175,20 @@ pub struct PeerClient {
 }
 
 impl PeerClient {
-    /// Connects to `addr` ("host:port"), giving up after the default deadline.
+    /// Connects to `addr` ("host:port") with the default deadline for the connection and
+    /// every call.
     pub async fn connect(
         addr: impl Into<String>,
         token: impl Into<String>,
+    ) -> Result<Self, PeerClientError> {
+        Self::connect_with_deadline(addr, token, DEFAULT_DEADLINE).await
+    }
+
+    /// Connects to `addr` ("host:port"); `deadline` bounds the connection and every call.
+    pub async fn connect_with_deadline(
+        addr: impl Into<String>,
+        token: impl Into<String>,
+        deadline: Duration,
     ) -> Result<Self, PeerClientError> {
         let addr = addr.into();
         let endpoint = Endpoint::from_shared(format!("http://{addr}"))
@@ -177,49 +196,59 @@ impl PeerClient {
                 addr: addr.clone(),
                 reason: e.to_string(),
             })?
-            .connect_timeout(DEFAULT_DEADLINE)
-            .timeout(DEFAULT_DEADLINE)
+            .connect_timeout(deadline)
+            .timeout(deadline)
             .tcp_nodelay(true);
-        let channel = endpoint
-            .connect()
-            .await
-            .map_err(|source| PeerClientError::Connect {
-                addr: addr.clone(),
-                source,
-            })?;
+        let channel = match tokio::time::timeout(deadline, endpoint.connect()).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(source)) => {
+                return Err(PeerClientError::Connect {
+                    addr: addr.clone(),
+                    source,
+                })
+            }
+            Err(_) => {
+                return Err(PeerClientError::ConnectTimeout {
+                    addr: addr.clone(),
+                    after: deadline,
+                })
+            }
+        };
         Ok(Self {
-            raw: RawClient::new(channel),
-            addr,
-            token: token.into(),
-            deadline: DEFAULT_DEADLINE,
+            inner: Arc::new(Inner {
+                raw: RawClient::new(channel),
+                addr,
+                token: token.into(),
+                deadline,
+            }),
         })
     }
 
     /// Sets the deadline of every later call made through this handle.
     pub fn with_deadline(mut self, deadline: Duration) -> Self {
-        self.deadline = deadline;
+        Arc::make_mut(&mut self.inner).deadline = deadline;
         self
     }
 
     pub fn addr(&self) -> &str {
-        &self.addr
+        &self.inner.addr
     }
 
     /// The generated client over the same connection, for requests this wrapper would
     /// refuse to build (tests of the owner's validation).
     pub fn raw(&self) -> RawClient<Channel> {
-        self.raw.clone()
+        self.inner.raw.clone()
     }
 
     fn request<T>(&self, msg: T) -> Request<T> {
         let mut r = Request::new(msg);
-        r.set_timeout(self.deadline);
+        r.set_timeout(self.inner.deadline);
         r
     }
 
     fn failed(&self, method: &'static str, s: Status) -> PeerClientError {
         PeerClientError::Call {
-            addr: self.addr.clone(),
+            addr: self.inner.addr.clone(),
             method,
             code: s.code(),
             message: s.message().to_owned(),
@@ -228,7 +257,7 @@ impl PeerClient {
 
     fn malformed(&self, method: &'static str, reason: impl Into<String>) -> PeerClientError {
         PeerClientError::Malformed {
-            addr: self.addr.clone(),
+            addr: self.inner.addr.clone(),
             method,
             reason: reason.into(),
         }
@@ -241,12 +270,12 @@ impl PeerClient {
         method: &'static str,
         fut: impl std::future::Future<Output = Result<tonic::Response<T>, Status>>,
     ) -> Result<T, PeerClientError> {
-        match tokio::time::timeout(self.deadline, fut).await {
+        match tokio::time::timeout(self.inner.deadline, fut).await {
             Ok(Ok(r)) => Ok(r.into_inner()),
             Ok(Err(s)) => Err(self.failed(method, s)),
             Err(_) => Err(self.failed(
                 method,
-                Status::deadline_exceeded(format!("no answer within {:?}", self.deadline)),
+                Status::deadline_exceeded(format!("no answer within {:?}", self.inner.deadline)),
             )),
         }
     }
@@ -254,10 +283,10 @@ impl PeerClient {
     /// Exchanges versions and capabilities; refuses an owner of another protocol revision.
     pub async fn hello(&self, me: PeerInfo) -> Result<PeerInfo, PeerClientError> {
         let req = self.request(HelloRequest {
-            token: self.token.clone(),
+            token: self.inner.token.clone(),
             node: Some(me.into_proto()),
         });
-        let mut raw = self.raw.clone();
+        let mut raw = self.inner.raw.clone();
         let resp = self.call("Hello", raw.hello(req)).await?;
         let node = resp
             .node
@@ -281,11 +310,11 @@ impl PeerClient {
         provider: Provider,
     ) -> Result<PeerHandshake, PeerClientError> {
         let req = self.request(HandshakeRequest {
-            token: self.token.clone(),
+            token: self.inner.token.clone(),
             node_id: node_id.to_owned(),
             provider: provider.as_str().to_owned(),
         });
-        let mut raw = self.raw.clone();
+        let mut raw = self.inner.raw.clone();
         let resp = self.call("Handshake", raw.handshake(req)).await?;
         let got = Provider::parse(&resp.provider)
             .map_err(|e| self.malformed("Handshake", e.to_string()))?;
@@ -318,11 +347,11 @@ impl PeerClient {
         hashes: &[BlockHash],
     ) -> Result<PeerPin, PeerClientError> {
         let req = self.request(PinBlocksRequest {
-            token: self.token.clone(),
+            token: self.inner.token.clone(),
             namespace: namespace.as_str().to_owned(),
             hashes: hashes.iter().map(|h| h.as_bytes().to_vec()).collect(),
         });
-        let mut raw = self.raw.clone();
+        let mut raw = self.inner.raw.clone();
         let resp = self.call("PinBlocks", raw.pin_blocks(req)).await?;
         if resp.blocks.len() > hashes.len() {
             return Err(self.malformed(
@@ -359,10 +388,10 @@ impl PeerClient {
     /// Releases a pin (0 and unknown ids are no-ops on the owner).
     pub async fn unpin(&self, pin_id: u64) -> Result<(), PeerClientError> {
         let req = self.request(UnpinRequest {
-            token: self.token.clone(),
+            token: self.inner.token.clone(),
             pin_id,
         });
-        let mut raw = self.raw.clone();
+        let mut raw = self.inner.raw.clone();
         self.call("Unpin", raw.unpin(req)).await?;
         Ok(())
     }
