@@ -55,7 +55,15 @@ impl Owner {
     }
 
     async fn start_with(token: &str, backend: impl FnOnce(PeerBackend) -> PeerBackend) -> Self {
-        let (node, dev) = node(SLOT, SLOTS, Clock::system());
+        Self::start_full(token, Clock::system(), backend).await
+    }
+
+    async fn start_full(
+        token: &str,
+        clock: Clock,
+        backend: impl FnOnce(PeerBackend) -> PeerBackend,
+    ) -> Self {
+        let (node, dev) = node(SLOT, SLOTS, clock);
         let s = shape();
         let kv = register(&node, &dev, "eng", s, 0, KvKind::Split, 16, 128).await;
         put(&node, "eng", &s, 0, 0..6).await;
@@ -375,6 +383,62 @@ fn malformed_requests_are_invalid_and_change_nothing() {
         o.unchanged().await;
         drop(c);
         o.stop().await;
+    });
+}
+
+#[test]
+fn unreleased_pins_expire_after_the_announced_ttl() {
+    rt().block_on(async {
+        let (clock, hand) = Clock::manual();
+        let o = Owner::start_full(TOKEN, clock, |b| b).await;
+        let c = o.client(TOKEN).await;
+        let pin = c.pin_blocks(&o.ns, &hashes(0..3)).await.unwrap();
+        assert_eq!(o.node.peer_pins().await.unwrap(), 1);
+        hand.advance(pin.ttl - Duration::from_secs(1));
+        assert_eq!(o.node.sweep_peer_pins().await.unwrap(), 0);
+        hand.advance(Duration::from_secs(2));
+        assert_eq!(o.node.sweep_peer_pins().await.unwrap(), 1);
+        o.unchanged().await;
+        // The requester's late Unpin of the expired pin is harmless.
+        c.unpin(pin.pin_id).await.unwrap();
+        o.unchanged().await;
+        drop(c);
+        o.stop().await;
+    });
+}
+
+#[test]
+fn a_silent_peer_fails_calls_at_the_deadline() {
+    rt().block_on(async {
+        // Accepts connections and never speaks HTTP/2.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let hold = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                held.push(s);
+            }
+        });
+        let deadline = Duration::from_millis(300);
+        let ns = Namespace::new("m", "bf16", &shape().fingerprint()).unwrap();
+        let started = std::time::Instant::now();
+        let r = async {
+            let c = PeerClient::connect_with_deadline(addr.to_string(), TOKEN, deadline).await?;
+            c.pin_blocks(&ns, &hashes(0..1)).await
+        }
+        .await;
+        let took = started.elapsed();
+        let e = r.unwrap_err();
+        assert!(
+            matches!(e, PeerClientError::ConnectTimeout { .. })
+                || matches!(
+                    e.code(),
+                    Some(Code::DeadlineExceeded | Code::Cancelled | Code::Unavailable)
+                ),
+            "{e:?}"
+        );
+        assert!(took < Duration::from_secs(3), "gave up after {took:?}");
+        hold.abort();
     });
 }
 
