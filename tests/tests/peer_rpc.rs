@@ -442,6 +442,55 @@ fn a_silent_peer_fails_calls_at_the_deadline() {
     });
 }
 
+#[test]
+fn concurrent_pins_over_one_connection_all_release() {
+    rt().block_on(async {
+        let o = Owner::start(TOKEN).await;
+        let c = o.client(TOKEN).await;
+        let tasks: Vec<_> = (0..32u64)
+            .map(|i| {
+                let c = c.clone();
+                let ns = o.ns.clone();
+                tokio::spawn(async move {
+                    let pin = c.pin_blocks(&ns, &hashes(0..1 + i % 6)).await.unwrap();
+                    assert_eq!(pin.blocks.len() as u64, 1 + i % 6);
+                    pin.pin_id
+                })
+            })
+            .collect();
+        let mut ids = Vec::new();
+        for t in tasks {
+            ids.push(t.await.unwrap());
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), 32, "every pin has its own id");
+        assert_eq!(o.node.peer_pins().await.unwrap(), 32);
+        for id in ids {
+            c.unpin(id).await.unwrap();
+        }
+        o.unchanged().await;
+        drop(c);
+        o.stop().await;
+    });
+}
+
+#[test]
+fn a_stopped_node_answers_unavailable() {
+    rt().block_on(async {
+        let o = Owner::start(TOKEN).await;
+        let c = o.client(TOKEN).await;
+        o.node.shutdown();
+        assert_eq!(
+            code(c.pin_blocks(&o.ns, &hashes(0..2)).await),
+            Code::Unavailable
+        );
+        assert_eq!(code(c.unpin(1).await), Code::Unavailable);
+        drop(c);
+        o.stop().await;
+    });
+}
+
 /// Kills the child if the test fails before it exits.
 struct ChildGuard(Option<Child>);
 
