@@ -51,7 +51,7 @@ impl fmt::Display for ByteSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let v = self.0;
         for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
-            if v >= 1 << shift && v % (1 << shift) == 0 {
+            if v >= 1 << shift && v.is_multiple_of(1 << shift) {
                 return write!(f, "{}{unit}", v >> shift);
             }
         }

@@ -231,3 +231,121 @@ impl DeviceKv {
         Ok(checked)
     }
 }
+
+/// An owner node in its own process, for multi-process tests and benchmarks: it holds
+/// pattern blocks `blocks` of namespace `model/bf16/<shape>`, serves `kvferry.v1.Peer` on
+/// 127.0.0.1 (any port) and its pool over `provider`.
+#[derive(Clone, Debug)]
+pub struct OwnerSpec {
+    pub node_id: String,
+    pub model: String,
+    pub provider: crate::remote::Provider,
+    pub shape: KvShape,
+    pub blocks: std::ops::Range<u64>,
+    pub token: String,
+}
+
+/// Runs an owner until `stdin` closes: prints `READY <peer address>` on stdout once it
+/// serves. The parent process closes our stdin to stop us.
+pub fn run_owner_process(spec: OwnerSpec) -> Result<(), crate::NodeError> {
+    use crate::remote::{GrpcPeers, GrpcPeersConfig, StaticDirectory};
+    let stopped = |what| crate::NodeError::Stopped { what };
+    let peers = GrpcPeers::new(
+        GrpcPeersConfig {
+            node_id: spec.node_id.clone(),
+            provider: spec.provider,
+            token: spec.token.clone(),
+            peers: Vec::new(),
+            shm_dir: std::env::temp_dir().join(format!("kvferry-owner-{}", std::process::id())),
+            data_listen: "127.0.0.1:0".into(),
+        },
+        Arc::new(StaticDirectory::new(Vec::new())),
+    );
+    let n = spec.blocks.end - spec.blocks.start;
+    let mut cfg = crate::NodeConfig {
+        node_id: spec.node_id.clone(),
+        ..Default::default()
+    };
+    cfg.pool.slot_bytes = crate::config::ByteSize(spec.shape.block_bytes().div_ceil(64) * 64);
+    cfg.pool.size = crate::config::ByteSize(cfg.pool.slot_bytes.0 * n.max(1));
+    let dev: Arc<dyn Device> = kvferry_gpu::HostDevice::new(0);
+    let node = crate::Node::start_in(
+        cfg,
+        vec![Arc::clone(&dev)],
+        crate::Clock::system(),
+        Some(Arc::clone(&peers)),
+    )?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|_| stopped("owner runtime"))?;
+    let r = rt.block_on(async {
+        let kv = DeviceKv::alloc(
+            Arc::clone(&dev),
+            spec.shape,
+            KvKind::Split,
+            1,
+            spec.shape.segment_bytes(),
+            0,
+        )?;
+        let instance = crate::InstanceId::new("owner-engine")?;
+        node.register_instance(crate::RegisterInstance {
+            instance: instance.clone(),
+            model: spec.model.clone(),
+            dtype: "bf16".into(),
+            shape: spec.shape,
+            rank: 0,
+            device: 0,
+            layout: kv.spec(),
+        })
+        .await?;
+        let ids: Vec<u64> = spec.blocks.clone().collect();
+        for chunk in ids.chunks(16) {
+            let mut blocks = Vec::with_capacity(chunk.len());
+            for &i in chunk {
+                blocks.push((crate::BlockHash::from_u64(i), rank_part(&spec.shape, i, 0)));
+            }
+            node.put_blocks(crate::PutBlocks {
+                instance: instance.clone(),
+                rank: 0,
+                blocks,
+            })
+            .await?;
+        }
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|_| stopped("binding the peer service"))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|_| stopped("peer service address"))?;
+        let mut backend = node.peer_backend();
+        if let Some(e) = peers.data_endpoint() {
+            backend = backend.with_endpoint(e);
+        }
+        let (stop, stopped_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(crate::rpc::serve(
+            listener,
+            backend,
+            spec.token.clone(),
+            async move {
+                let _ = stopped_rx.await;
+            },
+        ));
+        println!("READY {addr}");
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        // Serve until the parent closes our stdin.
+        let _ = tokio::task::spawn_blocking(|| {
+            let mut sink = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+        })
+        .await;
+        let _ = stop.send(());
+        let _ = server.await;
+        drop(kv);
+        Ok::<_, crate::NodeError>(())
+    });
+    node.shutdown();
+    r
+}

@@ -57,7 +57,7 @@ fn hugepages_free() -> Option<u64> {
 impl HostPool {
     /// Creates a pool of `size` bytes (rounded down to whole slots) of `slot_bytes` each.
     pub fn new(size: u64, slot_bytes: u64, hugepages: bool) -> Result<Self, PoolError> {
-        if slot_bytes == 0 || slot_bytes % 64 != 0 {
+        if slot_bytes == 0 || !slot_bytes.is_multiple_of(64) {
             return Err(PoolError::SlotSize(slot_bytes));
         }
         let capacity = size / slot_bytes;

@@ -54,7 +54,7 @@ impl KvShape {
         if !(1..=2).contains(&segments) {
             return Err(ShapeError::Segments(segments));
         }
-        if segment_bytes == 0 || segment_bytes % 64 != 0 {
+        if segment_bytes == 0 || !segment_bytes.is_multiple_of(64) {
             return Err(ShapeError::SegmentBytes(segment_bytes));
         }
         let total = u64::from(layers)

@@ -556,3 +556,116 @@ fn direct_is_refused_without_peers_and_granted_with_them() {
         node.release(q.lease.unwrap()).await.unwrap();
     });
 }
+
+const OWNER_ENV: &str = "KVFERRY_REMOTE_OWNER";
+
+/// The owner half of the two-process tests: this binary re-executed with `OWNER_ENV` set.
+#[test]
+#[ignore = "runs only as the owner child process started by two_processes_over_*"]
+fn child_owner_process() {
+    let provider = std::env::var(OWNER_ENV).expect("started by a two-process test");
+    kvferry_actors::fixture::run_owner_process(kvferry_actors::fixture::OwnerSpec {
+        node_id: "a".into(),
+        model: "m".into(),
+        provider: Provider::parse(&provider).unwrap(),
+        shape: shape(1),
+        blocks: 4..12,
+        token: "t0ken".into(),
+    })
+    .unwrap();
+}
+
+/// A real owner process: the requester pins through its Peer service and reads its pool
+/// over the provider, direct and staged, byte for byte.
+fn two_processes(provider: Provider) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "child_owner_process",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(OWNER_ENV, provider.as_str())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read the child's stdout on a thread, so a child that never gets ready fails the test
+    // after a bound instead of hanging it.
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            // The test harness may print "test child_owner_process ... " on the same line.
+            if let Some(i) = line.find("READY ") {
+                let _ = tx.send(line[i + 6..].trim().to_owned());
+            }
+        }
+    });
+    let addr = match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = child.kill();
+            panic!("the owner process did not get ready: {e}");
+        }
+    };
+    let peers = kvferry_actors::remote::GrpcPeers::new(
+        kvferry_actors::remote::GrpcPeersConfig {
+            node_id: "b".into(),
+            provider,
+            token: "t0ken".into(),
+            peers: vec![("a".into(), addr)],
+            shm_dir: std::env::temp_dir().join(format!("kvferry-req-{}", std::process::id())),
+            data_listen: "127.0.0.1:0".into(),
+        },
+        Arc::new(kvferry_actors::remote::StaticDirectory::new(vec![
+            "a".into()
+        ])),
+    );
+    let dev: Arc<dyn Device> = HostDevice::new(0);
+    let mut cfg = config(64 << 10, 32);
+    cfg.node_id = "b".into();
+    let node = Node::start_in(cfg, vec![Arc::clone(&dev)], Clock::system(), Some(peers)).unwrap();
+    rt().block_on(async {
+        let kv = register(&node, &dev, "eng", shape(1), 0, KvKind::Split, 16, 128).await;
+        put(&node, "eng", &shape(1), 0, 0..4).await;
+        for direct in [true, false] {
+            kv.reset().unwrap();
+            let q = query(&node, direct).await;
+            assert_eq!(
+                (q.local_blocks, q.remote_blocks),
+                (4, 8),
+                "{provider:?} direct={direct}"
+            );
+            let r = node
+                .load(LoadRequest {
+                    lease: q.lease.unwrap(),
+                    instance: id("eng"),
+                    rank: 0,
+                    dest_blocks: DEST.to_vec(),
+                })
+                .await
+                .unwrap();
+            assert_eq!(r.path, if direct { "direct" } else { "staged" });
+            kv.verify(&expected(), 0)
+                .unwrap_or_else(|e| panic!("{provider:?} direct={direct}: {e}"));
+            settled(&node).await;
+            node.drop_reclaimable().await.unwrap();
+        }
+    });
+    node.shutdown();
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+}
+
+#[test]
+fn two_processes_over_shm() {
+    two_processes(Provider::Shm);
+}
+
+#[test]
+fn two_processes_over_tcp() {
+    two_processes(Provider::Tcp);
+}

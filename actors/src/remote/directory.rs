@@ -154,6 +154,50 @@ impl Directory for EmbeddedDirectory {
     }
 }
 
+/// A static peer list as a directory: every configured peer is a candidate owner of every
+/// block, and the plan asks them in order (their pins say what they really hold).
+/// Publishing and withdrawing are local no-ops: nothing is shared.
+#[derive(Debug, Default)]
+pub struct StaticDirectory {
+    peers: Vec<String>,
+    lookups: AtomicU64,
+}
+
+impl StaticDirectory {
+    pub fn new(peers: Vec<String>) -> Self {
+        Self {
+            peers,
+            lookups: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Directory for StaticDirectory {
+    fn publish(&self, _: &str, _: &Namespace, _: &[BlockHash]) {}
+
+    fn withdraw(&self, _: &str, _: &Namespace, _: &[BlockHash]) {}
+
+    fn owners(&self, _: &Namespace, hashes: &[BlockHash], exclude: &str) -> Vec<Vec<String>> {
+        self.lookups.fetch_add(1, Ordering::Relaxed);
+        let owners: Vec<String> = self
+            .peers
+            .iter()
+            .filter(|p| *p != exclude)
+            .cloned()
+            .collect();
+        vec![owners; hashes.len()]
+    }
+
+    fn withdraw_node(&self, _: &str) {}
+
+    fn stats(&self) -> DirectoryStats {
+        DirectoryStats {
+            lookups: self.lookups.load(Ordering::Relaxed),
+            ..Default::default()
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

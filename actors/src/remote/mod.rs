@@ -3,13 +3,15 @@
 
 pub mod cluster;
 pub mod directory;
+pub mod grpc;
 pub mod link;
 pub mod pins;
 pub mod redis;
 pub mod tcp;
 
 pub use cluster::{LocalCluster, Provider};
-pub use directory::{Directory, EmbeddedDirectory, Segment};
+pub use directory::{Directory, EmbeddedDirectory, Segment, StaticDirectory};
+pub use grpc::{GrpcPeers, GrpcPeersConfig};
 pub use link::{PeerLink, PinnedRemote, RemoteBlock, RemotePin};
 pub use redis::RedisDirectory;
 

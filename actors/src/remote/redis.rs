@@ -1039,7 +1039,11 @@ mod tests {
             let node = nodes[(x % 4) as usize];
             let lo = ((x >> 8) % 16) as usize;
             let hi = lo + ((x >> 16) % (17 - lo as u64)) as usize;
-            let space = ns(if (x >> 24) % 3 == 0 { "y" } else { "x" });
+            let space = ns(if (x >> 24).is_multiple_of(3) {
+                "y"
+            } else {
+                "x"
+            });
             match (x >> 32) % 10 {
                 0..=5 => {
                     d.publish(node, &space, &h[lo..hi]);

@@ -86,7 +86,7 @@ impl VerbsConfig {
         range("min-rnr-timer", self.min_rnr_timer.into(), 0, 31)?;
         range("service-level", self.service_level.into(), 0, 15)?;
         range("registration-chunk", self.registration_chunk, PAGE, 1 << 40)?;
-        if self.registration_chunk % PAGE != 0 {
+        if !self.registration_chunk.is_multiple_of(PAGE) {
             return Err(VerbsConfigError::ChunkNotAligned {
                 chunk: self.registration_chunk,
                 page: PAGE,

@@ -1,0 +1,227 @@
+//! Peers in other processes: pins through their `kvferry.v1.Peer` service, data over tcp
+//! (the owner's server, read through this node's NIC worker) or shm (the owner's memfd,
+//! received over its Unix socket and mapped read-only).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, Weak};
+
+use actix::Addr;
+use kvferry_transport::shm::ShmConnector;
+use kvferry_transport::{HostRegion, MrKey};
+
+use super::cluster::{transport_id, DataSide, Provider};
+use super::directory::Directory;
+use super::link::{BoxFut, Control, MappedLink, MappedView, PeerLink};
+use super::tcp::{TcpEndpoints, TcpLink};
+use super::Peers;
+use crate::error::NodeError;
+use crate::rpc::peer_client::PeerClient;
+use crate::rpc::{DataEndpoint, NicRegistration};
+use crate::store::BlockStore;
+
+/// A node's view of peers in other processes.
+pub struct GrpcPeers {
+    node_id: String,
+    provider: Provider,
+    token: String,
+    directory: Arc<dyn Directory>,
+    /// Peer node id → its Peer service address.
+    peers: HashMap<String, String>,
+    shm_dir: PathBuf,
+    data_listen: String,
+    side: Mutex<Option<DataSide>>,
+    links: Mutex<HashMap<String, Arc<dyn PeerLink>>>,
+    /// Links are built in futures that outlive the call that started them.
+    me: Weak<GrpcPeers>,
+}
+
+impl std::fmt::Debug for GrpcPeers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrpcPeers")
+            .field("node", &self.node_id)
+            .field("provider", &self.provider)
+            .field("peers", &self.peers)
+            .finish()
+    }
+}
+
+/// How a [`GrpcPeers`] reaches the others and serves its own pool.
+#[derive(Clone, Debug)]
+pub struct GrpcPeersConfig {
+    pub node_id: String,
+    pub provider: Provider,
+    pub token: String,
+    /// `(node id, "host:port")` of every peer's Peer service.
+    pub peers: Vec<(String, String)>,
+    /// Where this node's shm socket goes.
+    pub shm_dir: PathBuf,
+    /// Where this node's tcp data server listens ("127.0.0.1:0" for any port).
+    pub data_listen: String,
+}
+
+fn remote(peer: &str, reason: impl Into<String>) -> NodeError {
+    NodeError::Remote {
+        peer: peer.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+impl GrpcPeers {
+    pub fn new(cfg: GrpcPeersConfig, directory: Arc<dyn Directory>) -> Arc<Self> {
+        Arc::new_cyclic(|me| Self {
+            me: me.clone(),
+            node_id: cfg.node_id,
+            provider: cfg.provider,
+            token: cfg.token,
+            directory,
+            peers: cfg.peers.into_iter().collect(),
+            shm_dir: cfg.shm_dir,
+            data_listen: cfg.data_listen,
+            side: Mutex::new(None),
+            links: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// This node's data path, for its Peer service's Hello and Handshake answers (after the
+    /// node has joined).
+    pub fn data_endpoint(&self) -> Option<DataEndpoint> {
+        let side = self.side.lock().ok()?;
+        let side = side.as_ref()?;
+        Some(DataEndpoint {
+            provider: self.provider,
+            endpoint: side.endpoint()?,
+            nics: vec![NicRegistration {
+                nic: "pool".into(),
+                rkey: side.mr.key().0,
+            }],
+        })
+    }
+
+    async fn connect(&self, from: &str, to: &str) -> Result<Arc<dyn PeerLink>, NodeError> {
+        let addr = self
+            .peers
+            .get(to)
+            .ok_or_else(|| remote(to, "not in this node's peer list"))?;
+        let client = PeerClient::connect(addr.clone(), self.token.clone())
+            .await
+            .map_err(|e| remote(to, e.to_string()))?;
+        let hs = client
+            .handshake(from, self.provider)
+            .await
+            .map_err(|e| remote(to, e.to_string()))?;
+        let region = hs
+            .regions
+            .first()
+            .ok_or_else(|| remote(to, "owner exports no pool"))?
+            .clone();
+        let control = Control::Grpc {
+            client,
+            runtime: tokio::runtime::Handle::current(),
+        };
+        let link: Arc<dyn PeerLink> = match self.provider {
+            Provider::Shm => {
+                let mapping = ShmConnector::new(transport_id(from), transport_id(to), &hs.endpoint)
+                    .map_exports()
+                    .map_err(|e| remote(to, e.to_string()))?;
+                let r = mapping
+                    .regions()
+                    .into_iter()
+                    .find(|r| r.remote_addr == region.addr)
+                    .ok_or_else(|| remote(to, "the shm socket exports another pool"))?;
+                let view = MappedView {
+                    holder: Arc::new(Mutex::new(mapping)),
+                    remote_base: r.remote_addr,
+                    local_base: r.local_addr,
+                    len: r.len,
+                };
+                Arc::new(MappedLink::new(to.to_owned(), "shm", control, view))
+            }
+            Provider::Tcp => {
+                let side = self
+                    .side
+                    .lock()
+                    .map_err(|_| NodeError::Stopped { what: "peers" })?;
+                let tcp = side
+                    .as_ref()
+                    .and_then(|s| s.tcp.as_ref())
+                    .ok_or_else(|| remote(to, "this node has no tcp data side"))?;
+                let addr = hs
+                    .endpoint
+                    .parse()
+                    .map_err(|_| remote(to, format!("bad tcp endpoint {:?}", hs.endpoint)))?;
+                Arc::new(TcpLink::new(
+                    to.to_owned(),
+                    TcpEndpoints {
+                        control,
+                        rkey: MrKey(region.rkey),
+                        local: transport_id(from),
+                        peer: transport_id(to),
+                        addr,
+                        worker: tcp.nic.workers[0].clone(),
+                        table: tcp.nic.tables[0].clone(),
+                        pool_lkey: tcp.pool_mr.key(),
+                        max_sge: tcp.max_sge,
+                        faults: Vec::new(),
+                    },
+                ))
+            }
+            Provider::Loopback => return Err(remote(to, "loopback does not cross processes")),
+        };
+        if let Ok(mut l) = self.links.lock() {
+            l.insert(to.to_owned(), Arc::clone(&link));
+        }
+        Ok(link)
+    }
+}
+
+impl Peers for GrpcPeers {
+    fn directory(&self) -> &Arc<dyn Directory> {
+        &self.directory
+    }
+
+    fn link(&self, from: &str, to: &str) -> BoxFut<Result<Arc<dyn PeerLink>, NodeError>> {
+        if let Some(l) = self.links.lock().ok().and_then(|l| l.get(to).cloned()) {
+            return Box::pin(async move { Ok(l) });
+        }
+        // The link is built once per owner; `self` lives as long as the node that holds it.
+        let this = self.me.upgrade();
+        let (from, to) = (from.to_owned(), to.to_owned());
+        Box::pin(async move {
+            match this {
+                Some(p) => p.connect(&from, &to).await,
+                None => Err(NodeError::Stopped { what: "peers" }),
+            }
+        })
+    }
+
+    fn join(
+        &self,
+        node: &str,
+        _store: Addr<BlockStore>,
+        memory: Arc<HostRegion>,
+    ) -> Result<(), NodeError> {
+        let side = DataSide::start(
+            node,
+            self.provider,
+            memory,
+            &self.shm_dir,
+            &self.data_listen,
+        )?;
+        *self
+            .side
+            .lock()
+            .map_err(|_| NodeError::Stopped { what: "peers" })? = Some(side);
+        Ok(())
+    }
+
+    fn leave(&self, node: &str) {
+        self.directory.withdraw_node(node);
+        if let Ok(mut l) = self.links.lock() {
+            l.clear();
+        }
+        if let Some(side) = self.side.lock().ok().and_then(|mut s| s.take()) {
+            side.stop();
+        }
+    }
+}
