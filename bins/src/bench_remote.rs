@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use kvferry_actors::config::ByteSize;
 use kvferry_actors::fixture::{rank_part, DeviceKv, KvKind};
-use kvferry_actors::remote::{LocalCluster, Provider};
+use kvferry_actors::remote::{GrpcPeers, GrpcPeersConfig, LocalCluster, Provider, StaticDirectory};
 use kvferry_actors::{
     BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, PutBlocks, QueryRequest,
     RegisterInstance, TransferReport,
@@ -37,6 +37,61 @@ pub struct RemoteArgs {
     /// With --sweep: write GB/s against hit-set size for both paths as a PNG chart.
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
+    /// Run the owner in its own process (`kvferry owner`), reached through its Peer service.
+    #[arg(long)]
+    owner_process: bool,
+}
+
+/// `kvferry owner`: an owner node in its own process holding blocks 0..N of the benchmark's
+/// namespace (internal: started by `bench remote --owner-process`).
+#[derive(clap::Args)]
+pub struct OwnerArgs {
+    #[arg(long, default_value = "shm")]
+    provider: String,
+    #[arg(long)]
+    blocks: u64,
+    #[arg(long, default_value = "owner")]
+    node_id: String,
+    #[arg(long, default_value = "")]
+    token: String,
+}
+
+pub fn owner(a: OwnerArgs) -> anyhow::Result<()> {
+    kvferry_actors::fixture::run_owner_process(kvferry_actors::fixture::OwnerSpec {
+        node_id: a.node_id,
+        model: "bench".into(),
+        provider: Provider::parse(&a.provider)?,
+        shape: shape()?,
+        blocks: 0..a.blocks,
+        token: a.token,
+    })?;
+    Ok(())
+}
+
+/// Starts `kvferry owner` and waits for its Peer address.
+fn spawn_owner(provider: Provider, blocks: u32) -> anyhow::Result<(std::process::Child, String)> {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args([
+            "owner",
+            "--provider",
+            provider.as_str(),
+            "--blocks",
+            &blocks.to_string(),
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the owner process")?;
+    let out = child.stdout.take().context("owner stdout")?;
+    for line in std::io::BufReader::new(out).lines() {
+        let line = line?;
+        if let Some(addr) = line.strip_prefix("READY ") {
+            return Ok((child, addr.trim().to_owned()));
+        }
+    }
+    let _ = child.kill();
+    bail!("the owner process exited before it was ready")
 }
 
 const ENGINE: &str = "bench-remote";
@@ -183,20 +238,43 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
         vec![a.blocks]
     };
     let max = *sizes.iter().max().unwrap_or(&a.blocks);
-    let cluster = LocalCluster::new(provider);
     let slot = shape.block_bytes();
-    let owner = Node::start_in(
-        node_config("owner", slot, u64::from(max)),
-        vec![HostDevice::new(0) as Arc<dyn Device>],
-        Clock::system(),
-        Some(Arc::clone(&cluster)),
-    )?;
-    let requester = Node::start_in(
-        node_config("requester", slot, u64::from(max) + 1),
-        vec![Arc::clone(&device)],
-        Clock::system(),
-        Some(Arc::clone(&cluster)),
-    )?;
+    let (owner, child, requester) = if a.owner_process {
+        let (child, addr) = spawn_owner(provider, max)?;
+        let peers = GrpcPeers::new(
+            GrpcPeersConfig {
+                node_id: "requester".into(),
+                provider,
+                token: String::new(),
+                peers: vec![("owner".into(), addr)],
+                shm_dir: std::env::temp_dir().join(format!("kvferry-bench-{}", std::process::id())),
+                data_listen: "127.0.0.1:0".into(),
+            },
+            Arc::new(StaticDirectory::new(vec!["owner".into()])),
+        );
+        let requester = Node::start_in(
+            node_config("requester", slot, u64::from(max) + 1),
+            vec![Arc::clone(&device)],
+            Clock::system(),
+            Some(peers),
+        )?;
+        (None, Some(child), requester)
+    } else {
+        let cluster = LocalCluster::new(provider);
+        let owner = Node::start_in(
+            node_config("owner", slot, u64::from(max)),
+            vec![HostDevice::new(0) as Arc<dyn Device>],
+            Clock::system(),
+            Some(Arc::clone(&cluster)),
+        )?;
+        let requester = Node::start_in(
+            node_config("requester", slot, u64::from(max) + 1),
+            vec![Arc::clone(&device)],
+            Clock::system(),
+            Some(Arc::clone(&cluster)),
+        )?;
+        (Some(owner), None, requester)
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -217,28 +295,30 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
     base_s.remove(0);
     let base_median = median(&mut base_s);
     let points = rt.block_on(async {
-        let okv = DeviceKv::alloc(
-            owner.device(0).context("owner device")?,
-            shape,
-            KvKind::Split,
-            1,
-            64 << 10,
-            0,
-        )?;
-        let oinst = register(&owner, &okv).await?;
-        for c in 0..max.div_ceil(16) {
-            let lo = u64::from(c * 16);
-            let hi = u64::from(((c + 1) * 16).min(max));
-            let blocks = (lo..hi)
-                .map(|i| (BlockHash::from_u64(i), rank_part(&shape, i, 0)))
-                .collect();
-            owner
-                .put_blocks(PutBlocks {
-                    instance: oinst.clone(),
-                    rank: 0,
-                    blocks,
-                })
-                .await?;
+        if let Some(owner) = &owner {
+            let okv = DeviceKv::alloc(
+                owner.device(0).context("owner device")?,
+                shape,
+                KvKind::Split,
+                1,
+                64 << 10,
+                0,
+            )?;
+            let oinst = register(owner, &okv).await?;
+            for c in 0..max.div_ceil(16) {
+                let lo = u64::from(c * 16);
+                let hi = u64::from(((c + 1) * 16).min(max));
+                let blocks = (lo..hi)
+                    .map(|i| (BlockHash::from_u64(i), rank_part(&shape, i, 0)))
+                    .collect();
+                owner
+                    .put_blocks(PutBlocks {
+                        instance: oinst.clone(),
+                        rank: 0,
+                        blocks,
+                    })
+                    .await?;
+            }
         }
         let kv = DeviceKv::alloc(
             Arc::clone(&device),
@@ -261,7 +341,13 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
         Ok::<_, anyhow::Error>(points)
     });
     requester.shutdown();
-    owner.shutdown();
+    if let Some(o) = owner {
+        o.shutdown();
+    }
+    if let Some(mut c) = child {
+        drop(c.stdin.take());
+        let _ = c.wait();
+    }
     let points = points?;
     let main = points.last().context("no measurement")?;
     let ratio = main.staged_s / main.direct_s;

@@ -35,6 +35,9 @@ enum Cmd {
     /// Measure against baselines taken in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
+    /// An owner node holding benchmark blocks, in its own process (internal).
+    #[command(hide = true)]
+    Owner(bench_remote::OwnerArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -73,5 +76,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Demo(args) => demo::run(args),
         Cmd::Bench(cmd) => bench::run(cmd),
+        Cmd::Owner(a) => bench_remote::owner(a),
     }
 }
