@@ -88,6 +88,50 @@ pub struct NodeConfig {
     pub pool: PoolConfig,
     pub lease: LeaseConfig,
     pub device: DeviceConfig,
+    /// Peers in other processes; absent: a node on its own.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<ClusterConfig>,
+}
+
+/// How a node serves its pool to peers and reaches theirs.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case", default)]
+pub struct ClusterConfig {
+    /// Data path between nodes: `tcp` or `shm` (same host).
+    pub provider: String,
+    /// Where this node serves `kvferry.v1.Peer`.
+    pub peer_listen: String,
+    /// Where the tcp data server listens (port 0: any).
+    pub data_listen: String,
+    /// Where the shm socket is created.
+    pub shm_dir: String,
+    /// Shared secret every peer RPC must carry; empty: not checked.
+    pub token: String,
+    /// `static` (ask the listed peers in order) or `redis://host:port`.
+    pub directory: String,
+    pub peers: Vec<PeerConfig>,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct PeerConfig {
+    pub node_id: String,
+    /// The peer's `peer-listen` address.
+    pub address: String,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            provider: "tcp".into(),
+            peer_listen: "127.0.0.1:7100".into(),
+            data_listen: "127.0.0.1:0".into(),
+            shm_dir: std::env::temp_dir().join("kvferry").display().to_string(),
+            token: String::new(),
+            directory: "static".into(),
+            peers: Vec::new(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -126,6 +170,7 @@ impl Default for NodeConfig {
             pool: PoolConfig::default(),
             lease: LeaseConfig::default(),
             device: DeviceConfig::default(),
+            cluster: None,
         }
     }
 }
@@ -240,6 +285,43 @@ impl NodeConfig {
                 format!("{:?} is not one of host, cuda, auto", self.device.kind),
             );
         }
+        if let Some(c) = &self.cluster {
+            if !matches!(c.provider.as_str(), "tcp" | "shm") {
+                return invalid(
+                    "cluster.provider",
+                    format!("{:?} is not one of tcp, shm", c.provider),
+                );
+            }
+            for (key, addr) in [
+                ("cluster.peer-listen", &c.peer_listen),
+                ("cluster.data-listen", &c.data_listen),
+            ] {
+                if addr.parse::<std::net::SocketAddr>().is_err() {
+                    return invalid(key, format!("{addr:?} is not host:port"));
+                }
+            }
+            if c.directory != "static" && !c.directory.starts_with("redis://") {
+                return invalid(
+                    "cluster.directory",
+                    format!("{:?} is not static or redis://host:port", c.directory),
+                );
+            }
+            let mut seen = std::collections::HashSet::new();
+            for p in &c.peers {
+                if p.node_id == self.node_id || !seen.insert(&p.node_id) {
+                    return invalid(
+                        "cluster.peers",
+                        format!("node id {:?} is listed twice or is this node", p.node_id),
+                    );
+                }
+                if p.address.parse::<std::net::SocketAddr>().is_err() {
+                    return invalid(
+                        "cluster.peers",
+                        format!("{:?} of {} is not host:port", p.address, p.node_id),
+                    );
+                }
+            }
+        }
         if self.device.count == 0 || self.device.count > 64 {
             return invalid(
                 "device.count",
@@ -290,6 +372,16 @@ mod tests {
                 "lease.sweep-interval-secs",
             ),
             ("[device]\nkind = \"tpu\"\n", "device.kind"),
+            ("[cluster]\nprovider = \"verbs\"\n", "cluster.provider"),
+            (
+                "[cluster]\npeer-listen = \"nowhere\"\n",
+                "cluster.peer-listen",
+            ),
+            ("[cluster]\ndirectory = \"etcd\"\n", "cluster.directory"),
+            (
+                "[cluster]\n[[cluster.peers]]\nnode-id = \"node-0\"\naddress = \"127.0.0.1:1\"\n",
+                "cluster.peers",
+            ),
         ];
         for (text, key) in cases {
             let err = NodeConfig::from_toml(text, "t.toml").unwrap_err();

@@ -4,10 +4,10 @@ mod bench;
 mod bench_remote;
 mod demo;
 mod plot;
+mod service;
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
-use kvferry_actors::{Node, NodeConfig};
+use kvferry_actors::NodeConfig;
 
 #[derive(Parser)]
 #[command(
@@ -62,17 +62,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 println!("{config}: ok");
                 return Ok(());
             }
-            let node = Node::start(cfg).context("starting the node")?;
-            eprintln!(
-                "kvferry node {} running; Ctrl-C to stop",
-                node.config().node_id
-            );
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            rt.block_on(tokio::signal::ctrl_c())?;
-            node.shutdown();
-            Ok(())
+            service::run(cfg)
         }
         Cmd::Demo(args) => demo::run(args),
         Cmd::Bench(cmd) => bench::run(cmd),

@@ -1,0 +1,114 @@
+//! `kvferry node`: a long-running node from a config file. With a `[cluster]` section it
+//! serves `kvferry.v1.Peer` and its pool to peers, and reads remote suffixes from them.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use kvferry_actors::remote::{
+    Directory, GrpcPeers, GrpcPeersConfig, Provider, RedisDirectory, StaticDirectory,
+};
+use kvferry_actors::{node::open_devices, Clock, Node, NodeConfig};
+
+/// How long open peer calls may take to finish after SIGTERM.
+const DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+}
+
+pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
+    let devices = open_devices(&cfg)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let Some(c) = cfg.cluster.clone() else {
+        let node = Node::start_with(cfg, devices, Clock::system()).context("starting the node")?;
+        eprintln!(
+            "kvferry node {}: running on its own; Ctrl-C or SIGTERM stops it",
+            node.config().node_id
+        );
+        rt.block_on(shutdown_signal());
+        node.shutdown();
+        return Ok(());
+    };
+    let provider = Provider::parse(&c.provider)?;
+    let directory: Arc<dyn Directory> = if c.directory == "static" {
+        Arc::new(StaticDirectory::new(
+            c.peers.iter().map(|p| p.node_id.clone()).collect(),
+        ))
+    } else {
+        Arc::new(
+            RedisDirectory::connect(&c.directory, "kvf")
+                .with_context(|| format!("connecting to the directory at {}", c.directory))?,
+        )
+    };
+    let peers = GrpcPeers::new(
+        GrpcPeersConfig {
+            node_id: cfg.node_id.clone(),
+            provider,
+            token: c.token.clone(),
+            peers: c
+                .peers
+                .iter()
+                .map(|p| (p.node_id.clone(), p.address.clone()))
+                .collect(),
+            shm_dir: c.shm_dir.clone().into(),
+            data_listen: c.data_listen.clone(),
+        },
+        directory,
+    );
+    let node = Node::start_in(cfg, devices, Clock::system(), Some(Arc::clone(&peers)))
+        .context("starting the node")?;
+    let served = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&c.peer_listen)
+            .await
+            .with_context(|| format!("binding cluster.peer-listen {}", c.peer_listen))?;
+        let addr = listener.local_addr()?;
+        let mut backend = node.peer_backend();
+        let endpoint = peers.data_endpoint();
+        if let Some(e) = &endpoint {
+            backend = backend.with_endpoint(e.clone());
+        }
+        // One line on stdout for supervisors and tests; the rest goes to stderr.
+        println!("listening peer={addr}");
+        eprintln!(
+            "kvferry node {}: Peer service on {addr}, pool served over {} at {}; SIGTERM stops it",
+            node.config().node_id,
+            provider.as_str(),
+            endpoint.map(|e| e.endpoint).unwrap_or_default()
+        );
+        // On SIGTERM: stop accepting and let open calls finish, but not forever: peers keep
+        // their connections open, so the drain is bounded.
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serve = kvferry_actors::rpc::serve(listener, backend, c.token.clone(), async move {
+            let _ = stopped.await;
+        });
+        tokio::pin!(serve);
+        tokio::select! {
+            r = &mut serve => r?,
+            _ = shutdown_signal() => {
+                let _ = stop.send(());
+                match tokio::time::timeout(DRAIN, &mut serve).await {
+                    Ok(r) => r?,
+                    Err(_) => eprintln!("kvferry: peers still connected after {DRAIN:?}; stopping anyway"),
+                }
+            }
+        }
+        Ok::<_, anyhow::Error>(())
+    });
+    node.shutdown();
+    served
+}

@@ -1,0 +1,110 @@
+//! The `kvferry` binary as an operator runs it: a node from a config file serves its Peer
+//! service and stops cleanly on SIGTERM; bad configs are refused with the key named.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+fn kvferry() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvferry"))
+}
+
+#[test]
+fn node_with_a_cluster_serves_peers_and_stops_on_sigterm() {
+    let dir = std::env::temp_dir().join(format!("kvferry-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("node.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "node-id = \"a\"\n[pool]\nsize = \"8MiB\"\nslot-bytes = \"1MiB\"\n[device]\nkind = \"host\"\n\
+             [cluster]\nprovider = \"shm\"\npeer-listen = \"127.0.0.1:0\"\nshm-dir = \"{}\"\ntoken = \"t\"\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    let mut child = kvferry()
+        .args(["node", "--config", cfg.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if let Some(a) = line.strip_prefix("listening peer=") {
+                let _ = tx.send(a.to_owned());
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the node did not start serving");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        use kvferry_actors::rpc::peer_client::PeerInfo;
+        use kvferry_actors::rpc::PeerClient;
+        let client = PeerClient::connect(addr.clone(), "t").await.unwrap();
+        let info = client
+            .hello(PeerInfo::local("probe", &[], &[]))
+            .await
+            .unwrap();
+        assert_eq!(info.node_id, "a");
+        assert!(info.providers.iter().any(|p| p == "shm"), "{info:?}");
+        let bad = PeerClient::connect(addr, "wrong").await.unwrap();
+        assert!(bad.hello(PeerInfo::local("probe", &[], &[])).await.is_err());
+    });
+    // SIGTERM: the node stops accepting, shuts down and exits 0; its socket is gone.
+    // SAFETY: signalling our own child process by its pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(!dir.join("a.sock").exists(), "shm socket left behind");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_configs_are_refused_naming_the_key() {
+    let dir = std::env::temp_dir().join(format!("kvferry-cli-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (text, needle) in [
+        ("node-id = \"a\"\n[pool]\nslots = 3\n", "line 3"),
+        ("[cluster]\nprovider = \"verbs\"\n", "cluster.provider"),
+        ("[lease]\nttl-secs = 0\n", "lease.ttl-secs"),
+    ] {
+        let cfg = dir.join("bad.toml");
+        std::fs::write(&cfg, text).unwrap();
+        let out = kvferry()
+            .args(["node", "--config", cfg.to_str().unwrap(), "--check-config"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn sample_configs_pass_check_config() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../config");
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let out = kvferry()
+                .args(["node", "--config", path.to_str().unwrap(), "--check-config"])
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}: {}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}
