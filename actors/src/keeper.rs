@@ -21,7 +21,7 @@ use crate::model::BlockHash;
 use crate::model::{InstanceId, LeaseId, Namespace};
 use crate::registry::RankHandle;
 use crate::registry::{GetInstance, GetRank, InstanceRegistry};
-use crate::remote::link::{BoxFut, Drained, Keep};
+use crate::remote::link::{BoxFut, Drained, Keep, ReadStats};
 use crate::remote::{PeerLink, Peers, RemoteBlock, RemotePin};
 use crate::store::{BlockStore, PinGuard, PinPrefix, ReserveFetch};
 use crate::transfer::{Transfer, TransferSpec};
@@ -418,7 +418,7 @@ fn remote_load(
                 .iter()
                 .map(|p| (p.start, p.extent))
                 .collect();
-            let t = Instant::now();
+            let mut total = ReadStats::default();
             for seg in share.remote.iter() {
                 let mut list = CopyList::with_capacity(seg.blocks.len() * per_block(&shape));
                 for (b, dst) in seg.blocks.iter().zip(dests.by_ref()) {
@@ -431,14 +431,21 @@ fn remote_load(
                     );
                 }
                 let keep: Keep = Box::new(Arc::clone(&handle));
-                seg.link
+                let r = seg
+                    .link
                     .read_device(Arc::clone(&handle.device), list, planes.clone(), keep)
                     .await?;
+                total.register += r.register;
+                total.post += r.post;
+                total.wire += r.wire;
             }
-            stages.push(Stage {
-                name: "wire",
-                seconds: t.elapsed().as_secs_f64(),
-            });
+            for (name, seconds) in [
+                ("register", total.register),
+                ("post", total.post),
+                ("wire", total.wire),
+            ] {
+                stages.push(Stage { name, seconds });
+            }
             let t = Instant::now();
             handle.device.flush_direct_writes()?;
             stages.push(Stage {
@@ -449,7 +456,7 @@ fn remote_load(
         }
         // Staged: reserve slots, read each chunk into them, copy each chunk to the device as
         // soon as it has landed; later reads run while earlier chunks copy.
-        let (mut wire, mut h2d) = (0.0f64, 0.0f64);
+        let (mut wire, mut h2d, mut post) = (0.0f64, 0.0f64, 0.0f64);
         let mut copies = Vec::new();
         for seg in share.remote.iter() {
             let hashes: Vec<BlockHash> = seg.blocks.iter().map(|b| b.hash).collect();
@@ -480,11 +487,13 @@ fn remote_load(
                 reads.push(tokio::spawn(seg.link.read_host(ops, keep)));
             }
             for (i, read) in reads.into_iter().enumerate() {
+                // Time spent waiting here is the part of the wire the pipeline did not hide.
                 let tr = Instant::now();
-                read.await.map_err(|_| NodeError::Stopped {
+                let r = read.await.map_err(|_| NodeError::Stopped {
                     what: "remote read",
                 })??;
                 wire += tr.elapsed().as_secs_f64();
+                post += r.post;
                 let lo = i * STAGED_CHUNK;
                 let hi = (lo + STAGED_CHUNK).min(slots.len());
                 let mut list = CopyList::with_capacity((hi - lo) * per_block(&shape));
@@ -510,14 +519,9 @@ fn remote_load(
             h2d += th.elapsed().as_secs_f64();
             guard.finish();
         }
-        stages.push(Stage {
-            name: "wire",
-            seconds: wire,
-        });
-        stages.push(Stage {
-            name: "h2d",
-            seconds: h2d,
-        });
+        for (name, seconds) in [("post", post), ("wire", wire), ("h2d", h2d)] {
+            stages.push(Stage { name, seconds });
+        }
         Ok((bytes, stages))
     })
 }

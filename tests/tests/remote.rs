@@ -148,7 +148,14 @@ fn run_worked_example(provider: Provider) {
                 .unwrap();
             assert_eq!(r.path, if direct { "direct" } else { "staged" });
             assert_eq!(r.bytes, 12 * shape(1).rank_bytes());
-            assert!(r.stage("wire").is_some(), "{r:?}");
+            let want: &[&str] = if direct {
+                &["plan", "pin", "h2d", "register", "post", "wire", "fence"]
+            } else {
+                &["plan", "pin", "h2d", "post", "wire"]
+            };
+            for name in want {
+                assert!(r.stage(name).is_some(), "stage {name} missing: {r:?}");
+            }
             kv[0]
                 .verify(&expected(), 0)
                 .unwrap_or_else(|e| panic!("{provider:?} direct={direct}: {e}"));

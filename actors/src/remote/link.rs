@@ -34,6 +34,18 @@ pub struct PinnedRemote {
     pub blocks: Vec<RemoteBlock>,
 }
 
+/// What one read batch did, with the time its stages took (seconds).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ReadStats {
+    pub bytes: u64,
+    /// Making destinations (or the owner's mapping) usable by the provider or device.
+    pub register: f64,
+    /// Handing the batch to the provider or device.
+    pub post: f64,
+    /// Until every byte landed.
+    pub wire: f64,
+}
+
 /// A link to one owner.
 pub trait PeerLink: Send + Sync + fmt::Debug {
     fn node_id(&self) -> &str;
@@ -44,7 +56,7 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
     /// Releases a pin (control: fire and forget).
     fn unpin(&self, pin_id: u64);
     /// Reads `(owner address → local host address, len)` ranges; `keep` lives until done.
-    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<u64, NodeError>>;
+    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, NodeError>>;
     /// Reads owner ranges straight into device memory (`src` = owner address); `regions`
     /// are the destination planes `(base, len)` (registered for local write where the
     /// provider needs it); `keep` lives until the device reports the batch landed.
@@ -54,7 +66,7 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
         list: CopyList,
         regions: Vec<(u64, u64)>,
         keep: Keep,
-    ) -> BoxFut<Result<u64, NodeError>>;
+    ) -> BoxFut<Result<ReadStats, NodeError>>;
 }
 
 /// The control path to an owner: its block store's address (same process) or its Peer
@@ -241,7 +253,7 @@ impl PeerLink for MappedLink {
         self.control.unpin(pin_id);
     }
 
-    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<u64, NodeError>> {
+    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, NodeError>> {
         let translated: Result<Vec<CopyOp>, NodeError> = ops
             .iter()
             .map(|op| {
@@ -255,6 +267,7 @@ impl PeerLink for MappedLink {
         let translated = translated.map_err(|e| self.remote_err(e));
         Box::pin(async move {
             let ops = translated?;
+            let t = std::time::Instant::now();
             let done = tokio::task::spawn_blocking(move || {
                 let mut bytes = 0;
                 for op in &ops {
@@ -276,8 +289,13 @@ impl PeerLink for MappedLink {
                 drop(view);
                 bytes
             });
-            done.await.map_err(|_| NodeError::Stopped {
+            let bytes = done.await.map_err(|_| NodeError::Stopped {
                 what: "remote read thread",
+            })?;
+            Ok(ReadStats {
+                bytes,
+                wire: t.elapsed().as_secs_f64(),
+                ..Default::default()
             })
         })
     }
@@ -288,9 +306,12 @@ impl PeerLink for MappedLink {
         list: CopyList,
         _regions: Vec<(u64, u64)>,
         keep: Keep,
-    ) -> BoxFut<Result<u64, NodeError>> {
+    ) -> BoxFut<Result<ReadStats, NodeError>> {
+        let t = std::time::Instant::now();
+        let registered = self.register_with(device.as_ref());
+        let register = t.elapsed().as_secs_f64();
         let prepared = (|| {
-            self.register_with(device.as_ref())?;
+            registered?;
             let mut out = CopyList::with_capacity(list.len());
             for op in list.ops() {
                 out.push(self.view.translate(op.src, op.len)?, op.dst, op.len);
@@ -301,12 +322,20 @@ impl PeerLink for MappedLink {
         let view = Arc::clone(&self.view);
         Box::pin(async move {
             let list = prepared?;
+            let t = std::time::Instant::now();
             // SAFETY: sources lie in the owner's mapping kept alive by `view` (moved into the
             // guard below until the event resolves); destinations are device memory held by
             // the transfer's rank handle.
             let ev = unsafe { device.submit(CopyDirection::HostToDevice, list) }?;
-            let stats = Drained::new(ev, vec![Box::new(view), keep]).await?;
-            Ok(stats)
+            let post = t.elapsed().as_secs_f64();
+            let t = std::time::Instant::now();
+            let bytes = Drained::new(ev, vec![Box::new(view), keep]).await?;
+            Ok(ReadStats {
+                bytes,
+                register,
+                post,
+                wire: t.elapsed().as_secs_f64(),
+            })
         })
     }
 }

@@ -16,7 +16,7 @@ use kvferry_transport::{
 };
 use tokio::sync::oneshot;
 
-use super::link::{BoxFut, Control, Keep, PeerLink, PinnedRemote};
+use super::link::{BoxFut, Control, Keep, PeerLink, PinnedRemote, ReadStats};
 use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
 use crate::nic::worker::{Connect, NicWorker, PostReads};
@@ -113,7 +113,12 @@ impl TcpLink {
 
     /// Posts one ordered batch and waits until every request was reported (successful,
     /// failed or flushed): nothing it touches is released before that.
-    fn post(&self, reads: Vec<ReadRequest>, keep: Vec<Keep>) -> BoxFut<Result<u64, NodeError>> {
+    fn post(
+        &self,
+        reads: Vec<ReadRequest>,
+        keep: Vec<Keep>,
+        register: f64,
+    ) -> BoxFut<Result<ReadStats, NodeError>> {
         let worker = self.worker.clone();
         let (peer, local, addr) = (self.peer, self.local, self.addr);
         let connected = Arc::clone(&self.connected);
@@ -146,6 +151,7 @@ impl TcpLink {
                     .map_err(|e| err(e.to_string()))?;
                 connected.store(true, Ordering::Release);
             }
+            let t = std::time::Instant::now();
             let (tx, rx) = oneshot::channel();
             worker
                 .send(PostReads {
@@ -155,9 +161,12 @@ impl TcpLink {
                 })
                 .await
                 .map_err(|_| err("nic worker stopped".into()))?;
+            let post = t.elapsed().as_secs_f64();
+            let t = std::time::Instant::now();
             let done = rx
                 .await
                 .map_err(|_| err("nic worker dropped the batch".into()))?;
+            let wire = t.elapsed().as_secs_f64();
             drop(keep);
             let wcs = done.map_err(|e| err(e.to_string()))?;
             let mut bytes = 0;
@@ -170,7 +179,12 @@ impl TcpLink {
                 }
                 bytes += wc.bytes;
             }
-            Ok(bytes)
+            Ok(ReadStats {
+                bytes,
+                register,
+                post,
+                wire,
+            })
         })
     }
 }
@@ -196,7 +210,7 @@ impl PeerLink for TcpLink {
         self.control.unpin(pin_id);
     }
 
-    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<u64, NodeError>> {
+    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, NodeError>> {
         let reads = ops
             .iter()
             .map(|op| ReadRequest {
@@ -213,7 +227,7 @@ impl PeerLink for TcpLink {
                 }],
             })
             .collect();
-        self.post(reads, vec![keep])
+        self.post(reads, vec![keep], 0.0)
     }
 
     fn read_device(
@@ -222,7 +236,8 @@ impl PeerLink for TcpLink {
         list: CopyList,
         regions: Vec<(u64, u64)>,
         keep: Keep,
-    ) -> BoxFut<Result<u64, NodeError>> {
+    ) -> BoxFut<Result<ReadStats, NodeError>> {
+        let t = std::time::Instant::now();
         // Register the destination planes for local write for this load only; the handles
         // live until the batch has drained, then deregistration completes.
         let sink: Arc<dyn DeviceSink> = Arc::new(DeviceWriter(Arc::clone(&device)));
@@ -275,6 +290,6 @@ impl PeerLink for TcpLink {
                 }),
             }
         }
-        self.post(reads, vec![keep, Box::new(mrs)])
+        self.post(reads, vec![keep, Box::new(mrs)], t.elapsed().as_secs_f64())
     }
 }
