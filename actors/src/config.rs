@@ -88,9 +88,18 @@ pub struct NodeConfig {
     pub pool: PoolConfig,
     pub lease: LeaseConfig,
     pub device: DeviceConfig,
+    pub metrics: MetricsConfig,
     /// Peers in other processes; absent: a node on its own.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster: Option<ClusterConfig>,
+}
+
+/// Where `kvferry node` serves `/metrics` (Prometheus) and `/health`.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case", default)]
+pub struct MetricsConfig {
+    /// "host:port"; empty: not served.
+    pub listen: String,
 }
 
 /// How a node serves its pool to peers and reaches theirs.
@@ -170,6 +179,7 @@ impl Default for NodeConfig {
             pool: PoolConfig::default(),
             lease: LeaseConfig::default(),
             device: DeviceConfig::default(),
+            metrics: MetricsConfig::default(),
             cluster: None,
         }
     }
@@ -283,6 +293,14 @@ impl NodeConfig {
             return invalid(
                 "device.kind",
                 format!("{:?} is not one of host, cuda, auto", self.device.kind),
+            );
+        }
+        if !self.metrics.listen.is_empty()
+            && self.metrics.listen.parse::<std::net::SocketAddr>().is_err()
+        {
+            return invalid(
+                "metrics.listen",
+                format!("{:?} is not host:port", self.metrics.listen),
             );
         }
         if let Some(c) = &self.cluster {

@@ -159,6 +159,11 @@ impl Handler<Query> for LeaseKeeper {
                 },
                 (true, Some(_)) => DirectGrant::Granted,
             };
+            act.counters.query(match (local_blocks, remote_blocks) {
+                (0, 0) => "miss",
+                (_, 0) => "local",
+                _ => "remote",
+            });
             let lease = (local_blocks + remote_blocks > 0).then(|| {
                 let plan = LeasePlan {
                     namespace: namespace.clone(),

@@ -1,7 +1,36 @@
-//! Counters and gauges shared by the actors; `Stats` reads them. (The Prometheus exporter
-//! reads the same values.)
+//! Counters, gauges and stage histograms shared by the actors. `Node::stats` reads the
+//! gauges; [`render`] writes everything in the Prometheus text format for `/metrics`.
 
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use crate::api::{Stats, TransferReport};
+
+/// Upper bounds (seconds) of the stage histograms: 10 us to 10 s.
+pub const STAGE_BUCKETS: [f64; 13] = [
+    1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 1.0, 10.0,
+];
+
+#[derive(Debug, Default, Clone)]
+struct Histogram {
+    buckets: [u64; STAGE_BUCKETS.len()],
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn observe(&mut self, v: f64) {
+        for (b, le) in self.buckets.iter_mut().zip(STAGE_BUCKETS) {
+            if v <= le {
+                *b += 1;
+            }
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+}
 
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -9,6 +38,16 @@ pub struct Counters {
     pub loads_ok: AtomicU64,
     pub loads_failed: AtomicU64,
     pub bytes_loaded: AtomicU64,
+    /// (path, status) → loads; path → bytes; (path, stage) → seconds; result → queries.
+    loads: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
+    bytes: Mutex<BTreeMap<&'static str, u64>>,
+    stages: Mutex<BTreeMap<(&'static str, &'static str), Histogram>>,
+    queries: Mutex<BTreeMap<&'static str, u64>>,
+}
+
+fn bump<K: Ord>(m: &Mutex<BTreeMap<K, u64>>, k: K, by: u64) {
+    let mut g = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    *g.entry(k).or_default() += by;
 }
 
 impl Counters {
@@ -19,6 +58,29 @@ impl Counters {
         } else {
             self.loads_failed.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Records one finished transfer: by path and status, its bytes and its stages.
+    pub fn transfer(&self, path: &'static str, out: Result<&TransferReport, ()>) {
+        match out {
+            Ok(r) => {
+                bump(&self.loads, (path, "ok"), 1);
+                bump(&self.bytes, path, r.bytes);
+                let mut h = self
+                    .stages
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                for s in &r.stages {
+                    h.entry((path, s.name)).or_default().observe(s.seconds);
+                }
+            }
+            Err(()) => bump(&self.loads, (path, "error"), 1),
+        }
+    }
+
+    /// Records a query by result: `local`, `remote` (some blocks from peers) or `miss`.
+    pub fn query(&self, result: &'static str) {
+        bump(&self.queries, result, 1);
     }
 }
 
@@ -36,5 +98,266 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.transfers_in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Values that live outside the counters, gathered by the node for a scrape.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Extra {
+    pub peer_pins: usize,
+    pub directory: Option<crate::remote::directory::DirectoryStats>,
+}
+
+fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+fn sample(out: &mut String, name: &str, labels: &str, v: impl std::fmt::Display) {
+    if labels.is_empty() {
+        let _ = writeln!(out, "{name} {v}");
+    } else {
+        let _ = writeln!(out, "{name}{{{labels}}} {v}");
+    }
+}
+
+/// The Prometheus text exposition of a node. Labels are low-cardinality only (path,
+/// status, stage, result).
+pub fn render(stats: &Stats, c: &Counters, extra: Extra) -> String {
+    let mut o = String::with_capacity(4096);
+    let gauges: [(&str, &str, u64); 8] = [
+        (
+            "kvferry_leases_live",
+            "Leases not yet consumed, released or expired.",
+            stats.leases_live as u64,
+        ),
+        (
+            "kvferry_blocks",
+            "Blocks held in the host pool (sealed or being written).",
+            stats.blocks as u64,
+        ),
+        (
+            "kvferry_blocks_sealed",
+            "Blocks every TP rank has written.",
+            stats.sealed_blocks as u64,
+        ),
+        (
+            "kvferry_pinned_blocks",
+            "Blocks pinned by leases, transfers or peers.",
+            stats.pinned_blocks as u64,
+        ),
+        ("kvferry_pins", "Pins held on blocks.", stats.pins),
+        (
+            "kvferry_pool_slots",
+            "Slots in the host pool.",
+            stats.pool_slots as u64,
+        ),
+        (
+            "kvferry_instances",
+            "Registered engine instances.",
+            stats.instances as u64,
+        ),
+        (
+            "kvferry_transfers_in_flight",
+            "Loads and saves whose copies have not drained.",
+            stats.transfers_in_flight as u64,
+        ),
+    ];
+    for (name, help, v) in gauges {
+        family(&mut o, name, "gauge", help);
+        sample(&mut o, name, "", v);
+    }
+    family(
+        &mut o,
+        "kvferry_peer_pins",
+        "gauge",
+        "Pins this node holds for peers.",
+    );
+    sample(&mut o, "kvferry_peer_pins", "", extra.peer_pins);
+    family(
+        &mut o,
+        "kvferry_leases_expired_total",
+        "counter",
+        "Leases removed by expiry.",
+    );
+    sample(
+        &mut o,
+        "kvferry_leases_expired_total",
+        "",
+        stats.leases_expired,
+    );
+    family(
+        &mut o,
+        "kvferry_evictions_total",
+        "counter",
+        "Blocks evicted from the host pool.",
+    );
+    sample(&mut o, "kvferry_evictions_total", "", stats.evictions);
+
+    family(
+        &mut o,
+        "kvferry_queries_total",
+        "counter",
+        "Queries by result (local, remote, miss).",
+    );
+    for (result, n) in c
+        .queries
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+    {
+        sample(
+            &mut o,
+            "kvferry_queries_total",
+            &format!("result=\"{result}\""),
+            n,
+        );
+    }
+    family(
+        &mut o,
+        "kvferry_loads_total",
+        "counter",
+        "Transfers by path (local, direct, staged, save) and status.",
+    );
+    for ((path, status), n) in c
+        .loads
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+    {
+        sample(
+            &mut o,
+            "kvferry_loads_total",
+            &format!("path=\"{path}\",status=\"{status}\""),
+            n,
+        );
+    }
+    family(
+        &mut o,
+        "kvferry_bytes_total",
+        "counter",
+        "Bytes moved by successful transfers, by path.",
+    );
+    for (path, n) in c
+        .bytes
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+    {
+        sample(
+            &mut o,
+            "kvferry_bytes_total",
+            &format!("path=\"{path}\""),
+            n,
+        );
+    }
+    family(
+        &mut o,
+        "kvferry_stage_seconds",
+        "histogram",
+        "Seconds per transfer stage (plan, pin, register, post, wire, h2d, d2h, fence).",
+    );
+    for ((path, stage), h) in c
+        .stages
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+    {
+        let base = format!("path=\"{path}\",stage=\"{stage}\"");
+        for (n, le) in h.buckets.iter().zip(STAGE_BUCKETS) {
+            sample(
+                &mut o,
+                "kvferry_stage_seconds_bucket",
+                &format!("{base},le=\"{le}\""),
+                n,
+            );
+        }
+        sample(
+            &mut o,
+            "kvferry_stage_seconds_bucket",
+            &format!("{base},le=\"+Inf\""),
+            h.count,
+        );
+        sample(&mut o, "kvferry_stage_seconds_sum", &base, h.sum);
+        sample(&mut o, "kvferry_stage_seconds_count", &base, h.count);
+    }
+    if let Some(d) = extra.directory {
+        family(
+            &mut o,
+            "kvferry_directory_operations_total",
+            "counter",
+            "Directory operations by kind.",
+        );
+        for (op, n) in [
+            ("publish", d.publishes),
+            ("withdraw", d.withdraws),
+            ("lookup", d.lookups),
+        ] {
+            sample(
+                &mut o,
+                "kvferry_directory_operations_total",
+                &format!("op=\"{op}\""),
+                n,
+            );
+        }
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::Stage;
+
+    #[test]
+    fn renders_families_histograms_and_labels() {
+        let c = Counters::default();
+        let r = TransferReport {
+            path: "direct",
+            blocks: 2,
+            bytes: 4096,
+            copies: 2,
+            seconds: 0.002,
+            stages: vec![
+                Stage {
+                    name: "wire",
+                    seconds: 0.0015,
+                },
+                Stage {
+                    name: "plan",
+                    seconds: 2e-6,
+                },
+            ],
+        };
+        c.transfer("direct", Ok(&r));
+        c.transfer("direct", Err(()));
+        c.query("remote");
+        let text = render(
+            &Stats {
+                leases_live: 3,
+                ..Default::default()
+            },
+            &c,
+            Extra::default(),
+        );
+        assert!(text.contains("kvferry_leases_live 3\n"), "{text}");
+        assert!(text.contains("kvferry_loads_total{path=\"direct\",status=\"ok\"} 1\n"));
+        assert!(text.contains("kvferry_loads_total{path=\"direct\",status=\"error\"} 1\n"));
+        assert!(text.contains("kvferry_bytes_total{path=\"direct\"} 4096\n"));
+        // 1.5 ms falls in the 2.5 ms bucket and above, not the 1 ms one.
+        assert!(text.contains(
+            "kvferry_stage_seconds_bucket{path=\"direct\",stage=\"wire\",le=\"0.001\"} 0\n"
+        ));
+        assert!(text.contains(
+            "kvferry_stage_seconds_bucket{path=\"direct\",stage=\"wire\",le=\"0.0025\"} 1\n"
+        ));
+        assert!(text.contains("kvferry_stage_seconds_count{path=\"direct\",stage=\"wire\"} 1\n"));
+        assert!(text.contains("kvferry_queries_total{result=\"remote\"} 1\n"));
+        // Every sample's family is declared once.
+        let types = text
+            .lines()
+            .filter(|l| l.starts_with("# TYPE kvferry_stage_seconds "))
+            .count();
+        assert_eq!(types, 1);
     }
 }

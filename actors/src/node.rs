@@ -288,6 +288,16 @@ impl Node {
         })
     }
 
+    /// Everything an operator scrapes, in the Prometheus text format.
+    pub async fn metrics_text(&self) -> Result<String, NodeError> {
+        let stats = self.stats().await?;
+        let extra = crate::metrics::Extra {
+            peer_pins: self.peer_pins().await?,
+            directory: self.inner.cluster.as_ref().map(|c| c.directory().stats()),
+        };
+        Ok(crate::metrics::render(&stats, &self.inner.counters, extra))
+    }
+
     /// Live pins this node holds for peers.
     pub async fn peer_pins(&self) -> Result<usize, NodeError> {
         Ok(self.inner.store.send(store::PeerPinCount).await?)

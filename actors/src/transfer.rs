@@ -159,10 +159,11 @@ impl Transfer {
     }
 
     fn reply_with(&mut self, out: Result<TransferReport, NodeError>, ctx: &mut Context<Self>) {
-        if self.dir == CopyDirection::HostToDevice {
-            if let Some(f) = &self.in_flight {
+        if let Some(f) = &self.in_flight {
+            if self.dir == CopyDirection::HostToDevice {
                 f.0.load(out.is_ok(), out.as_ref().map(|r| r.bytes).unwrap_or(0));
             }
+            f.0.transfer(self.path, out.as_ref().map_err(|_| ()));
         }
         // Release before replying, so a caller that sees the reply sees the pins gone.
         self.on_success = None;

@@ -28,6 +28,72 @@ async fn shutdown_signal() {
     }
 }
 
+/// Serves `GET /metrics` (Prometheus text) and `GET /health` until the node stops.
+async fn serve_metrics(listener: tokio::net::TcpListener, node: Node) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    loop {
+        let Ok((mut sock, _)) = listener.accept().await else {
+            continue;
+        };
+        let node = node.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            let mut n = 0;
+            // Read the request head (bounded: 4 KiB, 5 s).
+            let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                while n < buf.len() {
+                    match sock.read(&mut buf[n..]).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(k) => n += k,
+                    }
+                    if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                        break;
+                    }
+                }
+            })
+            .await;
+            if read.is_err() {
+                return;
+            }
+            let head = String::from_utf8_lossy(&buf[..n]);
+            let path = head.split_whitespace().nth(1).unwrap_or("");
+            let (status, kind, body) = match path {
+                "/metrics" => match node.metrics_text().await {
+                    Ok(t) => ("200 OK", "text/plain; version=0.0.4", t),
+                    Err(e) => ("503 Service Unavailable", "text/plain", format!("{e}\n")),
+                },
+                "/health" => match node.stats().await {
+                    Ok(_) => ("200 OK", "text/plain", "ok\n".to_owned()),
+                    Err(e) => ("503 Service Unavailable", "text/plain", format!("{e}\n")),
+                },
+                _ => (
+                    "404 Not Found",
+                    "text/plain",
+                    "try /metrics or /health\n".to_owned(),
+                ),
+            };
+            let resp = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = sock.write_all(resp.as_bytes()).await;
+        });
+    }
+}
+
+/// Starts the metrics endpoint if the config names one.
+async fn start_metrics(cfg: &NodeConfig, node: &Node) -> anyhow::Result<()> {
+    if cfg.metrics.listen.is_empty() {
+        return Ok(());
+    }
+    let listener = tokio::net::TcpListener::bind(&cfg.metrics.listen)
+        .await
+        .with_context(|| format!("binding metrics.listen {}", cfg.metrics.listen))?;
+    println!("listening metrics={}", listener.local_addr()?);
+    tokio::spawn(serve_metrics(listener, node.clone()));
+    Ok(())
+}
+
 pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
     let devices = open_devices(&cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -35,7 +101,9 @@ pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let Some(c) = cfg.cluster.clone() else {
-        let node = Node::start_with(cfg, devices, Clock::system()).context("starting the node")?;
+        let node =
+            Node::start_with(cfg.clone(), devices, Clock::system()).context("starting the node")?;
+        rt.block_on(start_metrics(&cfg, &node))?;
         eprintln!(
             "kvferry node {}: running on its own; Ctrl-C or SIGTERM stops it",
             node.config().node_id
@@ -70,9 +138,15 @@ pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
         },
         directory,
     );
-    let node = Node::start_in(cfg, devices, Clock::system(), Some(Arc::clone(&peers)))
-        .context("starting the node")?;
+    let node = Node::start_in(
+        cfg.clone(),
+        devices,
+        Clock::system(),
+        Some(Arc::clone(&peers)),
+    )
+    .context("starting the node")?;
     let served = rt.block_on(async {
+        start_metrics(&cfg, &node).await?;
         let listener = tokio::net::TcpListener::bind(&c.peer_listen)
             .await
             .with_context(|| format!("binding cluster.peer-listen {}", c.peer_listen))?;

@@ -108,3 +108,95 @@ fn sample_configs_pass_check_config() {
         }
     }
 }
+
+/// GETs `path` from an HTTP/1.1 server; returns the status line and the body.
+fn http_get(addr: &str, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap();
+    (head.lines().next().unwrap().to_owned(), body.to_owned())
+}
+
+#[test]
+fn metrics_and_health_are_served_and_pass_promtool() {
+    let dir = std::env::temp_dir().join(format!("kvferry-cli-metrics-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("node.toml");
+    std::fs::write(
+        &cfg,
+        "node-id = \"m\"\n[pool]\nsize = \"8MiB\"\nslot-bytes = \"1MiB\"\n[device]\nkind = \"host\"\n\
+         [metrics]\nlisten = \"127.0.0.1:0\"\n",
+    )
+    .unwrap();
+    let mut child = kvferry()
+        .args(["node", "--config", cfg.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if let Some(a) = line.strip_prefix("listening metrics=") {
+                let _ = tx.send(a.to_owned());
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("metrics endpoint did not start");
+    let (status, body) = http_get(&addr, "/health");
+    assert!(status.contains("200"), "{status}");
+    assert_eq!(body, "ok\n");
+    let (status, body) = http_get(&addr, "/metrics");
+    assert!(status.contains("200"), "{status}");
+    for name in [
+        "kvferry_leases_live 0",
+        "kvferry_transfers_in_flight 0",
+        "kvferry_pinned_blocks 0",
+        "kvferry_pool_slots 8",
+    ] {
+        assert!(body.lines().any(|l| l == name), "{name} missing:\n{body}");
+    }
+    let (status, _) = http_get(&addr, "/nope");
+    assert!(status.contains("404"), "{status}");
+    // promtool validates the exposition format of the real scrape.
+    let mut check = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect(
+            "promtool is not installed: run ./scripts/test, which installs the prometheus package",
+        );
+    {
+        use std::io::Write;
+        check
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(body.as_bytes())
+            .unwrap();
+    }
+    let res = check.wait_with_output().unwrap();
+    assert!(
+        res.status.success(),
+        "promtool: {}{}",
+        String::from_utf8_lossy(&res.stdout),
+        String::from_utf8_lossy(&res.stderr)
+    );
+    // SAFETY: signalling our own child process by its pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+    let _ = std::fs::remove_dir_all(&dir);
+}
