@@ -41,6 +41,30 @@ pub fn rank_part(shape: &KvShape, block: u64, rank: u32) -> Vec<u8> {
     out
 }
 
+/// Puts pattern blocks `ids` (hash = pattern block = id) for `rank`, 16 blocks per call.
+pub async fn put_pattern(
+    node: &crate::Node,
+    instance: &crate::InstanceId,
+    shape: &KvShape,
+    rank: u32,
+    ids: std::ops::Range<u64>,
+) -> Result<(), crate::NodeError> {
+    let ids: Vec<u64> = ids.collect();
+    for chunk in ids.chunks(16) {
+        let blocks = chunk
+            .iter()
+            .map(|&i| (crate::BlockHash::from_u64(i), rank_part(shape, i, rank)))
+            .collect();
+        node.put_blocks(crate::PutBlocks {
+            instance: instance.clone(),
+            rank,
+            blocks,
+        })
+        .await?;
+    }
+    Ok(())
+}
+
 /// How a test lays out its device KV.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvKind {
@@ -132,6 +156,28 @@ impl DeviceKv {
             KvKind::Split => ((layer * self.shape.segments() + seg) as usize, at),
             KvKind::Contiguous => (layer as usize, at + u64::from(seg) * self.plane),
         }
+    }
+
+    /// Registers this KV as `rank` of `instance` on `node` (model `model`, dtype bf16).
+    pub async fn register(
+        &self,
+        node: &crate::Node,
+        instance: &str,
+        model: &str,
+        rank: u32,
+    ) -> Result<crate::InstanceId, crate::NodeError> {
+        let instance = crate::InstanceId::new(instance)?;
+        node.register_instance(crate::RegisterInstance {
+            instance: instance.clone(),
+            model: model.into(),
+            dtype: "bf16".into(),
+            shape: self.shape,
+            rank,
+            device: self.device.ordinal(),
+            layout: self.spec(),
+        })
+        .await?;
+        Ok(instance)
     }
 
     /// Sets every byte back to [`CANARY`] (between loads that reuse the destinations).
@@ -289,30 +335,8 @@ pub fn run_owner_process(spec: OwnerSpec) -> Result<(), crate::NodeError> {
             spec.shape.segment_bytes(),
             0,
         )?;
-        let instance = crate::InstanceId::new("owner-engine")?;
-        node.register_instance(crate::RegisterInstance {
-            instance: instance.clone(),
-            model: spec.model.clone(),
-            dtype: "bf16".into(),
-            shape: spec.shape,
-            rank: 0,
-            device: 0,
-            layout: kv.spec(),
-        })
-        .await?;
-        let ids: Vec<u64> = spec.blocks.clone().collect();
-        for chunk in ids.chunks(16) {
-            let mut blocks = Vec::with_capacity(chunk.len());
-            for &i in chunk {
-                blocks.push((crate::BlockHash::from_u64(i), rank_part(&spec.shape, i, 0)));
-            }
-            node.put_blocks(crate::PutBlocks {
-                instance: instance.clone(),
-                rank: 0,
-                blocks,
-            })
-            .await?;
-        }
+        let instance = kv.register(&node, "owner-engine", &spec.model, 0).await?;
+        put_pattern(&node, &instance, &spec.shape, 0, spec.blocks.clone()).await?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .map_err(|_| stopped("binding the peer service"))?;

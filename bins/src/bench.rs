@@ -5,11 +5,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use kvferry_actors::config::ByteSize;
-use kvferry_actors::fixture::{rank_part, DeviceKv, KvKind};
-use kvferry_actors::{
-    BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, PutBlocks, QueryRequest,
-    RegisterInstance,
-};
+use kvferry_actors::fixture::{put_pattern, DeviceKv, KvKind};
+use kvferry_actors::{BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, QueryRequest};
 use kvferry_gpu::{Device, DeviceKind, KvShape};
 use serde_json::json;
 
@@ -138,7 +135,7 @@ fn transport(a: TransportArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn median(v: &mut [f64]) -> f64 {
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     if v.is_empty() {
         return f64::NAN;
@@ -162,43 +159,19 @@ fn node(slot: u64, slots: u64, devices: Vec<Arc<dyn Device>>) -> anyhow::Result<
     Ok(Node::start_with(cfg, devices, Clock::system())?)
 }
 
-async fn register(node: &Node, name: &str, kv: &DeviceKv) -> anyhow::Result<InstanceId> {
-    let instance = InstanceId::new(name)?;
-    node.register_instance(RegisterInstance {
-        instance: instance.clone(),
-        model: "bench".into(),
-        dtype: "bf16".into(),
-        shape: kv.shape,
-        rank: 0,
-        device: 0,
-        layout: kv.spec(),
-    })
-    .await?;
-    Ok(instance)
-}
-
-async fn put(
+/// Registers `kv` under `name` (model "bench") and puts pattern blocks 0..n.
+async fn register_and_put(
     node: &Node,
-    instance: &InstanceId,
-    shape: &KvShape,
+    name: &str,
+    kv: &DeviceKv,
     n: u32,
-) -> anyhow::Result<Vec<BlockHash>> {
-    let hashes: Vec<BlockHash> = (0..u64::from(n)).map(BlockHash::from_u64).collect();
-    for chunk in hashes.chunks(64).enumerate() {
-        let (c, hs) = chunk;
-        let blocks = hs
-            .iter()
-            .enumerate()
-            .map(|(i, h)| (*h, rank_part(shape, (c * 64 + i) as u64, 0)))
-            .collect();
-        node.put_blocks(PutBlocks {
-            instance: instance.clone(),
-            rank: 0,
-            blocks,
-        })
-        .await?;
-    }
-    Ok(hashes)
+) -> anyhow::Result<(InstanceId, Vec<BlockHash>)> {
+    let instance = kv.register(node, name, "bench", 0).await?;
+    put_pattern(node, &instance, &kv.shape, 0, 0..u64::from(n)).await?;
+    Ok((
+        instance,
+        (0..u64::from(n)).map(BlockHash::from_u64).collect(),
+    ))
 }
 
 fn local(a: LocalArgs) -> anyhow::Result<()> {
@@ -222,8 +195,7 @@ fn local(a: LocalArgs) -> anyhow::Result<()> {
     )?;
     let qkv = DeviceKv::alloc(Arc::clone(&device), qshape, KvKind::Split, 4, 512, 0)?;
     let mut query_us = rt.block_on(async {
-        let inst = register(&qnode, "bench-query", &qkv).await?;
-        let hashes = put(&qnode, &inst, &qshape, a.query_blocks).await?;
+        let (inst, hashes) = register_and_put(&qnode, "bench-query", &qkv, a.query_blocks).await?;
         let mut v = Vec::new();
         for i in 0..(a.iters * 20).max(50) {
             let t = Instant::now();
@@ -279,8 +251,7 @@ fn local(a: LocalArgs) -> anyhow::Result<()> {
         .collect();
     let mut baseline = Baseline::new(&device, bytes)?;
     let (mut load_s, mut base_s, copies) = rt.block_on(async {
-        let inst = register(&lnode, "bench-load", &kv).await?;
-        let hashes = put(&lnode, &inst, &shape, a.blocks).await?;
+        let (inst, hashes) = register_and_put(&lnode, "bench-load", &kv, a.blocks).await?;
         let (mut l, mut b, mut copies) = (Vec::new(), Vec::new(), 0);
         for i in 0..a.iters + 2 {
             let q = lnode

@@ -6,11 +6,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use kvferry_actors::config::ByteSize;
-use kvferry_actors::fixture::{rank_part, DeviceKv, KvKind};
+use kvferry_actors::fixture::{put_pattern, DeviceKv, KvKind};
 use kvferry_actors::remote::{GrpcPeers, GrpcPeersConfig, LocalCluster, Provider, StaticDirectory};
 use kvferry_actors::{
-    BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, PutBlocks, QueryRequest,
-    RegisterInstance, TransferReport,
+    BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, QueryRequest, TransferReport,
 };
 use kvferry_gpu::{Device, HostDevice, KvShape};
 use serde_json::json;
@@ -110,25 +109,7 @@ fn node_config(name: &str, slot: u64, slots: u64) -> NodeConfig {
     cfg
 }
 
-async fn register(node: &Node, kv: &DeviceKv) -> anyhow::Result<InstanceId> {
-    let instance = InstanceId::new(ENGINE)?;
-    node.register_instance(RegisterInstance {
-        instance: instance.clone(),
-        model: "bench".into(),
-        dtype: "bf16".into(),
-        shape: kv.shape,
-        rank: 0,
-        device: 0,
-        layout: kv.spec(),
-    })
-    .await?;
-    Ok(instance)
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
+use crate::bench::median;
 
 /// One hit-set size measured on both paths.
 struct Point {
@@ -304,21 +285,8 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
                 64 << 10,
                 0,
             )?;
-            let oinst = register(owner, &okv).await?;
-            for c in 0..max.div_ceil(16) {
-                let lo = u64::from(c * 16);
-                let hi = u64::from(((c + 1) * 16).min(max));
-                let blocks = (lo..hi)
-                    .map(|i| (BlockHash::from_u64(i), rank_part(&shape, i, 0)))
-                    .collect();
-                owner
-                    .put_blocks(PutBlocks {
-                        instance: oinst.clone(),
-                        rank: 0,
-                        blocks,
-                    })
-                    .await?;
-            }
+            let oinst = okv.register(owner, ENGINE, "bench", 0).await?;
+            put_pattern(owner, &oinst, &shape, 0, 0..u64::from(max)).await?;
         }
         let kv = DeviceKv::alloc(
             Arc::clone(&device),
@@ -328,7 +296,7 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
             64 << 10,
             0,
         )?;
-        let inst = register(&requester, &kv).await?;
+        let inst = kv.register(&requester, ENGINE, "bench", 0).await?;
         let mut points = Vec::new();
         for &n in &sizes {
             points.push(measure(&requester, &kv, &inst, n, a.iters).await?);

@@ -7,11 +7,10 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use kvferry_actors::config::ByteSize;
-use kvferry_actors::fixture::{rank_part, DeviceKv, KvKind};
+use kvferry_actors::fixture::{put_pattern, DeviceKv, KvKind};
 use kvferry_actors::remote::{LocalCluster, Provider};
 use kvferry_actors::{
-    BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, PutBlocks, QueryRequest,
-    RegisterInstance, TransferReport,
+    BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, QueryRequest, TransferReport,
 };
 use kvferry_gpu::{Device, HostDevice, KvShape};
 use serde_json::json;
@@ -139,33 +138,6 @@ fn node_device_name(node: &Node) -> String {
     node.device(0).map(|d| d.name()).unwrap_or_default()
 }
 
-async fn register(node: &Node, shape: KvShape, kv: &DeviceKv) -> anyhow::Result<()> {
-    node.register_instance(RegisterInstance {
-        instance: InstanceId::new(ENGINE)?,
-        model: "demo-model".into(),
-        dtype: "bf16".into(),
-        shape,
-        rank: 0,
-        device: 0,
-        layout: kv.spec(),
-    })
-    .await?;
-    Ok(())
-}
-
-async fn put(node: &Node, shape: &KvShape, range: std::ops::Range<u64>) -> anyhow::Result<()> {
-    let blocks = range
-        .map(|i| (BlockHash::from_u64(i), rank_part(shape, i, 0)))
-        .collect();
-    node.put_blocks(PutBlocks {
-        instance: InstanceId::new(ENGINE)?,
-        rank: 0,
-        blocks,
-    })
-    .await?;
-    Ok(())
-}
-
 async fn demo(
     b: &Node,
     owners: &[Node],
@@ -174,8 +146,8 @@ async fn demo(
 ) -> anyhow::Result<Vec<Run>> {
     let shape = KvShape::new(4, 1, 2, 32 << 10)?;
     let kv = DeviceKv::alloc(device, shape, KvKind::Split, 32, 32 << 10, 256)?;
-    register(b, shape, &kv).await?;
-    put(b, &shape, 0..4).await?;
+    let instance = kv.register(b, ENGINE, "demo-model", 0).await?;
+    put_pattern(b, &instance, &shape, 0, 0..4).await?;
     let mut owner_kv = Vec::new();
     for (node, (_, range)) in owners.iter().zip(ranges) {
         let okv = DeviceKv::alloc(
@@ -186,8 +158,8 @@ async fn demo(
             32 << 10,
             0,
         )?;
-        register(node, shape, &okv).await?;
-        put(node, &shape, range.clone()).await?;
+        let inst = okv.register(node, ENGINE, "demo-model", 0).await?;
+        put_pattern(node, &inst, &shape, 0, range.clone()).await?;
         owner_kv.push(okv);
     }
     let instance = InstanceId::new(ENGINE)?;

@@ -5,10 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvferry_actors::config::ByteSize;
-use kvferry_actors::fixture::{rank_part, DeviceKv, KvKind};
-use kvferry_actors::{
-    BlockHash, Clock, InstanceId, Node, NodeConfig, PutBlocks, RegisterInstance, Stats,
-};
+use kvferry_actors::fixture::{DeviceKv, KvKind};
+use kvferry_actors::{BlockHash, Clock, InstanceId, Node, NodeConfig, Stats};
 use kvferry_gpu::{Device, HostDevice, KvShape};
 
 pub fn config(slot: u64, slots: u64) -> NodeConfig {
@@ -54,17 +52,7 @@ pub async fn register(
         view_offset,
     )
     .unwrap();
-    node.register_instance(RegisterInstance {
-        instance: InstanceId::new(instance).unwrap(),
-        model: "m".into(),
-        dtype: "bf16".into(),
-        shape,
-        rank,
-        device: 0,
-        layout: kv.spec(),
-    })
-    .await
-    .unwrap();
+    kv.register(node, instance, "m", rank).await.unwrap();
     kv
 }
 
@@ -76,16 +64,9 @@ pub async fn put(
     rank: u32,
     ids: std::ops::Range<u64>,
 ) {
-    let blocks = ids
-        .map(|i| (BlockHash::from_u64(i), rank_part(shape, i, rank)))
-        .collect();
-    node.put_blocks(PutBlocks {
-        instance: InstanceId::new(instance).unwrap(),
-        rank,
-        blocks,
-    })
-    .await
-    .unwrap();
+    kvferry_actors::fixture::put_pattern(node, &id(instance), shape, rank, ids)
+        .await
+        .unwrap();
 }
 
 pub fn id(s: &str) -> InstanceId {
