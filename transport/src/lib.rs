@@ -15,6 +15,7 @@ mod cq;
 mod descriptor;
 mod fd_passing;
 mod mr_table;
+mod owner_loop;
 mod qp;
 mod qp_key;
 mod rc_queue;

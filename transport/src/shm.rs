@@ -7,7 +7,7 @@ use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -21,10 +21,8 @@ use crate::region::HostRegion;
 use crate::tcp::check_ack;
 use crate::wire::{self, Export, Hello, HelloAck};
 
-const POLL_INTERVAL: Duration = Duration::from_millis(20);
-
 /// Served connections: a handle to shut each down, and its thread.
-type Conns = Arc<Mutex<Vec<(UnixStream, JoinHandle<()>)>>>;
+type Conns = crate::owner_loop::Conns<UnixStream>;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Critical sections only push/take whole entries; poisoning carries no meaning.
@@ -58,7 +56,18 @@ impl ShmOwner {
             let (stop, conns, live) = (stop.clone(), conns.clone(), live.clone());
             std::thread::Builder::new()
                 .name("kvferry-shm-owner".into())
-                .spawn(move || accept_loop(listener, node, table, stop, conns, live))?
+                .spawn(move || {
+                    crate::owner_loop::accept_loop(
+                        listener,
+                        node,
+                        table,
+                        stop,
+                        conns,
+                        live,
+                        "kvferry-shm-serve",
+                        serve,
+                    )
+                })?
         };
         Ok(ShmOwner {
             stop,
@@ -101,56 +110,6 @@ impl ShmOwner {
 impl Drop for ShmOwner {
     fn drop(&mut self) {
         self.stop_all();
-    }
-}
-
-fn accept_loop(
-    listener: UnixListener,
-    node: NodeId,
-    table: MrTable,
-    stop: Arc<AtomicBool>,
-    conns: Conns,
-    live: Arc<AtomicUsize>,
-) {
-    let next_qp = AtomicU32::new(1);
-    while !stop.load(Ordering::Relaxed) {
-        let mut pfd = libc::pollfd {
-            fd: listener.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the duration of the call.
-        unsafe { libc::poll(&mut pfd, 1, POLL_INTERVAL.as_millis() as i32) };
-        let Ok((stream, _)) = listener.accept() else {
-            continue;
-        };
-        let Ok(handle_copy) = stream.try_clone() else {
-            continue;
-        };
-        let qp = next_qp.fetch_add(1, Ordering::Relaxed);
-        let (table, live2) = (table.clone(), live.clone());
-        live.fetch_add(1, Ordering::Relaxed);
-        let spawned = std::thread::Builder::new()
-            .name("kvferry-shm-serve".into())
-            .spawn(move || {
-                let _ = serve(stream, node, qp, &table);
-                live2.fetch_sub(1, Ordering::Relaxed);
-            });
-        let mut list = lock(&conns);
-        let (done, running): (Vec<_>, Vec<_>) = std::mem::take(&mut *list)
-            .into_iter()
-            .partition(|(_, t)| t.is_finished());
-        *list = running;
-        match spawned {
-            Ok(t) => list.push((handle_copy, t)),
-            Err(_) => {
-                live.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
-        drop(list);
-        for (_, t) in done {
-            let _ = t.join();
-        }
     }
 }
 

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::io::{self, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -25,7 +25,7 @@ const POLL_INTERVAL: Duration = Duration::from_millis(20);
 const BOUNCE: usize = 256 * 1024;
 
 /// Served connections: a handle to shut each down, and its thread.
-type Conns = Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>>;
+type Conns = crate::owner_loop::Conns<TcpStream>;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every critical section here leaves the data consistent, so poisoning carries no meaning.
@@ -62,7 +62,18 @@ impl TcpOwner {
             let (stop, conns, live) = (stop.clone(), conns.clone(), live.clone());
             std::thread::Builder::new()
                 .name("kvferry-tcp-owner".into())
-                .spawn(move || accept_loop(listener, node, table, stop, conns, live))?
+                .spawn(move || {
+                    crate::owner_loop::accept_loop(
+                        listener,
+                        node,
+                        table,
+                        stop,
+                        conns,
+                        live,
+                        "kvferry-tcp-serve",
+                        serve,
+                    )
+                })?
         };
         Ok(TcpOwner {
             local_addr,
@@ -112,58 +123,6 @@ impl TcpOwner {
 impl Drop for TcpOwner {
     fn drop(&mut self) {
         self.stop_all();
-    }
-}
-
-fn accept_loop(
-    listener: TcpListener,
-    node: NodeId,
-    table: MrTable,
-    stop: Arc<AtomicBool>,
-    conns: Conns,
-    live: Arc<AtomicUsize>,
-) {
-    let next_qp = AtomicU32::new(1);
-    while !stop.load(Ordering::Relaxed) {
-        let mut pfd = libc::pollfd {
-            fd: listener.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the duration of the call.
-        unsafe { libc::poll(&mut pfd, 1, POLL_INTERVAL.as_millis() as i32) };
-        let stream = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(_) => continue,
-        };
-        let Ok(handle_copy) = stream.try_clone() else {
-            continue;
-        };
-        let qp = next_qp.fetch_add(1, Ordering::Relaxed);
-        let (table, live2) = (table.clone(), live.clone());
-        live.fetch_add(1, Ordering::Relaxed);
-        let spawned = std::thread::Builder::new()
-            .name("kvferry-tcp-serve".into())
-            .spawn(move || {
-                let _ = serve(stream, node, qp, &table);
-                live2.fetch_sub(1, Ordering::Relaxed);
-            });
-        let mut list = lock(&conns);
-        // Reap finished connections so the list stays bounded by live ones.
-        let (done, running): (Vec<_>, Vec<_>) = std::mem::take(&mut *list)
-            .into_iter()
-            .partition(|(_, t)| t.is_finished());
-        *list = running;
-        match spawned {
-            Ok(t) => list.push((handle_copy, t)),
-            Err(_) => {
-                live.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
-        drop(list);
-        for (_, t) in done {
-            let _ = t.join();
-        }
     }
 }
 
