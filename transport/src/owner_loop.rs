@@ -1,6 +1,6 @@
-//! The owner side's accept loop, shared by the tcp and shm providers: poll the listener so a
-//! stop request is noticed, serve each connection on its own thread as a new QP, and keep a
-//! clone of every live stream so stopping can shut them down.
+//! The owner side's server, shared by the tcp and shm providers: an accept thread that polls
+//! the listener so a stop request is noticed, one thread per connection served as a new QP,
+//! and a clone of every live stream so dropping connections or stopping can shut them down.
 
 use std::io;
 use std::net::{TcpListener, TcpStream};
@@ -19,11 +19,13 @@ const POLL_INTERVAL: Duration = Duration::from_millis(20);
 /// Live connections: a clone of each stream (to shut it down) and its serving thread.
 pub(crate) type Conns<S> = Arc<Mutex<Vec<(S, JoinHandle<()>)>>>;
 
-/// A listener whose accepted streams can be cloned.
-pub(crate) trait OwnerListener: AsRawFd {
+/// A listener whose accepted streams can be cloned and shut down.
+pub(crate) trait OwnerListener: AsRawFd + Send + 'static {
     type Stream: Send + 'static;
     fn accept_one(&self) -> io::Result<Self::Stream>;
     fn clone_stream(s: &Self::Stream) -> io::Result<Self::Stream>;
+    fn shutdown_stream(s: &Self::Stream);
+    fn set_nonblocking(&self) -> io::Result<()>;
 }
 
 impl OwnerListener for TcpListener {
@@ -35,6 +37,14 @@ impl OwnerListener for TcpListener {
 
     fn clone_stream(s: &TcpStream) -> io::Result<TcpStream> {
         s.try_clone()
+    }
+
+    fn shutdown_stream(s: &TcpStream) {
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    }
+
+    fn set_nonblocking(&self) -> io::Result<()> {
+        TcpListener::set_nonblocking(self, true)
     }
 }
 
@@ -48,21 +58,106 @@ impl OwnerListener for UnixListener {
     fn clone_stream(s: &UnixStream) -> io::Result<UnixStream> {
         s.try_clone()
     }
+
+    fn shutdown_stream(s: &UnixStream) {
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    }
+
+    fn set_nonblocking(&self) -> io::Result<()> {
+        UnixListener::set_nonblocking(self, true)
+    }
 }
 
 /// What serves one connection.
 pub(crate) type Serve<S> = fn(S, NodeId, u32, &MrTable) -> io::Result<()>;
 
-/// Accepts until `stop` is set. Each connection is served on a thread named `thread`.
+/// A running owner server; stops (closing every connection and joining the threads) on
+/// `stop` or drop.
+pub(crate) struct OwnerServer<S: Send + 'static> {
+    stop: Arc<AtomicBool>,
+    accept: Option<JoinHandle<()>>,
+    conns: Conns<S>,
+    live: Arc<AtomicUsize>,
+    shutdown_stream: fn(&S),
+}
+
+impl<S: Send + 'static> OwnerServer<S> {
+    /// Serves `listener` on threads named `name`-owner and `name`-serve.
+    pub(crate) fn spawn<L: OwnerListener<Stream = S>>(
+        listener: L,
+        node: NodeId,
+        table: MrTable,
+        name: &'static str,
+        serve: Serve<S>,
+    ) -> io::Result<Self> {
+        listener.set_nonblocking()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns: Conns<S> = Arc::default();
+        let live = Arc::new(AtomicUsize::new(0));
+        let accept = {
+            let (stop, conns, live) = (stop.clone(), conns.clone(), live.clone());
+            std::thread::Builder::new()
+                .name(format!("{name}-owner"))
+                .spawn(move || accept_loop(listener, node, table, stop, conns, live, name, serve))?
+        };
+        Ok(Self {
+            stop,
+            accept: Some(accept),
+            conns,
+            live,
+            shutdown_stream: L::shutdown_stream,
+        })
+    }
+
+    /// Requester connections currently served.
+    pub(crate) fn connections(&self) -> usize {
+        self.live.load(Ordering::Relaxed)
+    }
+
+    /// Closes every connection (requesters see a lost connection) and keeps accepting.
+    pub(crate) fn drop_connections(&self) {
+        for (s, _) in self
+            .conns
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+        {
+            (self.shutdown_stream)(s);
+        }
+    }
+
+    /// Stops accepting, closes every connection and waits for the threads.
+    pub(crate) fn stop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(a) = self.accept.take() {
+            let _ = a.join();
+        }
+        let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(PoisonError::into_inner));
+        for (s, _) in &conns {
+            (self.shutdown_stream)(s);
+        }
+        for (_, t) in conns {
+            let _ = t.join();
+        }
+    }
+}
+
+impl<S: Send + 'static> Drop for OwnerServer<S> {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Accepts until `stop` is set. Each connection is served on a thread named `name`-serve.
 #[allow(clippy::too_many_arguments)] // the owner's shared state, handed over once
-pub(crate) fn accept_loop<L: OwnerListener>(
+fn accept_loop<L: OwnerListener>(
     listener: L,
     node: NodeId,
     table: MrTable,
     stop: Arc<AtomicBool>,
     conns: Conns<L::Stream>,
     live: Arc<AtomicUsize>,
-    thread: &'static str,
+    name: &'static str,
     serve: Serve<L::Stream>,
 ) {
     let next_qp = AtomicU32::new(1);
@@ -84,7 +179,7 @@ pub(crate) fn accept_loop<L: OwnerListener>(
         let (table, live2) = (table.clone(), live.clone());
         live.fetch_add(1, Ordering::Relaxed);
         let spawned = std::thread::Builder::new()
-            .name(thread.into())
+            .name(format!("{name}-serve"))
             .spawn(move || {
                 let _ = serve(stream, node, qp, &table);
                 live2.fetch_sub(1, Ordering::Relaxed);

@@ -7,34 +7,22 @@ use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::completion::{CompletionSink, CompletionStatus, WorkCompletion};
 use crate::connection::{Connection, ConnectionError, Connector, WorkRequest};
 use crate::fd_passing::{self, MAX_FDS};
 use crate::mr_table::{MrKey, MrTable};
+use crate::owner_loop::OwnerServer;
 use crate::qp_key::{NodeId, QpKey};
 use crate::region::HostRegion;
 use crate::tcp::check_ack;
 use crate::wire::{self, Export, Hello, HelloAck};
 
-/// Served connections: a handle to shut each down, and its thread.
-type Conns = crate::owner_loop::Conns<UnixStream>;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Critical sections only push/take whole entries; poisoning carries no meaning.
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 /// Exports `table`'s remote-readable memfd regions to same-host requesters.
 pub struct ShmOwner {
-    stop: Arc<AtomicBool>,
-    accept: Option<JoinHandle<()>>,
-    conns: Conns,
-    live: Arc<AtomicUsize>,
+    server: OwnerServer<UnixStream>,
 }
 
 impl std::fmt::Debug for ShmOwner {
@@ -48,68 +36,23 @@ impl std::fmt::Debug for ShmOwner {
 impl ShmOwner {
     /// Starts serving on an already-bound listener.
     pub fn spawn(listener: UnixListener, node: NodeId, table: MrTable) -> io::Result<ShmOwner> {
-        listener.set_nonblocking(true)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let conns: Conns = Arc::default();
-        let live = Arc::new(AtomicUsize::new(0));
-        let accept = {
-            let (stop, conns, live) = (stop.clone(), conns.clone(), live.clone());
-            std::thread::Builder::new()
-                .name("kvferry-shm-owner".into())
-                .spawn(move || {
-                    crate::owner_loop::accept_loop(
-                        listener,
-                        node,
-                        table,
-                        stop,
-                        conns,
-                        live,
-                        "kvferry-shm-serve",
-                        serve,
-                    )
-                })?
-        };
         Ok(ShmOwner {
-            stop,
-            accept: Some(accept),
-            conns,
-            live,
+            server: OwnerServer::spawn(listener, node, table, "kvferry-shm", serve)?,
         })
     }
 
     pub fn connections(&self) -> usize {
-        self.live.load(Ordering::Relaxed)
+        self.server.connections()
     }
 
     /// Closes every connection (requesters see a lost connection) and keeps accepting.
     pub fn drop_connections(&self) {
-        for (s, _) in lock(&self.conns).iter() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
+        self.server.drop_connections();
     }
 
+    /// Stops accepting, closes every connection and waits for the threads.
     pub fn shutdown(mut self) {
-        self.stop_all();
-    }
-
-    fn stop_all(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(a) = self.accept.take() {
-            let _ = a.join();
-        }
-        let conns = std::mem::take(&mut *lock(&self.conns));
-        for (s, _) in &conns {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
-        for (_, t) in conns {
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for ShmOwner {
-    fn drop(&mut self) {
-        self.stop_all();
+        self.server.stop();
     }
 }
 

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::io::{self, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use crate::completion::{CompletionSink, CompletionStatus, WorkCompletion};
 use crate::connection::{Connection, ConnectionError, Connector, WorkRequest};
 use crate::mr_table::MrTable;
+use crate::owner_loop::OwnerServer;
 use crate::qp_key::{NodeId, QpKey};
 use crate::scatter::{Scatter, ScatterError};
 use crate::wire::{self, Hello, HelloAck, ReadReq, ReadResp, RecvError};
@@ -24,9 +25,6 @@ const POLL_INTERVAL: Duration = Duration::from_millis(20);
 /// Bounce buffer for device destinations.
 const BOUNCE: usize = 256 * 1024;
 
-/// Served connections: a handle to shut each down, and its thread.
-type Conns = crate::owner_loop::Conns<TcpStream>;
-
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every critical section here leaves the data consistent, so poisoning carries no meaning.
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -35,10 +33,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Serves reads of `table`'s remote-readable regions to requesters.
 pub struct TcpOwner {
     local_addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    accept: Option<JoinHandle<()>>,
-    conns: Conns,
-    live: Arc<AtomicUsize>,
+    server: OwnerServer<TcpStream>,
 }
 
 impl std::fmt::Debug for TcpOwner {
@@ -54,33 +49,9 @@ impl TcpOwner {
     /// Starts serving on an already-bound listener (tests bind `127.0.0.1:0`).
     pub fn spawn(listener: TcpListener, node: NodeId, table: MrTable) -> io::Result<TcpOwner> {
         let local_addr = listener.local_addr()?;
-        listener.set_nonblocking(true)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let conns: Conns = Arc::default();
-        let live = Arc::new(AtomicUsize::new(0));
-        let accept = {
-            let (stop, conns, live) = (stop.clone(), conns.clone(), live.clone());
-            std::thread::Builder::new()
-                .name("kvferry-tcp-owner".into())
-                .spawn(move || {
-                    crate::owner_loop::accept_loop(
-                        listener,
-                        node,
-                        table,
-                        stop,
-                        conns,
-                        live,
-                        "kvferry-tcp-serve",
-                        serve,
-                    )
-                })?
-        };
         Ok(TcpOwner {
             local_addr,
-            stop,
-            accept: Some(accept),
-            conns,
-            live,
+            server: OwnerServer::spawn(listener, node, table, "kvferry-tcp", serve)?,
         })
     }
 
@@ -90,39 +61,17 @@ impl TcpOwner {
 
     /// Requester connections currently served.
     pub fn connections(&self) -> usize {
-        self.live.load(Ordering::Relaxed)
+        self.server.connections()
     }
 
     /// Closes every connection (requesters see a lost connection) and keeps accepting.
     pub fn drop_connections(&self) {
-        for (s, _) in lock(&self.conns).iter() {
-            let _ = s.shutdown(Shutdown::Both);
-        }
+        self.server.drop_connections();
     }
 
     /// Stops accepting, closes every connection and waits for the threads.
     pub fn shutdown(mut self) {
-        self.stop_all();
-    }
-
-    fn stop_all(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(a) = self.accept.take() {
-            let _ = a.join();
-        }
-        let conns = std::mem::take(&mut *lock(&self.conns));
-        for (s, _) in &conns {
-            let _ = s.shutdown(Shutdown::Both);
-        }
-        for (_, t) in conns {
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for TcpOwner {
-    fn drop(&mut self) {
-        self.stop_all();
+        self.server.stop();
     }
 }
 
