@@ -9,6 +9,30 @@ fn kvferry() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvferry"))
 }
 
+/// Starts `kvferry node --config cfg` and waits for its `listening <what>=ADDR` line.
+fn start_node(cfg: &std::path::Path, what: &str) -> (std::process::Child, String) {
+    let mut child = kvferry()
+        .args(["node", "--config", cfg.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let prefix = format!("listening {what}=");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if let Some(a) = line.strip_prefix(prefix.as_str()) {
+                let _ = tx.send(a.to_owned());
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(30))
+        .unwrap_or_else(|_| panic!("the node did not start serving {what}"));
+    (child, addr)
+}
+
 #[test]
 fn node_with_a_cluster_serves_peers_and_stops_on_sigterm() {
     let dir = std::env::temp_dir().join(format!("kvferry-cli-{}", std::process::id()));
@@ -23,24 +47,7 @@ fn node_with_a_cluster_serves_peers_and_stops_on_sigterm() {
         ),
     )
     .unwrap();
-    let mut child = kvferry()
-        .args(["node", "--config", cfg.to_str().unwrap()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let out = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if let Some(a) = line.strip_prefix("listening peer=") {
-                let _ = tx.send(a.to_owned());
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the node did not start serving");
+    let (mut child, addr) = start_node(&cfg, "peer");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -136,24 +143,7 @@ fn metrics_and_health_are_served_and_pass_promtool() {
          [metrics]\nlisten = \"127.0.0.1:0\"\n",
     )
     .unwrap();
-    let mut child = kvferry()
-        .args(["node", "--config", cfg.to_str().unwrap()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let out = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if let Some(a) = line.strip_prefix("listening metrics=") {
-                let _ = tx.send(a.to_owned());
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("metrics endpoint did not start");
+    let (mut child, addr) = start_node(&cfg, "metrics");
     let (status, body) = http_get(&addr, "/health");
     assert!(status.contains("200"), "{status}");
     assert_eq!(body, "ok\n");
