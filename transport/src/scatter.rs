@@ -62,6 +62,21 @@ impl Scatter {
         self.pieces.len()
     }
 
+    /// The checked destination as raw `(addr, len)` ranges, in order: host virtual addresses
+    /// for host pieces, device addresses for device pieces. For providers whose hardware
+    /// writes the destination itself (verbs SGEs): the ranges stay valid, and their regions
+    /// registered, for as long as this scatter lives.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))] // only the verbs provider posts raw
+    pub(crate) fn ranges(&self) -> Vec<(u64, u64)> {
+        self.pieces
+            .iter()
+            .map(|p| match &p.target {
+                Target::Host { region, offset } => (region.addr() + *offset as u64, p.len),
+                Target::Device { addr, .. } => (*addr, p.len),
+            })
+            .collect()
+    }
+
     /// Scatters a contiguous source of exactly `self.len()` bytes.
     ///
     /// # Safety
@@ -185,5 +200,72 @@ impl Scatter {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::mr_table::Access;
+    use crate::region::HostRegion;
+    use crate::sink::DeviceSink;
+
+    struct NullSink;
+    impl DeviceSink for NullSink {
+        fn write(&self, _: u64, _: &[u8]) -> Result<(), SinkError> {
+            Ok(())
+        }
+        fn flush(&self) -> Result<(), SinkError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn ranges_are_the_checked_destination() {
+        let t = MrTable::new();
+        let host = Arc::new(HostRegion::anonymous(8192).unwrap());
+        let h = t.register_host(host.clone(), Access::LOCAL_WRITE).unwrap();
+        let d = t
+            .register_device(0x7f00_0000, 1 << 20, Arc::new(NullSink))
+            .unwrap();
+        let segs = [
+            LocalSegment {
+                lkey: h.key(),
+                addr: host.addr() + 100,
+                len: 50,
+            },
+            LocalSegment {
+                lkey: d.key(),
+                addr: 0x7f00_1000,
+                len: 4096,
+            },
+            LocalSegment {
+                lkey: h.key(),
+                addr: host.addr() + 4096,
+                len: 10,
+            },
+        ];
+        let s = Scatter::resolve(&t, &segs).unwrap();
+        assert_eq!(
+            s.ranges(),
+            vec![
+                (host.addr() + 100, 50),
+                (0x7f00_1000, 4096),
+                (host.addr() + 4096, 10)
+            ]
+        );
+        assert_eq!(s.len(), 4156);
+        // Out of bounds never resolves, so no raw range outside a registration exists.
+        assert!(Scatter::resolve(
+            &t,
+            &[LocalSegment {
+                lkey: h.key(),
+                addr: host.addr() + 8190,
+                len: 4
+            }]
+        )
+        .is_err());
     }
 }

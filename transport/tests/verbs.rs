@@ -214,6 +214,8 @@ mod nic {
         let h = local
             .register_host(dst.clone(), Access::LOCAL_WRITE)
             .unwrap();
+        // ... and on the NIC: the read's SGEs name the destination itself (no staging).
+        let _dst_reg: Registration = nic.register_local(&dst).unwrap();
         let key = QpKey::new(NodeId(1), NicId(0), QpNum(1));
         let cq = Arc::new(CompletionQueue::new(64));
         let mut qp = Qp::new(

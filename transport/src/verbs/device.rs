@@ -272,8 +272,41 @@ impl VerbsDevice {
         })
     }
 
-    /// Registers host memory that only this NIC writes into (staging): local write only.
-    pub fn register_staging(
+    /// Registers one chunk of host memory (a piece of the pool) for local write and remote
+    /// read, as one MR. The chunk must lie inside `region`, which must outlive the
+    /// registration.
+    pub fn register_host_chunk(
+        self: &Arc<Self>,
+        region: &HostRegion,
+        chunk: Chunk,
+        cfg: &VerbsConfig,
+    ) -> Result<Registration, DeviceError> {
+        super::nic::check_chunk(&self.name, region, chunk).map_err(|_| {
+            DeviceError::Registration {
+                nic: self.name.clone(),
+                source: RegistrationError::BadRange {
+                    addr: chunk.addr,
+                    len: chunk.len,
+                },
+            }
+        })?;
+        let access = access_flags(MrKind::Host, cfg.relaxed_ordering);
+        let pd = self.pd;
+        // One MR: the chunk is at most the configured size already.
+        let one = VerbsConfig {
+            registration_chunk: chunk.len,
+            ..cfg.clone()
+        };
+        self.reg_chunks(chunk.addr, chunk.len, &one, |c| {
+            // SAFETY: the chunk lies inside the mapped region (checked above), which the
+            // caller keeps alive for as long as the registration.
+            unsafe { ffi::reg_mr(pd, c.addr, c.len, access) }
+        })
+    }
+
+    /// Registers host memory that only this NIC writes into (a read destination outside the
+    /// pool): local write only.
+    pub fn register_local(
         self: &Arc<Self>,
         region: &HostRegion,
         cfg: &VerbsConfig,

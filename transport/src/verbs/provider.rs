@@ -6,9 +6,11 @@
 //! drains). `abort` moves the QP to error, so every outstanding read completes flushed (the
 //! shared drain contract); dropping a connection waits for that drain before destroying the QP.
 //!
-//! Reads land in a staging buffer registered on the NIC and are then scattered into the
-//! request's checked destination: the provider-neutral `WorkRequest` carries the destination
-//! as a resolved [`crate::Scatter`], whose raw addresses are not exposed to providers.
+//! Reads land straight in the request's destination: the SGEs are the ranges the MR table
+//! checked when the request was accepted (its resolved [`crate::Scatter`]), keyed by this
+//! NIC's registrations of those regions (the host pool at start, DMA-BUF device memory per
+//! instance). A destination the NIC has not registered is a post error; nothing is staged
+//! and copied, so a direct load over verbs cannot fall back to host memory.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,7 +24,7 @@ use super::ffi;
 use super::qp_attrs::{connect_transitions, responder_depth, QpEndpoint, Transition};
 use super::registration::{KeyMap, ACCESS_REMOTE_READ};
 use super::sysfs::Sysfs;
-use super::work::{build_read, completion_status};
+use super::work::{build_read_into, completion_status};
 use crate::completion::{CompletionSink, CompletionStatus, WorkCompletion};
 use crate::config::NicConfig;
 use crate::connection::{Connection, ConnectionError, Connector, WorkRequest};
@@ -47,10 +49,10 @@ pub trait EndpointExchange: Send + Sync {
     ) -> Result<(QpEndpoint, KeyMap), ConnectionError>;
 }
 
+/// An issued read: holding the request holds its destination (the scatter pins the regions,
+/// so they stay registered) until the completion is handled.
 struct Pending {
     wr: WorkRequest,
-    staging: Arc<HostRegion>,
-    _reg: Registration,
 }
 
 struct ConnShared {
@@ -60,18 +62,15 @@ struct ConnShared {
 }
 
 impl ConnShared {
-    /// Finishes one request: scatter the staged bytes on success, release the destination,
-    /// then report.
+    /// Finishes one request: make device pieces visible on success, release the
+    /// destination, then report.
     fn complete(&self, wr_id: u64, status: CompletionStatus) {
         let Some(p) = lock(&self.pending).remove(&wr_id) else {
             return;
         };
         let len = p.wr.remote.len;
         let status = if status.is_success() {
-            // SAFETY: the staging region is `len` bytes, alive (held by `p`), and the NIC has
-            // finished writing it (this is its completion).
-            let copied = unsafe { p.wr.scatter.write_from_ptr(p.staging.ptr_at(0), len) };
-            match copied.and_then(|()| p.wr.scatter.finish()) {
+            match p.wr.scatter.finish() {
                 Ok(()) => CompletionStatus::Success,
                 Err(_) => CompletionStatus::LocalWriteError,
             }
@@ -154,6 +153,12 @@ impl VerbsNic {
         self.inner.device.register_host(region, &self.cfg)
     }
 
+    /// Registers host memory that only this NIC writes into (a requester's destination
+    /// outside the pool): local write only.
+    pub fn register_local(&self, region: &HostRegion) -> Result<Registration, DeviceError> {
+        self.inner.device.register_local(region, &self.cfg)
+    }
+
     /// Registers GPU memory (a DMA-BUF) on this NIC, local write only.
     pub fn register_dmabuf(
         &self,
@@ -165,6 +170,47 @@ impl VerbsNic {
         self.inner
             .device
             .register_dmabuf(fd, offset, len, iova, &self.cfg)
+    }
+}
+
+impl super::nic::RdmaNic for VerbsNic {
+    fn name(&self) -> &str {
+        self.inner.device.name()
+    }
+
+    fn address(&self) -> super::gid::PortAddress {
+        self.inner.device.address()
+    }
+
+    fn register_chunk(
+        &self,
+        region: &Arc<HostRegion>,
+        chunk: super::registration::Chunk,
+    ) -> Result<super::nic::ChunkMr, super::nic::RegistrarError> {
+        let reg = self
+            .inner
+            .device
+            .register_host_chunk(region, chunk, &self.cfg)
+            .map_err(|e| match e {
+                DeviceError::Verbs { nic, source, .. } => super::nic::RegistrarError::Register {
+                    nic,
+                    addr: chunk.addr,
+                    len: chunk.len,
+                    source,
+                },
+                other => super::nic::RegistrarError::Unavailable {
+                    nic: self.inner.device.name().to_string(),
+                    reason: other.to_string(),
+                },
+            })?;
+        let keys = reg.advertised().first().map(|(_, k)| *k).ok_or_else(|| {
+            super::nic::RegistrarError::Unavailable {
+                nic: self.inner.device.name().to_string(),
+                reason: "registration produced no MR".into(),
+            }
+        })?;
+        // The registration and the region it covers drop together.
+        Ok(super::nic::ChunkMr::new(chunk, keys, (reg, region.clone())))
     }
 }
 
@@ -319,33 +365,20 @@ impl Connection for VerbsConnection {
             wr_id,
             reason,
         };
-        let len = usize::try_from(wr.remote.len).map_err(|_| post_err("read too long".into()))?;
-        let staging = Arc::new(
-            HostRegion::anonymous(len).map_err(|e| post_err(format!("staging buffer: {e}")))?,
-        );
         let dev = &self.nic.inner.device;
-        let reg = dev
-            .register_staging(&staging, &self.nic.cfg)
-            .map_err(|e| post_err(e.to_string()))?;
-        let rwr = build_read(
+        let rwr = build_read_into(
             wr_id,
             &wr.remote,
-            &[(staging.addr(), wr.remote.len)],
+            &wr.scatter,
             &self.remote_keys,
             &dev.local_keys(),
             self.nic.nic.max_sge,
         )
         .map_err(|e| post_err(e.to_string()))?;
-        lock(&self.shared.pending).insert(
-            wr_id,
-            Pending {
-                wr,
-                staging,
-                _reg: reg,
-            },
-        );
-        // SAFETY: the QP is alive; the SGEs name the staging MR, which `pending` keeps
-        // registered until the completion is handled.
+        lock(&self.shared.pending).insert(wr_id, Pending { wr });
+        // SAFETY: the QP is alive; the SGEs name destination ranges that the request's scatter
+        // (held in `pending` until the completion is handled) keeps registered in the MR table
+        // and, through it, on this NIC.
         if let Err(e) = unsafe { ffi::post_read(self.qp, &rwr) } {
             lock(&self.shared.pending).remove(&wr_id);
             return Err(post_err(e.to_string()));

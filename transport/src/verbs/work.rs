@@ -6,6 +6,7 @@ use thiserror::Error;
 use super::registration::{KeyMap, RegistrationError, Sge};
 use crate::completion::CompletionStatus;
 use crate::descriptor::RemoteDescriptor;
+use crate::scatter::Scatter;
 
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -89,6 +90,29 @@ pub fn build_read(
         rkey,
         sges,
     })
+}
+
+/// Builds the read of `remote` straight into a request's checked destination: the SGEs name
+/// the destination ranges themselves (host pool slots or device KV), with the local keys of
+/// this NIC's registrations of those regions. There is no staging buffer: a destination not
+/// registered on the NIC is refused (`WorkError::Local`), never bounced through host memory.
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))] // the rdma-core provider is its caller
+pub(crate) fn build_read_into(
+    wr_id: u64,
+    remote: &RemoteDescriptor,
+    scatter: &Scatter,
+    remote_keys: &KeyMap,
+    local_keys: &KeyMap,
+    max_sge: u32,
+) -> Result<ReadWr, WorkError> {
+    build_read(
+        wr_id,
+        remote,
+        &scatter.ranges(),
+        remote_keys,
+        local_keys,
+        max_sge,
+    )
 }
 
 /// `ibv_wc_status` codes (stable ABI values from `verbs.h`).
@@ -232,6 +256,76 @@ mod tests {
                 4
             ),
             Err(WorkError::Local { .. })
+        ));
+    }
+
+    /// The SGEs of a posted read are the MR-table-checked destination ranges, keyed by the
+    /// NIC registrations covering them (split registrations split the SGE), with no bounce.
+    #[test]
+    fn reads_land_in_the_destination_not_a_staging_buffer() {
+        use crate::descriptor::LocalSegment;
+        use crate::mr_table::{Access, MrTable};
+        use crate::region::HostRegion;
+        use crate::verbs::registration::split;
+        use std::sync::Arc;
+
+        let table = MrTable::new();
+        let dst = Arc::new(HostRegion::anonymous(4 * 4096).unwrap());
+        let h = table
+            .register_host(dst.clone(), Access::LOCAL_WRITE)
+            .unwrap();
+        // The same region registered on the NIC, split into 4 KiB MRs.
+        let mut nic = KeyMap::new();
+        for (i, c) in split(dst.addr(), 4 * 4096, 4096)
+            .unwrap()
+            .into_iter()
+            .enumerate()
+        {
+            let k = 10 + i as u32;
+            nic.insert(c, NicKeys { lkey: k, rkey: 0 }).unwrap();
+        }
+        let (remote, _) = maps();
+        let segs = [
+            LocalSegment {
+                lkey: h.key(),
+                addr: dst.addr() + 4000,
+                len: 200,
+            },
+            LocalSegment {
+                lkey: h.key(),
+                addr: dst.addr() + 3 * 4096,
+                len: 56,
+            },
+        ];
+        let scatter = Scatter::resolve(&table, &segs).unwrap();
+        let wr = build_read_into(9, &rd(0x1_0000, 256), &scatter, &remote, &nic, 4).unwrap();
+        let sges: Vec<_> = wr.sges.iter().map(|s| (s.addr, s.len, s.lkey)).collect();
+        assert_eq!(
+            sges,
+            vec![
+                (dst.addr() + 4000, 96, 10),
+                (dst.addr() + 4096, 104, 11),
+                (dst.addr() + 3 * 4096, 56, 13),
+            ]
+        );
+        // A destination the MR table accepts but this NIC has not registered is refused:
+        // the read is not staged elsewhere.
+        let other = Arc::new(HostRegion::anonymous(4096).unwrap());
+        let oh = table
+            .register_host(other.clone(), Access::LOCAL_WRITE)
+            .unwrap();
+        let scatter = Scatter::resolve(
+            &table,
+            &[LocalSegment {
+                lkey: oh.key(),
+                addr: other.addr(),
+                len: 256,
+            }],
+        )
+        .unwrap();
+        assert!(matches!(
+            build_read_into(10, &rd(0x1_0000, 256), &scatter, &remote, &nic, 4),
+            Err(WorkError::Local { wr_id: 10, .. })
         ));
     }
 

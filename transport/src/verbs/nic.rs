@@ -1,0 +1,340 @@
+//! The node's view of one RDMA NIC, compiled with or without rdma-core: its port address
+//! (what Hello and Handshake advertise) and chunk-by-chunk registration of the host pool,
+//! split at the configured size. [`open_nic`] opens a real device under the `verbs` feature
+//! and answers [`NicOpenError`] otherwise, so the actors wire NICs without knowing how the
+//! crate was built, and tests drive the same code with fakes.
+
+use std::any::Any;
+use std::io;
+use std::sync::Arc;
+
+use thiserror::Error;
+
+use super::config::VerbsConfig;
+use super::gid::PortAddress;
+use super::registration::{split, Chunk, KeyMap, NicKeys, RegistrationError};
+use super::sysfs::Sysfs;
+use crate::config::NicConfig;
+use crate::region::HostRegion;
+
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum RegistrarError {
+    #[error("nic {nic}: the registration plan was refused")]
+    Split {
+        nic: String,
+        #[source]
+        source: RegistrationError,
+    },
+    #[error("nic {nic}: registering {addr:#x}+{len} failed")]
+    Register {
+        nic: String,
+        addr: u64,
+        len: u64,
+        #[source]
+        source: io::Error,
+    },
+    #[error("nic {nic}: chunk {addr:#x}+{len} is outside the region")]
+    OutsideRegion { nic: String, addr: u64, len: u64 },
+    #[error("nic {nic} is not usable: {reason}")]
+    Unavailable { nic: String, reason: String },
+}
+
+impl RegistrarError {
+    /// A low-cardinality label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RegistrarError::Split { .. } => "split",
+            RegistrarError::Register { .. } => "nic_refused",
+            RegistrarError::OutsideRegion { .. } => "bad_range",
+            RegistrarError::Unavailable { .. } => "nic_unavailable",
+        }
+    }
+}
+
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum NicOpenError {
+    #[error("nic {nic}: this build has no verbs provider (enable cargo feature `verbs`)")]
+    NotCompiled { nic: String },
+    #[error("nic {nic} could not be opened: {reason}")]
+    Device { nic: String, reason: String },
+}
+
+/// One NIC memory region of the host pool; dropping it deregisters the chunk.
+pub struct ChunkMr {
+    pub chunk: Chunk,
+    pub keys: NicKeys,
+    _hold: Box<dyn Any + Send + Sync>,
+}
+
+impl ChunkMr {
+    /// `hold` owns the registration (and keeps the memory mapped) until dropped.
+    pub fn new(chunk: Chunk, keys: NicKeys, hold: impl Any + Send + Sync) -> Self {
+        ChunkMr {
+            chunk,
+            keys,
+            _hold: Box::new(hold),
+        }
+    }
+}
+
+impl std::fmt::Debug for ChunkMr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkMr")
+            .field("chunk", &self.chunk)
+            .field("keys", &self.keys)
+            .finish()
+    }
+}
+
+/// An RDMA NIC as the node uses it.
+pub trait RdmaNic: Send + Sync {
+    /// The device name (`mlx5_0`), also the `nic` metrics label.
+    fn name(&self) -> &str;
+    /// The chosen port's address: GID, LID, MTU.
+    fn address(&self) -> PortAddress;
+    /// Registers one chunk of `region` for local write and remote read.
+    fn register_chunk(
+        &self,
+        region: &Arc<HostRegion>,
+        chunk: Chunk,
+    ) -> Result<ChunkMr, RegistrarError>;
+}
+
+/// A host region registered on one NIC, as one or more MRs.
+#[derive(Debug)]
+pub struct NicHostMr {
+    nic: String,
+    chunks: Vec<ChunkMr>,
+}
+
+impl NicHostMr {
+    pub fn nic(&self) -> &str {
+        &self.nic
+    }
+
+    pub fn chunks(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// What peers need to read the region through this NIC: each MR's range and keys.
+    pub fn advertised(&self) -> Vec<(Chunk, NicKeys)> {
+        self.chunks.iter().map(|c| (c.chunk, c.keys)).collect()
+    }
+
+    /// The advertised MRs as a key map (how a requester looks rkeys up).
+    pub fn key_map(&self) -> Result<KeyMap, RegistrationError> {
+        let mut m = KeyMap::new();
+        for c in &self.chunks {
+            m.insert(c.chunk, c.keys)?;
+        }
+        Ok(m)
+    }
+}
+
+/// Registers the whole of `region` on `nic`, split into MRs of at most `chunk_size` bytes.
+/// All or nothing: on a failure the chunks registered so far are deregistered (dropped).
+pub fn register_host_split(
+    nic: &dyn RdmaNic,
+    region: &Arc<HostRegion>,
+    chunk_size: u64,
+) -> Result<NicHostMr, RegistrarError> {
+    let plan = split(region.addr(), region.len() as u64, chunk_size).map_err(|source| {
+        RegistrarError::Split {
+            nic: nic.name().to_string(),
+            source,
+        }
+    })?;
+    let mut chunks = Vec::with_capacity(plan.len());
+    for c in plan {
+        chunks.push(nic.register_chunk(region, c)?);
+    }
+    Ok(NicHostMr {
+        nic: nic.name().to_string(),
+        chunks,
+    })
+}
+
+/// Checks that `chunk` lies inside `region` (what every registrar must do before handing
+/// the range to the kernel).
+pub fn check_chunk(nic: &str, region: &HostRegion, chunk: Chunk) -> Result<(), RegistrarError> {
+    let end = chunk.addr.checked_add(chunk.len);
+    let inside = chunk.len > 0
+        && chunk.addr >= region.addr()
+        && end.is_some_and(|e| e <= region.addr() + region.len() as u64);
+    if inside {
+        Ok(())
+    } else {
+        Err(RegistrarError::OutsideRegion {
+            nic: nic.to_string(),
+            addr: chunk.addr,
+            len: chunk.len,
+        })
+    }
+}
+
+/// Whether this build carries the rdma-core provider.
+pub const fn compiled() -> bool {
+    cfg!(feature = "verbs")
+}
+
+/// Opens the RDMA device `nic.name` (its CQ sized for `qps` QPs); a typed error, never a
+/// panic, where the build or the host has none.
+#[cfg(feature = "verbs")]
+pub fn open_nic(
+    sysfs: &Sysfs,
+    nic: NicConfig,
+    cfg: VerbsConfig,
+    qps: u32,
+) -> Result<Arc<dyn RdmaNic>, NicOpenError> {
+    let name = nic.name.clone();
+    super::provider::VerbsNic::open(&name, sysfs, nic, cfg, qps)
+        .map(|n| n as Arc<dyn RdmaNic>)
+        .map_err(|e| NicOpenError::Device {
+            nic: name,
+            reason: e.to_string(),
+        })
+}
+
+/// Opens the RDMA device `nic.name`; this build has no verbs provider.
+#[cfg(not(feature = "verbs"))]
+pub fn open_nic(
+    _sysfs: &Sysfs,
+    nic: NicConfig,
+    _cfg: VerbsConfig,
+    _qps: u32,
+) -> Result<Arc<dyn RdmaNic>, NicOpenError> {
+    Err(NicOpenError::NotCompiled { nic: nic.name })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::verbs::gid::{Gid, Mtu};
+
+    struct Fake {
+        next: AtomicU32,
+        fail_at: Option<u32>,
+        live: Arc<Mutex<Vec<u64>>>,
+    }
+
+    struct Hold(Arc<Mutex<Vec<u64>>>, u64);
+    impl Drop for Hold {
+        fn drop(&mut self) {
+            self.0.lock().unwrap().retain(|a| *a != self.1);
+        }
+    }
+
+    impl RdmaNic for Fake {
+        fn name(&self) -> &str {
+            "fake0"
+        }
+        fn address(&self) -> PortAddress {
+            PortAddress {
+                port: 1,
+                gid_index: 3,
+                gid: Gid([1; 16]),
+                lid: 0,
+                global: true,
+                mtu: Mtu::M4096,
+            }
+        }
+        fn register_chunk(
+            &self,
+            region: &Arc<HostRegion>,
+            chunk: Chunk,
+        ) -> Result<ChunkMr, RegistrarError> {
+            check_chunk(self.name(), region, chunk)?;
+            let n = self.next.fetch_add(1, Ordering::Relaxed);
+            if Some(n) == self.fail_at {
+                return Err(RegistrarError::Register {
+                    nic: self.name().into(),
+                    addr: chunk.addr,
+                    len: chunk.len,
+                    source: io::Error::from_raw_os_error(libc::ENOMEM),
+                });
+            }
+            self.live.lock().unwrap().push(chunk.addr);
+            let keys = NicKeys {
+                lkey: 100 + n,
+                rkey: 200 + n,
+            };
+            Ok(ChunkMr::new(
+                chunk,
+                keys,
+                Hold(self.live.clone(), chunk.addr),
+            ))
+        }
+    }
+
+    #[test]
+    fn splits_at_the_configured_size_all_or_nothing() {
+        let region = Arc::new(HostRegion::anonymous(10 * 4096).unwrap());
+        let live = Arc::new(Mutex::new(Vec::new()));
+        let nic = Fake {
+            next: AtomicU32::new(0),
+            fail_at: None,
+            live: live.clone(),
+        };
+        let mr = register_host_split(&nic, &region, 4 * 4096).unwrap();
+        assert_eq!(mr.chunks(), 3);
+        let adv = mr.advertised();
+        assert_eq!(adv[0].0.addr, region.addr());
+        assert_eq!(adv[2].0.len, 2 * 4096);
+        assert_eq!(adv[1].1.rkey, 201);
+        let keys = mr.key_map().unwrap();
+        assert_eq!(keys.remote_key(region.addr() + 5 * 4096, 100), Ok(201));
+        assert_eq!(live.lock().unwrap().len(), 3);
+        drop(mr);
+        assert!(live.lock().unwrap().is_empty());
+
+        let nic = Fake {
+            next: AtomicU32::new(0),
+            fail_at: Some(2),
+            live: live.clone(),
+        };
+        let e = register_host_split(&nic, &region, 4 * 4096).unwrap_err();
+        assert_eq!(e.kind(), "nic_refused");
+        assert!(live.lock().unwrap().is_empty(), "partial work undone");
+        let e = register_host_split(&nic, &region, 0).unwrap_err();
+        assert_eq!(e.kind(), "split");
+    }
+
+    #[test]
+    fn chunks_outside_the_region_are_refused() {
+        let region = HostRegion::anonymous(4096).unwrap();
+        let c = |addr, len| Chunk { addr, len };
+        assert!(check_chunk("n", &region, c(region.addr(), 4096)).is_ok());
+        for bad in [
+            c(region.addr(), 4097),
+            c(region.addr() - 1, 10),
+            c(region.addr(), 0),
+            c(u64::MAX, 2),
+        ] {
+            assert_eq!(
+                check_chunk("n", &region, bad).unwrap_err().kind(),
+                "bad_range"
+            );
+        }
+    }
+
+    #[test]
+    fn open_without_the_feature_is_typed() {
+        if compiled() {
+            return;
+        }
+        let e = open_nic(
+            &Sysfs::new("/nonexistent"),
+            NicConfig::default(),
+            VerbsConfig::default(),
+            1,
+        )
+        .err()
+        .unwrap();
+        assert!(matches!(e, NicOpenError::NotCompiled { .. }), "{e}");
+    }
+}
