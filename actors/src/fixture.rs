@@ -278,9 +278,9 @@ impl DeviceKv {
     }
 }
 
-/// An owner node in its own process, for multi-process tests and benchmarks: it holds
-/// pattern blocks `blocks` of namespace `model/bf16/<shape>`, serves `kvferry.v1.Peer` on
-/// 127.0.0.1 (any port) and its pool over `provider`.
+/// An owner node in its own process, for multi-process tests and benchmarks: it holds every
+/// rank's part of pattern blocks `blocks` of namespace `model/bf16/<shape>`, serves
+/// `kvferry.v1.Peer` on 127.0.0.1 (any port) and its pool over `provider`.
 #[derive(Clone, Debug)]
 pub struct OwnerSpec {
     pub node_id: String,
@@ -327,16 +327,23 @@ pub fn run_owner_process(spec: OwnerSpec) -> Result<(), crate::NodeError> {
         .build()
         .map_err(|_| stopped("owner runtime"))?;
     let r = rt.block_on(async {
-        let kv = DeviceKv::alloc(
-            Arc::clone(&dev),
-            spec.shape,
-            KvKind::Split,
-            1,
-            spec.shape.segment_bytes(),
-            0,
-        )?;
-        let instance = kv.register(&node, "owner-engine", &spec.model, 0).await?;
-        put_pattern(&node, &instance, &spec.shape, 0, spec.blocks.clone()).await?;
+        // Every rank's part of every block: a TP requester reads each rank's from here.
+        let mut kvs = Vec::new();
+        for rank in 0..spec.shape.tp_size() {
+            let kv = DeviceKv::alloc(
+                Arc::clone(&dev),
+                spec.shape,
+                KvKind::Split,
+                1,
+                spec.shape.segment_bytes(),
+                0,
+            )?;
+            let instance = kv
+                .register(&node, "owner-engine", &spec.model, rank)
+                .await?;
+            put_pattern(&node, &instance, &spec.shape, rank, spec.blocks.clone()).await?;
+            kvs.push(kv);
+        }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .map_err(|_| stopped("binding the peer service"))?;
@@ -367,7 +374,7 @@ pub fn run_owner_process(spec: OwnerSpec) -> Result<(), crate::NodeError> {
         .await;
         let _ = stop.send(());
         let _ = server.await;
-        drop(kv);
+        drop(kvs);
         Ok::<_, crate::NodeError>(())
     });
     node.shutdown();

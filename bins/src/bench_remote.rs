@@ -9,7 +9,8 @@ use kvferry_actors::config::ByteSize;
 use kvferry_actors::fixture::{put_pattern, DeviceKv, KvKind};
 use kvferry_actors::remote::{GrpcPeers, GrpcPeersConfig, LocalCluster, Provider, StaticDirectory};
 use kvferry_actors::{
-    BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, QueryRequest, TransferReport,
+    BlockHash, Clock, InstanceId, LeaseId, LoadRequest, Node, NodeConfig, QueryRequest,
+    TransferReport,
 };
 use kvferry_gpu::{Device, HostDevice, KvShape};
 use serde_json::json;
@@ -39,6 +40,10 @@ pub struct RemoteArgs {
     /// Run the owner in its own process (`kvferry owner`), reached through its Peer service.
     #[arg(long)]
     owner_process: bool,
+    /// TP ranks of the requesting instance; rank r goes to device r (GPU r with cuda), and
+    /// every rank loads at once.
+    #[arg(long, default_value_t = 1)]
+    tp: u32,
 }
 
 /// `kvferry owner`: an owner node in its own process holding blocks 0..N of the benchmark's
@@ -53,6 +58,8 @@ pub struct OwnerArgs {
     node_id: String,
     #[arg(long, default_value = "")]
     token: String,
+    #[arg(long, default_value_t = 1)]
+    tp: u32,
 }
 
 pub fn owner(a: OwnerArgs) -> anyhow::Result<()> {
@@ -60,7 +67,7 @@ pub fn owner(a: OwnerArgs) -> anyhow::Result<()> {
         node_id: a.node_id,
         model: "bench".into(),
         provider: Provider::parse(&a.provider)?,
-        shape: shape()?,
+        shape: shape(a.tp)?,
         blocks: 0..a.blocks,
         token: a.token,
     })?;
@@ -68,7 +75,11 @@ pub fn owner(a: OwnerArgs) -> anyhow::Result<()> {
 }
 
 /// Starts `kvferry owner` and waits for its Peer address.
-fn spawn_owner(provider: Provider, blocks: u32) -> anyhow::Result<(std::process::Child, String)> {
+fn spawn_owner(
+    provider: Provider,
+    blocks: u32,
+    tp: u32,
+) -> anyhow::Result<(std::process::Child, String)> {
     use std::io::BufRead;
     let mut child = std::process::Command::new(std::env::current_exe()?)
         .args([
@@ -77,6 +88,8 @@ fn spawn_owner(provider: Provider, blocks: u32) -> anyhow::Result<(std::process:
             provider.as_str(),
             "--blocks",
             &blocks.to_string(),
+            "--tp",
+            &tp.to_string(),
         ])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
@@ -95,8 +108,8 @@ fn spawn_owner(provider: Provider, blocks: u32) -> anyhow::Result<(std::process:
 
 const ENGINE: &str = "bench-remote";
 
-fn shape() -> anyhow::Result<KvShape> {
-    Ok(KvShape::new(28, 1, 2, 64 << 10)?)
+fn shape(tp: u32) -> anyhow::Result<KvShape> {
+    Ok(KvShape::new(28, tp, 2, 64 << 10)?)
 }
 
 fn node_config(name: &str, slot: u64, slots: u64) -> NodeConfig {
@@ -122,16 +135,76 @@ struct Point {
     verified: bool,
 }
 
+/// Queries the hit set and returns its lease (every block must be remote).
+async fn lease_remote(
+    requester: &Node,
+    instance: &InstanceId,
+    hashes: &[BlockHash],
+    direct: bool,
+) -> anyhow::Result<LeaseId> {
+    let q = requester
+        .query(QueryRequest {
+            instance: instance.clone(),
+            hashes: hashes.to_vec(),
+            direct_gpu: direct,
+        })
+        .await?;
+    if q.remote_blocks != hashes.len() {
+        bail!(
+            "query found {} remote blocks of {}",
+            q.remote_blocks,
+            hashes.len()
+        );
+    }
+    if direct && !q.direct.is_granted() {
+        bail!("direct loads were not granted: {:?}", q.direct);
+    }
+    q.lease.context("no lease")
+}
+
+/// Starts every rank's load at once and waits for all; the report of rank 0.
+async fn load_all_ranks(
+    requester: &Node,
+    instance: &InstanceId,
+    lease: LeaseId,
+    dest: &[u32],
+    tp: u32,
+) -> anyhow::Result<TransferReport> {
+    let mut pending = Vec::new();
+    for rank in 0..tp {
+        pending.push(
+            requester
+                .start_load(LoadRequest {
+                    lease,
+                    instance: instance.clone(),
+                    rank,
+                    dest_blocks: dest.to_vec(),
+                })
+                .await?,
+        );
+    }
+    let mut first = None;
+    for (rank, rx) in pending.into_iter().enumerate() {
+        let r = rx
+            .await
+            .map_err(|_| anyhow::anyhow!("rank {rank}: the transfer went away"))?
+            .with_context(|| format!("rank {rank}"))?;
+        first.get_or_insert(r);
+    }
+    first.context("no ranks")
+}
+
 async fn measure(
     requester: &Node,
-    kv: &DeviceKv,
+    kvs: &[DeviceKv],
     instance: &InstanceId,
     blocks: u32,
     iters: usize,
 ) -> anyhow::Result<Point> {
     let hashes: Vec<BlockHash> = (0..u64::from(blocks)).map(BlockHash::from_u64).collect();
     let dest: Vec<u32> = (0..blocks).map(|i| i * 3 + 1).collect();
-    let bytes = u64::from(blocks) * kv.shape.rank_bytes();
+    let tp = kvs.len() as u32;
+    let bytes = u64::from(blocks) * kvs[0].shape.rank_bytes() * u64::from(tp);
     let (mut d, mut s) = (Vec::new(), Vec::new());
     let (mut dr, mut sr) = (None, None);
     let mut verified = true;
@@ -142,30 +215,19 @@ async fn measure(
         .collect();
     for i in 0..iters + 1 {
         for direct in [true, false] {
-            let q = requester
-                .query(QueryRequest {
-                    instance: instance.clone(),
-                    hashes: hashes.clone(),
-                    direct_gpu: direct,
-                })
-                .await?;
-            if q.remote_blocks != blocks as usize {
-                bail!("query found {} remote blocks of {blocks}", q.remote_blocks);
-            }
+            let lease = lease_remote(requester, instance, &hashes, direct).await?;
             let t = Instant::now();
-            let r = requester
-                .load(LoadRequest {
-                    lease: q.lease.context("no lease")?,
-                    instance: instance.clone(),
-                    rank: 0,
-                    dest_blocks: dest.clone(),
-                })
-                .await?;
+            let r = load_all_ranks(requester, instance, lease, &dest, tp).await?;
             let dt = t.elapsed().as_secs_f64();
             if i == iters {
                 // Check bytes on the last round of each path, then reset the destinations.
-                verified &= kv.verify(&expected, 0).is_ok();
-                kv.reset()?;
+                for (rank, kv) in kvs.iter().enumerate() {
+                    if let Err(e) = kv.verify(&expected, rank as u32) {
+                        eprintln!("bench: rank {rank} direct={direct}: {e}");
+                        verified = false;
+                    }
+                    kv.reset()?;
+                }
             }
             if i > 0 {
                 if direct {
@@ -206,8 +268,17 @@ fn stages(r: &TransferReport) -> serde_json::Value {
 
 pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
     let provider = Provider::parse(&a.provider)?;
-    let device = Arc::clone(&crate::bench::open(&a.device)?[0]);
-    let shape = shape()?;
+    if a.tp == 0 {
+        bail!("--tp must be at least 1");
+    }
+    let devices = (0..a.tp)
+        .map(|r| {
+            kvferry_gpu::open_device(&a.device, r)
+                .with_context(|| format!("opening {} device {r} for rank {r}", a.device))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let device = Arc::clone(&devices[0]);
+    let shape = shape(a.tp)?;
     let sizes: Vec<u32> = if a.sweep {
         let mut v: Vec<u32> = [2u32, 4, 8, 16, 32, 64, 128]
             .into_iter()
@@ -221,7 +292,7 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
     let max = *sizes.iter().max().unwrap_or(&a.blocks);
     let slot = shape.block_bytes();
     let (owner, child, requester) = if a.owner_process {
-        let (child, addr) = spawn_owner(provider, max)?;
+        let (child, addr) = spawn_owner(provider, max, a.tp)?;
         let peers = GrpcPeers::new(
             GrpcPeersConfig {
                 node_id: "requester".into(),
@@ -235,7 +306,7 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
         );
         let requester = Node::start_in(
             node_config("requester", slot, u64::from(max) + 1),
-            vec![Arc::clone(&device)],
+            devices.clone(),
             Clock::system(),
             Some(peers),
         )?;
@@ -250,7 +321,7 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
         )?;
         let requester = Node::start_in(
             node_config("requester", slot, u64::from(max) + 1),
-            vec![Arc::clone(&device)],
+            devices.clone(),
             Clock::system(),
             Some(Arc::clone(&cluster)),
         )?;
@@ -261,45 +332,73 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     eprintln!(
-        "bench: remote suffix over {} into {}, {} blocks of {} KiB",
+        "bench: remote suffix over {} into {}{}, {} blocks of {} KiB per rank",
         provider.as_str(),
         device.name(),
+        if a.tp > 1 {
+            format!(" and {} more (TP {}, one rank per device)", a.tp - 1, a.tp)
+        } else {
+            String::new()
+        },
         max,
         shape.rank_bytes() >> 10
     );
-    // The raw copy of the same bytes: a pinned cuMemcpyHtoDAsync on a GPU, memcpy on host.
-    let mut baseline =
-        crate::bench::Baseline::new(&device, u64::from(a.blocks) * shape.rank_bytes())?;
-    let mut base_s: Vec<f64> = (0..a.iters + 1)
-        .map(|_| baseline.run())
-        .collect::<Result<_, _>>()?;
+    // The raw copy of the same bytes: a pinned cuMemcpyHtoDAsync on a GPU, memcpy on host;
+    // with TP, one per device at once, timed by the slowest.
+    let mut baselines = devices
+        .iter()
+        .map(|d| crate::bench::Baseline::new(d, u64::from(a.blocks) * shape.rank_bytes()))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut base_s = Vec::new();
+    for _ in 0..a.iters + 1 {
+        let times = std::thread::scope(|s| {
+            let runs: Vec<_> = baselines
+                .iter_mut()
+                .map(|b| s.spawn(move || b.run()))
+                .collect();
+            runs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .map_err(|_| anyhow::anyhow!("baseline thread panicked"))?
+                })
+                .collect::<anyhow::Result<Vec<f64>>>()
+        })?;
+        base_s.push(times.into_iter().fold(0.0, f64::max));
+    }
     base_s.remove(0);
     let base_median = median(&mut base_s);
+    let baseline = &baselines[0];
     let points = rt.block_on(async {
+        let mut owner_kvs = Vec::new();
         if let Some(owner) = &owner {
-            let okv = DeviceKv::alloc(
-                owner.device(0).context("owner device")?,
-                shape,
-                KvKind::Split,
-                1,
-                64 << 10,
-                0,
-            )?;
-            let oinst = okv.register(owner, ENGINE, "bench", 0).await?;
-            put_pattern(owner, &oinst, &shape, 0, 0..u64::from(max)).await?;
+            for rank in 0..a.tp {
+                let okv = DeviceKv::alloc(
+                    owner.device(0).context("owner device")?,
+                    shape,
+                    KvKind::Split,
+                    1,
+                    64 << 10,
+                    0,
+                )?;
+                let oinst = okv.register(owner, ENGINE, "bench", rank).await?;
+                put_pattern(owner, &oinst, &shape, rank, 0..u64::from(max)).await?;
+                owner_kvs.push(okv);
+            }
         }
-        let kv = DeviceKv::alloc(
-            Arc::clone(&device),
-            shape,
-            KvKind::Split,
-            max * 3,
-            64 << 10,
-            0,
-        )?;
-        let inst = kv.register(&requester, ENGINE, "bench", 0).await?;
+        let mut kvs = Vec::new();
+        let mut inst = None;
+        for (rank, dev) in devices.iter().enumerate() {
+            let kv = DeviceKv::alloc(Arc::clone(dev), shape, KvKind::Split, max * 3, 64 << 10, 0)?;
+            inst = Some(
+                kv.register(&requester, ENGINE, "bench", rank as u32)
+                    .await?,
+            );
+            kvs.push(kv);
+        }
+        let inst = inst.context("no ranks")?;
         let mut points = Vec::new();
         for &n in &sizes {
-            points.push(measure(&requester, &kv, &inst, n, a.iters).await?);
+            points.push(measure(&requester, &kvs, &inst, n, a.iters).await?);
         }
         let st = requester.stats().await?;
         if st.leases_live != 0 || st.pinned_blocks != 0 || st.transfers_in_flight != 0 {
@@ -352,6 +451,8 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
         let out = json!({
             "device": device.name(),
             "provider": provider.as_str(),
+            "tp": a.tp,
+            "devices": devices.iter().map(|d| d.name()).collect::<Vec<_>>(),
             "blocks": main.blocks,
             "bytes": main.bytes,
             "iters": a.iters,

@@ -1176,3 +1176,78 @@ fn parse_torch(line: &str) -> Vec<(Vec<u8>, u64)> {
         })
         .collect()
 }
+
+/// Two GPUs of one host: each refuses the other's memory by ordinal (ranges, layouts and
+/// whole batches, which then write nothing), copies into its own, and exports DMA-BUFs.
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn two_devices_refuse_each_others_memory_and_export_dmabuf() {
+    let devs = [CudaDevice::open(0).unwrap(), CudaDevice::open(1).unwrap()];
+    let bufs = [
+        devs[0].alloc(1 << 20).unwrap(),
+        devs[1].alloc(1 << 20).unwrap(),
+    ];
+    let shape = KvShape::new(1, 1, 2, 1024).unwrap();
+    for (me, other) in [(0usize, 1usize), (1, 0)] {
+        let dev = &devs[me];
+        let foreign = &bufs[other];
+        let err = dev.check_range(foreign.ptr(), 4096).unwrap_err();
+        assert!(
+            matches!(err, DeviceError::WrongDevice { ordinal, found, .. }
+                if ordinal == me as u32 && found == other as u32),
+            "{err}"
+        );
+        let spec = KvLayoutSpec {
+            kind: GroupKind::Attention,
+            layers: vec![LayerLayout::Split {
+                k_base: bufs[me].ptr(),
+                v_base: foreign.ptr(),
+            }],
+            block_stride: 1024,
+            num_blocks: 4,
+            view_offset: 0,
+        };
+        let err = KvLayout::new_on(spec, &shape, dev.as_ref()).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                LayoutError::Memory {
+                    layer: 0,
+                    segment: "V",
+                    source: DeviceError::WrongDevice { .. }
+                }
+            ),
+            "{err}"
+        );
+        // A batch naming the other GPU's memory copies nothing, not even its good part.
+        canary(dev.as_ref(), &bufs[me]);
+        canary(devs[other].as_ref(), foreign);
+        let src: Vec<u8> = (0..8192u32).map(|i| i as u8).collect();
+        let mut l = CopyList::default();
+        l.push(src.as_ptr() as u64, bufs[me].ptr(), 4096);
+        l.push(src.as_ptr() as u64 + 4096, foreign.ptr(), 4096);
+        // SAFETY: `src` outlives the awaited event.
+        let err = wait(unsafe { dev.submit(CopyDirection::HostToDevice, l) }.unwrap()).unwrap_err();
+        assert!(matches!(err, DeviceError::WrongDevice { .. }), "{err}");
+        for (d, b) in [(dev, &bufs[me]), (&devs[other], foreign)] {
+            let mut back = vec![0u8; 4096];
+            d.read(b.ptr(), &mut back).unwrap();
+            assert!(back.iter().all(|&x| x == CANARY), "a refused batch wrote");
+        }
+        // Its own memory copies, byte for byte.
+        let mut l = CopyList::default();
+        l.push(src.as_ptr() as u64, bufs[me].ptr() + 4096, 8192);
+        // SAFETY: `src` outlives the awaited event.
+        wait(unsafe { dev.submit(CopyDirection::HostToDevice, l) }.unwrap()).unwrap();
+        let mut back = vec![0u8; 8192 + 8192];
+        dev.read(bufs[me].ptr(), &mut back).unwrap();
+        assert!(back[..4096].iter().all(|&x| x == CANARY));
+        assert_eq!(&back[4096..4096 + 8192], &src[..]);
+        assert!(back[4096 + 8192..].iter().all(|&x| x == CANARY));
+        // DMA-BUF export of this GPU's memory.
+        let dmabuf = dev.export_dmabuf(bufs[me].ptr(), bufs[me].len()).unwrap();
+        assert_eq!(dmabuf.ordinal(), me as u32);
+        assert!(dmabuf.len() >= bufs[me].len());
+        assert!(dmabuf.offset_of(bufs[me].ptr(), bufs[me].len()).is_some());
+    }
+}

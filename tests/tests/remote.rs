@@ -565,26 +565,32 @@ fn direct_is_refused_without_peers_and_granted_with_them() {
 }
 
 const OWNER_ENV: &str = "KVFERRY_REMOTE_OWNER";
+const OWNER_TP_ENV: &str = "KVFERRY_REMOTE_OWNER_TP";
 
 /// The owner half of the two-process tests: this binary re-executed with `OWNER_ENV` set.
 #[test]
 #[ignore = "runs only as the owner child process started by two_processes_over_*"]
 fn child_owner_process() {
     let provider = std::env::var(OWNER_ENV).expect("started by a two-process test");
+    let tp = std::env::var(OWNER_TP_ENV).map_or(1, |t| t.parse().unwrap());
     kvferry_actors::fixture::run_owner_process(kvferry_actors::fixture::OwnerSpec {
         node_id: "a".into(),
         model: "m".into(),
         provider: Provider::parse(&provider).unwrap(),
-        shape: shape(1),
+        shape: shape(tp),
         blocks: 4..12,
         token: "t0ken".into(),
     })
     .unwrap();
 }
 
-/// A real owner process: the requester pins through its Peer service and reads its pool
-/// over the provider, direct and staged, byte for byte.
-fn two_processes(provider: Provider) {
+/// Starts this binary as an owner process (node "a", blocks 4..12 of `tp` ranks) and
+/// returns it with a requester node "b" that reaches it through its Peer service.
+fn owner_process_and_requester(
+    provider: Provider,
+    tp: u32,
+    devices: Vec<Arc<dyn Device>>,
+) -> (std::process::Child, Node) {
     use std::io::BufRead;
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
@@ -595,6 +601,7 @@ fn two_processes(provider: Provider) {
             "--test-threads=1",
         ])
         .env(OWNER_ENV, provider.as_str())
+        .env(OWNER_TP_ENV, tp.to_string())
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -631,10 +638,17 @@ fn two_processes(provider: Provider) {
             "a".into()
         ])),
     );
-    let dev: Arc<dyn Device> = HostDevice::new(0);
     let mut cfg = config(64 << 10, 32);
     cfg.node_id = "b".into();
-    let node = Node::start_in(cfg, vec![Arc::clone(&dev)], Clock::system(), Some(peers)).unwrap();
+    let node = Node::start_in(cfg, devices, Clock::system(), Some(peers)).unwrap();
+    (child, node)
+}
+
+/// A real owner process: the requester pins through its Peer service and reads its pool
+/// over the provider, direct and staged, byte for byte.
+fn two_processes(provider: Provider) {
+    let dev: Arc<dyn Device> = HostDevice::new(0);
+    let (mut child, node) = owner_process_and_requester(provider, 1, vec![Arc::clone(&dev)]);
     rt().block_on(async {
         let kv = register(&node, &dev, "eng", shape(1), 0, KvKind::Split, 16, 128).await;
         put(&node, "eng", &shape(1), 0, 0..4).await;
@@ -675,4 +689,96 @@ fn two_processes_over_shm() {
 #[test]
 fn two_processes_over_tcp() {
     two_processes(Provider::Tcp);
+}
+
+/// Two GPUs of one host: TP 2 with one rank per GPU, the owner a second process over shm.
+/// Direct and staged loads into both ranks at once, byte for byte with canaries; memory of
+/// one GPU registered under the other's ordinal is refused; DMA-BUF export on each GPU.
+/// Runs on the two-GPU machine with `--ignored` (see the README's GPU section).
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn two_gpus_tp2_two_processes_over_shm() {
+    let devs: Vec<Arc<dyn Device>> = (0..2)
+        .map(|o| kvferry_gpu::open_device("cuda", o).expect("two CUDA GPUs"))
+        .collect();
+    let (mut child, node) = owner_process_and_requester(Provider::Shm, 2, devs.clone());
+    let s = shape(2);
+    rt().block_on(async {
+        // GPU 1's memory under ordinal 0: refused by name, nothing registered.
+        let foreign =
+            DeviceKv::alloc(Arc::clone(&devs[1]), s, KvKind::Split, 16, 1024, 128).unwrap();
+        let err = node
+            .register_instance(kvferry_actors::RegisterInstance {
+                instance: id("eng"),
+                model: "m".into(),
+                dtype: "bf16".into(),
+                shape: s,
+                rank: 0,
+                device: 0,
+                layout: foreign.spec(),
+            })
+            .await
+            .unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("device memory of ordinal 1, expected 0"),
+            "unexpected error: {msg}"
+        );
+        assert_eq!(node.stats().await.unwrap().instances, 0, "{msg}");
+        drop(foreign);
+
+        let mut kvs = Vec::new();
+        for rank in 0..2u32 {
+            let dev = &devs[rank as usize];
+            kvs.push(register(&node, dev, "eng", s, rank, KvKind::Split, 16, 128).await);
+            put(&node, "eng", &s, rank, 0..4).await;
+        }
+        for direct in [true, false] {
+            for kv in &kvs {
+                kv.reset().unwrap();
+            }
+            let q = query(&node, direct).await;
+            assert_eq!((q.local_blocks, q.remote_blocks), (4, 8), "direct={direct}");
+            assert_eq!(q.direct.is_granted(), direct, "{:?}", q.direct);
+            let lease = q.lease.unwrap();
+            let load = |rank: u32| {
+                node.load(LoadRequest {
+                    lease,
+                    instance: id("eng"),
+                    rank,
+                    dest_blocks: DEST.to_vec(),
+                })
+            };
+            let (r0, r1) = tokio::join!(load(0), load(1));
+            for (rank, r) in [r0, r1].into_iter().enumerate() {
+                let r = r.unwrap_or_else(|e| panic!("rank {rank} direct={direct}: {e}"));
+                assert_eq!(r.path, if direct { "direct" } else { "staged" });
+                let checked = kvs[rank]
+                    .verify(&expected(), rank as u32)
+                    .unwrap_or_else(|e| panic!("rank {rank} direct={direct}: {e}"));
+                assert_eq!(checked, 12 * s.rank_bytes());
+                eprintln!(
+                    "two GPUs: rank {rank} on GPU {rank}, {}: {} bytes in {:.3} ms",
+                    r.path,
+                    r.bytes,
+                    r.seconds * 1e3
+                );
+            }
+            settled(&node).await;
+            node.drop_reclaimable().await.unwrap();
+        }
+        for (o, dev) in devs.iter().enumerate() {
+            let buf = dev.alloc(2 << 20).unwrap();
+            let dmabuf = dev
+                .export_dmabuf(buf.ptr(), buf.len())
+                .unwrap_or_else(|e| panic!("DMA-BUF export on GPU {o}: {e}"));
+            assert_eq!(dmabuf.ordinal(), o as u32);
+            assert!(dmabuf.offset_of(buf.ptr(), buf.len()).is_some());
+        }
+        node.unregister_instance(id("eng")).await.unwrap();
+        assert_eq!(node.stats().await.unwrap().instances, 0);
+    });
+    node.shutdown();
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
 }
