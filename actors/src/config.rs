@@ -92,6 +92,12 @@ pub struct NodeConfig {
     /// Peers in other processes; absent: a node on its own.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster: Option<ClusterConfig>,
+    /// NICs the pool is registered on at start (`[[nic]]`); none: no NIC actors.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub nic: Vec<crate::nic::NicSection>,
+    /// Settings of the verbs NICs (`[verbs]`); absent: defaults.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verbs: Option<crate::nic::VerbsSection>,
 }
 
 /// Where `kvferry node` serves `/metrics` (Prometheus) and `/health`.
@@ -181,6 +187,8 @@ impl Default for NodeConfig {
             device: DeviceConfig::default(),
             metrics: MetricsConfig::default(),
             cluster: None,
+            nic: Vec::new(),
+            verbs: None,
         }
     }
 }
@@ -340,6 +348,8 @@ impl NodeConfig {
                 }
             }
         }
+        crate::nic::config::validate_node_nics(&self.nic, self.verbs.as_ref())
+            .map_err(|(key, reason)| ConfigError::Invalid { key, reason })?;
         if self.device.count == 0 || self.device.count > 64 {
             return invalid(
                 "device.count",

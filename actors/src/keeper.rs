@@ -19,6 +19,7 @@ use crate::lease::LeaseTable;
 use crate::metrics::{Counters, InFlight};
 use crate::model::BlockHash;
 use crate::model::{InstanceId, LeaseId, Namespace};
+use crate::nic::stripe::{NicRouting, StripePlan};
 use crate::registry::RankHandle;
 use crate::registry::{GetInstance, GetRank, InstanceRegistry};
 use crate::remote::link::{BoxFut, Drained, Keep, ReadStats};
@@ -71,6 +72,10 @@ pub struct LeaseKeeper {
     counters: Arc<Counters>,
     node_id: String,
     cluster: Option<Arc<dyn Peers>>,
+    /// Why `direct_gpu` is refused although the config asks for verbs (the capability gate).
+    direct_refusal: Option<String>,
+    /// Which verbs NIC carries each read of a direct remote load.
+    routing: Option<Arc<NicRouting>>,
 }
 
 impl LeaseKeeper {
@@ -94,7 +99,21 @@ impl LeaseKeeper {
             counters,
             node_id,
             cluster,
+            direct_refusal: None,
+            routing: None,
         }
+    }
+
+    /// The verbs side of a node: the gate's refusal (see [`crate::nic::verbs_refusal`]) and
+    /// the NIC routing of direct remote loads.
+    pub fn with_verbs(
+        mut self,
+        direct_refusal: Option<String>,
+        routing: Option<Arc<NicRouting>>,
+    ) -> Self {
+        self.direct_refusal = direct_refusal;
+        self.routing = routing;
+        self
     }
 
     fn sweep(&mut self) -> usize {
@@ -152,12 +171,16 @@ impl Handler<Query> for LeaseKeeper {
             let (namespace, shape, pinned, remote, pin_seconds) = r?;
             let local_blocks = pinned.blocks.len();
             let remote_blocks: usize = remote.iter().map(|s| s.blocks.len()).sum();
-            let direct = match (q.direct_gpu, &act.cluster) {
-                (false, _) => DirectGrant::NotRequested,
-                (true, None) => DirectGrant::Refused {
+            let direct = match (q.direct_gpu, &act.cluster, &act.direct_refusal) {
+                (false, _, _) => DirectGrant::NotRequested,
+                // The config asks for verbs and verbs cannot serve: refused, never downgraded.
+                (true, _, Some(reason)) => DirectGrant::Refused {
+                    reason: reason.clone(),
+                },
+                (true, None, None) => DirectGrant::Refused {
                     reason: DIRECT_REFUSAL.into(),
                 },
-                (true, Some(_)) => DirectGrant::Granted,
+                (true, Some(_), None) => DirectGrant::Granted,
             };
             act.counters.query(match (local_blocks, remote_blocks) {
                 (0, 0) => "miss",
@@ -267,6 +290,17 @@ impl Handler<Load> for LeaseKeeper {
                 )));
             }
             handle.layout.check_blocks(&req.dest_blocks)?;
+            // Routed before consuming too: a plan no NIC can carry changes nothing.
+            let route = match (&act.routing, plan.direct) {
+                (Some(r), true) if !plan.remote.is_empty() => Some(
+                    route_reads(r, plan, handle.shape.rank_bytes(), handle.device.ordinal())
+                        .map_err(|reason| NodeError::Remote {
+                            peer: "verbs".into(),
+                            reason,
+                        })?,
+                ),
+                _ => None,
+            };
             let share = act
                 .table
                 .consume(req.lease, &req.instance, req.rank, now)?
@@ -294,6 +328,7 @@ impl Handler<Load> for LeaseKeeper {
                     Arc::clone(&handle),
                     remote_dest,
                     act.store.clone(),
+                    route,
                 )
             });
             let path = match (share.remote.is_empty(), share.direct) {
@@ -396,6 +431,21 @@ impl Handler<Shutdown> for LeaseKeeper {
     }
 }
 
+/// The NIC of every remote read of a direct load (one read per block's rank part, in plan
+/// order), from the NICs nearest the destination GPU; a plan that cannot be routed fails the
+/// load (direct is direct: no fallback to staging).
+pub fn route_reads(
+    routing: &NicRouting,
+    share: &LeasePlan,
+    rank_bytes: u64,
+    ordinal: u32,
+) -> Result<StripePlan, String> {
+    let lens = vec![rank_bytes; share.remote_blocks()];
+    routing
+        .route(&lens, ordinal)
+        .map_err(|e| format!("no verbs nic for this direct load: {e}"))
+}
+
 /// Blocks per pipeline step of a staged load: reads of later chunks overlap the device copy
 /// of earlier ones.
 const STAGED_CHUNK: usize = 8;
@@ -409,6 +459,7 @@ fn remote_load(
     handle: Arc<RankHandle>,
     dest: Vec<u32>,
     store: Addr<BlockStore>,
+    route: Option<StripePlan>,
 ) -> BoxFut<Result<(u64, Vec<Stage>), NodeError>> {
     Box::pin(async move {
         let shape = handle.shape;
@@ -424,7 +475,20 @@ fn remote_load(
                 .map(|p| (p.start, p.extent))
                 .collect();
             let mut total = ReadStats::default();
+            let mut next_read = 0;
             for seg in share.remote.iter() {
+                // This segment's slice of the plan's NIC assignment.
+                let seg_route = route.as_ref().map(|r| StripePlan {
+                    nics: r.nics.clone(),
+                    per_read: r
+                        .per_read
+                        .iter()
+                        .skip(next_read)
+                        .take(seg.blocks.len())
+                        .copied()
+                        .collect(),
+                });
+                next_read += seg.blocks.len();
                 let mut list = CopyList::with_capacity(seg.blocks.len() * per_block(&shape));
                 for (b, dst) in seg.blocks.iter().zip(dests.by_ref()) {
                     push_block(
@@ -438,7 +502,13 @@ fn remote_load(
                 let keep: Keep = Box::new(Arc::clone(&handle));
                 let r = seg
                     .link
-                    .read_device(Arc::clone(&handle.device), list, planes.clone(), keep)
+                    .read_device_routed(
+                        Arc::clone(&handle.device),
+                        list,
+                        planes.clone(),
+                        keep,
+                        seg_route,
+                    )
                     .await?;
                 total.register += r.register;
                 total.post += r.post;

@@ -102,10 +102,95 @@ impl Drop for InFlight {
 }
 
 /// Values that live outside the counters, gathered by the node for a scrape.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Extra {
     pub peer_pins: usize,
     pub directory: Option<crate::remote::directory::DirectoryStats>,
+    /// The node's `[[nic]]` runtime, when it has one.
+    pub nic: Option<NicMetrics>,
+}
+
+/// What the NIC actors report for a scrape: memory registrations by NIC, kind and failure
+/// reason; each NIC worker's QPs by state and completion errors by status.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NicMetrics {
+    pub registry: crate::nic::RegistryCounts,
+    /// (nic, its worker's gauges).
+    pub workers: Vec<(String, crate::nic::WorkerGaugeValues)>,
+}
+
+/// Metric names of the NIC actors.
+pub const MR_REGISTRATIONS: &str = "kvferry_mr_registrations_total";
+pub const MR_REGISTRATION_FAILURES: &str = "kvferry_mr_registration_failures_total";
+pub const MRS_REGISTERED: &str = "kvferry_mrs_registered";
+pub const QPS: &str = "kvferry_qps";
+pub const COMPLETION_ERRORS: &str = "kvferry_completion_errors_total";
+
+fn render_nic(o: &mut String, m: &NicMetrics) {
+    family(
+        o,
+        MR_REGISTRATIONS,
+        "counter",
+        "Memory registrations made, by nic and kind (host, device).",
+    );
+    for (nic, kind, n) in &m.registry.made {
+        sample(
+            o,
+            MR_REGISTRATIONS,
+            &format!("nic=\"{nic}\",kind=\"{kind}\""),
+            n,
+        );
+    }
+    family(
+        o,
+        MR_REGISTRATION_FAILURES,
+        "counter",
+        "Memory registrations refused, by nic, kind and reason.",
+    );
+    for (nic, kind, reason, n) in &m.registry.failed {
+        sample(
+            o,
+            MR_REGISTRATION_FAILURES,
+            &format!("nic=\"{nic}\",kind=\"{kind}\",reason=\"{reason}\""),
+            n,
+        );
+    }
+    family(
+        o,
+        MRS_REGISTERED,
+        "gauge",
+        "Registrations in each nic's MR table (deferred deregistrations included).",
+    );
+    for (nic, n) in &m.registry.registered {
+        sample(o, MRS_REGISTERED, &format!("nic=\"{nic}\""), n);
+    }
+    family(
+        o,
+        QPS,
+        "gauge",
+        "Queue pairs by nic and state (reset, init, rtr, rts, error).",
+    );
+    for (nic, g) in &m.workers {
+        for (state, n) in g.states.labelled() {
+            sample(o, QPS, &format!("nic=\"{nic}\",state=\"{state}\""), n);
+        }
+    }
+    family(
+        o,
+        COMPLETION_ERRORS,
+        "counter",
+        "Reads reported with an error, by nic and completion status (flushes included).",
+    );
+    for (nic, g) in &m.workers {
+        for (status, n) in g.completion_errors.labelled() {
+            sample(
+                o,
+                COMPLETION_ERRORS,
+                &format!("nic=\"{nic}\",status=\"{status}\""),
+                n,
+            );
+        }
+    }
 }
 
 fn family(out: &mut String, name: &str, kind: &str, help: &str) {
@@ -122,7 +207,7 @@ fn sample(out: &mut String, name: &str, labels: &str, v: impl std::fmt::Display)
 }
 
 /// The Prometheus text exposition of a node. Labels are low-cardinality only (path,
-/// status, stage, result).
+/// status, stage, result, nic, kind, reason, state).
 pub fn render(stats: &Stats, c: &Counters, extra: Extra) -> String {
     let mut o = String::with_capacity(4096);
     let gauges: [(&str, &str, u64); 8] = [
@@ -301,6 +386,9 @@ pub fn render(stats: &Stats, c: &Counters, extra: Extra) -> String {
             );
         }
     }
+    if let Some(m) = &extra.nic {
+        render_nic(&mut o, m);
+    }
     o
 }
 
@@ -359,5 +447,67 @@ mod tests {
             .filter(|l| l.starts_with("# TYPE kvferry_stage_seconds "))
             .count();
         assert_eq!(types, 1);
+    }
+
+    #[test]
+    fn renders_nic_families_once_with_low_cardinality_labels() {
+        use crate::nic::{RegistryCounts, WorkerGaugeValues};
+        let mut w = WorkerGaugeValues::default();
+        w.states.rts = 2;
+        w.states.error = 1;
+        w.completion_errors.flushed = 5;
+        let m = NicMetrics {
+            registry: RegistryCounts {
+                made: vec![("mlx5_0".into(), "host", 1)],
+                failed: vec![("mlx5_1".into(), "host", "nic_unavailable", 1)],
+                registered: vec![("mlx5_0".into(), 1), ("mlx5_1".into(), 0)],
+            },
+            workers: vec![("mlx5_0".into(), w), ("mlx5_1".into(), Default::default())],
+        };
+        let text = render(
+            &Stats::default(),
+            &Counters::default(),
+            Extra {
+                nic: Some(m),
+                ..Extra::default()
+            },
+        );
+        for line in [
+            "kvferry_mr_registrations_total{nic=\"mlx5_0\",kind=\"host\"} 1\n",
+            "kvferry_mr_registration_failures_total{nic=\"mlx5_1\",kind=\"host\",reason=\"nic_unavailable\"} 1\n",
+            "kvferry_mrs_registered{nic=\"mlx5_1\"} 0\n",
+            "kvferry_qps{nic=\"mlx5_0\",state=\"rts\"} 2\n",
+            "kvferry_qps{nic=\"mlx5_0\",state=\"error\"} 1\n",
+            "kvferry_qps{nic=\"mlx5_1\",state=\"reset\"} 0\n",
+            "kvferry_completion_errors_total{nic=\"mlx5_0\",status=\"flushed\"} 5\n",
+            "kvferry_completion_errors_total{nic=\"mlx5_1\",status=\"remote_access_error\"} 0\n",
+        ] {
+            assert!(text.contains(line), "{line}{text}");
+        }
+        for name in [
+            MR_REGISTRATIONS,
+            MR_REGISTRATION_FAILURES,
+            MRS_REGISTERED,
+            QPS,
+            COMPLETION_ERRORS,
+        ] {
+            let help = format!("# HELP {name} ");
+            let ty = format!("# TYPE {name} ");
+            assert_eq!(text.matches(&help).count(), 1, "{name}");
+            assert_eq!(text.matches(&ty).count(), 1, "{name}");
+        }
+        // Five states per nic, six error statuses per nic.
+        assert_eq!(
+            text.lines()
+                .filter(|l| l.starts_with("kvferry_qps{"))
+                .count(),
+            10
+        );
+        assert_eq!(
+            text.lines()
+                .filter(|l| l.starts_with("kvferry_completion_errors_total{"))
+                .count(),
+            12
+        );
     }
 }

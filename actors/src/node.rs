@@ -35,6 +35,8 @@ struct Inner {
     cluster: Option<Arc<dyn Peers>>,
     /// The host pool's `(addr, len)`, for the Peer service's descriptors.
     pool_region: (u64, u64),
+    /// The `[[nic]]` actors and the pool's registration on them.
+    nics: Option<crate::nic::NodeNics>,
     _registrations: Vec<HostRegistration>,
 }
 
@@ -98,6 +100,15 @@ impl Node {
             registrations.push(d.register_host(pool.base(), pool.memory().len() as u64, false)?);
         }
         let pool_region = (pool.base(), pool.memory().len() as u64);
+        let nics = crate::nic::NodeNics::start(
+            &config.nic,
+            config.verbs.as_ref(),
+            Arc::clone(pool.memory()),
+        )
+        .map_err(|e| NodeError::bad(format!("starting the nic actors: {e}")))?;
+        let verbs_side = nics
+            .as_ref()
+            .map(|n| (n.direct_refusal.clone(), n.routing.clone()));
         let counters = Arc::new(Counters::default());
         let (tx, rx) = std::sync::mpsc::channel();
         let cfg = config.clone();
@@ -130,7 +141,11 @@ impl Node {
                         ctrs,
                         cfg.node_id.clone(),
                         member,
-                    )
+                    );
+                    let keeper = match verbs_side {
+                        Some((refusal, routing)) => keeper.with_verbs(refusal, routing),
+                        None => keeper,
+                    }
                     .start();
                     let _ = tx.send((keeper, store, registry, actix::System::current()));
                 });
@@ -161,6 +176,7 @@ impl Node {
                 thread: Mutex::new(Some(thread)),
                 cluster,
                 pool_region,
+                nics,
                 _registrations: registrations,
             }),
         })
@@ -294,8 +310,18 @@ impl Node {
         let extra = crate::metrics::Extra {
             peer_pins: self.peer_pins().await?,
             directory: self.inner.cluster.as_ref().map(|c| c.directory().stats()),
+            nic: match &self.inner.nics {
+                Some(n) => Some(n.runtime.metrics().await),
+                None => None,
+            },
         };
         Ok(crate::metrics::render(&stats, &self.inner.counters, extra))
+    }
+
+    /// The `[[nic]]` actors and the host pool's registration on them (none without `[[nic]]`
+    /// config).
+    pub fn nics(&self) -> Option<&crate::nic::NodeNics> {
+        self.inner.nics.as_ref()
     }
 
     /// Live pins this node holds for peers.

@@ -2,19 +2,28 @@
 //! loopback and tcp providers, batches larger than the send window, a completion error
 //! injected at the Nth request (typed error, drained QP, gauges back to zero, next read
 //! works), `MrRegistry` coalescing and deferred deregistration while reads are in flight.
+//! The verbs wiring without a NIC: the host pool registered on a (fake) RDMA NIC at start,
+//! split at the configured size, failures typed and counted; a node whose config asks for
+//! verbs on a host without RDMA refuses `direct_gpu` naming why; the NIC metrics
+//! (registrations, QPs by state, completion errors) move under injected faults and the QP
+//! gauges return to zero after the drain.
 
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvferry_actors::nic::{
-    parse_nics, BatchResult, Connect, Gauges, NicRuntime, NicSectionError, PostReads,
-    RegionHandles, RegionSpec, RegisterRegion, RegistryError, RegistryGauges, WorkerError,
-    WorkerGaugeValues,
+    parse_nics, BatchResult, Connect, Gauges, NicRuntime, NicSection, NicSectionError, PostReads,
+    RdmaSlot, RegionHandles, RegionSpec, RegisterRegion, RegistryError, RegistryGauges,
+    VerbsSection, WorkerError, WorkerGaugeValues,
 };
+use kvferry_actors::{metrics, DirectGrant, QueryRequest};
 use kvferry_transport::fault::{Fault, FaultKind, FaultyConnector};
 use kvferry_transport::loopback::LoopbackConnector;
 use kvferry_transport::tcp::{TcpConnector, TcpOwner};
+use kvferry_transport::verbs::gid::{Gid, Mtu};
+use kvferry_transport::verbs::registration::{Chunk, NicKeys};
+use kvferry_transport::verbs::{ChunkMr, PortAddress, RdmaNic, RegistrarError};
 use kvferry_transport::{
     Access, CompletionStatus, Connector, DeviceSink, HostRegion, LocalSegment, MrHandle, MrTable,
     NicConfig, NicId, NodeId, ProviderKind, QueueFault, ReadRequest, RemoteDescriptor, SinkError,
@@ -699,4 +708,486 @@ fn peer_death_then_revival() {
         let g = settled(&rt).await;
         assert_eq!((g.qp.outstanding, g.ready, g.waiting), (0, 1, 0), "{g:?}");
     });
+}
+
+/// An RDMA NIC without hardware: registrations are recorded (and undone on drop), and the
+/// `fail_at`th chunk is refused the way `ibv_reg_mr` would refuse it.
+struct FakeNic {
+    name: String,
+    next: std::sync::atomic::AtomicU32,
+    fail_at: Option<u32>,
+    live: Arc<std::sync::Mutex<Vec<Chunk>>>,
+}
+
+struct Registered(Arc<std::sync::Mutex<Vec<Chunk>>>, Chunk);
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.0.lock().unwrap().retain(|c| *c != self.1);
+    }
+}
+
+impl FakeNic {
+    fn new(name: &str, fail_at: Option<u32>) -> Arc<Self> {
+        Arc::new(FakeNic {
+            name: name.into(),
+            next: Default::default(),
+            fail_at,
+            live: Default::default(),
+        })
+    }
+
+    fn live(&self) -> Vec<Chunk> {
+        self.live.lock().unwrap().clone()
+    }
+}
+
+impl RdmaNic for FakeNic {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn address(&self) -> PortAddress {
+        PortAddress {
+            port: 1,
+            gid_index: 3,
+            gid: Gid([7; 16]),
+            lid: 0,
+            global: true,
+            mtu: Mtu::M4096,
+        }
+    }
+
+    fn register_chunk(
+        &self,
+        region: &Arc<HostRegion>,
+        chunk: Chunk,
+    ) -> Result<ChunkMr, RegistrarError> {
+        kvferry_transport::verbs::nic::check_chunk(&self.name, region, chunk)?;
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if Some(n) == self.fail_at {
+            return Err(RegistrarError::Register {
+                nic: self.name.clone(),
+                addr: chunk.addr,
+                len: chunk.len,
+                source: std::io::Error::from_raw_os_error(12),
+            });
+        }
+        self.live.lock().unwrap().push(chunk);
+        Ok(ChunkMr::new(
+            chunk,
+            NicKeys {
+                lkey: 0x100 + n,
+                rkey: 0x200 + n,
+            },
+            Registered(self.live.clone(), chunk),
+        ))
+    }
+}
+
+fn metric(text: &str, line_start: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_start)?.trim().parse().ok())
+}
+
+/// The pool registered at start on every NIC, through the registry: on RDMA NICs also with
+/// the NIC itself, split at the configured size; an RDMA NIC refusing a chunk or missing
+/// altogether fails the registration with a typed, counted error, undoing the partial work.
+#[test]
+fn pool_registered_on_every_nic_split_and_failures_counted() {
+    rt().block_on(async {
+        let page = 4096u64;
+        let pool = Arc::new(HostRegion::anonymous(10 * page as usize).unwrap());
+        let spec = || RegionSpec::Host {
+            region: pool.clone(),
+            access: Access::LOCAL_WRITE.union(Access::REMOTE_READ),
+        };
+        let good = FakeNic::new("mlx5_0", None);
+        let (rt, mut regs) = NicRuntime::start_registered(
+            vec![
+                nic("mlx5_0", ProviderKind::Verbs, 8),
+                nic("lo0", ProviderKind::Loopback, 8),
+            ],
+            vec![RdmaSlot::Open(good.clone()), RdmaSlot::None],
+            4 * page,
+            vec![spec()],
+        )
+        .unwrap();
+        let h = regs.pop().unwrap().unwrap();
+        // Both tables hold the pool; the RDMA NIC holds it as three MRs of at most 4 pages.
+        assert!(rt.tables.iter().zip(h.keys()).all(|(t, k)| t.is_registered(k)));
+        let mr = h.rdma(NicId(0)).expect("registered on the rdma nic");
+        let adv = mr.advertised();
+        assert_eq!(
+            adv.iter().map(|(c, _)| c.len).collect::<Vec<_>>(),
+            [4 * page, 4 * page, 2 * page]
+        );
+        assert_eq!(adv[0].0.addr, pool.addr());
+        assert_eq!(mr.key_map().unwrap().remote_key(pool.addr() + 5 * page, 8), Ok(0x201));
+        assert!(h.rdma(NicId(1)).is_none());
+        assert_eq!(good.live().len(), 3);
+        // A local-write-only region (a destination) is not handed to the NIC for peers.
+        let (_dst, dh) = register_dst(&rt, 1 << 16).await;
+        assert!(dh.rdma(NicId(0)).is_none());
+        assert_eq!(good.live().len(), 3);
+        drop(dh);
+
+        let m = rt.metrics().await;
+        let text = metrics::render(&Default::default(), &Default::default(), metrics::Extra {
+            nic: Some(m),
+            ..Default::default()
+        });
+        assert_eq!(
+            metric(&text, "kvferry_mr_registrations_total{nic=\"mlx5_0\",kind=\"host\"}"),
+            Some(2.0),
+            "{text}"
+        );
+        assert_eq!(metric(&text, "kvferry_mrs_registered{nic=\"mlx5_0\"}"), Some(1.0));
+        drop(h);
+        assert!(good.live().is_empty(), "deregistered with the last handle");
+        drop(rt);
+
+        // The NIC refuses the third chunk: typed, counted, nothing left registered.
+        let bad = FakeNic::new("mlx5_1", Some(2));
+        let (rt, mut regs) = NicRuntime::start_registered(
+            vec![nic("mlx5_1", ProviderKind::Verbs, 8)],
+            vec![RdmaSlot::Open(bad.clone())],
+            4 * page,
+            vec![spec()],
+        )
+        .unwrap();
+        let e = regs.pop().unwrap().unwrap_err();
+        assert!(
+            matches!(&e, RegistryError::Rdma { nic, kind: "nic_refused", .. } if nic == "mlx5_1"),
+            "{e}"
+        );
+        assert!(bad.live().is_empty(), "partial registration undone");
+        assert!(!rt.tables[0].is_registered(kvferry_transport::MrKey(0)));
+        let g = rt.registry.send(RegistryGauges).await.unwrap();
+        assert_eq!((g.failures.rdma, g.per_nic[0].registered), (1, 0), "{g:?}");
+        let text = metrics::render(&Default::default(), &Default::default(), metrics::Extra {
+            nic: Some(rt.metrics().await),
+            ..Default::default()
+        });
+        assert_eq!(
+            metric(
+                &text,
+                "kvferry_mr_registration_failures_total{nic=\"mlx5_1\",kind=\"host\",reason=\"nic_refused\"}"
+            ),
+            Some(1.0),
+            "{text}"
+        );
+        drop(rt);
+
+        // A verbs NIC that could not be opened: the registration fails with its reason.
+        let (rt, mut regs) = NicRuntime::start_registered(
+            vec![nic("mlx5_2", ProviderKind::Verbs, 8)],
+            vec![RdmaSlot::Unavailable {
+                reason: "no RDMA device on this node".into(),
+            }],
+            4 * page,
+            vec![spec()],
+        )
+        .unwrap();
+        let e = regs.pop().unwrap().unwrap_err();
+        assert!(
+            matches!(&e, RegistryError::Rdma { kind: "nic_unavailable", reason, .. } if reason.contains("no RDMA device")),
+            "{e}"
+        );
+        let g = rt.registry.send(RegistryGauges).await.unwrap();
+        assert_eq!(g.failures.rdma, 1);
+    });
+}
+
+fn fixture(name: &str) -> String {
+    format!(
+        "{}/../transport/tests/fixtures/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+/// A node whose config asks for verbs on a host without a usable RDMA device (every machine
+/// here): it starts, its pool registration on the verbs NIC fails with the reason and is
+/// counted, and Query refuses `direct_gpu` naming why; non-direct queries are unaffected.
+#[test]
+fn verbs_without_a_device_refuses_direct_gpu_with_the_reason() {
+    rt().block_on(async {
+        let mut cfg = kvferry_tests::config(64 << 10, 4);
+        cfg.nic = vec![NicSection {
+            name: "mlx5_0".into(),
+            provider: "verbs".into(),
+            ..NicSection::default()
+        }];
+        cfg.verbs = Some(VerbsSection {
+            sysfs_root: fixture("sysfs-no-rdma"),
+            ..VerbsSection::default()
+        });
+        let dev: Arc<dyn kvferry_gpu::Device> = kvferry_gpu::HostDevice::new(0);
+        let node = kvferry_actors::Node::start_with(
+            cfg,
+            vec![Arc::clone(&dev)],
+            kvferry_actors::Clock::system(),
+        )
+        .unwrap();
+        let nics = node.nics().expect("the [[nic]] actors run");
+        let e = nics.pool.as_ref().unwrap_err();
+        assert!(matches!(e, RegistryError::Rdma { kind: "nic_unavailable", .. }), "{e}");
+        let shape = kvferry_gpu::KvShape::new(1, 1, 2, 1024).unwrap();
+        let _kv = kvferry_tests::register(
+            &node,
+            &dev,
+            "d",
+            shape,
+            0,
+            kvferry_actors::fixture::KvKind::Split,
+            4,
+            0,
+        )
+        .await;
+        kvferry_tests::put(&node, "d", &shape, 0, 0..1).await;
+        let q = node
+            .query(QueryRequest {
+                instance: kvferry_tests::id("d"),
+                hashes: kvferry_tests::hashes(0..1),
+                direct_gpu: true,
+            })
+            .await
+            .unwrap();
+        let DirectGrant::Refused { reason } = &q.direct else {
+            panic!("direct granted without a usable RDMA device: {:?}", q.direct);
+        };
+        assert!(
+            reason.contains("direct GPU loads over verbs are unavailable"),
+            "{reason}"
+        );
+        // The probe's reason: no device here, or no provider in this build.
+        assert!(
+            reason.contains("no RDMA device") || reason.contains("`verbs` feature"),
+            "{reason}"
+        );
+        node.release(q.lease.unwrap()).await.unwrap();
+        let q = node
+            .query(QueryRequest {
+                instance: kvferry_tests::id("d"),
+                hashes: kvferry_tests::hashes(0..1),
+                direct_gpu: false,
+            })
+            .await
+            .unwrap();
+        assert_eq!(q.direct, DirectGrant::NotRequested);
+        node.release(q.lease.unwrap()).await.unwrap();
+        let text = node.metrics_text().await.unwrap();
+        assert_eq!(
+            metric(
+                &text,
+                "kvferry_mr_registration_failures_total{nic=\"mlx5_0\",kind=\"host\",reason=\"nic_unavailable\"}"
+            ),
+            Some(1.0),
+            "{text}"
+        );
+        assert_eq!(
+            metric(&text, "kvferry_qps{nic=\"mlx5_0\",state=\"rts\"}"),
+            Some(0.0)
+        );
+        kvferry_tests::settled(&node).await;
+        node.shutdown();
+    });
+}
+
+/// The NIC metrics under injected faults through the actor path: a completion error and a
+/// timeout count completion errors by status (flushes included), the QP is seen in the error
+/// state while it drains, and after the drain the error gauge is back to zero with the QP
+/// ready again; after a peer death the QP waits in reset until the peer is back.
+#[test]
+fn nic_metrics_move_under_faults_and_qp_gauges_return_after_drain() {
+    rt().block_on(async {
+        let src = owner(0x5a, 1 << 20);
+        let faulty = Arc::new(FaultyConnector::new(
+            LoopbackConnector::new(OWNER, src.table.clone()),
+            OWNER,
+        ));
+        let mut cfg = nic("lo0", ProviderKind::Loopback, 4);
+        cfg.completion_timeout = Duration::from_millis(60);
+        let rt = NicRuntime::start(vec![cfg]).unwrap();
+        rt.workers[0]
+            .send(Connect {
+                peer: OWNER,
+                connector: faulty.clone(),
+                qps: Some(1),
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        let scrape = |m| {
+            metrics::render(
+                &Default::default(),
+                &Default::default(),
+                metrics::Extra {
+                    nic: Some(m),
+                    ..Default::default()
+                },
+            )
+        };
+        let text = scrape(rt.metrics().await);
+        assert_eq!(
+            metric(&text, "kvferry_qps{nic=\"lo0\",state=\"rts\"}"),
+            Some(1.0)
+        );
+        assert_eq!(
+            metric(&text, "kvferry_qps{nic=\"lo0\",state=\"error\"}"),
+            Some(0.0)
+        );
+        assert_eq!(
+            metric(
+                &text,
+                "kvferry_completion_errors_total{nic=\"lo0\",status=\"remote_access_error\"}"
+            ),
+            Some(0.0)
+        );
+        let (dst, h) = register_dst(&rt, 4 << 20).await;
+
+        // A completion error at the 3rd of 12 reads: one remote access error, the rest that
+        // had not executed flushed.
+        faulty.inject(Fault {
+            at: 3,
+            kind: FaultKind::CompletionError(CompletionStatus::RemoteAccessError),
+        });
+        let (reads, _) = plan(&src, &dst, h.key(NIC).unwrap(), 12, 10_000);
+        let WorkerError::ReadFailed { completions, .. } = post(&rt, reads).await.unwrap_err()
+        else {
+            panic!("expected a read failure");
+        };
+        let flushed = completions
+            .iter()
+            .filter(|c| c.status == CompletionStatus::Flushed)
+            .count();
+        let g = settled(&rt).await;
+        assert_eq!(g.completion_errors.remote_access_error, 1, "{g:?}");
+        assert_eq!(g.completion_errors.flushed as usize, flushed, "{g:?}");
+        assert_eq!((g.states.error, g.states.rts), (0, 1), "{g:?}");
+
+        // A read stuck past the timeout: the QP sits in error until the stuck read drains.
+        dst.fill(CANARY).unwrap();
+        faulty.inject(Fault {
+            at: faulty.issued() + 2,
+            kind: FaultKind::Delay(Duration::from_millis(600)),
+        });
+        let (reads, _) = plan(&src, &dst, h.key(NIC).unwrap(), 4, 10_000);
+        let (tx, rx) = oneshot::channel();
+        rt.workers[0]
+            .send(PostReads {
+                peer: OWNER,
+                reads,
+                reply: tx,
+            })
+            .await
+            .unwrap();
+        let mut seen_error = false;
+        let end = Instant::now() + Duration::from_secs(5);
+        while !seen_error && Instant::now() < end {
+            let text = scrape(rt.metrics().await);
+            seen_error = metric(&text, "kvferry_qps{nic=\"lo0\",state=\"error\"}") == Some(1.0);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(seen_error, "the QP was never reported in the error state");
+        assert!(rx.await.unwrap().is_err());
+        let g = settled(&rt).await;
+        assert!(g.completion_errors.timed_out >= 1, "{g:?}");
+        assert_eq!(
+            (g.states.error, g.states.rts, g.qp.in_error),
+            (0, 1, 0),
+            "{g:?}"
+        );
+        let text = scrape(rt.metrics().await);
+        assert_eq!(
+            metric(&text, "kvferry_qps{nic=\"lo0\",state=\"error\"}"),
+            Some(0.0)
+        );
+        assert!(
+            metric(
+                &text,
+                "kvferry_completion_errors_total{nic=\"lo0\",status=\"timed_out\"}"
+            ) >= Some(1.0),
+            "{text}"
+        );
+
+        // The peer dies: after the drain the QP cannot reconnect and waits in reset.
+        faulty.inject(Fault {
+            at: faulty.issued() + 2,
+            kind: FaultKind::PeerDeath,
+        });
+        let (reads, _) = plan(&src, &dst, h.key(NIC).unwrap(), 4, 10_000);
+        assert!(post(&rt, reads).await.is_err());
+        let g = settled(&rt).await;
+        assert_eq!((g.states.error, g.states.rts), (0, 0), "{g:?}");
+        faulty.revive();
+        let (reads, _) = plan(&src, &dst, h.key(NIC).unwrap(), 2, 10_000);
+        post(&rt, reads).await.unwrap();
+        let g = settled(&rt).await;
+        assert_eq!(
+            (
+                g.states.error,
+                g.states.reset,
+                g.states.rts,
+                g.qp.outstanding
+            ),
+            (0, 0, 1, 0),
+            "{g:?}"
+        );
+        drop(h);
+    });
+}
+
+#[test]
+fn node_config_takes_nic_and_verbs_sections_and_names_bad_keys() {
+    use kvferry_actors::config::ConfigError;
+    use kvferry_actors::NodeConfig;
+    let cfg = NodeConfig::from_toml(
+        "[[nic]]\nname = \"mlx5_0\"\nprovider = \"verbs\"\nqps-per-peer = 4\n\
+         [[nic]]\nname = \"mlx5_1\"\nprovider = \"verbs\"\n\
+         [verbs]\nregistration-chunk = 1073741824\nnic-override = [\"mlx5_1\"]\n\
+         gpu-pci = [\"0000:19:00.0\"]\n",
+        "n.toml",
+    )
+    .unwrap();
+    assert_eq!(cfg.nic.len(), 2);
+    assert_eq!(cfg.nic[0].qps_per_peer, 4);
+    let v = cfg.verbs.as_ref().unwrap();
+    assert_eq!(v.registration_chunk, 1 << 30);
+    assert_eq!(v.nic_override, ["mlx5_1"]);
+    assert_eq!(v.sysfs_root, "/sys");
+    // Without the sections: no NIC actors, default verbs settings (4 GiB chunks).
+    let plain = NodeConfig::from_toml("", "n.toml").unwrap();
+    assert!(plain.nic.is_empty() && plain.verbs.is_none());
+    assert_eq!(VerbsSection::default().registration_chunk, 4 << 30);
+
+    for (text, key, says) in [
+        ("[[nic]]\nname = \"a b\"\n", "nic", "name"),
+        (
+            "[[nic]]\nname = \"x\"\n[[nic]]\nname = \"x\"\n",
+            "nic",
+            "appears twice",
+        ),
+        ("[[nic]]\nname = \"x\"\nmax-sge = 0\n", "nic", "max-sge"),
+        ("[verbs]\nretry-count = 9\n", "verbs", "retry-count"),
+        (
+            "[verbs]\nregistration-chunk = 4097\n",
+            "verbs",
+            "registration-chunk",
+        ),
+    ] {
+        let e = NodeConfig::from_toml(text, "n.toml").unwrap_err();
+        assert!(
+            matches!(&e, ConfigError::Invalid { key: k, .. } if *k == key),
+            "{text}: {e}"
+        );
+        let msg = format!("{e} {:?}", e);
+        assert!(msg.contains(says), "{text}: {msg}");
+    }
+    let e = NodeConfig::from_toml("[verbs]\nretry = 1\n", "n.toml").unwrap_err();
+    assert!(matches!(e, ConfigError::Parse { .. }), "{e}");
+    assert!(
+        e.to_string().contains("retry") && e.to_string().contains("line 2"),
+        "{e}"
+    );
 }

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use kvferry_transport::verbs::{VerbsConfig, VerbsConfigError};
 use kvferry_transport::{ConfigError, NicConfig, ProviderKind};
 use serde::Deserialize;
 use thiserror::Error;
@@ -19,10 +20,16 @@ pub enum NicSectionError {
         #[source]
         source: ConfigError,
     },
+    #[error("verbs: key `{key}` is invalid")]
+    Verbs {
+        key: &'static str,
+        #[source]
+        source: VerbsConfigError,
+    },
 }
 
 /// One `[[nic]]` table.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
 pub struct NicSection {
     pub name: String,
@@ -117,4 +124,102 @@ pub fn parse_nics(text: &str) -> Result<Vec<NicConfig>, NicSectionError> {
         out.push(cfg);
     }
     Ok(out)
+}
+
+/// The `[verbs]` section: settings every verbs NIC of the node shares (RC retry behaviour,
+/// registration splitting, striping, the NIC choice override) and where sysfs is read.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
+pub struct VerbsSection {
+    pub retry_count: u8,
+    pub rnr_retry: u8,
+    pub timeout: u8,
+    pub min_rnr_timer: u8,
+    pub hop_limit: u8,
+    pub service_level: u8,
+    pub traffic_class: u8,
+    /// Host pool registrations longer than this are split into several MRs (bytes; 4 GiB).
+    pub registration_chunk: u64,
+    pub relaxed_ordering: bool,
+    /// Remote plans of at least this many bytes are striped across the NICs nearest the
+    /// destination.
+    pub stripe_min_bytes: u64,
+    /// RDMA device names to use instead of the ones sysfs places nearest the destination.
+    pub nic_override: Vec<String>,
+    /// PCI address (`0000:19:00.0`) of each GPU ordinal, for NIC choice by PCIe distance;
+    /// absent: NICs are chosen as for host memory.
+    pub gpu_pci: Vec<String>,
+    /// Root of the sysfs tree NICs are discovered in (`/sys`; fixtures in tests).
+    pub sysfs_root: String,
+}
+
+impl Default for VerbsSection {
+    fn default() -> Self {
+        let d = VerbsConfig::default();
+        VerbsSection {
+            retry_count: d.retry_count,
+            rnr_retry: d.rnr_retry,
+            timeout: d.timeout,
+            min_rnr_timer: d.min_rnr_timer,
+            hop_limit: d.hop_limit,
+            service_level: d.service_level,
+            traffic_class: d.traffic_class,
+            registration_chunk: d.registration_chunk,
+            relaxed_ordering: d.relaxed_ordering,
+            stripe_min_bytes: d.stripe_min_bytes,
+            nic_override: d.nic_override,
+            gpu_pci: Vec::new(),
+            sysfs_root: "/sys".into(),
+        }
+    }
+}
+
+impl VerbsSection {
+    /// The transport's config, validated; errors name the key.
+    pub fn validate(&self) -> Result<VerbsConfig, NicSectionError> {
+        let c = VerbsConfig {
+            retry_count: self.retry_count,
+            rnr_retry: self.rnr_retry,
+            timeout: self.timeout,
+            min_rnr_timer: self.min_rnr_timer,
+            hop_limit: self.hop_limit,
+            service_level: self.service_level,
+            traffic_class: self.traffic_class,
+            registration_chunk: self.registration_chunk,
+            relaxed_ordering: self.relaxed_ordering,
+            stripe_min_bytes: self.stripe_min_bytes,
+            nic_override: self.nic_override.clone(),
+        };
+        c.validate().map_err(|source| NicSectionError::Verbs {
+            key: match &source {
+                VerbsConfigError::OutOfRange { field, .. } => field,
+                _ => "registration-chunk",
+            },
+            source,
+        })?;
+        Ok(c)
+    }
+}
+
+/// The node config's `[[nic]]` tables and `[verbs]` section, checked together: each NIC
+/// valid, names unique (they label metrics), the verbs settings in range. Errors name the
+/// key (`nic`, `verbs`) and say what is wrong.
+pub fn validate_node_nics(
+    nics: &[NicSection],
+    verbs: Option<&VerbsSection>,
+) -> Result<(Vec<NicConfig>, VerbsConfig), (&'static str, String)> {
+    let mut out: Vec<NicConfig> = Vec::with_capacity(nics.len());
+    for s in nics {
+        let cfg = s.validate().map_err(|e| ("nic", e.to_string()))?;
+        if out.iter().any(|c| c.name == cfg.name) {
+            return Err(("nic", format!("nic name {:?} appears twice", cfg.name)));
+        }
+        out.push(cfg);
+    }
+    let verbs = verbs
+        .cloned()
+        .unwrap_or_default()
+        .validate()
+        .map_err(|e| ("verbs", e.to_string()))?;
+    Ok((out, verbs))
 }

@@ -2,14 +2,22 @@
 //! `Arbiter` per NIC. `Addr`s are `Send + Sync`, so callers on any runtime send to them.
 
 use std::sync::mpsc;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use actix::{Actor, Addr, Arbiter, System};
-use kvferry_transport::{MrTable, NicConfig, NicId};
+use kvferry_transport::verbs::{open_nic, Sysfs};
+use kvferry_transport::{Access, HostRegion, MrTable, NicConfig, NicId, ProviderKind};
 use thiserror::Error;
 
-use super::mr_registry::MrRegistry;
-use super::worker::{NicWorker, WorkerError};
+use super::config::{validate_node_nics, NicSection, VerbsSection};
+use super::gate::verbs_refusal;
+use super::mr_registry::{
+    GetRegistryCounts, MrRegistry, RdmaSlot, RegionHandles, RegionSpec, Registry, RegistryError,
+};
+use super::stripe::NicRouting;
+use super::worker::{Gauges, NicWorker, WorkerError};
+use crate::metrics::NicMetrics;
 
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -43,6 +51,10 @@ pub struct NicRuntime {
     pub workers: Vec<Addr<NicWorker>>,
     /// Index = NIC id; the local MR table each worker checks destinations against.
     pub tables: Vec<MrTable>,
+    /// Index = NIC id; the NICs' names (metrics labels).
+    pub names: Vec<String>,
+    /// Index = NIC id; each verbs NIC opened, or why it could not be.
+    pub rdma: Vec<RdmaSlot>,
     system: System,
     arbiters: Vec<Arbiter>,
     thread: Option<JoinHandle<()>>,
@@ -57,7 +69,31 @@ impl std::fmt::Debug for NicRuntime {
 }
 
 impl NicRuntime {
+    /// NICs without RDMA devices (loopback, tcp, shm providers).
     pub fn start(nics: Vec<NicConfig>) -> Result<Self, RuntimeError> {
+        let rdma = vec![RdmaSlot::None; nics.len()];
+        Self::start_with_rdma(nics, rdma, u64::MAX)
+    }
+
+    /// Starts the actors with given RDMA slots (index = NIC id); host regions peers read are
+    /// registered on open RDMA NICs in MRs of at most `chunk` bytes.
+    pub fn start_with_rdma(
+        nics: Vec<NicConfig>,
+        rdma: Vec<RdmaSlot>,
+        chunk: u64,
+    ) -> Result<Self, RuntimeError> {
+        Self::start_registered(nics, rdma, chunk, Vec::new()).map(|(rt, _)| rt)
+    }
+
+    /// As [`NicRuntime::start_with_rdma`], registering `initial` regions (the host pool)
+    /// through the registry before its actor starts, so they are in place before any read;
+    /// each registration's outcome comes back (failures are counted like any other).
+    pub fn start_registered(
+        nics: Vec<NicConfig>,
+        rdma: Vec<RdmaSlot>,
+        chunk: u64,
+        initial: Vec<RegionSpec>,
+    ) -> Result<(Self, Vec<Result<RegionHandles, RegistryError>>), RuntimeError> {
         for n in &nics {
             n.validate().map_err(|e| RuntimeError::Config {
                 nic: n.name.clone(),
@@ -65,6 +101,9 @@ impl NicRuntime {
             })?;
         }
         let tables: Vec<MrTable> = nics.iter().map(|_| MrTable::new()).collect();
+        let names: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
+        let mut registry = Registry::with_nics(tables.clone(), names.clone(), rdma.clone(), chunk);
+        let registered: Vec<_> = initial.into_iter().map(|s| registry.register(s)).collect();
         let tables_for_system = tables.clone();
         let (tx, rx) = mpsc::channel::<Result<Started, RuntimeError>>();
         let thread = std::thread::Builder::new()
@@ -72,7 +111,7 @@ impl NicRuntime {
             .spawn(move || {
                 let sys = System::new();
                 sys.block_on(async move {
-                    let _ = tx.send(start_actors(nics, tables_for_system));
+                    let _ = tx.send(start_actors(nics, tables_for_system, registry));
                 });
                 // Returns once `System::stop` is called.
                 let _ = sys.run();
@@ -89,20 +128,55 @@ impl NicRuntime {
                 return Err(RuntimeError::Lost);
             }
         };
-        Ok(NicRuntime {
-            registry: started.registry,
-            workers: started.workers,
-            tables,
-            system: started.system,
-            arbiters: started.arbiters,
-            thread: Some(thread),
+        Ok((
+            NicRuntime {
+                registry: started.registry,
+                workers: started.workers,
+                tables,
+                names,
+                rdma,
+                system: started.system,
+                arbiters: started.arbiters,
+                thread: Some(thread),
+            },
+            registered,
+        ))
+    }
+}
+
+impl NicRuntime {
+    /// Registration counts and every worker's QP states and completion errors.
+    pub async fn metrics(&self) -> NicMetrics {
+        let registry = self
+            .registry
+            .send(GetRegistryCounts)
+            .await
+            .unwrap_or_default();
+        let mut workers = Vec::with_capacity(self.workers.len());
+        for (name, w) in self.names.iter().zip(&self.workers) {
+            if let Ok(g) = w.send(Gauges).await {
+                workers.push((name.clone(), g));
+            }
+        }
+        NicMetrics { registry, workers }
+    }
+
+    /// The first verbs NIC's refusal reason, if any verbs NIC could not be opened.
+    pub fn rdma_refusal(&self) -> Option<String> {
+        self.rdma.iter().find_map(|s| match s {
+            RdmaSlot::Unavailable { reason } => Some(reason.clone()),
+            _ => None,
         })
     }
 }
 
-fn start_actors(nics: Vec<NicConfig>, tables: Vec<MrTable>) -> Result<Started, RuntimeError> {
+fn start_actors(
+    nics: Vec<NicConfig>,
+    tables: Vec<MrTable>,
+    registry: Registry,
+) -> Result<Started, RuntimeError> {
     let system = System::current();
-    let registry = MrRegistry::new(tables.clone()).start();
+    let registry = MrRegistry::with_registry(registry).start();
     let mut workers = Vec::with_capacity(nics.len());
     let mut arbiters = Vec::with_capacity(nics.len());
     for (i, (cfg, table)) in nics.into_iter().zip(tables).enumerate() {
@@ -138,5 +212,97 @@ impl Drop for NicRuntime {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+/// The NIC side of a node with `[[nic]]` config: the runtime, the host pool's registration on
+/// every NIC (or why it failed: counted, and the node runs on without it), the `direct_gpu`
+/// refusal when the config asks for verbs and verbs cannot serve, and the NIC routing of
+/// direct remote loads when it can.
+pub struct NodeNics {
+    pub runtime: NicRuntime,
+    pub pool: Result<RegionHandles, RegistryError>,
+    pub direct_refusal: Option<String>,
+    pub routing: Option<Arc<NicRouting>>,
+}
+
+impl std::fmt::Debug for NodeNics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeNics")
+            .field("runtime", &self.runtime)
+            .field("pool", &self.pool)
+            .field("direct_refusal", &self.direct_refusal)
+            .finish()
+    }
+}
+
+impl NodeNics {
+    /// Starts the NIC actors of `nics` (none: `Ok(None)`) and registers `pool` on every NIC
+    /// for remote read (and local write, for staged reads into it).
+    pub fn start(
+        nics: &[NicSection],
+        verbs: Option<&VerbsSection>,
+        pool: Arc<HostRegion>,
+    ) -> Result<Option<Self>, RuntimeError> {
+        if nics.is_empty() {
+            return Ok(None);
+        }
+        let (cfgs, verbs_cfg) =
+            validate_node_nics(nics, verbs).map_err(|(key, reason)| RuntimeError::Config {
+                nic: key.to_string(),
+                reason,
+            })?;
+        let section = verbs.cloned().unwrap_or_default();
+        let sysfs = Sysfs::new(&section.sysfs_root);
+        let verbs_names: Vec<String> = cfgs
+            .iter()
+            .filter(|c| c.provider == ProviderKind::Verbs)
+            .map(|c| c.name.clone())
+            .collect();
+        let rdma: Vec<RdmaSlot> = cfgs
+            .iter()
+            .map(|n| match n.provider {
+                ProviderKind::Verbs => match open_nic(&sysfs, n.clone(), verbs_cfg.clone(), 64) {
+                    Ok(dev) => RdmaSlot::Open(dev),
+                    Err(e) => RdmaSlot::Unavailable {
+                        reason: e.to_string(),
+                    },
+                },
+                _ => RdmaSlot::None,
+            })
+            .collect();
+        let open_failures: Vec<(String, String)> = cfgs
+            .iter()
+            .zip(&rdma)
+            .filter_map(|(c, s)| match s {
+                RdmaSlot::Unavailable { reason } => Some((c.name.clone(), reason.clone())),
+                _ => None,
+            })
+            .collect();
+        let cap = kvferry_transport::verbs::probe(&sysfs);
+        let direct_refusal = verbs_refusal(&verbs_names, &cap, &open_failures);
+        let routing = match (&direct_refusal, verbs_names.is_empty()) {
+            (None, false) => {
+                NicRouting::discover(&sysfs, &verbs_names, &section.gpu_pci, verbs_cfg.clone())
+                    .ok()
+                    .map(Arc::new)
+            }
+            _ => None,
+        };
+        let spec = RegionSpec::Host {
+            region: pool,
+            access: Access::LOCAL_WRITE.union(Access::REMOTE_READ),
+        };
+        let (runtime, mut registered) =
+            NicRuntime::start_registered(cfgs, rdma, verbs_cfg.registration_chunk, vec![spec])?;
+        let pool = registered
+            .pop()
+            .unwrap_or(Err(RegistryError::BadRange { addr: 0, len: 0 }));
+        Ok(Some(NodeNics {
+            runtime,
+            pool,
+            direct_refusal,
+            routing,
+        }))
     }
 }

@@ -87,6 +87,91 @@ struct Peer {
     qps: Vec<QpKey>,
 }
 
+/// QPs of a worker by state (the `kvferry_qps{state}` gauge).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QpStateCounts {
+    pub reset: usize,
+    pub init: usize,
+    pub rtr: usize,
+    pub rts: usize,
+    pub error: usize,
+}
+
+impl QpStateCounts {
+    fn add(&mut self, s: QpState) {
+        match s {
+            QpState::Reset => self.reset += 1,
+            QpState::Init => self.init += 1,
+            QpState::ReadyToReceive => self.rtr += 1,
+            QpState::ReadyToSend => self.rts += 1,
+            QpState::Error => self.error += 1,
+        }
+    }
+
+    /// `(state label, QPs)` for every state, zeros included.
+    pub fn labelled(&self) -> [(&'static str, usize); 5] {
+        [
+            ("reset", self.reset),
+            ("init", self.init),
+            ("rtr", self.rtr),
+            ("rts", self.rts),
+            ("error", self.error),
+        ]
+    }
+}
+
+/// Reported requests that did not succeed, by status (flushes included: each drained request
+/// of a QP in error counts once).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CompletionErrorCounts {
+    pub remote_access_error: u64,
+    pub local_write_error: u64,
+    pub flushed: u64,
+    pub transport_error: u64,
+    pub timed_out: u64,
+    pub post_failed: u64,
+}
+
+impl CompletionErrorCounts {
+    fn count(&mut self, s: CompletionStatus) {
+        match s {
+            CompletionStatus::Success => {}
+            CompletionStatus::RemoteAccessError => self.remote_access_error += 1,
+            CompletionStatus::LocalWriteError => self.local_write_error += 1,
+            CompletionStatus::Flushed => self.flushed += 1,
+            CompletionStatus::TimedOut => self.timed_out += 1,
+            CompletionStatus::PostFailed => self.post_failed += 1,
+            // A status added later is a transport failure until it gets its own label.
+            _ => self.transport_error += 1,
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.labelled().iter().map(|(_, n)| n).sum()
+    }
+
+    /// `(status label, completions)` for every error status, zeros included.
+    pub fn labelled(&self) -> [(&'static str, u64); 6] {
+        [
+            (
+                CompletionStatus::RemoteAccessError.as_str(),
+                self.remote_access_error,
+            ),
+            (
+                CompletionStatus::LocalWriteError.as_str(),
+                self.local_write_error,
+            ),
+            (CompletionStatus::Flushed.as_str(), self.flushed),
+            (
+                CompletionStatus::TransportError.as_str(),
+                self.transport_error,
+            ),
+            (CompletionStatus::TimedOut.as_str(), self.timed_out),
+            (CompletionStatus::PostFailed.as_str(), self.post_failed),
+        ]
+    }
+}
+
 /// Snapshot of a worker.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WorkerGaugeValues {
@@ -101,6 +186,8 @@ pub struct WorkerGaugeValues {
     pub reconnects: u64,
     /// Completions for QPs this worker does not know (dropped).
     pub stray: u64,
+    pub states: QpStateCounts,
+    pub completion_errors: CompletionErrorCounts,
 }
 
 pub struct NicWorker {
@@ -116,6 +203,7 @@ pub struct NicWorker {
     next_qp: u32,
     reconnects: u64,
     stray: u64,
+    errors: CompletionErrorCounts,
     scratch: Vec<WorkCompletion>,
 }
 
@@ -149,6 +237,7 @@ impl NicWorker {
             next_qp: 1,
             reconnects: 0,
             stray: 0,
+            errors: CompletionErrorCounts::default(),
             scratch: Vec::new(),
         })
     }
@@ -158,9 +247,11 @@ impl NicWorker {
             qp: self.gauges.snapshot(),
             reconnects: self.reconnects,
             stray: self.stray,
+            completion_errors: self.errors,
             ..WorkerGaugeValues::default()
         };
         for s in self.slots.values() {
+            g.states.add(s.qp.state());
             match s.qp.state() {
                 QpState::ReadyToSend => g.ready += 1,
                 QpState::Error => g.error += 1,
@@ -270,7 +361,7 @@ impl NicWorker {
             if slot.fault.is_none() {
                 slot.fault = slot.qp.fault();
             }
-            deliver(slot, &self.scratch);
+            deliver(slot, &self.scratch, &mut self.errors);
 
             match slot.qp.state() {
                 QpState::Error if slot.qp.is_drained() => {
@@ -375,8 +466,9 @@ impl NicWorker {
 }
 
 /// Hands in-order reports to the batches they belong to; answers finished batches.
-fn deliver(slot: &mut Slot, reports: &[WorkCompletion]) {
+fn deliver(slot: &mut Slot, reports: &[WorkCompletion], errors: &mut CompletionErrorCounts) {
     for wc in reports {
+        errors.count(wc.status);
         let Some(front) = slot.batches.front_mut() else {
             return;
         };

@@ -67,6 +67,20 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
         regions: Vec<(u64, u64)>,
         keep: Keep,
     ) -> BoxFut<Result<ReadStats, NodeError>>;
+    /// [`PeerLink::read_device`] with the NIC each block's read uses (`route.per_read[i]` for
+    /// the i-th block of `list`, into `route.nics`), as the planner striped it. Links with a
+    /// single data path (loopback, shm, tcp) have nothing to choose and ignore it.
+    fn read_device_routed(
+        &self,
+        device: Arc<dyn Device>,
+        list: CopyList,
+        regions: Vec<(u64, u64)>,
+        keep: Keep,
+        route: Option<crate::nic::StripePlan>,
+    ) -> BoxFut<Result<ReadStats, NodeError>> {
+        let _ = route;
+        self.read_device(device, list, regions, keep)
+    }
 }
 
 /// The control path to an owner: its block store's address (same process) or its Peer
