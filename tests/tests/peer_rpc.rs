@@ -1,7 +1,11 @@
 //! The owner side of `kvferry.v1.Peer` over real gRPC on loopback TCP: Hello, Handshake,
 //! PinBlocks (prefix order, shortened hits, addresses inside the pool), Unpin, and the
-//! refusals (bad token, malformed input) that must leave the owner unchanged. The last test
-//! runs the owner in a child process (this binary re-executed) and pins from the parent.
+//! refusals (bad token, malformed input) that must leave the owner unchanged. The verbs
+//! endpoint exchange: every field of a `VerbsEndpoint` checked on receipt, a node without a
+//! usable RDMA NIC refusing verbs handshakes with the reason, and (with a responder that
+//! stands in for the NIC) an answer a requester can bring its QPs to RTR/RTS against. The
+//! last test runs the owner in a child process (this binary re-executed) and pins from the
+//! parent.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -10,7 +14,8 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use kvferry_actors::fixture::{DeviceKv, KvKind};
-use kvferry_actors::remote::Provider;
+use kvferry_actors::remote::endpoint::{endpoints_from_proto, Role};
+use kvferry_actors::remote::{Provider, VerbsPeerEndpoint, VerbsResponder};
 use kvferry_actors::rpc::peer_client::PeerInfo;
 use kvferry_actors::rpc::{
     self, proto, Code, DataEndpoint, NicRegistration, PeerBackend, PeerClient, PeerClientError,
@@ -203,6 +208,7 @@ fn handshake_answers_the_served_provider_only() {
                 token: TOKEN.into(),
                 node_id: "requester".into(),
                 provider: "carrier-pigeon".into(),
+                ..Default::default()
             })
             .await;
         assert_eq!(r.unwrap_err().code(), Code::InvalidArgument);
@@ -598,4 +604,254 @@ fn cross_process_pin() {
     let mut child = guard.0.take().unwrap();
     let status = child.wait().unwrap();
     assert!(status.success(), "child exited with {status}");
+}
+
+fn verbs_endpoint(nic: &str, qps: &[(u32, u32)]) -> proto::VerbsEndpoint {
+    proto::VerbsEndpoint {
+        nic: nic.into(),
+        gid: vec![0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 0, 0, 7],
+        lid: 0,
+        mtu: 4096,
+        responder_depth: 16,
+        qps: qps
+            .iter()
+            .map(|(qpn, psn)| proto::QueuePair {
+                qpn: *qpn,
+                psn: *psn,
+            })
+            .collect(),
+        regions: Vec::new(),
+    }
+}
+
+fn requester_endpoints() -> Vec<VerbsPeerEndpoint> {
+    endpoints_from_proto(
+        &[verbs_endpoint("mlx5_0", &[(0x101, 11), (0x102, 12)])],
+        Role::Request,
+    )
+    .unwrap()
+}
+
+/// Every malformed verbs endpoint is INVALID_ARGUMENT before anything is made, a provider
+/// mismatch too; a node without a usable RDMA NIC refuses a well-formed verbs handshake
+/// with FAILED_PRECONDITION naming why. Nothing changes on the owner.
+#[test]
+fn verbs_endpoints_are_checked_on_receipt() {
+    rt().block_on(async {
+        let o = Owner::start(TOKEN).await;
+        let c = o.client(TOKEN).await;
+        let hs = |provider: &str, verbs: Vec<proto::VerbsEndpoint>| {
+            let mut raw = c.raw();
+            let provider = provider.to_string();
+            async move {
+                raw.handshake(proto::HandshakeRequest {
+                    token: TOKEN.into(),
+                    node_id: "requester".into(),
+                    provider,
+                    verbs,
+                })
+                .await
+            }
+        };
+        let good = verbs_endpoint("mlx5_0", &[(0x101, 11)]);
+        let mut cases: Vec<(proto::VerbsEndpoint, &str)> = Vec::new();
+        let mut e = good.clone();
+        e.gid = vec![1; 15];
+        cases.push((e, "gid is 15 bytes"));
+        let mut e = good.clone();
+        e.gid = vec![0; 16];
+        cases.push((e, "no address"));
+        let mut e = good.clone();
+        e.lid = 1 << 16;
+        cases.push((e, "lid"));
+        let mut e = good.clone();
+        e.mtu = 9000;
+        cases.push((e, "mtu 9000"));
+        let mut e = good.clone();
+        e.responder_depth = 0;
+        cases.push((e, "responder depth 0"));
+        let mut e = good.clone();
+        e.qps[0].qpn = 0;
+        cases.push((e, "qp number 0"));
+        let mut e = good.clone();
+        e.qps[0].qpn = 1 << 24;
+        cases.push((e, "wider than 24 bits"));
+        let mut e = good.clone();
+        e.qps[0].psn = 1 << 24;
+        cases.push((e, "psn"));
+        let mut e = good.clone();
+        e.qps.push(e.qps[0]);
+        cases.push((e, "appears twice"));
+        let mut e = good.clone();
+        e.qps.clear();
+        cases.push((e, "0 qps"));
+        let mut e = good.clone();
+        e.nic = "mlx5/0".into();
+        cases.push((e, "nic name"));
+        let mut e = good.clone();
+        e.regions.push(proto::PoolRegion {
+            nic: "mlx5_0".into(),
+            addr: 0x1000,
+            len: 0x1000,
+            rkey: 1,
+        });
+        cases.push((e, "none outside an answer"));
+        for (bad, says) in cases {
+            let s = hs("verbs", vec![bad]).await.unwrap_err();
+            assert_eq!(s.code(), Code::InvalidArgument, "{says}: {s:?}");
+            assert!(s.message().contains(says), "{says}: {}", s.message());
+        }
+        let s = hs("verbs", vec![good.clone(), good.clone()])
+            .await
+            .unwrap_err();
+        assert_eq!(s.code(), Code::InvalidArgument);
+        assert!(s.message().contains("named twice"), "{}", s.message());
+        let s = hs("verbs", vec![]).await.unwrap_err();
+        assert_eq!(s.code(), Code::InvalidArgument);
+        let s = hs("tcp", vec![good.clone()]).await.unwrap_err();
+        assert_eq!(s.code(), Code::InvalidArgument);
+        assert!(s.message().contains("provider tcp"), "{}", s.message());
+
+        // Hello: announced ports are checked too (no QPs in Hello).
+        let mut with_qps = me();
+        with_qps.verbs = requester_endpoints();
+        let r = c.hello(with_qps).await;
+        assert_eq!(code(r), Code::InvalidArgument);
+        let mut port = me();
+        port.verbs =
+            endpoints_from_proto(&[verbs_endpoint("mlx5_0", &[])], Role::Announce).unwrap();
+        assert!(c.hello(port).await.unwrap().verbs.is_empty());
+
+        // Well formed, but this owner has no usable RDMA NIC: refused with the reason.
+        let e = c
+            .handshake_verbs("requester", &requester_endpoints())
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Some(Code::FailedPrecondition), "{e}");
+        assert!(e.to_string().contains("no usable RDMA nic"), "{e}");
+        o.unchanged().await;
+        drop(c);
+        o.stop().await;
+    });
+}
+
+/// Stands in for the owner's NIC: answers each requester QP with an owner QP and the pool
+/// registered as two MRs; `short` answers one QP too few (a broken responder).
+#[derive(Debug)]
+struct FakeResponder {
+    pool: (u64, u64),
+    short: bool,
+}
+
+impl VerbsResponder for FakeResponder {
+    fn ports(&self) -> Vec<VerbsPeerEndpoint> {
+        endpoints_from_proto(&[verbs_endpoint("mlx5_0", &[])], Role::Announce).unwrap()
+    }
+
+    fn accept(
+        &self,
+        _peer: &str,
+        request: &[VerbsPeerEndpoint],
+    ) -> Result<Vec<VerbsPeerEndpoint>, String> {
+        let half = self.pool.1 / 2;
+        Ok(request
+            .iter()
+            .map(|r| {
+                let mut qps: Vec<(u32, u32)> = r
+                    .qps
+                    .iter()
+                    .enumerate()
+                    .map(|(i, _)| (0x900 + i as u32, 0x40 + i as u32))
+                    .collect();
+                if self.short {
+                    qps.pop();
+                }
+                let mut e = verbs_endpoint(&r.nic, &qps);
+                for (i, (addr, len)) in [(self.pool.0, half), (self.pool.0 + half, half)]
+                    .into_iter()
+                    .enumerate()
+                {
+                    e.regions.push(proto::PoolRegion {
+                        nic: r.nic.clone(),
+                        addr,
+                        len,
+                        rkey: 0x77 + i as u32,
+                    });
+                }
+                endpoints_from_proto(&[e], Role::Answer).unwrap().remove(0)
+            })
+            .collect())
+    }
+}
+
+/// A node serving its pool over verbs: Hello announces the provider and the port; a verbs
+/// handshake answers owner QPs (as many as offered) and the pool's MRs with their rkeys,
+/// from which the requester builds its RTR/RTS transitions and read keys. A responder whose
+/// answer does not match the request is caught by the owner before anything is sent.
+#[test]
+fn verbs_handshake_answers_owner_qps_and_pool_rkeys() {
+    use kvferry_transport::verbs::qp_attrs::{connect_transitions, ReadDepthLimits};
+    use kvferry_transport::verbs::{PortAddress, VerbsConfig};
+    rt().block_on(async {
+        let o = Owner::start_with(TOKEN, |b| {
+            let pool = b.pool();
+            b.with_verbs(std::sync::Arc::new(FakeResponder { pool, short: false }))
+        })
+        .await;
+        let c = o.client(TOKEN).await;
+        let info = c.hello(me()).await.unwrap();
+        assert_eq!(info.providers, vec!["verbs".to_string()]);
+        assert_eq!(info.nics, vec!["mlx5_0".to_string()]);
+        assert_eq!(info.verbs.len(), 1);
+        assert!(info.verbs[0].qps.is_empty());
+
+        let mine = requester_endpoints();
+        let h = c.handshake_verbs("requester", &mine).await.unwrap();
+        assert_eq!(h.provider, Provider::Verbs);
+        assert_eq!(h.verbs.len(), 1);
+        let owner = &h.verbs[0];
+        assert_eq!(owner.qps, vec![(0x900, 0x40), (0x901, 0x41)]);
+        let keys = owner.key_map();
+        assert_eq!(keys.remote_key(o.pool.0 + 64, 4096), Ok(0x77));
+        assert_eq!(keys.remote_key(o.pool.0 + o.pool.1 - 64, 64), Ok(0x78));
+        assert!(keys.remote_key(o.pool.0 + o.pool.1 / 2 - 8, 16).is_err());
+        assert_eq!(h.regions.len(), 2);
+        // The requester's QP 1 goes to RTR against owner QP 1 and starts sending at its own
+        // PSN.
+        let local = PortAddress {
+            port: 1,
+            gid_index: 3,
+            gid: mine[0].gid,
+            lid: 0,
+            global: true,
+            mtu: mine[0].mtu,
+        };
+        let steps = connect_transitions(
+            &VerbsConfig::default(),
+            16,
+            ReadDepthLimits {
+                initiator: 16,
+                responder: 16,
+            },
+            &local,
+            &owner.qp_endpoint(1).unwrap(),
+            mine[0].qps[1].1,
+            0,
+        );
+        assert_eq!((steps[1].dest_qpn, steps[1].rq_psn), (0x901, 0x41));
+        assert_eq!(steps[2].sq_psn, 12);
+        drop(c);
+        o.stop().await;
+
+        let o = Owner::start_with(TOKEN, |b| {
+            let pool = b.pool();
+            b.with_verbs(std::sync::Arc::new(FakeResponder { pool, short: true }))
+        })
+        .await;
+        let c = o.client(TOKEN).await;
+        let e = c.handshake_verbs("requester", &mine).await.unwrap_err();
+        assert_eq!(e.code(), Some(Code::Internal), "{e}");
+        drop(c);
+        o.stop().await;
+    });
 }

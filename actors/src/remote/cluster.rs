@@ -27,6 +27,9 @@ pub enum Provider {
     Loopback,
     Shm,
     Tcp,
+    /// RDMA NICs: QPs exchanged over the Peer RPC's Handshake, one-sided reads of the
+    /// owner's pool MRs.
+    Verbs,
 }
 
 impl Provider {
@@ -35,8 +38,9 @@ impl Provider {
             "loopback" => Ok(Provider::Loopback),
             "shm" => Ok(Provider::Shm),
             "tcp" => Ok(Provider::Tcp),
+            "verbs" => Ok(Provider::Verbs),
             other => Err(NodeError::bad(format!(
-                "provider {other:?} is not one of loopback, shm, tcp"
+                "provider {other:?} is not one of loopback, shm, tcp, verbs"
             ))),
         }
     }
@@ -46,6 +50,7 @@ impl Provider {
             Provider::Loopback => "loopback",
             Provider::Shm => "shm",
             Provider::Tcp => "tcp",
+            Provider::Verbs => "verbs",
         }
     }
 }

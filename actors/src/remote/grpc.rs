@@ -167,6 +167,14 @@ impl GrpcPeers {
                 ))
             }
             Provider::Loopback => return Err(remote(to, "loopback does not cross processes")),
+            // The endpoint exchange and its checks exist (Hello/Handshake carry
+            // `VerbsEndpoint`s); a link driving RC QPs over it is not built yet.
+            Provider::Verbs => {
+                return Err(remote(
+                    to,
+                    "reading a peer's pool over verbs is not supported by this node yet",
+                ))
+            }
         };
         if let Ok(mut l) = self.links.lock() {
             l.insert(to.to_owned(), Arc::clone(&link));

@@ -3,6 +3,7 @@
 
 pub mod cluster;
 pub mod directory;
+pub mod endpoint;
 pub mod grpc;
 pub mod link;
 pub mod pins;
@@ -11,6 +12,7 @@ pub mod tcp;
 
 pub use cluster::{LocalCluster, Provider};
 pub use directory::{Directory, EmbeddedDirectory, Segment, StaticDirectory};
+pub use endpoint::{EndpointError, VerbsPeerEndpoint, VerbsResponder};
 pub use grpc::{GrpcPeers, GrpcPeersConfig};
 pub use link::{PeerLink, PinnedRemote, RemoteBlock, RemotePin};
 pub use redis::RedisDirectory;

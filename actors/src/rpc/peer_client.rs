@@ -13,6 +13,7 @@ use super::proto::peer_client::PeerClient as RawClient;
 use super::proto::{HandshakeRequest, HelloRequest, NodeInfo, PinBlocksRequest, UnpinRequest};
 use super::{CAPABILITIES, PROTOCOL, VERSION};
 use crate::model::{BlockHash, Namespace};
+use crate::remote::endpoint::{check_answer, endpoints_from_proto, Role, VerbsPeerEndpoint};
 use crate::remote::link::{PinnedRemote, RemoteBlock};
 use crate::remote::Provider;
 
@@ -69,6 +70,8 @@ pub struct PeerInfo {
     pub capabilities: Vec<String>,
     pub providers: Vec<String>,
     pub nics: Vec<String>,
+    /// The node's verbs ports (GID, LID, MTU per RDMA NIC), checked on receipt.
+    pub verbs: Vec<VerbsPeerEndpoint>,
 }
 
 impl PeerInfo {
@@ -81,6 +84,7 @@ impl PeerInfo {
             capabilities: CAPABILITIES.iter().map(|c| (*c).to_owned()).collect(),
             providers: providers.iter().map(|p| p.as_str().to_owned()).collect(),
             nics: nics.to_vec(),
+            verbs: Vec::new(),
         }
     }
 
@@ -92,18 +96,20 @@ impl PeerInfo {
             capabilities: self.capabilities,
             providers: self.providers,
             nics: self.nics,
+            verbs: self.verbs.iter().map(VerbsPeerEndpoint::to_proto).collect(),
         }
     }
 
-    fn from_proto(n: NodeInfo) -> Self {
-        Self {
+    fn from_proto(n: NodeInfo) -> Result<Self, crate::remote::EndpointError> {
+        Ok(Self {
+            verbs: endpoints_from_proto(&n.verbs, Role::Announce)?,
             node_id: n.node_id,
             version: n.version,
             protocol: n.protocol,
             capabilities: n.capabilities,
             providers: n.providers,
             nics: n.nics,
-        }
+        })
     }
 }
 
@@ -122,6 +128,8 @@ pub struct PeerHandshake {
     pub provider: Provider,
     pub endpoint: String,
     pub regions: Vec<RemoteRegion>,
+    /// Verbs: the owner's QPs and pool MRs per NIC, checked against what was asked.
+    pub verbs: Vec<VerbsPeerEndpoint>,
 }
 
 /// One block pinned on the owner.
@@ -300,7 +308,7 @@ impl PeerClient {
                 ),
             ));
         }
-        Ok(PeerInfo::from_proto(node))
+        PeerInfo::from_proto(node).map_err(|e| self.malformed("Hello", e.to_string()))
     }
 
     /// Asks where the owner's pool is read over `provider`.
@@ -309,10 +317,31 @@ impl PeerClient {
         node_id: &str,
         provider: Provider,
     ) -> Result<PeerHandshake, PeerClientError> {
+        self.handshake_with(node_id, provider, &[]).await
+    }
+
+    /// A verbs Handshake: offers this node's QPs per NIC (`mine`, with QPs and without
+    /// regions) and gets the owner's, each checked field by field and against the offer,
+    /// ready for bringing the local QPs to ready-to-receive and ready-to-send.
+    pub async fn handshake_verbs(
+        &self,
+        node_id: &str,
+        mine: &[VerbsPeerEndpoint],
+    ) -> Result<PeerHandshake, PeerClientError> {
+        self.handshake_with(node_id, Provider::Verbs, mine).await
+    }
+
+    async fn handshake_with(
+        &self,
+        node_id: &str,
+        provider: Provider,
+        mine: &[VerbsPeerEndpoint],
+    ) -> Result<PeerHandshake, PeerClientError> {
         let req = self.request(HandshakeRequest {
             token: self.inner.token.clone(),
             node_id: node_id.to_owned(),
             provider: provider.as_str().to_owned(),
+            verbs: mine.iter().map(VerbsPeerEndpoint::to_proto).collect(),
         });
         let mut raw = self.inner.raw.clone();
         let resp = self.call("Handshake", raw.handshake(req)).await?;
@@ -324,8 +353,27 @@ impl PeerClient {
                 format!("asked for {}, answered {}", provider.as_str(), got.as_str()),
             ));
         }
+        let role = if provider == Provider::Verbs {
+            Role::Answer
+        } else {
+            Role::Announce
+        };
+        let verbs = endpoints_from_proto(&resp.verbs, role)
+            .map_err(|e| self.malformed("Handshake", e.to_string()))?;
+        if provider == Provider::Verbs {
+            if verbs.is_empty() {
+                return Err(self.malformed("Handshake", "a verbs answer names no nic"));
+            }
+            check_answer(mine, &verbs).map_err(|e| self.malformed("Handshake", e.to_string()))?;
+        } else if !verbs.is_empty() {
+            return Err(self.malformed(
+                "Handshake",
+                format!("verbs endpoints in a {} answer", provider.as_str()),
+            ));
+        }
         Ok(PeerHandshake {
             provider,
+            verbs,
             endpoint: resp.endpoint,
             regions: resp
                 .regions

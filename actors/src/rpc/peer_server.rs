@@ -6,6 +6,7 @@
 //! on the node's actix thread and is reached through its `Addr`.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix::Addr;
@@ -21,6 +22,7 @@ use super::proto::{
 };
 use super::{CAPABILITIES, MAX_PIN_HASHES, PROTOCOL, VERSION};
 use crate::model::{BlockHash, ModelError, Namespace};
+use crate::remote::endpoint::{check_answer, endpoints_from_proto, Role, VerbsResponder};
 use crate::remote::Provider;
 use crate::store::{BlockStore, PinForPeer, UnpinForPeer};
 
@@ -75,6 +77,7 @@ pub struct PeerBackend {
     slot_bytes: u64,
     pin_ttl: Duration,
     endpoints: Vec<DataEndpoint>,
+    verbs: Option<Arc<dyn VerbsResponder>>,
 }
 
 impl PeerBackend {
@@ -95,7 +98,15 @@ impl PeerBackend {
             slot_bytes,
             pin_ttl,
             endpoints: Vec::new(),
+            verbs: None,
         }
+    }
+
+    /// Serves the pool over verbs: Hello announces the responder's ports, and verbs
+    /// Handshakes get owner QPs made by it, with the pool's MRs per NIC.
+    pub fn with_verbs(mut self, responder: Arc<dyn VerbsResponder>) -> Self {
+        self.verbs = Some(responder);
+        self
     }
 
     /// Announces a data path in Hello and answers Handshakes for its provider with it.
@@ -123,17 +134,28 @@ impl PeerBackend {
                 }
             }
         }
+        let mut providers: Vec<String> = self
+            .endpoints
+            .iter()
+            .map(|e| e.provider.as_str().to_owned())
+            .collect();
+        let ports = self.verbs.as_ref().map(|v| v.ports()).unwrap_or_default();
+        if self.verbs.is_some() {
+            providers.push(Provider::Verbs.as_str().to_owned());
+        }
+        for p in &ports {
+            if !nics.contains(&p.nic) {
+                nics.push(p.nic.clone());
+            }
+        }
         NodeInfo {
             node_id: self.node_id.clone(),
             version: VERSION.to_owned(),
             protocol: PROTOCOL,
             capabilities: CAPABILITIES.iter().map(|c| (*c).to_owned()).collect(),
-            providers: self
-                .endpoints
-                .iter()
-                .map(|e| e.provider.as_str().to_owned())
-                .collect(),
+            providers,
             nics,
+            verbs: ports.iter().map(|p| p.to_proto()).collect(),
         }
     }
 }
@@ -212,6 +234,38 @@ impl PeerService {
         }
     }
 
+    /// The owner side of a verbs Handshake: owner QPs for the requester's, made by the
+    /// responder; its answer is checked like any received one before it is sent.
+    fn verbs_handshake(
+        &self,
+        peer: &str,
+        asked: &[crate::remote::VerbsPeerEndpoint],
+    ) -> Result<Response<HandshakeResponse>, Status> {
+        let b = &self.backend;
+        let Some(responder) = &b.verbs else {
+            return Err(Status::failed_precondition(format!(
+                "node {} does not serve its pool over verbs (it has no usable RDMA nic)",
+                b.node_id
+            )));
+        };
+        let answer = responder.accept(peer, asked).map_err(|reason| {
+            Status::unavailable(format!(
+                "node {}: making verbs queue pairs failed: {reason}",
+                b.node_id
+            ))
+        })?;
+        let wire: Vec<_> = answer.iter().map(|e| e.to_proto()).collect();
+        endpoints_from_proto(&wire, Role::Answer)
+            .and_then(|a| check_answer(asked, &a))
+            .map_err(|e| Status::internal(format!("node {}: own verbs answer: {e}", b.node_id)))?;
+        Ok(Response::new(HandshakeResponse {
+            provider: Provider::Verbs.as_str().to_owned(),
+            endpoint: String::new(),
+            regions: wire.iter().flat_map(|e| e.regions.clone()).collect(),
+            verbs: wire,
+        }))
+    }
+
     fn stopped(&self) -> Status {
         Status::unavailable(format!("node {} is shutting down", self.backend.node_id))
     }
@@ -237,6 +291,8 @@ impl Peer for PeerService {
                 peer.node_id, peer.protocol, self.backend.node_id
             )));
         }
+        endpoints_from_proto(&peer.verbs, Role::Announce)
+            .map_err(|e| Status::invalid_argument(format!("Hello: {e}")))?;
         Ok(Response::new(HelloResponse {
             node: Some(self.backend.info()),
         }))
@@ -256,6 +312,24 @@ impl Peer for PeerService {
         }
         let provider = Provider::parse(&req.provider)
             .map_err(|e| Status::invalid_argument(format!("Handshake: {e}")))?;
+        // Every field of the requester's endpoints is checked before anything is made.
+        let asked = endpoints_from_proto(&req.verbs, Role::Request)
+            .map_err(|e| Status::invalid_argument(format!("Handshake: {e}")))?;
+        match (provider, asked.is_empty()) {
+            (Provider::Verbs, true) => {
+                return Err(Status::invalid_argument(
+                    "Handshake: a verbs handshake names no nic endpoint",
+                ))
+            }
+            (Provider::Verbs, false) => return self.verbs_handshake(&req.node_id, &asked),
+            (_, false) => {
+                return Err(Status::invalid_argument(format!(
+                    "Handshake: verbs endpoints sent for provider {}",
+                    provider.as_str()
+                )))
+            }
+            (_, true) => {}
+        }
         let b = &self.backend;
         let Some(ep) = b.endpoints.iter().find(|e| e.provider == provider) else {
             let served: Vec<&str> = b.endpoints.iter().map(|e| e.provider.as_str()).collect();
@@ -279,6 +353,7 @@ impl Peer for PeerService {
                     rkey: n.rkey,
                 })
                 .collect(),
+            verbs: Vec::new(),
         }))
     }
 
