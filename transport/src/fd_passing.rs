@@ -1,13 +1,15 @@
-//! Passing file descriptors over Unix sockets (SCM_RIGHTS).
+//! Passing file descriptors over Unix sockets (SCM_RIGHTS): the shm provider's pool memfds,
+//! and the memory fds engines hand their node. Blocking or non-blocking sockets alike: on a
+//! non-blocking one a call that would block fails with `WouldBlock`.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
 /// Most descriptors one message carries (the kernel allows 253).
-pub(crate) const MAX_FDS: usize = 64;
+pub const MAX_FDS: usize = 64;
 
 /// Sends `data` with `fds` attached in one `sendmsg`.
-pub(crate) fn send_with_fds(sock: RawFd, data: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+pub fn send_with_fds(sock: RawFd, data: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
     if fds.len() > MAX_FDS {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -62,7 +64,7 @@ pub(crate) fn send_with_fds(sock: RawFd, data: &[u8], fds: &[BorrowedFd<'_>]) ->
 }
 
 /// Receives into `buf` and takes ownership of any descriptors that came with it.
-pub(crate) fn recv_with_fds(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
+pub fn recv_with_fds(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
     let fd_bytes = (MAX_FDS * std::mem::size_of::<RawFd>()) as u32;
     // SAFETY: CMSG_SPACE is a pure size computation.
     let space = unsafe { libc::CMSG_SPACE(fd_bytes) } as usize;

@@ -5,15 +5,14 @@
 //! [`RemoteDescriptor`] scattered into [`LocalSegment`]s); [`RcQueue`], the provider-neutral
 //! RC state machine, and [`Qp`], which pairs it with a provider [`Connection`];
 //! [`CompletionQueue`] for poller threads; [`NicConfig`]. Providers: [`loopback`], [`tcp`],
-//! [`shm`], [`verbs`] (its rdma-core layer behind the `verbs` feature), and the [`fault`]
-//! wrapper; [`mod@bench`] measures them.
+//! [`shm`] (its descriptors travel with [`fd_passing`]), [`verbs`] (its rdma-core layer
+//! behind the `verbs` feature), and the [`fault`] wrapper; [`mod@bench`] measures them.
 
 mod completion;
 mod config;
 mod connection;
 mod cq;
 mod descriptor;
-mod fd_passing;
 mod mr_table;
 mod owner_loop;
 mod qp;
@@ -26,6 +25,7 @@ mod wire;
 
 pub mod bench;
 pub mod fault;
+pub mod fd_passing;
 pub mod loopback;
 pub mod shm;
 pub mod tcp;
