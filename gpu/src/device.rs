@@ -386,6 +386,25 @@ pub trait Device: Send + Sync + fmt::Debug {
         })
     }
 
+    /// Maps a memfd that a client without a GPU holds its KV in, shared and read-write, and
+    /// treats `[0, len)` of it as memory of this device: copies may target it and
+    /// `check_range` accepts it. The node seals the memfd against shrinking first (a shrunk
+    /// mapping would fault on access), so the client must have created it with
+    /// `MFD_ALLOW_SEALING` or sealed it `F_SEAL_SHRINK` itself. Unmapped on drop.
+    fn import_memfd(
+        &self,
+        _fd: std::os::fd::OwnedFd,
+        _len: u64,
+    ) -> Result<DeviceBuffer, DeviceError> {
+        Err(DeviceError::Unsupported {
+            what: "memfd import (host KV as device memory)",
+            reason: format!(
+                "only the host device maps client memory; this is a {} device",
+                self.kind().as_str()
+            ),
+        })
+    }
+
     /// Makes direct (GPUDirect RDMA) writes that have completed at the NIC visible to device
     /// work submitted afterwards. Call after a direct load's last completion, before telling
     /// the engine. A no-op where the platform needs none.

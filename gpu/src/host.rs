@@ -4,6 +4,7 @@
 use std::alloc::{self, Layout};
 use std::collections::BTreeMap;
 use std::fmt;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::time::Instant;
 
@@ -143,6 +144,112 @@ impl Release for HostAlloc {
     }
 }
 
+/// A client's memfd mapped shared: device memory until the last user drops it.
+struct MappedMemfd {
+    inner: Arc<Inner>,
+    ptr: u64,
+    len: u64,
+}
+
+impl Release for MappedMemfd {
+    fn release(&mut self) {
+        let mut allocs = match self.inner.allocs.write() {
+            Ok(a) => a,
+            Err(p) => p.into_inner(),
+        };
+        if allocs.remove(&self.ptr).is_some() {
+            // SAFETY: `ptr`/`len` are exactly what `mmap` returned and was given, the range is
+            // still mapped (it was in the table), and holding the write lock means no copy is
+            // using it. munmap cannot fail for such a range; if it did, the mapping would
+            // leak, which is safe.
+            unsafe { libc::munmap(self.ptr as usize as *mut libc::c_void, self.len as usize) };
+        }
+    }
+}
+
+impl HostDevice {
+    /// See [`Device::import_memfd`].
+    fn map_memfd(&self, fd: OwnedFd, len: u64) -> Result<DeviceBuffer, DeviceError> {
+        let ordinal = self.inner.ordinal;
+        let fail = |reason: String| DeviceError::Import {
+            ordinal,
+            what: "memfd",
+            reason,
+        };
+        let raw = fd.as_raw_fd();
+        if len == 0 {
+            return Err(fail("zero-sized memory".into()));
+        }
+        let size = usize::try_from(len)
+            .map_err(|_| fail(format!("{len} bytes exceed the address space")))?;
+        // SAFETY: fcntl on a descriptor we own; F_GET_SEALS takes no argument.
+        let seals = unsafe { libc::fcntl(raw, libc::F_GET_SEALS) };
+        if seals < 0 {
+            return Err(fail(format!(
+                "not a memfd ({})",
+                std::io::Error::last_os_error()
+            )));
+        }
+        if seals & libc::F_SEAL_SHRINK == 0 {
+            // SAFETY: fcntl on a descriptor we own with an integer argument.
+            if unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } < 0 {
+                return Err(fail(format!(
+                    "cannot seal it against shrinking ({}): create it with MFD_ALLOW_SEALING or \
+                     seal it F_SEAL_SHRINK",
+                    std::io::Error::last_os_error()
+                )));
+            }
+        }
+        // SAFETY: a zeroed stat is valid output space for fstat.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat writes into `st`, which lives across the call.
+        if unsafe { libc::fstat(raw, &mut st) } < 0 {
+            return Err(fail(format!("fstat: {}", std::io::Error::last_os_error())));
+        }
+        if (st.st_size as u64) < len {
+            return Err(fail(format!(
+                "it holds {} bytes, {len} were announced",
+                st.st_size
+            )));
+        }
+        // SAFETY: a fresh shared mapping of `size` bytes of a file at least that long (and
+        // sealed against shrinking, so every mapped page stays backed); the kernel picks the
+        // address, so nothing of ours is replaced.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                raw,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(fail(format!("mmap: {}", std::io::Error::last_os_error())));
+        }
+        // The mapping holds its own reference to the memory; the descriptor can go.
+        drop(fd);
+        let ptr = p as usize as u64;
+        let release = MappedMemfd {
+            inner: Arc::clone(&self.inner),
+            ptr,
+            len,
+        };
+        match self.inner.allocs.write() {
+            Ok(mut a) => {
+                a.insert(ptr, len);
+            }
+            Err(_) => {
+                // SAFETY: the mapping was made just above and nobody else knows it.
+                unsafe { libc::munmap(p, size) };
+                return Err(DeviceError::Stopped { ordinal });
+            }
+        }
+        Ok(DeviceBuffer::new(ptr, len, ordinal, Box::new(release)))
+    }
+}
+
 impl fmt::Debug for HostDevice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HostDevice")
@@ -213,6 +320,10 @@ impl Device for HostDevice {
         _read_only: bool,
     ) -> Result<HostRegistration, DeviceError> {
         Ok(HostRegistration::noop())
+    }
+
+    fn import_memfd(&self, fd: OwnedFd, len: u64) -> Result<DeviceBuffer, DeviceError> {
+        self.map_memfd(fd, len)
     }
 
     unsafe fn submit(&self, dir: CopyDirection, list: CopyList) -> Result<CopyEvent, DeviceError> {
@@ -321,6 +432,80 @@ mod tests {
             back.iter().all(|b| *b == 0),
             "nothing written by a refused batch"
         );
+    }
+
+    fn memfd(len: usize, flags: libc::c_uint) -> OwnedFd {
+        use std::os::fd::FromRawFd;
+        // SAFETY: a NUL-terminated name; the returned descriptor is checked and then owned.
+        let fd = unsafe { libc::memfd_create(c"kvferry-test".as_ptr(), flags) };
+        assert!(fd >= 0, "{}", std::io::Error::last_os_error());
+        // SAFETY: `fd` was just created and is owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: ftruncate on a descriptor we own.
+        let sized = unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) };
+        assert_eq!(sized, 0);
+        fd
+    }
+
+    #[test]
+    fn imported_memfd_is_device_memory_shared_with_the_client() {
+        let dev = HostDevice::new(0);
+        let fd = memfd(8192, libc::MFD_ALLOW_SEALING);
+        // The client's view of the same memory.
+        // SAFETY: a fresh shared mapping of the 8192-byte memfd.
+        let client = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                8192,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(client, libc::MAP_FAILED);
+        let dup = fd.try_clone().unwrap();
+        let buf = dev.import_memfd(dup, 4096).unwrap();
+        assert_eq!(dev.live_allocations(), 1);
+        assert!(dev.check_range(buf.ptr(), 4096).is_ok());
+        assert!(
+            dev.check_range(buf.ptr() + 4000, 200).is_err(),
+            "past the announced length"
+        );
+        let src = [9u8; 100];
+        let mut list = CopyList::default();
+        list.push(src.as_ptr() as u64, buf.ptr() + 10, 100);
+        // SAFETY: `src` outlives the awaited event.
+        let ev = unsafe { dev.submit(CopyDirection::HostToDevice, list) }.unwrap();
+        block_on(ev).unwrap();
+        // SAFETY: the client mapping is 8192 bytes long and still mapped.
+        let seen = unsafe { std::slice::from_raw_parts(client as *const u8, 200) };
+        assert!(seen[..10].iter().all(|b| *b == 0));
+        assert!(seen[10..110].iter().all(|b| *b == 9));
+        assert!(seen[110..].iter().all(|b| *b == 0));
+        // Sealed against shrinking by the import.
+        // SAFETY: ftruncate on a descriptor we own.
+        let shrunk = unsafe { libc::ftruncate(fd.as_raw_fd(), 10) };
+        assert_ne!(shrunk, 0);
+        drop(buf);
+        assert_eq!(dev.live_allocations(), 0);
+        // SAFETY: unmapping the client mapping made above.
+        unsafe { libc::munmap(client, 8192) };
+    }
+
+    #[test]
+    fn memfd_imports_are_refused_clearly() {
+        let dev = HostDevice::new(0);
+        let short = memfd(4096, libc::MFD_ALLOW_SEALING);
+        let err = dev.import_memfd(short, 8192).unwrap_err();
+        assert!(err.to_string().contains("8192 were announced"), "{err}");
+        let unsealable = memfd(4096, 0);
+        let err = dev.import_memfd(unsealable, 4096).unwrap_err();
+        assert!(err.to_string().contains("MFD_ALLOW_SEALING"), "{err}");
+        let file = std::fs::File::open("/proc/self/stat").unwrap();
+        let err = dev.import_memfd(file.into(), 16).unwrap_err();
+        assert!(err.to_string().contains("not a memfd"), "{err}");
+        assert_eq!(dev.live_allocations(), 0);
     }
 
     #[test]
