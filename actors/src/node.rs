@@ -196,7 +196,52 @@ impl Node {
 
     /// Registers one TP rank's GPU KV; returns the instance's namespace.
     pub async fn register_instance(&self, req: RegisterInstance) -> Result<Namespace, NodeError> {
-        self.inner.registry.send(registry::Register(req)).await?
+        self.register_instance_with(req, None).await
+    }
+
+    /// Registers one TP rank whose KV lies in `memory` (a client's memfd mapped as device
+    /// memory, an imported DMA-BUF): the registration keeps it alive until the rank is
+    /// unregistered and the last transfer using it has drained.
+    pub async fn register_instance_with(
+        &self,
+        req: RegisterInstance,
+        memory: Option<registry::Memory>,
+    ) -> Result<Namespace, NodeError> {
+        self.inner
+            .registry
+            .send(registry::Register(req, memory))
+            .await?
+    }
+
+    /// Checks that `instance` (and `rank` of it, if given) is registered.
+    pub async fn check_registered(
+        &self,
+        instance: &InstanceId,
+        rank: Option<u32>,
+    ) -> Result<(), NodeError> {
+        match rank {
+            Some(rank) => {
+                self.inner
+                    .registry
+                    .send(GetRank {
+                        instance: instance.clone(),
+                        rank,
+                    })
+                    .await??;
+            }
+            None => {
+                self.inner
+                    .registry
+                    .send(registry::GetInstance(instance.clone()))
+                    .await??;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether this node reads remote suffixes from peers (direct loads need them).
+    pub fn has_peers(&self) -> bool {
+        self.inner.cluster.is_some()
     }
 
     /// Unregisters an instance: no new load can start, its leases are released, and this

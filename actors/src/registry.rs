@@ -24,9 +24,12 @@ impl Drop for DrainSignal {
     }
 }
 
+/// Memory a registration keeps alive for as long as any transfer may touch it: a client's
+/// memfd mapped as device memory, an imported DMA-BUF.
+pub type Memory = Arc<dyn std::any::Any + Send + Sync>;
+
 /// One registered rank: what a transfer needs to address its device KV. Transfers hold an
 /// `Arc` of it for their whole life.
-#[derive(Debug)]
 pub struct RankHandle {
     pub instance: InstanceId,
     pub rank: u32,
@@ -34,7 +37,21 @@ pub struct RankHandle {
     pub shape: KvShape,
     pub layout: KvLayout,
     pub device: Arc<dyn Device>,
+    // Declared before the drain signal: fields drop in order, so the memory is released
+    // before an unregister waiting on the signal returns.
+    _memory: Option<Memory>,
     _drain: DrainSignal,
+}
+
+impl std::fmt::Debug for RankHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankHandle")
+            .field("instance", &self.instance)
+            .field("rank", &self.rank)
+            .field("namespace", &self.namespace)
+            .field("memory", &self._memory.is_some())
+            .finish()
+    }
 }
 
 #[derive(Debug)]
@@ -63,15 +80,16 @@ impl Actor for InstanceRegistry {
     type Context = Context<Self>;
 }
 
-/// Registers one rank (validating its layout against its device's memory).
+/// Registers one rank (validating its layout against its device's memory), keeping
+/// `memory` alive with the registration.
 #[derive(Message)]
 #[rtype(result = "Result<Namespace, NodeError>")]
-pub struct Register(pub RegisterInstance);
+pub struct Register(pub RegisterInstance, pub Option<Memory>);
 
 impl Handler<Register> for InstanceRegistry {
     type Result = Result<Namespace, NodeError>;
 
-    fn handle(&mut self, Register(req): Register, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, Register(req, memory): Register, _: &mut Context<Self>) -> Self::Result {
         let device =
             self.devices
                 .get(req.device as usize)
@@ -113,6 +131,7 @@ impl Handler<Register> for InstanceRegistry {
             shape: req.shape,
             layout,
             device,
+            _memory: memory,
             _drain: DrainSignal(Some(tx)),
         });
         let inst = self
