@@ -1,7 +1,15 @@
 //! gRPC services of a node. [`peer_server::serve`] runs the owner side of
 //! `kvferry.v1.Peer` over a [`peer_server::PeerBackend`]; [`peer_client::PeerClient`] is
-//! the requester's client, with a deadline on every call.
+//! the requester's client, with a deadline on every call. [`engine_server::serve`] runs
+//! `kvferry.v1.Engine` over a `Node`, with client memory arriving on an
+//! [`fd_socket::FdSocket`]; [`engine_client::EngineClient`] is the engine's client.
 
+pub mod completions;
+pub mod engine_client;
+mod engine_request;
+pub mod engine_server;
+pub mod fd_socket;
+pub mod memory_handles;
 pub mod peer_client;
 pub mod peer_server;
 
@@ -11,9 +19,14 @@ pub mod proto {
     tonic::include_proto!("kvferry.v1");
 }
 
+pub use engine_client::{
+    CompletionStream, EngineClient, EngineClientError, EngineSession, QueryAnswer,
+};
+pub use engine_server::{serve as serve_engine, EngineOptions, EngineServeError};
+pub use fd_socket::FdSocket;
 pub use peer_client::{PeerClient, PeerClientError, PeerHandshake, PeerInfo, PeerPin};
 pub use peer_server::{serve, DataEndpoint, NicRegistration, PeerBackend, PeerServeError};
-pub use tonic::Code;
+pub use tonic::{Code, Status};
 
 /// The peer protocol revision this build speaks.
 pub const PROTOCOL: u32 = 1;
@@ -26,3 +39,9 @@ pub const MAX_PIN_HASHES: usize = 4096;
 
 /// The kvferry release of this build.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The engine protocol revision this build speaks.
+pub const ENGINE_PROTOCOL: u32 = 1;
+
+/// Most hashes (or destination blocks) in one engine request.
+pub const MAX_ENGINE_HASHES: usize = 4096;

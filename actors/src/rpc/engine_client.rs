@@ -1,0 +1,709 @@
+//! The engine's client of `kvferry.v1.Engine`: typed calls with a deadline on each unary
+//! call, memory sent on the node's fd socket, loads started without waiting and awaited on
+//! the completion stream or by polling, and the session that ties instances to this client.
+
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use kvferry_transport::fd_passing;
+use thiserror::Error;
+use tokio::io::{AsyncBufReadExt, Interest};
+use tokio::sync::mpsc;
+use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::MetadataValue;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Request, Status, Streaming};
+
+use super::fd_socket;
+use super::proto::engine_client::EngineClient as RawClient;
+use super::proto::*;
+use crate::api;
+use crate::model::{BlockHash, InstanceId, LeaseId};
+
+/// Deadline of every unary call unless [`EngineClient::with_deadline`] says otherwise.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum EngineClientError {
+    #[error("engine service at {addr}: {reason}")]
+    Address { addr: String, reason: String },
+    #[error("engine service at {addr}: connecting")]
+    Connect {
+        addr: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("engine service at {addr}: no connection within {after:?}")]
+    ConnectTimeout { addr: String, after: Duration },
+    /// The node answered with an error status (or the call ran past its deadline:
+    /// `DeadlineExceeded`, or the connection broke: `Unavailable`).
+    #[error("engine service at {addr}: {method} failed: {code:?}: {message}")]
+    Call {
+        addr: String,
+        method: &'static str,
+        code: Code,
+        message: String,
+    },
+    #[error("engine fd socket {path}: {what}")]
+    FdSocket {
+        path: PathBuf,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The fd socket refused the memory.
+    #[error("engine fd socket {path}: refused: {code:?}: {message}")]
+    FdRefused {
+        path: PathBuf,
+        code: Code,
+        message: String,
+    },
+    #[error("engine service at {addr}: {method} answered a malformed response: {reason}")]
+    Malformed {
+        addr: String,
+        method: &'static str,
+        reason: String,
+    },
+    #[error("load {load_id}: no completion within {after:?}")]
+    WaitTimeout { load_id: u64, after: Duration },
+    #[error("no fd socket: connect with its path (Capabilities.fd_socket)")]
+    NoFdSocket,
+}
+
+impl EngineClientError {
+    /// The gRPC status code of a refused call or fd request.
+    pub fn code(&self) -> Option<Code> {
+        match self {
+            EngineClientError::Call { code, .. } | EngineClientError::FdRefused { code, .. } => {
+                Some(*code)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// What a Query answered.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QueryAnswer {
+    /// Absent when nothing hit.
+    pub lease: Option<LeaseId>,
+    pub namespace: String,
+    pub local_blocks: u32,
+    pub remote_blocks: u32,
+    pub direct: api::DirectGrant,
+}
+
+impl QueryAnswer {
+    pub fn hit_blocks(&self) -> u32 {
+        self.local_blocks + self.remote_blocks
+    }
+}
+
+/// A connection to one node's engine service. Cloning shares the HTTP/2 connection.
+#[derive(Clone, Debug)]
+pub struct EngineClient {
+    raw: RawClient<Channel>,
+    addr: String,
+    fd_socket: Option<PathBuf>,
+    token: String,
+    deadline: Duration,
+}
+
+impl EngineClient {
+    /// Connects to `addr` ("host:port"); `fd_socket` is the node's fd socket (None: this
+    /// client sends no memory); `token` is the node's engine token ("" where none is set).
+    pub async fn connect(
+        addr: impl Into<String>,
+        fd_socket: Option<PathBuf>,
+        token: impl Into<String>,
+    ) -> Result<Self, EngineClientError> {
+        let addr = addr.into();
+        let deadline = DEFAULT_DEADLINE;
+        // No per-request timeout on the channel: sessions and completion streams stay open.
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| EngineClientError::Address {
+                addr: addr.clone(),
+                reason: e.to_string(),
+            })?
+            .connect_timeout(deadline)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(20))
+            .keep_alive_while_idle(true);
+        let channel = match tokio::time::timeout(deadline, endpoint.connect()).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(source)) => return Err(EngineClientError::Connect { addr, source }),
+            Err(_) => {
+                return Err(EngineClientError::ConnectTimeout {
+                    addr,
+                    after: deadline,
+                })
+            }
+        };
+        Ok(Self {
+            raw: RawClient::new(channel),
+            addr,
+            fd_socket,
+            token: token.into(),
+            deadline,
+        })
+    }
+
+    /// Sets the deadline of every later unary call made through this handle.
+    pub fn with_deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The generated client over the same connection, for requests this wrapper would
+    /// refuse to build (tests of the node's validation). Add the token with
+    /// [`Self::request`].
+    pub fn raw(&self) -> RawClient<Channel> {
+        self.raw.clone()
+    }
+
+    /// Wraps `msg` with this client's token and deadline.
+    pub fn request<T>(&self, msg: T) -> Request<T> {
+        let mut r = Request::new(msg);
+        r.set_timeout(self.deadline);
+        self.authorize(&mut r);
+        r
+    }
+
+    fn authorize<T>(&self, r: &mut Request<T>) {
+        if !self.token.is_empty() {
+            if let Ok(v) = MetadataValue::try_from(format!("Bearer {}", self.token)) {
+                r.metadata_mut().insert("authorization", v);
+            }
+        }
+    }
+
+    fn failed(&self, method: &'static str, s: Status) -> EngineClientError {
+        EngineClientError::Call {
+            addr: self.addr.clone(),
+            method,
+            code: s.code(),
+            message: s.message().to_owned(),
+        }
+    }
+
+    /// Awaits a call, enforcing the deadline here too (a stalled connection never answers
+    /// the node's deadline).
+    async fn call<T>(
+        &self,
+        method: &'static str,
+        fut: impl std::future::Future<Output = Result<tonic::Response<T>, Status>>,
+    ) -> Result<T, EngineClientError> {
+        match tokio::time::timeout(self.deadline, fut).await {
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(s)) => Err(self.failed(method, s)),
+            Err(_) => Err(self.failed(
+                method,
+                Status::deadline_exceeded(format!("no answer within {:?}", self.deadline)),
+            )),
+        }
+    }
+
+    pub async fn capabilities(&self) -> Result<CapabilitiesResponse, EngineClientError> {
+        let req = self.request(CapabilitiesRequest {});
+        self.call("Capabilities", self.raw.clone().capabilities(req))
+            .await
+    }
+
+    /// Sends a memfd holding `len` bytes of host KV for `instance` rank `rank` (create it
+    /// with `MFD_ALLOW_SEALING`: the node seals it against shrinking); returns the memory
+    /// handle to register with.
+    pub async fn send_memfd(
+        &self,
+        instance: &InstanceId,
+        rank: u32,
+        device: u32,
+        fd: BorrowedFd<'_>,
+        len: u64,
+    ) -> Result<u64, EngineClientError> {
+        let line = format!("memfd {instance} {rank} {device} {len}");
+        self.send_fd(line, fd).await
+    }
+
+    /// Sends a DMA-BUF of GPU KV covering `[base, base + len)` as the node addresses it;
+    /// returns the memory handle to register with.
+    pub async fn send_dmabuf(
+        &self,
+        instance: &InstanceId,
+        rank: u32,
+        device: u32,
+        fd: BorrowedFd<'_>,
+        base: u64,
+        len: u64,
+    ) -> Result<u64, EngineClientError> {
+        let line = format!("dmabuf {instance} {rank} {device} {len} {base}");
+        self.send_fd(line, fd).await
+    }
+
+    async fn send_fd(
+        &self,
+        mut line: String,
+        fd: BorrowedFd<'_>,
+    ) -> Result<u64, EngineClientError> {
+        let path = self
+            .fd_socket
+            .as_ref()
+            .ok_or(EngineClientError::NoFdSocket)?;
+        if !self.token.is_empty() {
+            line.push(' ');
+            line.push_str(&self.token);
+        }
+        line.push('\n');
+        let io = |what: &'static str| {
+            let path = path.clone();
+            move |source| EngineClientError::FdSocket { path, what, source }
+        };
+        let exchange = async {
+            let stream = tokio::net::UnixStream::connect(path)
+                .await
+                .map_err(io("connecting"))?;
+            loop {
+                stream.writable().await.map_err(io("sending"))?;
+                match stream.try_io(Interest::WRITABLE, || {
+                    fd_passing::send_with_fds(stream.as_raw_fd(), line.as_bytes(), &[fd])
+                }) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                    Err(e) => return Err(io("sending")(e)),
+                }
+            }
+            let mut answer = String::new();
+            tokio::io::BufReader::new(stream)
+                .read_line(&mut answer)
+                .await
+                .map_err(io("reading the answer"))?;
+            Ok(answer)
+        };
+        let answer = tokio::time::timeout(self.deadline, exchange)
+            .await
+            .map_err(|_| {
+                io("waiting for the answer")(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no answer within {:?}", self.deadline),
+                ))
+            })??;
+        parse_fd_answer(path, answer.trim_end())
+    }
+
+    /// Registers one rank whose KV lies in the memory of `memory_handle`; the layout's
+    /// addresses are offsets inside that memory. Returns the namespace.
+    pub async fn register(
+        &self,
+        req: &api::RegisterInstance,
+        memory_handle: u64,
+    ) -> Result<String, EngineClientError> {
+        let msg = register_request(req, memory_handle);
+        let r = self.request(msg);
+        let resp = self
+            .call("RegisterInstance", self.raw.clone().register_instance(r))
+            .await?;
+        Ok(resp.namespace)
+    }
+
+    /// Unregisters an instance; returns how many of its leases were released.
+    pub async fn unregister(&self, instance: &InstanceId) -> Result<u32, EngineClientError> {
+        let r = self.request(UnregisterInstanceRequest {
+            instance: instance.as_str().to_owned(),
+        });
+        let resp = self
+            .call(
+                "UnregisterInstance",
+                self.raw.clone().unregister_instance(r),
+            )
+            .await?;
+        Ok(resp.leases_released)
+    }
+
+    pub async fn put_blocks(
+        &self,
+        req: &api::PutBlocks,
+    ) -> Result<StoreResponse, EngineClientError> {
+        let r = self.request(PutBlocksRequest {
+            instance: req.instance.as_str().to_owned(),
+            rank: req.rank,
+            blocks: req
+                .blocks
+                .iter()
+                .map(|(h, d)| PutBlock {
+                    hash: h.as_bytes().to_vec(),
+                    data: d.clone(),
+                })
+                .collect(),
+        });
+        self.call("PutBlocks", self.raw.clone().put_blocks(r)).await
+    }
+
+    pub async fn save(&self, req: &api::SaveRequest) -> Result<StoreResponse, EngineClientError> {
+        let r = self.request(SaveRequest {
+            instance: req.instance.as_str().to_owned(),
+            rank: req.rank,
+            hashes: req.hashes.iter().map(|h| h.as_bytes().to_vec()).collect(),
+            src_blocks: req.src_blocks.clone(),
+        });
+        self.call("Save", self.raw.clone().save(r)).await
+    }
+
+    /// Leases the longest held prefix of `hashes`. With `direct_gpu`, check
+    /// [`QueryAnswer::direct`]: a refusal is never silent.
+    pub async fn query(
+        &self,
+        instance: &InstanceId,
+        hashes: &[BlockHash],
+        direct_gpu: bool,
+    ) -> Result<QueryAnswer, EngineClientError> {
+        let r = self.request(QueryRequest {
+            instance: instance.as_str().to_owned(),
+            hashes: hashes.iter().map(|h| h.as_bytes().to_vec()).collect(),
+            direct_gpu,
+        });
+        let q = self.call("Query", self.raw.clone().query(r)).await?;
+        let malformed = |reason: String| EngineClientError::Malformed {
+            addr: self.addr.clone(),
+            method: "Query",
+            reason,
+        };
+        let lease = if q.lease.is_empty() {
+            None
+        } else {
+            Some(LeaseId::from_hex(&q.lease).map_err(|e| malformed(e.to_string()))?)
+        };
+        let direct = match DirectGrant::try_from(q.direct) {
+            Ok(DirectGrant::DirectNotRequested) => api::DirectGrant::NotRequested,
+            Ok(DirectGrant::DirectGranted) => api::DirectGrant::Granted,
+            Ok(DirectGrant::DirectRefused) => api::DirectGrant::Refused {
+                reason: q.direct_reason,
+            },
+            Err(_) => return Err(malformed(format!("direct grant {}", q.direct))),
+        };
+        if lease.is_none() && q.local_blocks + q.remote_blocks > 0 {
+            return Err(malformed("blocks hit without a lease".into()));
+        }
+        Ok(QueryAnswer {
+            lease,
+            namespace: q.namespace,
+            local_blocks: q.local_blocks,
+            remote_blocks: q.remote_blocks,
+            direct,
+        })
+    }
+
+    /// Starts a load; returns its load id as soon as the node accepted it.
+    pub async fn load(&self, req: &api::LoadRequest) -> Result<u64, EngineClientError> {
+        let r = self.request(LoadRequest {
+            lease: req.lease.to_hex(),
+            instance: req.instance.as_str().to_owned(),
+            rank: req.rank,
+            dest_blocks: req.dest_blocks.clone(),
+        });
+        Ok(self.call("Load", self.raw.clone().load(r)).await?.load_id)
+    }
+
+    /// The result of a load if it completed (consuming it), `None` while it runs.
+    pub async fn poll_load(
+        &self,
+        load_id: u64,
+    ) -> Result<Option<LoadCompletion>, EngineClientError> {
+        let r = self.request(PollLoadRequest { load_id });
+        let resp = self.call("PollLoad", self.raw.clone().poll_load(r)).await?;
+        match (resp.pending, resp.completion) {
+            (true, None) => Ok(None),
+            (false, Some(c)) if c.load_id == load_id => Ok(Some(c)),
+            _ => Err(EngineClientError::Malformed {
+                addr: self.addr.clone(),
+                method: "PollLoad",
+                reason: format!("no completion for load {load_id} and not pending"),
+            }),
+        }
+    }
+
+    /// Polls every `every` until load `load_id` completed or `timeout` passed.
+    pub async fn wait_polling(
+        &self,
+        load_id: u64,
+        every: Duration,
+        timeout: Duration,
+    ) -> Result<LoadCompletion, EngineClientError> {
+        let end = Instant::now() + timeout;
+        loop {
+            if let Some(c) = self.poll_load(load_id).await? {
+                return Ok(c);
+            }
+            if Instant::now() >= end {
+                return Err(EngineClientError::WaitTimeout {
+                    load_id,
+                    after: timeout,
+                });
+            }
+            tokio::time::sleep(every).await;
+        }
+    }
+
+    /// Opens the completion stream of `instance` rank `rank` (replacing an older one).
+    pub async fn completions(
+        &self,
+        instance: &InstanceId,
+        rank: u32,
+    ) -> Result<CompletionStream, EngineClientError> {
+        let mut r = Request::new(CompletionsRequest {
+            instance: instance.as_str().to_owned(),
+            rank,
+        });
+        self.authorize(&mut r);
+        let stream = self
+            .call("Completions", self.raw.clone().completions(r))
+            .await?;
+        Ok(CompletionStream {
+            stream,
+            early: Vec::new(),
+            addr: self.addr.clone(),
+        })
+    }
+
+    /// Releases a lease whatever its ranks still owe.
+    pub async fn release(&self, lease: LeaseId) -> Result<(), EngineClientError> {
+        let r = self.request(ReleaseRequest {
+            lease: lease.to_hex(),
+        });
+        self.call("Release", self.raw.clone().release(r)).await?;
+        Ok(())
+    }
+
+    pub async fn health(&self) -> Result<HealthResponse, EngineClientError> {
+        let r = self.request(HealthRequest {});
+        self.call("Health", self.raw.clone().health(r)).await
+    }
+
+    pub async fn stats(&self) -> Result<StatsResponse, EngineClientError> {
+        let r = self.request(StatsRequest {});
+        self.call("Stats", self.raw.clone().stats(r)).await
+    }
+
+    /// Opens a session and binds `instances` to it: when the session is dropped (or this
+    /// process dies), the node unregisters them and releases their leases.
+    pub async fn open_session(
+        &self,
+        instances: &[InstanceId],
+    ) -> Result<EngineSession, EngineClientError> {
+        let (tx, rx) = mpsc::channel(16);
+        let mut r = Request::new(ReceiverStream::new(rx));
+        self.authorize(&mut r);
+        let events = self.call("Session", self.raw.clone().session(r)).await?;
+        let mut s = EngineSession {
+            tx,
+            events,
+            addr: self.addr.clone(),
+            deadline: self.deadline,
+        };
+        for i in instances {
+            s.bind(i).await?;
+        }
+        Ok(s)
+    }
+}
+
+fn parse_fd_answer(path: &Path, answer: &str) -> Result<u64, EngineClientError> {
+    let refused = |code, message: &str| EngineClientError::FdRefused {
+        path: path.to_owned(),
+        code,
+        message: message.to_owned(),
+    };
+    if let Some(id) = answer.strip_prefix("ok ") {
+        return id
+            .parse()
+            .map_err(|_| refused(Code::Unknown, &format!("malformed answer {answer:?}")));
+    }
+    if let Some(rest) = answer.strip_prefix("err ") {
+        let (code, message) = rest.split_once(' ').unwrap_or((rest, ""));
+        return Err(refused(fd_socket::code_from_name(code), message));
+    }
+    Err(refused(
+        Code::Unknown,
+        &format!("malformed answer {answer:?}"),
+    ))
+}
+
+/// The wire form of a registration (addresses as given: offsets inside the memory).
+pub fn register_request(
+    req: &api::RegisterInstance,
+    memory_handle: u64,
+) -> RegisterInstanceRequest {
+    let s = &req.shape;
+    let l = &req.layout;
+    RegisterInstanceRequest {
+        instance: req.instance.as_str().to_owned(),
+        model: req.model.clone(),
+        dtype: req.dtype.clone(),
+        shape: Some(KvShape {
+            layers: s.layers(),
+            tp_size: s.tp_size(),
+            segments: s.segments(),
+            segment_bytes: s.segment_bytes(),
+        }),
+        rank: req.rank,
+        device: req.device,
+        layout: Some(KvLayout {
+            kind: match l.kind {
+                kvferry_gpu::GroupKind::Attention => GroupKind::Attention,
+                kvferry_gpu::GroupKind::PageFirst => GroupKind::PageFirst,
+                kvferry_gpu::GroupKind::Recurrent => GroupKind::Recurrent,
+            } as i32,
+            layers: l
+                .layers
+                .iter()
+                .map(|layer| LayerLayout {
+                    layer: Some(match *layer {
+                        kvferry_gpu::LayerLayout::Contiguous { base, kv_stride } => {
+                            layer_layout::Layer::Contiguous(Contiguous { base, kv_stride })
+                        }
+                        kvferry_gpu::LayerLayout::Split { k_base, v_base } => {
+                            layer_layout::Layer::Split(Split { k_base, v_base })
+                        }
+                    }),
+                })
+                .collect(),
+            block_stride: l.block_stride,
+            num_blocks: l.num_blocks,
+            view_offset: l.view_offset,
+        }),
+        memory_handle,
+    }
+}
+
+/// Completed loads of one instance rank, as the node delivers them.
+pub struct CompletionStream {
+    stream: Streaming<LoadCompletion>,
+    /// Completions that arrived while waiting for another one.
+    early: Vec<LoadCompletion>,
+    addr: String,
+}
+
+impl std::fmt::Debug for CompletionStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompletionStream")
+            .field("addr", &self.addr)
+            .field("early", &self.early.len())
+            .finish()
+    }
+}
+
+impl CompletionStream {
+    /// The next completion; `None` when the node ended the stream.
+    pub async fn next(&mut self) -> Result<Option<LoadCompletion>, EngineClientError> {
+        if !self.early.is_empty() {
+            return Ok(Some(self.early.remove(0)));
+        }
+        self.stream
+            .message()
+            .await
+            .map_err(|s| EngineClientError::Call {
+                addr: self.addr.clone(),
+                method: "Completions",
+                code: s.code(),
+                message: s.message().to_owned(),
+            })
+    }
+
+    /// Waits up to `timeout` for the completion of `load_id`, keeping the others for
+    /// [`Self::next`].
+    pub async fn wait_for(
+        &mut self,
+        load_id: u64,
+        timeout: Duration,
+    ) -> Result<LoadCompletion, EngineClientError> {
+        if let Some(i) = self.early.iter().position(|c| c.load_id == load_id) {
+            return Ok(self.early.remove(i));
+        }
+        let wait = async {
+            loop {
+                match self.stream.message().await {
+                    Ok(Some(c)) if c.load_id == load_id => return Ok(c),
+                    Ok(Some(c)) => self.early.push(c),
+                    Ok(None) => {
+                        return Err(EngineClientError::Call {
+                            addr: self.addr.clone(),
+                            method: "Completions",
+                            code: Code::Unavailable,
+                            message: "the node ended the stream".into(),
+                        })
+                    }
+                    Err(s) => {
+                        return Err(EngineClientError::Call {
+                            addr: self.addr.clone(),
+                            method: "Completions",
+                            code: s.code(),
+                            message: s.message().to_owned(),
+                        })
+                    }
+                }
+            }
+        };
+        tokio::time::timeout(timeout, wait)
+            .await
+            .map_err(|_| EngineClientError::WaitTimeout {
+                load_id,
+                after: timeout,
+            })?
+    }
+}
+
+/// An open session: dropping it (or [`Self::close`]) ends it, and the node unregisters
+/// the bound instances.
+pub struct EngineSession {
+    tx: mpsc::Sender<SessionRequest>,
+    events: Streaming<SessionEvent>,
+    addr: String,
+    deadline: Duration,
+}
+
+impl std::fmt::Debug for EngineSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineSession")
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+impl EngineSession {
+    /// Binds a registered instance to this session.
+    pub async fn bind(&mut self, instance: &InstanceId) -> Result<(), EngineClientError> {
+        let failed = |code, message: String| EngineClientError::Call {
+            addr: self.addr.clone(),
+            method: "Session",
+            code,
+            message,
+        };
+        let bind = async {
+            self.tx
+                .send(SessionRequest {
+                    bind: instance.as_str().to_owned(),
+                })
+                .await
+                .map_err(|_| failed(Code::Unavailable, "the session has ended".into()))?;
+            match self.events.message().await {
+                Ok(Some(e)) if e.bound == instance.as_str() => Ok(()),
+                Ok(Some(e)) => Err(failed(
+                    Code::Internal,
+                    format!("bound {:?}, asked for {instance}", e.bound),
+                )),
+                Ok(None) => Err(failed(Code::Unavailable, "the session has ended".into())),
+                Err(s) => Err(failed(s.code(), s.message().to_owned())),
+            }
+        };
+        tokio::time::timeout(self.deadline, bind)
+            .await
+            .map_err(|_| failed(Code::DeadlineExceeded, "no answer to bind".into()))?
+    }
+
+    /// Ends the session (the node unregisters its instances).
+    pub fn close(self) {}
+}

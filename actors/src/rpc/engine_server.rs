@@ -1,0 +1,717 @@
+//! `kvferry.v1.Engine` over a [`Node`]: what inference engines call. Every request is checked
+//! (token, then each field) before it reaches the node, so a refused request changes
+//! nothing. Loads are accepted and answered at once with a load id; their results go to
+//! the [`CompletionBook`]. Sessions tie instances to a client's stream: when it ends, they
+//! are unregistered. Client memory arrives on the [`FdSocket`] as [`MemoryHandles`].
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
+use tonic::codegen::tokio_stream::Stream;
+use tonic::transport::server::TcpIncoming;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::completions::{CompletionBook, LoadState};
+use super::engine_request::{self as check, status};
+use super::fd_socket::{self, FdSocket};
+use super::memory_handles::MemoryHandles;
+use super::peer_server::same_token;
+use super::proto::engine_server::{Engine, EngineServer};
+use super::proto::*;
+use super::{ENGINE_PROTOCOL, MAX_ENGINE_HASHES, VERSION};
+use crate::api;
+use crate::config::EngineConfig;
+use crate::keeper::DIRECT_REFUSAL;
+use crate::model::InstanceId;
+use crate::node::Node;
+
+/// Requests in flight on one connection; more wait for a free slot.
+const MAX_IN_FLIGHT_PER_CONNECTION: usize = 256;
+
+/// Memory handles waiting for RegisterInstance, over all clients.
+const MAX_HANDLES: usize = 1024;
+
+/// Loads accepted and not yet completed, per instance rank.
+const MAX_RUNNING_PER_RANK: usize = 4096;
+
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum EngineServeError {
+    #[error("engine service on {addr}: reading the listener's address")]
+    LocalAddr {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("engine service on {addr} failed")]
+    Serve {
+        addr: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("engine fd socket {path}: {what}")]
+    FdSocket {
+        what: &'static str,
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// How the engine service runs.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Bearer token every call must carry; empty: not checked.
+    pub token: String,
+    pub max_message_bytes: usize,
+    /// Completed results kept per instance rank.
+    pub completion_retention: usize,
+    pub handle_ttl: Duration,
+    /// Longest a unary call may take on the server (the client's `grpc-timeout` may be
+    /// shorter).
+    pub call_timeout: Duration,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self::from_config(&EngineConfig::default())
+    }
+}
+
+impl EngineOptions {
+    pub fn from_config(c: &EngineConfig) -> Self {
+        Self {
+            token: c.token.clone(),
+            max_message_bytes: usize::try_from(c.max_message_bytes.0).unwrap_or(usize::MAX),
+            completion_retention: c.completion_retention as usize,
+            handle_ttl: c.handle_ttl(),
+            call_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What the gRPC service and the fd socket share.
+pub(crate) struct Shared {
+    node: Node,
+    options: EngineOptions,
+    handles: Mutex<MemoryHandles>,
+    book: Mutex<CompletionBook>,
+    sessions: AtomicUsize,
+    fd_path: Option<String>,
+    stop: watch::Receiver<bool>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The guarded state stays consistent between statements, so a poisoned lock is usable.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    pub(crate) fn node(&self) -> &Node {
+        &self.node
+    }
+
+    pub(crate) fn handles(&self) -> MutexGuard<'_, MemoryHandles> {
+        lock(&self.handles)
+    }
+
+    fn book(&self) -> MutexGuard<'_, CompletionBook> {
+        lock(&self.book)
+    }
+
+    pub(crate) fn check_token(&self, got: &str) -> Result<(), Status> {
+        let want = &self.options.token;
+        if want.is_empty() || same_token(want.as_bytes(), got.as_bytes()) {
+            Ok(())
+        } else {
+            Err(Status::unauthenticated(format!(
+                "node {}: the engine token is missing or wrong",
+                self.node.config().node_id
+            )))
+        }
+    }
+
+    /// Everything a session bound goes: the instances are unregistered (their leases
+    /// released, their transfers drained), their unused handles closed, their results
+    /// dropped.
+    async fn end_session(&self, bound: Vec<InstanceId>) {
+        for instance in bound {
+            // Already unregistered by the client: nothing left to do.
+            let _ = self.node.unregister_instance(instance.clone()).await;
+            self.handles().drop_instance(&instance);
+            self.book().drop_instance(&instance);
+        }
+        self.sessions.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Serves `kvferry.v1.Engine` on `listener` (and memory fds on `fd_socket`, whose file is
+/// removed at the end) until `shutdown` resolves; then ends the open sessions and
+/// completion streams and waits for the calls in flight.
+pub async fn serve(
+    listener: TcpListener,
+    fd_socket: Option<FdSocket>,
+    node: Node,
+    options: EngineOptions,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), EngineServeError> {
+    let addr = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .map_err(|source| EngineServeError::LocalAddr {
+            addr: "?".into(),
+            source,
+        })?;
+    let (stop_tx, stop) = watch::channel(false);
+    let shared = Arc::new(Shared {
+        handles: Mutex::new(MemoryHandles::new(options.handle_ttl, MAX_HANDLES)),
+        book: Mutex::new(CompletionBook::new(options.completion_retention)),
+        sessions: AtomicUsize::new(0),
+        fd_path: fd_socket.as_ref().map(|s| s.path.display().to_string()),
+        stop: stop.clone(),
+        node,
+        options: options.clone(),
+    });
+    let fd_path = fd_socket.as_ref().map(|s| s.path.clone());
+    if let Some(sock) = fd_socket {
+        tokio::spawn(fd_socket::serve(sock, Arc::clone(&shared), stop.clone()));
+    }
+    tokio::spawn(sweep_handles(Arc::clone(&shared), stop.clone()));
+    let auth = Arc::clone(&shared);
+    let closing = Arc::clone(&shared);
+    let service = EngineServer::new(EngineService {
+        shared: Arc::clone(&shared),
+    })
+    .max_decoding_message_size(options.max_message_bytes)
+    .max_encoding_message_size(options.max_message_bytes);
+    let service =
+        tonic::service::interceptor::InterceptedService::new(service, move |req: Request<()>| {
+            let got = req
+                .metadata()
+                .get("authorization")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .unwrap_or("");
+            auth.check_token(got)?;
+            Ok(req)
+        });
+    let served = tonic::transport::Server::builder()
+        .concurrency_limit_per_connection(MAX_IN_FLIGHT_PER_CONNECTION)
+        .timeout(options.call_timeout)
+        // A client that vanished without closing its session is noticed within ~40 s.
+        .http2_keepalive_interval(Some(Duration::from_secs(20)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .serve_with_incoming_shutdown(
+            service,
+            TcpIncoming::from(listener).with_nodelay(Some(true)),
+            async {
+                shutdown.await;
+                // No new memory is taken, and sessions and completion streams end, so the
+                // drain can finish.
+                let _ = stop_tx.send(true);
+                closing.book().close_streams();
+                if let Some(p) = &fd_path {
+                    let _ = std::fs::remove_file(p);
+                }
+            },
+        )
+        .await
+        .map_err(|source| EngineServeError::Serve { addr, source });
+    let _ = stop_tx.send(true);
+    if let Some(p) = &fd_path {
+        let _ = std::fs::remove_file(p);
+    }
+    served
+}
+
+async fn sweep_handles(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                shared.handles().expire(Instant::now());
+            }
+            _ = stop.wait_for(|s| *s) => break,
+        }
+    }
+}
+
+struct EngineService {
+    shared: Arc<Shared>,
+}
+
+type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+fn direct_reason(node: &Node) -> String {
+    if node.has_peers() {
+        String::new()
+    } else {
+        DIRECT_REFUSAL.to_owned()
+    }
+}
+
+fn completion(
+    load_id: u64,
+    req: &api::LoadRequest,
+    r: Result<Result<api::TransferReport, crate::NodeError>, ()>,
+) -> LoadCompletion {
+    let mut c = LoadCompletion {
+        load_id,
+        instance: req.instance.as_str().to_owned(),
+        rank: req.rank,
+        ..Default::default()
+    };
+    match r {
+        Ok(Ok(rep)) => {
+            c.status = LoadStatus::LoadOk as i32;
+            c.bytes = rep.bytes;
+            c.blocks = rep.blocks as u32;
+            c.path = rep.path.to_owned();
+            c.seconds = rep.seconds;
+            c.stages = rep
+                .stages
+                .iter()
+                .map(|s| StageSeconds {
+                    name: s.name.to_owned(),
+                    seconds: s.seconds,
+                })
+                .collect();
+        }
+        Ok(Err(e)) => {
+            c.status = LoadStatus::LoadFailed as i32;
+            c.error_kind = check::error_kind(&e).to_owned();
+            c.error = e.to_string();
+            c.failed_blocks = req.dest_blocks.clone();
+        }
+        Err(()) => {
+            c.status = LoadStatus::LoadFailed as i32;
+            c.error_kind = "stopped".into();
+            c.error = "the transfer ended without a report (the node is stopping)".into();
+            c.failed_blocks = req.dest_blocks.clone();
+        }
+    }
+    c
+}
+
+#[tonic::async_trait]
+impl Engine for EngineService {
+    async fn capabilities(
+        &self,
+        _: Request<CapabilitiesRequest>,
+    ) -> Result<Response<CapabilitiesResponse>, Status> {
+        let node = &self.shared.node;
+        let devices = node.devices();
+        let kind = devices
+            .first()
+            .map(|d| d.kind())
+            .unwrap_or(kvferry_gpu::DeviceKind::Host);
+        let memory_kinds = match kind {
+            kvferry_gpu::DeviceKind::Host => vec!["memfd".to_owned()],
+            kvferry_gpu::DeviceKind::Cuda => vec!["dmabuf".to_owned()],
+        };
+        let o = &self.shared.options;
+        Ok(Response::new(CapabilitiesResponse {
+            node_id: node.config().node_id.clone(),
+            version: VERSION.to_owned(),
+            protocol: ENGINE_PROTOCOL,
+            device_kind: kind.as_str().to_owned(),
+            device_count: devices.len() as u32,
+            device_names: devices.iter().map(|d| d.name()).collect(),
+            providers: node
+                .config()
+                .cluster
+                .iter()
+                .map(|c| c.provider.clone())
+                .collect(),
+            direct_possible: node.has_peers(),
+            direct_reason: direct_reason(node),
+            fd_socket: self.shared.fd_path.clone().unwrap_or_default(),
+            memory_kinds,
+            max_message_bytes: o.max_message_bytes as u64,
+            completion_retention: o.completion_retention as u32,
+            handle_ttl_ms: u64::try_from(o.handle_ttl.as_millis()).unwrap_or(u64::MAX),
+            max_hashes: MAX_ENGINE_HASHES as u32,
+        }))
+    }
+
+    async fn register_instance(
+        &self,
+        req: Request<RegisterInstanceRequest>,
+    ) -> Result<Response<RegisterInstanceResponse>, Status> {
+        const M: &str = "RegisterInstance";
+        let r = req.into_inner();
+        let instance = check::instance(M, &r.instance)?;
+        let shape = check::shape(M, r.shape.as_ref())?;
+        let spec = check::layout(M, r.layout.as_ref())?;
+        if r.rank >= shape.tp_size() {
+            return Err(Status::invalid_argument(format!(
+                "{M}: rank {} is out of range for tp {}",
+                r.rank,
+                shape.tp_size()
+            )));
+        }
+        if r.memory_handle == 0 {
+            return Err(Status::invalid_argument(format!(
+                "{M}: no memory handle; send the KV's fd on the fd socket first"
+            )));
+        }
+        let h = self
+            .shared
+            .handles()
+            .get(r.memory_handle, Instant::now())
+            .cloned()
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "{M}: memory handle {} is unknown, expired or already registered",
+                    r.memory_handle
+                ))
+            })?;
+        if h.instance != instance || h.rank != r.rank {
+            return Err(Status::permission_denied(format!(
+                "{M}: memory handle {} was sent for instance {} rank {}, not {instance} rank {}",
+                r.memory_handle, h.instance, h.rank, r.rank
+            )));
+        }
+        if h.device != r.device {
+            return Err(Status::invalid_argument(format!(
+                "{M}: memory handle {} is memory of device {}, not {}",
+                r.memory_handle, h.device, r.device
+            )));
+        }
+        let layout = check::place(M, spec, &shape, h.base, h.len)?;
+        let namespace = self
+            .shared
+            .node
+            .register_instance_with(
+                api::RegisterInstance {
+                    instance,
+                    model: r.model,
+                    dtype: r.dtype,
+                    shape,
+                    rank: r.rank,
+                    device: r.device,
+                    layout,
+                },
+                Some(Arc::clone(&h.memory)),
+            )
+            .await
+            .map_err(|e| status(M, e))?;
+        // The registration holds the memory now.
+        self.shared.handles().take(r.memory_handle);
+        Ok(Response::new(RegisterInstanceResponse {
+            namespace: namespace.to_string(),
+        }))
+    }
+
+    async fn unregister_instance(
+        &self,
+        req: Request<UnregisterInstanceRequest>,
+    ) -> Result<Response<UnregisterInstanceResponse>, Status> {
+        const M: &str = "UnregisterInstance";
+        let instance = check::instance(M, &req.into_inner().instance)?;
+        let released = self
+            .shared
+            .node
+            .unregister_instance(instance)
+            .await
+            .map_err(|e| status(M, e))?;
+        Ok(Response::new(UnregisterInstanceResponse {
+            leases_released: released as u32,
+        }))
+    }
+
+    async fn save(&self, req: Request<SaveRequest>) -> Result<Response<StoreResponse>, Status> {
+        const M: &str = "Save";
+        let r = req.into_inner();
+        let instance = check::instance(M, &r.instance)?;
+        let hashes = check::hashes(M, &r.hashes)?;
+        if r.src_blocks.len() != hashes.len() {
+            return Err(Status::invalid_argument(format!(
+                "{M}: {} hashes but {} source blocks",
+                hashes.len(),
+                r.src_blocks.len()
+            )));
+        }
+        let rep = self
+            .shared
+            .node
+            .save(api::SaveRequest {
+                instance,
+                rank: r.rank,
+                hashes,
+                src_blocks: r.src_blocks,
+            })
+            .await
+            .map_err(|e| status(M, e))?;
+        Ok(Response::new(store_response(rep)))
+    }
+
+    async fn put_blocks(
+        &self,
+        req: Request<PutBlocksRequest>,
+    ) -> Result<Response<StoreResponse>, Status> {
+        const M: &str = "PutBlocks";
+        let r = req.into_inner();
+        let instance = check::instance(M, &r.instance)?;
+        let hashes: Vec<Vec<u8>> = r.blocks.iter().map(|b| b.hash.clone()).collect();
+        let hashes = check::hashes(M, &hashes)?;
+        if let Some(i) = r.blocks.iter().position(|b| b.data.is_empty()) {
+            return Err(Status::invalid_argument(format!(
+                "{M}: block #{i} has no data"
+            )));
+        }
+        let blocks = hashes
+            .into_iter()
+            .zip(r.blocks)
+            .map(|(h, b)| (h, b.data))
+            .collect();
+        let rep = self
+            .shared
+            .node
+            .put_blocks(api::PutBlocks {
+                instance,
+                rank: r.rank,
+                blocks,
+            })
+            .await
+            .map_err(|e| status(M, e))?;
+        Ok(Response::new(store_response(rep)))
+    }
+
+    async fn query(&self, req: Request<QueryRequest>) -> Result<Response<QueryResponse>, Status> {
+        const M: &str = "Query";
+        let r = req.into_inner();
+        let instance = check::instance(M, &r.instance)?;
+        let hashes = check::hashes(M, &r.hashes)?;
+        let q = self
+            .shared
+            .node
+            .query(api::QueryRequest {
+                instance,
+                hashes,
+                direct_gpu: r.direct_gpu,
+            })
+            .await
+            .map_err(|e| status(M, e))?;
+        let (direct, direct_reason) = match q.direct {
+            api::DirectGrant::NotRequested => (DirectGrant::DirectNotRequested, String::new()),
+            api::DirectGrant::Granted => (DirectGrant::DirectGranted, String::new()),
+            api::DirectGrant::Refused { reason } => (DirectGrant::DirectRefused, reason),
+        };
+        Ok(Response::new(QueryResponse {
+            lease: q.lease.map(|l| l.to_hex()).unwrap_or_default(),
+            namespace: q.namespace.to_string(),
+            local_blocks: q.local_blocks as u32,
+            remote_blocks: q.remote_blocks as u32,
+            direct: direct as i32,
+            direct_reason,
+        }))
+    }
+
+    async fn load(&self, req: Request<LoadRequest>) -> Result<Response<LoadResponse>, Status> {
+        const M: &str = "Load";
+        let r = req.into_inner();
+        let lease = check::lease(M, &r.lease)?;
+        let instance = check::instance(M, &r.instance)?;
+        check::blocks(M, "destination blocks", &r.dest_blocks)?;
+        let key = (instance.clone(), r.rank);
+        if self.shared.book().running_for(&key) >= MAX_RUNNING_PER_RANK {
+            return Err(Status::resource_exhausted(format!(
+                "{M}: {MAX_RUNNING_PER_RANK} loads of {instance} rank {} are still running",
+                r.rank
+            )));
+        }
+        let load = api::LoadRequest {
+            lease,
+            instance,
+            rank: r.rank,
+            dest_blocks: r.dest_blocks,
+        };
+        let rx = self
+            .shared
+            .node
+            .start_load(load.clone())
+            .await
+            .map_err(|e| status(M, e))?;
+        let load_id = self.shared.book().begin(key);
+        let shared = Arc::clone(&self.shared);
+        tokio::spawn(async move {
+            let r = rx.await.map_err(|_| ());
+            let c = completion(load_id, &load, r);
+            shared.book().finish(c);
+        });
+        Ok(Response::new(LoadResponse { load_id }))
+    }
+
+    async fn release(
+        &self,
+        req: Request<ReleaseRequest>,
+    ) -> Result<Response<ReleaseResponse>, Status> {
+        const M: &str = "Release";
+        let lease = check::lease(M, &req.into_inner().lease)?;
+        self.shared
+            .node
+            .release(lease)
+            .await
+            .map_err(|e| status(M, e))?;
+        Ok(Response::new(ReleaseResponse {}))
+    }
+
+    async fn health(&self, _: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+        self.shared
+            .node
+            .stats()
+            .await
+            .map_err(|e| status("Health", e))?;
+        Ok(Response::new(HealthResponse {
+            serving: true,
+            node_id: self.shared.node.config().node_id.clone(),
+        }))
+    }
+
+    async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
+        let s = self
+            .shared
+            .node
+            .stats()
+            .await
+            .map_err(|e| status("Stats", e))?;
+        let memory_handles = self.shared.handles().len() as u64;
+        let (loads_pending, completions_retained, completions_dropped) = {
+            let b = self.shared.book();
+            (b.running() as u64, b.retained() as u64, b.dropped())
+        };
+        Ok(Response::new(StatsResponse {
+            leases_live: s.leases_live as u64,
+            leases_expired: s.leases_expired,
+            blocks: s.blocks as u64,
+            sealed_blocks: s.sealed_blocks as u64,
+            pinned_blocks: s.pinned_blocks as u64,
+            pins: s.pins,
+            pool_slots: s.pool_slots as u64,
+            evictions: s.evictions,
+            instances: s.instances as u64,
+            transfers_in_flight: s.transfers_in_flight as u64,
+            loads_ok: s.loads_ok,
+            loads_failed: s.loads_failed,
+            bytes_loaded: s.bytes_loaded,
+            sessions: self.shared.sessions.load(Ordering::Relaxed) as u64,
+            memory_handles,
+            loads_pending,
+            completions_retained,
+            completions_dropped,
+        }))
+    }
+
+    type SessionStream = EventStream<SessionEvent>;
+
+    async fn session(
+        &self,
+        req: Request<Streaming<SessionRequest>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        const M: &str = "Session";
+        let mut inbound = req.into_inner();
+        let (tx, rx) = mpsc::channel(16);
+        let shared = Arc::clone(&self.shared);
+        let mut stop = self.shared.stop.clone();
+        shared.sessions.fetch_add(1, Ordering::Relaxed);
+        tokio::spawn(async move {
+            let mut bound: Vec<InstanceId> = Vec::new();
+            loop {
+                let msg = tokio::select! {
+                    m = inbound.message() => m,
+                    _ = stop.wait_for(|s| *s) => break,
+                };
+                // End of stream, a broken connection or a malformed message: the session ends.
+                let Ok(Some(m)) = msg else { break };
+                let answer = match check::instance(M, &m.bind) {
+                    Ok(instance) => match shared.node.check_registered(&instance, None).await {
+                        Ok(()) => {
+                            if !bound.contains(&instance) {
+                                bound.push(instance.clone());
+                            }
+                            Ok(SessionEvent {
+                                bound: instance.as_str().to_owned(),
+                            })
+                        }
+                        Err(e) => Err(status(M, e)),
+                    },
+                    Err(s) => Err(s),
+                };
+                match answer {
+                    Ok(event) => {
+                        if tx.send(Ok(event)).await.is_err() {
+                            break;
+                        }
+                    }
+                    Err(refused) => {
+                        // The session ends on a refused bind; its cleanup is done by the
+                        // time the client reads why.
+                        shared.end_session(std::mem::take(&mut bound)).await;
+                        let _ = tx.send(Err(refused)).await;
+                        return;
+                    }
+                }
+            }
+            drop(tx);
+            shared.end_session(bound).await;
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    type CompletionsStream = EventStream<LoadCompletion>;
+
+    async fn completions(
+        &self,
+        req: Request<CompletionsRequest>,
+    ) -> Result<Response<Self::CompletionsStream>, Status> {
+        const M: &str = "Completions";
+        let r = req.into_inner();
+        let instance = check::instance(M, &r.instance)?;
+        self.shared
+            .node
+            .check_registered(&instance, Some(r.rank))
+            .await
+            .map_err(|e| status(M, e))?;
+        // Ends when the book drops the sender: replaced, instance gone, node stopping.
+        let rx = self.shared.book().subscribe((instance, r.rank));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn poll_load(
+        &self,
+        req: Request<PollLoadRequest>,
+    ) -> Result<Response<PollLoadResponse>, Status> {
+        let id = req.into_inner().load_id;
+        match self.shared.book().poll(id) {
+            LoadState::Running => Ok(Response::new(PollLoadResponse {
+                completion: None,
+                pending: true,
+            })),
+            LoadState::Done(c) => Ok(Response::new(PollLoadResponse {
+                completion: Some(c),
+                pending: false,
+            })),
+            LoadState::Unknown => Err(Status::not_found(format!(
+                "PollLoad: load {id} is unknown, already delivered, or dropped"
+            ))),
+        }
+    }
+}
+
+fn store_response(r: api::StoreReport) -> StoreResponse {
+    StoreResponse {
+        written: r.written as u32,
+        present: r.present as u32,
+        sealed: r.sealed as u32,
+        bytes: r.bytes,
+        seconds: r.seconds,
+    }
+}

@@ -1,0 +1,348 @@
+//! The engine's fd socket: a Unix socket (mode 0600) on which clients hand the node the
+//! memory their KV lives in, one descriptor per request with SCM_RIGHTS, and get back a
+//! memory handle id that `RegisterInstance` names.
+//!
+//! One request is one line, sent together with its descriptor:
+//! `memfd <instance> <rank> <device> <len> [<token>]` or
+//! `dmabuf <instance> <rank> <device> <len> <base> [<token>]`; the answer is one line,
+//! `ok <handle>` or `err <code> <message>` (code: the gRPC code name, e.g.
+//! `invalid-argument`). A connection may carry any number of requests, one at a time.
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvferry_transport::fd_passing;
+use tokio::io::{AsyncWriteExt, Interest};
+use tokio::net::UnixStream;
+use tokio::sync::watch;
+use tonic::{Code, Status};
+
+use super::engine_server::{EngineServeError, Shared};
+use super::memory_handles::{MemoryHandle, MemoryKind};
+use crate::model::InstanceId;
+
+/// Longest request line.
+const MAX_LINE: usize = 1024;
+
+/// Largest memory one handle may announce.
+const MAX_MEMORY: u64 = 1 << 40;
+
+/// A bound fd socket and its path (removed when the engine service stops).
+#[derive(Debug)]
+pub struct FdSocket {
+    pub(crate) listener: std::os::unix::net::UnixListener,
+    pub(crate) path: PathBuf,
+}
+
+impl FdSocket {
+    /// Binds `<dir>/<node_id>.engine.sock` with mode 0600, creating `dir` (0700) if missing
+    /// and replacing a stale socket of an earlier run.
+    pub fn bind(dir: &Path, node_id: &str) -> Result<Self, EngineServeError> {
+        let path = dir.join(format!("{node_id}.engine.sock"));
+        let err = |what: &'static str| {
+            let path = path.clone();
+            move |source| EngineServeError::FdSocket { what, path, source }
+        };
+        if !dir.exists() {
+            std::fs::create_dir_all(dir).map_err(err("creating its directory"))?;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+                .map_err(err("setting its directory's mode"))?;
+        }
+        if path.as_os_str().len() >= 108 {
+            return Err(err("checking its path")(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "longer than a Unix socket path may be (107 bytes)",
+            )));
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(err("removing a stale socket")(e)),
+        }
+        let listener = std::os::unix::net::UnixListener::bind(&path).map_err(err("binding"))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+            .map_err(err("setting its mode"))?;
+        listener.set_nonblocking(true).map_err(err("binding"))?;
+        Ok(Self { listener, path })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// One parsed request.
+#[derive(Debug, PartialEq)]
+pub(crate) struct FdRequest {
+    pub kind: MemoryKind,
+    pub instance: InstanceId,
+    pub rank: u32,
+    pub device: u32,
+    pub len: u64,
+    /// Device address of byte 0 (DMA-BUF only).
+    pub base: u64,
+    pub token: String,
+}
+
+fn invalid(what: impl std::fmt::Display) -> Status {
+    Status::invalid_argument(format!("fd socket: {what}"))
+}
+
+pub(crate) fn parse(line: &str) -> Result<FdRequest, Status> {
+    let words: Vec<&str> = line.split_ascii_whitespace().collect();
+    let kind = words
+        .first()
+        .and_then(|k| MemoryKind::parse(k))
+        .ok_or_else(|| invalid("a request starts with memfd or dmabuf"))?;
+    let fixed = match kind {
+        MemoryKind::Memfd => 5,
+        MemoryKind::Dmabuf => 6,
+    };
+    if words.len() != fixed && words.len() != fixed + 1 {
+        return Err(invalid(match kind {
+            MemoryKind::Memfd => "expected: memfd <instance> <rank> <device> <len> [<token>]",
+            MemoryKind::Dmabuf => {
+                "expected: dmabuf <instance> <rank> <device> <len> <base> [<token>]"
+            }
+        }));
+    }
+    let num = |i: usize, what: &str| {
+        words[i]
+            .parse::<u64>()
+            .map_err(|_| invalid(format!("{what} {:?} is not a number", words[i])))
+    };
+    let instance = InstanceId::new(words[1]).map_err(invalid)?;
+    let rank = num(2, "rank")?;
+    let device = num(3, "device")?;
+    let len = num(4, "len")?;
+    // A KV shape's TP world is at most 64 ranks.
+    if rank >= 64 {
+        return Err(invalid(format!(
+            "rank {rank} is out of range (tp at most 64)"
+        )));
+    }
+    if device > 64 {
+        return Err(invalid(format!("device {device} is out of range")));
+    }
+    if len == 0 || len > MAX_MEMORY {
+        return Err(invalid(format!("len {len} must be 1 byte to 1 TiB")));
+    }
+    let base = match kind {
+        MemoryKind::Memfd => 0,
+        MemoryKind::Dmabuf => num(5, "base")?,
+    };
+    Ok(FdRequest {
+        kind,
+        instance,
+        rank: rank as u32,
+        device: device as u32,
+        len,
+        base,
+        token: words
+            .get(fixed)
+            .map(|t| (*t).to_owned())
+            .unwrap_or_default(),
+    })
+}
+
+/// The answer line's code word: `InvalidArgument` → `invalid-argument`.
+pub(crate) fn code_name(code: Code) -> String {
+    let mut out = String::new();
+    for (i, c) in format!("{code:?}").chars().enumerate() {
+        if c.is_ascii_uppercase() {
+            if i > 0 {
+                out.push('-');
+            }
+            out.push(c.to_ascii_lowercase());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The code word back to a code (client side).
+pub(crate) fn code_from_name(name: &str) -> Code {
+    [
+        Code::InvalidArgument,
+        Code::NotFound,
+        Code::PermissionDenied,
+        Code::Unauthenticated,
+        Code::ResourceExhausted,
+        Code::FailedPrecondition,
+        Code::Unavailable,
+        Code::Internal,
+    ]
+    .into_iter()
+    .find(|c| code_name(*c) == name)
+    .unwrap_or(Code::Unknown)
+}
+
+/// Imports one descriptor as the request says; returns the new handle id.
+fn handle(shared: &Shared, line: &str, mut fds: Vec<OwnedFd>) -> Result<u64, Status> {
+    let req = parse(line)?;
+    shared.check_token(&req.token)?;
+    if fds.len() != 1 {
+        return Err(invalid(format!(
+            "send exactly one descriptor with each request, got {}",
+            fds.len()
+        )));
+    }
+    let fd = fds.remove(0);
+    let node = shared.node();
+    let device = node.device(req.device).ok_or_else(|| {
+        invalid(format!(
+            "device {} is not configured on this node ({} devices)",
+            req.device,
+            node.devices().len()
+        ))
+    })?;
+    let imported = |e: kvferry_gpu::DeviceError| match e {
+        kvferry_gpu::DeviceError::Unsupported { .. } => {
+            Status::failed_precondition(format!("fd socket: {e}"))
+        }
+        _ => invalid(e),
+    };
+    let (base, memory): (u64, crate::registry::Memory) = match req.kind {
+        MemoryKind::Memfd => {
+            let buf = device.import_memfd(fd, req.len).map_err(imported)?;
+            (buf.ptr(), Arc::new(buf))
+        }
+        MemoryKind::Dmabuf => {
+            let buf = device
+                .import_dmabuf(fd, req.base, req.len)
+                .map_err(imported)?;
+            (buf.base(), Arc::new(buf))
+        }
+    };
+    let h = MemoryHandle {
+        instance: req.instance,
+        rank: req.rank,
+        device: req.device,
+        kind: req.kind,
+        base,
+        len: req.len,
+        memory,
+    };
+    shared
+        .handles()
+        .insert(h, Instant::now())
+        .map_err(|e| Status::resource_exhausted(format!("fd socket: {e}")))
+}
+
+/// Accepts connections until `stop` turns true.
+pub(crate) async fn serve(socket: FdSocket, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let listener = match tokio::net::UnixListener::from_std(socket.listener) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("kvferry: engine fd socket {}: {e}", socket.path.display());
+            return;
+        }
+    };
+    loop {
+        let child_stop = stop.clone();
+        tokio::select! {
+            r = listener.accept() => {
+                if let Ok((stream, _)) = r {
+                    tokio::spawn(connection(stream, Arc::clone(&shared), child_stop));
+                }
+            }
+            _ = stop.wait_for(|s| *s) => break,
+        }
+    }
+}
+
+async fn connection(mut stream: UnixStream, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let mut line = Vec::new();
+    let mut fds = Vec::new();
+    let mut chunk = [0u8; 256];
+    loop {
+        let got = tokio::select! {
+            r = stream.readable() => r.and_then(|()| stream.try_io(Interest::READABLE, || {
+                fd_passing::recv_with_fds(stream.as_raw_fd(), &mut chunk)
+            })),
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        match got {
+            Ok((0, _)) => return,
+            Ok((n, more)) => {
+                line.extend_from_slice(&chunk[..n]);
+                fds.extend(more);
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(_) => return,
+        }
+        while let Some(end) = line.iter().position(|b| *b == b'\n') {
+            let text: Vec<u8> = line.drain(..=end).collect();
+            let reply = match std::str::from_utf8(&text) {
+                Ok(t) => handle(&shared, t.trim_end(), std::mem::take(&mut fds)),
+                Err(_) => Err(invalid("request is not UTF-8")),
+            };
+            let reply = match reply {
+                Ok(id) => format!("ok {id}\n"),
+                Err(s) => format!(
+                    "err {} {}\n",
+                    code_name(s.code()),
+                    s.message().replace('\n', " ")
+                ),
+            };
+            if stream.write_all(reply.as_bytes()).await.is_err() {
+                return;
+            }
+        }
+        if line.len() > MAX_LINE {
+            let _ = stream
+                .write_all(
+                    format!("err invalid-argument request longer than {MAX_LINE} bytes\n")
+                        .as_bytes(),
+                )
+                .await;
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_parse_and_refuse_clearly() {
+        let r = parse("memfd eng 1 0 4096 tok").unwrap();
+        assert_eq!(
+            (
+                r.kind,
+                r.instance.as_str(),
+                r.rank,
+                r.device,
+                r.len,
+                r.token.as_str()
+            ),
+            (MemoryKind::Memfd, "eng", 1, 0, 4096, "tok")
+        );
+        let r = parse("dmabuf eng 0 0 4096 65536").unwrap();
+        assert_eq!((r.base, r.token.as_str()), (65536, ""));
+        for bad in [
+            "",
+            "shm eng 0 0 4096",
+            "memfd eng 0 0",
+            "memfd eng x 0 4096",
+            "memfd eng 64 0 4096",
+            "memfd eng 0 0 0",
+            "memfd eng 0 0 4096 tok extra",
+            "dmabuf eng 0 0 4096",
+        ] {
+            let e = parse(bad).unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument, "{bad:?}");
+        }
+        assert_eq!(code_name(Code::InvalidArgument), "invalid-argument");
+        assert_eq!(
+            code_from_name("resource-exhausted"),
+            Code::ResourceExhausted
+        );
+    }
+}
