@@ -92,12 +92,93 @@ pub struct NodeConfig {
     /// Peers in other processes; absent: a node on its own.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster: Option<ClusterConfig>,
+    /// The gRPC engine API; absent: not served.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<EngineConfig>,
     /// NICs the pool is registered on at start (`[[nic]]`); none: no NIC actors.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub nic: Vec<crate::nic::NicSection>,
     /// Settings of the verbs NICs (`[verbs]`); absent: defaults.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub verbs: Option<crate::nic::VerbsSection>,
+}
+
+/// Where and how `kvferry node` serves `kvferry.v1.Engine` and its fd socket.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case", default)]
+pub struct EngineConfig {
+    /// "host:port" of the gRPC service.
+    pub listen: String,
+    /// Directory of the Unix socket that takes memory fds (`<node-id>.engine.sock`, mode
+    /// 0600; the directory is created 0700 if missing). Empty: no fd socket.
+    pub fd_dir: String,
+    /// Bearer token every call must carry (`authorization: Bearer <token>`, and last on
+    /// fd socket lines); empty: not checked.
+    pub token: String,
+    /// Largest gRPC message decoded or sent (PutBlocks carries block bytes).
+    pub max_message_bytes: ByteSize,
+    /// Completed load results kept per instance rank until polled or streamed.
+    pub completion_retention: u32,
+    /// Memory handles no RegisterInstance used within this long are closed.
+    pub handle_ttl_secs: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:7200".into(),
+            fd_dir: std::env::temp_dir().join("kvferry").display().to_string(),
+            token: String::new(),
+            max_message_bytes: ByteSize(64 << 20),
+            completion_retention: 1024,
+            handle_ttl_secs: 30,
+        }
+    }
+}
+
+impl EngineConfig {
+    pub fn handle_ttl(&self) -> Duration {
+        Duration::from_secs(self.handle_ttl_secs)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key, reason: String| Err(ConfigError::Invalid { key, reason });
+        if self.listen.parse::<std::net::SocketAddr>().is_err() {
+            return invalid(
+                "engine.listen",
+                format!("{:?} is not host:port", self.listen),
+            );
+        }
+        if !self.fd_dir.is_empty() && !std::path::Path::new(&self.fd_dir).is_absolute() {
+            return invalid(
+                "engine.fd-dir",
+                format!("{:?} must be an absolute path (or empty)", self.fd_dir),
+            );
+        }
+        if !self.token.chars().all(|c| c.is_ascii_graphic()) || self.token.len() > 256 {
+            return invalid(
+                "engine.token",
+                "must be at most 256 printable characters without spaces".into(),
+            );
+        }
+        let max = self.max_message_bytes;
+        if !(ByteSize(64 << 10)..=ByteSize(1 << 30)).contains(&max) {
+            return invalid(
+                "engine.max-message-bytes",
+                format!("{max} must be between 64KiB and 1GiB"),
+            );
+        }
+        if !(1..=65536).contains(&self.completion_retention) {
+            return invalid(
+                "engine.completion-retention",
+                format!("{} must be 1 to 65536", self.completion_retention),
+            );
+        }
+        if self.handle_ttl_secs == 0 {
+            return invalid("engine.handle-ttl-secs", "must be at least 1".into());
+        }
+        Ok(())
+    }
 }
 
 /// Where `kvferry node` serves `/metrics` (Prometheus) and `/health`.
@@ -187,6 +268,7 @@ impl Default for NodeConfig {
             device: DeviceConfig::default(),
             metrics: MetricsConfig::default(),
             cluster: None,
+            engine: None,
             nic: Vec::new(),
             verbs: None,
         }
@@ -350,6 +432,9 @@ impl NodeConfig {
         }
         crate::nic::config::validate_node_nics(&self.nic, self.verbs.as_ref())
             .map_err(|(key, reason)| ConfigError::Invalid { key, reason })?;
+        if let Some(e) = &self.engine {
+            e.validate()?;
+        }
         if self.device.count == 0 || self.device.count > 64 {
             return invalid(
                 "device.count",
@@ -388,6 +473,20 @@ mod tests {
     }
 
     #[test]
+    fn engine_section_defaults_and_unknown_keys() {
+        let cfg = NodeConfig::from_toml("[engine]\n", "e.toml").unwrap();
+        assert_eq!(cfg.engine, Some(EngineConfig::default()));
+        assert!(NodeConfig::from_toml("", "e.toml")
+            .unwrap()
+            .engine
+            .is_none());
+        let err = NodeConfig::from_toml("[engine]\nlisen = \"x\"\n", "e.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("lisen") && err.contains("line 2"), "{err}");
+    }
+
+    #[test]
     fn cross_field_rules_name_the_key() {
         let cases = [
             (
@@ -406,6 +505,22 @@ mod tests {
                 "cluster.peer-listen",
             ),
             ("[cluster]\ndirectory = \"etcd\"\n", "cluster.directory"),
+            ("[engine]\nlisten = \"nowhere\"\n", "engine.listen"),
+            ("[engine]\nfd-dir = \"relative\"\n", "engine.fd-dir"),
+            ("[engine]\ntoken = \"two words\"\n", "engine.token"),
+            (
+                "[engine]\nmax-message-bytes = \"2GiB\"\n",
+                "engine.max-message-bytes",
+            ),
+            (
+                "[engine]\ncompletion-retention = 0\n",
+                "engine.completion-retention",
+            ),
+            ("[engine]\nhandle-ttl-secs = 0\n", "engine.handle-ttl-secs"),
+            (
+                "[cluster]\n[[cluster.peers]]\nnode-id = \"node-0\"\naddress = \"127.0.0.1:1\"\n",
+                "cluster.peers",
+            ),
             (
                 "[cluster]\n[[cluster.peers]]\nnode-id = \"node-0\"\naddress = \"127.0.0.1:1\"\n",
                 "cluster.peers",

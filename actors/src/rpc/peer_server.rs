@@ -195,7 +195,7 @@ struct PeerService {
 
 /// Compares without stopping at the first differing byte, so response time does not tell
 /// how much of a guessed token was right.
-fn same_token(expected: &[u8], got: &[u8]) -> bool {
+pub(crate) fn same_token(expected: &[u8], got: &[u8]) -> bool {
     expected.len() == got.len()
         && expected
             .iter()
