@@ -1,5 +1,6 @@
 //! `kvferry node`: a long-running node from a config file. With a `[cluster]` section it
-//! serves `kvferry.v1.Peer` and its pool to peers, and reads remote suffixes from them.
+//! serves `kvferry.v1.Peer` and its pool to peers, and reads remote suffixes from them; with
+//! an `[engine]` section it serves `kvferry.v1.Engine` and its fd socket to engines.
 
 use std::sync::Arc;
 
@@ -94,6 +95,58 @@ async fn start_metrics(cfg: &NodeConfig, node: &Node) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A running engine service.
+struct Engine {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), kvferry_actors::rpc::EngineServeError>>,
+}
+
+impl Engine {
+    /// Stops accepting, ends sessions and completion streams, and waits (bounded) for the
+    /// calls in flight; the fd socket is removed.
+    async fn stop(self) -> anyhow::Result<()> {
+        let _ = self.stop.send(());
+        match tokio::time::timeout(DRAIN, self.task).await {
+            Ok(r) => Ok(r??),
+            Err(_) => {
+                eprintln!("kvferry: engine calls still open after {DRAIN:?}; stopping anyway");
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Starts the engine service if the config has an `[engine]` section.
+async fn start_engine(cfg: &NodeConfig, node: &Node) -> anyhow::Result<Option<Engine>> {
+    use kvferry_actors::rpc::{serve_engine, EngineOptions, FdSocket};
+    let Some(e) = &cfg.engine else {
+        return Ok(None);
+    };
+    let listener = tokio::net::TcpListener::bind(&e.listen)
+        .await
+        .with_context(|| format!("binding engine.listen {}", e.listen))?;
+    let fd = if e.fd_dir.is_empty() {
+        None
+    } else {
+        Some(FdSocket::bind(e.fd_dir.as_ref(), &cfg.node_id).context("engine.fd-dir")?)
+    };
+    println!("listening engine={}", listener.local_addr()?);
+    if let Some(f) = &fd {
+        println!("listening engine-fd={}", f.path().display());
+    }
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(serve_engine(
+        listener,
+        fd,
+        node.clone(),
+        EngineOptions::from_config(e),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    Ok(Some(Engine { stop, task }))
+}
+
 pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
     let devices = open_devices(&cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -103,14 +156,21 @@ pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
     let Some(c) = cfg.cluster.clone() else {
         let node =
             Node::start_with(cfg.clone(), devices, Clock::system()).context("starting the node")?;
-        rt.block_on(start_metrics(&cfg, &node))?;
-        eprintln!(
-            "kvferry node {}: running on its own; Ctrl-C or SIGTERM stops it",
-            node.config().node_id
-        );
-        rt.block_on(shutdown_signal());
+        let served = rt.block_on(async {
+            start_metrics(&cfg, &node).await?;
+            let engine = start_engine(&cfg, &node).await?;
+            eprintln!(
+                "kvferry node {}: running on its own; Ctrl-C or SIGTERM stops it",
+                node.config().node_id
+            );
+            shutdown_signal().await;
+            if let Some(e) = engine {
+                e.stop().await?;
+            }
+            Ok::<_, anyhow::Error>(())
+        });
         node.shutdown();
-        return Ok(());
+        return served;
     };
     let provider = Provider::parse(&c.provider)?;
     let directory: Arc<dyn Directory> = if c.directory == "static" {
@@ -147,6 +207,7 @@ pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
     .context("starting the node")?;
     let served = rt.block_on(async {
         start_metrics(&cfg, &node).await?;
+        let engine = start_engine(&cfg, &node).await?;
         let listener = tokio::net::TcpListener::bind(&c.peer_listen)
             .await
             .with_context(|| format!("binding cluster.peer-listen {}", c.peer_listen))?;
@@ -180,6 +241,9 @@ pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
                     Err(_) => eprintln!("kvferry: peers still connected after {DRAIN:?}; stopping anyway"),
                 }
             }
+        }
+        if let Some(e) = engine {
+            e.stop().await?;
         }
         Ok::<_, anyhow::Error>(())
     });

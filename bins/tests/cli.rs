@@ -75,6 +75,57 @@ fn node_with_a_cluster_serves_peers_and_stops_on_sigterm() {
 }
 
 #[test]
+fn node_with_an_engine_section_serves_engines_and_stops_on_sigterm() {
+    let dir = std::env::temp_dir().join(format!("kvferry-cli-engine-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("node.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "node-id = \"e\"\n[pool]\nsize = \"8MiB\"\nslot-bytes = \"1MiB\"\n[device]\nkind = \"host\"\n\
+             [engine]\nlisten = \"127.0.0.1:0\"\nfd-dir = \"{}\"\ntoken = \"t\"\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    let (mut child, addr) = start_node(&cfg, "engine");
+    let sock = dir.join("e.engine.sock");
+    {
+        use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+        let meta = std::fs::metadata(&sock).unwrap();
+        assert!(meta.file_type().is_socket());
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        use kvferry_actors::rpc::{Code, EngineClient};
+        let client = EngineClient::connect(addr.clone(), Some(sock.clone()), "t")
+            .await
+            .unwrap();
+        let caps = client.capabilities().await.unwrap();
+        assert_eq!(caps.node_id, "e");
+        assert_eq!(caps.fd_socket, sock.display().to_string());
+        assert_eq!(client.stats().await.unwrap().instances, 0);
+        let bad = EngineClient::connect(addr, None, "wrong").await.unwrap();
+        assert_eq!(
+            bad.health().await.unwrap_err().code(),
+            Some(Code::Unauthenticated)
+        );
+    });
+    // The client process's connections go away with its runtime.
+    drop(rt);
+    // SAFETY: signalling our own child process by its pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(!sock.exists(), "engine fd socket left behind");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn bad_configs_are_refused_naming_the_key() {
     let dir = std::env::temp_dir().join(format!("kvferry-cli-bad-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -82,6 +133,7 @@ fn bad_configs_are_refused_naming_the_key() {
         ("node-id = \"a\"\n[pool]\nslots = 3\n", "line 3"),
         ("[cluster]\nprovider = \"verbs\"\n", "cluster.provider"),
         ("[lease]\nttl-secs = 0\n", "lease.ttl-secs"),
+        ("[engine]\nlisten = \"x\"\n", "engine.listen"),
     ] {
         let cfg = dir.join("bad.toml");
         std::fs::write(&cfg, text).unwrap();
