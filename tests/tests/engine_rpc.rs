@@ -1,0 +1,576 @@
+//! `kvferry.v1.Engine` over real gRPC on loopback TCP, with the test playing an engine
+//! client without a GPU: its KV lives in a memfd it hands the node on the fd socket, loads
+//! are started without waiting and their results taken from the completion stream and by
+//! polling, and the bytes are checked in the memfd with canaries around them. Then the
+//! session rule (closing it unregisters and releases) and the bad-input matrix: every
+//! refusal has its status code, and the node's stats are exactly as before.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvferry_actors::fixture::rank_part;
+use kvferry_actors::rpc::{self, proto, Code, EngineClient, EngineClientError, EngineOptions};
+use kvferry_actors::{Clock, DirectGrant, LeaseId, LoadRequest, Node, PutBlocks};
+use kvferry_gpu::{Device, HostDevice, KvShape, LayerLayout};
+use kvferry_tests::*;
+use tokio::sync::oneshot;
+
+const TOKEN: &str = "engine-secret";
+const SLOT: u64 = 64 << 10;
+const SLOTS: u64 = 32;
+const WAIT: Duration = Duration::from_secs(10);
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn shape() -> KvShape {
+    KvShape::new(3, 1, 2, 1024).unwrap()
+}
+
+/// A node over one host device serving the engine API on 127.0.0.1:0 and an fd socket in
+/// a fresh directory.
+struct Server {
+    node: Node,
+    dev: Arc<HostDevice>,
+    addr: String,
+    fd_path: std::path::PathBuf,
+    dir: std::path::PathBuf,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), rpc::EngineServeError>>,
+}
+
+impl Server {
+    async fn start(options: EngineOptions) -> Self {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dev = HostDevice::new(0);
+        let node = Node::start_with(
+            config(SLOT, SLOTS),
+            vec![Arc::clone(&dev) as Arc<dyn Device>],
+            Clock::system(),
+        )
+        .unwrap();
+        let dir = std::env::temp_dir().join(format!(
+            "kvferry-engine-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let fd = rpc::FdSocket::bind(&dir, "test").unwrap();
+        let fd_path = fd.path().to_owned();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(rpc::serve_engine(
+            listener,
+            Some(fd),
+            node.clone(),
+            options,
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        Self {
+            node,
+            dev,
+            addr,
+            fd_path,
+            dir,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    async fn with_token() -> Self {
+        Self::start(EngineOptions {
+            token: TOKEN.into(),
+            ..Default::default()
+        })
+        .await
+    }
+
+    async fn client(&self, token: &str) -> EngineClient {
+        EngineClient::connect(self.addr.clone(), Some(self.fd_path.clone()), token)
+            .await
+            .unwrap()
+    }
+
+    /// Stops the service (it ends sessions and streams itself) and the node; the fd
+    /// socket is gone afterwards.
+    async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        tokio::time::timeout(WAIT, &mut self.task)
+            .await
+            .expect("the engine service stops after its shutdown signal")
+            .unwrap()
+            .unwrap();
+        assert!(!self.fd_path.exists(), "fd socket left behind");
+        self.node.shutdown();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Sends `kv`'s memfd and registers it as rank 0 of `instance`.
+async fn register_memfd(c: &EngineClient, kv: &MemfdKv, instance: &str) -> String {
+    use std::os::fd::AsFd;
+    let handle = c
+        .send_memfd(&id(instance), 0, 0, kv.fd.as_fd(), kv.len)
+        .await
+        .unwrap();
+    c.register(&kv.register_request(instance, 0), handle)
+        .await
+        .unwrap()
+}
+
+/// Puts pattern blocks `ids` for rank 0 of `instance` over gRPC.
+async fn put_over_grpc(c: &EngineClient, instance: &str, ids: std::ops::Range<u64>) {
+    let s = shape();
+    let blocks = ids
+        .map(|i| (kvferry_actors::BlockHash::from_u64(i), rank_part(&s, i, 0)))
+        .collect();
+    let r = c
+        .put_blocks(&PutBlocks {
+            instance: id(instance),
+            rank: 0,
+            blocks,
+        })
+        .await
+        .unwrap();
+    assert!(r.written > 0);
+}
+
+async fn lease_for(c: &EngineClient, instance: &str, ids: std::ops::Range<u64>) -> LeaseId {
+    let n = (ids.end - ids.start) as u32;
+    let q = c.query(&id(instance), &hashes(ids), false).await.unwrap();
+    assert_eq!(q.local_blocks, n);
+    q.lease.unwrap()
+}
+
+fn load(lease: LeaseId, instance: &str, dest: &[u32]) -> LoadRequest {
+    LoadRequest {
+        lease,
+        instance: id(instance),
+        rank: 0,
+        dest_blocks: dest.to_vec(),
+    }
+}
+
+fn ok(c: &proto::LoadCompletion, blocks: u32) {
+    assert_eq!(c.status, proto::LoadStatus::LoadOk as i32, "{c:?}");
+    assert_eq!(c.blocks, blocks);
+    assert_eq!(c.bytes, u64::from(blocks) * shape().rank_bytes());
+    assert_eq!(c.path, "local");
+    assert!(c.failed_blocks.is_empty() && c.error.is_empty());
+    let stages: Vec<&str> = c.stages.iter().map(|s| s.name.as_str()).collect();
+    assert!(stages.contains(&"plan"), "{stages:?}");
+}
+
+/// Waits until `f` holds for the node's stats over gRPC.
+async fn stats_until(
+    c: &EngineClient,
+    what: &str,
+    f: impl Fn(&proto::StatsResponse) -> bool,
+) -> proto::StatsResponse {
+    for _ in 0..500 {
+        let s = c.stats().await.unwrap();
+        if f(&s) {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{what}: {:?}", c.stats().await.unwrap());
+}
+
+#[test]
+fn memfd_kv_loads_with_completions_on_the_stream_and_by_poll() {
+    rt().block_on(async {
+        let srv = Server::with_token().await;
+        let c = srv.client(TOKEN).await;
+        let caps = c.capabilities().await.unwrap();
+        assert_eq!(caps.protocol, rpc::ENGINE_PROTOCOL);
+        assert_eq!(caps.version, rpc::VERSION);
+        assert_eq!((caps.device_kind.as_str(), caps.device_count), ("host", 1));
+        assert_eq!(caps.memory_kinds, vec!["memfd".to_string()]);
+        assert_eq!(caps.fd_socket, srv.fd_path.display().to_string());
+        assert!(!caps.direct_possible && !caps.direct_reason.is_empty());
+        assert!(c.health().await.unwrap().serving);
+
+        let kv = MemfdKv::new(shape(), 16, 128);
+        let ns = register_memfd(&c, &kv, "eng").await;
+        assert_eq!(ns, format!("m/bf16/{}", shape().fingerprint()));
+        assert_eq!(
+            srv.dev.live_allocations(),
+            1,
+            "the memfd is device memory now"
+        );
+        let _session = c.open_session(&[id("eng")]).await.unwrap();
+        put_over_grpc(&c, "eng", 0..6).await;
+
+        // Completion on the stream; the load call itself returned at once with an id.
+        let mut stream = c.completions(&id("eng"), 0).await.unwrap();
+        let lease = lease_for(&c, "eng", 0..3).await;
+        let first = c.load(&load(lease, "eng", &[3, 5, 7])).await.unwrap();
+        let done = stream.wait_for(first, WAIT).await.unwrap();
+        ok(&done, 3);
+        assert_eq!((done.instance.as_str(), done.rank), ("eng", 0));
+        kv.verify(&[(3, 0), (5, 1), (7, 2)], 0).unwrap();
+        let err = c.poll_load(first).await.unwrap_err();
+        assert_eq!(err.code(), Some(Code::NotFound), "the stream consumed it");
+
+        // Completion by poll, with no stream open; a direct request is refused, not
+        // downgraded silently.
+        drop(stream);
+        let q = c.query(&id("eng"), &hashes(0..6), true).await.unwrap();
+        assert!(matches!(q.direct, DirectGrant::Refused { .. }), "{q:?}");
+        let second = c
+            .load(&load(q.lease.unwrap(), "eng", &[10, 11, 12, 13, 14, 15]))
+            .await
+            .unwrap();
+        let done = c
+            .wait_polling(second, Duration::from_millis(5), WAIT)
+            .await
+            .unwrap();
+        ok(&done, 6);
+        let expected: Vec<(u32, u64)> = (0..6).map(|i| (10 + i as u32, i)).collect();
+        let mut all = vec![(3, 0), (5, 1), (7, 2)];
+        all.extend(expected);
+        kv.verify(&all, 0).unwrap();
+        assert_eq!(
+            c.poll_load(second).await.unwrap_err().code(),
+            Some(Code::NotFound),
+            "a poll consumes the result"
+        );
+
+        // Release: the lease is gone, a second release finds nothing.
+        let lease = lease_for(&c, "eng", 0..2).await;
+        c.release(lease).await.unwrap();
+        assert_eq!(
+            c.release(lease).await.unwrap_err().code(),
+            Some(Code::NotFound)
+        );
+        let s = c.stats().await.unwrap();
+        assert_eq!((s.loads_ok, s.loads_failed, s.leases_live), (2, 0, 0));
+        assert_eq!((s.instances, s.sessions, s.memory_handles), (1, 1, 0));
+        assert_eq!((s.loads_pending, s.completions_retained), (0, 0));
+        assert_eq!(s.bytes_loaded, 9 * shape().rank_bytes());
+
+        // Unregistering drains and unmaps the memfd on the node.
+        c.unregister(&id("eng")).await.unwrap();
+        assert_eq!(srv.dev.live_allocations(), 0);
+        drop(c);
+        drop(_session);
+        srv.stop().await;
+    });
+}
+
+#[test]
+fn closing_the_session_unregisters_and_releases_leases() {
+    use std::os::fd::AsFd;
+    rt().block_on(async {
+        let srv = Server::with_token().await;
+        let c = srv.client(TOKEN).await;
+        let kv = MemfdKv::new(shape(), 16, 0);
+        register_memfd(&c, &kv, "eng").await;
+        let session = c.open_session(&[id("eng")]).await.unwrap();
+        put_over_grpc(&c, "eng", 0..4).await;
+        let _lease = lease_for(&c, "eng", 0..4).await;
+        // A second memfd sent for the instance and never registered.
+        let spare = MemfdKv::new(shape(), 4, 0);
+        c.send_memfd(&id("eng"), 0, 0, spare.fd.as_fd(), spare.len)
+            .await
+            .unwrap();
+        let s = c.stats().await.unwrap();
+        assert_eq!((s.leases_live, s.instances, s.sessions), (1, 1, 1));
+        assert_eq!((s.pinned_blocks, s.memory_handles), (4, 1));
+        assert_eq!(srv.dev.live_allocations(), 2);
+
+        drop(session);
+        // The session's cleanup is over once it no longer counts; stats taken after that.
+        stats_until(&c, "the session ends", |s| s.sessions == 0).await;
+        let s = c.stats().await.unwrap();
+        assert_eq!(s.instances, 0);
+        assert_eq!((s.leases_live, s.pinned_blocks), (0, 0));
+        assert_eq!(s.memory_handles, 0, "unused handles die with the session");
+        assert_eq!(srv.dev.live_allocations(), 0, "both memfds unmapped");
+        let err = c.query(&id("eng"), &hashes(0..4), false).await.unwrap_err();
+        assert_eq!(err.code(), Some(Code::NotFound));
+
+        // The blocks stayed; a new registration and session work as before.
+        register_memfd(&c, &kv, "eng").await;
+        let _session = c.open_session(&[id("eng")]).await.unwrap();
+        let lease = lease_for(&c, "eng", 0..4).await;
+        let l = c.load(&load(lease, "eng", &[8, 9, 10, 11])).await.unwrap();
+        ok(
+            &c.wait_polling(l, Duration::from_millis(5), WAIT)
+                .await
+                .unwrap(),
+            4,
+        );
+        kv.verify(&[(8, 0), (9, 1), (10, 2), (11, 3)], 0).unwrap();
+        drop(c);
+        srv.stop().await;
+    });
+}
+
+fn code<T: std::fmt::Debug>(r: Result<T, EngineClientError>) -> Code {
+    r.unwrap_err().code().expect("a status code")
+}
+
+fn raw_code<T: std::fmt::Debug>(r: Result<T, rpc::Status>) -> Code {
+    r.unwrap_err().code()
+}
+
+#[test]
+fn bad_input_is_refused_with_its_status_and_changes_nothing() {
+    use std::os::fd::AsFd;
+    rt().block_on(async {
+        let srv = Server::start(EngineOptions {
+            token: TOKEN.into(),
+            max_message_bytes: 256 << 10,
+            ..Default::default()
+        })
+        .await;
+        let c = srv.client(TOKEN).await;
+        let kv = MemfdKv::new(shape(), 16, 0);
+        register_memfd(&c, &kv, "eng").await;
+        let other = MemfdKv::new(shape(), 16, 0);
+        register_memfd(&c, &other, "other").await;
+        put_over_grpc(&c, "eng", 0..6).await;
+        let lease = lease_for(&c, "eng", 0..3).await;
+        // A handle waiting for its registration.
+        let spare = MemfdKv::new(shape(), 16, 0);
+        let handle = c
+            .send_memfd(&id("spare"), 0, 0, spare.fd.as_fd(), spare.len)
+            .await
+            .unwrap();
+        let before = c.stats().await.unwrap();
+        assert_eq!((before.leases_live, before.instances), (1, 2));
+        assert_eq!((before.memory_handles, before.pinned_blocks), (1, 3));
+        let unchanged = |what: &'static str| {
+            let c = c.clone();
+            async move {
+                let now = c.stats().await.unwrap();
+                assert_eq!(now, before, "{what} changed the node");
+            }
+        };
+        let mut raw = c.raw();
+
+        // Loads.
+        let unknown = LeaseId::random();
+        assert_eq!(
+            code(c.load(&load(unknown, "eng", &[0, 1, 2])).await),
+            Code::NotFound
+        );
+        unchanged("unknown lease").await;
+        assert_eq!(
+            code(c.load(&load(lease, "other", &[0, 1, 2])).await),
+            Code::PermissionDenied
+        );
+        unchanged("wrong instance").await;
+        let mut rank = load(lease, "eng", &[0, 1, 2]);
+        rank.rank = 5;
+        assert_eq!(code(c.load(&rank).await), Code::NotFound);
+        unchanged("rank out of range").await;
+        assert_eq!(
+            code(c.load(&load(lease, "eng", &[0, 1, 99])).await),
+            Code::InvalidArgument
+        );
+        unchanged("out-of-range destination block").await;
+        assert_eq!(
+            code(c.load(&load(lease, "eng", &[0, 1])).await),
+            Code::InvalidArgument
+        );
+        unchanged("too few destination blocks").await;
+        assert_eq!(
+            code(c.load(&load(lease, "eng", &[])).await),
+            Code::InvalidArgument
+        );
+        unchanged("no destination blocks").await;
+        let r = raw
+            .load(c.request(proto::LoadRequest {
+                lease: "not-a-lease".into(),
+                instance: "eng".into(),
+                rank: 0,
+                dest_blocks: vec![0, 1, 2],
+            }))
+            .await;
+        assert_eq!(raw_code(r), Code::InvalidArgument);
+        unchanged("malformed lease id").await;
+
+        // Queries.
+        assert_eq!(
+            code(c.query(&id("eng"), &[], false).await),
+            Code::InvalidArgument
+        );
+        unchanged("empty hashes").await;
+        let many = hashes(0..rpc::MAX_ENGINE_HASHES as u64 + 1);
+        assert_eq!(
+            code(c.query(&id("eng"), &many, false).await),
+            Code::InvalidArgument
+        );
+        unchanged("too many hashes").await;
+        let r = raw
+            .query(c.request(proto::QueryRequest {
+                instance: "eng".into(),
+                hashes: vec![vec![1u8; 33]],
+                direct_gpu: false,
+            }))
+            .await;
+        assert_eq!(raw_code(r), Code::InvalidArgument);
+        unchanged("a 33-byte hash").await;
+        assert_eq!(
+            code(c.query(&id("nobody"), &hashes(0..3), false).await),
+            Code::NotFound
+        );
+        unchanged("unknown instance").await;
+
+        // Registrations: each refused, the spare handle still waiting afterwards.
+        let good = spare.register_request("spare", 0);
+        let mut overlap = good.clone();
+        if let LayerLayout::Split { k_base, .. } = overlap.layout.layers[0] {
+            overlap.layout.layers[1] = LayerLayout::Split {
+                k_base: k_base + 512,
+                v_base: k_base + 8 * (1 << 20),
+            };
+        }
+        assert_eq!(
+            code(c.register(&overlap, handle).await),
+            Code::InvalidArgument
+        );
+        unchanged("overlapping layers").await;
+        let mut outside = good.clone();
+        outside.layout.view_offset = 8192;
+        assert_eq!(
+            code(c.register(&outside, handle).await),
+            Code::InvalidArgument
+        );
+        unchanged("layout outside the memfd").await;
+        let mut beyond = good.clone();
+        beyond.layout.layers[2] = LayerLayout::Split {
+            k_base: spare.len,
+            v_base: spare.len + (64 << 10),
+        };
+        assert_eq!(
+            code(c.register(&beyond, handle).await),
+            Code::InvalidArgument
+        );
+        unchanged("planes past the memfd's end").await;
+        let mut rank = good.clone();
+        rank.rank = 1;
+        assert_eq!(code(c.register(&rank, handle).await), Code::InvalidArgument);
+        unchanged("registration rank out of range").await;
+        assert_eq!(code(c.register(&good, handle ^ 1).await), Code::NotFound);
+        unchanged("unknown memory handle").await;
+        assert_eq!(code(c.register(&good, 0).await), Code::InvalidArgument);
+        unchanged("no memory handle").await;
+        let thief = kv.register_request("thief", 0);
+        assert_eq!(
+            code(c.register(&thief, handle).await),
+            Code::PermissionDenied
+        );
+        unchanged("another instance's memory handle").await;
+        let mut device = good.clone();
+        device.device = 1;
+        assert_eq!(
+            code(c.register(&device, handle).await),
+            Code::InvalidArgument
+        );
+        unchanged("another device").await;
+
+        // Message size, tokens, unknown ids.
+        let huge = PutBlocks {
+            instance: id("eng"),
+            rank: 0,
+            blocks: vec![(
+                kvferry_actors::BlockHash::from_u64(99),
+                vec![7u8; 300 << 10],
+            )],
+        };
+        assert_eq!(code(c.put_blocks(&huge).await), Code::OutOfRange);
+        unchanged("oversized message").await;
+        let wrong = srv.client("wrong").await;
+        assert_eq!(
+            code(wrong.query(&id("eng"), &hashes(0..3), false).await),
+            Code::Unauthenticated
+        );
+        assert_eq!(code(wrong.release(lease).await), Code::Unauthenticated);
+        assert_eq!(
+            code(wrong.unregister(&id("eng")).await),
+            Code::Unauthenticated
+        );
+        let none = srv.client("").await;
+        assert_eq!(code(none.stats().await), Code::Unauthenticated);
+        assert_eq!(
+            code(wrong.open_session(&[id("eng")]).await),
+            Code::Unauthenticated
+        );
+        assert_eq!(
+            code(
+                wrong
+                    .send_memfd(&id("eng"), 0, 0, spare.fd.as_fd(), spare.len)
+                    .await
+            ),
+            Code::Unauthenticated
+        );
+        unchanged("bad token").await;
+        assert_eq!(code(c.poll_load(12345).await), Code::NotFound);
+        assert_eq!(code(c.completions(&id("eng"), 3).await), Code::NotFound);
+        let mut session = c.open_session(&[]).await.unwrap();
+        assert_eq!(code(session.bind(&id("nobody")).await), Code::NotFound);
+        drop(session);
+        unchanged("unknown load, rank, instance").await;
+
+        // The fd socket refuses what the host device cannot use.
+        assert_eq!(
+            code(
+                c.send_dmabuf(&id("eng"), 0, 0, spare.fd.as_fd(), 0, 4096)
+                    .await
+            ),
+            Code::FailedPrecondition
+        );
+        let file = std::fs::File::open("/proc/self/stat").unwrap();
+        assert_eq!(
+            code(c.send_memfd(&id("eng"), 0, 0, file.as_fd(), 4096).await),
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            code(
+                c.send_memfd(&id("eng"), 0, 0, spare.fd.as_fd(), spare.len * 2)
+                    .await
+            ),
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            code(
+                c.send_memfd(&id("eng"), 0, 7, spare.fd.as_fd(), spare.len)
+                    .await
+            ),
+            Code::InvalidArgument
+        );
+        unchanged("refused memory").await;
+
+        // After all that, the lease loads and the spare handle registers.
+        let l = c.load(&load(lease, "eng", &[0, 1, 2])).await.unwrap();
+        ok(
+            &c.wait_polling(l, Duration::from_millis(5), WAIT)
+                .await
+                .unwrap(),
+            3,
+        );
+        kv.verify(&[(0, 0), (1, 1), (2, 2)], 0).unwrap();
+        other.verify(&[], 0).unwrap();
+        c.register(&good, handle).await.unwrap();
+        spare.verify(&[], 0).unwrap();
+        let s = c.stats().await.unwrap();
+        assert_eq!((s.leases_live, s.instances, s.memory_handles), (0, 3, 0));
+        assert_eq!((s.loads_ok, s.loads_failed), (1, 0));
+        drop((c, wrong, none));
+        srv.stop().await;
+    });
+}
