@@ -492,7 +492,7 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
                 vec![7u8; 300 << 10],
             )],
         };
-        assert_eq!(code(c.put_blocks(&huge).await), Code::OutOfRange);
+        assert_eq!(code(c.put_blocks(&huge).await), Code::ResourceExhausted);
         unchanged("oversized message").await;
         let wrong = srv.client("wrong").await;
         assert_eq!(

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
+use tonic::codegen::http;
 use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::tokio_stream::Stream;
 use tonic::transport::server::TcpIncoming;
@@ -209,7 +210,7 @@ pub async fn serve(
         .http2_keepalive_interval(Some(Duration::from_secs(20)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
         .serve_with_incoming_shutdown(
-            service,
+            OversizedIsExhausted(service),
             TcpIncoming::from(listener).with_nodelay(Some(true)),
             async {
                 shutdown.await;
@@ -240,6 +241,44 @@ async fn sweep_handles(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             }
             _ = stop.wait_for(|s| *s) => break,
         }
+    }
+}
+
+/// Answers RESOURCE_EXHAUSTED for a request over the size limit, as gRPC specifies: tonic's
+/// codec answers OUT_OF_RANGE (in the headers of a trailers-only response), and no handler
+/// of this service answers OUT_OF_RANGE itself.
+#[derive(Clone)]
+struct OversizedIsExhausted<S>(S);
+
+impl<S, B> tonic::codegen::Service<http::Request<tonic::body::Body>> for OversizedIsExhausted<S>
+where
+    S: tonic::codegen::Service<http::Request<tonic::body::Body>, Response = http::Response<B>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        let fut = self.0.call(req);
+        Box::pin(async move {
+            let mut resp = fut.await?;
+            let h = resp.headers_mut();
+            if h.get("grpc-status").is_some_and(|v| v == "11") {
+                let exhausted = (tonic::Code::ResourceExhausted as i32).to_string();
+                if let Ok(v) = http::HeaderValue::from_str(&exhausted) {
+                    h.insert("grpc-status", v);
+                }
+            }
+            Ok(resp)
+        })
     }
 }
 
