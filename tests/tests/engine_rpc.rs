@@ -3,7 +3,9 @@
 //! are started without waiting and their results taken from the completion stream and by
 //! polling, and the bytes are checked in the memfd with canaries around them. Then the
 //! session rule (closing it unregisters and releases) and the bad-input matrix: every
-//! refusal has its status code, and the node's stats are exactly as before.
+//! refusal has its status code, and the node's stats are exactly as before. The last test
+//! runs the node in a child process (this binary re-executed), so the memfd really crosses
+//! processes and the node's writes are seen through the client's own mapping.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -20,6 +22,7 @@ const TOKEN: &str = "engine-secret";
 const SLOT: u64 = 64 << 10;
 const SLOTS: u64 = 32;
 const WAIT: Duration = Duration::from_secs(10);
+const CHILD_ENV: &str = "KVFERRY_ENGINE_RPC_CHILD";
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -573,4 +576,122 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         drop((c, wrong, none));
         srv.stop().await;
     });
+}
+
+/// The node role of `a_client_process_loads_into_its_memfd_through_a_node_process`: runs
+/// only when re-executed with `CHILD_ENV`. Prints its addresses, serves until stdin closes,
+/// then checks that the client's memory was unmapped and nothing is left behind.
+#[test]
+fn child_node() {
+    use std::io::Write;
+    if std::env::var_os(CHILD_ENV).is_none() {
+        return;
+    }
+    rt().block_on(async {
+        let srv = Server::with_token().await;
+        println!("ENGINE_ADDR={}", srv.addr);
+        println!("ENGINE_FD={}", srv.fd_path.display());
+        std::io::stdout().flush().unwrap();
+        tokio::task::spawn_blocking(|| {
+            let mut line = String::new();
+            let _ = std::io::stdin().read_line(&mut line);
+        })
+        .await
+        .unwrap();
+        let s = settled(&srv.node).await;
+        assert_eq!((s.instances, s.loads_ok), (0, 1));
+        assert_eq!(
+            srv.dev.live_allocations(),
+            0,
+            "the client's memfd is unmapped"
+        );
+        println!("ENGINE_CHILD_OK");
+        std::io::stdout().flush().unwrap();
+        srv.stop().await;
+    });
+}
+
+/// Kills the child if the test fails before it exits on its own.
+struct ChildGuard(Option<std::process::Child>);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[test]
+fn a_client_process_loads_into_its_memfd_through_a_node_process() {
+    use std::io::{BufRead, BufReader};
+    use std::os::fd::AsFd;
+    use std::process::{Command, Stdio};
+    if std::env::var_os(CHILD_ENV).is_some() {
+        return;
+    }
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_node", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let stdin = child.stdin.take().unwrap();
+    let mut guard = ChildGuard(Some(child));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let wait_for = |prefix: &str| -> String {
+        loop {
+            let line = rx
+                .recv_timeout(Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("the child never printed {prefix}"));
+            // libtest prints "test child_node ... " on the same line first.
+            if let Some(at) = line.find(prefix) {
+                return line[at + prefix.len()..].to_owned();
+            }
+        }
+    };
+    let addr = wait_for("ENGINE_ADDR=");
+    let fd_path = std::path::PathBuf::from(wait_for("ENGINE_FD="));
+    rt().block_on(async {
+        let c = EngineClient::connect(addr, Some(fd_path), TOKEN)
+            .await
+            .unwrap();
+        let kv = MemfdKv::new(shape(), 16, 256);
+        let handle = c
+            .send_memfd(&id("far"), 0, 0, kv.fd.as_fd(), kv.len)
+            .await
+            .unwrap();
+        c.register(&kv.register_request("far", 0), handle)
+            .await
+            .unwrap();
+        let session = c.open_session(&[id("far")]).await.unwrap();
+        put_over_grpc(&c, "far", 0..4).await;
+        let mut stream = c.completions(&id("far"), 0).await.unwrap();
+        let lease = lease_for(&c, "far", 0..4).await;
+        let l = c.load(&load(lease, "far", &[15, 0, 7, 8])).await.unwrap();
+        ok(&stream.wait_for(l, WAIT).await.unwrap(), 4);
+        // The node process wrote into this process's memfd through its own mapping.
+        kv.verify(&[(15, 0), (0, 1), (7, 2), (8, 3)], 0).unwrap();
+        drop(stream);
+        drop(session);
+        stats_until(&c, "the session ends", |s| {
+            s.sessions == 0 && s.instances == 0
+        })
+        .await;
+    });
+    drop(stdin);
+    wait_for("ENGINE_CHILD_OK");
+    let status = guard.0.take().unwrap().wait().unwrap();
+    assert!(status.success(), "{status:?}");
 }
