@@ -256,6 +256,33 @@ impl MemfdKv {
         unsafe { std::slice::from_raw_parts(self.map, self.len as usize) }
     }
 
+    /// Byte offset inside the memfd of one segment of block `dst`.
+    fn segment_offset(&self, layer: u32, seg: u32, dst: u32) -> usize {
+        let plane = u64::from(layer * self.shape.segments() + seg) * self.plane_span;
+        (plane + self.view_offset + u64::from(dst) * self.shape.segment_bytes()) as usize
+    }
+
+    /// Writes the pattern of `block` for `rank` into block `dst` (to be saved), as the
+    /// client's engine would have computed it.
+    pub fn write_block(&mut self, dst: u32, block: u64, rank: u32) {
+        let seg = self.shape.segment_bytes() as usize;
+        // SAFETY: the mapping is `len` bytes, writable, and `&mut self` makes this the only
+        // view of it in this process.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(self.map, self.len as usize) };
+        for layer in 0..self.shape.layers() {
+            for s in 0..self.shape.segments() {
+                let off = self.segment_offset(layer, s, dst);
+                kvferry_actors::fixture::fill_segment(
+                    &mut bytes[off..off + seg],
+                    block,
+                    rank,
+                    layer,
+                    s,
+                );
+            }
+        }
+    }
+
     /// Checks every byte: the segments of `expected` `(block, pattern block)` hold that
     /// block's pattern for `rank`; every other byte is still a canary.
     pub fn verify(&self, expected: &[(u32, u64)], rank: u32) -> Result<(), String> {
@@ -267,8 +294,7 @@ impl MemfdKv {
             for layer in 0..self.shape.layers() {
                 for s in 0..self.shape.segments() {
                     fill_segment(&mut want, block, rank, layer, s);
-                    let plane = u64::from(layer * self.shape.segments() + s) * self.plane_span;
-                    let off = (plane + self.view_offset + u64::from(dst) * seg as u64) as usize;
+                    let off = self.segment_offset(layer, s, dst);
                     if img[off..off + seg] != want[..] {
                         return Err(format!(
                             "block {dst} (pattern {block}) layer {layer} segment {s} differs"

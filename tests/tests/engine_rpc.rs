@@ -50,14 +50,18 @@ struct Server {
 
 impl Server {
     async fn start(options: EngineOptions) -> Self {
-        static N: AtomicUsize = AtomicUsize::new(0);
         let dev = HostDevice::new(0);
-        let node = Node::start_with(
-            config(SLOT, SLOTS),
-            vec![Arc::clone(&dev) as Arc<dyn Device>],
-            Clock::system(),
-        )
-        .unwrap();
+        Self::start_on(options, Arc::clone(&dev) as Arc<dyn Device>, dev).await
+    }
+
+    /// Serves a node over `device` (`dev` is the host device under it, for its gauges).
+    async fn start_on(
+        options: EngineOptions,
+        device: Arc<dyn Device>,
+        dev: Arc<HostDevice>,
+    ) -> Self {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let node = Node::start_with(config(SLOT, SLOTS), vec![device], Clock::system()).unwrap();
         let dir = std::env::temp_dir().join(format!(
             "kvferry-engine-{}-{}",
             std::process::id(),
@@ -694,4 +698,217 @@ fn a_client_process_loads_into_its_memfd_through_a_node_process() {
     wait_for("ENGINE_CHILD_OK");
     let status = guard.0.take().unwrap().wait().unwrap();
     assert!(status.success(), "{status:?}");
+}
+
+/// The host device whose copy batches fail while `fail` is set, for failed loads.
+#[derive(Debug)]
+struct FailingDevice {
+    inner: Arc<HostDevice>,
+    fail: std::sync::atomic::AtomicBool,
+}
+
+impl Device for FailingDevice {
+    fn kind(&self) -> kvferry_gpu::DeviceKind {
+        self.inner.kind()
+    }
+
+    fn ordinal(&self) -> u32 {
+        self.inner.ordinal()
+    }
+
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+
+    fn check_range(&self, ptr: u64, len: u64) -> Result<(), kvferry_gpu::DeviceError> {
+        self.inner.check_range(ptr, len)
+    }
+
+    fn alloc(&self, bytes: u64) -> Result<kvferry_gpu::DeviceBuffer, kvferry_gpu::DeviceError> {
+        self.inner.alloc(bytes)
+    }
+
+    fn register_host(
+        &self,
+        addr: u64,
+        len: u64,
+        read_only: bool,
+    ) -> Result<kvferry_gpu::HostRegistration, kvferry_gpu::DeviceError> {
+        self.inner.register_host(addr, len, read_only)
+    }
+
+    unsafe fn submit(
+        &self,
+        dir: kvferry_gpu::CopyDirection,
+        list: kvferry_gpu::CopyList,
+    ) -> Result<kvferry_gpu::CopyEvent, kvferry_gpu::DeviceError> {
+        if self.fail.load(Ordering::Relaxed) {
+            return Err(kvferry_gpu::DeviceError::Copy {
+                ordinal: 0,
+                ops: list.len(),
+                reason: "injected failure".into(),
+            });
+        }
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { self.inner.submit(dir, list) }
+    }
+
+    fn write(&self, dst: u64, data: &[u8]) -> Result<(), kvferry_gpu::DeviceError> {
+        self.inner.write(dst, data)
+    }
+
+    fn read(&self, src: u64, out: &mut [u8]) -> Result<(), kvferry_gpu::DeviceError> {
+        self.inner.read(src, out)
+    }
+
+    fn import_memfd(
+        &self,
+        fd: std::os::fd::OwnedFd,
+        len: u64,
+    ) -> Result<kvferry_gpu::DeviceBuffer, kvferry_gpu::DeviceError> {
+        self.inner.import_memfd(fd, len)
+    }
+}
+
+#[test]
+fn a_failed_load_completes_failed_with_its_blocks_and_the_next_one_works() {
+    rt().block_on(async {
+        let host = HostDevice::new(0);
+        let failing = Arc::new(FailingDevice {
+            inner: Arc::clone(&host),
+            fail: std::sync::atomic::AtomicBool::new(false),
+        });
+        let srv = Server::start_on(
+            EngineOptions::default(),
+            Arc::clone(&failing) as Arc<dyn Device>,
+            host,
+        )
+        .await;
+        let c = srv.client("").await;
+        let kv = MemfdKv::new(shape(), 16, 0);
+        register_memfd(&c, &kv, "eng").await;
+        put_over_grpc(&c, "eng", 0..4).await;
+        let mut stream = c.completions(&id("eng"), 0).await.unwrap();
+
+        failing.fail.store(true, Ordering::Relaxed);
+        let lease = lease_for(&c, "eng", 0..4).await;
+        let l = c.load(&load(lease, "eng", &[9, 3, 4, 12])).await.unwrap();
+        let done = stream.wait_for(l, WAIT).await.unwrap();
+        assert_eq!(
+            done.status,
+            proto::LoadStatus::LoadFailed as i32,
+            "{done:?}"
+        );
+        assert_eq!(done.error_kind, "transfer");
+        assert!(done.error.contains("injected failure"), "{}", done.error);
+        assert_eq!(done.failed_blocks, vec![9, 3, 4, 12]);
+        assert_eq!((done.bytes, done.blocks), (0, 0));
+        kv.verify(&[], 0).unwrap();
+        let s = stats_until(&c, "the failed transfer drains", |s| {
+            s.transfers_in_flight == 0
+        })
+        .await;
+        assert_eq!(
+            (s.loads_failed, s.loads_ok, s.leases_live, s.pinned_blocks),
+            (1, 0, 0, 0)
+        );
+
+        failing.fail.store(false, Ordering::Relaxed);
+        let lease = lease_for(&c, "eng", 0..4).await;
+        let l = c.load(&load(lease, "eng", &[9, 3, 4, 12])).await.unwrap();
+        ok(&stream.wait_for(l, WAIT).await.unwrap(), 4);
+        kv.verify(&[(9, 0), (3, 1), (4, 2), (12, 3)], 0).unwrap();
+        drop((stream, c));
+        srv.stop().await;
+    });
+}
+
+#[test]
+fn save_stores_the_clients_blocks_from_its_memfd() {
+    rt().block_on(async {
+        let srv = Server::start(EngineOptions::default()).await;
+        let c = srv.client("").await;
+        let mut kv = MemfdKv::new(shape(), 16, 64);
+        register_memfd(&c, &kv, "eng").await;
+        // The engine computed blocks 20..23 into its KV blocks 5..8 and saves them.
+        for (dst, block) in [(5, 20), (6, 21), (7, 22)] {
+            kv.write_block(dst, block, 0);
+        }
+        let saved = c
+            .save(&kvferry_actors::SaveRequest {
+                instance: id("eng"),
+                rank: 0,
+                hashes: hashes(20..23),
+                src_blocks: vec![5, 6, 7],
+            })
+            .await
+            .unwrap();
+        assert_eq!((saved.written, saved.sealed), (3, 3));
+        assert_eq!(saved.bytes, 3 * shape().rank_bytes());
+        let mismatched = c
+            .save(&kvferry_actors::SaveRequest {
+                instance: id("eng"),
+                rank: 0,
+                hashes: hashes(30..33),
+                src_blocks: vec![1, 2],
+            })
+            .await;
+        assert_eq!(code(mismatched), Code::InvalidArgument);
+        let lease = lease_for(&c, "eng", 20..23).await;
+        let l = c.load(&load(lease, "eng", &[0, 1, 2])).await.unwrap();
+        ok(
+            &c.wait_polling(l, Duration::from_millis(5), WAIT)
+                .await
+                .unwrap(),
+            3,
+        );
+        kv.verify(&[(5, 20), (6, 21), (7, 22), (0, 20), (1, 21), (2, 22)], 0)
+            .unwrap();
+        drop(c);
+        srv.stop().await;
+    });
+}
+
+#[test]
+fn unused_handles_expire_and_a_session_outlives_the_call_deadline() {
+    use std::os::fd::AsFd;
+    rt().block_on(async {
+        let srv = Server::start(EngineOptions {
+            handle_ttl: Duration::from_secs(1),
+            call_timeout: Duration::from_millis(500),
+            ..Default::default()
+        })
+        .await;
+        let c = srv.client("").await;
+        let kv = MemfdKv::new(shape(), 16, 0);
+        register_memfd(&c, &kv, "eng").await;
+        let mut session = c.open_session(&[id("eng")]).await.unwrap();
+        let spare = MemfdKv::new(shape(), 16, 0);
+        let handle = c
+            .send_memfd(&id("late"), 0, 0, spare.fd.as_fd(), spare.len)
+            .await
+            .unwrap();
+        assert_eq!(srv.dev.live_allocations(), 2);
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        let s = c.stats().await.unwrap();
+        assert_eq!((s.memory_handles, s.instances, s.sessions), (0, 1, 1));
+        assert_eq!(
+            srv.dev.live_allocations(),
+            1,
+            "the expired handle's memfd is unmapped"
+        );
+        assert_eq!(
+            code(c.register(&spare.register_request("late", 0), handle).await),
+            Code::NotFound
+        );
+        // Still open past the unary deadline: binding again answers.
+        session.bind(&id("eng")).await.unwrap();
+        drop(session);
+        stats_until(&c, "the session ends", |s| {
+            s.sessions == 0 && s.instances == 0
+        })
+        .await;
+        drop(c);
+        srv.stop().await;
+    });
 }
