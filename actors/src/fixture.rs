@@ -82,8 +82,28 @@ pub struct DeviceKv {
     pub num_blocks: u32,
     pub block_stride: u64,
     pub view_offset: u64,
-    buffers: Vec<DeviceBuffer>,
+    /// Where each K, V or KV plane buffer lies (with its canary tail).
+    buffers: Vec<Span>,
     plane: u64,
+    /// What owns the memory of `buffers`.
+    _memory: Vec<DeviceBuffer>,
+}
+
+/// One plane buffer of a [`DeviceKv`]: `len` bytes at device address `ptr`.
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    ptr: u64,
+    len: u64,
+}
+
+impl Span {
+    fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    fn len(&self) -> u64 {
+        self.len
+    }
 }
 
 /// Bytes of canary after each plane, so a write past the last block is caught.
@@ -98,32 +118,77 @@ impl DeviceKv {
         block_stride: u64,
         view_offset: u64,
     ) -> Result<Self, DeviceError> {
-        let plane = u64::from(num_blocks) * block_stride;
-        let per_buffer = match kind {
-            KvKind::Split => view_offset + plane + TAIL,
-            KvKind::Contiguous => view_offset + u64::from(shape.segments()) * plane + TAIL,
-        };
-        let count = match kind {
-            KvKind::Split => shape.layers() * shape.segments(),
-            KvKind::Contiguous => shape.layers(),
-        };
-        let mut buffers = Vec::with_capacity(count as usize);
-        let fill = vec![CANARY; per_buffer as usize];
+        let (count, per_buffer) =
+            Self::buffers_needed(shape, kind, num_blocks, block_stride, view_offset);
+        let mut memory = Vec::with_capacity(count as usize);
         for _ in 0..count {
-            let b = device.alloc(per_buffer)?;
-            device.write(b.ptr(), &fill)?;
-            buffers.push(b);
+            memory.push(device.alloc(per_buffer)?);
         }
-        Ok(Self {
+        let spans = memory
+            .iter()
+            .map(|b| Span {
+                ptr: b.ptr(),
+                len: b.len(),
+            })
+            .collect();
+        Self::over(
             device,
             shape,
             kind,
             num_blocks,
             block_stride,
             view_offset,
-            buffers,
-            plane,
-        })
+            spans,
+            memory,
+        )
+    }
+
+    /// How many plane buffers of how many bytes a KV of this geometry takes.
+    fn buffers_needed(
+        shape: KvShape,
+        kind: KvKind,
+        num_blocks: u32,
+        block_stride: u64,
+        view_offset: u64,
+    ) -> (u32, u64) {
+        let plane = u64::from(num_blocks) * block_stride;
+        match kind {
+            KvKind::Split => (
+                shape.layers() * shape.segments(),
+                view_offset + plane + TAIL,
+            ),
+            KvKind::Contiguous => (
+                shape.layers(),
+                view_offset + u64::from(shape.segments()) * plane + TAIL,
+            ),
+        }
+    }
+
+    /// The KV over plane buffers `spans` (owned by `memory`), every byte set to the canary.
+    #[allow(clippy::too_many_arguments)]
+    fn over(
+        device: Arc<dyn Device>,
+        shape: KvShape,
+        kind: KvKind,
+        num_blocks: u32,
+        block_stride: u64,
+        view_offset: u64,
+        spans: Vec<Span>,
+        memory: Vec<DeviceBuffer>,
+    ) -> Result<Self, DeviceError> {
+        let kv = Self {
+            device,
+            shape,
+            kind,
+            num_blocks,
+            block_stride,
+            view_offset,
+            buffers: spans,
+            plane: u64::from(num_blocks) * block_stride,
+            _memory: memory,
+        };
+        kv.reset()?;
+        Ok(kv)
     }
 
     /// The layout to register (the view starts `view_offset` into each buffer).
@@ -275,6 +340,144 @@ impl DeviceKv {
             }
         }
         Ok(checked)
+    }
+}
+
+/// Host KV in a memfd, as an engine without a GPU hands it to a node over the node's fd
+/// socket: split K/V planes one after another inside the memfd (block stride = one
+/// segment), mapped in this process too, with the pattern and canaries of [`DeviceKv`]
+/// (which it dereferences to).
+pub struct MemfdKv {
+    kv: DeviceKv,
+    fd: std::os::fd::OwnedFd,
+    base: u64,
+    len: u64,
+}
+
+impl MemfdKv {
+    pub fn create(shape: KvShape, num_blocks: u32, view_offset: u64) -> Result<Self, DeviceError> {
+        use std::os::fd::FromRawFd;
+        let stride = shape.segment_bytes();
+        let (count, per) =
+            DeviceKv::buffers_needed(shape, KvKind::Split, num_blocks, stride, view_offset);
+        let len = u64::from(count) * per;
+        let fail = |what: &str| DeviceError::Import {
+            ordinal: 0,
+            what: "memfd",
+            reason: format!("{what}: {}", std::io::Error::last_os_error()),
+        };
+        // SAFETY: a NUL-terminated name and valid flags; the result is checked.
+        let raw = unsafe {
+            libc::memfd_create(
+                c"kvferry-client-kv".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
+        if raw < 0 {
+            return Err(fail("memfd_create"));
+        }
+        // SAFETY: `raw` is a descriptor we just created and own from here on.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+        // SAFETY: ftruncate on a descriptor we own.
+        if unsafe { libc::ftruncate(raw, len as libc::off_t) } < 0 {
+            return Err(fail("ftruncate"));
+        }
+        let mine = fd.try_clone().map_err(|_| fail("dup"))?;
+        let device = kvferry_gpu::HostDevice::new(0);
+        let memory = device.import_memfd(mine, len)?;
+        let base = memory.ptr();
+        let spans = (0..u64::from(count))
+            .map(|i| Span {
+                ptr: base + i * per,
+                len: per,
+            })
+            .collect();
+        let kv = DeviceKv::over(
+            device,
+            shape,
+            KvKind::Split,
+            num_blocks,
+            stride,
+            view_offset,
+            spans,
+            vec![memory],
+        )?;
+        Ok(Self { kv, fd, base, len })
+    }
+
+    /// The memfd to pass to the node.
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.fd.as_fd()
+    }
+
+    /// Bytes of the memfd.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The layout to register: offsets inside the memfd.
+    pub fn spec(&self) -> KvLayoutSpec {
+        let mut spec = self.kv.spec();
+        for layer in &mut spec.layers {
+            match layer {
+                LayerLayout::Split { k_base, v_base } => {
+                    *k_base -= self.base;
+                    *v_base -= self.base;
+                }
+                LayerLayout::Contiguous { base, .. } => *base -= self.base,
+            }
+        }
+        spec
+    }
+
+    /// The registration of this KV as `rank` of `instance` (model `model`, dtype bf16).
+    pub fn register_request(
+        &self,
+        instance: &crate::InstanceId,
+        model: &str,
+        rank: u32,
+    ) -> crate::RegisterInstance {
+        crate::RegisterInstance {
+            instance: instance.clone(),
+            model: model.into(),
+            dtype: "bf16".into(),
+            shape: self.kv.shape,
+            rank,
+            device: 0,
+            layout: self.spec(),
+        }
+    }
+}
+
+impl MemfdKv {
+    /// Passes this KV to a node through `client` (its fd socket) and registers it as `rank`
+    /// of `instance`. Returns the namespace the node answered.
+    pub async fn register_with(
+        &self,
+        client: &crate::rpc::EngineClient,
+        instance: &crate::InstanceId,
+        model: &str,
+        rank: u32,
+    ) -> Result<String, crate::rpc::EngineClientError> {
+        let handle = client
+            .send_memfd(instance, rank, 0, self.fd(), self.len())
+            .await?;
+        client
+            .register(&self.register_request(instance, model, rank), handle)
+            .await
+    }
+}
+
+impl std::ops::Deref for MemfdKv {
+    type Target = DeviceKv;
+
+    fn deref(&self) -> &DeviceKv {
+        &self.kv
     }
 }
 

@@ -44,6 +44,13 @@ pub struct RemoteArgs {
     /// every rank loads at once.
     #[arg(long, default_value_t = 1)]
     tp: u32,
+    /// Engine addresses of two running nodes, REQUESTER,OWNER (the owner one of the
+    /// requester's peers): measure them instead of nodes in this process.
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    nodes: Vec<String>,
+    /// The nodes' engine token, where they require one.
+    #[arg(long, default_value = "")]
+    token: String,
 }
 
 /// `kvferry owner`: an owner node in its own process holding blocks 0..N of the benchmark's
@@ -270,6 +277,9 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
     let provider = Provider::parse(&a.provider)?;
     if a.tp == 0 {
         bail!("--tp must be at least 1");
+    }
+    if !a.nodes.is_empty() {
+        return crate::bench_cluster::run(&a.nodes, &a.token, shape(1)?, a.blocks, a.iters, a.json);
     }
     let devices = (0..a.tp)
         .map(|r| {

@@ -2,6 +2,8 @@
 //! (4 layers, TP 1, split K/V). B queries 0–11 and loads them into device KV at
 //! non-consecutive blocks, once direct (remote blocks read straight into device KV) and once
 //! staged (through B's host pool), verifying every byte and the canaries after each.
+//! `--nodes B,A,C` runs the same against three running `kvferry node`s by their engine
+//! addresses: this process is then the engine, its KV a memfd it passes to B.
 
 use std::sync::Arc;
 
@@ -26,18 +28,48 @@ pub struct DemoArgs {
     /// How nodes read each other's pools: tcp, shm or loopback.
     #[arg(long, default_value = "tcp")]
     provider: String,
+    /// Engine addresses of three running nodes B,A,C (B must list A and C as peers): the
+    /// demo then runs against them instead of in-process nodes.
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    nodes: Vec<String>,
+    /// The nodes' engine token, where they require one.
+    #[arg(long, default_value = "")]
+    token: String,
 }
 
 /// Non-consecutive destinations, so every block lands in a different place than its index.
-const DEST: [u32; 12] = [1, 3, 4, 7, 8, 9, 13, 17, 20, 21, 26, 30];
+pub(crate) const DEST: [u32; 12] = [1, 3, 4, 7, 8, 9, 13, 17, 20, 21, 26, 30];
 const ENGINE: &str = "demo-engine";
 
-struct Run {
-    direct: bool,
-    local: usize,
-    remote: usize,
-    report: TransferReport,
-    verified: Result<u64, String>,
+pub(crate) struct Run {
+    pub(crate) direct: bool,
+    pub(crate) local: usize,
+    pub(crate) remote: usize,
+    pub(crate) report: Report,
+    pub(crate) verified: Result<u64, String>,
+}
+
+/// What one load did, from an in-process transfer report or an engine completion.
+pub(crate) struct Report {
+    pub(crate) path: String,
+    pub(crate) bytes: u64,
+    pub(crate) seconds: f64,
+    pub(crate) stages: Vec<(String, f64)>,
+}
+
+impl From<TransferReport> for Report {
+    fn from(r: TransferReport) -> Self {
+        Self {
+            path: r.path.into(),
+            bytes: r.bytes,
+            seconds: r.seconds,
+            stages: r
+                .stages
+                .iter()
+                .map(|s| (s.name.into(), s.seconds))
+                .collect(),
+        }
+    }
 }
 
 fn config(name: &str) -> NodeConfig {
@@ -51,6 +83,9 @@ fn config(name: &str) -> NodeConfig {
 }
 
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
+    if !args.nodes.is_empty() {
+        return crate::demo_cluster::run(&args.nodes, &args.token, args.json);
+    }
     let provider = Provider::parse(&args.provider)?;
     let cluster = LocalCluster::new(provider);
     let device = Arc::clone(&crate::bench::open(&args.device)?[0]);
@@ -77,13 +112,27 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     for n in owner_nodes.iter().chain([&b]) {
         n.shutdown();
     }
-    let runs = result?;
+    print(
+        &result?,
+        &node_device_name(&b),
+        provider.as_str(),
+        args.json,
+    )
+}
+
+/// Prints the runs (readable or JSON) and fails unless every byte verified.
+pub(crate) fn print(
+    runs: &[Run],
+    device: &str,
+    provider: &str,
+    as_json: bool,
+) -> anyhow::Result<()> {
     let verified = runs.iter().all(|r| r.verified.is_ok());
-    if args.json {
+    if as_json {
         let out = json!({
             "verified": verified,
-            "device": node_device_name(&b),
-            "provider": provider.as_str(),
+            "device": device,
+            "provider": provider,
             "nodes": { "b": "0-3", "a": "4-7", "c": "8-11" },
             "local_blocks": runs[0].local,
             "remote_blocks": runs[0].remote,
@@ -93,22 +142,17 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
                 "verified": r.verified.is_ok(),
                 "error": r.verified.as_ref().err(),
                 "bytes": r.report.bytes,
-                "copies": r.report.copies,
                 "seconds": r.report.seconds,
                 "stages": r.report.stages.iter()
-                    .map(|s| (s.name.to_string(), json!(s.seconds)))
+                    .map(|(name, s)| (name.clone(), json!(s)))
                     .collect::<serde_json::Map<_, _>>(),
             })).collect::<Vec<_>>(),
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        println!(
-            "kvferry demo: three nodes over {}; B queries on {}",
-            provider.as_str(),
-            node_device_name(&b)
-        );
+        println!("kvferry demo: three nodes over {provider}; B queries on {device}");
         println!("  B holds blocks 0-3, A holds 4-7, C holds 8-11 (4 layers, TP 1, split K/V, 32 KiB segments)");
-        for r in &runs {
+        for r in runs {
             println!(
                 "  {:<6} {} local + {} remote blocks, {} bytes in {:.3} ms ({:.2} GB/s) to device blocks {:?}",
                 r.report.path,
@@ -119,8 +163,8 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
                 r.report.bytes as f64 / r.report.seconds / 1e9,
                 DEST
             );
-            for s in &r.report.stages {
-                println!("           {:<6} {:>9.3} ms", s.name, s.seconds * 1e3);
+            for (name, s) in &r.report.stages {
+                println!("           {:<8} {:>9.3} ms", name, s * 1e3);
             }
             match &r.verified {
                 Ok(n) => println!("           verify ok: {n} bytes match, every canary intact"),
@@ -196,7 +240,7 @@ async fn demo(
             direct,
             local: q.local_blocks,
             remote: q.remote_blocks,
-            report,
+            report: report.into(),
             verified,
         });
         // Start the next run cold: the staged copies B just made would otherwise hit locally.

@@ -1,8 +1,10 @@
 //! The `kvferry` binary: `node`, `demo` and `bench`.
 
 mod bench;
+mod bench_cluster;
 mod bench_remote;
 mod demo;
+mod demo_cluster;
 mod plot;
 mod service;
 

@@ -1,0 +1,125 @@
+//! The engine side of the fixture: a client process attached to a running node through
+//! `kvferry.v1.Engine`, its KV a [`MemfdKv`] passed on the node's fd socket, its instance
+//! tied to a session. Used by `kvferry demo --nodes`, `kvferry bench remote --nodes` and the
+//! multi-process tests.
+
+use std::time::Duration;
+
+use thiserror::Error;
+
+use crate::fixture::{rank_part, MemfdKv};
+use crate::rpc::proto::LoadCompletion;
+use crate::rpc::{EngineClient, EngineClientError, EngineSession};
+use crate::{BlockHash, InstanceId, LeaseId, LoadRequest, PutBlocks};
+use kvferry_gpu::{DeviceError, KvShape};
+
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum AttachError {
+    #[error(transparent)]
+    Client(#[from] EngineClientError),
+    #[error("client KV: {0}")]
+    Memory(#[from] DeviceError),
+    #[error(transparent)]
+    Instance(#[from] crate::model::ModelError),
+    #[error(
+        "the node at {addr} takes no memfd (fd socket {fd_socket:?}, memory kinds {kinds:?}): \
+         give it an [engine] section with an fd-dir, on this host"
+    )]
+    NoMemfd {
+        addr: String,
+        fd_socket: String,
+        kinds: Vec<String>,
+    },
+}
+
+/// One node as an engine process sees it: the client, this process's KV registered there
+/// as rank 0 of `instance`, and the session that unregisters it when dropped.
+pub struct Attached {
+    pub client: EngineClient,
+    pub kv: MemfdKv,
+    pub instance: InstanceId,
+    _session: EngineSession,
+}
+
+impl Attached {
+    /// Connects to the engine service at `addr` and to the fd socket it names in
+    /// `Capabilities`, passes a fresh memfd KV of `blocks` blocks (canaries everywhere) and
+    /// registers it, then binds it to a session.
+    pub async fn connect(
+        addr: &str,
+        token: &str,
+        shape: KvShape,
+        blocks: u32,
+        instance: &str,
+        model: &str,
+    ) -> Result<Self, AttachError> {
+        let probe = EngineClient::connect(addr, None, token).await?;
+        let caps = probe.capabilities().await?;
+        if caps.fd_socket.is_empty() || !caps.memory_kinds.iter().any(|k| k == "memfd") {
+            return Err(AttachError::NoMemfd {
+                addr: addr.into(),
+                fd_socket: caps.fd_socket,
+                kinds: caps.memory_kinds,
+            });
+        }
+        let client = EngineClient::connect(addr, Some(caps.fd_socket.into()), token).await?;
+        let instance = InstanceId::new(instance)?;
+        let kv = MemfdKv::create(shape, blocks, 256)?;
+        kv.register_with(&client, &instance, model, 0).await?;
+        let session = client.open_session(std::slice::from_ref(&instance)).await?;
+        Ok(Self {
+            client,
+            kv,
+            instance,
+            _session: session,
+        })
+    }
+
+    /// Puts pattern blocks `ids` (hash and pattern block = id) as rank 0, 16 per call.
+    pub async fn put_pattern(
+        &self,
+        ids: impl IntoIterator<Item = u64>,
+    ) -> Result<(), EngineClientError> {
+        let shape = self.kv.shape;
+        let ids: Vec<u64> = ids.into_iter().collect();
+        for chunk in ids.chunks(16) {
+            self.client
+                .put_blocks(&PutBlocks {
+                    instance: self.instance.clone(),
+                    rank: 0,
+                    blocks: chunk
+                        .iter()
+                        .map(|&i| (BlockHash::from_u64(i), rank_part(&shape, i, 0)))
+                        .collect(),
+                })
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Starts rank 0's load of `lease` into `dest` and waits (at most `timeout`) for its
+    /// completion on the completion stream, whatever its status.
+    pub async fn load(
+        &self,
+        lease: LeaseId,
+        dest: &[u32],
+        timeout: Duration,
+    ) -> Result<LoadCompletion, EngineClientError> {
+        let mut stream = self.client.completions(&self.instance, 0).await?;
+        let id = self.start_load(lease, dest).await?;
+        stream.wait_for(id, timeout).await
+    }
+
+    /// Starts rank 0's load of `lease` into `dest`; returns its load id.
+    pub async fn start_load(&self, lease: LeaseId, dest: &[u32]) -> Result<u64, EngineClientError> {
+        self.client
+            .load(&LoadRequest {
+                lease,
+                instance: self.instance.clone(),
+                rank: 0,
+                dest_blocks: dest.to_vec(),
+            })
+            .await
+    }
+}
