@@ -6,7 +6,8 @@
 //! `memfd <instance> <rank> <device> <len> [<token>]` or
 //! `dmabuf <instance> <rank> <device> <len> <base> [<token>]`; the answer is one line,
 //! `ok <handle>` or `err <code> <message>` (code: the gRPC code name, e.g.
-//! `invalid-argument`). A connection may carry any number of requests, one at a time.
+//! `invalid-argument`). A connection may carry any number of requests, one at a time; at
+//! most 256 connections are served at once, and one idle for a minute is closed.
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -30,6 +31,12 @@ const MAX_LINE: usize = 1024;
 
 /// Largest memory one handle may announce.
 const MAX_MEMORY: u64 = 1 << 40;
+
+/// Connections served at once; more are closed on accept.
+const MAX_CONNECTIONS: usize = 256;
+
+/// A connection that sends no byte for this long is closed.
+const IDLE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// A bound fd socket and its path (removed when the engine service stops).
 #[derive(Debug)]
@@ -243,12 +250,18 @@ pub(crate) async fn serve(socket: FdSocket, shared: Arc<Shared>, mut stop: watch
             return;
         }
     };
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let child_stop = stop.clone();
         tokio::select! {
             r = listener.accept() => {
-                if let Ok((stream, _)) = r {
-                    tokio::spawn(connection(stream, Arc::clone(&shared), child_stop));
+                // Past the limit the connection is dropped at once: the client sees it closed.
+                if let (Ok((stream, _)), Ok(slot)) = (r, Arc::clone(&slots).try_acquire_owned()) {
+                    let shared = Arc::clone(&shared);
+                    tokio::spawn(async move {
+                        connection(stream, shared, child_stop).await;
+                        drop(slot);
+                    });
                 }
             }
             _ = stop.wait_for(|s| *s) => break,
@@ -262,9 +275,12 @@ async fn connection(mut stream: UnixStream, shared: Arc<Shared>, mut stop: watch
     let mut chunk = [0u8; 256];
     loop {
         let got = tokio::select! {
-            r = stream.readable() => r.and_then(|()| stream.try_io(Interest::READABLE, || {
-                fd_passing::recv_with_fds(stream.as_raw_fd(), &mut chunk)
-            })),
+            r = tokio::time::timeout(IDLE, stream.readable()) => match r {
+                Ok(r) => r.and_then(|()| stream.try_io(Interest::READABLE, || {
+                    fd_passing::recv_with_fds(stream.as_raw_fd(), &mut chunk)
+                })),
+                Err(_) => return,
+            },
             _ = stop.wait_for(|s| *s) => return,
         };
         match got {
