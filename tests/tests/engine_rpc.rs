@@ -60,8 +60,13 @@ impl Server {
         device: Arc<dyn Device>,
         dev: Arc<HostDevice>,
     ) -> Self {
-        static N: AtomicUsize = AtomicUsize::new(0);
         let node = Node::start_with(config(SLOT, SLOTS), vec![device], Clock::system()).unwrap();
+        Self::serve(options, node, dev).await
+    }
+
+    /// Serves `node` (whose device 0 is `dev`).
+    async fn serve(options: EngineOptions, node: Node, dev: Arc<HostDevice>) -> Self {
+        static N: AtomicUsize = AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
             "kvferry-engine-{}-{}",
             std::process::id(),
@@ -910,5 +915,88 @@ fn unused_handles_expire_and_a_session_outlives_the_call_deadline() {
         .await;
         drop(c);
         srv.stop().await;
+    });
+}
+
+#[test]
+fn a_remote_suffix_loads_direct_when_granted_and_staged_otherwise() {
+    use kvferry_actors::remote::{LocalCluster, Provider};
+    rt().block_on(async {
+        let cluster = LocalCluster::new(Provider::Tcp);
+        let start = |name: &str, dev: Arc<HostDevice>| {
+            let mut cfg = config(SLOT, SLOTS);
+            cfg.node_id = name.into();
+            Node::start_in(
+                cfg,
+                vec![dev as Arc<dyn Device>],
+                Clock::system(),
+                Some(Arc::clone(&cluster)),
+            )
+            .unwrap()
+        };
+        // The owner holds blocks 4..8; the engine's node serves the engine API.
+        let owner_dev = HostDevice::new(0);
+        let owner = start("owner", Arc::clone(&owner_dev));
+        let owner_kv = register(
+            &owner,
+            &(Arc::clone(&owner_dev) as Arc<dyn Device>),
+            "eng",
+            shape(),
+            0,
+            kvferry_actors::fixture::KvKind::Split,
+            16,
+            0,
+        )
+        .await;
+        put(&owner, "eng", &shape(), 0, 4..8).await;
+        let dev = HostDevice::new(0);
+        let node = start("near", Arc::clone(&dev));
+        let srv = Server::serve(EngineOptions::default(), node, dev).await;
+        let c = srv.client("").await;
+        let caps = c.capabilities().await.unwrap();
+        assert!(
+            caps.direct_possible && caps.direct_reason.is_empty(),
+            "{caps:?}"
+        );
+        let kv = MemfdKv::new(shape(), 16, 0);
+        register_memfd(&c, &kv, "eng").await;
+        put_over_grpc(&c, "eng", 0..4).await;
+        let dest = [15, 0, 3, 4, 9, 1, 2, 12];
+        let expected: Vec<(u32, u64)> = dest
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (*d, i as u64))
+            .collect();
+
+        for (direct_gpu, path) in [(true, "direct"), (false, "staged")] {
+            let q = c
+                .query(&id("eng"), &hashes(0..8), direct_gpu)
+                .await
+                .unwrap();
+            assert_eq!((q.local_blocks, q.remote_blocks), (4, 4), "{q:?}");
+            let grant = if direct_gpu {
+                DirectGrant::Granted
+            } else {
+                DirectGrant::NotRequested
+            };
+            assert_eq!(q.direct, grant);
+            let l = c.load(&load(q.lease.unwrap(), "eng", &dest)).await.unwrap();
+            let done = c
+                .wait_polling(l, Duration::from_millis(5), WAIT)
+                .await
+                .unwrap();
+            assert_eq!(done.status, proto::LoadStatus::LoadOk as i32, "{done:?}");
+            assert_eq!((done.path.as_str(), done.blocks), (path, 8));
+            assert_eq!(done.bytes, 8 * shape().rank_bytes());
+            let stages: Vec<&str> = done.stages.iter().map(|s| s.name.as_str()).collect();
+            assert!(stages.contains(&"pin"), "{stages:?}");
+            kv.verify(&expected, 0).unwrap();
+        }
+        let s = stats_until(&c, "loads drain", |s| s.transfers_in_flight == 0).await;
+        assert_eq!((s.loads_ok, s.leases_live, s.pinned_blocks), (2, 0, 0));
+        drop(c);
+        srv.stop().await;
+        drop(owner_kv);
+        owner.shutdown();
     });
 }
