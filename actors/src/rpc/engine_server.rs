@@ -288,12 +288,13 @@ struct EngineService {
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
-fn direct_reason(node: &Node) -> String {
-    if node.has_peers() {
-        String::new()
-    } else {
-        DIRECT_REFUSAL.to_owned()
+/// Why this node refuses `direct_gpu`, if it does: the keeper's rule, asked before a query.
+/// A verbs gate that cannot serve refuses first; a node without peers has no remote suffix.
+fn direct_refusal(node: &Node) -> Option<String> {
+    if let Some(reason) = node.nics().and_then(|n| n.direct_refusal.clone()) {
+        return Some(reason);
     }
+    (!node.has_peers()).then(|| DIRECT_REFUSAL.to_owned())
 }
 
 fn completion(
@@ -356,6 +357,7 @@ impl Engine for EngineService {
             kvferry_gpu::DeviceKind::Cuda => vec!["dmabuf".to_owned()],
         };
         let o = &self.shared.options;
+        let refusal = direct_refusal(node);
         Ok(Response::new(CapabilitiesResponse {
             node_id: node.config().node_id.clone(),
             version: VERSION.to_owned(),
@@ -369,8 +371,8 @@ impl Engine for EngineService {
                 .iter()
                 .map(|c| c.provider.clone())
                 .collect(),
-            direct_possible: node.has_peers(),
-            direct_reason: direct_reason(node),
+            direct_possible: refusal.is_none(),
+            direct_reason: refusal.unwrap_or_default(),
             fd_socket: self.shared.fd_path.clone().unwrap_or_default(),
             memory_kinds,
             max_message_bytes: o.max_message_bytes as u64,
