@@ -31,8 +31,8 @@ pub use capability::{probe, VerbsCapability};
 pub use config::{VerbsConfig, VerbsConfigError};
 pub use gid::{choose_address, GidError, PortAddress, PortInfo};
 pub use nic::{
-    compiled, open_nic, register_host_split, ChunkMr, NicHostMr, NicOpenError, RdmaNic,
-    RegistrarError,
+    compiled, open_nic, register_host_split, AcceptError, ChunkMr, EndpointExchange, NicHostMr,
+    NicOpenError, RdmaNic, RegistrarError,
 };
 pub use qp_attrs::QpEndpoint;
 pub use registration::{KeyMap, RegistrationError};

@@ -6,15 +6,19 @@
 
 use std::any::Any;
 use std::io;
+use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
 use thiserror::Error;
 
 use super::config::VerbsConfig;
 use super::gid::PortAddress;
+use super::qp_attrs::QpEndpoint;
 use super::registration::{split, Chunk, KeyMap, NicKeys, RegistrationError};
 use super::sysfs::Sysfs;
 use crate::config::NicConfig;
+use crate::connection::{ConnectionError, Connector};
+use crate::qp_key::{NodeId, QpKey};
 use crate::region::HostRegion;
 
 #[derive(Debug, Error)]
@@ -61,6 +65,29 @@ pub enum NicOpenError {
     Device { nic: String, reason: String },
 }
 
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum AcceptError {
+    #[error("nic {nic}: {what} failed: {reason}")]
+    Setup {
+        nic: String,
+        what: &'static str,
+        reason: String,
+    },
+    #[error("nic {nic} cannot serve queue pairs (no rdma-core provider behind it)")]
+    Unsupported { nic: String },
+}
+
+/// Trades QP endpoints with the peer (over the peer RPC's handshake): ours goes out, theirs
+/// and the keys of their registered host pool on the matching NIC come back.
+pub trait EndpointExchange: Send + Sync {
+    fn exchange(
+        &self,
+        qp: QpKey,
+        local: QpEndpoint,
+    ) -> Result<(QpEndpoint, KeyMap), ConnectionError>;
+}
+
 /// One NIC memory region of the host pool; dropping it deregisters the chunk.
 pub struct ChunkMr {
     pub chunk: Chunk,
@@ -100,6 +127,47 @@ pub trait RdmaNic: Send + Sync {
         region: &Arc<HostRegion>,
         chunk: Chunk,
     ) -> Result<ChunkMr, RegistrarError>;
+
+    /// Registers device memory exported as a DMA-BUF (`fd`, bytes `offset..offset+len` of it,
+    /// addressed at `iova`, the device address) for local write only; dropping the result
+    /// deregisters it. NICs without rdma-core behind them cannot.
+    fn register_device(
+        &self,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        len: u64,
+        iova: u64,
+    ) -> Result<Box<dyn Any + Send + Sync>, RegistrarError> {
+        let _ = (fd, offset, len, iova);
+        Err(RegistrarError::Unavailable {
+            nic: self.name().to_string(),
+            reason: "no rdma-core provider behind this nic".into(),
+        })
+    }
+
+    /// A connector for RC QPs to `peer` on this NIC, trading endpoints through `exchange`;
+    /// `None` where there is no rdma-core provider behind the NIC.
+    fn connector(
+        self: Arc<Self>,
+        peer: NodeId,
+        exchange: Arc<dyn EndpointExchange>,
+    ) -> Option<Arc<dyn Connector>> {
+        let _ = (peer, exchange);
+        None
+    }
+
+    /// Owner side of a connection: a new QP brought to ready-to-send against a requester's
+    /// `remote` QP, so the requester can read the pool through it. The QP lives as long as
+    /// the returned guard.
+    fn accept(
+        self: Arc<Self>,
+        remote: QpEndpoint,
+    ) -> Result<(QpEndpoint, Box<dyn Any + Send + Sync>), AcceptError> {
+        let _ = remote;
+        Err(AcceptError::Unsupported {
+            nic: self.name().to_string(),
+        })
+    }
 }
 
 /// A host region registered on one NIC, as one or more MRs.

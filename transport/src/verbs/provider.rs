@@ -39,15 +39,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Trades QP endpoints with the peer (over the peer RPC's handshake): ours goes out, theirs
-/// and the keys of their registered host pool on the matching NIC come back.
-pub trait EndpointExchange: Send + Sync {
-    fn exchange(
-        &self,
-        qp: QpKey,
-        local: QpEndpoint,
-    ) -> Result<(QpEndpoint, KeyMap), ConnectionError>;
-}
+pub use super::nic::EndpointExchange;
 
 /// An issued read: holding the request holds its destination (the scatter pins the regions,
 /// so they stay registered) until the completion is handled.
@@ -211,6 +203,99 @@ impl super::nic::RdmaNic for VerbsNic {
         })?;
         // The registration and the region it covers drop together.
         Ok(super::nic::ChunkMr::new(chunk, keys, (reg, region.clone())))
+    }
+
+    fn register_device(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: u64,
+        iova: u64,
+    ) -> Result<Box<dyn std::any::Any + Send + Sync>, super::nic::RegistrarError> {
+        self.register_dmabuf(fd, offset, len, iova)
+            .map(|r| Box::new(r) as Box<dyn std::any::Any + Send + Sync>)
+            .map_err(|e| super::nic::RegistrarError::Unavailable {
+                nic: self.inner.device.name().to_string(),
+                reason: e.to_string(),
+            })
+    }
+
+    fn connector(
+        self: Arc<Self>,
+        peer: NodeId,
+        exchange: Arc<dyn EndpointExchange>,
+    ) -> Option<Arc<dyn Connector>> {
+        Some(Arc::new(VerbsConnector::new(self, peer, exchange)))
+    }
+
+    fn accept(
+        self: Arc<Self>,
+        remote: QpEndpoint,
+    ) -> Result<(QpEndpoint, Box<dyn std::any::Any + Send + Sync>), super::nic::AcceptError> {
+        let nic = self.inner.device.name().to_string();
+        let setup = |what: &'static str, reason: String| super::nic::AcceptError::Setup {
+            nic: nic.clone(),
+            what,
+            reason,
+        };
+        let dev = self.inner.device.clone();
+        let limits = self.nic.queue_limits();
+        // SAFETY: PD and CQ belong to `dev`, which the responder keeps alive.
+        let raw =
+            unsafe { ffi::create_rc_qp(dev.pd(), dev.cq(), limits.max_send_wr, limits.max_sge) }
+                .map_err(|e| setup("creating the responder QP", e.to_string()))?;
+        let responder = ResponderQp {
+            nic: self.clone(),
+            qp: raw,
+        };
+        // SAFETY: `raw` is alive (owned by `responder`).
+        let qpn = unsafe { ffi::qp_num(raw) };
+        let addr = dev.address();
+        let psn = psn_seed(qpn);
+        let local = QpEndpoint {
+            qpn,
+            psn,
+            lid: addr.lid,
+            gid: addr.gid,
+            mtu: addr.mtu,
+            responder_depth: responder_depth(limits.max_rd_atomic, dev.read_depth()),
+        };
+        let steps = connect_transitions(
+            &self.cfg,
+            limits.max_rd_atomic,
+            dev.read_depth(),
+            &addr,
+            &remote,
+            psn,
+            ACCESS_REMOTE_READ,
+        );
+        for t in &steps {
+            dev.modify(raw, t)
+                .map_err(|e| setup("bringing the responder QP to ready-to-send", e.to_string()))?;
+        }
+        Ok((local, Box::new(responder)))
+    }
+}
+
+/// The owner's end of a requester's RC connection: it only answers the requester's reads
+/// (the NIC serves them from the pool's MRs), so it posts nothing and completes nothing.
+struct ResponderQp {
+    nic: Arc<VerbsNic>,
+    qp: *mut ffi::ibv_qp,
+}
+
+// SAFETY: an `ibv_qp` may be modified and destroyed from any thread; the struct only does so
+// in `Drop`, with exclusive access.
+unsafe impl Send for ResponderQp {}
+// SAFETY: shared access reads nothing through the pointer.
+unsafe impl Sync for ResponderQp {}
+
+impl Drop for ResponderQp {
+    fn drop(&mut self) {
+        let _ = self.nic.inner.device.modify(self.qp, &Transition::error());
+        // SAFETY: created by `accept`, never handed out; no work requests were posted on it.
+        let r = unsafe { ffi::destroy_qp(self.qp) };
+        self.nic.inner.device.record_teardown(r);
     }
 }
 
