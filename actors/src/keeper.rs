@@ -19,7 +19,7 @@ use crate::lease::LeaseTable;
 use crate::metrics::{Counters, InFlight};
 use crate::model::BlockHash;
 use crate::model::{InstanceId, LeaseId, Namespace};
-use crate::nic::stripe::{NicRouting, StripePlan};
+use crate::nic::stripe::{NicRouting, ReadRoute, StripePlan};
 use crate::registry::RankHandle;
 use crate::registry::{GetInstance, GetRank, InstanceRegistry};
 use crate::remote::link::{BoxFut, Drained, Keep, ReadStats};
@@ -477,15 +477,16 @@ fn remote_load(
             let mut total = ReadStats::default();
             let mut next_read = 0;
             for seg in share.remote.iter() {
-                // This segment's slice of the plan's NIC assignment.
-                let seg_route = route.as_ref().map(|r| StripePlan {
+                // This segment's reads, each with the NIC the plan assigned it.
+                let seg_route = route.as_ref().map(|r| ReadRoute {
                     nics: r.nics.clone(),
-                    per_read: r
-                        .per_read
+                    reads: seg
+                        .blocks
                         .iter()
-                        .skip(next_read)
-                        .take(seg.blocks.len())
-                        .copied()
+                        .zip(r.per_read.iter().skip(next_read))
+                        .map(|(b, nic)| {
+                            (b.addr + shape.rank_offset(rank), shape.rank_bytes(), *nic)
+                        })
                         .collect(),
                 });
                 next_read += seg.blocks.len();

@@ -163,6 +163,9 @@ impl Node {
                 let _ = thread.join();
                 return Err(e);
             }
+            if let Some(side) = nics.as_ref().and_then(|n| n.verbs_side()) {
+                c.attach_verbs(side);
+            }
         }
         Ok(Self {
             inner: Arc::new(Inner {
@@ -417,12 +420,17 @@ impl Node {
     /// [`crate::rpc::PeerBackend::with_endpoint`].
     pub fn peer_backend(&self) -> crate::rpc::PeerBackend {
         let i = &self.inner;
-        crate::rpc::PeerBackend::new(
+        let backend = crate::rpc::PeerBackend::new(
             i.store.clone(),
             i.config.node_id.clone(),
             i.pool_region,
             i.config.pool.slot_bytes.0,
             i.config.lease.peer_pin_ttl(),
-        )
+        );
+        // Verbs handshakes are answered where the pool is registered on an open RDMA NIC.
+        match i.nics.as_ref().and_then(|n| n.responder.clone()) {
+            Some(r) => backend.with_verbs(r),
+            None => backend,
+        }
     }
 }

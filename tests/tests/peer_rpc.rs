@@ -855,3 +855,279 @@ fn verbs_handshake_answers_owner_qps_and_pool_rkeys() {
         o.stop().await;
     });
 }
+
+/// An RDMA NIC without hardware whose `accept` hands out owner QP numbers (a counter) and
+/// keeps count of the QPs alive, or refuses.
+struct FakeNic {
+    next_qpn: std::sync::atomic::AtomicU32,
+    alive: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    refuse: bool,
+}
+
+struct FakeQp(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for FakeQp {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl kvferry_transport::verbs::RdmaNic for FakeNic {
+    fn name(&self) -> &str {
+        "mlx5_7"
+    }
+
+    fn address(&self) -> kvferry_transport::verbs::PortAddress {
+        kvferry_transport::verbs::PortAddress {
+            port: 1,
+            gid_index: 3,
+            gid: kvferry_transport::verbs::gid::Gid([9; 16]),
+            lid: 0,
+            global: true,
+            mtu: kvferry_transport::verbs::gid::Mtu::M2048,
+        }
+    }
+
+    fn register_chunk(
+        &self,
+        _region: &std::sync::Arc<kvferry_transport::HostRegion>,
+        chunk: kvferry_transport::verbs::registration::Chunk,
+    ) -> Result<kvferry_transport::verbs::ChunkMr, kvferry_transport::verbs::RegistrarError> {
+        Err(kvferry_transport::verbs::RegistrarError::OutsideRegion {
+            nic: "mlx5_7".into(),
+            addr: chunk.addr,
+            len: chunk.len,
+        })
+    }
+
+    fn accept(
+        self: std::sync::Arc<Self>,
+        remote: kvferry_transport::verbs::QpEndpoint,
+    ) -> Result<
+        (
+            kvferry_transport::verbs::QpEndpoint,
+            Box<dyn std::any::Any + Send + Sync>,
+        ),
+        kvferry_transport::verbs::AcceptError,
+    > {
+        if self.refuse {
+            return Err(kvferry_transport::verbs::AcceptError::Setup {
+                nic: "mlx5_7".into(),
+                what: "ibv_create_qp",
+                reason: "out of QPs".into(),
+            });
+        }
+        let qpn = self
+            .next_qpn
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.alive.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let a = self.address();
+        Ok((
+            kvferry_transport::verbs::QpEndpoint {
+                qpn,
+                psn: remote.psn ^ 0x55,
+                lid: a.lid,
+                gid: a.gid,
+                mtu: a.mtu,
+                responder_depth: 8,
+            },
+            Box::new(FakeQp(std::sync::Arc::clone(&self.alive))),
+        ))
+    }
+}
+
+/// The node's own responder (`NicResponder`) over a NIC that stands in for hardware, and the
+/// requester's `GrpcExchange` (what the transport's `VerbsConnector` calls while it brings a
+/// QP up): one handshake per QP, the owner's QP and the pool's rkeys on its NIC come back,
+/// the owner keeps its QP alive; a NIC that cannot make QPs is a typed handshake error.
+#[test]
+fn grpc_exchange_trades_one_qp_with_the_owner_responder() {
+    use kvferry_actors::remote::verbs::{GrpcExchange, NicResponder, ServingNic};
+    use kvferry_transport::verbs::registration::Chunk;
+    use kvferry_transport::verbs::{EndpointExchange, QpEndpoint};
+    use kvferry_transport::{ConnectionError, NicId, NodeId, QpKey, QpNum};
+    use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    for refuse in [false, true] {
+        let alive = Arc::new(AtomicUsize::new(0));
+        let (o, c, runtime) = {
+            let rt = rt();
+            let alive = Arc::clone(&alive);
+            let (o, c) = rt.block_on(async {
+                let o = Owner::start_with(TOKEN, |b| {
+                    let (addr, len) = b.pool();
+                    let nic = Arc::new(FakeNic {
+                        next_qpn: AtomicU32::new(0x3000),
+                        alive,
+                        refuse,
+                    });
+                    let serving = ServingNic {
+                        nic,
+                        regions: vec![(Chunk { addr, len }, 0xabc)],
+                        responder_depth: 16,
+                    };
+                    b.with_verbs(Arc::new(NicResponder::new(vec![serving]).unwrap()))
+                })
+                .await;
+                let c = o.client(TOKEN).await;
+                (o, c)
+            });
+            (o, c, rt)
+        };
+        let exchange = GrpcExchange {
+            client: c.clone(),
+            runtime: runtime.handle().clone(),
+            node_id: "requester".into(),
+            nic: "mlx5_0".into(),
+            peer: NodeId(7),
+        };
+        let local = QpEndpoint {
+            qpn: 0x42,
+            psn: 0x1234,
+            lid: 0,
+            gid: kvferry_transport::verbs::gid::Gid([3; 16]),
+            mtu: kvferry_transport::verbs::gid::Mtu::M4096,
+            responder_depth: 16,
+        };
+        let key = QpKey::new(NodeId(7), NicId(0), QpNum(1));
+        // Called from a plain thread, as a NIC worker connecting a QP would.
+        let r = std::thread::spawn(move || {
+            let a = exchange.exchange(key, local);
+            let b = exchange.exchange(key, QpEndpoint { qpn: 0x43, ..local });
+            (a, b)
+        })
+        .join()
+        .unwrap();
+        if refuse {
+            let e = r.0.unwrap_err();
+            assert!(
+                matches!(&e, ConnectionError::Handshake { reason, .. } if reason.contains("out of QPs")),
+                "{e}"
+            );
+            assert_eq!(alive.load(Ordering::SeqCst), 0);
+        } else {
+            let (remote, keys) = r.0.unwrap();
+            assert_eq!((remote.qpn, remote.psn), (0x3000, 0x1234 ^ 0x55));
+            assert_eq!(remote.mtu, kvferry_transport::verbs::gid::Mtu::M2048);
+            assert_eq!(keys.remote_key(o.pool.0 + 100, 64), Ok(0xabc));
+            let (second, _) = r.1.unwrap();
+            assert_eq!(second.qpn, 0x3001);
+            // The owner keeps a QP per requester QP.
+            assert_eq!(alive.load(Ordering::SeqCst), 2);
+        }
+        drop(c);
+        runtime.block_on(o.stop());
+        // The responder (and its QPs) went with the server.
+        assert_eq!(alive.load(Ordering::SeqCst), 0);
+    }
+}
+
+/// Two nodes of this process over this host's first usable RDMA NIC: the owner registers
+/// its pool on the NIC at start and answers verbs handshakes with QPs on it; the requester
+/// reads the remote suffix over verbs (staged into its pool, then copied to its KV), byte
+/// for byte.
+#[test]
+#[ignore = "needs an RDMA NIC"]
+fn remote_suffix_over_verbs() {
+    use kvferry_actors::nic::{NicSection, VerbsSection};
+    use kvferry_actors::remote::{GrpcPeers, GrpcPeersConfig, StaticDirectory};
+    use kvferry_actors::{LoadRequest, QueryRequest};
+    use kvferry_transport::verbs::{probe, Sysfs, VerbsCapability};
+    use std::sync::Arc;
+
+    let nic = match probe(&Sysfs::default()) {
+        VerbsCapability::Usable { nics } => nics[0].clone(),
+        VerbsCapability::Unusable { reason } => panic!("no usable RDMA NIC: {reason}"),
+    };
+    let with_nic = |node_id: &str| {
+        let mut cfg = config(SLOT, SLOTS);
+        cfg.node_id = node_id.into();
+        cfg.nic = vec![NicSection {
+            name: nic.clone(),
+            provider: "verbs".into(),
+            ..NicSection::default()
+        }];
+        cfg.verbs = Some(VerbsSection::default());
+        cfg
+    };
+    rt().block_on(async {
+        let s = shape();
+        let owner_dev: Arc<dyn Device> = kvferry_gpu::HostDevice::new(0);
+        let owner =
+            Node::start_with(with_nic("a"), vec![Arc::clone(&owner_dev)], Clock::system()).unwrap();
+        assert!(
+            owner.nics().unwrap().pool.is_ok(),
+            "pool registered on {nic}"
+        );
+        let _okv = register(&owner, &owner_dev, "eng", s, 0, KvKind::Split, 16, 0).await;
+        put(&owner, "eng", &s, 0, 0..6).await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let server = tokio::spawn(rpc::serve(
+            listener,
+            owner.peer_backend(),
+            TOKEN.into(),
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+
+        let peers = GrpcPeers::new(
+            GrpcPeersConfig {
+                node_id: "b".into(),
+                provider: Provider::Verbs,
+                token: TOKEN.into(),
+                peers: vec![("a".into(), addr.to_string())],
+                shm_dir: std::env::temp_dir(),
+                data_listen: "127.0.0.1:0".into(),
+            },
+            Arc::new(StaticDirectory::new(vec!["a".into()])),
+        );
+        let dev: Arc<dyn Device> = kvferry_gpu::HostDevice::new(0);
+        let node = Node::start_in(
+            with_nic("b"),
+            vec![Arc::clone(&dev)],
+            Clock::system(),
+            Some(peers),
+        )
+        .unwrap();
+        let kv = register(&node, &dev, "eng", s, 0, KvKind::Split, 16, 0).await;
+        let q = node
+            .query(QueryRequest {
+                instance: id("eng"),
+                hashes: hashes(0..6),
+                direct_gpu: false,
+            })
+            .await
+            .unwrap();
+        assert_eq!((q.local_blocks, q.remote_blocks), (0, 6));
+        let dest: Vec<u32> = vec![5, 0, 3, 9, 1, 12];
+        let r = node
+            .load(LoadRequest {
+                lease: q.lease.unwrap(),
+                instance: id("eng"),
+                rank: 0,
+                dest_blocks: dest.clone(),
+            })
+            .await
+            .unwrap();
+        assert_eq!(r.path, "staged");
+        let want: Vec<(u32, u64)> = dest
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (*d, i as u64))
+            .collect();
+        kv.verify(&want, 0).unwrap();
+        let text = node.metrics_text().await.unwrap();
+        assert!(
+            text.contains(&format!("kvferry_qps{{nic=\"{nic}\",state=\"rts\"}}")),
+            "{text}"
+        );
+        settled(&node).await;
+        node.shutdown();
+        let _ = stop.send(());
+        let _ = server.await;
+        owner.shutdown();
+    });
+}

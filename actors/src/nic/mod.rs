@@ -21,7 +21,7 @@ pub use mr_registry::{
 };
 pub use poller::{CompletionPoller, CompletionStream};
 pub use runtime::{NicRuntime, NodeNics, RuntimeError};
-pub use stripe::{stripe_plan, NicRouting, RoutingError, StripePlan};
+pub use stripe::{stripe_plan, NicRouting, ReadRoute, RoutingError, StripePlan};
 pub use worker::{
     BatchResult, CompletionErrorCounts, Connect, Gauges, NicWorker, PostReads, QpStateCounts,
     WorkerError, WorkerGaugeValues,

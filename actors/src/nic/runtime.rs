@@ -18,6 +18,7 @@ use super::mr_registry::{
 use super::stripe::NicRouting;
 use super::worker::{Gauges, NicWorker, WorkerError};
 use crate::metrics::NicMetrics;
+use crate::remote::verbs::{NicResponder, ServingNic, VerbsNicSide, VerbsSide};
 
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -224,6 +225,10 @@ pub struct NodeNics {
     pub pool: Result<RegionHandles, RegistryError>,
     pub direct_refusal: Option<String>,
     pub routing: Option<Arc<NicRouting>>,
+    /// The owner side of verbs handshakes: the open RDMA NICs the pool is registered on.
+    pub responder: Option<Arc<NicResponder>>,
+    /// Index = NIC id.
+    configs: Vec<NicConfig>,
 }
 
 impl std::fmt::Debug for NodeNics {
@@ -232,6 +237,7 @@ impl std::fmt::Debug for NodeNics {
             .field("runtime", &self.runtime)
             .field("pool", &self.pool)
             .field("direct_refusal", &self.direct_refusal)
+            .field("responder", &self.responder)
             .finish()
     }
 }
@@ -293,16 +299,84 @@ impl NodeNics {
             region: pool,
             access: Access::LOCAL_WRITE.union(Access::REMOTE_READ),
         };
-        let (runtime, mut registered) =
-            NicRuntime::start_registered(cfgs, rdma, verbs_cfg.registration_chunk, vec![spec])?;
+        let (runtime, mut registered) = NicRuntime::start_registered(
+            cfgs.clone(),
+            rdma,
+            verbs_cfg.registration_chunk,
+            vec![spec],
+        )?;
         let pool = registered
             .pop()
             .unwrap_or(Err(RegistryError::BadRange { addr: 0, len: 0 }));
-        Ok(Some(NodeNics {
+        let mut nics = NodeNics {
             runtime,
             pool,
             direct_refusal,
             routing,
-        }))
+            responder: None,
+            configs: cfgs,
+        };
+        nics.responder = nics.serving().and_then(NicResponder::new).map(Arc::new);
+        Ok(Some(nics))
+    }
+
+    /// `(NIC id, device)` of every open RDMA NIC, when the pool is registered on them.
+    fn open_rdma(&self) -> Vec<(usize, Arc<dyn kvferry_transport::verbs::RdmaNic>)> {
+        if self.pool.is_err() {
+            return Vec::new();
+        }
+        self.runtime
+            .rdma
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                RdmaSlot::Open(n) => Some((i, Arc::clone(n))),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn serving(&self) -> Option<Vec<ServingNic>> {
+        let pool = self.pool.as_ref().ok()?;
+        let nics = self
+            .open_rdma()
+            .into_iter()
+            .filter_map(|(i, nic)| {
+                let mr = pool.rdma(NicId(u16::try_from(i).ok()?))?;
+                let depth = self.configs.get(i).map_or(16, |c| c.max_rd_atomic);
+                Some(ServingNic {
+                    nic,
+                    regions: mr
+                        .advertised()
+                        .into_iter()
+                        .map(|(c, k)| (c, k.rkey))
+                        .collect(),
+                    responder_depth: u8::try_from(depth).unwrap_or(u8::MAX),
+                })
+            })
+            .collect();
+        Some(nics)
+    }
+
+    /// What this node reads peers with over verbs; `None` without an open RDMA NIC holding
+    /// the pool.
+    pub fn verbs_side(&self) -> Option<VerbsSide> {
+        let pool = self.pool.as_ref().ok()?;
+        let nics: Vec<VerbsNicSide> = self
+            .open_rdma()
+            .into_iter()
+            .filter_map(|(i, nic)| {
+                let id = NicId(u16::try_from(i).ok()?);
+                Some(VerbsNicSide {
+                    name: self.runtime.names.get(i)?.clone(),
+                    nic,
+                    worker: self.runtime.workers.get(i)?.clone(),
+                    table: self.runtime.tables.get(i)?.clone(),
+                    pool_lkey: pool.key(id)?,
+                    max_sge: self.configs.get(i).map_or(1, |c| c.max_sge as usize),
+                })
+            })
+            .collect();
+        (!nics.is_empty()).then_some(VerbsSide { nics })
     }
 }

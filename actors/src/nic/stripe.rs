@@ -47,6 +47,27 @@ impl StripePlan {
     }
 }
 
+/// One segment's reads, each with the NIC it goes through: what a link gets from the load
+/// path (ops of a copy list are matched to reads by source address, since a list coalesces
+/// adjacent ops).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReadRoute {
+    pub nics: Vec<String>,
+    /// `(source start, length, index into nics)` per read.
+    pub reads: Vec<(u64, u64, usize)>,
+}
+
+impl ReadRoute {
+    /// The NIC name of the read whose source range holds `src`.
+    pub fn nic_of(&self, src: u64) -> Option<&str> {
+        self.reads
+            .iter()
+            .find(|(start, len, _)| src >= *start && src - start < *len)
+            .and_then(|(_, _, n)| self.nics.get(*n))
+            .map(String::as_str)
+    }
+}
+
 /// Assigns the reads of a plan (`read_lens`, in plan order) to the usable NICs of `nics`
 /// nearest `dest`, or to `cfg.nic_override` when set; plans of at least
 /// `cfg.stripe_min_bytes` are striped across all of them, smaller ones stay on the first.

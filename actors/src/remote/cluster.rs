@@ -320,6 +320,8 @@ impl LocalCluster {
                                 .ok()
                                 .and_then(|f| f.get(to).cloned())
                                 .unwrap_or_default(),
+                            connector: None,
+                            rdma: None,
                         },
                     ))
                 }

@@ -31,6 +31,7 @@ pub struct GrpcPeers {
     shm_dir: PathBuf,
     data_listen: String,
     side: Mutex<Option<DataSide>>,
+    verbs: Mutex<Option<super::verbs::VerbsSide>>,
     links: Mutex<HashMap<String, Arc<dyn PeerLink>>>,
     /// Links are built in futures that outlive the call that started them.
     me: Weak<GrpcPeers>,
@@ -79,6 +80,7 @@ impl GrpcPeers {
             shm_dir: cfg.shm_dir,
             data_listen: cfg.data_listen,
             side: Mutex::new(None),
+            verbs: Mutex::new(None),
             links: Mutex::new(HashMap::new()),
         })
     }
@@ -106,6 +108,25 @@ impl GrpcPeers {
         let client = PeerClient::connect(addr.clone(), self.token.clone())
             .await
             .map_err(|e| remote(to, e.to_string()))?;
+        if self.provider == Provider::Verbs {
+            let side = self
+                .verbs
+                .lock()
+                .map_err(|_| NodeError::Stopped { what: "peers" })?
+                .clone()
+                .ok_or_else(|| remote(to, "this node has no usable RDMA nic to read with"))?;
+            let control = Control::Grpc {
+                client: client.clone(),
+                runtime: tokio::runtime::Handle::current(),
+            };
+            let link: Arc<dyn PeerLink> = Arc::new(super::verbs::connect_link(
+                &side, from, to, control, &client,
+            )?);
+            if let Ok(mut l) = self.links.lock() {
+                l.insert(to.to_owned(), Arc::clone(&link));
+            }
+            return Ok(link);
+        }
         let hs = client
             .handshake(from, self.provider)
             .await
@@ -163,18 +184,13 @@ impl GrpcPeers {
                         pool_lkey: tcp.pool_mr.key(),
                         max_sge: tcp.max_sge,
                         faults: Vec::new(),
+                        connector: None,
+                        rdma: None,
                     },
                 ))
             }
             Provider::Loopback => return Err(remote(to, "loopback does not cross processes")),
-            // The endpoint exchange and its checks exist (Hello/Handshake carry
-            // `VerbsEndpoint`s); a link driving RC QPs over it is not built yet.
-            Provider::Verbs => {
-                return Err(remote(
-                    to,
-                    "reading a peer's pool over verbs is not supported by this node yet",
-                ))
-            }
+            Provider::Verbs => return Err(remote(to, "verbs links are made above")),
         };
         if let Ok(mut l) = self.links.lock() {
             l.insert(to.to_owned(), Arc::clone(&link));
@@ -221,6 +237,12 @@ impl Peers for GrpcPeers {
             .lock()
             .map_err(|_| NodeError::Stopped { what: "peers" })? = Some(side);
         Ok(())
+    }
+
+    fn attach_verbs(&self, side: super::verbs::VerbsSide) {
+        if let Ok(mut v) = self.verbs.lock() {
+            *v = Some(side);
+        }
     }
 
     fn leave(&self, node: &str) {

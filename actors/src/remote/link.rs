@@ -67,16 +67,16 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
         regions: Vec<(u64, u64)>,
         keep: Keep,
     ) -> BoxFut<Result<ReadStats, NodeError>>;
-    /// [`PeerLink::read_device`] with the NIC each block's read uses (`route.per_read[i]` for
-    /// the i-th block of `list`, into `route.nics`), as the planner striped it. Links with a
-    /// single data path (loopback, shm, tcp) have nothing to choose and ignore it.
+    /// [`PeerLink::read_device`] with the NIC each block's read goes through, as the
+    /// planner striped them. Links with a single data path (loopback, shm, tcp) have nothing
+    /// to choose and ignore it.
     fn read_device_routed(
         &self,
         device: Arc<dyn Device>,
         list: CopyList,
         regions: Vec<(u64, u64)>,
         keep: Keep,
-        route: Option<crate::nic::StripePlan>,
+        route: Option<crate::nic::ReadRoute>,
     ) -> BoxFut<Result<ReadStats, NodeError>> {
         let _ = route;
         self.read_device(device, list, regions, keep)

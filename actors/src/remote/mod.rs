@@ -9,6 +9,7 @@ pub mod link;
 pub mod pins;
 pub mod redis;
 pub mod tcp;
+pub mod verbs;
 
 pub use cluster::{LocalCluster, Provider};
 pub use directory::{Directory, EmbeddedDirectory, Segment, StaticDirectory};
@@ -41,4 +42,9 @@ pub trait Peers: Send + Sync + std::fmt::Debug {
     ) -> Result<(), NodeError>;
     /// Withdraws `node`: its directory entries go and links to it are dropped.
     fn leave(&self, node: &str);
+    /// The RDMA NICs a joined node reads peers with, for links over verbs. Peers that do
+    /// not read over verbs ignore it.
+    fn attach_verbs(&self, side: verbs::VerbsSide) {
+        let _ = side;
+    }
 }

@@ -1,7 +1,10 @@
-//! The tcp link: reads go through the transport's RC queue contract over a TCP connection
-//! to the owner, which checks key and bounds on every read. Host destinations are pool
-//! slots registered for local write; device destinations are registered per load (local
-//! write only) and written through a sink over the device.
+//! The RC link: reads go through the transport's RC queue contract, driven by this node's
+//! NIC worker. Over tcp (a TCP connection to the owner, which checks key and bounds on every
+//! read) or, with a connector of another provider, over verbs (the NIC reads the owner's
+//! pool MRs). Host destinations are pool slots registered for local write; device
+//! destinations are registered per load (local write only) in the MR table, written through
+//! a sink over the device, and, on an RDMA NIC, registered with the NIC as a DMA-BUF so the
+//! NIC writes them itself.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -10,6 +13,7 @@ use actix::Addr;
 use kvferry_gpu::{CopyList, CopyOp, Device};
 use kvferry_transport::fault::{Fault, FaultyConnector};
 use kvferry_transport::tcp::TcpConnector;
+use kvferry_transport::verbs::RdmaNic;
 use kvferry_transport::{
     CompletionStatus, Connector, DeviceSink, LocalSegment, MrKey, MrTable, NodeId, ReadRequest,
     RemoteDescriptor, SinkError,
@@ -52,6 +56,8 @@ pub struct TcpLink {
     pool_lkey: MrKey,
     max_sge: usize,
     faults: Vec<Fault>,
+    connector: Option<Arc<dyn Connector>>,
+    rdma: Option<Arc<dyn RdmaNic>>,
     connected: Arc<AtomicBool>,
     next_wr: AtomicU64,
 }
@@ -79,6 +85,10 @@ pub struct TcpEndpoints {
     /// Faults injected into this link's connection (tests: the transport fault matrix end
     /// to end); empty in service.
     pub faults: Vec<Fault>,
+    /// Another provider's connector (verbs) instead of a tcp connection to `addr`.
+    pub connector: Option<Arc<dyn Connector>>,
+    /// Verbs: the NIC device destinations are registered with (DMA-BUF, local write).
+    pub rdma: Option<Arc<dyn RdmaNic>>,
 }
 
 impl TcpLink {
@@ -95,6 +105,8 @@ impl TcpLink {
             pool_lkey: e.pool_lkey,
             max_sge: e.max_sge.max(1),
             faults: e.faults,
+            connector: e.connector,
+            rdma: e.rdma,
             connected: Arc::new(AtomicBool::new(false)),
             next_wr: AtomicU64::new(1),
         }
@@ -124,17 +136,21 @@ impl TcpLink {
         let connected = Arc::clone(&self.connected);
         let name = self.node_id.clone();
         let faults = self.faults.clone();
+        let given = self.connector.clone();
         Box::pin(async move {
             let err = |reason: String| NodeError::Remote {
                 peer: name.clone(),
                 reason,
             };
             if !connected.load(Ordering::Acquire) {
-                let tcp = TcpConnector::new(local, peer, addr);
+                let base: Arc<dyn Connector> = match given {
+                    Some(c) => c,
+                    None => Arc::new(TcpConnector::new(local, peer, addr)),
+                };
                 let connector: Arc<dyn Connector> = if faults.is_empty() {
-                    Arc::new(tcp)
+                    base
                 } else {
-                    let faulty = FaultyConnector::new(tcp, peer);
+                    let faulty = FaultyConnector::new(base, peer);
                     for f in faults {
                         faulty.inject(f);
                     }
@@ -195,7 +211,11 @@ impl PeerLink for TcpLink {
     }
 
     fn provider(&self) -> &'static str {
-        "tcp"
+        if self.rdma.is_some() {
+            "verbs"
+        } else {
+            "tcp"
+        }
     }
 
     fn pin(
@@ -242,6 +262,38 @@ impl PeerLink for TcpLink {
         // live until the batch has drained, then deregistration completes.
         let sink: Arc<dyn DeviceSink> = Arc::new(DeviceWriter(Arc::clone(&device)));
         let mut mrs = Vec::with_capacity(regions.len());
+        // On an RDMA NIC the planes are registered with the NIC too (as DMA-BUFs), or the
+        // read fails: a direct load is never staged.
+        let mut nic_mrs: Vec<Box<dyn std::any::Any + Send + Sync>> = Vec::new();
+        if let Some(nic) = &self.rdma {
+            for (base, len) in &regions {
+                let reg = device
+                    .export_dmabuf(*base, *len)
+                    .map_err(|e| e.to_string())
+                    .and_then(|buf| {
+                        let offset = buf.offset_of(*base, *len).ok_or_else(|| {
+                            format!("plane {base:#x}+{len} is outside its DMA-BUF")
+                        })?;
+                        let r = nic
+                            .register_device(buf.fd(), offset, *len, *base)
+                            .map_err(|e| e.to_string())?;
+                        Ok::<_, String>((buf, r))
+                    });
+                match reg {
+                    Ok((buf, r)) => {
+                        nic_mrs.push(r);
+                        nic_mrs.push(Box::new(buf));
+                    }
+                    Err(reason) => {
+                        let e = self.err(format!(
+                            "registering device memory on nic {}: {reason}",
+                            nic.name()
+                        ));
+                        return Box::pin(async move { Err(e) });
+                    }
+                }
+            }
+        }
         for (base, len) in &regions {
             match self.table.register_device(*base, *len, Arc::clone(&sink)) {
                 Ok(h) => mrs.push(h),
@@ -290,6 +342,11 @@ impl PeerLink for TcpLink {
                 }),
             }
         }
-        self.post(reads, vec![keep, Box::new(mrs)], t.elapsed().as_secs_f64())
+        // The NIC registrations drop after the table's (the batch has drained by then).
+        self.post(
+            reads,
+            vec![keep, Box::new(mrs), Box::new(nic_mrs)],
+            t.elapsed().as_secs_f64(),
+        )
     }
 }

@@ -1,0 +1,450 @@
+//! The verbs data path between nodes, over the endpoint exchange of the Peer RPC.
+//!
+//! Owner side: [`NicResponder`] answers verbs Handshakes with new QPs on its RDMA NICs
+//! (brought to ready-to-send against the requester's) and the pool's MRs with their rkeys.
+//! Requester side: [`GrpcExchange`] trades one QP's endpoint per Handshake for the
+//! transport's `VerbsConnector`, and [`VerbsLink`] reads through one RC link per NIC,
+//! striping direct loads across them as the planner routed them.
+//!
+//! Without a usable RDMA NIC (every machine this was built on) none of this is reached: the
+//! node has no responder (verbs Handshakes are refused), and the capability gate refuses
+//! `direct_gpu`. The code compiles in every build; the rdma-core calls behind it are the
+//! transport's, under its `verbs` feature.
+
+use std::any::Any;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use actix::Addr;
+use kvferry_gpu::{CopyList, CopyOp, Device};
+use kvferry_transport::verbs::registration::{Chunk, KeyMap};
+use kvferry_transport::verbs::{EndpointExchange, QpEndpoint, RdmaNic};
+use kvferry_transport::{ConnectionError, MrKey, MrTable, NodeId, QpKey};
+
+use super::endpoint::VerbsPeerEndpoint;
+use super::link::{BoxFut, Keep, PeerLink, PinnedRemote, ReadStats};
+use super::tcp::TcpLink;
+use super::VerbsResponder;
+use crate::error::NodeError;
+use crate::model::{BlockHash, Namespace};
+use crate::nic::worker::NicWorker;
+use crate::nic::ReadRoute;
+use crate::rpc::peer_client::PeerClient;
+
+/// Owner QPs kept per requester; older ones (from QPs the requester has rebuilt since) are
+/// destroyed first.
+const MAX_QPS_PER_PEER: usize = 1024;
+
+/// What a node reads peers with over one of its RDMA NICs.
+#[derive(Clone)]
+pub struct VerbsNicSide {
+    pub name: String,
+    pub nic: Arc<dyn RdmaNic>,
+    pub worker: Addr<NicWorker>,
+    /// The NIC's MR table, which destinations are checked against.
+    pub table: MrTable,
+    /// The host pool's key in that table (staged reads land in pool slots).
+    pub pool_lkey: MrKey,
+    pub max_sge: usize,
+}
+
+/// Every RDMA NIC a node reads peers with (at least one).
+#[derive(Clone)]
+pub struct VerbsSide {
+    pub nics: Vec<VerbsNicSide>,
+}
+
+impl std::fmt::Debug for VerbsSide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.nics.iter().map(|n| n.name.as_str()).collect();
+        f.debug_struct("VerbsSide").field("nics", &names).finish()
+    }
+}
+
+/// One RDMA NIC serving the pool: the device, the pool's MRs on it, the depth it answers
+/// reads with.
+pub struct ServingNic {
+    pub nic: Arc<dyn RdmaNic>,
+    pub regions: Vec<(Chunk, u32)>,
+    pub responder_depth: u8,
+}
+
+/// The owner side of verbs Handshakes over a node's open RDMA NICs.
+pub struct NicResponder {
+    nics: Vec<ServingNic>,
+    held: Mutex<HashMap<String, VecDeque<Box<dyn Any + Send + Sync>>>>,
+}
+
+impl std::fmt::Debug for NicResponder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.nics.iter().map(|n| n.nic.name()).collect();
+        f.debug_struct("NicResponder")
+            .field("nics", &names)
+            .finish()
+    }
+}
+
+impl NicResponder {
+    /// `None` without a NIC to serve on.
+    pub fn new(nics: Vec<ServingNic>) -> Option<Self> {
+        (!nics.is_empty()).then(|| NicResponder {
+            nics,
+            held: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The NIC answering a requester's NIC: the one of the same name, else by position.
+    fn serving(&self, i: usize, requester_nic: &str) -> &ServingNic {
+        self.nics
+            .iter()
+            .find(|n| n.nic.name() == requester_nic)
+            .unwrap_or(&self.nics[i % self.nics.len()])
+    }
+
+    fn port(n: &ServingNic) -> VerbsPeerEndpoint {
+        let a = n.nic.address();
+        VerbsPeerEndpoint {
+            nic: n.nic.name().to_string(),
+            gid: a.gid,
+            lid: a.lid,
+            mtu: a.mtu,
+            responder_depth: n.responder_depth,
+            qps: Vec::new(),
+            regions: Vec::new(),
+        }
+    }
+}
+
+impl VerbsResponder for NicResponder {
+    fn ports(&self) -> Vec<VerbsPeerEndpoint> {
+        self.nics.iter().map(Self::port).collect()
+    }
+
+    fn accept(
+        &self,
+        peer: &str,
+        request: &[VerbsPeerEndpoint],
+    ) -> Result<Vec<VerbsPeerEndpoint>, String> {
+        let mut guards = Vec::new();
+        let mut answer = Vec::with_capacity(request.len());
+        for (i, asked) in request.iter().enumerate() {
+            let serving = self.serving(i, &asked.nic);
+            let mut e = Self::port(serving);
+            // The answer names the requester's NIC it answers; the regions are this NIC's.
+            e.nic = asked.nic.clone();
+            e.regions = serving.regions.clone();
+            for q in 0..asked.qps.len() {
+                let remote = asked
+                    .qp_endpoint(q)
+                    .ok_or_else(|| "requester QP vanished".to_string())?;
+                let (local, guard) = Arc::clone(&serving.nic)
+                    .accept(remote)
+                    .map_err(|e| e.to_string())?;
+                e.qps.push((local.qpn, local.psn));
+                guards.push(guard);
+            }
+            answer.push(e);
+        }
+        let mut held = self
+            .held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let q = held.entry(peer.to_string()).or_default();
+        q.extend(guards);
+        while q.len() > MAX_QPS_PER_PEER {
+            q.pop_front();
+        }
+        Ok(answer)
+    }
+}
+
+/// Trades one QP's endpoint with the owner per call, through a verbs Handshake on the Peer
+/// RPC. Called from a NIC worker while it connects (a blocking step, like a tcp connect);
+/// the call runs on the gRPC client's runtime from a scoped thread.
+pub struct GrpcExchange {
+    pub client: PeerClient,
+    pub runtime: tokio::runtime::Handle,
+    /// This node's id, as the owner knows it.
+    pub node_id: String,
+    /// This side's NIC (the name the owner answers).
+    pub nic: String,
+    pub peer: NodeId,
+}
+
+impl EndpointExchange for GrpcExchange {
+    fn exchange(
+        &self,
+        _qp: QpKey,
+        local: QpEndpoint,
+    ) -> Result<(QpEndpoint, KeyMap), ConnectionError> {
+        let fail = |reason: String| ConnectionError::Handshake {
+            peer: self.peer,
+            reason,
+        };
+        let mine = VerbsPeerEndpoint {
+            nic: self.nic.clone(),
+            gid: local.gid,
+            lid: local.lid,
+            mtu: local.mtu,
+            responder_depth: local.responder_depth,
+            qps: vec![(local.qpn, local.psn)],
+            regions: Vec::new(),
+        };
+        let answer = std::thread::scope(|s| {
+            s.spawn(|| {
+                self.runtime.block_on(
+                    self.client
+                        .handshake_verbs(&self.node_id, std::slice::from_ref(&mine)),
+                )
+            })
+            .join()
+        })
+        .map_err(|_| fail("the handshake thread panicked".into()))?
+        .map_err(|e| fail(e.to_string()))?;
+        let theirs = answer
+            .verbs
+            .first()
+            .ok_or_else(|| fail("the owner answered no nic".into()))?;
+        let remote = theirs
+            .qp_endpoint(0)
+            .ok_or_else(|| fail("the owner answered no QP".into()))?;
+        Ok((remote, theirs.key_map()))
+    }
+}
+
+/// A link to one owner over verbs: one RC link per local RDMA NIC (index = position in
+/// `nics`), pins through the owner's Peer service (shared by every per-NIC link).
+pub struct VerbsLink {
+    node_id: String,
+    nics: Vec<String>,
+    links: Vec<TcpLink>,
+}
+
+impl std::fmt::Debug for VerbsLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsLink")
+            .field("node", &self.node_id)
+            .field("nics", &self.nics)
+            .finish()
+    }
+}
+
+impl VerbsLink {
+    /// `links[i]` reads through NIC `nics[i]`; at least one.
+    pub fn new(node_id: String, nics: Vec<String>, links: Vec<TcpLink>) -> Result<Self, NodeError> {
+        if links.is_empty() || links.len() != nics.len() {
+            return Err(NodeError::Remote {
+                peer: node_id,
+                reason: "a verbs link needs one RC link per nic".into(),
+            });
+        }
+        Ok(VerbsLink {
+            node_id,
+            nics,
+            links,
+        })
+    }
+}
+
+/// A link to `to` over every NIC of `side`, each with its own RC QPs whose endpoints are
+/// traded through `client` (the owner's Peer service).
+pub fn connect_link(
+    side: &VerbsSide,
+    from: &str,
+    to: &str,
+    control: super::link::Control,
+    client: &PeerClient,
+) -> Result<VerbsLink, NodeError> {
+    let (local, peer) = (
+        super::cluster::transport_id(from),
+        super::cluster::transport_id(to),
+    );
+    let mut names = Vec::with_capacity(side.nics.len());
+    let mut links = Vec::with_capacity(side.nics.len());
+    for n in &side.nics {
+        let exchange = Arc::new(GrpcExchange {
+            client: client.clone(),
+            runtime: tokio::runtime::Handle::current(),
+            node_id: from.to_string(),
+            nic: n.name.clone(),
+            peer,
+        });
+        let connector = Arc::clone(&n.nic)
+            .connector(peer, exchange)
+            .ok_or_else(|| NodeError::Remote {
+                peer: to.to_string(),
+                reason: format!("nic {} has no verbs provider behind it", n.name),
+            })?;
+        links.push(TcpLink::new(
+            to.to_string(),
+            super::tcp::TcpEndpoints {
+                control: control.clone(),
+                // Verbs reads name the owner's MRs by address (the rkeys came with the
+                // handshake); the provider-neutral key is not used on the wire.
+                rkey: MrKey(0),
+                local,
+                peer,
+                addr: std::net::SocketAddr::from(([0, 0, 0, 0], 0)),
+                worker: n.worker.clone(),
+                table: n.table.clone(),
+                pool_lkey: n.pool_lkey,
+                max_sge: n.max_sge,
+                faults: Vec::new(),
+                connector: Some(connector),
+                rdma: Some(Arc::clone(&n.nic)),
+            },
+        ));
+        names.push(n.name.clone());
+    }
+    VerbsLink::new(to.to_string(), names, links)
+}
+
+/// Splits a direct load's copy list into one list per link as `route` assigns its reads
+/// (each op goes with the read its source lies in). `None` when an op's read or NIC is
+/// unknown (then everything goes through the first NIC).
+pub fn split_by_route(
+    list: &CopyList,
+    route: &ReadRoute,
+    link_nics: &[String],
+) -> Option<Vec<(usize, CopyList)>> {
+    let mut out: Vec<(usize, CopyList)> = Vec::new();
+    for op in list.ops() {
+        let name = route.nic_of(op.src)?;
+        let link = link_nics.iter().position(|n| n == name)?;
+        let at = match out.iter().position(|(l, _)| *l == link) {
+            Some(i) => i,
+            None => {
+                out.push((link, CopyList::with_capacity(list.len())));
+                out.len() - 1
+            }
+        };
+        out[at].1.push(op.src, op.dst, op.len);
+    }
+    Some(out)
+}
+
+impl PeerLink for VerbsLink {
+    fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    fn provider(&self) -> &'static str {
+        "verbs"
+    }
+
+    fn pin(
+        &self,
+        ns: Namespace,
+        hashes: Vec<BlockHash>,
+    ) -> BoxFut<Result<PinnedRemote, NodeError>> {
+        self.links[0].pin(ns, hashes)
+    }
+
+    fn unpin(&self, pin_id: u64) {
+        self.links[0].unpin(pin_id);
+    }
+
+    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, NodeError>> {
+        self.links[0].read_host(ops, keep)
+    }
+
+    fn read_device(
+        &self,
+        device: Arc<dyn Device>,
+        list: CopyList,
+        regions: Vec<(u64, u64)>,
+        keep: Keep,
+    ) -> BoxFut<Result<ReadStats, NodeError>> {
+        self.links[0].read_device(device, list, regions, keep)
+    }
+
+    fn read_device_routed(
+        &self,
+        device: Arc<dyn Device>,
+        list: CopyList,
+        regions: Vec<(u64, u64)>,
+        keep: Keep,
+        route: Option<ReadRoute>,
+    ) -> BoxFut<Result<ReadStats, NodeError>> {
+        let parts = route
+            .as_ref()
+            .and_then(|r| split_by_route(&list, r, &self.nics));
+        let Some(parts) = parts.filter(|p| p.len() > 1) else {
+            return self.read_device(device, list, regions, keep);
+        };
+        // Every part holds the caller's guards until the last one has landed.
+        let keep = Arc::new(Mutex::new(keep));
+        let reads: Vec<_> = parts
+            .into_iter()
+            .map(|(link, part)| {
+                let k: Keep = Box::new(Arc::clone(&keep));
+                self.links[link].read_device(Arc::clone(&device), part, regions.clone(), k)
+            })
+            .collect();
+        Box::pin(async move {
+            let mut total = ReadStats::default();
+            let mut first_err = None;
+            // Wait for every part, failed or not, before reporting: nothing is released
+            // while a read may still land.
+            for r in reads {
+                match r.await {
+                    Ok(s) => {
+                        total.bytes += s.bytes;
+                        total.register += s.register;
+                        total.post = total.post.max(s.post);
+                        total.wire = total.wire.max(s.wire);
+                    }
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+            drop(keep);
+            match first_err {
+                Some(e) => Err(e),
+                None => Ok(total),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_split_the_list_read_by_read() {
+        // 4 reads (blocks) of 32 bytes, each scattered into 2 non-adjacent pieces.
+        let mut list = CopyList::with_capacity(8);
+        for i in 0..8u64 {
+            list.push(0x1000 + i * 16, 0x9000 + i * 32, 16);
+        }
+        // Reads 0 and 2 on mlx5_3, 1 and 3 on mlx5_2.
+        let route = ReadRoute {
+            nics: vec!["mlx5_3".into(), "mlx5_2".into()],
+            reads: (0..4u64)
+                .map(|i| (0x1000 + i * 32, 32, (i % 2) as usize))
+                .collect(),
+        };
+        let links = vec!["mlx5_2".to_string(), "mlx5_3".to_string()];
+        let parts = split_by_route(&list, &route, &links).unwrap();
+        assert_eq!(parts.len(), 2);
+        let (l0, p0) = &parts[0];
+        assert_eq!(*l0, 1);
+        let srcs: Vec<u64> = p0.ops().iter().map(|o| o.src).collect();
+        assert_eq!(srcs, vec![0x1000, 0x1010, 0x1040, 0x1050]);
+        let (l1, p1) = &parts[1];
+        assert_eq!(*l1, 0);
+        assert_eq!(p1.ops()[0].dst, 0x9040);
+        assert_eq!(p1.bytes(), 64);
+        // A source outside every read, or a NIC without a link: not split.
+        let mut stray = CopyList::with_capacity(1);
+        stray.push(0x8000, 0x9000, 16);
+        assert!(split_by_route(&stray, &route, &links).is_none());
+        let unknown = ReadRoute {
+            nics: vec!["mlx5_9".into()],
+            reads: vec![(0x1000, 128, 0)],
+        };
+        assert!(split_by_route(&list, &unknown, &links).is_none());
+    }
+}
