@@ -1191,3 +1191,69 @@ fn node_config_takes_nic_and_verbs_sections_and_names_bad_keys() {
         "{e}"
     );
 }
+
+/// The NIC families in a real node's scrape are valid Prometheus text (HELP and TYPE once per
+/// family, counters named `_total`): `promtool check metrics` on a node with a verbs NIC that
+/// could not be opened and a worker that saw faults.
+#[test]
+fn nic_metrics_pass_promtool() {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    rt().block_on(async {
+        let mut cfg = kvferry_tests::config(64 << 10, 4);
+        cfg.nic = vec![
+            NicSection {
+                name: "mlx5_0".into(),
+                provider: "verbs".into(),
+                ..NicSection::default()
+            },
+            NicSection {
+                name: "lo0".into(),
+                provider: "loopback".into(),
+                ..NicSection::default()
+            },
+        ];
+        cfg.verbs = Some(VerbsSection {
+            sysfs_root: fixture("sysfs-no-rdma"),
+            ..VerbsSection::default()
+        });
+        let dev: Arc<dyn kvferry_gpu::Device> = kvferry_gpu::HostDevice::new(0);
+        let node =
+            kvferry_actors::Node::start_with(cfg, vec![dev], kvferry_actors::Clock::system())
+                .unwrap();
+        let text = node.metrics_text().await.unwrap();
+        for family in [
+            metrics::MR_REGISTRATIONS,
+            metrics::MR_REGISTRATION_FAILURES,
+            metrics::MRS_REGISTERED,
+            metrics::QPS,
+            metrics::COMPLETION_ERRORS,
+        ] {
+            assert!(
+                text.contains(&format!("# TYPE {family} ")),
+                "{family}:\n{text}"
+            );
+        }
+        let mut check = Command::new("promtool")
+            .args(["check", "metrics"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("promtool is not installed: run ./scripts/test, which installs it");
+        check
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+        let res = check.wait_with_output().unwrap();
+        assert!(
+            res.status.success(),
+            "promtool: {}{}\n{text}",
+            String::from_utf8_lossy(&res.stdout),
+            String::from_utf8_lossy(&res.stderr)
+        );
+        node.shutdown();
+    });
+}
