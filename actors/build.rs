@@ -2,7 +2,10 @@
 //! comes from the `protoc-bin-vendored` crate so that no system protoc is needed.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = ["proto/kvferry/v1/peer.proto", "proto/kvferry/v1/engine.proto"];
+    let protos = [
+        "proto/kvferry/v1/peer.proto",
+        "proto/kvferry/v1/engine.proto",
+    ];
     for proto in protos {
         println!("cargo:rerun-if-changed={proto}");
     }
