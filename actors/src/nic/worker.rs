@@ -269,8 +269,22 @@ impl NicWorker {
         connector: Arc<dyn Connector>,
         qps: u32,
     ) -> Result<Vec<QpKey>, WorkerError> {
-        if let Some(p) = self.peers.get(&peer) {
-            return Ok(p.qps.clone());
+        if let Some(p) = self.peers.get_mut(&peer) {
+            let keys = p.qps.clone();
+            if !Arc::ptr_eq(&p.connector, &connector) {
+                // Another connector for a known peer: a new link was made for it because
+                // the peer restarted, at a new data endpoint. Its QPs' connections (even
+                // idle ones that look ready) lead to the dead process: error them, let them
+                // drain, and reconnect through the new connector.
+                p.connector = connector;
+                for key in &keys {
+                    if let Some(slot) = self.slots.get_mut(key) {
+                        slot.qp.set_error();
+                    }
+                    self.advance(*key);
+                }
+            }
+            return Ok(keys);
         }
         let mut keys = Vec::with_capacity(qps as usize);
         let mut created = Vec::with_capacity(qps as usize);

@@ -33,6 +33,9 @@ pub struct GrpcPeers {
     side: Mutex<Option<DataSide>>,
     verbs: Mutex<Option<super::verbs::VerbsSide>>,
     links: Mutex<HashMap<String, Arc<dyn PeerLink>>>,
+    /// The Peer client each link pins through: once it saw the owner restart, the link (its
+    /// data connection or mapping, its keys) is of the old owner and is made again.
+    clients: Mutex<HashMap<String, PeerClient>>,
     /// Links are built in futures that outlive the call that started them.
     me: Weak<GrpcPeers>,
 }
@@ -82,6 +85,7 @@ impl GrpcPeers {
             side: Mutex::new(None),
             verbs: Mutex::new(None),
             links: Mutex::new(HashMap::new()),
+            clients: Mutex::new(HashMap::new()),
         })
     }
 
@@ -108,6 +112,9 @@ impl GrpcPeers {
         let client = PeerClient::connect(addr.clone(), self.token.clone())
             .await
             .map_err(|e| remote(to, e.to_string()))?;
+        if let Ok(mut c) = self.clients.lock() {
+            c.insert(to.to_owned(), client.clone());
+        }
         if self.provider == Provider::Verbs {
             let side = self
                 .verbs
@@ -205,6 +212,21 @@ impl Peers for GrpcPeers {
     }
 
     fn link(&self, from: &str, to: &str) -> BoxFut<Result<Arc<dyn PeerLink>, NodeError>> {
+        let restarted = self
+            .clients
+            .lock()
+            .ok()
+            .and_then(|c| c.get(to).map(PeerClient::restarted))
+            .unwrap_or(false);
+        if restarted {
+            // Transfers still reading through the old link hold it; new plans get a new one.
+            if let Ok(mut l) = self.links.lock() {
+                l.remove(to);
+            }
+            if let Ok(mut c) = self.clients.lock() {
+                c.remove(to);
+            }
+        }
         if let Some(l) = self.links.lock().ok().and_then(|l| l.get(to).cloned()) {
             return Box::pin(async move { Ok(l) });
         }

@@ -49,6 +49,10 @@ pub enum PeerClientError {
         method: &'static str,
         reason: String,
     },
+    /// The owner restarted since the handshake: what it described (pool, keys, data
+    /// endpoint) is gone. The pin just taken was released; handshake again.
+    #[error("peer at {addr}: restarted (incarnation {now:#x}, handshake saw {was:#x})")]
+    Restarted { addr: String, was: u64, now: u64 },
 }
 
 impl PeerClientError {
@@ -125,6 +129,8 @@ pub struct RemoteRegion {
 /// Where and how the owner's pool is read over one provider.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeerHandshake {
+    /// The owner's incarnation (see [`PeerClientError::Restarted`]).
+    pub incarnation: u64,
     pub provider: Provider,
     pub endpoint: String,
     pub regions: Vec<RemoteRegion>,
@@ -180,6 +186,17 @@ struct Inner {
     addr: String,
     token: String,
     deadline: Duration,
+    /// Shared by every copy of this client (one owner, one life as seen from here).
+    life: Arc<OwnerLife>,
+}
+
+/// What this client knows of the owner's incarnation.
+#[derive(Debug, Default)]
+struct OwnerLife {
+    /// The owner's incarnation from the last handshake (0: none yet).
+    incarnation: std::sync::atomic::AtomicU64,
+    /// Set once a PinBlocks answer came from another incarnation.
+    restarted: std::sync::atomic::AtomicBool,
 }
 
 impl PeerClient {
@@ -228,8 +245,18 @@ impl PeerClient {
                 addr,
                 token: token.into(),
                 deadline,
+                life: Arc::default(),
             }),
         })
+    }
+
+    /// Whether a PinBlocks answer showed that the owner restarted since the handshake: what
+    /// was built on that handshake (data links, mappings) must be rebuilt.
+    pub fn restarted(&self) -> bool {
+        self.inner
+            .life
+            .restarted
+            .load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Sets the deadline of every later call made through this handle.
@@ -371,7 +398,15 @@ impl PeerClient {
                 format!("verbs endpoints in a {} answer", provider.as_str()),
             ));
         }
+        if resp.incarnation == 0 {
+            return Err(self.malformed("Handshake", "no incarnation"));
+        }
+        self.inner
+            .life
+            .incarnation
+            .store(resp.incarnation, std::sync::atomic::Ordering::Release);
         Ok(PeerHandshake {
+            incarnation: resp.incarnation,
             provider,
             verbs,
             endpoint: resp.endpoint,
@@ -401,6 +436,25 @@ impl PeerClient {
         });
         let mut raw = self.inner.raw.clone();
         let resp = self.call("PinBlocks", raw.pin_blocks(req)).await?;
+        let was = self
+            .inner
+            .life
+            .incarnation
+            .load(std::sync::atomic::Ordering::Acquire);
+        if was != 0 && resp.incarnation != was {
+            // Another life of the owner: its addresses mean nothing to what the handshake
+            // set up. Give the pin back and say so; the caller handshakes again.
+            self.inner
+                .life
+                .restarted
+                .store(true, std::sync::atomic::Ordering::Release);
+            let _ = self.unpin(resp.pin_id).await;
+            return Err(PeerClientError::Restarted {
+                addr: self.inner.addr.clone(),
+                was,
+                now: resp.incarnation,
+            });
+        }
         if resp.blocks.len() > hashes.len() {
             return Err(self.malformed(
                 "PinBlocks",

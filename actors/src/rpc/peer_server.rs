@@ -78,6 +78,22 @@ pub struct PeerBackend {
     pin_ttl: Duration,
     endpoints: Vec<DataEndpoint>,
     verbs: Option<Arc<dyn VerbsResponder>>,
+    /// Random and fixed for this backend's life: a requester whose handshake saw another
+    /// one talks to a restarted owner.
+    incarnation: u64,
+}
+
+/// A random nonzero incarnation.
+fn new_incarnation() -> u64 {
+    let mut b = [0u8; 8];
+    // Without randomness, the time still tells two lives of one node apart.
+    if getrandom::fill(&mut b).is_err() {
+        b = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+            .to_le_bytes();
+    }
+    u64::from_le_bytes(b).max(1)
 }
 
 impl PeerBackend {
@@ -99,7 +115,13 @@ impl PeerBackend {
             pin_ttl,
             endpoints: Vec::new(),
             verbs: None,
+            incarnation: new_incarnation(),
         }
+    }
+
+    /// This owner's incarnation, as Handshake and PinBlocks announce it.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
     }
 
     /// Serves the pool over verbs: Hello announces the responder's ports, and verbs
@@ -263,6 +285,7 @@ impl PeerService {
             endpoint: String::new(),
             regions: wire.iter().flat_map(|e| e.regions.clone()).collect(),
             verbs: wire,
+            incarnation: b.incarnation,
         }))
     }
 
@@ -341,6 +364,7 @@ impl Peer for PeerService {
             )));
         };
         Ok(Response::new(HandshakeResponse {
+            incarnation: b.incarnation,
             provider: provider.as_str().to_owned(),
             endpoint: ep.endpoint.clone(),
             regions: ep
@@ -381,6 +405,7 @@ impl Peer for PeerService {
             .map_err(|_| self.stopped())?;
         let len = self.backend.slot_bytes;
         Ok(Response::new(PinBlocksResponse {
+            incarnation: self.backend.incarnation,
             pin_id: pinned.pin_id,
             ttl_ms: u64::try_from(self.backend.pin_ttl.as_millis()).unwrap_or(u64::MAX),
             blocks: pinned
