@@ -1,0 +1,433 @@
+//! Three `kvferry node` processes started from config files on loopback, and engine clients
+//! in other processes: this test (the Rust `EngineClient`) and a Python grpcio client. Host
+//! KV reaches the nodes as memfds over their fd sockets; queries, asynchronous loads and
+//! byte checks go through `kvferry.v1.Engine`. An owner is killed with SIGKILL mid-load and
+//! restarted from the same file.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvferry_actors::fixture_client::Attached;
+use kvferry_actors::rpc::proto::{LoadCompletion, LoadStatus};
+use kvferry_actors::BlockHash;
+use kvferry_gpu::KvShape;
+
+/// 4 layers x split K/V x 16 KiB: 128 KiB per block.
+fn shape() -> KvShape {
+    KvShape::new(4, 1, 2, 16 << 10).unwrap()
+}
+
+/// Device blocks of every client's KV.
+const KV_BLOCKS: u32 = 80;
+
+/// The blocks an owner killed mid-load holds beyond the worked example's: a prompt of
+/// B's 0..4 then these 64 (8 MiB) is what the kill lands in.
+const LONG: std::ops::Range<u64> = 100..164;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One `kvferry node` process.
+struct NodeProc {
+    name: String,
+    config: PathBuf,
+    child: Option<Child>,
+    engine: String,
+}
+
+impl NodeProc {
+    /// Starts `kvferry node --config FILE` and waits for its engine, fd socket and peer
+    /// listening lines.
+    fn start(name: &str, config: &Path) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["node", "--config", config.to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if let Some((what, addr)) = line
+                    .strip_prefix("listening ")
+                    .and_then(|l| l.split_once('='))
+                {
+                    let _ = tx.send((what.to_owned(), addr.to_owned()));
+                }
+            }
+        });
+        let mut seen = HashMap::new();
+        let end = Instant::now() + Duration::from_secs(60);
+        while !["engine", "engine-fd", "peer"]
+            .iter()
+            .all(|k| seen.contains_key(*k))
+        {
+            let left = end.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok((k, v)) => {
+                    seen.insert(k, v);
+                }
+                Err(_) => {
+                    let _ = child.kill();
+                    panic!("node {name} did not start serving: {seen:?}");
+                }
+            }
+        }
+        Self {
+            name: name.into(),
+            config: config.into(),
+            child: Some(child),
+            engine: seen["engine"].clone(),
+        }
+    }
+
+    /// SIGKILL: no drain, no goodbye to anyone.
+    fn kill9(&mut self) {
+        let mut c = self.child.take().unwrap();
+        c.kill().unwrap();
+        let status = c.wait().unwrap();
+        assert!(!status.success(), "{} survived SIGKILL", self.name);
+    }
+
+    fn restart(&mut self) {
+        assert!(self.child.is_none());
+        *self = Self::start(&self.name.clone(), &self.config.clone());
+    }
+
+    /// SIGTERM and a clean exit.
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: signalling our own child process by its pid.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let status = c.wait().unwrap();
+            assert!(status.success(), "{} exited with {status:?}", self.name);
+        }
+    }
+}
+
+impl Drop for NodeProc {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The config file of node `name`: host device, an engine service and fd socket, the
+/// `provider` (tcp or shm), static peers.
+fn write_config(dir: &Path, name: &str, ports: &[(&str, u16)], provider: &str) -> PathBuf {
+    let port = ports.iter().find(|(n, _)| *n == name).unwrap().1;
+    let mut text = format!(
+        "node-id = \"{name}\"\n\
+         [pool]\nsize = \"32MiB\"\nslot-bytes = \"128KiB\"\n\
+         [device]\nkind = \"host\"\n\
+         [engine]\nlisten = \"127.0.0.1:0\"\nfd-dir = \"{dir}\"\n\
+         [cluster]\nprovider = \"{provider}\"\npeer-listen = \"127.0.0.1:{port}\"\n\
+         data-listen = \"127.0.0.1:0\"\nshm-dir = \"{dir}\"\ntoken = \"cluster-secret\"\n\
+         directory = \"static\"\n",
+        dir = dir.display()
+    );
+    for (peer, p) in ports.iter().filter(|(n, _)| *n != name) {
+        text.push_str(&format!(
+            "[[cluster.peers]]\nnode-id = \"{peer}\"\naddress = \"127.0.0.1:{p}\"\n"
+        ));
+    }
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+async fn attach(node: &NodeProc) -> Attached {
+    Attached::connect(&node.engine, "", shape(), KV_BLOCKS, "eng", "m")
+        .await
+        .unwrap()
+}
+
+fn hashes(ids: &[u64]) -> Vec<BlockHash> {
+    ids.iter().map(|&i| BlockHash::from_u64(i)).collect()
+}
+
+/// Destinations for `n` blocks, scattered over the KV in reverse.
+fn dests(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| KV_BLOCKS - 1 - i).collect()
+}
+
+/// Queries `ids`, expects `hit` blocks, loads them and returns the completion (from the
+/// completion stream), with the lease's destinations.
+async fn query_and_load(
+    e: &Attached,
+    ids: &[u64],
+    direct: bool,
+    hit: u32,
+) -> (LoadCompletion, Vec<u32>) {
+    let q = e
+        .client
+        .query(&e.instance, &hashes(ids), direct)
+        .await
+        .unwrap();
+    assert_eq!(q.hit_blocks(), hit, "{q:?}");
+    if direct {
+        assert!(q.direct.is_granted(), "{q:?}");
+    }
+    let dest = dests(hit as usize);
+    let done = e
+        .load(q.lease.unwrap(), &dest, Duration::from_secs(30))
+        .await
+        .unwrap();
+    (done, dest)
+}
+
+fn verify(e: &Attached, ids: &[u64], dest: &[u32]) -> u64 {
+    let expected: Vec<(u32, u64)> = dest.iter().copied().zip(ids.iter().copied()).collect();
+    let checked = e.kv.verify(&expected, 0).unwrap();
+    e.kv.reset().unwrap();
+    checked
+}
+
+/// Waits until the node's gauges say nothing is leased, pinned or in flight.
+async fn settled(e: &Attached) {
+    let mut last = None;
+    for _ in 0..400 {
+        let s = e.client.stats().await.unwrap();
+        if s.leases_live == 0 && s.pinned_blocks == 0 && s.pins == 0 && s.transfers_in_flight == 0 {
+            return;
+        }
+        last = Some(s);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("gauges did not return to zero: {last:?}");
+}
+
+fn worked_example() -> Vec<u64> {
+    (0..12).collect()
+}
+
+fn long_prompt() -> Vec<u64> {
+    (0..4).chain(LONG).collect()
+}
+
+#[test]
+fn three_node_processes_over_tcp_and_an_owner_killed_mid_load() {
+    three_node_processes("tcp");
+}
+
+/// Over shm the requester maps each owner's pool: after the owner restarts, that mapping
+/// is of a dead pool, and B must map the new one (the incarnation check) rather than read
+/// stale bytes.
+#[test]
+fn three_node_processes_over_shm_and_an_owner_killed_mid_load() {
+    three_node_processes("shm");
+}
+
+fn three_node_processes(provider: &str) {
+    let dir =
+        std::env::temp_dir().join(format!("kvferry-cluster-{provider}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let ports = [("b", free_port()), ("a", free_port()), ("c", free_port())];
+    let mut nodes: Vec<NodeProc> = ["b", "a", "c"]
+        .iter()
+        .map(|n| NodeProc::start(n, &write_config(&dir, n, &ports, provider)))
+        .collect();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut engines = Vec::new();
+        for n in &nodes {
+            engines.push(attach(n).await);
+        }
+        // B holds 0..4, A 4..8 and the long run, C 8..12.
+        engines[0].put_pattern(0..4).await.unwrap();
+        engines[1].put_pattern((4..8).chain(LONG)).await.unwrap();
+        engines[2].put_pattern(8..12).await.unwrap();
+        let b = &engines[0];
+
+        // The worked example through B, direct and staged.
+        for direct in [true, false] {
+            let (done, dest) = query_and_load(b, &worked_example(), direct, 12).await;
+            assert_eq!(done.status(), LoadStatus::LoadOk, "{done:?}");
+            assert_eq!(done.path, if direct { "direct" } else { "staged" });
+            assert_eq!(
+                verify(b, &worked_example(), &dest),
+                12 * shape().rank_bytes()
+            );
+            settled(b).await;
+            if direct {
+                // A Python grpcio client of its own against B (before the staged run makes
+                // copies at B): its memfd, its session, 4 local + 8 remote blocks direct.
+                python_client(&nodes[0], 12, 4, 8);
+            }
+        }
+
+        // SIGKILL A while B reads the long run from it, direct (so no staged copy of it
+        // lands at B whatever the timing: afterwards only B's own prefix may hit).
+        let q = b
+            .client
+            .query(&b.instance, &hashes(&long_prompt()), true)
+            .await
+            .unwrap();
+        assert_eq!((q.local_blocks, q.remote_blocks), (4, 64), "{q:?}");
+        assert!(q.direct.is_granted(), "{q:?}");
+        let dest = dests(68);
+        let mut stream = b.client.completions(&b.instance, 0).await.unwrap();
+        let load = b.start_load(q.lease.unwrap(), &dest).await.unwrap();
+        nodes[1].kill9();
+        let done = stream
+            .wait_for(load, Duration::from_secs(30))
+            .await
+            .expect("the load neither completed nor failed within 30 s");
+        match done.status() {
+            LoadStatus::LoadOk => {
+                // The kill landed after the last read: every byte must be there.
+                eprintln!("cluster: the load finished before the owner died");
+                verify(b, &long_prompt(), &dest);
+            }
+            _ => {
+                eprintln!(
+                    "cluster: load failed mid-flight: {}: {}",
+                    done.error_kind, done.error
+                );
+                assert!(
+                    !done.error.is_empty() && !done.error_kind.is_empty(),
+                    "{done:?}"
+                );
+                assert_eq!(done.failed_blocks, dest, "{done:?}");
+                b.kv.untouched_outside(&dest).unwrap();
+                b.kv.reset().unwrap();
+            }
+        }
+        settled(b).await;
+
+        // With A gone, B answers with what is left: its own prefix, then loads it.
+        let (done, dest) = query_and_load(b, &long_prompt(), false, 4).await;
+        assert_eq!(done.status(), LoadStatus::LoadOk, "{done:?}");
+        verify(b, &long_prompt()[..4], &dest);
+        settled(b).await;
+
+        // A restarts from the same file with an empty pool; its engine fills it again, in
+        // another order, so a block's new slot is not its old one (a requester reading
+        // through what it had mapped of the dead A would find other blocks there).
+        nodes[1].restart();
+        engines[1] = attach(&nodes[1]).await;
+        engines[1]
+            .put_pattern(LONG.rev().chain((4..8).rev()))
+            .await
+            .unwrap();
+        let b = &engines[0];
+        // B reaches the new A (its peer channel reconnects on its own).
+        let mut hit = 0;
+        for _ in 0..100 {
+            let q = b
+                .client
+                .query(&b.instance, &hashes(&long_prompt()), false)
+                .await
+                .unwrap();
+            hit = q.hit_blocks();
+            b.client.release(q.lease.unwrap()).await.unwrap();
+            if hit == 68 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(hit, 68, "B never saw the restarted owner");
+        for direct in [true, false] {
+            let (done, dest) = query_and_load(b, &long_prompt(), direct, 68).await;
+            assert_eq!(done.status(), LoadStatus::LoadOk, "{done:?}");
+            assert_eq!(done.path, if direct { "direct" } else { "staged" });
+            verify(b, &long_prompt(), &dest);
+            settled(b).await;
+            let (done, dest) = query_and_load(b, &worked_example(), direct, 12).await;
+            assert_eq!(done.status(), LoadStatus::LoadOk, "{done:?}");
+            verify(b, &worked_example(), &dest);
+            settled(b).await;
+        }
+        let st = b.client.stats().await.unwrap();
+        assert!(st.loads_failed <= 1, "{st:?}");
+        drop(engines);
+    });
+    for n in &mut nodes {
+        n.stop();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Runs tests/python/engine_client.py against `node`: query `query` hashes, expect `local`
+/// and `remote` blocks.
+fn python_client(node: &NodeProc, query: u32, local: u32, remote: u32) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let python = python_with_grpc(&root);
+    let s = shape();
+    let out = Command::new(&python)
+        .arg(root.join("tests/python/engine_client.py"))
+        .args(["--address", &node.engine])
+        .arg("--proto")
+        .arg(root.join("actors/proto"))
+        .args(["--layers", &s.layers().to_string()])
+        .args(["--segment-bytes", &s.segment_bytes().to_string()])
+        .args(["--query", &query.to_string()])
+        .args(["--expect-local", &local.to_string()])
+        .args(["--expect-remote", &remote.to_string()])
+        .arg("--direct")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("PY-OK"),
+        "python client failed ({:?}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("cluster: {}", stdout.trim());
+}
+
+/// A Python with grpcio and grpcio-tools: `$KVFERRY_PYTHON`, else a virtualenv under
+/// target/ that this creates from PyPI the first time (./scripts/test creates it first).
+fn python_with_grpc(root: &Path) -> PathBuf {
+    if let Some(p) = std::env::var_os("KVFERRY_PYTHON") {
+        return p.into();
+    }
+    let venv = root.join("target/py-venv");
+    let python = venv.join("bin/python");
+    let has_grpc = |p: &Path| {
+        Command::new(p)
+            .args(["-c", "import grpc, grpc_tools"])
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if python.exists() && has_grpc(&python) {
+        return python;
+    }
+    eprintln!(
+        "cluster: creating {} with grpcio and grpcio-tools",
+        venv.display()
+    );
+    let ok = Command::new("python3")
+        .arg("-m")
+        .arg("venv")
+        .arg(&venv)
+        .status()
+        .is_ok_and(|s| s.success())
+        && Command::new(&python)
+            .args(["-m", "pip", "install", "-q", "grpcio", "grpcio-tools"])
+            .status()
+            .is_ok_and(|s| s.success());
+    assert!(
+        ok && has_grpc(&python),
+        "no Python with grpcio: install python3 (with venv) and let pip reach PyPI, or set \
+         KVFERRY_PYTHON"
+    );
+    python
+}
