@@ -51,6 +51,13 @@ pub struct RemoteArgs {
     /// The nodes' engine token, where they require one.
     #[arg(long, default_value = "")]
     token: String,
+    /// With --nodes: layers of the benchmark's KV (split K/V, one segment each).
+    #[arg(long, default_value_t = 28)]
+    layers: u32,
+    /// With --nodes: KiB of one K or V segment of one block (a block is layers x 2 x this;
+    /// the nodes' slot-bytes must hold it).
+    #[arg(long, default_value_t = 64)]
+    segment_kib: u64,
 }
 
 /// `kvferry owner`: an owner node in its own process holding blocks 0..N of the benchmark's
@@ -279,7 +286,8 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
         bail!("--tp must be at least 1");
     }
     if !a.nodes.is_empty() {
-        return crate::bench_cluster::run(&a.nodes, &a.token, shape(1)?, a.blocks, a.iters, a.json);
+        let shape = KvShape::new(a.layers, 1, 2, a.segment_kib << 10)?;
+        return crate::bench_cluster::run(&a.nodes, &a.token, shape, a.blocks, a.iters, a.json);
     }
     let devices = (0..a.tp)
         .map(|r| {

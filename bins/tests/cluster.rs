@@ -129,7 +129,7 @@ fn write_config(dir: &Path, name: &str, ports: &[(&str, u16)], provider: &str) -
     let port = ports.iter().find(|(n, _)| *n == name).unwrap().1;
     let mut text = format!(
         "node-id = \"{name}\"\n\
-         [pool]\nsize = \"32MiB\"\nslot-bytes = \"128KiB\"\n\
+         [pool]\nsize = \"64MiB\"\nslot-bytes = \"256KiB\"\n\
          [device]\nkind = \"host\"\n\
          [engine]\nlisten = \"127.0.0.1:0\"\nfd-dir = \"{dir}\"\n\
          [cluster]\nprovider = \"{provider}\"\npeer-listen = \"127.0.0.1:{port}\"\n\
@@ -358,10 +358,56 @@ fn three_node_processes(provider: &str) {
         assert!(st.loads_failed <= 1, "{st:?}");
         drop(engines);
     });
+    if provider == "tcp" {
+        // The demo and the benchmark, pointed at the running nodes by address.
+        let addrs: Vec<&str> = nodes.iter().map(|n| n.engine.as_str()).collect();
+        let demo = kvferry_json(&["demo", "--json", "--nodes", &addrs.join(",")]);
+        assert_eq!(demo["verified"], true, "{demo}");
+        assert_eq!(
+            (
+                demo["local_blocks"].as_u64(),
+                demo["remote_blocks"].as_u64()
+            ),
+            (Some(4), Some(8)),
+            "{demo}"
+        );
+        let bench = kvferry_json(&[
+            "bench",
+            "remote",
+            "--json",
+            "--nodes",
+            &addrs[..2].join(","),
+            "--layers",
+            "4",
+            "--segment-kib",
+            "16",
+            "--blocks",
+            "8",
+            "--iters",
+            "2",
+        ]);
+        assert_eq!(bench["verified"], true, "{bench}");
+        assert!(bench["direct_vs_staged"].as_f64().unwrap() > 0.0, "{bench}");
+    }
     for n in &mut nodes {
         n.stop();
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Runs `kvferry ARGS` and parses its stdout as JSON.
+fn kvferry_json(args: &[&str]) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "kvferry {args:?}: {:?}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 /// Runs tests/python/engine_client.py against `node`: query `query` hashes, expect `local`
