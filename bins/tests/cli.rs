@@ -9,15 +9,39 @@ fn kvferry() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvferry"))
 }
 
+/// A node process that is killed if the test fails before it stops it.
+struct NodeChild(std::process::Child);
+
+impl NodeChild {
+    fn id(&self) -> u32 {
+        self.0.id()
+    }
+
+    fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        self.0.wait()
+    }
+}
+
+impl Drop for NodeChild {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 /// Starts `kvferry node --config cfg` and waits for its `listening <what>=ADDR` line.
-fn start_node(cfg: &std::path::Path, what: &str) -> (std::process::Child, String) {
-    let mut child = kvferry()
-        .args(["node", "--config", cfg.to_str().unwrap()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let out = child.stdout.take().unwrap();
+fn start_node(cfg: &std::path::Path, what: &str) -> (NodeChild, String) {
+    let mut child = NodeChild(
+        kvferry()
+            .args(["node", "--config", cfg.to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let out = child.0.stdout.take().unwrap();
     let prefix = format!("listening {what}=");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
