@@ -242,6 +242,9 @@ impl std::fmt::Debug for NodeNics {
     }
 }
 
+/// QPs each verbs NIC's completion queue is sized for (times its `max-send-wr`).
+const CQ_QPS: u32 = 64;
+
 impl NodeNics {
     /// Starts the NIC actors of `nics` (none: `Ok(None)`) and registers `pool` on every NIC
     /// for remote read (and local write, for staged reads into it).
@@ -268,7 +271,8 @@ impl NodeNics {
         let rdma: Vec<RdmaSlot> = cfgs
             .iter()
             .map(|n| match n.provider {
-                ProviderKind::Verbs => match open_nic(&sysfs, n.clone(), verbs_cfg.clone(), 64) {
+                ProviderKind::Verbs => match open_nic(&sysfs, n.clone(), verbs_cfg.clone(), CQ_QPS)
+                {
                     Ok(dev) => RdmaSlot::Open(dev),
                     Err(e) => RdmaSlot::Unavailable {
                         reason: e.to_string(),
@@ -286,14 +290,25 @@ impl NodeNics {
             })
             .collect();
         let cap = kvferry_transport::verbs::probe(&sysfs);
-        let direct_refusal = verbs_refusal(&verbs_names, &cap, &open_failures);
-        let routing = match (&direct_refusal, verbs_names.is_empty()) {
-            (None, false) => {
-                NicRouting::discover(&sysfs, &verbs_names, &section.gpu_pci, verbs_cfg.clone())
-                    .ok()
-                    .map(Arc::new)
-            }
-            _ => None,
+        // A routing that cannot be built (a `gpu-pci` sysfs does not know) refuses direct
+        // loads over verbs like a missing device would: never a silent fallback.
+        let (direct_refusal, routing) = match verbs_refusal(&verbs_names, &cap, &open_failures) {
+            Some(r) => (Some(r), None),
+            None if verbs_names.is_empty() => (None, None),
+            None => match NicRouting::discover(
+                &sysfs,
+                &verbs_names,
+                &section.gpu_pci,
+                verbs_cfg.clone(),
+            ) {
+                Ok(r) => (None, Some(Arc::new(r))),
+                Err(e) => (
+                    Some(format!(
+                        "direct GPU loads over verbs are unavailable on this node: {e}"
+                    )),
+                    None,
+                ),
+            },
         };
         let spec = RegionSpec::Host {
             region: pool,
