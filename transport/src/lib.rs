@@ -46,4 +46,4 @@ pub use rc_queue::{
 };
 pub use region::{HostRegion, RegionError};
 pub use scatter::{Scatter, ScatterError};
-pub use sink::{DeviceSink, SinkError};
+pub use sink::{DeviceSink, SinkError, StagingArea};

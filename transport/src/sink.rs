@@ -16,8 +16,36 @@ pub enum SinkError {
 ///
 /// Providers call `write` for each piece as it arrives (possibly from a provider thread, so
 /// implementations must not block on the caller's actor) and `flush` once per read before they
-/// report it successful; after `flush` returns `Ok` the bytes must be visible to the device.
+/// report it successful. After `flush` returns `Ok` the read's bytes are the sink's: a sink
+/// may still be copying them to the device (so that the provider can receive the next read
+/// meanwhile), and then whoever owns it waits for those copies, and fails the load on their
+/// errors, before the destination is used or let go.
 pub trait DeviceSink: Send + Sync {
     fn write(&self, dst: u64, data: &[u8]) -> Result<(), SinkError>;
     fn flush(&self) -> Result<(), SinkError>;
+
+    /// Host memory of the sink's own, up to `max` bytes, that the calling provider thread
+    /// may receive into directly and then hand over, in order, with [`DeviceSink::commit`]
+    /// (saving the copy `write` makes). `None`: use `write`. A new call replaces what is
+    /// left of the previous area; one provider thread at a time.
+    fn staging(&self, _max: usize) -> Option<StagingArea> {
+        None
+    }
+
+    /// Hands over the next `len` received bytes of the current staging area, for `dst`.
+    fn commit(&self, dst: u64, len: usize) -> Result<(), SinkError> {
+        Err(SinkError::Write {
+            dst,
+            len: len as u64,
+            reason: "this sink lends no staging memory".into(),
+        })
+    }
+}
+
+/// Writable host memory lent by a [`DeviceSink`]: `len` bytes at `ptr`, valid until the
+/// bytes are committed or the next `staging` call.
+#[derive(Clone, Copy, Debug)]
+pub struct StagingArea {
+    pub ptr: *mut u8,
+    pub len: usize,
 }

@@ -22,8 +22,9 @@ use crate::wire::{self, Hello, HelloAck, ReadReq, ReadResp, RecvError};
 
 /// How often blocked receivers wake to check for aborts and timeouts.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
-/// Bounce buffer for device destinations.
-const BOUNCE: usize = 256 * 1024;
+/// Bounce buffer for device destinations: a run of device pieces is received in chunks of
+/// this size.
+const BOUNCE: usize = 1 << 20;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every critical section here leaves the data consistent, so poisoning carries no meaning.

@@ -21,6 +21,10 @@ use crate::error::NodeError;
 use crate::nic::runtime::NicRuntime;
 use crate::store::BlockStore;
 
+/// Scatter entries per tcp read (the most a NIC config allows): a rank part of up to 32
+/// layers x K/V in one request.
+const TCP_MAX_SGE: u32 = 64;
+
 /// How nodes of a cluster read each other's pools.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Provider {
@@ -132,6 +136,10 @@ impl DataSide {
                 let nic_cfg = NicConfig {
                     name: format!("{node}-tcp0"),
                     provider: ProviderKind::Tcp,
+                    // The scatter list stays on this side of a tcp read (the owner streams one
+                    // range): no hardware limit, and a block's rank part (one piece per layer
+                    // and K/V) is then one request instead of several.
+                    max_sge: TCP_MAX_SGE,
                     ..NicConfig::default()
                 };
                 let max_sge = nic_cfg.max_sge as usize;

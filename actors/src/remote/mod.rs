@@ -1,6 +1,7 @@
 //! Remote suffixes: the directory, owner-side peer pins, links to owners and the in-process
 //! cluster.
 
+pub mod bounce;
 pub mod cluster;
 pub mod directory;
 pub mod endpoint;

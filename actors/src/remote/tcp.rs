@@ -16,33 +16,15 @@ use kvferry_transport::tcp::TcpConnector;
 use kvferry_transport::verbs::RdmaNic;
 use kvferry_transport::{
     CompletionStatus, Connector, DeviceSink, LocalSegment, MrKey, MrTable, NodeId, ReadRequest,
-    RemoteDescriptor, SinkError,
+    RemoteDescriptor,
 };
 use tokio::sync::oneshot;
 
+use super::bounce::{BounceSink, RingPool};
 use super::link::{BoxFut, Control, Keep, PeerLink, PinnedRemote, ReadStats};
 use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
 use crate::nic::worker::{Connect, NicWorker, PostReads};
-
-/// Writes a read's device pieces through the device (the gpu copier's synchronous path).
-pub struct DeviceWriter(pub Arc<dyn Device>);
-
-impl DeviceSink for DeviceWriter {
-    fn write(&self, dst: u64, data: &[u8]) -> Result<(), SinkError> {
-        self.0.write(dst, data).map_err(|e| SinkError::Write {
-            dst,
-            len: data.len() as u64,
-            reason: e.to_string(),
-        })
-    }
-
-    fn flush(&self) -> Result<(), SinkError> {
-        self.0.flush_direct_writes().map_err(|e| SinkError::Flush {
-            reason: e.to_string(),
-        })
-    }
-}
 
 pub struct TcpLink {
     node_id: String,
@@ -60,6 +42,8 @@ pub struct TcpLink {
     rdma: Option<Arc<dyn RdmaNic>>,
     connected: Arc<AtomicBool>,
     next_wr: AtomicU64,
+    /// Pinned bounce rings for reads into device memory, kept for later loads.
+    rings: RingPool,
 }
 
 impl std::fmt::Debug for TcpLink {
@@ -109,6 +93,7 @@ impl TcpLink {
             rdma: e.rdma,
             connected: Arc::new(AtomicBool::new(false)),
             next_wr: AtomicU64::new(1),
+            rings: RingPool::default(),
         }
     }
 
@@ -125,11 +110,14 @@ impl TcpLink {
 
     /// Posts one ordered batch and waits until every request was reported (successful,
     /// failed or flushed): nothing it touches is released before that.
+    /// Posts `reads` and waits for them; with `drain`, also for the device copies of what
+    /// they received, before `keep` (the destinations' guards) is let go.
     fn post(
         &self,
         reads: Vec<ReadRequest>,
         keep: Vec<Keep>,
         register: f64,
+        drain: Option<Arc<BounceSink>>,
     ) -> BoxFut<Result<ReadStats, NodeError>> {
         let worker = self.worker.clone();
         let (peer, local, addr) = (self.peer, self.local, self.addr);
@@ -181,10 +169,20 @@ impl TcpLink {
             let t = std::time::Instant::now();
             let done = rx
                 .await
-                .map_err(|_| err("nic worker dropped the batch".into()))?;
+                .map_err(|_| err("nic worker dropped the batch".into()));
+            // Received device bytes may still be on their way from the bounce ring: they
+            // land before the destinations are let go, whatever became of the reads.
+            let drained = match drain {
+                Some(sink) => tokio::task::spawn_blocking(move || sink.drain())
+                    .await
+                    .map_err(|_| err("waiting for the bounce ring's copies failed".into()))?
+                    .map_err(|e| err(format!("copying received bytes to the device: {e}"))),
+                None => Ok(()),
+            };
             let wire = t.elapsed().as_secs_f64();
             drop(keep);
-            let wcs = done.map_err(|e| err(e.to_string()))?;
+            let wcs = done?.map_err(|e| err(e.to_string()))?;
+            drained?;
             let mut bytes = 0;
             for wc in &wcs {
                 if wc.status != CompletionStatus::Success {
@@ -247,7 +245,7 @@ impl PeerLink for TcpLink {
                 }],
             })
             .collect();
-        self.post(reads, vec![keep], 0.0)
+        self.post(reads, vec![keep], 0.0, None)
     }
 
     fn read_device(
@@ -260,7 +258,15 @@ impl PeerLink for TcpLink {
         let t = std::time::Instant::now();
         // Register the destination planes for local write for this load only; the handles
         // live until the batch has drained, then deregistration completes.
-        let sink: Arc<dyn DeviceSink> = Arc::new(DeviceWriter(Arc::clone(&device)));
+        // Received device pieces go through a pinned bounce ring as async copy batches.
+        let bounce = match BounceSink::new(Arc::clone(&device), Arc::clone(&self.rings)) {
+            Ok(s) => Arc::new(s),
+            Err(e) => {
+                let e = self.err(format!("pinning the bounce ring: {e}"));
+                return Box::pin(async move { Err(e) });
+            }
+        };
+        let sink: Arc<dyn DeviceSink> = bounce.clone();
         let mut mrs = Vec::with_capacity(regions.len());
         // On an RDMA NIC the planes are registered with the NIC too (as DMA-BUFs), or the
         // read fails: a direct load is never staged.
@@ -347,6 +353,7 @@ impl PeerLink for TcpLink {
             reads,
             vec![keep, Box::new(mrs), Box::new(nic_mrs)],
             t.elapsed().as_secs_f64(),
+            Some(bounce),
         )
     }
 }

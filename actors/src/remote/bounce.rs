@@ -1,0 +1,410 @@
+//! The device side of a tcp read: received bytes for device destinations are copied into a
+//! ring of pinned host slots and go to the device as one asynchronous copy batch per slot
+//! (or per read, whichever ends first), so the socket keeps draining while earlier slots are
+//! in flight, instead of one synchronous device write per piece. The link drains the sink
+//! once the load's reads are done, before it lets the destinations go. Rings are kept per
+//! device by the link and reused by later loads.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, Device, DeviceError, HostRegistration};
+use kvferry_transport::{DeviceSink, SinkError, StagingArea};
+
+/// Bytes of one slot: one copy batch.
+const SLOT_BYTES: usize = 4 << 20;
+/// Slots per ring: how many batches may be in flight while the next one fills.
+const SLOTS: usize = 4;
+
+/// Pinned staging memory registered with one device.
+pub struct Ring {
+    // Field order: the registration is undone before the memory is freed.
+    _reg: HostRegistration,
+    mem: Vec<u8>,
+}
+
+impl Ring {
+    fn new(device: &dyn Device) -> Result<Self, DeviceError> {
+        let mem = vec![0u8; SLOT_BYTES * SLOTS];
+        let reg = device.register_host(mem.as_ptr() as u64, mem.len() as u64, false)?;
+        Ok(Self { _reg: reg, mem })
+    }
+
+    fn slot(&mut self, i: usize) -> &mut [u8] {
+        &mut self.mem[i * SLOT_BYTES..(i + 1) * SLOT_BYTES]
+    }
+}
+
+/// Idle rings by device ordinal, owned by a link.
+pub type RingPool = Arc<Mutex<HashMap<u32, Vec<Ring>>>>;
+
+struct State {
+    ring: Option<Ring>,
+    /// The slot being filled and how far.
+    cur: usize,
+    fill: usize,
+    list: CopyList,
+    /// Submitted slots, oldest first.
+    pending: VecDeque<(usize, CopyEvent)>,
+    /// The first failure; every later call reports it.
+    failed: Option<SinkError>,
+    /// Bytes of the current slot lent to a provider thread (from `fill`), and which thread.
+    lent: Option<(std::thread::ThreadId, usize)>,
+}
+
+/// A [`DeviceSink`] for one load's device destinations.
+pub struct BounceSink {
+    device: Arc<dyn Device>,
+    pool: RingPool,
+    state: Mutex<State>,
+}
+
+impl BounceSink {
+    /// A sink over a ring from `pool` (or a new one) for `device`.
+    pub fn new(device: Arc<dyn Device>, pool: RingPool) -> Result<Self, DeviceError> {
+        let reused = pool
+            .lock()
+            .ok()
+            .and_then(|mut p| p.get_mut(&device.ordinal()).and_then(Vec::pop));
+        let ring = match reused {
+            Some(r) => r,
+            None => Ring::new(device.as_ref())?,
+        };
+        Ok(Self {
+            device,
+            pool,
+            state: Mutex::new(State {
+                ring: Some(ring),
+                cur: 0,
+                fill: 0,
+                list: CopyList::default(),
+                pending: VecDeque::new(),
+                failed: None,
+                lent: None,
+            }),
+        })
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, State>, SinkError> {
+        self.state.lock().map_err(|_| SinkError::Flush {
+            reason: "bounce ring lock poisoned".into(),
+        })
+    }
+}
+
+/// Waits for one batch. Provider threads may block; a thread inside an async runtime must
+/// not park on the event's channel, so it polls instead (only teardown paths get there).
+fn wait(ev: CopyEvent) -> Result<(), DeviceError> {
+    if tokio::runtime::Handle::try_current().is_err() {
+        return ev.wait_blocking().map(|_| ());
+    }
+    let mut ev = ev;
+    loop {
+        if let Some(r) = ev.try_complete() {
+            return r.map(|_| ());
+        }
+        std::thread::yield_now();
+    }
+}
+
+impl State {
+    fn fail(&mut self, e: SinkError) -> SinkError {
+        self.failed.get_or_insert(e).clone()
+    }
+
+    fn wait_oldest(&mut self) -> Result<(), SinkError> {
+        if let Some((_, ev)) = self.pending.pop_front() {
+            wait(ev).map_err(|e| {
+                self.fail(SinkError::Flush {
+                    reason: e.to_string(),
+                })
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Submits the filled part of the current slot and moves to the next free slot.
+    fn submit(&mut self, device: &dyn Device) -> Result<(), SinkError> {
+        self.lent = None;
+        if self.list.is_empty() {
+            return Ok(());
+        }
+        let list = std::mem::take(&mut self.list);
+        let (ops, bytes) = (list.len(), list.bytes());
+        // SAFETY: every source lies in the ring's current slot, which is not written again
+        // until this event has completed (the slot cycles back only after `wait_oldest`),
+        // and the ring outlives the event: flush and drop wait for every pending one.
+        let ev = unsafe { device.submit(CopyDirection::HostToDevice, list) }.map_err(|e| {
+            self.fail(SinkError::Write {
+                dst: 0,
+                len: bytes,
+                reason: format!("submitting {ops} copies: {e}"),
+            })
+        })?;
+        self.pending.push_back((self.cur, ev));
+        self.cur = (self.cur + 1) % SLOTS;
+        self.fill = 0;
+        if self.pending.len() == SLOTS {
+            self.wait_oldest()?;
+        }
+        Ok(())
+    }
+}
+
+impl DeviceSink for BounceSink {
+    fn write(&self, dst: u64, data: &[u8]) -> Result<(), SinkError> {
+        let mut st = self.lock()?;
+        if let Some(e) = &st.failed {
+            return Err(e.clone());
+        }
+        // Bytes copied in now would land where a provider is receiving.
+        st.lent = None;
+        let mut done = 0;
+        while done < data.len() {
+            let n = (data.len() - done).min(SLOT_BYTES - st.fill);
+            let (cur, fill) = (st.cur, st.fill);
+            let Some(ring) = st.ring.as_mut() else {
+                return Err(SinkError::Flush {
+                    reason: "bounce ring gone".into(),
+                });
+            };
+            let slot = ring.slot(cur);
+            slot[fill..fill + n].copy_from_slice(&data[done..done + n]);
+            let src = slot[fill..].as_ptr() as u64;
+            st.list.push(src, dst + done as u64, n as u64);
+            st.fill += n;
+            done += n;
+            if st.fill == SLOT_BYTES {
+                st.submit(self.device.as_ref())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Lends the free rest of the current slot (a full slot goes to the device first).
+    fn staging(&self, max: usize) -> Option<StagingArea> {
+        let mut st = self.lock().ok()?;
+        if st.failed.is_some() {
+            return None;
+        }
+        if st.fill == SLOT_BYTES && st.submit(self.device.as_ref()).is_err() {
+            return None;
+        }
+        let (cur, fill) = (st.cur, st.fill);
+        let len = max.min(SLOT_BYTES - fill);
+        let ptr = st.ring.as_mut()?.slot(cur)[fill..].as_mut_ptr();
+        st.lent = Some((std::thread::current().id(), len));
+        Some(StagingArea { ptr, len })
+    }
+
+    fn commit(&self, dst: u64, len: usize) -> Result<(), SinkError> {
+        let mut st = self.lock()?;
+        if let Some(e) = &st.failed {
+            return Err(e.clone());
+        }
+        let me = std::thread::current().id();
+        let left = match st.lent {
+            Some((who, left)) if who == me && len <= left => left,
+            _ => {
+                return Err(st.fail(SinkError::Write {
+                    dst,
+                    len: len as u64,
+                    reason: "committing bytes that were not lent".into(),
+                }))
+            }
+        };
+        let (cur, fill) = (st.cur, st.fill);
+        let Some(ring) = st.ring.as_mut() else {
+            return Err(SinkError::Flush {
+                reason: "bounce ring gone".into(),
+            });
+        };
+        let src = ring.slot(cur)[fill..].as_ptr() as u64;
+        st.list.push(src, dst, len as u64);
+        st.fill += len;
+        st.lent = Some((me, left - len));
+        if st.fill == SLOT_BYTES {
+            st.lent = None;
+            st.submit(self.device.as_ref())?;
+        }
+        Ok(())
+    }
+
+    /// The end of a read: its bytes go to the device now, without waiting for them (the
+    /// receive goes on with the next read; [`BounceSink::drain`] waits at the end).
+    fn flush(&self) -> Result<(), SinkError> {
+        let mut st = self.lock()?;
+        st.submit(self.device.as_ref())?;
+        match &st.failed {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+}
+
+impl BounceSink {
+    /// Waits until every byte written has reached the device and is visible to work
+    /// submitted afterwards. The link calls it once all reads of a load have completed,
+    /// before it lets the destinations go; a copy that failed fails the load.
+    pub fn drain(&self) -> Result<(), SinkError> {
+        let mut st = self.lock()?;
+        let submitted = st.submit(self.device.as_ref());
+        // Every pending copy is waited for, failed or not: they write into the
+        // destinations, which may be freed once this returns.
+        while !st.pending.is_empty() {
+            let _ = st.wait_oldest();
+        }
+        submitted?;
+        if let Some(e) = &st.failed {
+            return Err(e.clone());
+        }
+        self.device
+            .flush_direct_writes()
+            .map_err(|e| SinkError::Flush {
+                reason: e.to_string(),
+            })
+    }
+}
+
+impl Drop for BounceSink {
+    fn drop(&mut self) {
+        let st = match self.state.get_mut() {
+            Ok(s) => s,
+            Err(p) => p.into_inner(),
+        };
+        let Some(ring) = st.ring.take() else { return };
+        let pending: Vec<CopyEvent> = st.pending.drain(..).map(|(_, ev)| ev).collect();
+        if pending.is_empty() {
+            if let Ok(mut p) = self.pool.lock() {
+                p.entry(self.device.ordinal()).or_default().push(ring);
+            }
+            return;
+        }
+        // A read that failed mid-way: copies from the ring may still run. The ring goes
+        // (unregistered and freed) only after they have, on a thread that may block; if no
+        // thread can be started, it is leaked rather than freed under a copy.
+        let ring = std::mem::ManuallyDrop::new(ring);
+        let _ = std::thread::Builder::new()
+            .name("kvferry-bounce-drain".into())
+            .spawn(move || {
+                for ev in pending {
+                    let _ = ev.wait_blocking();
+                }
+                drop(std::mem::ManuallyDrop::into_inner(ring));
+            });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvferry_gpu::HostDevice;
+
+    const CANARY: u8 = 0xA5;
+
+    fn pattern(i: usize) -> u8 {
+        (i.wrapping_mul(31) ^ (i >> 9)) as u8
+    }
+
+    #[test]
+    fn pieces_across_every_slot_land_in_order_and_nothing_else_is_written() {
+        let dev: Arc<dyn Device> = HostDevice::new(0);
+        let pool = RingPool::default();
+        // More than the whole ring, in 64 KiB pieces to every other 64 KiB of the buffer.
+        let piece = 64 << 10;
+        let pieces = 2 * SLOTS * SLOT_BYTES / piece + 3;
+        let buf = dev.alloc((2 * pieces * piece) as u64).unwrap();
+        dev.write(buf.ptr(), &vec![CANARY; buf.len() as usize])
+            .unwrap();
+        let src: Vec<u8> = (0..pieces * piece).map(pattern).collect();
+        {
+            let sink = BounceSink::new(Arc::clone(&dev), Arc::clone(&pool)).unwrap();
+            for (i, chunk) in src.chunks(piece).enumerate() {
+                sink.write(buf.ptr() + (2 * i * piece) as u64, chunk)
+                    .unwrap();
+            }
+            sink.flush().unwrap();
+            sink.drain().unwrap();
+        }
+        let mut back = vec![0u8; buf.len() as usize];
+        dev.read(buf.ptr(), &mut back).unwrap();
+        for i in 0..pieces {
+            let at = 2 * i * piece;
+            assert_eq!(
+                &back[at..at + piece],
+                &src[i * piece..(i + 1) * piece],
+                "piece {i}"
+            );
+            assert!(back[at + piece..at + 2 * piece]
+                .iter()
+                .all(|&b| b == CANARY));
+        }
+        // The ring went back to the pool for the next load on this device.
+        assert_eq!(pool.lock().unwrap().get(&0).map(Vec::len), Some(1));
+        let again = BounceSink::new(Arc::clone(&dev), Arc::clone(&pool)).unwrap();
+        assert_eq!(pool.lock().unwrap().get(&0).map(Vec::len), Some(0));
+        drop(again);
+    }
+
+    #[test]
+    fn a_refused_copy_fails_the_write_or_flush_and_every_later_call() {
+        let dev: Arc<dyn Device> = HostDevice::new(0);
+        let sink = BounceSink::new(Arc::clone(&dev), RingPool::default()).unwrap();
+        let host = vec![0u8; 4096];
+        // Host memory is not device memory: the batch holding it fails.
+        sink.write(host.as_ptr() as u64, &[1u8; 4096]).unwrap();
+        sink.flush().unwrap();
+        let err = sink.drain().unwrap_err();
+        assert!(
+            err.to_string().contains("not inside one allocation"),
+            "{err}"
+        );
+        assert!(sink.write(host.as_ptr() as u64, &[1u8; 16]).is_err());
+        assert!(sink.flush().is_err());
+        assert!(sink.drain().is_err());
+        assert!(host.iter().all(|&b| b == 0), "a refused batch wrote");
+    }
+
+    #[test]
+    fn staged_bytes_are_committed_in_order_and_only_by_the_borrower() {
+        let dev: Arc<dyn Device> = HostDevice::new(0);
+        let buf = dev.alloc(3 * SLOT_BYTES as u64).unwrap();
+        dev.write(buf.ptr(), &vec![CANARY; buf.len() as usize])
+            .unwrap();
+        let sink = Arc::new(BounceSink::new(Arc::clone(&dev), RingPool::default()).unwrap());
+        // Receive 2.5 slots "from a socket" into lent memory, committed in uneven pieces to
+        // every other 1000 bytes of the destination.
+        let total = 5 * SLOT_BYTES / 2;
+        let src: Vec<u8> = (0..total).map(pattern).collect();
+        let (mut got, mut dst) = (0usize, 0u64);
+        while got < total {
+            let area = sink.staging(total - got).unwrap();
+            assert!(area.len > 0 && area.len <= SLOT_BYTES);
+            // SAFETY: the sink lent `area.len` writable bytes at `area.ptr`.
+            let lent = unsafe { std::slice::from_raw_parts_mut(area.ptr, area.len) };
+            lent.copy_from_slice(&src[got..got + area.len]);
+            let mut used = 0;
+            while used < area.len {
+                let take = (area.len - used).min(1000);
+                sink.commit(buf.ptr() + dst, take).unwrap();
+                used += take;
+                dst += take as u64;
+            }
+            got += area.len;
+        }
+        sink.flush().unwrap();
+        sink.drain().unwrap();
+        let mut back = vec![0u8; buf.len() as usize];
+        dev.read(buf.ptr(), &mut back).unwrap();
+        assert_eq!(&back[..total], &src[..]);
+        assert!(back[total..].iter().all(|&b| b == CANARY));
+        // Another thread cannot commit what this one was lent.
+        sink.staging(100).unwrap();
+        let (other, at) = (Arc::clone(&sink), buf.ptr());
+        let r = std::thread::spawn(move || other.commit(at, 10))
+            .join()
+            .unwrap();
+        assert!(r.is_err());
+        assert!(sink.drain().is_err(), "the sink failed for good");
+    }
+}
