@@ -430,11 +430,11 @@ impl NodeConfig {
                 }
             }
         }
-        crate::nic::config::validate_node_nics(&self.nic, self.verbs.as_ref())
-            .map_err(|(key, reason)| ConfigError::Invalid { key, reason })?;
         if let Some(e) = &self.engine {
             e.validate()?;
         }
+        crate::nic::config::validate_node_nics(&self.nic, self.verbs.as_ref())
+            .map_err(|(key, reason)| ConfigError::Invalid { key, reason })?;
         if self.device.count == 0 || self.device.count > 64 {
             return invalid(
                 "device.count",
@@ -517,10 +517,6 @@ mod tests {
                 "engine.completion-retention",
             ),
             ("[engine]\nhandle-ttl-secs = 0\n", "engine.handle-ttl-secs"),
-            (
-                "[cluster]\n[[cluster.peers]]\nnode-id = \"node-0\"\naddress = \"127.0.0.1:1\"\n",
-                "cluster.peers",
-            ),
             (
                 "[cluster]\n[[cluster.peers]]\nnode-id = \"node-0\"\naddress = \"127.0.0.1:1\"\n",
                 "cluster.peers",
