@@ -394,11 +394,24 @@ impl NodeConfig {
             );
         }
         if let Some(c) = &self.cluster {
-            if !matches!(c.provider.as_str(), "tcp" | "shm") {
-                return invalid(
-                    "cluster.provider",
-                    format!("{:?} is not one of tcp, shm", c.provider),
-                );
+            match c.provider.as_str() {
+                "tcp" | "shm" => {}
+                // Peers are read over the node's RDMA NICs: there must be one to read with.
+                "verbs" if self.nic.iter().any(|n| n.provider == "verbs") => {}
+                "verbs" => {
+                    return invalid(
+                        "cluster.provider",
+                        "\"verbs\" reads peers over this node's RDMA NICs: add a [[nic]] with \
+                         provider = \"verbs\""
+                            .into(),
+                    )
+                }
+                other => {
+                    return invalid(
+                        "cluster.provider",
+                        format!("{other:?} is not one of tcp, shm, verbs"),
+                    )
+                }
             }
             for (key, addr) in [
                 ("cluster.peer-listen", &c.peer_listen),
@@ -500,6 +513,7 @@ mod tests {
             ),
             ("[device]\nkind = \"tpu\"\n", "device.kind"),
             ("[cluster]\nprovider = \"verbs\"\n", "cluster.provider"),
+            ("[cluster]\nprovider = \"udp\"\n", "cluster.provider"),
             (
                 "[cluster]\npeer-listen = \"nowhere\"\n",
                 "cluster.peer-listen",

@@ -219,11 +219,20 @@ pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
         }
         // One line on stdout for supervisors and tests; the rest goes to stderr.
         println!("listening peer={addr}");
+        // Where peers read the pool: a tcp address or shm socket, or the RDMA NICs (and
+        // why direct loads over them are refused, if they are).
+        let at = match (&endpoint, node.nics()) {
+            (Some(e), _) => format!("at {}", e.endpoint),
+            (None, Some(n)) => match &n.direct_refusal {
+                Some(why) => format!("on its [[nic]]s ({why})"),
+                None => "on its [[nic]]s".to_owned(),
+            },
+            (None, None) => "nowhere (no data endpoint)".to_owned(),
+        };
         eprintln!(
-            "kvferry node {}: Peer service on {addr}, pool served over {} at {}; SIGTERM stops it",
+            "kvferry node {}: Peer service on {addr}, pool served over {} {at}; SIGTERM stops it",
             node.config().node_id,
             provider.as_str(),
-            endpoint.map(|e| e.endpoint).unwrap_or_default()
         );
         // On SIGTERM: stop accepting and let open calls finish, but not forever: peers keep
         // their connections open, so the drain is bounded.
