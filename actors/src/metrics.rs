@@ -108,6 +108,66 @@ pub struct Extra {
     pub directory: Option<crate::remote::directory::DirectoryStats>,
     /// The node's `[[nic]]` runtime, when it has one.
     pub nic: Option<NicMetrics>,
+    /// The engine service, while one serves this node.
+    pub engine: Option<EngineGauges>,
+}
+
+/// What the engine service holds for its clients, as a scrape sees it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineGauges {
+    pub sessions: u64,
+    pub memory_handles: u64,
+    /// Loads accepted whose completion has not come yet.
+    pub loads_pending: u64,
+    /// Completions kept for a stream or poll to collect.
+    pub completions_retained: u64,
+    /// Completions dropped uncollected (over the retention bound).
+    pub completions_dropped: u64,
+}
+
+/// Where a node's scrape reads the engine service's gauges from.
+pub trait EngineProbe: Send + Sync {
+    fn engine_gauges(&self) -> EngineGauges;
+}
+
+fn render_engine(o: &mut String, g: &EngineGauges) {
+    for (name, help, v) in [
+        (
+            "kvferry_engine_sessions",
+            "Open engine sessions (each unregisters its instances when it ends).",
+            g.sessions,
+        ),
+        (
+            "kvferry_engine_memory_handles",
+            "Client memory (memfd or DMA-BUF) passed on the fd socket and held.",
+            g.memory_handles,
+        ),
+        (
+            "kvferry_engine_loads_pending",
+            "Engine loads accepted and not yet completed.",
+            g.loads_pending,
+        ),
+        (
+            "kvferry_engine_completions_retained",
+            "Load completions waiting for a stream or poll.",
+            g.completions_retained,
+        ),
+    ] {
+        family(o, name, "gauge", help);
+        sample(o, name, "", v);
+    }
+    family(
+        o,
+        "kvferry_engine_completions_dropped_total",
+        "counter",
+        "Load completions dropped uncollected, over the retention bound.",
+    );
+    sample(
+        o,
+        "kvferry_engine_completions_dropped_total",
+        "",
+        g.completions_dropped,
+    );
 }
 
 /// What the NIC actors report for a scrape: memory registrations by NIC, kind and failure
@@ -388,6 +448,9 @@ pub fn render(stats: &Stats, c: &Counters, extra: Extra) -> String {
     }
     if let Some(m) = &extra.nic {
         render_nic(&mut o, m);
+    }
+    if let Some(g) = &extra.engine {
+        render_engine(&mut o, g);
     }
     o
 }

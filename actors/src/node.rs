@@ -37,6 +37,8 @@ struct Inner {
     pool_region: (u64, u64),
     /// The `[[nic]]` actors and the pool's registration on them.
     nics: Option<crate::nic::NodeNics>,
+    /// The engine service serving this node, for its gauges in a scrape.
+    engine: Mutex<Option<std::sync::Weak<dyn crate::metrics::EngineProbe>>>,
     _registrations: Vec<HostRegistration>,
 }
 
@@ -180,6 +182,7 @@ impl Node {
                 cluster,
                 pool_region,
                 nics,
+                engine: Mutex::new(None),
                 _registrations: registrations,
             }),
         })
@@ -352,6 +355,14 @@ impl Node {
         })
     }
 
+    /// Shows `probe`'s engine gauges in this node's scrapes while it lives (the engine
+    /// service calls it when it starts serving).
+    pub fn attach_engine(&self, probe: std::sync::Weak<dyn crate::metrics::EngineProbe>) {
+        if let Ok(mut e) = self.inner.engine.lock() {
+            *e = Some(probe);
+        }
+    }
+
     /// Everything an operator scrapes, in the Prometheus text format.
     pub async fn metrics_text(&self) -> Result<String, NodeError> {
         let stats = self.stats().await?;
@@ -362,6 +373,13 @@ impl Node {
                 Some(n) => Some(n.runtime.metrics().await),
                 None => None,
             },
+            engine: self
+                .inner
+                .engine
+                .lock()
+                .ok()
+                .and_then(|e| e.as_ref().and_then(std::sync::Weak::upgrade))
+                .map(|p| p.engine_gauges()),
         };
         Ok(crate::metrics::render(&stats, &self.inner.counters, extra))
     }

@@ -215,8 +215,12 @@ fn metrics_and_health_are_served_and_pass_promtool() {
     let cfg = dir.join("node.toml");
     std::fs::write(
         &cfg,
-        "node-id = \"m\"\n[pool]\nsize = \"8MiB\"\nslot-bytes = \"1MiB\"\n[device]\nkind = \"host\"\n\
-         [metrics]\nlisten = \"127.0.0.1:0\"\n",
+        format!(
+            "node-id = \"m\"\n[pool]\nsize = \"8MiB\"\nslot-bytes = \"1MiB\"\n[device]\n\
+             kind = \"host\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n[engine]\n\
+             listen = \"127.0.0.1:0\"\nfd-dir = \"{}\"\n",
+            dir.display()
+        ),
     )
     .unwrap();
     let (mut child, addr) = start_node(&cfg, "metrics");
@@ -230,6 +234,9 @@ fn metrics_and_health_are_served_and_pass_promtool() {
         "kvferry_transfers_in_flight 0",
         "kvferry_pinned_blocks 0",
         "kvferry_pool_slots 8",
+        "kvferry_engine_sessions 0",
+        "kvferry_engine_memory_handles 0",
+        "kvferry_engine_completions_dropped_total 0",
     ] {
         assert!(body.lines().any(|l| l == name), "{name} missing:\n{body}");
     }

@@ -305,6 +305,14 @@ fn closing_the_session_unregisters_and_releases_leases() {
         assert_eq!((s.leases_live, s.instances, s.sessions), (1, 1, 1));
         assert_eq!((s.pinned_blocks, s.memory_handles), (4, 1));
         assert_eq!(srv.dev.live_allocations(), 2);
+        // The node's scrape shows the same.
+        let text = srv.node.metrics_text().await.unwrap();
+        for line in [
+            "kvferry_engine_sessions 1",
+            "kvferry_engine_memory_handles 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
+        }
 
         drop(session);
         // The session's cleanup is over once it no longer counts; stats taken after that.
@@ -313,6 +321,11 @@ fn closing_the_session_unregisters_and_releases_leases() {
         assert_eq!(s.instances, 0);
         assert_eq!((s.leases_live, s.pinned_blocks), (0, 0));
         assert_eq!(s.memory_handles, 0, "unused handles die with the session");
+        let text = srv.node.metrics_text().await.unwrap();
+        assert!(
+            text.lines().any(|l| l == "kvferry_engine_sessions 0"),
+            "{text}"
+        );
         assert_eq!(srv.dev.live_allocations(), 0, "both memfds unmapped");
         let err = c.query(&id("eng"), &hashes(0..4), false).await.unwrap_err();
         assert_eq!(err.code(), Some(Code::NotFound));

@@ -153,6 +153,20 @@ impl Shared {
     }
 }
 
+impl crate::metrics::EngineProbe for Shared {
+    fn engine_gauges(&self) -> crate::metrics::EngineGauges {
+        let memory_handles = self.handles().len() as u64;
+        let b = self.book();
+        crate::metrics::EngineGauges {
+            sessions: self.sessions.load(Ordering::Relaxed) as u64,
+            memory_handles,
+            loads_pending: b.running() as u64,
+            completions_retained: b.retained() as u64,
+            completions_dropped: b.dropped(),
+        }
+    }
+}
+
 /// Serves `kvferry.v1.Engine` on `listener` (and memory fds on `fd_socket`, whose file is
 /// removed at the end) until `shutdown` resolves; then ends the open sessions and
 /// completion streams and waits for the calls in flight.
@@ -180,6 +194,8 @@ pub async fn serve(
         node,
         options: options.clone(),
     });
+    let probe: Arc<dyn crate::metrics::EngineProbe> = shared.clone();
+    shared.node.attach_engine(Arc::downgrade(&probe));
     let fd_path = fd_socket.as_ref().map(|s| s.path.clone());
     if let Some(sock) = fd_socket {
         tokio::spawn(fd_socket::serve(sock, Arc::clone(&shared), stop.clone()));
@@ -624,11 +640,7 @@ impl Engine for EngineService {
             .stats()
             .await
             .map_err(|e| status("Stats", e))?;
-        let memory_handles = self.shared.handles().len() as u64;
-        let (loads_pending, completions_retained, completions_dropped) = {
-            let b = self.shared.book();
-            (b.running() as u64, b.retained() as u64, b.dropped())
-        };
+        let e = crate::metrics::EngineProbe::engine_gauges(self.shared.as_ref());
         Ok(Response::new(StatsResponse {
             leases_live: s.leases_live as u64,
             leases_expired: s.leases_expired,
@@ -643,11 +655,11 @@ impl Engine for EngineService {
             loads_ok: s.loads_ok,
             loads_failed: s.loads_failed,
             bytes_loaded: s.bytes_loaded,
-            sessions: self.shared.sessions.load(Ordering::Relaxed) as u64,
-            memory_handles,
-            loads_pending,
-            completions_retained,
-            completions_dropped,
+            sessions: e.sessions,
+            memory_handles: e.memory_handles,
+            loads_pending: e.loads_pending,
+            completions_retained: e.completions_retained,
+            completions_dropped: e.completions_dropped,
         }))
     }
 
