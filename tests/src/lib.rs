@@ -146,3 +146,83 @@ impl Drop for RedisServer {
 /// Host KV of a client without a GPU, as the tests play that client (a memfd with the
 /// fixture's pattern and canaries).
 pub use kvferry_actors::fixture::MemfdKv;
+
+/// This test binary re-executed to run one ignored test as a child process (an owner or a
+/// node of its own), with `env` set; its stdout is read line by line. The child serves until
+/// its stdin closes ([`ChildTest::finish`]); it is killed if the test fails first.
+pub struct ChildTest {
+    child: Option<std::process::Child>,
+    stdin: Option<std::process::ChildStdin>,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl ChildTest {
+    pub fn spawn(test: &str, env: &[(&str, &str)]) -> Self {
+        use std::io::{BufRead, BufReader};
+        use std::process::{Command, Stdio};
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args([
+            "--ignored",
+            "--exact",
+            test,
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let stdin = child.stdin.take();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            child: Some(child),
+            stdin,
+            lines,
+        }
+    }
+
+    /// Waits (at most a minute) for a line holding `prefix` and returns what follows it
+    /// (libtest may print "test NAME ... " on the same line first).
+    pub fn wait_for(&self, prefix: &str) -> String {
+        loop {
+            let line = self
+                .lines
+                .recv_timeout(Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("the child never printed {prefix}"));
+            if let Some(at) = line.find(prefix) {
+                return line[at + prefix.len()..].trim().to_owned();
+            }
+        }
+    }
+
+    /// Closes the child's stdin (its signal to check itself and stop), waits for
+    /// `last_line` where given, and asserts a clean exit.
+    pub fn finish(mut self, last_line: Option<&str>) {
+        drop(self.stdin.take());
+        if let Some(l) = last_line {
+            self.wait_for(l);
+        }
+        let status = self.child.take().unwrap().wait().unwrap();
+        assert!(status.success(), "the child exited with {status}");
+    }
+}
+
+impl Drop for ChildTest {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

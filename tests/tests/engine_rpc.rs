@@ -637,59 +637,11 @@ fn child_node() {
 }
 
 /// Kills the child if the test fails before it exits on its own.
-struct ChildGuard(Option<std::process::Child>);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 #[test]
 fn a_client_process_loads_into_its_memfd_through_a_node_process() {
-    use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "child_node",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ENV, "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let stdin = child.stdin.take().unwrap();
-    let mut guard = ChildGuard(Some(child));
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let wait_for = |prefix: &str| -> String {
-        loop {
-            let line = rx
-                .recv_timeout(Duration::from_secs(60))
-                .unwrap_or_else(|_| panic!("the child never printed {prefix}"));
-            // libtest prints "test child_node ... " on the same line first.
-            if let Some(at) = line.find(prefix) {
-                return line[at + prefix.len()..].to_owned();
-            }
-        }
-    };
-    let addr = wait_for("ENGINE_ADDR=");
-    let fd_path = std::path::PathBuf::from(wait_for("ENGINE_FD="));
+    let child = ChildTest::spawn("child_node", &[(CHILD_ENV, "1")]);
+    let addr = child.wait_for("ENGINE_ADDR=");
+    let fd_path = std::path::PathBuf::from(child.wait_for("ENGINE_FD="));
     rt().block_on(async {
         let c = EngineClient::connect(addr, Some(fd_path), TOKEN)
             .await
@@ -717,10 +669,7 @@ fn a_client_process_loads_into_its_memfd_through_a_node_process() {
         })
         .await;
     });
-    drop(stdin);
-    wait_for("ENGINE_CHILD_OK");
-    let status = guard.0.take().unwrap().wait().unwrap();
-    assert!(status.success(), "{status:?}");
+    child.finish(Some("ENGINE_CHILD_OK"));
 }
 
 /// The host device whose copy batches fail while `fail` is set, for failed loads.

@@ -7,10 +7,8 @@
 //! last test runs the owner in a child process (this binary re-executed) and pins from the
 //! parent.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::Duration;
 
 use kvferry_actors::fixture::{DeviceKv, KvKind};
@@ -497,26 +495,16 @@ fn a_stopped_node_answers_unavailable() {
     });
 }
 
-/// Kills the child if the test fails before it exits.
-struct ChildGuard(Option<Child>);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 /// The owner role of `cross_process_pin`: runs only when re-executed with `CHILD_ENV`.
 /// Prints its address and pool, serves until stdin closes, then checks that every pin the
 /// parent took was released.
 #[test]
+#[ignore = "runs only as the owner child process started by cross_process_pin"]
 fn child_owner() {
-    if std::env::var_os(CHILD_ENV).is_none() {
-        return;
-    }
+    assert!(
+        std::env::var_os(CHILD_ENV).is_some(),
+        "started by cross_process_pin"
+    );
     rt().block_on(async {
         let o = Owner::start(TOKEN).await;
         println!("PEER_ADDR={}", o.addr);
@@ -537,42 +525,9 @@ fn child_owner() {
 
 #[test]
 fn cross_process_pin() {
-    if std::env::var_os(CHILD_ENV).is_some() {
-        return;
-    }
-    let exe = std::env::current_exe().unwrap();
-    let mut child = Command::new(exe)
-        .args(["--exact", "child_owner", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let stdin = child.stdin.take().unwrap();
-    let mut guard = ChildGuard(Some(child));
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let wait_for = |prefix: &str| -> String {
-        loop {
-            let line = rx
-                .recv_timeout(Duration::from_secs(60))
-                .unwrap_or_else(|_| panic!("the child never printed {prefix}"));
-            // libtest prints "test child_owner ... " on the same line first.
-            if let Some(at) = line.find(prefix) {
-                return line[at + prefix.len()..].to_owned();
-            }
-        }
-    };
-    let addr = wait_for("PEER_ADDR=");
-    let pool = wait_for("PEER_POOL=");
+    let child = ChildTest::spawn("child_owner", &[(CHILD_ENV, "1")]);
+    let addr = child.wait_for("PEER_ADDR=");
+    let pool = child.wait_for("PEER_POOL=");
     let (base, len) = pool.split_once(' ').unwrap();
     let (base, len): (u64, u64) = (base.parse().unwrap(), len.parse().unwrap());
 
@@ -599,11 +554,7 @@ fn cross_process_pin() {
     });
 
     // Closing stdin tells the child to check its gauges and stop.
-    drop(stdin);
-    wait_for("PEER_CHILD_OK");
-    let mut child = guard.0.take().unwrap();
-    let status = child.wait().unwrap();
-    assert!(status.success(), "child exited with {status}");
+    child.finish(Some("PEER_CHILD_OK"));
 }
 
 fn verbs_endpoint(nic: &str, qps: &[(u32, u32)]) -> proto::VerbsEndpoint {

@@ -590,41 +590,15 @@ fn owner_process_and_requester(
     provider: Provider,
     tp: u32,
     devices: Vec<Arc<dyn Device>>,
-) -> (std::process::Child, Node) {
-    use std::io::BufRead;
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "child_owner_process",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(OWNER_ENV, provider.as_str())
-        .env(OWNER_TP_ENV, tp.to_string())
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Read the child's stdout on a thread, so a child that never gets ready fails the test
-    // after a bound instead of hanging it.
-    let out = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
-            // The test harness may print "test child_owner_process ... " on the same line.
-            if let Some(i) = line.find("READY ") {
-                let _ = tx.send(line[i + 6..].trim().to_owned());
-            }
-        }
-    });
-    let addr = match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(a) => a,
-        Err(e) => {
-            let _ = child.kill();
-            panic!("the owner process did not get ready: {e}");
-        }
-    };
+) -> (ChildTest, Node) {
+    let child = ChildTest::spawn(
+        "child_owner_process",
+        &[
+            (OWNER_ENV, provider.as_str()),
+            (OWNER_TP_ENV, &tp.to_string()),
+        ],
+    );
+    let addr = child.wait_for("READY ");
     let peers = kvferry_actors::remote::GrpcPeers::new(
         kvferry_actors::remote::GrpcPeersConfig {
             node_id: "b".into(),
@@ -648,7 +622,7 @@ fn owner_process_and_requester(
 /// over the provider, direct and staged, byte for byte.
 fn two_processes(provider: Provider) {
     let dev: Arc<dyn Device> = HostDevice::new(0);
-    let (mut child, node) = owner_process_and_requester(provider, 1, vec![Arc::clone(&dev)]);
+    let (child, node) = owner_process_and_requester(provider, 1, vec![Arc::clone(&dev)]);
     rt().block_on(async {
         let kv = register(&node, &dev, "eng", shape(1), 0, KvKind::Split, 16, 128).await;
         put(&node, "eng", &shape(1), 0, 0..4).await;
@@ -677,8 +651,7 @@ fn two_processes(provider: Provider) {
         }
     });
     node.shutdown();
-    drop(child.stdin.take());
-    assert!(child.wait().unwrap().success());
+    child.finish(None);
 }
 
 #[test]
@@ -701,7 +674,7 @@ fn two_gpus_tp2_two_processes_over_shm() {
     let devs: Vec<Arc<dyn Device>> = (0..2)
         .map(|o| kvferry_gpu::open_device("cuda", o).expect("two CUDA GPUs"))
         .collect();
-    let (mut child, node) = owner_process_and_requester(Provider::Shm, 2, devs.clone());
+    let (child, node) = owner_process_and_requester(Provider::Shm, 2, devs.clone());
     let s = shape(2);
     rt().block_on(async {
         // GPU 1's memory under ordinal 0: refused by name, nothing registered.
@@ -779,6 +752,5 @@ fn two_gpus_tp2_two_processes_over_shm() {
         assert_eq!(node.stats().await.unwrap().instances, 0);
     });
     node.shutdown();
-    drop(child.stdin.take());
-    assert!(child.wait().unwrap().success());
+    child.finish(None);
 }
