@@ -143,6 +143,56 @@ impl DeviceKv {
         )
     }
 
+    /// Split K/V planes one after another in a single allocation (block stride = one
+    /// segment), as an engine worker that hands over one CUDA IPC handle has them.
+    pub fn alloc_in_one(
+        device: Arc<dyn Device>,
+        shape: KvShape,
+        num_blocks: u32,
+        view_offset: u64,
+    ) -> Result<Self, DeviceError> {
+        let stride = shape.segment_bytes();
+        let (count, per) =
+            Self::buffers_needed(shape, KvKind::Split, num_blocks, stride, view_offset);
+        let memory = device.alloc(u64::from(count) * per)?;
+        let spans = (0..u64::from(count))
+            .map(|i| Span {
+                ptr: memory.ptr() + i * per,
+                len: per,
+            })
+            .collect();
+        Self::over(
+            device,
+            shape,
+            KvKind::Split,
+            num_blocks,
+            stride,
+            view_offset,
+            spans,
+            vec![memory],
+        )
+    }
+
+    /// Where the first plane buffer starts (the allocation of [`DeviceKv::alloc_in_one`]).
+    pub fn base(&self) -> u64 {
+        self.buffers.first().map_or(0, |b| b.ptr)
+    }
+
+    /// [`DeviceKv::spec`] with every address made an offset from `base`.
+    pub fn spec_from(&self, base: u64) -> KvLayoutSpec {
+        let mut spec = self.spec();
+        for layer in &mut spec.layers {
+            match layer {
+                LayerLayout::Split { k_base, v_base } => {
+                    *k_base -= base;
+                    *v_base -= base;
+                }
+                LayerLayout::Contiguous { base: b, .. } => *b -= base,
+            }
+        }
+        spec
+    }
+
     /// How many plane buffers of how many bytes a KV of this geometry takes.
     fn buffers_needed(
         shape: KvShape,
@@ -422,17 +472,7 @@ impl MemfdKv {
 
     /// The layout to register: offsets inside the memfd.
     pub fn spec(&self) -> KvLayoutSpec {
-        let mut spec = self.kv.spec();
-        for layer in &mut spec.layers {
-            match layer {
-                LayerLayout::Split { k_base, v_base } => {
-                    *k_base -= self.base;
-                    *v_base -= self.base;
-                }
-                LayerLayout::Contiguous { base, .. } => *base -= self.base,
-            }
-        }
-        spec
+        self.kv.spec_from(self.base)
     }
 
     /// The registration of this KV as `rank` of `instance` (model `model`, dtype bf16).

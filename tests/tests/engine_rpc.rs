@@ -636,7 +636,6 @@ fn child_node() {
     });
 }
 
-/// Kills the child if the test fails before it exits on its own.
 #[test]
 fn a_client_process_loads_into_its_memfd_through_a_node_process() {
     let child = ChildTest::spawn("child_node", &[(CHILD_ENV, "1")]);
@@ -968,4 +967,136 @@ fn a_remote_suffix_loads_direct_when_granted_and_staged_otherwise() {
         drop(owner_kv);
         owner.shutdown();
     });
+}
+
+#[test]
+fn cuda_ipc_registration_is_refused_clearly_where_it_cannot_work() {
+    rt().block_on(async {
+        let srv = Server::with_token().await;
+        let c = srv.client(TOKEN).await;
+        let kv = MemfdKv::create(shape(), 16, 0).unwrap();
+        let before = c.stats().await.unwrap();
+        let req = kv.register_request(&id("eng"), "m", 0);
+        // The host device maps no CUDA memory.
+        let err = c.register_cuda_ipc(&req, &[7u8; 64]).await.unwrap_err();
+        assert_eq!(err.code(), Some(Code::FailedPrecondition), "{err}");
+        assert!(err.to_string().contains("CUDA IPC"), "{err}");
+        // Not a handle at all.
+        let err = c.register_cuda_ipc(&req, &[7u8; 4096]).await.unwrap_err();
+        assert_eq!(err.code(), Some(Code::InvalidArgument), "{err}");
+        // A memory handle and an IPC handle at once.
+        let h = c
+            .send_memfd(&id("eng"), 0, 0, kv.fd(), kv.len())
+            .await
+            .unwrap();
+        let mut msg = rpc::engine_client::register_request(&req, h);
+        msg.cuda_ipc_handle = vec![7u8; 64];
+        let err = c.raw().register_instance(c.request(msg)).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+        let after = c.stats().await.unwrap();
+        assert_eq!(after.instances, before.instances);
+        // The memfd handle is still there to register with.
+        c.register(&req, h).await.unwrap();
+        srv.stop().await;
+    });
+}
+
+/// The node role of `an_engine_workers_cuda_kv_in_another_process_through_an_ipc_handle`:
+/// a node over CUDA device 0, serving until its stdin closes.
+#[test]
+#[ignore = "runs only as the node child process started by an_engine_workers_cuda_kv_in_another_process_through_an_ipc_handle"]
+fn child_cuda_node() {
+    use std::io::Write;
+    assert!(
+        std::env::var_os(CHILD_ENV).is_some(),
+        "started by its parent test"
+    );
+    rt().block_on(async {
+        let cuda = kvferry_gpu::open_device("cuda", 0).expect("a CUDA GPU");
+        let node = Node::start_with(config(SLOT, SLOTS), vec![cuda], Clock::system()).unwrap();
+        let options = EngineOptions {
+            token: TOKEN.into(),
+            ..Default::default()
+        };
+        let srv = Server::serve(options, node, HostDevice::new(0)).await;
+        println!("ENGINE_ADDR={}", srv.addr);
+        println!("ENGINE_FD={}", srv.fd_path.display());
+        std::io::stdout().flush().unwrap();
+        tokio::task::spawn_blocking(|| {
+            let mut line = String::new();
+            let _ = std::io::stdin().read_line(&mut line);
+        })
+        .await
+        .unwrap();
+        let s = settled(&srv.node).await;
+        assert_eq!((s.instances, s.loads_ok), (0, 2), "{s:?}");
+        println!("ENGINE_CHILD_OK");
+        std::io::stdout().flush().unwrap();
+        srv.stop().await;
+    });
+}
+
+/// An engine worker's GPU KV in its own process (this test), registered with a node in
+/// another process by its CUDA IPC handle over gRPC; the node loads into it, completion by
+/// stream and by poll, and this process checks every byte of its own allocation.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_engine_workers_cuda_kv_in_another_process_through_an_ipc_handle() {
+    let child = ChildTest::spawn("child_cuda_node", &[(CHILD_ENV, "1")]);
+    let addr = child.wait_for("ENGINE_ADDR=");
+    let fd_path = std::path::PathBuf::from(child.wait_for("ENGINE_FD="));
+    let cuda = kvferry_gpu::CudaDevice::open(0).expect("a CUDA GPU");
+    rt().block_on(async {
+        let c = EngineClient::connect(addr, Some(fd_path), TOKEN)
+            .await
+            .unwrap();
+        let kv = kvferry_actors::fixture::DeviceKv::alloc_in_one(
+            cuda.clone() as Arc<dyn Device>,
+            shape(),
+            16,
+            256,
+        )
+        .unwrap();
+        let ipc = cuda.ipc_handle(kv.base()).unwrap();
+        assert_eq!(ipc.offset, 0);
+        let req = kvferry_actors::RegisterInstance {
+            instance: id("gpu-eng"),
+            model: "m".into(),
+            dtype: "bf16".into(),
+            shape: shape(),
+            rank: 0,
+            device: 0,
+            layout: kv.spec_from(kv.base()),
+        };
+        c.register_cuda_ipc(&req, &ipc.bytes).await.unwrap();
+        let _session = c.open_session(&[id("gpu-eng")]).await.unwrap();
+        put_over_grpc(&c, "gpu-eng", 0..4).await;
+        let dest = [9u32, 3, 4, 12];
+        for by_stream in [true, false] {
+            let lease = lease_for(&c, "gpu-eng", 0..4).await;
+            let done = if by_stream {
+                let mut stream = c.completions(&id("gpu-eng"), 0).await.unwrap();
+                let l = c.load(&load(lease, "gpu-eng", &dest)).await.unwrap();
+                stream.wait_for(l, WAIT).await.unwrap()
+            } else {
+                let l = c.load(&load(lease, "gpu-eng", &dest)).await.unwrap();
+                c.wait_polling(l, Duration::from_millis(1), WAIT)
+                    .await
+                    .unwrap()
+            };
+            ok(&done, 4);
+            let checked = kv
+                .verify(&[(9, 0), (3, 1), (4, 2), (12, 3)], 0)
+                .unwrap_or_else(|e| panic!("by_stream={by_stream}: {e}"));
+            assert_eq!(checked, 4 * shape().rank_bytes());
+            eprintln!(
+                "cuda ipc: {} bytes loaded into another process's GPU KV in {:.3} ms",
+                done.bytes,
+                done.seconds * 1e3
+            );
+            kv.reset().unwrap();
+        }
+    });
+    // The session ends with this process's client; the node unregisters and unmaps.
+    child.finish(Some("ENGINE_CHILD_OK"));
 }

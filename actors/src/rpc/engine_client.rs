@@ -310,6 +310,23 @@ impl EngineClient {
         Ok(resp.namespace)
     }
 
+    /// Registers one rank whose KV lies in a CUDA allocation of another process (an engine
+    /// worker's), named by its 64-byte IPC handle; the layout's addresses are offsets from
+    /// the allocation's base. Returns the namespace.
+    pub async fn register_cuda_ipc(
+        &self,
+        req: &api::RegisterInstance,
+        ipc_handle: &[u8],
+    ) -> Result<String, EngineClientError> {
+        let mut msg = register_request(req, 0);
+        msg.cuda_ipc_handle = ipc_handle.to_vec();
+        let r = self.request(msg);
+        let resp = self
+            .call("RegisterInstance", self.raw.clone().register_instance(r))
+            .await?;
+        Ok(resp.namespace)
+    }
+
     /// Unregisters an instance; returns how many of its leases were released.
     pub async fn unregister(&self, instance: &InstanceId) -> Result<u32, EngineClientError> {
         let r = self.request(UnregisterInstanceRequest {
@@ -576,6 +593,7 @@ pub fn register_request(
             view_offset: l.view_offset,
         }),
         memory_handle,
+        cuda_ipc_handle: Vec::new(),
     }
 }
 

@@ -302,6 +302,76 @@ struct EngineService {
     shared: Arc<Shared>,
 }
 
+impl EngineService {
+    /// The memory a fd-socket handle names, checked against the request.
+    fn memory_of(
+        &self,
+        m: &'static str,
+        r: &RegisterInstanceRequest,
+        instance: &InstanceId,
+    ) -> Result<(u64, u64, crate::registry::Memory), Status> {
+        if r.memory_handle == 0 {
+            return Err(Status::invalid_argument(format!(
+                "{m}: no memory handle; send the KV's fd on the fd socket first (or give a \
+                 CUDA IPC handle)"
+            )));
+        }
+        let h = self
+            .shared
+            .handles()
+            .get(r.memory_handle, Instant::now())
+            .cloned()
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "{m}: memory handle {} is unknown, expired or already registered",
+                    r.memory_handle
+                ))
+            })?;
+        if h.instance != *instance || h.rank != r.rank {
+            return Err(Status::permission_denied(format!(
+                "{m}: memory handle {} was sent for instance {} rank {}, not {instance} rank {}",
+                r.memory_handle, h.instance, h.rank, r.rank
+            )));
+        }
+        if h.device != r.device {
+            return Err(Status::invalid_argument(format!(
+                "{m}: memory handle {} is memory of device {}, not {}",
+                r.memory_handle, h.device, r.device
+            )));
+        }
+        Ok((h.base, h.len, Arc::clone(&h.memory)))
+    }
+
+    /// The allocation a CUDA IPC handle names, mapped on the requested device.
+    fn ipc_memory(
+        &self,
+        m: &'static str,
+        r: &RegisterInstanceRequest,
+    ) -> Result<(u64, u64, crate::registry::Memory), Status> {
+        if r.memory_handle != 0 {
+            return Err(Status::invalid_argument(format!(
+                "{m}: give a memory handle or a CUDA IPC handle, not both"
+            )));
+        }
+        if r.cuda_ipc_handle.len() > 1024 {
+            return Err(Status::invalid_argument(format!(
+                "{m}: a CUDA IPC handle of {} bytes (64, or PyTorch's framed form)",
+                r.cuda_ipc_handle.len()
+            )));
+        }
+        let device = self.shared.node.device(r.device).ok_or_else(|| {
+            Status::not_found(format!("{m}: device {} is not on this node", r.device))
+        })?;
+        let buf = device.import_ipc(&r.cuda_ipc_handle).map_err(|e| {
+            Status::failed_precondition(format!(
+                "{m}: device {} cannot map the CUDA IPC handle: {e}",
+                r.device
+            ))
+        })?;
+        Ok((buf.ptr(), buf.len(), Arc::new(buf)))
+    }
+}
+
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
 /// Why this node refuses `direct_gpu`, if it does: the keeper's rule, asked before a query.
@@ -414,35 +484,12 @@ impl Engine for EngineService {
                 shape.tp_size()
             )));
         }
-        if r.memory_handle == 0 {
-            return Err(Status::invalid_argument(format!(
-                "{M}: no memory handle; send the KV's fd on the fd socket first"
-            )));
-        }
-        let h = self
-            .shared
-            .handles()
-            .get(r.memory_handle, Instant::now())
-            .cloned()
-            .ok_or_else(|| {
-                Status::not_found(format!(
-                    "{M}: memory handle {} is unknown, expired or already registered",
-                    r.memory_handle
-                ))
-            })?;
-        if h.instance != instance || h.rank != r.rank {
-            return Err(Status::permission_denied(format!(
-                "{M}: memory handle {} was sent for instance {} rank {}, not {instance} rank {}",
-                r.memory_handle, h.instance, h.rank, r.rank
-            )));
-        }
-        if h.device != r.device {
-            return Err(Status::invalid_argument(format!(
-                "{M}: memory handle {} is memory of device {}, not {}",
-                r.memory_handle, h.device, r.device
-            )));
-        }
-        let layout = check::place(M, spec, &shape, h.base, h.len)?;
+        let (base, len, memory) = if r.cuda_ipc_handle.is_empty() {
+            self.memory_of(M, &r, &instance)?
+        } else {
+            self.ipc_memory(M, &r)?
+        };
+        let layout = check::place(M, spec, &shape, base, len)?;
         let namespace = self
             .shared
             .node
@@ -456,12 +503,14 @@ impl Engine for EngineService {
                     device: r.device,
                     layout,
                 },
-                Some(Arc::clone(&h.memory)),
+                Some(memory),
             )
             .await
             .map_err(|e| status(M, e))?;
         // The registration holds the memory now.
-        self.shared.handles().take(r.memory_handle);
+        if r.memory_handle != 0 {
+            self.shared.handles().take(r.memory_handle);
+        }
         Ok(Response::new(RegisterInstanceResponse {
             namespace: namespace.to_string(),
         }))
