@@ -250,16 +250,8 @@ impl super::nic::RdmaNic for VerbsNic {
         };
         // SAFETY: `raw` is alive (owned by `responder`).
         let qpn = unsafe { ffi::qp_num(raw) };
-        let addr = dev.address();
-        let psn = psn_seed(qpn);
-        let local = QpEndpoint {
-            qpn,
-            psn,
-            lid: addr.lid,
-            gid: addr.gid,
-            mtu: addr.mtu,
-            responder_depth: responder_depth(limits.max_rd_atomic, dev.read_depth()),
-        };
+        let local = local_endpoint(&dev, qpn, limits.max_rd_atomic);
+        let (addr, psn) = (dev.address(), local.psn);
         let steps = connect_transitions(
             &self.cfg,
             limits.max_rd_atomic,
@@ -346,6 +338,20 @@ impl VerbsConnector {
     }
 }
 
+/// What this side of a new QP tells its peer: the QP number, a fresh PSN, the port's
+/// address and how many reads it lets the peer have outstanding.
+fn local_endpoint(dev: &VerbsDevice, qpn: u32, max_rd_atomic: u32) -> QpEndpoint {
+    let addr = dev.address();
+    QpEndpoint {
+        qpn,
+        psn: psn_seed(qpn),
+        lid: addr.lid,
+        gid: addr.gid,
+        mtu: addr.mtu,
+        responder_depth: responder_depth(max_rd_atomic, dev.read_depth()),
+    }
+}
+
 fn psn_seed(qpn: u32) -> u32 {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -389,16 +395,8 @@ impl Connector for VerbsConnector {
         };
         // SAFETY: `raw` is alive.
         let qpn = unsafe { ffi::qp_num(raw) };
-        let addr = dev.address();
-        let psn = psn_seed(qpn);
-        let local = QpEndpoint {
-            qpn,
-            psn,
-            lid: addr.lid,
-            gid: addr.gid,
-            mtu: addr.mtu,
-            responder_depth: responder_depth(limits.max_rd_atomic, dev.read_depth()),
-        };
+        let local = local_endpoint(&dev, qpn, limits.max_rd_atomic);
+        let (addr, psn) = (dev.address(), local.psn);
         let (remote, keys) = self.exchange.exchange(qp, local)?;
         conn.remote_keys = keys;
         let steps = connect_transitions(
