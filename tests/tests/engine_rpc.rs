@@ -607,33 +607,42 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
 #[test]
 #[ignore = "runs only as the node child process started by a_client_process_loads_into_its_memfd_through_a_node_process"]
 fn child_node() {
-    use std::io::Write;
     assert!(
         std::env::var_os(CHILD_ENV).is_some(),
         "started by a_client_process_loads_into_its_memfd_through_a_node_process"
     );
     rt().block_on(async {
         let srv = Server::with_token().await;
-        println!("ENGINE_ADDR={}", srv.addr);
-        println!("ENGINE_FD={}", srv.fd_path.display());
-        std::io::stdout().flush().unwrap();
-        tokio::task::spawn_blocking(|| {
-            let mut line = String::new();
-            let _ = std::io::stdin().read_line(&mut line);
+        serve_as_child(srv, 1, |srv| {
+            assert_eq!(
+                srv.dev.live_allocations(),
+                0,
+                "the client's memfd is unmapped"
+            );
         })
-        .await
-        .unwrap();
-        let s = settled(&srv.node).await;
-        assert_eq!((s.instances, s.loads_ok), (0, 1));
-        assert_eq!(
-            srv.dev.live_allocations(),
-            0,
-            "the client's memfd is unmapped"
-        );
-        println!("ENGINE_CHILD_OK");
-        std::io::stdout().flush().unwrap();
-        srv.stop().await;
+        .await;
     });
+}
+
+/// A child node's life: prints its addresses, serves until stdin closes, then checks that
+/// its clients left nothing behind after `loads_ok` loads (and `check`), and stops.
+async fn serve_as_child(srv: Server, loads_ok: u64, check: impl FnOnce(&Server)) {
+    use std::io::Write;
+    println!("ENGINE_ADDR={}", srv.addr);
+    println!("ENGINE_FD={}", srv.fd_path.display());
+    std::io::stdout().flush().unwrap();
+    tokio::task::spawn_blocking(|| {
+        let mut line = String::new();
+        let _ = std::io::stdin().read_line(&mut line);
+    })
+    .await
+    .unwrap();
+    let s = settled(&srv.node).await;
+    assert_eq!((s.instances, s.loads_ok), (0, loads_ok), "{s:?}");
+    check(&srv);
+    println!("ENGINE_CHILD_OK");
+    std::io::stdout().flush().unwrap();
+    srv.stop().await;
 }
 
 #[test]
@@ -1006,7 +1015,6 @@ fn cuda_ipc_registration_is_refused_clearly_where_it_cannot_work() {
 #[test]
 #[ignore = "runs only as the node child process started by an_engine_workers_cuda_kv_in_another_process_through_an_ipc_handle"]
 fn child_cuda_node() {
-    use std::io::Write;
     assert!(
         std::env::var_os(CHILD_ENV).is_some(),
         "started by its parent test"
@@ -1019,20 +1027,7 @@ fn child_cuda_node() {
             ..Default::default()
         };
         let srv = Server::serve(options, node, HostDevice::new(0)).await;
-        println!("ENGINE_ADDR={}", srv.addr);
-        println!("ENGINE_FD={}", srv.fd_path.display());
-        std::io::stdout().flush().unwrap();
-        tokio::task::spawn_blocking(|| {
-            let mut line = String::new();
-            let _ = std::io::stdin().read_line(&mut line);
-        })
-        .await
-        .unwrap();
-        let s = settled(&srv.node).await;
-        assert_eq!((s.instances, s.loads_ok), (0, 2), "{s:?}");
-        println!("ENGINE_CHILD_OK");
-        std::io::stdout().flush().unwrap();
-        srv.stop().await;
+        serve_as_child(srv, 2, |_| {}).await;
     });
 }
 
