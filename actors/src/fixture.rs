@@ -151,10 +151,33 @@ impl DeviceKv {
         num_blocks: u32,
         view_offset: u64,
     ) -> Result<Self, DeviceError> {
+        let memory = device.alloc(Self::in_one_bytes(shape, num_blocks, view_offset))?;
+        Self::in_one(device, memory, shape, num_blocks, view_offset)
+    }
+
+    /// Bytes of memory [`DeviceKv::in_one`] lays a KV of this geometry out in.
+    fn in_one_bytes(shape: KvShape, num_blocks: u32, view_offset: u64) -> u64 {
+        let (count, per) = Self::buffers_needed(
+            shape,
+            KvKind::Split,
+            num_blocks,
+            shape.segment_bytes(),
+            view_offset,
+        );
+        u64::from(count) * per
+    }
+
+    /// Split K/V planes one after another in `memory` (block stride = one segment).
+    fn in_one(
+        device: Arc<dyn Device>,
+        memory: DeviceBuffer,
+        shape: KvShape,
+        num_blocks: u32,
+        view_offset: u64,
+    ) -> Result<Self, DeviceError> {
         let stride = shape.segment_bytes();
         let (count, per) =
             Self::buffers_needed(shape, KvKind::Split, num_blocks, stride, view_offset);
-        let memory = device.alloc(u64::from(count) * per)?;
         let spans = (0..u64::from(count))
             .map(|i| Span {
                 ptr: memory.ptr() + i * per,
@@ -407,10 +430,7 @@ pub struct MemfdKv {
 impl MemfdKv {
     pub fn create(shape: KvShape, num_blocks: u32, view_offset: u64) -> Result<Self, DeviceError> {
         use std::os::fd::FromRawFd;
-        let stride = shape.segment_bytes();
-        let (count, per) =
-            DeviceKv::buffers_needed(shape, KvKind::Split, num_blocks, stride, view_offset);
-        let len = u64::from(count) * per;
+        let len = DeviceKv::in_one_bytes(shape, num_blocks, view_offset);
         let fail = |what: &str| DeviceError::Import {
             ordinal: 0,
             what: "memfd",
@@ -436,22 +456,7 @@ impl MemfdKv {
         let device = kvferry_gpu::HostDevice::new(0);
         let memory = device.import_memfd(mine, len)?;
         let base = memory.ptr();
-        let spans = (0..u64::from(count))
-            .map(|i| Span {
-                ptr: base + i * per,
-                len: per,
-            })
-            .collect();
-        let kv = DeviceKv::over(
-            device,
-            shape,
-            KvKind::Split,
-            num_blocks,
-            stride,
-            view_offset,
-            spans,
-            vec![memory],
-        )?;
+        let kv = DeviceKv::in_one(device, memory, shape, num_blocks, view_offset)?;
         Ok(Self { kv, fd, base, len })
     }
 
