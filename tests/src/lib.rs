@@ -20,6 +20,16 @@ pub fn config(slot: u64, slots: u64) -> NodeConfig {
     cfg
 }
 
+/// The runtime every test drives its async calls on (two workers: the node's actors run
+/// on their own thread, so this only drives clients and servers).
+pub fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 /// A node over one host-emulated device.
 pub fn node(slot: u64, slots: u64, clock: Clock) -> (Node, Arc<dyn Device>) {
     let dev: Arc<dyn Device> = HostDevice::new(0);

@@ -24,14 +24,6 @@ const SLOTS: u64 = 32;
 const WAIT: Duration = Duration::from_secs(10);
 const CHILD_ENV: &str = "KVFERRY_ENGINE_RPC_CHILD";
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 fn shape() -> KvShape {
     KvShape::new(3, 1, 2, 1024).unwrap()
 }

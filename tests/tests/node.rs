@@ -12,14 +12,6 @@ use kvferry_actors::{
 use kvferry_gpu::{GroupKind, KvShape, LayerLayout, LayoutError};
 use kvferry_tests::*;
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 fn shape(layers: u32, tp: u32, segs: u32) -> KvShape {
     KvShape::new(layers, tp, segs, 1024).unwrap()
 }

@@ -11,14 +11,6 @@ use kvferry_actors::{Clock, DirectGrant, LoadRequest, ManualClock, Node, NodeErr
 use kvferry_gpu::{Device, HostDevice, KvShape};
 use kvferry_tests::*;
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 struct Cluster {
     cluster: Arc<LocalCluster>,
     nodes: Vec<(Node, Arc<dyn Device>)>,

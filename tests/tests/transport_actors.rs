@@ -8,6 +8,7 @@
 //! (registrations, QPs by state, completion errors) move under injected faults and the QP
 //! gauges return to zero after the drain.
 
+use kvferry_tests::rt;
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,14 +35,6 @@ const CANARY: u8 = 0xA5;
 const OWNER: NodeId = NodeId(100);
 const ME: NodeId = NodeId(1);
 const NIC: NicId = NicId(0);
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
 
 fn pat(seed: u8, off: u64) -> u8 {
     ((off.wrapping_mul(2_654_435_761) >> 11) as u8) ^ (off as u8) ^ seed
