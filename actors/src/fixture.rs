@@ -65,13 +65,20 @@ pub async fn put_pattern(
     Ok(())
 }
 
-/// How a test lays out its device KV.
+/// How a test lays out its device KV: the layouts engines allocate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvKind {
     /// K and V in separate buffers per layer.
     Split,
-    /// One buffer per layer, K plane then V plane.
+    /// One buffer per layer, K plane then V plane (vLLM FlashAttention; with a one-segment
+    /// shape, MLA).
     Contiguous,
+    /// One buffer per layer, K and V interleaved per block (FlashInfer); the block stride
+    /// holds both.
+    FlashInfer,
+    /// One buffer for every layer, a block holding each layer's K and V in turn (vLLM's
+    /// cross-layer KV); the block stride holds the whole block.
+    CrossLayer,
 }
 
 /// Device KV for one rank, allocated by us, every byte set to [`CANARY`].
@@ -234,6 +241,8 @@ impl DeviceKv {
                 shape.layers(),
                 view_offset + u64::from(shape.segments()) * plane + TAIL,
             ),
+            KvKind::FlashInfer => (shape.layers(), view_offset + plane + TAIL),
+            KvKind::CrossLayer => (1, view_offset + plane + TAIL),
         }
     }
 
@@ -276,10 +285,22 @@ impl DeviceKv {
                     base: self.buffers[l].ptr(),
                     kv_stride: self.plane,
                 },
+                KvKind::FlashInfer => LayerLayout::Contiguous {
+                    base: self.buffers[l].ptr(),
+                    kv_stride: self.shape.segment_bytes(),
+                },
+                KvKind::CrossLayer => LayerLayout::Contiguous {
+                    base: self.buffers[0].ptr()
+                        + l as u64 * u64::from(self.shape.segments()) * self.shape.segment_bytes(),
+                    kv_stride: self.shape.segment_bytes(),
+                },
             })
             .collect();
         KvLayoutSpec {
-            kind: GroupKind::Attention,
+            kind: match self.kind {
+                KvKind::CrossLayer => GroupKind::CrossLayer,
+                _ => GroupKind::Attention,
+            },
             layers,
             block_stride: self.block_stride,
             num_blocks: self.num_blocks,
@@ -290,10 +311,39 @@ impl DeviceKv {
     /// Buffer index and byte offset of one segment of one block.
     fn locate(&self, layer: u32, seg: u32, block: u32) -> (usize, u64) {
         let at = self.view_offset + u64::from(block) * self.block_stride;
+        let seg_bytes = self.shape.segment_bytes();
         match self.kind {
             KvKind::Split => ((layer * self.shape.segments() + seg) as usize, at),
             KvKind::Contiguous => (layer as usize, at + u64::from(seg) * self.plane),
+            KvKind::FlashInfer => (layer as usize, at + u64::from(seg) * seg_bytes),
+            KvKind::CrossLayer => (
+                0,
+                at + u64::from(layer * self.shape.segments() + seg) * seg_bytes,
+            ),
         }
+    }
+
+    /// Each layer's planes as (buffer index, offset of block 0 inside that buffer, the view
+    /// offset included): the regions of a registration where every buffer is its own memory.
+    pub fn placements(&self) -> Vec<crate::rpc::RegionLayer> {
+        let at = |layer, seg| {
+            let (buffer, offset) = self.locate(layer, seg, 0);
+            crate::rpc::PlanePlacement {
+                region: buffer as u32,
+                offset,
+            }
+        };
+        (0..self.shape.layers())
+            .map(|l| crate::rpc::RegionLayer {
+                k: at(l, 0),
+                v: (self.shape.segments() == 2).then(|| at(l, 1)),
+            })
+            .collect()
+    }
+
+    /// The bytes of each buffer.
+    pub fn buffer_lens(&self) -> Vec<u64> {
+        self.buffers.iter().map(Span::len).collect()
     }
 
     /// Registers this KV as `rank` of `instance` on `node` (model `model`, dtype bf16).
@@ -427,34 +477,43 @@ pub struct MemfdKv {
     len: u64,
 }
 
+/// A memfd of `len` bytes, and its mapping as memory of `device`.
+fn memfd(
+    device: &kvferry_gpu::HostDevice,
+    len: u64,
+) -> Result<(std::os::fd::OwnedFd, DeviceBuffer), DeviceError> {
+    use std::os::fd::FromRawFd;
+    let fail = |what: &str| DeviceError::Import {
+        ordinal: 0,
+        what: "memfd",
+        reason: format!("{what}: {}", std::io::Error::last_os_error()),
+    };
+    // SAFETY: a NUL-terminated name and valid flags; the result is checked.
+    let raw = unsafe {
+        libc::memfd_create(
+            c"kvferry-client-kv".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    if raw < 0 {
+        return Err(fail("memfd_create"));
+    }
+    // SAFETY: `raw` is a descriptor we just created and own from here on.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+    // SAFETY: ftruncate on a descriptor we own.
+    if unsafe { libc::ftruncate(raw, len as libc::off_t) } < 0 {
+        return Err(fail("ftruncate"));
+    }
+    let mine = fd.try_clone().map_err(|_| fail("dup"))?;
+    let memory = device.import_memfd(mine, len)?;
+    Ok((fd, memory))
+}
+
 impl MemfdKv {
     pub fn create(shape: KvShape, num_blocks: u32, view_offset: u64) -> Result<Self, DeviceError> {
-        use std::os::fd::FromRawFd;
         let len = DeviceKv::in_one_bytes(shape, num_blocks, view_offset);
-        let fail = |what: &str| DeviceError::Import {
-            ordinal: 0,
-            what: "memfd",
-            reason: format!("{what}: {}", std::io::Error::last_os_error()),
-        };
-        // SAFETY: a NUL-terminated name and valid flags; the result is checked.
-        let raw = unsafe {
-            libc::memfd_create(
-                c"kvferry-client-kv".as_ptr(),
-                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-            )
-        };
-        if raw < 0 {
-            return Err(fail("memfd_create"));
-        }
-        // SAFETY: `raw` is a descriptor we just created and own from here on.
-        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
-        // SAFETY: ftruncate on a descriptor we own.
-        if unsafe { libc::ftruncate(raw, len as libc::off_t) } < 0 {
-            return Err(fail("ftruncate"));
-        }
-        let mine = fd.try_clone().map_err(|_| fail("dup"))?;
         let device = kvferry_gpu::HostDevice::new(0);
-        let memory = device.import_memfd(mine, len)?;
+        let (fd, memory) = memfd(&device, len)?;
         let base = memory.ptr();
         let kv = DeviceKv::in_one(device, memory, shape, num_blocks, view_offset)?;
         Ok(Self { kv, fd, base, len })
@@ -519,6 +578,115 @@ impl MemfdKv {
 }
 
 impl std::ops::Deref for MemfdKv {
+    type Target = DeviceKv;
+
+    fn deref(&self) -> &DeviceKv {
+        &self.kv
+    }
+}
+
+/// Host KV in one memfd per buffer — an engine's one tensor per layer (or per plane) — in
+/// any [`KvKind`], registered with one memory region per memfd (engine protocol 2), with the
+/// pattern and canaries of [`DeviceKv`] (which it dereferences to).
+pub struct MemfdRegionsKv {
+    kv: DeviceKv,
+    fds: Vec<std::os::fd::OwnedFd>,
+}
+
+impl MemfdRegionsKv {
+    pub fn create(
+        shape: KvShape,
+        kind: KvKind,
+        num_blocks: u32,
+        block_stride: u64,
+        view_offset: u64,
+    ) -> Result<Self, DeviceError> {
+        let device = kvferry_gpu::HostDevice::new(0);
+        let (count, len) =
+            DeviceKv::buffers_needed(shape, kind, num_blocks, block_stride, view_offset);
+        let (mut fds, mut memory) = (Vec::new(), Vec::new());
+        for _ in 0..count {
+            let (fd, mem) = memfd(&device, len)?;
+            fds.push(fd);
+            memory.push(mem);
+        }
+        let spans = memory
+            .iter()
+            .map(|b| Span {
+                ptr: b.ptr(),
+                len: b.len(),
+            })
+            .collect();
+        let kv = DeviceKv::over(
+            device,
+            shape,
+            kind,
+            num_blocks,
+            block_stride,
+            view_offset,
+            spans,
+            memory,
+        )?;
+        Ok(Self { kv, fds })
+    }
+
+    /// The registration of this KV as `rank` of `instance`, region i being memory handle
+    /// `handles[i]` (memfd i sent on the fd socket).
+    pub fn registration(
+        &self,
+        instance: &crate::InstanceId,
+        model: &str,
+        rank: u32,
+        handles: &[u64],
+    ) -> crate::rpc::RegisterRegions {
+        crate::rpc::RegisterRegions {
+            instance: instance.clone(),
+            model: model.into(),
+            dtype: "bf16".into(),
+            shape: self.kv.shape,
+            rank,
+            device: 0,
+            kind: self.kv.spec().kind,
+            block_stride: self.kv.block_stride,
+            num_blocks: self.kv.num_blocks,
+            regions: handles
+                .iter()
+                .map(|&h| crate::rpc::MemoryRegion::Handle(h))
+                .collect(),
+            layers: self.kv.placements(),
+        }
+    }
+
+    /// Memfd `i` (buffer `i`'s memory).
+    pub fn fd_of(&self, i: usize) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.fds[i].as_fd()
+    }
+
+    /// Sends every memfd through `client` and registers them as `rank` of `instance`.
+    pub async fn register_with(
+        &self,
+        client: &crate::rpc::EngineClient,
+        instance: &crate::InstanceId,
+        model: &str,
+        rank: u32,
+    ) -> Result<String, crate::rpc::EngineClientError> {
+        let mut handles = Vec::with_capacity(self.fds.len());
+        for (fd, len) in self.fds.iter().zip(self.kv.buffer_lens()) {
+            use std::os::fd::AsFd;
+            handles.push(
+                client
+                    .send_memfd(instance, rank, 0, fd.as_fd(), len)
+                    .await?,
+            );
+        }
+        client
+            .register_regions(&self.registration(instance, model, rank, &handles))
+            .await
+    }
+}
+
+impl std::ops::Deref for MemfdRegionsKv {
     type Target = DeviceKv;
 
     fn deref(&self) -> &DeviceKv {

@@ -202,16 +202,17 @@ impl Node {
 
     /// Registers one TP rank's GPU KV; returns the instance's namespace.
     pub async fn register_instance(&self, req: RegisterInstance) -> Result<Namespace, NodeError> {
-        self.register_instance_with(req, None).await
+        self.register_instance_with(req, Vec::new()).await
     }
 
-    /// Registers one TP rank whose KV lies in `memory` (a client's memfd mapped as device
-    /// memory, an imported DMA-BUF): the registration keeps it alive until the rank is
-    /// unregistered and the last transfer using it has drained.
+    /// Registers one TP rank whose KV lies in `memory` (clients' memfds mapped as device
+    /// memory, imported DMA-BUFs or CUDA IPC allocations, one per region): the registration
+    /// keeps them alive until the rank is unregistered and the last transfer using it has
+    /// drained.
     pub async fn register_instance_with(
         &self,
         req: RegisterInstance,
-        memory: Option<registry::Memory>,
+        memory: Vec<registry::Memory>,
     ) -> Result<Namespace, NodeError> {
         self.inner
             .registry

@@ -39,7 +39,7 @@ pub struct RankHandle {
     pub device: Arc<dyn Device>,
     // Declared before the drain signal: fields drop in order, so the memory is released
     // before an unregister waiting on the signal returns.
-    _memory: Option<Memory>,
+    _memory: Vec<Memory>,
     _drain: DrainSignal,
 }
 
@@ -49,7 +49,7 @@ impl std::fmt::Debug for RankHandle {
             .field("instance", &self.instance)
             .field("rank", &self.rank)
             .field("namespace", &self.namespace)
-            .field("memory", &self._memory.is_some())
+            .field("memory_regions", &self._memory.len())
             .finish()
     }
 }
@@ -81,10 +81,10 @@ impl Actor for InstanceRegistry {
 }
 
 /// Registers one rank (validating its layout against its device's memory), keeping
-/// `memory` alive with the registration.
+/// `memory` (one entry per region it lies in) alive with the registration.
 #[derive(Message)]
 #[rtype(result = "Result<Namespace, NodeError>")]
-pub struct Register(pub RegisterInstance, pub Option<Memory>);
+pub struct Register(pub RegisterInstance, pub Vec<Memory>);
 
 impl Handler<Register> for InstanceRegistry {
     type Result = Result<Namespace, NodeError>;

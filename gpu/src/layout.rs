@@ -4,14 +4,16 @@ use thiserror::Error;
 
 use crate::{Device, KvShape};
 
-/// The kind of KV group an engine registers. Only attention groups laid out layer-first can
-/// be loaded; the others are recognised so the refusal can name them.
+/// The kind of KV group an engine registers. Every attention group whose planes reduce to
+/// "plane base + block stride" can be loaded; recurrent state is recognised so the refusal
+/// can name it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GroupKind {
-    /// Dense attention, one tensor (or K/V pair) per layer: supported.
+    /// Attention with one tensor (or K/V pair) per layer: FlashAttention, FlashInfer, MLA.
     Attention,
-    /// Page-first (block-major across K/V and layers) caches: refused.
-    PageFirst,
+    /// Attention whose blocks hold every layer's K and V (vLLM's cross-layer KV): planes
+    /// per layer with the whole block as stride, so one block is one contiguous range.
+    CrossLayer,
     /// Recurrent / hybrid state groups (Mamba-style): refused.
     Recurrent,
 }
@@ -20,7 +22,7 @@ impl GroupKind {
     pub fn as_str(&self) -> &'static str {
         match self {
             GroupKind::Attention => "attention",
-            GroupKind::PageFirst => "page-first",
+            GroupKind::CrossLayer => "cross-layer",
             GroupKind::Recurrent => "recurrent",
         }
     }
@@ -48,11 +50,76 @@ pub struct KvLayoutSpec {
     pub view_offset: u64,
 }
 
+impl KvLayoutSpec {
+    /// vLLM FlashAttention: one tensor per layer shaped `(2, num_blocks, block_size, heads,
+    /// head_dim)` at `bases[layer]`, the K plane then the V plane; `segment_bytes` is one
+    /// block of one plane.
+    pub fn flash_attn(bases: &[u64], num_blocks: u32, segment_bytes: u64) -> Self {
+        let kv_stride = u64::from(num_blocks).saturating_mul(segment_bytes);
+        Self::per_layer(bases, num_blocks, segment_bytes, kv_stride)
+    }
+
+    /// FlashInfer: one tensor per layer shaped `(num_blocks, 2, block_size, heads, head_dim)`:
+    /// K and V interleaved per block.
+    pub fn flashinfer(bases: &[u64], num_blocks: u32, segment_bytes: u64) -> Self {
+        Self::per_layer(
+            bases,
+            num_blocks,
+            segment_bytes.saturating_mul(2),
+            segment_bytes,
+        )
+    }
+
+    /// MLA: one tensor per layer shaped `(num_blocks, block_size, head_dim)`, one segment.
+    pub fn mla(bases: &[u64], num_blocks: u32, segment_bytes: u64) -> Self {
+        Self::per_layer(bases, num_blocks, segment_bytes, 0)
+    }
+
+    /// vLLM cross-layer blocks: one tensor shaped `(num_blocks, layers, segments, block_size,
+    /// heads, head_dim)` at `base`. A block is one contiguous range in the order the host pool
+    /// keeps a rank's part (layer, then K/V), so a load copies it in one piece.
+    pub fn cross_layer(
+        base: u64,
+        layers: u32,
+        segments: u32,
+        num_blocks: u32,
+        segment_bytes: u64,
+    ) -> Self {
+        let per_layer = u64::from(segments).saturating_mul(segment_bytes);
+        Self {
+            kind: GroupKind::CrossLayer,
+            layers: (0..u64::from(layers))
+                .map(|l| LayerLayout::Contiguous {
+                    base: base.saturating_add(l.saturating_mul(per_layer)),
+                    kv_stride: segment_bytes,
+                })
+                .collect(),
+            block_stride: per_layer.saturating_mul(u64::from(layers)),
+            num_blocks,
+            view_offset: 0,
+        }
+    }
+
+    fn per_layer(bases: &[u64], num_blocks: u32, block_stride: u64, kv_stride: u64) -> Self {
+        Self {
+            kind: GroupKind::Attention,
+            layers: bases
+                .iter()
+                .map(|&base| LayerLayout::Contiguous { base, kv_stride })
+                .collect(),
+            block_stride,
+            num_blocks,
+            view_offset: 0,
+        }
+    }
+}
+
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum LayoutError {
     #[error(
-        "{group} KV groups cannot be loaded: only layer-first attention layouts are supported"
+        "{group} KV groups cannot be loaded: only attention layouts (plane base + block stride) \
+         are supported"
     )]
     Unsupported { group: &'static str },
     #[error("layout has {got} layers, the shape has {expected}")]
@@ -67,8 +134,6 @@ pub enum LayoutError {
         stride: u64,
         segment: u64,
     },
-    #[error("layer {layer}: kv stride {stride} is smaller than one plane ({plane} bytes)")]
-    KvStrideTooSmall { layer: u32, stride: u64, plane: u64 },
     #[error("layer {layer}: addresses overflow")]
     Overflow { layer: u32 },
     #[error("layer {first} {first_seg} overlaps layer {second} {second_seg}")]
@@ -122,7 +187,7 @@ fn seg_name(segments: u32, seg: u32) -> &'static str {
 impl KvLayout {
     /// Validates a spec against the shape (without touching memory).
     pub fn new(spec: KvLayoutSpec, shape: &KvShape) -> Result<Self, LayoutError> {
-        if spec.kind != GroupKind::Attention {
+        if spec.kind == GroupKind::Recurrent {
             return Err(LayoutError::Unsupported {
                 group: spec.kind.as_str(),
             });
@@ -149,24 +214,16 @@ impl KvLayout {
                     segment: seg,
                 });
             }
-            let plane = plane.ok_or(LayoutError::Overflow { layer })?;
-            match *l {
-                LayerLayout::Split { .. } if shape.segments() != 2 => {
-                    return Err(LayoutError::SplitNeedsTwoSegments {
-                        layer,
-                        segments: shape.segments(),
-                    });
-                }
-                LayerLayout::Contiguous { kv_stride, .. }
-                    if shape.segments() == 2 && kv_stride < plane =>
-                {
-                    return Err(LayoutError::KvStrideTooSmall {
-                        layer,
-                        stride: kv_stride,
-                        plane,
-                    });
-                }
-                _ => {}
+            if plane.is_none() {
+                return Err(LayoutError::Overflow { layer });
+            }
+            // A K/V distance below one plane (FlashInfer interleaves K and V per block) is
+            // fine as long as no byte is shared: the overlap check below decides.
+            if matches!(l, LayerLayout::Split { .. }) && shape.segments() != 2 {
+                return Err(LayoutError::SplitNeedsTwoSegments {
+                    layer,
+                    segments: shape.segments(),
+                });
             }
         }
         let layout = Self {
@@ -374,17 +431,135 @@ mod tests {
     }
 
     #[test]
-    fn refuses_page_first_and_recurrent_by_name() {
-        for (kind, name) in [
-            (GroupKind::PageFirst, "page-first"),
-            (GroupKind::Recurrent, "recurrent"),
-        ] {
-            let mut spec = split_spec(1, 256, 4);
-            spec.kind = kind;
-            let err = KvLayout::new(spec, &shape(1, 2)).unwrap_err();
-            assert_eq!(err, LayoutError::Unsupported { group: name });
-            assert!(err.to_string().contains(name));
+    fn refuses_recurrent_by_name() {
+        let mut spec = split_spec(1, 256, 4);
+        spec.kind = GroupKind::Recurrent;
+        let err = KvLayout::new(spec, &shape(1, 2)).unwrap_err();
+        assert_eq!(err, LayoutError::Unsupported { group: "recurrent" });
+        assert!(err.to_string().contains("recurrent"));
+    }
+
+    /// Every byte of `bytes` bytes from `base` belongs to exactly one (layer, segment, block),
+    /// and the addresses are where the engine's tensor puts them.
+    fn assert_tiles(l: &KvLayout, base: u64, bytes: u64, addr: impl Fn(u32, u32, u32) -> u64) {
+        let mut seen = vec![false; (bytes / l.segment_bytes()) as usize];
+        for layer in 0..l.num_layers() {
+            for seg in 0..l.segments() {
+                for block in 0..l.num_blocks() {
+                    let a = l.segment_addr(layer, seg, block);
+                    assert_eq!(
+                        a,
+                        addr(layer, seg, block),
+                        "layer {layer} seg {seg} block {block}"
+                    );
+                    let i = ((a - base) / l.segment_bytes()) as usize;
+                    assert!(!seen[i], "segment at {a:#x} addressed twice");
+                    seen[i] = true;
+                }
+            }
         }
+        assert!(
+            seen.iter().all(|&s| s),
+            "a segment of the tensor is never addressed"
+        );
+    }
+
+    #[test]
+    fn the_layouts_real_engines_allocate() {
+        // 3 layers, 5 blocks, 128-byte segments (e.g. block_size 4 x 1 head x 16 dims x fp16).
+        let (layers, blocks, seg) = (3u32, 5u32, 128u64);
+        let per_layer = 2 * u64::from(blocks) * seg;
+        // Per-layer tensors in separate allocations, far apart and out of order.
+        let bases = [0x9_0000u64, 0x1_0000, 0x5_0000];
+        let pos = |l: u32| bases[l as usize];
+
+        // FlashAttention (2, blocks, ...): K plane, then V plane.
+        let fa = KvLayout::new(
+            KvLayoutSpec::flash_attn(&bases, blocks, seg),
+            &shape_of(layers, 2, seg),
+        )
+        .unwrap();
+        for (l, &b) in bases.iter().enumerate() {
+            let one = KvLayout::new(
+                KvLayoutSpec::flash_attn(&[b], blocks, seg),
+                &shape_of(1, 2, seg),
+            )
+            .unwrap();
+            assert_tiles(&one, b, per_layer, |_, s, k| {
+                b + u64::from(s) * u64::from(blocks) * seg + u64::from(k) * seg
+            });
+            assert_eq!(fa.segment_addr(l as u32, 1, 2), one.segment_addr(0, 1, 2));
+        }
+        // FlashInfer (blocks, 2, ...): K and V interleaved per block.
+        let fi = KvLayout::new(
+            KvLayoutSpec::flashinfer(&bases, blocks, seg),
+            &shape_of(layers, 2, seg),
+        )
+        .unwrap();
+        assert_eq!(fi.segment_addr(2, 1, 4), pos(2) + (4 * 2 + 1) * seg);
+        let one = KvLayout::new(
+            KvLayoutSpec::flashinfer(&[bases[0]], blocks, seg),
+            &shape_of(1, 2, seg),
+        )
+        .unwrap();
+        assert_tiles(&one, bases[0], per_layer, |_, s, k| {
+            bases[0] + (2 * u64::from(k) + u64::from(s)) * seg
+        });
+        // MLA (blocks, block_size, dim): one segment.
+        let one = KvLayout::new(
+            KvLayoutSpec::mla(&[bases[1]], blocks, seg),
+            &shape_of(1, 1, seg),
+        )
+        .unwrap();
+        assert_tiles(&one, bases[1], u64::from(blocks) * seg, |_, _, k| {
+            bases[1] + u64::from(k) * seg
+        });
+        // Cross-layer (blocks, layers, 2, ...): a block is one contiguous range in host order.
+        let cl = KvLayout::new(
+            KvLayoutSpec::cross_layer(0x4000, layers, 2, blocks, seg),
+            &shape_of(layers, 2, seg),
+        )
+        .unwrap();
+        let block = u64::from(layers) * 2 * seg;
+        assert_tiles(&cl, 0x4000, u64::from(blocks) * block, |l, s, k| {
+            0x4000 + u64::from(k) * block + (u64::from(l) * 2 + u64::from(s)) * seg
+        });
+        let mut list = crate::CopyList::default();
+        let shape = shape_of(layers, 2, seg);
+        for (i, dst) in [3u32, 0, 4].into_iter().enumerate() {
+            let src = 0x100_0000 + i as u64 * 0x10_0000;
+            for layer in 0..layers {
+                for s in 0..2 {
+                    list.push(
+                        src + shape.segment_offset(0, layer, s),
+                        cl.segment_addr(layer, s, dst),
+                        seg,
+                    );
+                }
+            }
+        }
+        assert_eq!(list.len(), 3, "one copy per cross-layer block");
+        assert_eq!(list.bytes(), 3 * block);
+        // MLA cross-layer (one segment) is accepted too.
+        assert!(KvLayout::new(
+            KvLayoutSpec::cross_layer(0, layers, 1, blocks, seg),
+            &shape_of(layers, 1, seg)
+        )
+        .is_ok());
+        // A FlashInfer layer shifted by one segment into its neighbour's V: refused.
+        let mut bad = KvLayoutSpec::flashinfer(&[0, 0], blocks, seg);
+        bad.layers[1] = LayerLayout::Contiguous {
+            base: seg,
+            kv_stride: seg,
+        };
+        assert!(matches!(
+            KvLayout::new(bad, &shape_of(2, 2, seg)),
+            Err(LayoutError::Overlap { .. })
+        ));
+    }
+
+    fn shape_of(layers: u32, segs: u32, seg: u64) -> KvShape {
+        KvShape::new(layers, 1, segs, seg).unwrap()
     }
 
     #[test]
@@ -410,6 +585,7 @@ mod tests {
         assert_eq!(err, LayoutError::NoBlocks);
         let err = KvLayout::new(split_spec(1, 256, 4), &shape(1, 1)).unwrap_err();
         assert!(matches!(err, LayoutError::SplitNeedsTwoSegments { .. }));
+        // K and V planes 512 bytes apart with a 256-byte stride: block 2 of K is block 0 of V.
         let spec = KvLayoutSpec {
             kind: GroupKind::Attention,
             layers: vec![LayerLayout::Contiguous {
@@ -422,7 +598,11 @@ mod tests {
         };
         assert!(matches!(
             KvLayout::new(spec, &shape(1, 2)),
-            Err(LayoutError::KvStrideTooSmall { .. })
+            Err(LayoutError::Overlap {
+                first: 0,
+                second: 0,
+                ..
+            })
         ));
     }
 

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry_actors::fixture::rank_part;
+use kvferry_actors::fixture::{rank_part, KvKind, MemfdRegionsKv};
 use kvferry_actors::rpc::{self, proto, Code, EngineClient, EngineClientError, EngineOptions};
 use kvferry_actors::{Clock, DirectGrant, LeaseId, LoadRequest, Node, PutBlocks};
 use kvferry_gpu::{Device, HostDevice, KvShape, LayerLayout};
@@ -274,6 +274,254 @@ fn memfd_kv_loads_with_completions_on_the_stream_and_by_poll() {
         assert_eq!(srv.dev.live_allocations(), 0);
         drop(c);
         drop(_session);
+        srv.stop().await;
+    });
+}
+
+/// Puts pattern blocks `ids` of `shape` for rank 0 of `instance` over gRPC.
+async fn put_shape(c: &EngineClient, shape: KvShape, instance: &str, ids: Vec<u64>) {
+    let blocks = ids
+        .into_iter()
+        .map(|i| {
+            (
+                kvferry_actors::BlockHash::from_u64(i),
+                rank_part(&shape, i, 0),
+            )
+        })
+        .collect();
+    let r = c
+        .put_blocks(&PutBlocks {
+            instance: id(instance),
+            rank: 0,
+            blocks,
+        })
+        .await
+        .unwrap();
+    assert!(r.written > 0);
+}
+
+/// The layouts engines allocate, each in one memfd per tensor (per layer; per plane for
+/// split K/V; one for cross-layer), registered as one region per memfd: put, query, load,
+/// save and load again, every byte of every memfd checked with canaries.
+#[test]
+fn engine_layouts_spread_over_many_memfds_load_and_save_byte_for_byte() {
+    rt().block_on(async {
+        // (kind, layers, segments, segment bytes, block stride, view offset)
+        let cases = [
+            (KvKind::Split, 3, 2, 1024u64, 1024u64, 0u64),
+            (KvKind::Contiguous, 3, 2, 512, 512, 128), // FlashAttention
+            (KvKind::FlashInfer, 4, 2, 256, 512, 0),   // FlashInfer
+            (KvKind::Contiguous, 4, 1, 1152, 1152, 64), // MLA
+            (KvKind::CrossLayer, 5, 2, 192, 5 * 2 * 192, 0), // cross-layer
+            (KvKind::CrossLayer, 2, 1, 64, 2 * 64, 64), // MLA cross-layer, fp8-sized
+        ];
+        for (kind, layers, segments, seg, stride, view) in cases {
+            let what = format!("{kind:?} {layers}x{segments}x{seg}");
+            let shape = KvShape::new(layers, 1, segments, seg).unwrap();
+            let srv = Server::with_token().await;
+            let c = srv.client(TOKEN).await;
+            let kv = MemfdRegionsKv::create(shape, kind, 16, stride, view).unwrap();
+            let buffers = kv.buffer_lens().len();
+            kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
+            assert_eq!(srv.dev.live_allocations(), buffers, "{what}");
+            let s = c.stats().await.unwrap();
+            assert_eq!((s.instances, s.memory_handles), (1, 0), "{what}");
+            let _session = c.open_session(&[id("eng")]).await.unwrap();
+
+            put_shape(&c, shape, "eng", (0..4).collect()).await;
+            let q = c.query(&id("eng"), &hashes(0..4), false).await.unwrap();
+            assert_eq!(q.local_blocks, 4, "{what}");
+            let dest = [9u32, 2, 15, 5];
+            let l = c.load(&load(q.lease.unwrap(), "eng", &dest)).await.unwrap();
+            let done = c
+                .wait_polling(l, Duration::from_millis(2), WAIT)
+                .await
+                .unwrap();
+            assert_eq!(
+                done.status,
+                proto::LoadStatus::LoadOk as i32,
+                "{what}: {done:?}"
+            );
+            assert_eq!(done.bytes, 4 * shape.rank_bytes(), "{what}");
+            let mut expected = vec![(9, 0), (2, 1), (15, 2), (5, 3)];
+            kv.verify(&expected, 0)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+
+            // Save two blocks the engine computed, then load them elsewhere.
+            kv.write_block(0, 100, 0).unwrap();
+            kv.write_block(1, 101, 0).unwrap();
+            let saved = c
+                .save(&kvferry_actors::SaveRequest {
+                    instance: id("eng"),
+                    rank: 0,
+                    hashes: hashes(100..102),
+                    src_blocks: vec![0, 1],
+                })
+                .await
+                .unwrap();
+            assert_eq!(saved.written, 2, "{what}");
+            let q = c.query(&id("eng"), &hashes(100..102), false).await.unwrap();
+            assert_eq!(q.local_blocks, 2, "{what}");
+            let l = c
+                .load(&load(q.lease.unwrap(), "eng", &[12, 7]))
+                .await
+                .unwrap();
+            let done = c
+                .wait_polling(l, Duration::from_millis(2), WAIT)
+                .await
+                .unwrap();
+            assert_eq!(
+                done.status,
+                proto::LoadStatus::LoadOk as i32,
+                "{what}: {done:?}"
+            );
+            expected.extend([(0, 100), (1, 101), (12, 100), (7, 101)]);
+            kv.verify(&expected, 0)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+
+            c.unregister(&id("eng")).await.unwrap();
+            assert_eq!(
+                srv.dev.live_allocations(),
+                0,
+                "{what}: every memfd unmapped"
+            );
+            drop(_session);
+            drop(c);
+            srv.stop().await;
+        }
+    });
+}
+
+/// Registrations over several regions that cannot be right: each refused with its code and a
+/// message naming what is wrong, the node's state unchanged; then the good one works.
+#[test]
+fn bad_region_registrations_are_refused_and_change_nothing() {
+    use kvferry_actors::rpc::{MemoryRegion, PlanePlacement};
+    rt().block_on(async {
+        let srv = Server::with_token().await;
+        let c = srv.client(TOKEN).await;
+        let shape = KvShape::new(2, 1, 2, 256).unwrap();
+        let kv = MemfdRegionsKv::create(shape, KvKind::Contiguous, 8, 256, 0).unwrap();
+        let other = MemfdRegionsKv::create(shape, KvKind::Contiguous, 8, 256, 0).unwrap();
+        assert_eq!(kv.buffer_lens().len(), 2, "one memfd per layer");
+        let mut handles = Vec::new();
+        for i in 0..2 {
+            let len = kv.buffer_lens()[i];
+            handles.push(
+                c.send_memfd(&id("eng"), 0, 0, kv.fd_of(i), len)
+                    .await
+                    .unwrap(),
+            );
+        }
+        let len = other.buffer_lens()[0];
+        let foreign = c // sent for rank 1
+            .send_memfd(&id("eng"), 1, 0, other.fd_of(0), len)
+            .await
+            .unwrap();
+        let good = kv.registration(&id("eng"), "m", 0, &handles);
+        let before = c.stats().await.unwrap();
+        assert_eq!((before.memory_handles, before.instances), (3, 0));
+
+        let mut cases: Vec<(&str, rpc::proto::RegisterInstanceRequest, Code, &str)> = Vec::new();
+        let wire = rpc::engine_client::register_regions_request;
+        let mut r = wire(&good);
+        r.memory_handle = handles[0];
+        cases.push(("regions and a handle", r, Code::InvalidArgument, "not both"));
+        let mut g = good.clone();
+        g.layers[1].k = PlanePlacement {
+            region: 2,
+            offset: 0,
+        };
+        cases.push((
+            "region past the list",
+            wire(&g),
+            Code::InvalidArgument,
+            "layer 1 K plane names memory region 2",
+        ));
+        let mut g = good.clone();
+        g.layers[1].v = Some(PlanePlacement {
+            region: 1,
+            offset: kv.buffer_lens()[1] - 8 * 256 + 64,
+        });
+        cases.push((
+            "plane outside its region",
+            wire(&g),
+            Code::InvalidArgument,
+            "layer 1 V plane",
+        ));
+        let mut g = good.clone();
+        g.regions[1] = MemoryRegion::Handle(handles[0]);
+        cases.push((
+            "one handle twice",
+            wire(&g),
+            Code::InvalidArgument,
+            "named by two regions",
+        ));
+        let mut g = good.clone();
+        g.regions[1] = MemoryRegion::Handle(foreign);
+        cases.push((
+            "another rank's handle",
+            wire(&g),
+            Code::PermissionDenied,
+            "rank 1",
+        ));
+        let mut g = good.clone();
+        g.layers[1] = g.layers[0];
+        cases.push((
+            "two layers on one plane",
+            wire(&g),
+            Code::InvalidArgument,
+            "overlaps",
+        ));
+        let mut g = good.clone();
+        g.kind = kvferry_gpu::GroupKind::Recurrent;
+        cases.push((
+            "recurrent state",
+            wire(&g),
+            Code::InvalidArgument,
+            "recurrent",
+        ));
+        let mut r = wire(&good);
+        r.regions[0].memory = None;
+        cases.push((
+            "an empty region",
+            r,
+            Code::InvalidArgument,
+            "region 0 names no memory",
+        ));
+        let mut r = wire(&good);
+        r.regions = vec![r.regions[0].clone(); rpc::MAX_ENGINE_REGIONS + 1];
+        cases.push(("too many regions", r, Code::ResourceExhausted, "at most"));
+
+        for (what, req, code, needle) in cases {
+            let err = c
+                .raw()
+                .register_instance(c.request(req))
+                .await
+                .expect_err(what);
+            assert_eq!(err.code(), code, "{what}: {}", err.message());
+            assert!(err.message().contains(needle), "{what}: {}", err.message());
+            let now = c.stats().await.unwrap();
+            assert_eq!(now, before, "{what} changed the node's state");
+        }
+        // The good registration still works with the same handles.
+        c.register_regions(&good).await.unwrap();
+        let s = c.stats().await.unwrap();
+        assert_eq!(
+            (s.instances, s.memory_handles),
+            (1, 1),
+            "the foreign handle waits"
+        );
+        put_shape(&c, shape, "eng", vec![1]).await;
+        let q = c.query(&id("eng"), &hashes(1..2), false).await.unwrap();
+        let l = c.load(&load(q.lease.unwrap(), "eng", &[6])).await.unwrap();
+        let done = c
+            .wait_polling(l, Duration::from_millis(2), WAIT)
+            .await
+            .unwrap();
+        assert_eq!(done.status, proto::LoadStatus::LoadOk as i32, "{done:?}");
+        kv.verify(&[(6, 1)], 0).unwrap();
+        drop(c);
         srv.stop().await;
     });
 }

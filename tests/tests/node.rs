@@ -584,7 +584,7 @@ fn bad_input_matrix() {
             assert_eq!(node.stats().await.unwrap(), before, "{what} changed state");
         }
 
-        // Registration: overlapping layers, page-first, recurrent, memory outside any
+        // Registration: overlapping layers, recurrent, memory outside any
         // allocation, a missing device, a rank beyond tp, a second registration of a rank.
         let mut spec = kv.spec();
         spec.layers[1] = spec.layers[0];
@@ -602,15 +602,10 @@ fn bad_input_matrix() {
             matches!(err, NodeError::Layout(LayoutError::Overlap { .. })),
             "{err}"
         );
-        for (kind, name) in [
-            (GroupKind::PageFirst, "page-first"),
-            (GroupKind::Recurrent, "recurrent"),
-        ] {
-            let mut s = kv.spec();
-            s.kind = kind;
-            let err = node.register_instance(reg(s, 0, 0)).await.unwrap_err();
-            assert!(err.to_string().contains(name), "{err}");
-        }
+        let mut s = kv.spec();
+        s.kind = GroupKind::Recurrent;
+        let err = node.register_instance(reg(s, 0, 0)).await.unwrap_err();
+        assert!(err.to_string().contains("recurrent"), "{err}");
         let mut s = kv.spec();
         s.layers[1] = LayerLayout::Split {
             k_base: 0x1000,

@@ -2,7 +2,9 @@
 //! the node's errors into gRPC statuses. Pure functions: a request refused here never
 //! reaches the node.
 
-use kvferry_gpu::{DeviceError, GroupKind, KvLayout, KvLayoutSpec, KvShape, LayerLayout};
+use kvferry_gpu::{
+    DeviceError, GroupKind, KvLayout, KvLayoutSpec, KvShape, LayerLayout, LayoutError,
+};
 use tonic::Status;
 
 use super::proto;
@@ -62,89 +64,161 @@ pub(crate) fn shape(method: &str, s: Option<&proto::KvShape>) -> Result<KvShape,
     KvShape::new(s.layers, s.tp_size, s.segments, s.segment_bytes).map_err(|e| bad(method, e))
 }
 
-/// The layout as sent: addresses are offsets inside the memory handle.
-pub(crate) fn layout(method: &str, l: Option<&proto::KvLayout>) -> Result<KvLayoutSpec, Status> {
+/// Memory region of each of a layer's planes, as the request names them: `[K, V]` (or
+/// `[KV, _]` with one segment).
+pub(crate) type PlaneRegions = [u32; 2];
+
+/// The layout as sent: addresses are offsets inside the memory region each plane names.
+pub(crate) fn layout(
+    method: &str,
+    l: Option<&proto::KvLayout>,
+) -> Result<(KvLayoutSpec, Vec<PlaneRegions>), Status> {
     let l = l.ok_or_else(|| bad(method, "no KV layout given"))?;
     let kind = match proto::GroupKind::try_from(l.kind) {
         Ok(proto::GroupKind::Attention) => GroupKind::Attention,
-        Ok(proto::GroupKind::PageFirst) => GroupKind::PageFirst,
+        Ok(proto::GroupKind::CrossLayer) => GroupKind::CrossLayer,
         Ok(proto::GroupKind::Recurrent) => GroupKind::Recurrent,
         Err(_) => return Err(bad(method, format!("unknown KV group kind {}", l.kind))),
     };
-    let layers = l
+    let (layers, regions) = l
         .layers
         .iter()
         .enumerate()
         .map(|(i, layer)| match &layer.layer {
-            Some(proto::layer_layout::Layer::Contiguous(c)) => Ok(LayerLayout::Contiguous {
-                base: c.base,
-                kv_stride: c.kv_stride,
-            }),
-            Some(proto::layer_layout::Layer::Split(s)) => Ok(LayerLayout::Split {
-                k_base: s.k_base,
-                v_base: s.v_base,
-            }),
+            Some(proto::layer_layout::Layer::Contiguous(c)) => Ok((
+                LayerLayout::Contiguous {
+                    base: c.base,
+                    kv_stride: c.kv_stride,
+                },
+                [c.region, c.region],
+            )),
+            Some(proto::layer_layout::Layer::Split(s)) => Ok((
+                LayerLayout::Split {
+                    k_base: s.k_base,
+                    v_base: s.v_base,
+                },
+                [s.k_region, s.v_region],
+            )),
             None => Err(bad(method, format!("layer {i} has no placement"))),
         })
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(KvLayoutSpec {
-        kind,
-        layers,
-        block_stride: l.block_stride,
-        num_blocks: l.num_blocks,
-        view_offset: l.view_offset,
-    })
+        .collect::<Result<(Vec<_>, Vec<_>), _>>()?;
+    Ok((
+        KvLayoutSpec {
+            kind,
+            layers,
+            block_stride: l.block_stride,
+            num_blocks: l.num_blocks,
+            view_offset: l.view_offset,
+        },
+        regions,
+    ))
 }
 
-/// Checks that every plane of `spec` (offsets) lies inside `[0, len)` of the memory and
-/// moves it to `base`, where the memory is mapped.
+/// Where one memory region of a registration lies in this process: `len` bytes from `base`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Placed {
+    pub base: u64,
+    pub len: u64,
+}
+
+/// Checks that every plane of `spec` (offsets) lies inside `[0, len)` of the region it names
+/// and moves it to that region's base. Overlaps between planes are checked afterwards, on the
+/// moved addresses, by the registration (two planes in different regions may share offsets).
 pub(crate) fn place(
     method: &str,
     spec: KvLayoutSpec,
+    plane_regions: &[PlaneRegions],
     shape: &KvShape,
-    base: u64,
-    len: u64,
+    regions: &[Placed],
 ) -> Result<KvLayoutSpec, Status> {
-    let checked = KvLayout::new(spec.clone(), shape).map_err(|e| bad(method, e))?;
-    let planes = checked.planes().map_err(|e| bad(method, e))?;
-    for p in planes {
-        let end = p.start.checked_add(p.extent);
-        if end.is_none_or(|end| end > len) {
-            let seg = match (shape.segments(), p.segment) {
-                (1, _) => "KV",
-                (_, 0) => "K",
-                _ => "V",
-            };
-            return Err(bad(
+    if spec.num_blocks == 0 {
+        return Err(bad(method, LayoutError::NoBlocks));
+    }
+    if spec.layers.len() != shape.layers() as usize {
+        return Err(bad(
+            method,
+            LayoutError::LayerCount {
+                expected: shape.layers(),
+                got: spec.layers.len(),
+            },
+        ));
+    }
+    let extent = (u64::from(spec.num_blocks) - 1)
+        .checked_mul(spec.block_stride)
+        .and_then(|v| v.checked_add(shape.segment_bytes()))
+        .ok_or_else(|| bad(method, "layout addresses overflow"))?;
+    let segments = shape.segments();
+    let seg_name = |seg: u32| match (segments, seg) {
+        (1, _) => "KV",
+        (_, 0) => "K",
+        _ => "V",
+    };
+    // The plane's offset inside its region, checked against the region; returns the address.
+    let put = |layer: usize, seg: u32, offset: Option<u64>| -> Result<u64, Status> {
+        let index = plane_regions[layer][seg as usize];
+        let region = regions.get(index as usize).ok_or_else(|| {
+            bad(
                 method,
                 format!(
-                    "layer {} {seg} plane [{:#x}, +{:#x}) lies outside the memory handle ({len} bytes)",
-                    p.layer, p.start, p.extent
+                    "layer {layer} {} plane names memory region {index}; the request has {}",
+                    seg_name(seg),
+                    regions.len()
                 ),
-            ));
+            )
+        })?;
+        let start = offset.and_then(|o| o.checked_add(spec.view_offset));
+        match start {
+            Some(start) if start.checked_add(extent).is_some_and(|e| e <= region.len) => {
+                Ok(region.base + start - spec.view_offset)
+            }
+            _ => Err(bad(
+                method,
+                format!(
+                    "layer {layer} {} plane [{:#x}, +{extent:#x}) lies outside memory region \
+                     {index} ({} bytes)",
+                    seg_name(seg),
+                    offset.unwrap_or(u64::MAX),
+                    region.len
+                ),
+            )),
         }
-    }
-    let shift = |v: u64| {
-        v.checked_add(base)
-            .ok_or_else(|| bad(method, "layout addresses overflow"))
     };
     let layers = spec
         .layers
         .iter()
-        .map(|l| {
+        .enumerate()
+        .map(|(i, l)| {
             Ok(match *l {
-                LayerLayout::Contiguous { base, kv_stride } => LayerLayout::Contiguous {
-                    base: shift(base)?,
-                    kv_stride,
-                },
+                LayerLayout::Contiguous { base, kv_stride } => {
+                    if segments == 2 && plane_regions[i][0] != plane_regions[i][1] {
+                        return Err(bad(
+                            method,
+                            format!("layer {i}: a contiguous K/V pair lies in one region"),
+                        ));
+                    }
+                    let moved = put(i, 0, Some(base))?;
+                    if segments == 2 {
+                        put(i, 1, base.checked_add(kv_stride))?;
+                    }
+                    LayerLayout::Contiguous {
+                        base: moved,
+                        kv_stride,
+                    }
+                }
                 LayerLayout::Split { k_base, v_base } => LayerLayout::Split {
-                    k_base: shift(k_base)?,
-                    v_base: shift(v_base)?,
+                    k_base: put(i, 0, Some(k_base))?,
+                    v_base: if segments == 2 {
+                        put(i, 1, Some(v_base))?
+                    } else {
+                        v_base
+                    },
                 },
             })
         })
         .collect::<Result<Vec<_>, Status>>()?;
-    Ok(KvLayoutSpec { layers, ..spec })
+    let placed = KvLayoutSpec { layers, ..spec };
+    KvLayout::new(placed.clone(), shape).map_err(|e| bad(method, e))?;
+    Ok(placed)
 }
 
 /// The node's error as the engine sees it.
@@ -195,12 +269,22 @@ mod tests {
     use super::*;
 
     fn split(k: u64, v: u64) -> proto::LayerLayout {
+        split_in(k, 0, v, 0)
+    }
+
+    fn split_in(k: u64, kr: u32, v: u64, vr: u32) -> proto::LayerLayout {
         proto::LayerLayout {
             layer: Some(proto::layer_layout::Layer::Split(proto::Split {
                 k_base: k,
                 v_base: v,
+                k_region: kr,
+                v_region: vr,
             })),
         }
+    }
+
+    fn one(base: u64, len: u64) -> Vec<Placed> {
+        vec![Placed { base, len }]
     }
 
     #[test]
@@ -213,8 +297,8 @@ mod tests {
             num_blocks: 4,
             view_offset: 0,
         };
-        let spec = layout("T", Some(&l)).unwrap();
-        let placed = place("T", spec.clone(), &shape, 0x10000, 1024).unwrap();
+        let (spec, regions) = layout("T", Some(&l)).unwrap();
+        let placed = place("T", spec.clone(), &regions, &shape, &one(0x10000, 1024)).unwrap();
         assert_eq!(
             placed.layers[1],
             LayerLayout::Split {
@@ -222,27 +306,105 @@ mod tests {
                 v_base: 0x10000 + 768
             }
         );
-        let err = place("T", spec, &shape, 0x10000, 1000).unwrap_err();
+        let err = place("T", spec, &regions, &shape, &one(0x10000, 1000)).unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument);
         assert!(err.message().contains("layer 1 V"), "{}", err.message());
         let overlap = proto::KvLayout {
             layers: vec![split(0, 256), split(128, 768)],
             ..l.clone()
         };
-        let err = place(
-            "T",
-            layout("T", Some(&overlap)).unwrap(),
-            &shape,
-            0,
-            1 << 20,
-        )
-        .unwrap_err();
+        let (spec, regions) = layout("T", Some(&overlap)).unwrap();
+        let err = place("T", spec, &regions, &shape, &one(0, 1 << 20)).unwrap_err();
         assert!(err.message().contains("overlaps"), "{}", err.message());
         let hole = proto::KvLayout {
             layers: vec![split(0, 256), proto::LayerLayout { layer: None }],
             ..l
         };
         assert!(layout("T", Some(&hole)).is_err());
+    }
+
+    #[test]
+    fn each_plane_is_checked_against_its_own_region() {
+        // Per-layer allocations: layer 0 in regions 0 (K) and 1 (V), layer 1 in region 2
+        // (K and V). Offsets repeat across regions, which is fine; bounds are per region.
+        let shape = KvShape::new(2, 1, 2, 64).unwrap();
+        let l = proto::KvLayout {
+            kind: proto::GroupKind::Attention as i32,
+            layers: vec![split_in(0, 0, 0, 1), split_in(0, 2, 256, 2)],
+            block_stride: 64,
+            num_blocks: 4,
+            view_offset: 0,
+        };
+        let regions = [
+            Placed {
+                base: 0x1_0000,
+                len: 256,
+            },
+            Placed {
+                base: 0x2_0000,
+                len: 256,
+            },
+            Placed {
+                base: 0x3_0000,
+                len: 512,
+            },
+        ];
+        let (spec, names) = layout("T", Some(&l)).unwrap();
+        assert_eq!(names, vec![[0, 1], [2, 2]]);
+        let placed = place("T", spec.clone(), &names, &shape, &regions).unwrap();
+        assert_eq!(
+            placed.layers,
+            vec![
+                LayerLayout::Split {
+                    k_base: 0x1_0000,
+                    v_base: 0x2_0000
+                },
+                LayerLayout::Split {
+                    k_base: 0x3_0000,
+                    v_base: 0x3_0100
+                }
+            ]
+        );
+        // Region 1 one byte short: layer 0 V named, with its region.
+        let mut short = regions;
+        short[1].len = 255;
+        let err = place("T", spec.clone(), &names, &shape, &short).unwrap_err();
+        assert!(
+            err.message().contains("layer 0 V") && err.message().contains("region 1"),
+            "{}",
+            err.message()
+        );
+        // A region index past the list.
+        let err = place("T", spec.clone(), &names, &shape, &regions[..2]).unwrap_err();
+        assert!(
+            err.message()
+                .contains("layer 1 K plane names memory region 2"),
+            "{}",
+            err.message()
+        );
+        // Two regions that are one memory (the same base): the planes overlap there.
+        let mut same = regions;
+        same[1].base = same[0].base;
+        let err = place("T", spec, &names, &shape, &same).unwrap_err();
+        assert!(err.message().contains("overlaps"), "{}", err.message());
+        // A contiguous K/V pair split over two regions is refused.
+        let c = proto::KvLayout {
+            layers: vec![
+                proto::LayerLayout {
+                    layer: Some(proto::layer_layout::Layer::Contiguous(proto::Contiguous {
+                        base: 0,
+                        kv_stride: 256,
+                        region: 0,
+                    })),
+                },
+                split_in(0, 2, 256, 2),
+            ],
+            ..l
+        };
+        let (spec, names) = layout("T", Some(&c)).unwrap();
+        let mut big = regions;
+        big[0].len = 512;
+        assert!(place("T", spec, &names, &shape, &big).is_ok());
     }
 
     #[test]

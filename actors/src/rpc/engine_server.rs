@@ -26,7 +26,7 @@ use super::memory_handles::MemoryHandles;
 use super::peer_server::same_token;
 use super::proto::engine_server::{Engine, EngineServer};
 use super::proto::*;
-use super::{ENGINE_PROTOCOL, MAX_ENGINE_HASHES, VERSION};
+use super::{ENGINE_PROTOCOL, MAX_ENGINE_HASHES, MAX_ENGINE_REGIONS, VERSION};
 use crate::api;
 use crate::config::EngineConfig;
 use crate::keeper::DIRECT_REFUSAL;
@@ -309,8 +309,9 @@ impl EngineService {
         m: &'static str,
         r: &RegisterInstanceRequest,
         instance: &InstanceId,
+        handle: u64,
     ) -> Result<(u64, u64, crate::registry::Memory), Status> {
-        if r.memory_handle == 0 {
+        if handle == 0 {
             return Err(Status::invalid_argument(format!(
                 "{m}: no memory handle; send the KV's fd on the fd socket first (or give a \
                  CUDA IPC handle)"
@@ -319,24 +320,24 @@ impl EngineService {
         let h = self
             .shared
             .handles()
-            .get(r.memory_handle, Instant::now())
+            .get(handle, Instant::now())
             .cloned()
             .ok_or_else(|| {
                 Status::not_found(format!(
-                    "{m}: memory handle {} is unknown, expired or already registered",
-                    r.memory_handle
+                    "{m}: memory handle {handle} is unknown, expired or already registered"
                 ))
             })?;
         if h.instance != *instance || h.rank != r.rank {
             return Err(Status::permission_denied(format!(
-                "{m}: memory handle {} was sent for instance {} rank {}, not {instance} rank {}",
-                r.memory_handle, h.instance, h.rank, r.rank
+                "{m}: memory handle {handle} was sent for instance {} rank {}, not {instance} \
+                 rank {}",
+                h.instance, h.rank, r.rank
             )));
         }
         if h.device != r.device {
             return Err(Status::invalid_argument(format!(
-                "{m}: memory handle {} is memory of device {}, not {}",
-                r.memory_handle, h.device, r.device
+                "{m}: memory handle {handle} is memory of device {}, not {}",
+                h.device, r.device
             )));
         }
         Ok((h.base, h.len, Arc::clone(&h.memory)))
@@ -347,28 +348,90 @@ impl EngineService {
         &self,
         m: &'static str,
         r: &RegisterInstanceRequest,
+        ipc: &[u8],
     ) -> Result<(u64, u64, crate::registry::Memory), Status> {
-        if r.memory_handle != 0 {
-            return Err(Status::invalid_argument(format!(
-                "{m}: give a memory handle or a CUDA IPC handle, not both"
-            )));
-        }
-        if r.cuda_ipc_handle.len() > 1024 {
+        if ipc.len() > 1024 {
             return Err(Status::invalid_argument(format!(
                 "{m}: a CUDA IPC handle of {} bytes (64, or PyTorch's framed form)",
-                r.cuda_ipc_handle.len()
+                ipc.len()
             )));
         }
         let device = self.shared.node.device(r.device).ok_or_else(|| {
             Status::not_found(format!("{m}: device {} is not on this node", r.device))
         })?;
-        let buf = device.import_ipc(&r.cuda_ipc_handle).map_err(|e| {
+        let buf = device.import_ipc(ipc).map_err(|e| {
             Status::failed_precondition(format!(
                 "{m}: device {} cannot map the CUDA IPC handle: {e}",
                 r.device
             ))
         })?;
         Ok((buf.ptr(), buf.len(), Arc::new(buf)))
+    }
+
+    /// The memory regions of a registration, in the request's order, and the fd-socket
+    /// handles they take once it succeeds. Protocol 1's single memory is region 0.
+    #[allow(clippy::type_complexity)]
+    fn regions_of(
+        &self,
+        m: &'static str,
+        r: &RegisterInstanceRequest,
+        instance: &InstanceId,
+    ) -> Result<(Vec<check::Placed>, Vec<crate::registry::Memory>, Vec<u64>), Status> {
+        use memory_region::Memory as Region;
+        let single = r.memory_handle != 0 || !r.cuda_ipc_handle.is_empty();
+        let regions: Vec<Region> = match (single, r.regions.is_empty()) {
+            (true, false) => {
+                return Err(Status::invalid_argument(format!(
+                    "{m}: give memory regions, or (protocol 1) one memory handle or CUDA IPC \
+                     handle, not both"
+                )))
+            }
+            (true, true) if r.memory_handle != 0 && !r.cuda_ipc_handle.is_empty() => {
+                return Err(Status::invalid_argument(format!(
+                    "{m}: give a memory handle or a CUDA IPC handle, not both"
+                )))
+            }
+            (true, true) if r.memory_handle != 0 => vec![Region::MemoryHandle(r.memory_handle)],
+            (true, true) => vec![Region::CudaIpcHandle(r.cuda_ipc_handle.clone())],
+            (false, true) => vec![Region::MemoryHandle(0)],
+            (false, false) => r
+                .regions
+                .iter()
+                .enumerate()
+                .map(|(i, g)| {
+                    g.memory.clone().ok_or_else(|| {
+                        Status::invalid_argument(format!("{m}: memory region {i} names no memory"))
+                    })
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        if regions.len() > MAX_ENGINE_REGIONS {
+            return Err(Status::resource_exhausted(format!(
+                "{m}: {} memory regions; at most {MAX_ENGINE_REGIONS} per registration",
+                regions.len()
+            )));
+        }
+        let mut placed = Vec::with_capacity(regions.len());
+        let mut memory = Vec::with_capacity(regions.len());
+        let mut handles = Vec::new();
+        for (i, region) in regions.iter().enumerate() {
+            let (base, len, mem) = match region {
+                Region::MemoryHandle(h) => {
+                    if handles.contains(h) {
+                        return Err(Status::invalid_argument(format!(
+                            "{m}: memory handle {h} is named by two regions (region {i})"
+                        )));
+                    }
+                    let got = self.memory_of(m, r, instance, *h)?;
+                    handles.push(*h);
+                    got
+                }
+                Region::CudaIpcHandle(ipc) => self.ipc_memory(m, r, ipc)?,
+            };
+            placed.push(check::Placed { base, len });
+            memory.push(mem);
+        }
+        Ok((placed, memory, handles))
     }
 }
 
@@ -476,7 +539,7 @@ impl Engine for EngineService {
         let r = req.into_inner();
         let instance = check::instance(M, &r.instance)?;
         let shape = check::shape(M, r.shape.as_ref())?;
-        let spec = check::layout(M, r.layout.as_ref())?;
+        let (spec, plane_regions) = check::layout(M, r.layout.as_ref())?;
         if r.rank >= shape.tp_size() {
             return Err(Status::invalid_argument(format!(
                 "{M}: rank {} is out of range for tp {}",
@@ -484,12 +547,8 @@ impl Engine for EngineService {
                 shape.tp_size()
             )));
         }
-        let (base, len, memory) = if r.cuda_ipc_handle.is_empty() {
-            self.memory_of(M, &r, &instance)?
-        } else {
-            self.ipc_memory(M, &r)?
-        };
-        let layout = check::place(M, spec, &shape, base, len)?;
+        let (regions, memory, handles) = self.regions_of(M, &r, &instance)?;
+        let layout = check::place(M, spec, &plane_regions, &shape, &regions)?;
         let namespace = self
             .shared
             .node
@@ -503,13 +562,14 @@ impl Engine for EngineService {
                     device: r.device,
                     layout,
                 },
-                Some(memory),
+                memory,
             )
             .await
             .map_err(|e| status(M, e))?;
         // The registration holds the memory now.
-        if r.memory_handle != 0 {
-            self.shared.handles().take(r.memory_handle);
+        let mut table = self.shared.handles();
+        for h in handles {
+            table.take(h);
         }
         Ok(Response::new(RegisterInstanceResponse {
             namespace: namespace.to_string(),

@@ -20,7 +20,8 @@ pub mod proto {
 }
 
 pub use engine_client::{
-    CompletionStream, EngineClient, EngineClientError, EngineSession, QueryAnswer,
+    CompletionStream, EngineClient, EngineClientError, EngineSession, MemoryRegion, PlanePlacement,
+    QueryAnswer, RegionLayer, RegisterRegions,
 };
 pub use engine_server::{serve as serve_engine, EngineOptions, EngineServeError};
 pub use fd_socket::FdSocket;
@@ -40,8 +41,13 @@ pub const MAX_PIN_HASHES: usize = 4096;
 /// The kvferry release of this build.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
-/// The engine protocol revision this build speaks.
-pub const ENGINE_PROTOCOL: u32 = 1;
+/// The engine protocol revision this build speaks. 2: a registration may spread a rank's KV
+/// over many memory regions (`RegisterInstanceRequest.regions`), and cross-layer groups are
+/// accepted. Protocol 1 requests (one memory handle or CUDA IPC handle) are still served.
+pub const ENGINE_PROTOCOL: u32 = 2;
+
+/// Most memory regions in one registration (one per layer and K/V plane at most).
+pub const MAX_ENGINE_REGIONS: usize = 1024;
 
 /// Most hashes (or destination blocks) in one engine request.
 pub const MAX_ENGINE_HASHES: usize = 4096;
