@@ -346,6 +346,11 @@ impl DeviceKv {
         self.buffers.iter().map(Span::len).collect()
     }
 
+    /// Where each buffer starts.
+    pub fn buffer_ptrs(&self) -> Vec<u64> {
+        self.buffers.iter().map(Span::ptr).collect()
+    }
+
     /// Registers this KV as `rank` of `instance` on `node` (model `model`, dtype bf16).
     pub async fn register(
         &self,

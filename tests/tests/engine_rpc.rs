@@ -1267,8 +1267,133 @@ fn child_cuda_node() {
             ..Default::default()
         };
         let srv = Server::serve(options, node, HostDevice::new(0)).await;
-        serve_as_child(srv, 2, |_| {}).await;
+        // The parent says how many loads it makes (two unless told).
+        let loads = std::env::var("KVFERRY_ENGINE_RPC_LOADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2);
+        serve_as_child(srv, loads, |_| {}).await;
     });
+}
+
+/// An engine worker's GPU KV the way engines allocate it — one CUDA allocation per layer (per
+/// plane for split K/V, one for cross-layer) — registered with one CUDA IPC region per
+/// allocation in a node process, then loaded and saved byte for byte in every layout.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn engine_layouts_in_per_layer_cuda_allocations_of_another_process() {
+    use kvferry_actors::fixture::DeviceKv;
+    use kvferry_actors::rpc::{MemoryRegion, RegisterRegions};
+    let child = ChildTest::spawn(
+        "child_cuda_node",
+        &[(CHILD_ENV, "1"), ("KVFERRY_ENGINE_RPC_LOADS", "10")],
+    );
+    let addr = child.wait_for("ENGINE_ADDR=");
+    let fd_path = std::path::PathBuf::from(child.wait_for("ENGINE_FD="));
+    let cuda = kvferry_gpu::CudaDevice::open(0).expect("a CUDA GPU");
+    rt().block_on(async {
+        let c = EngineClient::connect(addr, Some(fd_path), TOKEN)
+            .await
+            .unwrap();
+        let cases = [
+            (KvKind::Split, 3, 2, 1024u64, 1024u64),
+            (KvKind::Contiguous, 3, 2, 512, 512),
+            (KvKind::FlashInfer, 4, 2, 256, 512),
+            (KvKind::Contiguous, 4, 1, 1152, 1152),
+            (KvKind::CrossLayer, 5, 2, 192, 5 * 2 * 192),
+        ];
+        for (n, (kind, layers, segments, seg, stride)) in cases.into_iter().enumerate() {
+            let what = format!("{kind:?} {layers}x{segments}x{seg}");
+            let instance = format!("gpu-{n}");
+            let shape = KvShape::new(layers, 1, segments, seg).unwrap();
+            let kv = DeviceKv::alloc(cuda.clone() as Arc<dyn Device>, shape, kind, 16, stride, 0)
+                .unwrap();
+            let mut regions = Vec::new();
+            let mut layers_at = kv.placements();
+            let spans = kv.buffer_ptrs();
+            for &ptr in &spans {
+                let ipc = cuda.ipc_handle(ptr).unwrap();
+                regions.push((MemoryRegion::CudaIpc(ipc.bytes.to_vec()), ipc.offset));
+            }
+            for l in &mut layers_at {
+                l.k.offset += regions[l.k.region as usize].1;
+                if let Some(v) = l.v.as_mut() {
+                    v.offset += regions[v.region as usize].1;
+                }
+            }
+            let reg = RegisterRegions {
+                instance: id(&instance),
+                model: format!("m{n}"),
+                dtype: "bf16".into(),
+                shape,
+                rank: 0,
+                device: 0,
+                kind: kv.spec().kind,
+                block_stride: stride,
+                num_blocks: 16,
+                regions: regions.into_iter().map(|(r, _)| r).collect(),
+                layers: layers_at,
+            };
+            c.register_regions(&reg)
+                .await
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            put_shape(&c, shape, &instance, (0..4).collect()).await;
+            let q = c.query(&id(&instance), &hashes(0..4), false).await.unwrap();
+            let l = c
+                .load(&load(q.lease.unwrap(), &instance, &[9, 2, 15, 5]))
+                .await
+                .unwrap();
+            let done = c
+                .wait_polling(l, Duration::from_millis(1), WAIT)
+                .await
+                .unwrap();
+            assert_eq!(
+                done.status,
+                proto::LoadStatus::LoadOk as i32,
+                "{what}: {done:?}"
+            );
+            let mut expected = vec![(9, 0), (2, 1), (15, 2), (5, 3)];
+            kv.verify(&expected, 0)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            kv.write_block(0, 100, 0).unwrap();
+            let saved = c
+                .save(&kvferry_actors::SaveRequest {
+                    instance: id(&instance),
+                    rank: 0,
+                    hashes: hashes(100..101),
+                    src_blocks: vec![0],
+                })
+                .await
+                .unwrap();
+            assert_eq!(saved.written, 1, "{what}");
+            let q = c
+                .query(&id(&instance), &hashes(100..101), false)
+                .await
+                .unwrap();
+            let l = c
+                .load(&load(q.lease.unwrap(), &instance, &[11]))
+                .await
+                .unwrap();
+            let done = c
+                .wait_polling(l, Duration::from_millis(1), WAIT)
+                .await
+                .unwrap();
+            assert_eq!(
+                done.status,
+                proto::LoadStatus::LoadOk as i32,
+                "{what}: {done:?}"
+            );
+            expected.extend([(0, 100), (11, 100)]);
+            kv.verify(&expected, 0)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            eprintln!(
+                "cuda regions {what}: {} buffers, loads and save ok",
+                spans.len()
+            );
+            c.unregister(&id(&instance)).await.unwrap();
+        }
+    });
+    child.finish(Some("ENGINE_CHILD_OK"));
 }
 
 /// An engine worker's GPU KV in its own process (this test), registered with a node in
