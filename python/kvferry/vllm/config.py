@@ -1,0 +1,126 @@
+"""The connector's settings: vLLM's ``kv_connector_extra_config``, checked at engine start.
+
+Every key is listed in :data:`KEYS`; a key that is not (a typo such as ``adress``) is
+refused with :class:`ConfigError` (a ``ValueError``) when the engine starts, naming the key
+and the known ones, rather than silently ignored. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Mapping, Optional
+
+__all__ = ["ConfigError", "KvferryConfig", "KEYS", "parse_extra_config"]
+
+
+class ConfigError(ValueError):
+    """A ``kv_connector_extra_config`` the connector cannot run with."""
+
+
+#: key -> what it is (shown in error messages and the README).
+KEYS: Dict[str, str] = {
+    "address": "the node's engine service, host:port (its [engine] listen); required",
+    "token": "the node's engine token ([engine] token), if it has one",
+    "instance": "this engine's instance name on the node (default: vllm-<engine_id>)",
+    "model": "the model name blocks are shared under (default: the served model name)",
+    "direct_gpu": "ask the node for direct GPU loads of remote blocks (used only if granted)",
+    "deadline_ms": "deadline of each call to the node, in ms (default 1000)",
+    "connect_timeout_ms": "how long connecting to the node may take, in ms (default 1000)",
+    "load_timeout_ms": "a load not complete by then fails and its blocks are recomputed "
+    "(default 30000)",
+    "retry_ms": "after the node failed, how long the connector leaves it alone before trying "
+    "again, in ms; doubles up to 30 s while it keeps failing (default 1000)",
+    "load_mode": '"async" (default: loads run between steps) or "sync" (loads finish before '
+    "the forward that needs them)",
+    "fd_socket": "the node's fd socket path where it differs from what the node announces",
+}
+
+
+@dataclass(frozen=True)
+class KvferryConfig:
+    address: str
+    token: Optional[str] = None
+    instance: Optional[str] = None
+    model: Optional[str] = None
+    direct_gpu: bool = False
+    deadline_ms: int = 1000
+    connect_timeout_ms: int = 1000
+    load_timeout_ms: int = 30000
+    retry_ms: int = 1000
+    load_mode: str = "async"
+    fd_socket: Optional[str] = None
+
+    @property
+    def deadline_s(self) -> float:
+        return self.deadline_ms / 1000.0
+
+    @property
+    def connect_timeout_s(self) -> float:
+        return self.connect_timeout_ms / 1000.0
+
+    @property
+    def load_timeout_s(self) -> float:
+        return self.load_timeout_ms / 1000.0
+
+    @property
+    def retry_s(self) -> float:
+        return self.retry_ms / 1000.0
+
+    @property
+    def async_load(self) -> bool:
+        return self.load_mode == "async"
+
+
+_STR = ("address", "token", "instance", "model", "fd_socket")
+_BOOL = ("direct_gpu",)
+_POSITIVE_INT = ("deadline_ms", "connect_timeout_ms", "load_timeout_ms", "retry_ms")
+
+
+def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvferryConfig:
+    """The settings in ``extra`` (``kv_connector_extra_config``), or :class:`ConfigError`."""
+    extra = dict(extra or {})
+    prefix = "kvferry: kv_connector_extra_config"
+    unknown = sorted(k for k in extra if k not in KEYS)
+    if unknown:
+        names = ", ".join(repr(k) for k in unknown)
+        raise ConfigError(
+            f"{prefix}: unknown key{'s' if len(unknown) > 1 else ''} {names}; "
+            f"known keys: {', '.join(KEYS)}"
+        )
+    values: Dict[str, Any] = {}
+    for key, value in extra.items():
+        if key in _STR:
+            if value is None:
+                continue
+            if not isinstance(value, str) or (key != "token" and not value.strip()):
+                raise ConfigError(f"{prefix}: {key!r} must be a non-empty string, got {value!r}")
+            values[key] = value.strip() if key != "token" else value
+        elif key in _BOOL:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{prefix}: {key!r} must be true or false, got {value!r}")
+            values[key] = value
+        elif key in _POSITIVE_INT:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(
+                    f"{prefix}: {key!r} must be a positive integer (milliseconds), got {value!r}"
+                )
+            values[key] = value
+        elif key == "load_mode":
+            if value not in ("async", "sync"):
+                raise ConfigError(f'{prefix}: "load_mode" must be "async" or "sync", got {value!r}')
+            values[key] = value
+    if "address" not in values:
+        raise ConfigError(
+            f"{prefix}: 'address' is required: the node's engine service as host:port "
+            '(its [engine] listen, e.g. {"address": "127.0.0.1:7200"})'
+        )
+    addr = values["address"]
+    if addr.startswith(("http://", "https://")):
+        addr = addr.split("://", 1)[1]
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{prefix}: 'address' must be host:port, got {values['address']!r}")
+    values["address"] = addr
+    known = {f.name for f in fields(KvferryConfig)}
+    assert set(values) <= known
+    return KvferryConfig(**values)

@@ -1,0 +1,348 @@
+"""``KvferryConnector``: vLLM's ``KVConnectorBase_V1`` over a kvferry node (vLLM 0.33).
+
+This module imports vLLM; the logic lives in :mod:`kvferry.vllm.scheduler` and
+:mod:`kvferry.vllm.worker`, which do not. Enable it with::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvferryConnector",
+        "kv_connector_module_path": "kvferry.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"address": "127.0.0.1:7200"}}'
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from .config import ConfigError, parse_extra_config
+from .metadata import StepMetadata
+from .scheduler import SchedulerSide
+from .stats import COUNTERS, merge, reduce_summary
+from .worker import WorkerSide
+
+try:  # vLLM 0.33: where an external hit came from (host memory or a peer node)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - older vLLM
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = [
+    "KvferryConnector",
+    "KvferryConnectorMetadata",
+    "KvferryConnectorStats",
+    "KvferryPromMetrics",
+]
+
+log = logging.getLogger("kvferry.vllm")
+
+
+@dataclass
+class KvferryConnectorMetadata(StepMetadata, KVConnectorMetadata):
+    """:class:`StepMetadata` as vLLM's connector metadata."""
+
+
+@dataclass
+class KvferryConnectorStats(KVConnectorStats):
+    """The connector's counters (:data:`kvferry.vllm.stats.COUNTERS`) for one interval."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvferryConnectorStats":
+        if other is not None and other.data:
+            self.data = merge(self.data, other.data)
+        return self
+
+    def reduce(self) -> Dict[str, Any]:
+        return reduce_summary(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class KvferryPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvferry_<counter>_total`` per counter, ``vllm:kvferry_load_duration_seconds``."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: Dict[str, Dict[int, Any]] = {}
+        for name, doc in COUNTERS.items():
+            metric = self._counter_cls(
+                name=f"vllm:kvferry_{name}", documentation=doc, labelnames=labelnames
+            )
+            self._counters[name] = {
+                idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
+        hist = self._histogram_cls(
+            name="vllm:kvferry_load_duration_seconds",
+            documentation="Duration of kvferry loads into vLLM's KV, per rank.",
+            labelnames=labelnames,
+            buckets=LOAD_BUCKETS,
+        )
+        self._hist = {idx: hist.labels(*v) for idx, v in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            per_engine = self._counters.get(name)
+            if per_engine is not None and engine_idx in per_engine and value:
+                per_engine[engine_idx].inc(value)
+        hist = self._hist.get(engine_idx)
+        if hist is not None:
+            for s in transfer_stats_data.get("load_seconds_samples", ()):
+                hist.observe(s)
+
+
+def _served_model(vllm_config: "VllmConfig") -> str:
+    mc = vllm_config.model_config
+    name = getattr(mc, "served_model_name", None)
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else None
+    return str(name or mc.model)
+
+
+def _kv_dtype(vllm_config: "VllmConfig") -> str:
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+    if cache_dtype != "auto":
+        return cache_dtype
+    return str(vllm_config.model_config.dtype).replace("torch.", "")
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return int(get_tp_group().rank_in_group)
+    except Exception:  # noqa: BLE001 - not initialised (tests, a single process)
+        return 0
+
+
+def _backend_name(vllm_config: "VllmConfig") -> str:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        return ",".join(b.get_name() for b in get_current_attn_backends(vllm_config))
+    except Exception:  # noqa: BLE001 - only used in messages
+        return ""
+
+
+def check_supported(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"]) -> None:
+    """Refuses, at engine start, what the connector cannot serve correctly."""
+    pc = vllm_config.parallel_config
+    if getattr(pc, "pipeline_parallel_size", 1) > 1:
+        raise ConfigError(
+            "kvferry: pipeline parallelism is not supported (each stage holds other layers); "
+            "use tensor parallelism"
+        )
+    if getattr(pc, "decode_context_parallel_size", 1) > 1:
+        raise ConfigError("kvferry: decode context parallelism is not supported")
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if len(groups) > 1:
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+        raise ConfigError(
+            f"kvferry: the model has {len(groups)} KV cache groups ({kinds}); kvferry serves "
+            "models with one attention group (recurrent and sliding-window groups are not "
+            "supported)"
+        )
+    for g in groups:
+        spec = type(g.kv_cache_spec).__name__
+        if "Mamba" in spec or "Recurrent" in spec:
+            raise ConfigError(f"kvferry: KV cache group {spec} (recurrent state) is not supported")
+
+
+class KvferryConnector(KVConnectorBase_V1):
+    """vLLM KV connector backed by a kvferry node (see the module doc and README)."""
+
+    if CacheHitSource is not None:
+        _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: Optional["KVCacheConfig"] = None,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.cfg = parse_extra_config(ktc.kv_connector_extra_config)
+        check_supported(vllm_config, kv_cache_config)
+        pc = vllm_config.parallel_config
+        instance = self.cfg.instance or f"vllm-{ktc.engine_id}"
+        dp_size = getattr(pc, "data_parallel_size", 1) or 1
+        if dp_size > 1 and not self.cfg.instance:
+            instance += f"-dp{getattr(pc, 'data_parallel_rank', 0)}"
+        model = self.cfg.model or _served_model(vllm_config)
+        kv_dtype = _kv_dtype(vllm_config)
+        block_size = int(vllm_config.cache_config.block_size)
+        tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        self.scheduler_side: Optional[SchedulerSide] = None
+        self.worker_side: Optional[WorkerSide] = None
+        if role == KVConnectorRole.SCHEDULER:
+            if ktc.kv_load_failure_policy != "recompute" and ktc.is_kv_consumer:
+                log.warning(
+                    "kvferry: kv_load_failure_policy is %r: a kvferry load that fails (node "
+                    "killed mid-load) fails its request; set \"kv_load_failure_policy\": "
+                    "\"recompute\" to recompute its blocks instead",
+                    ktc.kv_load_failure_policy,
+                )
+            self.scheduler_side = SchedulerSide(
+                self.cfg,
+                instance=instance,
+                model=model,
+                kv_dtype=kv_dtype,
+                block_size=block_size,
+                tp_size=tp_size,
+                layout_tag=str(
+                    getattr(kv_cache_config, "kv_cache_layout", None)
+                    or getattr(vllm_config.cache_config, "kv_cache_layout", None)
+                    or ""
+                ),
+                load=ktc.is_kv_consumer,
+                save=ktc.is_kv_producer,
+            )
+        else:
+            num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+            if not num_blocks:
+                num_blocks = int(vllm_config.cache_config.num_gpu_blocks or 0)
+            self.worker_side = WorkerSide(
+                self.cfg,
+                instance=instance,
+                model=model,
+                kv_dtype=kv_dtype,
+                tp_rank=_tp_rank(),
+                tp_size=tp_size,
+                num_blocks=num_blocks,
+                backend=_backend_name(vllm_config),
+            )
+        log.info(
+            "kvferry: %s connector for instance %s, node %s (model %s, %s, block size %d, "
+            "TP %d, loads %s%s)",
+            role.name.lower(), instance, self.cfg.address, model, kv_dtype, block_size,
+            tp_size, self.cfg.load_mode, ", direct GPU loads asked" if self.cfg.direct_gpu else "",
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache: a save that does not happen is a later miss, nothing more.
+        return False
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+        assert self.worker_side is not None
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self.worker_side is not None:
+            self.worker_side.handle_preemptions(kv_connector_metadata)  # type: ignore[arg-type]
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        if self.worker_side is not None and self.has_connector_metadata():
+            self.worker_side.start_load(self._get_connector_metadata())  # type: ignore[arg-type]
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Async loads finish between steps; sync loads finish in start_load_kv.
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        # Whole blocks are saved after the step (wait_for_save).
+        return None
+
+    def wait_for_save(self) -> None:
+        if self.worker_side is not None and self.has_connector_metadata():
+            self.worker_side.submit_saves(self._get_connector_metadata())  # type: ignore[arg-type]
+
+    def get_finished(self, finished_req_ids: set) -> Tuple[Optional[set], Optional[set]]:
+        if self.worker_side is None:
+            return None, None
+        sending, recving = self.worker_side.get_finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set:
+        if self.worker_side is None:
+            return set()
+        return self.worker_side.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> Optional[KvferryConnectorStats]:
+        side = self.worker_side or self.scheduler_side
+        data = side.take_stats() if side is not None else {}
+        return KvferryConnectorStats(data=data) if data else None
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+        if self.scheduler_side is not None:
+            self.scheduler_side.shutdown()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def on_new_request(self, request: "Request") -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> Tuple[Optional[int], bool]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int):
+        if num_external_tokens <= 0 or CacheHitSource is None or self.scheduler_side is None:
+            return {}
+        host, p2p = self.scheduler_side.hit_sources(request, num_external_tokens)
+        out = {}
+        if host:
+            out[CacheHitSource.HOST] = host
+        if p2p:
+            out[CacheHitSource.P2P] = p2p
+        return out
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        assert self.scheduler_side is not None
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self.scheduler_side is not None
+        step = self.scheduler_side.build_connector_meta(scheduler_output)
+        return KvferryConnectorMetadata(step.loads, step.saves, step.preempted)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list) -> Tuple[bool, Optional[dict]]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    # ------------------------------------------------------------------ metrics
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> KVConnectorStats:
+        return KvferryConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,147 @@
+"""One connection to the node that costs the engine hits, never a crash or a hang.
+
+Every call has the configured deadline. When the node cannot be reached, answers too late
+or breaks, the failure is logged once (then once a minute while it lasts), counted, and
+the node is left alone for ``retry_ms`` (doubling up to 30 s while it keeps failing):
+calls in that window fail at once with :class:`NodeDown` instead of waiting again. The
+first call that works again logs that the node is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional
+
+__all__ = ["NodeDown", "NodeLink", "is_node_failure"]
+
+log = logging.getLogger("kvferry.vllm")
+
+MAX_RETRY_S = 30.0
+# Codes that say the node (not the request) failed.
+_NODE_CODES = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "UNKNOWN", "INTERNAL", "CANCELLED", "ABORTED"}
+
+
+class NodeDown(Exception):
+    """The node cannot be used now: it failed, or (``skipped``) it is left alone after
+    failing and nothing was sent."""
+
+    def __init__(self, message: str, skipped: bool = False):
+        super().__init__(message)
+        self.skipped = skipped
+
+
+def is_node_failure(e: BaseException) -> bool:
+    code = getattr(e, "code", None)
+    if code is None:
+        # Not a KvferryError: an OS error from the fd socket, a connection refused...
+        return not isinstance(e, (ValueError, TypeError, LookupError))
+    return code in _NODE_CODES
+
+
+def default_factory(cfg: Any) -> Callable[[], Any]:
+    def make() -> Any:
+        import kvferry
+
+        kwargs = dict(
+            token=cfg.token or None,
+            deadline_s=cfg.deadline_s,
+            connect_timeout_s=cfg.connect_timeout_s,
+        )
+        if cfg.fd_socket:
+            kwargs["fd_socket"] = cfg.fd_socket
+        return kvferry.EngineClient(cfg.address, **kwargs)
+
+    return make
+
+
+class NodeLink:
+    def __init__(
+        self,
+        cfg: Any,
+        who: str,
+        factory: Optional[Callable[[], Any]] = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_failure: Optional[Callable[[str], None]] = None,
+    ):
+        self.cfg = cfg
+        self.who = who
+        self._factory = factory or default_factory(cfg)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._retry_at = 0.0
+        self._retry_s = 0.0
+        self._down_since: Optional[float] = None
+        self._last_log = -1e18
+        self._on_failure = on_failure
+        #: Incremented by every connection made: a new one may face a restarted node.
+        self.generation = 0
+
+    @property
+    def down(self) -> bool:
+        return self._down_since is not None
+
+    def client(self) -> Any:
+        """The client, connecting if needed; NodeDown while the node is left alone."""
+        with self._lock:
+            if self._clock() < self._retry_at:
+                raise NodeDown(f"kvferry node {self.cfg.address}: retrying later", skipped=True)
+            if self._client is None:
+                try:
+                    self._client = self._factory()
+                    self.generation += 1
+                except Exception as e:  # noqa: BLE001 - any failure to connect is the node's
+                    self._failed_locked("connect", e, drop=True)
+                    raise NodeDown(str(e)) from e
+            return self._client
+
+    def call(self, what: str, fn: Callable[[Any], Any]) -> Any:
+        """``fn(client)``; a node failure becomes NodeDown (logged, counted, backed off);
+        other errors (NotFound, InvalidArgument...) are raised as they are."""
+        c = self.client()
+        try:
+            out = fn(c)
+        except Exception as e:  # noqa: BLE001
+            if is_node_failure(e):
+                with self._lock:
+                    drop = getattr(e, "code", None) in (None, "UNAVAILABLE")
+                    self._failed_locked(what, e, drop=drop)
+                raise NodeDown(str(e)) from e
+            raise
+        if self._down_since is not None:
+            with self._lock:
+                if self._down_since is not None:
+                    log.warning(
+                        "kvferry (%s): the node at %s answers again after %.1f s",
+                        self.who,
+                        self.cfg.address,
+                        self._clock() - self._down_since,
+                    )
+                    self._down_since = None
+                    self._retry_s = 0.0
+        return out
+
+    def _failed_locked(self, what: str, e: BaseException, drop: bool) -> None:
+        now = self._clock()
+        if drop:
+            self._client = None
+        self._retry_s = min(MAX_RETRY_S, max(self.cfg.retry_s, self._retry_s * 2))
+        self._retry_at = now + self._retry_s
+        first = self._down_since is None
+        if first:
+            self._down_since = now
+        if first or now - self._last_log >= 60.0:
+            self._last_log = now
+            log.warning(
+                "kvferry (%s): the node at %s failed (%s: %s); kvferry hits are off, next try "
+                "in %.1f s",
+                self.who,
+                self.cfg.address,
+                what,
+                e,
+                self._retry_s,
+            )
+        if self._on_failure is not None:
+            self._on_failure(what)

@@ -1,0 +1,41 @@
+"""What the scheduler-side connector hands its workers each step (plain data: no vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Set
+
+__all__ = ["LoadSpec", "SaveSpec", "StepMetadata"]
+
+
+@dataclass
+class LoadSpec:
+    """Every rank loads ``lease`` (its own share of it) into ``dest_blocks``: one block per
+    leased block, in prefix order. ``lease`` None: the lease was lost between the query and
+    the allocation; every destination is reported as a load error at once."""
+
+    req_id: str
+    lease: Optional[str]
+    dest_blocks: List[int]
+    #: Tokens this load brings (for the stats).
+    tokens: int
+    #: True: vLLM runs this step's forward on the blocks (load_mode "sync").
+    sync: bool = False
+
+
+@dataclass
+class SaveSpec:
+    """Every rank copies its part of ``block_ids`` into the node's host blocks ``hashes``."""
+
+    req_id: str
+    hashes: List[bytes]
+    block_ids: List[int]
+
+
+@dataclass
+class StepMetadata:
+    loads: List[LoadSpec] = field(default_factory=list)
+    saves: List[SaveSpec] = field(default_factory=list)
+    #: Requests preempted this step: their blocks are freed, so their saves must finish
+    #: before the forward can overwrite them.
+    preempted: Set[str] = field(default_factory=set)

@@ -1,0 +1,367 @@
+"""The scheduler half of the connector: queries, leases, load and save plans.
+
+It runs in vLLM's engine-core process, inside the scheduler loop, so nothing here may
+block for long or raise: a node that is down or slow makes ``get_num_new_matched_tokens``
+answer 0 within the configured deadline (then 0 at once while the node is left alone),
+logs it and counts it. Nothing here imports vLLM: requests, block lists and scheduler
+outputs are read by attribute, as vLLM 0.33 shapes them.
+
+Per request:
+
+1. ``get_num_new_matched_tokens(request, k_tokens)``: hashes of the full blocks beyond
+   vLLM's own prefix hit are queried; the node leases the longest prefix it holds (n
+   blocks) and the answer is ``n * block_size`` tokens, loaded asynchronously (or
+   synchronously with ``load_mode = "sync"``). The lease is kept for the request, so
+   asking again (vLLM does when it could not allocate) costs nothing.
+2. ``update_state_after_alloc``: the lease and the request's new blocks become a load for
+   the workers (every TP rank loads its share of the one lease). A lease vLLM did not use
+   is released.
+3. ``build_connector_meta``: this step's loads, and saves of every full block the step
+   completes (blocks that came from kvferry are not saved again).
+4. ``request_finished``: releases an unconsumed lease; if saves of the request were
+   handed to workers, vLLM keeps its blocks until the workers report the saves done.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+from .config import KvferryConfig
+from .hashing import ChainHasher, MmSpan, engine_salt, request_salt
+from .link import NodeDown, NodeLink
+from .metadata import LoadSpec, SaveSpec, StepMetadata
+from .stats import Counters
+
+__all__ = ["SchedulerSide"]
+
+log = logging.getLogger("kvferry.vllm")
+
+#: A lease kept for a request that waits longer than this is queried again (leases expire
+#: on the node after its lease TTL, 600 s by default).
+LEASE_REUSE_S = 60.0
+
+
+@dataclass
+class _Req:
+    request: Any
+    hasher: Optional[ChainHasher]  # None: not cacheable by kvferry (prompt embeddings)
+    # The unconsumed lease: (first block, blocks, lease id, when).
+    lease: Optional[Tuple[int, int, str, float]] = None
+    # Blocks [load_start, load_end) came from kvferry: not saved again.
+    load_start: int = 0
+    load_end: int = 0
+    # Blocks below this were handed to workers to save (or skipped).
+    saved_upto: int = 0
+    # Block ids of the request when vLLM's block state is not available.
+    block_ids: List[int] = field(default_factory=list)
+    # Of the last lease: blocks the node held itself (the rest came from peers).
+    local_blocks: int = 0
+
+
+def _mm_spans(request: Any) -> Optional[Tuple[MmSpan, ...]]:
+    spans = []
+    for f in getattr(request, "mm_features", None) or ():
+        ident = getattr(f, "identifier", None)
+        pos = getattr(f, "mm_position", None)
+        if not ident or pos is None:
+            return None
+        spans.append((str(ident), int(pos.offset), int(pos.length)))
+    return tuple(spans)
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        cfg: KvferryConfig,
+        *,
+        instance: str,
+        model: str,
+        kv_dtype: str,
+        block_size: int,
+        tp_size: int,
+        layout_tag: str = "",
+        load: bool = True,
+        save: bool = True,
+        client_factory: Optional[Callable[[], Any]] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.cfg = cfg
+        self.instance = instance
+        self.block_size = block_size
+        self.load_enabled = load
+        self.save_enabled = save
+        self.counters = Counters()
+        self.link = NodeLink(cfg, "scheduler", client_factory, clock)
+        self._clock = clock
+        self._salt = engine_salt(model, f"{kv_dtype};{layout_tag}", block_size, tp_size)
+        self._reqs: Dict[str, _Req] = {}
+        self._pending_loads: List[LoadSpec] = []
+        # Requests whose saves were handed to workers and not reported done.
+        self._saving: Set[str] = set()
+        self._max_hashes: Optional[int] = None
+        self._last_local = 0
+        self._direct_refusal_logged = False
+
+    # ---------------------------------------------------------------- per-request state
+
+    def _state(self, request: Any) -> _Req:
+        rid = request.request_id
+        r = self._reqs.get(rid)
+        if r is None:
+            hasher = None
+            mm = _mm_spans(request)
+            if getattr(request, "prompt_embeds", None) is None and mm is not None:
+                lora = getattr(request, "lora_request", None)
+                salt = request_salt(
+                    self._salt,
+                    getattr(lora, "lora_name", None) if lora is not None else None,
+                    getattr(request, "cache_salt", None),
+                )
+                hasher = ChainHasher(salt, self.block_size, mm)
+            r = _Req(request, hasher)
+            self._reqs[rid] = r
+        else:
+            r.request = request
+        return r
+
+    def _hashes(self, r: _Req, blocks: int) -> List[bytes]:
+        assert r.hasher is not None
+        return r.hasher.upto(r.request.all_token_ids, blocks)
+
+    def on_new_request(self, request: Any) -> None:
+        self._state(request)
+
+    # ---------------------------------------------------------------- node calls
+
+    def _max_query(self) -> int:
+        if self._max_hashes is None:
+            try:
+                caps = self.link.call("capabilities", lambda c: c.capabilities())
+                self._max_hashes = int(caps.get("max_hashes") or 0) or 4096
+            except NodeDown:
+                raise
+            except Exception as e:  # noqa: BLE001
+                log.warning("kvferry: capabilities of the node failed: %s", e)
+                return 4096
+        return self._max_hashes
+
+    def _query(self, hashes: List[bytes]) -> Tuple[int, Optional[str]]:
+        """(blocks leased, lease id) for the longest held prefix of ``hashes``; (0, None)
+        on a miss or any failure (never raises). ``self._last_local``: how many of the
+        leased blocks the node holds itself (the rest come from its peers)."""
+        self._last_local = 0
+        if not hashes:
+            return 0, None
+        try:
+            hashes = hashes[: self._max_query()]
+            self.link.client()  # NodeDown(skipped) at once while the node is left alone
+            self.counters.add("queries")
+            self.counters.add("queried_blocks", len(hashes))
+            ans = self.link.call(
+                "query",
+                lambda c: c.query(self.instance, hashes, direct_gpu=self.cfg.direct_gpu),
+            )
+        except NodeDown as e:
+            self.counters.add("queries_skipped" if e.skipped else "query_failures")
+            return 0, None
+        except Exception as e:  # noqa: BLE001 - NotFound (not registered yet) and the like
+            code = getattr(e, "code", None)
+            if code == "NOT_FOUND":
+                log.debug("kvferry: query: %s (the workers have not registered yet?)", e)
+            else:
+                log.warning("kvferry: query failed: %s", e)
+            self.counters.add("query_failures")
+            return 0, None
+        n = int(ans.get("local_blocks") or 0) + int(ans.get("remote_blocks") or 0)
+        lease = ans.get("lease")
+        if self.cfg.direct_gpu and ans.get("direct") == "refused":
+            self.counters.add("direct_refused")
+            if not self._direct_refusal_logged:
+                self._direct_refusal_logged = True
+                log.warning(
+                    "kvferry: the node refused direct GPU loads (%s); remote blocks load "
+                    "staged through host memory",
+                    ans.get("direct_reason") or "no reason given",
+                )
+        if not lease or n <= 0:
+            return 0, None
+        n = min(n, len(hashes))
+        self._last_local = min(n, int(ans.get("local_blocks") or 0))
+        self.counters.add("hit_blocks", n)
+        return n, lease
+
+    def _release(self, lease: str) -> None:
+        try:
+            self.link.call("release", lambda c: c.release(lease))
+        except NodeDown:
+            pass  # the node expires it
+        except Exception as e:  # noqa: BLE001
+            log.debug("kvferry: release %s: %s", lease, e)
+
+    # ---------------------------------------------------------------- vLLM's calls
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
+        if not self.load_enabled:
+            return 0, False
+        r = self._state(request)
+        if r.hasher is None:
+            return 0, False
+        bs = self.block_size
+        k = num_computed_tokens // bs
+        ntok = len(request.all_token_ids)
+        # An async load may cover every token (vLLM recomputes the last one); a sync load
+        # must leave one token for this step's forward.
+        full = ntok // bs if self.cfg.async_load else (ntok - 1) // bs
+        if full <= k:
+            self._drop_lease(r)
+            return 0, False
+        if r.lease is not None:
+            start, n, _, when = r.lease
+            if start == k and self._clock() - when < LEASE_REUSE_S:
+                return n * bs, self.cfg.async_load
+            self._drop_lease(r)
+        hashes = self._hashes(r, full)[k:]
+        n, lease = self._query(hashes)
+        if not n or lease is None:
+            return 0, False
+        r.lease = (k, n, lease, self._clock())
+        r.local_blocks = self._last_local
+        return n * bs, self.cfg.async_load
+
+    def _drop_lease(self, r: _Req) -> None:
+        if r.lease is not None:
+            self._release(r.lease[2])
+            r.lease = None
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        r = self._reqs.get(request.request_id)
+        if r is None:
+            return
+        ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        if ids:
+            r.block_ids = ids
+        if num_external_tokens <= 0:
+            self._drop_lease(r)
+            return
+        if r.lease is None:
+            # Called a second time after the load (more blocks): nothing to load.
+            return
+        bs = self.block_size
+        start, n, lease, _ = r.lease
+        r.lease = None
+        m = num_external_tokens // bs
+        if m < n:
+            # vLLM took fewer blocks than leased: a lease is loaded whole, so lease exactly m.
+            self._release(lease)
+            got, lease = self._query(self._hashes(r, start + m)[start:])
+            r.local_blocks = self._last_local
+            if got < m:
+                if lease:
+                    self._release(lease)
+                lease = None
+        dest = ids[start : start + m]
+        if len(dest) < m:
+            log.warning(
+                "kvferry: request %s has %d blocks, a load needs blocks %d..%d; not loading",
+                request.request_id, len(ids), start, start + m,
+            )
+            lease = None
+        r.load_start, r.load_end = start, start + m
+        self.counters.add("hit_tokens", m * bs)
+        self._pending_loads.append(
+            LoadSpec(request.request_id, lease, dest, m * bs, sync=not self.cfg.async_load)
+        )
+
+    def hit_sources(self, request: Any, num_external_tokens: int) -> Tuple[int, int]:
+        """(tokens from the node's own memory, tokens from its peers) of a load."""
+        r = self._reqs.get(request.request_id)
+        local = min(num_external_tokens, (r.local_blocks if r else 0) * self.block_size)
+        if r is None:
+            local = num_external_tokens
+        return local, num_external_tokens - local
+
+    def build_connector_meta(self, so: Any) -> StepMetadata:
+        meta = StepMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        meta.preempted = set(getattr(so, "preempted_req_ids", None) or ())
+        for rid in meta.preempted:
+            r = self._reqs.get(rid)
+            if r is not None:
+                # Its blocks are freed; on its return it starts from its new prefix hit.
+                r.load_start = r.load_end = 0
+                r.block_ids = []
+        self._track_block_ids(so)
+        if self.save_enabled:
+            self._plan_saves(so, meta)
+        return meta
+
+    def _track_block_ids(self, so: Any) -> None:
+        """Block ids per request for when SchedulerOutput has no kv_connector_block_state."""
+        if getattr(so, "kv_connector_block_state", None) is not None:
+            return
+        for nr in getattr(so, "scheduled_new_reqs", None) or ():
+            r = self._reqs.get(nr.req_id)
+            if r is not None:
+                r.block_ids = list(nr.block_ids[0]) if nr.block_ids else []
+        cached = getattr(so, "scheduled_cached_reqs", None)
+        if cached is None:
+            return
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for rid, new in zip(cached.req_ids, cached.new_block_ids):
+            r = self._reqs.get(rid)
+            if r is None or new is None:
+                continue
+            if rid in resumed:
+                r.block_ids = list(new[0])
+            else:
+                r.block_ids.extend(new[0])
+
+    def _plan_saves(self, so: Any, meta: StepMetadata) -> None:
+        bs = self.block_size
+        state = getattr(so, "kv_connector_block_state", None)
+        spec = getattr(so, "scheduled_spec_decode_tokens", None) or {}
+        for rid, scheduled in so.num_scheduled_tokens.items():
+            r = self._reqs.get(rid)
+            if r is None or r.hasher is None:
+                continue
+            req = r.request
+            tokens = req.all_token_ids
+            done = req.num_computed_tokens + scheduled - len(spec.get(rid, ()))
+            upto = min(done, len(tokens)) // bs
+            if upto <= r.saved_upto:
+                continue
+            if state is not None:
+                got = state.get_block_ids(rid)
+                ids = list(got[0]) if got else []
+            else:
+                ids = r.block_ids
+            upto = min(upto, len(ids))
+            hashes = self._hashes(r, upto)
+            picks = [
+                i for i in range(r.saved_upto, upto) if not r.load_start <= i < r.load_end
+            ]
+            r.saved_upto = max(r.saved_upto, upto)
+            if not picks:
+                continue
+            meta.saves.append(SaveSpec(rid, [hashes[i] for i in picks], [ids[i] for i in picks]))
+            self._saving.add(rid)
+
+    def update_connector_output(self, output: Any) -> None:
+        for rid in getattr(output, "finished_sending", None) or ():
+            self._saving.discard(rid)
+
+    def request_finished(self, request: Any, block_ids: Any = None) -> Tuple[bool, Optional[dict]]:
+        r = self._reqs.pop(request.request_id, None)
+        if r is not None:
+            self._drop_lease(r)
+        return request.request_id in self._saving, None
+
+    def take_stats(self) -> Dict[str, Any]:
+        return self.counters.take()
+
+    def shutdown(self) -> None:
+        for r in list(self._reqs.values()):
+            self._drop_lease(r)

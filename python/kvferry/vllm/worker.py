@@ -1,0 +1,459 @@
+"""The worker half of the connector: registration, loads and saves of one TP rank.
+
+Importable and usable without vLLM (and without a GPU): it takes the ``{layer: tensor}``
+dict vLLM gives ``register_kv_caches`` and the :class:`~kvferry.vllm.metadata.StepMetadata`
+the scheduler half builds, so its GPU half is tested where vLLM is not installed.
+
+Nothing here blocks vLLM's forward pass on the node: loads are started and watched by a
+loader thread, saves run on a saver thread, each call with the configured deadline and
+each load with ``load_timeout_ms``. With CUDA KV, a CUDA event recorded on the current
+stream orders the node's copies after the kernels that wrote or freed the blocks. A load
+that fails (node down, killed mid-load, timed out, lease lost) reports exactly its failed
+destination blocks through ``get_block_ids_with_load_errors``, in the step whose
+``get_finished`` reports the request, so vLLM recomputes them. A node that restarts is
+registered with again (the rank's KV re-sent) by the next load or save.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+from .config import KvferryConfig
+from .kvcache import RankLayout, describe_kv_caches, device_ordinal, register_rank
+from .link import NodeDown, NodeLink
+from .metadata import LoadSpec, SaveSpec, StepMetadata
+from .stats import Counters
+
+__all__ = ["WorkerSide"]
+
+log = logging.getLogger("kvferry.vllm")
+
+_STOP = object()
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    event: Any
+    started: float
+    load_id: Optional[int] = None
+    deadline: float = 0.0
+
+
+@dataclass
+class _Done:
+    req_id: str
+    sync: bool
+    failed: Set[int]
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        cfg: KvferryConfig,
+        *,
+        instance: str,
+        model: str,
+        kv_dtype: str,
+        tp_rank: int,
+        tp_size: int,
+        num_blocks: int,
+        backend: str = "",
+        client_factory: Optional[Callable[[], Any]] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.cfg = cfg
+        self.instance = instance
+        self.model = model
+        self.kv_dtype = kv_dtype
+        self.rank = tp_rank
+        self.tp_size = tp_size
+        self.num_blocks = num_blocks
+        self.backend = backend
+        self.counters = Counters()
+        self.link = NodeLink(cfg, f"worker rank {tp_rank}", client_factory, clock)
+        self._clock = clock
+        self.layout: Optional[RankLayout] = None
+        self.namespace: Optional[str] = None
+        self._session: Any = None
+        self._reg_lock = threading.Lock()
+        self._registered = False
+        self._cuda = False
+
+        self._lock = threading.Condition()
+        self._done: List[_Done] = []
+        self._errors: Set[int] = set()
+        self._sync_outstanding = 0
+        self._save_pending: Dict[str, int] = {}
+        # Requests handed saves (vLLM delays freeing their blocks until reported).
+        self._save_reqs: Set[str] = set()
+        self._finishing: Set[str] = set()
+
+        self._load_q: "queue.Queue[Any]" = queue.Queue()
+        self._save_q: "queue.Queue[Any]" = queue.Queue()
+        self._threads: List[threading.Thread] = []
+
+    # ---------------------------------------------------------------- registration
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> RankLayout:
+        """Detects the layout (raises :class:`~kvferry.vllm.kvcache.KvCacheLayoutError`
+        naming the layer for tensors kvferry cannot register) and registers it; a node that
+        is down is registered with later."""
+        self.layout = describe_kv_caches(kv_caches, self.num_blocks, self.backend)
+        self._cuda = self.layout.device.startswith("cuda")
+        log.info(
+            "kvferry: rank %d KV: %d layers, %s, %d segment(s) of %d bytes, block stride %d, "
+            "%d blocks on %s%s",
+            self.rank, len(self.layout.layers), self.layout.kind, self.layout.segments,
+            self.layout.segment_bytes, self.layout.block_stride, self.layout.num_blocks,
+            self.layout.device,
+            f" ({len(self.layout.shared)} shared layers)" if self.layout.shared else "",
+        )
+        self._ensure_registered()
+        self._start_threads()
+        return self.layout
+
+    def _ensure_registered(self) -> bool:
+        if self._registered:
+            return True
+        assert self.layout is not None
+        with self._reg_lock:
+            if self._registered:
+                return True
+            try:
+                ns = self.link.call("register", self._register)
+            except NodeDown:
+                return False
+            except Exception as e:  # noqa: BLE001
+                if getattr(e, "code", None) == "ALREADY_EXISTS":
+                    self._registered = True
+                    return True
+                log.error("kvferry: rank %d: the node refused the registration: %s", self.rank, e)
+                return False
+            self.namespace = ns
+            self._registered = True
+            self.counters.add("registrations")
+            log.info(
+                "kvferry: rank %d registered as %s on %s (namespace %s)",
+                self.rank, self.instance, self.cfg.address, ns,
+            )
+            return True
+
+    def _register(self, client: Any) -> str:
+        assert self.layout is not None
+        ns = register_rank(
+            client,
+            self.layout,
+            instance=self.instance,
+            model=self.model,
+            # The element order inside a block joins the namespace: engines that lay the
+            # same block out differently never share it.
+            dtype_name=f"{self.kv_dtype};{self.layout.element_order}",
+            rank=self.rank,
+            tp_size=self.tp_size,
+            device=device_ordinal(self.layout) if self._cuda else 0,
+        )
+        old, self._session = self._session, None
+        if old is not None:
+            try:
+                old.close()
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            self._session = client.open_session([self.instance])
+        except Exception as e:  # noqa: BLE001
+            log.debug("kvferry: rank %d: no session: %s", self.rank, e)
+        return ns
+
+    def _lost_registration(self, e: BaseException) -> None:
+        if isinstance(e, NodeDown) or getattr(e, "code", None) == "NOT_FOUND":
+            self._registered = False
+
+    # ---------------------------------------------------------------- threads
+
+    def _start_threads(self) -> None:
+        if self._threads:
+            return
+        for name, target in (("loads", self._loader), ("saves", self._saver)):
+            t = threading.Thread(
+                target=target, name=f"kvferry-{name}-r{self.rank}", daemon=True
+            )
+            t.start()
+            self._threads.append(t)
+
+    def _record_event(self) -> Any:
+        if not self._cuda:
+            return None
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(device_ordinal(self.layout)))
+        return ev
+
+    # ---------------------------------------------------------------- loads
+
+    def start_load(self, meta: Optional[StepMetadata]) -> None:
+        """Hands this step's loads to the loader thread; returns at once, except with
+        synchronous loads (load_mode "sync"), which finish before it returns: vLLM runs
+        this step's forward on them."""
+        if meta is None or not meta.loads or self.layout is None:
+            if meta is not None and meta.loads and self.layout is None:
+                # No KV registered: nothing can be loaded; vLLM recomputes.
+                for spec in meta.loads:
+                    self._finish(spec, set(spec.dest_blocks), None)
+            return
+        ev = self._record_event()
+        now = self._clock()
+        for spec in meta.loads:
+            if spec.sync:
+                with self._lock:
+                    self._sync_outstanding += 1
+            self._load_q.put(_Load(spec, ev, now, deadline=now + self.cfg.load_timeout_s))
+        if any(spec.sync for spec in meta.loads):
+            self.wait_for_sync_loads()
+
+    def _finish(self, spec: LoadSpec, failed: Set[int], completion: Optional[dict]) -> None:
+        c = self.counters
+        c.add("loads")
+        if completion is not None:
+            c.add("loaded_bytes", int(completion.get("bytes") or 0))
+            secs = float(completion.get("seconds") or 0.0)
+            c.add("load_seconds", secs)
+            c.sample_load(secs)
+        if failed:
+            c.add("load_failures")
+            c.add("failed_blocks", len(failed))
+        elif self.rank == 0:
+            c.add("loaded_tokens", spec.tokens)
+            c.add("loaded_blocks", len(spec.dest_blocks))
+        with self._lock:
+            self._done.append(_Done(spec.req_id, spec.sync, failed))
+            if spec.sync:
+                self._sync_outstanding -= 1
+            self._lock.notify_all()
+
+    def _begin(self, ld: _Load) -> Optional[_Load]:
+        spec = ld.spec
+        dest = set(spec.dest_blocks)
+        if spec.lease is None or not spec.dest_blocks:
+            self._finish(spec, dest, None)
+            return None
+        if ld.event is not None:
+            try:
+                ld.event.synchronize()
+            except Exception as e:  # noqa: BLE001
+                log.warning("kvferry: rank %d: CUDA event: %s", self.rank, e)
+        if not self._ensure_registered():
+            log.debug("kvferry: rank %d: not registered; load of %s fails", self.rank, spec.req_id)
+            self._finish(spec, dest, None)
+            return None
+        try:
+            ld.load_id = self.link.call(
+                "load",
+                lambda c: c.load(spec.lease, self.instance, self.rank, list(spec.dest_blocks)),
+            )
+        except Exception as e:  # noqa: BLE001
+            self._lost_registration(e)
+            if not isinstance(e, NodeDown):
+                log.warning("kvferry: rank %d: load of %s refused: %s", self.rank, spec.req_id, e)
+            self._finish(spec, dest, None)
+            return None
+        return ld
+
+    def _poll(self, pending: List[_Load]) -> List[_Load]:
+        still = []
+        for ld in pending:
+            spec = ld.spec
+            try:
+                comp = self.link.call("poll_load", lambda c: c.poll_load(ld.load_id))
+            except Exception as e:  # noqa: BLE001
+                self._lost_registration(e)
+                if not isinstance(e, NodeDown):
+                    log.warning("kvferry: rank %d: load %s: %s", self.rank, ld.load_id, e)
+                self._finish(spec, set(spec.dest_blocks), None)
+                continue
+            if comp is None:
+                if self._clock() > ld.deadline:
+                    log.warning(
+                        "kvferry: rank %d: load of %s (%d blocks) not done after %.1f s; its "
+                        "blocks are recomputed",
+                        self.rank, spec.req_id, len(spec.dest_blocks), self.cfg.load_timeout_s,
+                    )
+                    self._finish(spec, set(spec.dest_blocks), None)
+                else:
+                    still.append(ld)
+                continue
+            dest = set(spec.dest_blocks)
+            failed = set(comp.get("failed_blocks") or ()) & dest
+            if not comp.get("ok"):
+                failed = failed or dest
+                log.warning(
+                    "kvferry: rank %d: load of %s failed (%s: %s); %d block(s) recomputed",
+                    self.rank, spec.req_id, comp.get("error_kind"), comp.get("error"), len(failed),
+                )
+            self._finish(spec, failed, comp)
+        return still
+
+    def _loader(self) -> None:
+        pending: List[_Load] = []
+        idle = 0.0002
+        while True:
+            try:
+                item = self._load_q.get(timeout=idle if pending else 0.5)
+            except queue.Empty:
+                item = None
+            items = [] if item is None else [item]
+            while True:
+                try:
+                    items.append(self._load_q.get_nowait())
+                except queue.Empty:
+                    break
+            for it in items:
+                if it is _STOP:
+                    for ld in pending:
+                        self._finish(ld.spec, set(ld.spec.dest_blocks), None)
+                    return
+                try:
+                    started = self._begin(it)
+                except Exception as e:  # noqa: BLE001 - never lose a load
+                    log.exception("kvferry: rank %d: load: %s", self.rank, e)
+                    self._finish(it.spec, set(it.spec.dest_blocks), None)
+                    started = None
+                if started is not None:
+                    pending.append(started)
+                    idle = 0.0002
+            if pending:
+                try:
+                    pending = self._poll(pending)
+                except Exception as e:  # noqa: BLE001
+                    log.exception("kvferry: rank %d: polling loads: %s", self.rank, e)
+                    for ld in pending:
+                        self._finish(ld.spec, set(ld.spec.dest_blocks), None)
+                    pending = []
+                idle = min(idle * 2, 0.002)
+
+    def wait_for_sync_loads(self) -> None:
+        """Waits for this step's synchronous loads (load_mode "sync"); bounded by
+        load_timeout_ms (the loader fails a load that runs longer)."""
+        with self._lock:
+            if self._sync_outstanding <= 0:
+                return
+            limit = self.cfg.load_timeout_s + 2 * self.cfg.deadline_s + 1.0
+            self._lock.wait_for(lambda: self._sync_outstanding <= 0, timeout=limit)
+
+    # ---------------------------------------------------------------- saves
+
+    def submit_saves(self, meta: Optional[StepMetadata]) -> None:
+        """Hands this step's saves to the saver thread (after the step's kernels)."""
+        if meta is None or not meta.saves:
+            return
+        with self._lock:
+            # vLLM keeps these requests' blocks until get_finished reports them.
+            self._save_reqs.update(spec.req_id for spec in meta.saves)
+        if self.layout is None:
+            return
+        ev = self._record_event()
+        with self._lock:
+            for spec in meta.saves:
+                self._save_pending[spec.req_id] = self._save_pending.get(spec.req_id, 0) + 1
+        for spec in meta.saves:
+            self._save_q.put((spec, ev))
+
+    def _save_one(self, spec: SaveSpec, ev: Any) -> None:
+        if ev is not None:
+            ev.synchronize()
+        if not self._ensure_registered():
+            self.counters.add("save_failures")
+            return
+        try:
+            res = self.link.call(
+                "save",
+                lambda c: c.save(self.instance, self.rank, list(spec.hashes), list(spec.block_ids)),
+            )
+        except Exception as e:  # noqa: BLE001
+            self._lost_registration(e)
+            self.counters.add("save_failures")
+            if not isinstance(e, NodeDown):
+                log.warning("kvferry: rank %d: save of %s failed: %s", self.rank, spec.req_id, e)
+            return
+        self.counters.add("saves")
+        self.counters.add("saved_blocks", int(res.get("written") or 0))
+        self.counters.add("saved_bytes", int(res.get("bytes") or 0))
+
+    def _saver(self) -> None:
+        while True:
+            item = self._save_q.get()
+            if item is _STOP:
+                return
+            spec, ev = item
+            try:
+                self._save_one(spec, ev)
+            except Exception as e:  # noqa: BLE001
+                log.exception("kvferry: rank %d: save: %s", self.rank, e)
+                self.counters.add("save_failures")
+            finally:
+                with self._lock:
+                    left = self._save_pending.get(spec.req_id, 1) - 1
+                    if left > 0:
+                        self._save_pending[spec.req_id] = left
+                    else:
+                        self._save_pending.pop(spec.req_id, None)
+                    self._lock.notify_all()
+
+    def handle_preemptions(self, meta: Optional[StepMetadata]) -> None:
+        """Preempted requests' blocks are free: their saves finish before the forward."""
+        if meta is None or not meta.preempted:
+            return
+        limit = self.cfg.deadline_s * (self._save_q.qsize() + 2)
+        with self._lock:
+            self._lock.wait_for(
+                lambda: not any(r in self._save_pending for r in meta.preempted), timeout=limit
+            )
+
+    # ---------------------------------------------------------------- results
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Set[str], Set[str]]:
+        """(requests whose saves are done, requests whose async loads are done); the
+        failed blocks of those loads are reported by the next
+        :meth:`get_block_ids_with_load_errors` (the same step)."""
+        sending: Set[str] = set()
+        recving: Set[str] = set()
+        with self._lock:
+            done, self._done = self._done, []
+            for d in done:
+                self._errors |= d.failed
+                if not d.sync:
+                    recving.add(d.req_id)
+            self._finishing |= set(finished_req_ids or ()) & self._save_reqs
+            for rid in list(self._finishing):
+                if rid not in self._save_pending:
+                    self._finishing.discard(rid)
+                    self._save_reqs.discard(rid)
+                    sending.add(rid)
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        with self._lock:
+            out, self._errors = self._errors, set()
+        return out
+
+    def take_stats(self) -> Dict[str, Any]:
+        return self.counters.take()
+
+    def shutdown(self) -> None:
+        for q in (self._load_q, self._save_q):
+            q.put(_STOP)
+        for t in self._threads:
+            t.join(timeout=self.cfg.deadline_s * 2 + 1)
+        self._threads = []
+        if self._session is not None:
+            try:
+                self._session.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._session = None

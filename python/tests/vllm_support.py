@@ -1,0 +1,184 @@
+"""Helpers of the vLLM connector tests: a real ``kvferry node``, KV tensors in the layouts
+vLLM 0.33 allocates (on memfds, so a ``kind = "host"`` node maps them), and a
+deterministic "forward pass" that writes into them what a model would: bytes that depend
+only on the tokens up to each position, the layer and the head, so two engines (or two
+processes) computing the same prefix write the same bytes.
+
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kvferry_bin() -> Path:
+    env = os.environ.get("KVFERRY_BIN")
+    if env:
+        return Path(env)
+    for profile in ("debug", "release"):
+        p = ROOT / "target" / profile / "kvferry"
+        if p.exists():
+            return p
+    raise FileNotFoundError(
+        "no kvferry binary: run `cargo build -p kvferry` or set KVFERRY_BIN"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    """``kvferry node --config FILE`` (host device) as a child process."""
+
+    def __init__(self, tmp: Path, name: str = "vllm-node", port: Optional[int] = None,
+                 pool: str = "64MiB", slot: str = "256KiB"):
+        self.tmp = Path(tmp)
+        self.name = name
+        self.port = port or free_port()
+        self.pool, self.slot = pool, slot
+        self.proc: Optional[subprocess.Popen] = None
+        self.start()
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        fd_dir = self.tmp / f"{self.name}-fd"
+        fd_dir.mkdir(parents=True, exist_ok=True)
+        config = self.tmp / f"{self.name}.toml"
+        config.write_text(
+            f'node-id = "{self.name}"\n'
+            f'[pool]\nsize = "{self.pool}"\nslot-bytes = "{self.slot}"\n'
+            '[device]\nkind = "host"\n'
+            '[metrics]\nlisten = ""\n'
+            f'[engine]\nlisten = "{self.addr}"\nfd-dir = "{fd_dir}"\n'
+        )
+        self.proc = subprocess.Popen(
+            [str(kvferry_bin()), "node", "--config", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        proc = self.proc
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.put(line.strip())
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        seen: Dict[str, str] = {}
+        end = time.monotonic() + 60
+        while not {"engine", "engine-fd"} <= seen.keys():
+            try:
+                line = lines.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                self.kill()
+                raise RuntimeError(f"node {self.name} did not start serving (saw {seen})")
+            if line.startswith("listening ") and "=" in line:
+                what, addr = line[len("listening "):].split("=", 1)
+                seen[what] = addr
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def stop_signal(self, sig: int) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+
+
+# ------------------------------------------------------------------------------ KV tensors
+
+def kv_tensors(layers: int, num_blocks: int, heads: int, block_size: int, head_size: int,
+               layout: str = "LBNHC", dtype=None) -> Dict[str, "object"]:
+    """``{layer_name: tensor}`` as vLLM 0.33 hands a connector: logical shape
+    ``(num_blocks, heads, block_size, 2 * head_size)``; ``LBNHC``/``LBHNC`` one memfd per
+    layer, ``BLHNC`` one memfd for all layers (cross-layer)."""
+    import torch
+    from kvferry.torch import memfd_empty
+
+    dtype = dtype or torch.float32
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    c = 2 * head_size
+    out = {}
+    if layout in ("LBNHC", "LBHNC"):
+        for n in names:
+            if layout == "LBNHC":  # physical (B, N, H, C)
+                t = memfd_empty((num_blocks, block_size, heads, c), dtype).permute(0, 2, 1, 3)
+            else:  # physical (B, H, N, C)
+                t = memfd_empty((num_blocks, heads, block_size, c), dtype)
+            out[n] = t
+    elif layout == "BLHNC":  # physical (B, L, H, N, C)
+        big = memfd_empty((num_blocks, layers, heads, block_size, c), dtype)
+        for i, n in enumerate(names):
+            out[n] = big[:, i]
+    else:
+        raise ValueError(layout)
+    return out
+
+
+def _pattern(tokens: Sequence[int], pos: int, layer: int, heads: int, c: int):
+    """What the 'model' writes for position ``pos``: a function of tokens[:pos+1] only."""
+    import torch
+
+    h = hashlib.sha256(repr((list(tokens[: pos + 1]), layer)).encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(h[:8], "little"))
+    return torch.rand((heads, c), generator=g)
+
+
+def forward(kv: Dict[str, object], tokens: Sequence[int], block_ids: Sequence[int],
+            start: int, end: int, block_size: int) -> None:
+    """Writes positions [start, end) of a request into its blocks, every layer."""
+    for layer, name in enumerate(sorted(kv, key=_natural)):
+        t = kv[name]
+        heads, c = t.shape[1], t.shape[3]
+        for pos in range(start, end):
+            b, off = block_ids[pos // block_size], pos % block_size
+            t[b, :, off, :] = _pattern(tokens, pos, layer, heads, c).to(t.dtype)
+
+
+def expected_block(kv: Dict[str, object], tokens: Sequence[int], block_index: int,
+                   block_size: int) -> List[object]:
+    """Per layer, the contents block ``block_index`` of ``tokens`` must hold."""
+    import torch
+
+    out = []
+    for layer, name in enumerate(sorted(kv, key=_natural)):
+        t = kv[name]
+        heads, c = t.shape[1], t.shape[3]
+        out.append(torch.stack([
+            _pattern(tokens, block_index * block_size + off, layer, heads, c).to(t.dtype)
+            for off in range(block_size)
+        ], dim=1))
+    return out
+
+
+def block_contents(kv: Dict[str, object], block_id: int) -> List[object]:
+    return [kv[name][block_id].clone() for name in sorted(kv, key=_natural)]
+
+
+def _natural(name: str):
+    import re
+
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
