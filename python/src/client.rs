@@ -1,0 +1,383 @@
+//! `kvferry.EngineClient`: one connection to a node's engine service. Each method converts
+//! its arguments, then waits for the Rust client on this object's runtime with the GIL
+//! released, so other Python threads (an engine's scheduler) run meanwhile.
+
+use std::future::Future;
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvferry_actors::api;
+use kvferry_actors::rpc::{EngineClient as RustClient, EngineClientError, RegisterRegions};
+use kvferry_gpu::KvShape;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use tokio::runtime::Runtime;
+
+use crate::session::Session;
+use crate::{convert, errors};
+
+/// Deadline of every call unless the constructor says otherwise.
+pub const DEFAULT_DEADLINE_S: f64 = 10.0;
+
+/// Longest a `wait_load` sleeps between two polls.
+const POLL_MAX: Duration = Duration::from_millis(2);
+/// Longest a `wait_load` stays away from Python, so Ctrl-C interrupts it.
+const SIGNAL_CHECK: Duration = Duration::from_millis(200);
+
+/// A client of one node's engine service (`kvferry.v1.Engine`).
+#[pyclass(module = "kvferry._native", frozen)]
+pub struct EngineClient {
+    /// Shared with the sessions this client opened: their streams live on it.
+    rt: Arc<Runtime>,
+    inner: RustClient,
+    addr: String,
+}
+
+fn seconds(py: Python<'_>, what: &str, s: f64) -> PyResult<Duration> {
+    match Duration::try_from_secs_f64(s) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        _ => Err(errors::invalid(
+            py,
+            "EngineClient",
+            format!("{what} must be a positive number of seconds, got {s}"),
+        )),
+    }
+}
+
+impl EngineClient {
+    /// Runs `fut` on the runtime with the GIL released.
+    fn wait<T, F>(&self, py: Python<'_>, method: &str, fut: F) -> PyResult<T>
+    where
+        T: Send,
+        F: Future<Output = Result<T, EngineClientError>> + Send,
+    {
+        let rt = &self.rt;
+        py.detach(|| rt.block_on(fut))
+            .map_err(|e| errors::client(py, method, &e))
+    }
+}
+
+#[pymethods]
+impl EngineClient {
+    /// Connects to the engine service at `addr` ("host:port"). `token`: the node's engine
+    /// token; `deadline_s`: of every call; `fd_socket`: the node's fd socket path where it
+    /// differs from what the node announces (another mount namespace).
+    #[new]
+    #[pyo3(signature = (addr, token=None, deadline_s=DEFAULT_DEADLINE_S, connect_timeout_s=5.0, fd_socket=None))]
+    fn new(
+        py: Python<'_>,
+        addr: String,
+        token: Option<String>,
+        deadline_s: f64,
+        connect_timeout_s: f64,
+        fd_socket: Option<PathBuf>,
+    ) -> PyResult<Self> {
+        let deadline = seconds(py, "deadline_s", deadline_s)?;
+        let connect_timeout = seconds(py, "connect_timeout_s", connect_timeout_s)?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kvferry-client")
+            .enable_all()
+            .build()
+            .map_err(|e| {
+                pyo3::exceptions::PyOSError::new_err(format!("kvferry client runtime: {e}"))
+            })?;
+        let token = token.unwrap_or_default();
+        let timed_out = |after| EngineClientError::ConnectTimeout {
+            addr: addr.clone(),
+            after,
+        };
+        let connect = async {
+            let first = RustClient::connect(addr.clone(), fd_socket.clone(), token.clone())
+                .await?
+                .with_deadline(deadline);
+            if fd_socket.is_some() {
+                return Ok(first);
+            }
+            // The fd socket's path comes from the node; the Rust client takes it when
+            // connecting, so a node that serves one is connected to again with it.
+            let caps = first.capabilities().await?;
+            if caps.fd_socket.is_empty() {
+                return Ok(first);
+            }
+            Ok(
+                RustClient::connect(addr.clone(), Some(caps.fd_socket.into()), token.clone())
+                    .await?
+                    .with_deadline(deadline),
+            )
+        };
+        let inner = py
+            .detach(|| {
+                rt.block_on(async {
+                    tokio::time::timeout(connect_timeout + deadline, connect)
+                        .await
+                        .unwrap_or_else(|_| Err(timed_out(connect_timeout)))
+                })
+            })
+            .map_err(|e| errors::client(py, "EngineClient", &e))?;
+        Ok(Self {
+            rt: Arc::new(rt),
+            inner,
+            addr,
+        })
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let addr = pyo3::types::PyString::new(py, &self.addr).repr()?;
+        Ok(format!("EngineClient({addr})"))
+    }
+
+    #[getter]
+    fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Every field of the node's CapabilitiesResponse.
+    fn capabilities<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.wait(py, "capabilities", self.inner.capabilities())?;
+        convert::capabilities(py, c)
+    }
+
+    /// Whether the node's actors answer (raises where the node cannot be reached).
+    fn health(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.wait(py, "health", self.inner.health())?.serving)
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.wait(py, "stats", self.inner.stats())?;
+        convert::stats(py, s)
+    }
+
+    /// Sends `length` bytes of host KV in memfd `fd` (created with MFD_ALLOW_SEALING) for
+    /// `instance` rank `rank` on node device `device`; returns the memory handle.
+    fn send_memfd(
+        &self,
+        py: Python<'_>,
+        instance: &str,
+        rank: u32,
+        device: u32,
+        fd: i32,
+        length: u64,
+    ) -> PyResult<u64> {
+        const M: &str = "send_memfd";
+        let id = convert::instance(py, M, instance)?;
+        // A copy of our own, so a Python thread closing `fd` meanwhile cannot make us send
+        // whatever file reuses the number.
+        // SAFETY: F_DUPFD_CLOEXEC reads no memory; an fd that is not open fails with EBADF.
+        let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+        if dup < 0 {
+            return Err(errors::invalid(
+                py,
+                M,
+                format!("fd {fd}: {}", std::io::Error::last_os_error()),
+            ));
+        }
+        // SAFETY: `dup` is a descriptor fcntl just created for us; nothing else owns it.
+        let owned = unsafe { OwnedFd::from_raw_fd(dup) };
+        let fut = self
+            .inner
+            .send_memfd(&id, rank, device, owned.as_fd(), length);
+        self.wait(py, M, fut)
+    }
+
+    /// Registers one rank whose KV is spread over `regions`; `planes` give each layer's
+    /// placement in them. Returns the namespace.
+    #[pyo3(signature = (instance, model, dtype, *, layers, tp_size, segments, segment_bytes, rank, device, kind="attention", block_stride, num_blocks, regions, planes))]
+    #[allow(clippy::too_many_arguments)]
+    fn register(
+        &self,
+        py: Python<'_>,
+        instance: &str,
+        model: String,
+        dtype: String,
+        layers: u32,
+        tp_size: u32,
+        segments: u32,
+        segment_bytes: u64,
+        rank: u32,
+        device: u32,
+        kind: &str,
+        block_stride: u64,
+        num_blocks: u32,
+        regions: Vec<(String, Bound<'_, PyAny>)>,
+        planes: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<String> {
+        const M: &str = "register";
+        let id = convert::instance(py, M, instance)?;
+        let shape = KvShape::new(layers, tp_size, segments, segment_bytes)
+            .map_err(|e| errors::invalid(py, M, e.to_string()))?;
+        if planes.len() != layers as usize {
+            return Err(errors::invalid(
+                py,
+                M,
+                format!("{} planes given for {layers} layers", planes.len()),
+            ));
+        }
+        let regions = convert::regions(py, &regions)?;
+        let layers = convert::planes(py, segments, regions.len(), &planes)?;
+        let req = RegisterRegions {
+            instance: id,
+            model,
+            dtype,
+            shape,
+            rank,
+            device,
+            kind: convert::kind(py, kind)?,
+            block_stride,
+            num_blocks,
+            regions,
+            layers,
+        };
+        self.wait(py, M, self.inner.register_regions(&req))
+    }
+
+    /// Unregisters an instance; returns how many of its leases were released.
+    fn unregister(&self, py: Python<'_>, instance: &str) -> PyResult<u32> {
+        let id = convert::instance(py, "unregister", instance)?;
+        self.wait(py, "unregister", self.inner.unregister(&id))
+    }
+
+    /// Opens a session binding `instances`: when it closes (or this process dies) the node
+    /// unregisters them.
+    #[pyo3(signature = (instances=Vec::new()))]
+    fn open_session(&self, py: Python<'_>, instances: Vec<String>) -> PyResult<Session> {
+        let ids = convert::instances(py, "open_session", &instances)?;
+        let s = self.wait(py, "open_session", self.inner.open_session(&ids))?;
+        Ok(Session::new(self.rt.clone(), s, instances))
+    }
+
+    /// Leases the longest prefix of `hashes` the node and its peers hold.
+    #[pyo3(signature = (instance, hashes, direct_gpu=false))]
+    fn query<'py>(
+        &self,
+        py: Python<'py>,
+        instance: &str,
+        hashes: Vec<Vec<u8>>,
+        direct_gpu: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let id = convert::instance(py, "query", instance)?;
+        let hashes = convert::hashes(py, "query", &hashes)?;
+        let q = self.wait(py, "query", self.inner.query(&id, &hashes, direct_gpu))?;
+        convert::query(py, q)
+    }
+
+    /// Starts this rank's load of `lease` into `dest_blocks` (one per leased block, in
+    /// prefix order); returns its load id at once.
+    fn load(
+        &self,
+        py: Python<'_>,
+        lease: &str,
+        instance: &str,
+        rank: u32,
+        dest_blocks: Vec<u32>,
+    ) -> PyResult<u64> {
+        let req = api::LoadRequest {
+            lease: convert::lease(py, "load", lease)?,
+            instance: convert::instance(py, "load", instance)?,
+            rank,
+            dest_blocks,
+        };
+        self.wait(py, "load", self.inner.load(&req))
+    }
+
+    /// The completion of `load_id` (consuming it), or None while it runs.
+    fn poll_load<'py>(
+        &self,
+        py: Python<'py>,
+        load_id: u64,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        match self.wait(py, "poll_load", self.inner.poll_load(load_id))? {
+            Some(c) => Ok(Some(convert::completion(py, c)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Waits up to `timeout_s` for the completion of `load_id` (DeadlineExceeded after).
+    #[pyo3(signature = (load_id, timeout_s=DEFAULT_DEADLINE_S))]
+    fn wait_load<'py>(
+        &self,
+        py: Python<'py>,
+        load_id: u64,
+        timeout_s: f64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        const M: &str = "wait_load";
+        let end = Instant::now() + seconds(py, "timeout_s", timeout_s)?;
+        let mut every = Duration::from_micros(100);
+        loop {
+            // In slices, so Ctrl-C reaches Python between them.
+            let slice_end = end.min(Instant::now() + SIGNAL_CHECK);
+            let polled = self.wait(py, M, async {
+                loop {
+                    if let Some(c) = self.inner.poll_load(load_id).await? {
+                        return Ok(Some(c));
+                    }
+                    if Instant::now() >= slice_end {
+                        return Ok(None);
+                    }
+                    tokio::time::sleep(every).await;
+                    every = (every * 2).min(POLL_MAX);
+                }
+            })?;
+            if let Some(c) = polled {
+                return convert::completion(py, c);
+            }
+            if Instant::now() >= end {
+                return Err(errors::deadline(
+                    py,
+                    M,
+                    format!("load {load_id}: no completion within {timeout_s} s"),
+                ));
+            }
+            py.check_signals()?;
+        }
+    }
+
+    /// Copies device blocks `src_blocks` of one rank into host blocks named by `hashes`.
+    fn save<'py>(
+        &self,
+        py: Python<'py>,
+        instance: &str,
+        rank: u32,
+        hashes: Vec<Vec<u8>>,
+        src_blocks: Vec<u32>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let req = api::SaveRequest {
+            instance: convert::instance(py, "save", instance)?,
+            rank,
+            hashes: convert::hashes(py, "save", &hashes)?,
+            src_blocks,
+        };
+        let s = self.wait(py, "save", self.inner.save(&req))?;
+        convert::store(py, s)
+    }
+
+    /// Stores one rank's bytes of whole blocks: `[(hash, bytes)]`.
+    fn put_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        instance: &str,
+        rank: u32,
+        blocks: Vec<(Vec<u8>, Vec<u8>)>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        const M: &str = "put_blocks";
+        let (hashes, data): (Vec<_>, Vec<_>) = blocks.into_iter().unzip();
+        let req = api::PutBlocks {
+            instance: convert::instance(py, M, instance)?,
+            rank,
+            blocks: convert::hashes(py, M, &hashes)?
+                .into_iter()
+                .zip(data)
+                .collect(),
+        };
+        let s = self.wait(py, M, self.inner.put_blocks(&req))?;
+        convert::store(py, s)
+    }
+
+    /// Releases a lease whatever its ranks still owe.
+    fn release(&self, py: Python<'_>, lease: &str) -> PyResult<()> {
+        let lease = convert::lease(py, "release", lease)?;
+        self.wait(py, "release", self.inner.release(lease))
+    }
+}

@@ -1,0 +1,304 @@
+"""kvferry.EngineClient against a real node: the Engine API, byte for byte, and its errors."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+import kvferry
+from kvpattern import HostKv, block_hash, rank_block, scattered
+
+CAPABILITY_KEYS = {
+    "node_id", "version", "protocol", "device_kind", "device_count", "device_names",
+    "providers", "direct_possible", "direct_reason", "fd_socket", "memory_kinds",
+    "max_message_bytes", "completion_retention", "handle_ttl_ms", "max_hashes",
+}
+COMPLETION_KEYS = {
+    "load_id", "instance", "rank", "ok", "error_kind", "error", "bytes", "blocks", "path",
+    "seconds", "stages", "failed_blocks",
+}
+
+
+def settle(client, before, timeout=5.0):
+    """Waits until the node's instances and leases are back to ``before``'s."""
+    end = time.monotonic() + timeout
+    while True:
+        s = client.stats()
+        if s["instances"] == before["instances"] and s["leases_live"] == before["leases_live"]:
+            return s
+        if time.monotonic() > end:
+            raise AssertionError(f"state left behind: {s}, before {before}")
+        time.sleep(0.01)
+
+
+def put_pattern(client, kv, instance, blocks, rank=0):
+    return client.put_blocks(
+        instance, rank,
+        [(block_hash(b), rank_block(b, rank, kv.layers, kv.segments, kv.seg_bytes)) for b in blocks],
+    )
+
+
+def test_capabilities_health_stats(client, node):
+    caps = client.capabilities()
+    assert set(caps) == CAPABILITY_KEYS
+    assert caps["node_id"] == "py-node"
+    assert caps["version"] == kvferry.__version__
+    assert caps["protocol"] >= 2
+    assert caps["device_kind"] == "host"
+    assert "memfd" in caps["memory_kinds"]
+    assert caps["fd_socket"] == node.fd_socket
+    assert client.health() is True
+    stats = client.stats()
+    assert {"instances", "leases_live", "memory_handles", "sessions", "loads_ok"} <= set(stats)
+    assert repr(client) == f"EngineClient({node.addr!r})"
+
+
+def test_put_query_load_wait_and_poll(client):
+    before = client.stats()
+    kv = HostKv.allocate("flash_attn", layers=3)
+    with client.open_session() as session:
+        ns = kv.register(client, "py-load")
+        session.bind("py-load")
+        assert session.instances == ["py-load"]
+        stored = put_pattern(client, kv, "py-load", range(6))
+        assert (stored["written"], stored["sealed"]) == (6, 6)
+        rank_bytes = kv.layers * kv.segments * kv.seg_bytes
+        assert stored["bytes"] == 6 * rank_bytes
+        hashes = [block_hash(i) for i in range(9)]
+        for how in ("wait", "poll"):
+            kv.reset()
+            q = client.query("py-load", hashes)
+            assert (q["local_blocks"], q["remote_blocks"]) == (6, 0), q
+            assert q["namespace"] == ns
+            assert q["direct"] == "not_requested" and q["direct_reason"] is None
+            assert isinstance(q["lease"], str) and len(q["lease"]) == 32
+            dests = scattered(6, kv.num_blocks)
+            load_id = client.load(q["lease"], "py-load", 0, dests)
+            if how == "wait":
+                done = client.wait_load(load_id, 10)
+            else:
+                end = time.monotonic() + 10
+                while (done := client.poll_load(load_id)) is None:
+                    assert time.monotonic() < end, "no completion"
+                    time.sleep(0.001)
+            assert set(done) == COMPLETION_KEYS
+            assert done["ok"], done
+            assert (done["load_id"], done["instance"], done["rank"]) == (load_id, "py-load", 0)
+            assert (done["error_kind"], done["error"], done["failed_blocks"]) == (None, None, [])
+            assert done["blocks"] == 6 and done["bytes"] == 6 * rank_bytes
+            assert done["path"] == "local"
+            assert done["seconds"] >= 0 and all(v >= 0 for v in done["stages"].values())
+            assert kv.verify(zip(dests, range(6))) == 6 * rank_bytes
+            # The completion was consumed; the lease too (one rank).
+            with pytest.raises(kvferry.NotFound):
+                client.poll_load(load_id)
+            with pytest.raises(kvferry.NotFound) as e:
+                client.release(q["lease"])
+            assert (e.value.code, e.value.method) == ("NOT_FOUND", "release")
+        # A miss: no lease.
+        miss = client.query("py-load", [b"nothing here"])
+        assert miss["lease"] is None and miss["local_blocks"] == 0
+    assert session.closed
+    settle(client, before)
+
+
+def test_save_then_load(client):
+    before = client.stats()
+    kv = HostKv.allocate("flashinfer", layers=2, itemsize=4)
+    with client.open_session() as session:
+        kv.register(client, "py-save")
+        session.bind("py-save")
+        src = [0, 1, 2, 3]
+        for dest, block in zip(src, range(100, 104)):
+            kv.write_block(dest, block)
+        saved = client.save("py-save", 0, [block_hash(b) for b in range(100, 104)], src)
+        assert set(saved) == {"written", "present", "sealed", "bytes", "seconds"}
+        assert (saved["written"], saved["sealed"]) == (4, 4), saved
+        again = client.save("py-save", 0, [block_hash(100)], [0])
+        assert (again["written"], again["present"]) == (0, 1)
+        q = client.query("py-save", [block_hash(b) for b in range(100, 104)])
+        assert q["local_blocks"] == 4
+        dests = [12, 9, 15, 4]
+        done = client.wait_load(client.load(q["lease"], "py-save", 0, dests), 10)
+        assert done["ok"], done
+        kv.verify(list(zip(src, range(100, 104))) + list(zip(dests, range(100, 104))))
+        # A lease released before loading: the load is refused.
+        q = client.query("py-save", [block_hash(100)])
+        client.release(q["lease"])
+        with pytest.raises(kvferry.NotFound):
+            client.load(q["lease"], "py-save", 0, [5])
+    settle(client, before)
+
+
+def test_session_end_unregisters(client):
+    before = client.stats()
+    kv = HostKv.allocate("mla", layers=2)
+    kv.register(client, "py-sess")
+    assert client.stats()["instances"] == before["instances"] + 1
+    session = client.open_session(["py-sess"])
+    assert repr(session) == "Session(['py-sess'], open)"
+    session.close()
+    session.close()  # twice: harmless
+    settle(client, before)
+    with pytest.raises(kvferry.FailedPrecondition):
+        session.bind("py-sess")
+    # Unregister by hand, and a session that binds an unknown instance.
+    kv.register(client, "py-sess")
+    assert client.unregister("py-sess") == 0
+    with client.open_session() as s:
+        with pytest.raises(kvferry.KvferryError) as e:
+            s.bind("py-never-registered")
+        assert e.value.method == "Session.bind"
+    settle(client, before)
+
+
+def test_invalid_input_is_refused_before_sending(client):
+    with pytest.raises(kvferry.InvalidArgument) as e:
+        client.query("py-x", [b""])
+    assert (e.value.code, e.value.method) == ("INVALID_ARGUMENT", "query")
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(kvferry.InvalidArgument):
+        client.query("py-x", [b"x" * 33])
+    with pytest.raises(kvferry.InvalidArgument):
+        client.release("not hex")
+    with pytest.raises(kvferry.InvalidArgument):
+        client.query("", [b"x"])
+    with pytest.raises(kvferry.InvalidArgument):
+        client.send_memfd("py-x", 0, 0, -1, 4096)
+    with pytest.raises(kvferry.InvalidArgument):
+        kvferry.EngineClient("127.0.0.1:1", deadline_s=-1)
+    # Unknown lease, instance, load: NOT_FOUND from the node.
+    with pytest.raises(kvferry.NotFound):
+        client.release("00" * 16)
+    with pytest.raises(kvferry.NotFound):
+        client.load("00" * 16, "py-x", 0, [0])
+    with pytest.raises(kvferry.NotFound):
+        client.poll_load(123456789)
+    with pytest.raises(kvferry.NotFound):
+        client.unregister("py-x")
+
+
+def test_node_refuses_a_bad_registration_naming_the_layer(client, node):
+    before = client.stats()
+    kv = HostKv.allocate("flash_attn", layers=3)
+    regs = kv.layout.register_kwargs()
+    buf = kv.buffers[1]
+    # Layer 1's V plane starts past the end of its memfd.
+    handle = client.send_memfd("py-bad", 0, 0, buf.fd, buf.length)
+    planes = [(0, 0, 0, 0)] * 3
+    planes[1] = (0, 0, 0, buf.length)
+    with pytest.raises(kvferry.InvalidArgument) as e:
+        client.register(
+            "py-bad", "m", "f16", layers=3, tp_size=1, segments=2,
+            segment_bytes=regs["segment_bytes"], rank=0, device=0,
+            block_stride=regs["block_stride"], num_blocks=regs["num_blocks"],
+            regions=[("handle", handle)], planes=planes,
+        )
+    assert "layer 1" in str(e.value), e.value
+    assert e.value.method == "register"
+    # Client-side shape checks: planes of the wrong arity, a region that is not given.
+    with pytest.raises(kvferry.InvalidArgument, match="layer 2"):
+        client.register(
+            "py-bad", "m", "f16", layers=3, tp_size=1, segments=2, segment_bytes=1024,
+            rank=0, device=0, block_stride=1024, num_blocks=4,
+            regions=[("handle", handle)], planes=[(0, 0, 0, 0), (0, 0, 0, 0), (0, 0)],
+        )
+    with pytest.raises(kvferry.InvalidArgument, match="layer 0"):
+        client.register(
+            "py-bad", "m", "f16", layers=1, tp_size=1, segments=1, segment_bytes=1024,
+            rank=0, device=0, block_stride=1024, num_blocks=4,
+            regions=[("handle", handle)], planes=[(3, 0)],
+        )
+    with pytest.raises(kvferry.InvalidArgument, match="segment"):
+        client.register(
+            "py-bad", "m", "f16", layers=1, tp_size=1, segments=1, segment_bytes=100,
+            rank=0, device=0, block_stride=1024, num_blocks=4,
+            regions=[("handle", handle)], planes=[(0, 0)],
+        )
+    assert client.stats()["instances"] == before["instances"]
+
+
+def test_recurrent_groups_are_refused_by_name(client):
+    before = client.stats()
+    kv = HostKv.allocate("mla", layers=2)
+    with pytest.raises(kvferry.KvferryError, match="(?i)recurrent") as e:
+        kvferry.register_tensors(
+            client, "py-mamba", "m", "f16", rank=0, tp_size=1, device=0,
+            **{**kv.layout.register_kwargs(), "kind": "recurrent"},
+        )
+    assert e.value.method == "register"
+    assert client.stats()["instances"] == before["instances"]
+
+
+def test_token(tmp_path):
+    from conftest import NodeProc
+
+    n = NodeProc(tmp_path, name="py-token", token="s3cret")
+    try:
+        with pytest.raises(kvferry.Unauthenticated) as e:
+            kvferry.EngineClient(n.addr)
+        assert e.value.code == "UNAUTHENTICATED"
+        c = kvferry.EngineClient(n.addr, token="s3cret")
+        kv = HostKv.allocate("mla", layers=1)
+        kv.register(c, "py-tok")  # the token goes on the fd socket too
+        assert c.stats()["instances"] == 1
+    finally:
+        n.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_node_that_is_down_is_unavailable():
+    t = time.monotonic()
+    with pytest.raises(kvferry.Unavailable) as e:
+        kvferry.EngineClient(f"127.0.0.1:{free_port()}", connect_timeout_s=2)
+    assert time.monotonic() - t < 2
+    assert e.value.code == "UNAVAILABLE" and e.value.method == "EngineClient"
+
+
+def test_a_node_that_dies_is_unavailable_within_the_deadline(fresh_node):
+    c = kvferry.EngineClient(fresh_node.addr, deadline_s=2)
+    assert c.health()
+    fresh_node.stop()
+    t = time.monotonic()
+    with pytest.raises(kvferry.Unavailable) as e:
+        c.query("py-x", [b"x"])
+    assert time.monotonic() - t < 2.5
+    assert e.value.method == "query"
+
+
+def test_a_stalled_node_costs_the_deadline_and_the_gil_is_free():
+    # A listener that accepts and never answers.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        addr = "127.0.0.1:%d" % s.getsockname()[1]
+        ticks = 0
+        stop = threading.Event()
+
+        def count():
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                time.sleep(0.001)
+
+        th = threading.Thread(target=count)
+        th.start()
+        t = time.monotonic()
+        try:
+            with pytest.raises((kvferry.DeadlineExceeded, kvferry.Unavailable)):
+                kvferry.EngineClient(addr, deadline_s=1, connect_timeout_s=1)
+        finally:
+            stop.set()
+            th.join()
+        spent = time.monotonic() - t
+        assert spent < 3.5, spent
+        # The other thread ran while the client waited without the GIL.
+        assert ticks > 100 * spent, (ticks, spent)
