@@ -1,0 +1,277 @@
+"""A vLLM 0.33 engine without a GPU or a model: vLLM's real ``Scheduler`` (with the
+kvferry connector it creates from a ``KVTransferConfig``), a worker-side
+``KvferryConnector`` whose KV is memfd-backed CPU tensors, and a "forward pass" that writes
+deterministic bytes for the scheduled tokens (:func:`vllm_support.forward`).
+
+The model is a tiny Llama ``config.json`` written into a temporary folder (no model hub,
+``skip_tokenizer_init=True``); ``cache_config.num_gpu_blocks`` is set by hand.
+
+Run as a script it is one engine process of the two-process test: ``--save`` computes a
+prompt and saves it, ``--load`` loads it and checks every loaded byte, printing one JSON
+line (``ENGINE {...}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vllm_support import block_contents, expected_block, forward, kv_tensors  # noqa: E402
+
+LAYERS, KV_HEADS, HEAD_SIZE = 2, 2, 32
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": KV_HEADS,
+    "head_dim": HEAD_SIZE,
+    "num_hidden_layers": LAYERS,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+}
+
+
+def model_dir(tmp: Path) -> str:
+    d = Path(tmp) / "tiny-llama"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(d)
+
+
+def vllm_config(tmp: Path, extra: Dict[str, Any], *, block_size: int = 16,
+                num_blocks: int = 64, prefix_caching: bool = True,
+                policy: str = "recompute", kv_role: str = "kv_both",
+                max_batched: int = 1024, served_model_name: str = "tiny-llama"):
+    from vllm.config import (
+        CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig,
+    )
+
+    mc = ModelConfig(model=model_dir(tmp), skip_tokenizer_init=True, dtype="float32",
+                     max_model_len=4096, served_model_name=served_model_name)
+    sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched,
+                         max_model_len=4096, enable_chunked_prefill=True,
+                         is_encoder_decoder=False)
+    cc = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
+    kt = KVTransferConfig(
+        kv_connector="KvferryConnector",
+        kv_connector_module_path="kvferry.vllm",
+        kv_role=kv_role,
+        kv_connector_extra_config=dict(extra),
+        kv_load_failure_policy=policy,
+    )
+    vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
+                    device_config=DeviceConfig(device="cpu"), kv_transfer_config=kt)
+    vc.cache_config.num_gpu_blocks = num_blocks
+    # The engine core resolves the layout before connectors exist; tensors below match it.
+    vc.cache_config.kv_cache_layout = "LBNHC"
+    return vc
+
+
+def kv_cache_config(vc, num_blocks: int):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(names, FullAttentionSpec(
+            block_size=vc.cache_config.block_size, num_kv_heads=KV_HEADS,
+            head_size=HEAD_SIZE, dtype=torch.float32))],
+    )
+
+
+class Engine:
+    """One engine: scheduler (with its connector) and one TP rank's worker connector."""
+
+    def __init__(self, tmp: Path, extra: Dict[str, Any], *, num_blocks: int = 64,
+                 block_size: int = 16, layout: str = "LBNHC", **kw: Any):
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from kvferry.vllm import KvferryConnector
+
+        self.block_size = block_size
+        self.vc = vllm_config(Path(tmp), extra, block_size=block_size, num_blocks=num_blocks, **kw)
+        self.kvc = kv_cache_config(self.vc, num_blocks)
+        self.scheduler = Scheduler(
+            vllm_config=self.vc, kv_cache_config=self.kvc, log_stats=True,
+            structured_output_manager=StructuredOutputManager(self.vc), block_size=block_size,
+        )
+        self.worker = KvferryConnector(self.vc, KVConnectorRole.WORKER, self.kvc)
+        self.kv = kv_tensors(LAYERS, num_blocks, KV_HEADS, block_size, HEAD_SIZE, layout)
+        self.worker.register_kv_caches(self.kv)
+        self.requests: Dict[str, Any] = {}
+        self.outputs: Dict[str, List[int]] = {}
+        self.finished: set = set()
+        self.invalid_reported: set = set()
+        self.invalid_steps: List[set] = []
+        self.stats: Dict[str, Any] = {}
+        self.scheduled_tokens: Dict[str, int] = {}
+        # As vLLM's EngineCore does: requests carry vLLM's own block hashes (its prefix
+        # cache), seeded per process; kvferry's hashes are its own.
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        fn = get_hash_fn_by_name(self.vc.cache_config.prefix_caching_hash_algo)
+        init_none_hash(fn)
+        self.block_hasher = get_request_block_hasher(block_size, fn)
+
+    @property
+    def connector(self):
+        return self.scheduler.connector
+
+    def add(self, req_id: str, tokens: List[int], max_tokens: int = 2) -> Any:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        req = Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=sp,
+                      pooling_params=None, block_hasher=self.block_hasher)
+        self.scheduler.add_request(req)
+        self.requests[req_id] = req
+        self.outputs[req_id] = []
+        return req
+
+    def block_ids(self, req_id: str) -> List[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def step(self, before_worker=None) -> Any:
+        """One engine step; ``before_worker(so)`` runs between scheduling and the workers
+        (to kill a node after its lease was granted, say)."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        so = self.scheduler.schedule()
+        if before_worker is not None:
+            before_worker(so)
+        w = self.worker
+        meta = so.kv_connector_metadata
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        if so.has_sync_kv_loads:
+            w.start_load_kv(None)
+        req_ids, sampled = [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            end = req.num_computed_tokens
+            start = end - n
+            toks = list(req.all_token_ids)
+            forward(self.kv, toks, self.block_ids(rid), start, min(end, len(toks)),
+                    self.block_size)
+            self.scheduled_tokens[rid] = self.scheduled_tokens.get(rid, 0) + n
+            req_ids.append(rid)
+            # A token is sampled once the whole sequence has been computed.
+            sampled.append([(sum(toks) + len(toks)) % 997 + 1] if end >= len(toks) else [])
+        if not so.has_sync_kv_loads:
+            w.start_load_kv(None)
+        w.wait_for_save()
+        res = w.get_transfer_results(so.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        self.invalid_reported |= invalid
+        self.invalid_steps.append(set(invalid))
+        st = w.get_kv_connector_stats()
+        w.clear_connector_metadata()
+        out = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=res.finished_sending or None,
+                finished_recving=res.finished_recving or None,
+                failed_recving=res.failed_recving,
+                invalid_block_ids=invalid,
+                kv_connector_stats=st,
+            ),
+        )
+        eco = self.scheduler.update_from_output(so, out)
+        from kvferry.vllm.stats import merge
+
+        for outs in eco.values():
+            for o in outs.outputs:
+                self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.finished.add(o.request_id)
+            # vLLM's own stats: the workers' counters aggregated with the scheduler's.
+            sst = getattr(outs, "scheduler_stats", None)
+            if sst is not None and sst.kv_connector_stats:
+                self.stats = merge(self.stats, sst.kv_connector_stats)
+        return so
+
+    def run(self, until=None, max_steps: int = 200, sleep: float = 0.002) -> int:
+        """Steps until ``until()`` (default: no request left); returns the steps taken."""
+        for i in range(max_steps):
+            if until is not None and until():
+                return i
+            if until is None and not self.scheduler.has_requests():
+                return i
+            self.step()
+            time.sleep(sleep)
+        raise AssertionError(f"not done after {max_steps} steps")
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()
+
+
+def prompt(n: int, seed: int = 1) -> List[int]:
+    return [(seed * 7919 + i * 104729) % 997 + 1 for i in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--instance", required=True)
+    ap.add_argument("--tokens", type=int, default=100)
+    ap.add_argument("--tmp", required=True)
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--save", action="store_true")
+    mode.add_argument("--load", action="store_true")
+    a = ap.parse_args()
+    eng = Engine(Path(a.tmp), {"address": a.address, "instance": a.instance})
+    toks = prompt(a.tokens, seed=5)
+    bs = eng.block_size
+    eng.add("r", toks)
+    result: Dict[str, Any] = {"pythonhashseed": os.environ.get("PYTHONHASHSEED")}
+    if a.save:
+        eng.run()
+        # The saves ran before the request's blocks were freed.
+        result["saved_blocks"] = eng.stats.get("saved_blocks", 0)
+    else:
+        eng.step()
+        req = eng.requests["r"]
+        result["status"] = str(req.status)
+        result["matched_tokens"] = req.num_computed_tokens
+        ids = eng.block_ids("r")
+        eng.run(until=lambda: "WAITING_FOR_REMOTE_KVS" not in str(req.status))
+        ok = True
+        loaded = result["matched_tokens"] // bs
+        for i in range(loaded):
+            got = block_contents(eng.kv, ids[i])
+            want = expected_block(eng.kv, toks, i, bs)
+            ok = ok and all(bool((g == w_).all()) for g, w_ in zip(got, want))
+        result["loaded_blocks"] = loaded
+        result["bytes_ok"] = ok
+        eng.run()
+        result["invalid"] = sorted(eng.invalid_reported)
+    eng.shutdown()
+    print("ENGINE " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
