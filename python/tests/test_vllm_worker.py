@@ -1,0 +1,291 @@
+"""The connector's halves without vLLM: layouts detected from tensors, TP ranks sharing one
+lease, hashes stable across processes, settings refused at start, load failures reported
+block by block. Needs torch (memfd-backed CPU tensors) and a ``kvferry node`` binary; never
+imports vLLM, so it also runs where vLLM is not installed (e.g. beside PyTorch on a GPU
+machine).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vllm_support import Node, kv_tensors  # noqa: E402
+
+from kvferry.torch import memfd_empty  # noqa: E402
+from kvferry.vllm import (  # noqa: E402
+    ConfigError,
+    KvCacheLayoutError,
+    SchedulerSide,
+    WorkerSide,
+    describe_kv_caches,
+    parse_extra_config,
+)
+from kvferry.vllm.metadata import LoadSpec, StepMetadata  # noqa: E402
+
+BS, NB, HEADS, HEAD = 16, 24, 2, 32
+
+
+@pytest.fixture
+def node(tmp_path):
+    n = Node(tmp_path)
+    yield n
+    n.kill()
+
+
+def test_importable_without_vllm():
+    code = (
+        "import sys, kvferry.vllm\n"
+        "from kvferry.vllm import WorkerSide, SchedulerSide, describe_kv_caches\n"
+        "assert 'vllm' not in sys.modules, 'vllm imported'\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_config_is_checked():
+    cfg = parse_extra_config({"address": "127.0.0.1:7200", "direct_gpu": True, "deadline_ms": 250})
+    assert cfg.direct_gpu and cfg.deadline_s == 0.25 and cfg.async_load
+    with pytest.raises(ConfigError, match=r"unknown keys 'adress', 'timeout'"):
+        parse_extra_config({"address": "h:1", "adress": "x", "timeout": 3})
+    with pytest.raises(ConfigError, match="required"):
+        parse_extra_config({"token": "t"})
+    with pytest.raises(ConfigError, match="host:port"):
+        parse_extra_config({"address": "localhost"})
+    with pytest.raises(ConfigError, match="true or false"):
+        parse_extra_config({"address": "h:1", "direct_gpu": "yes"})
+    with pytest.raises(ConfigError, match="positive integer"):
+        parse_extra_config({"address": "h:1", "load_timeout_ms": 0})
+    with pytest.raises(ConfigError, match="load_mode"):
+        parse_extra_config({"address": "h:1", "load_mode": "eager"})
+
+
+def test_hashes_are_the_same_in_every_process():
+    code = (
+        "from kvferry.vllm.hashing import ChainHasher, engine_salt\n"
+        "h = ChainHasher(engine_salt('m', 'bfloat16;LBNHC', 16, 2), 16)\n"
+        "print(','.join(x.hex() for x in h.upto(list(range(100)), 6)))\n"
+    )
+    outs = set()
+    for seed in ("0", "1", "12345", "random"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        outs.add(out.stdout.strip())
+    assert len(outs) == 1
+    hashes = outs.pop().split(",")
+    assert len(hashes) == 6 and len(set(hashes)) == 6 and all(len(h) == 64 for h in hashes)
+    from kvferry.vllm.hashing import ChainHasher, engine_salt
+
+    # Another model, dtype, block size, TP size or layout: other hashes.
+    for salt in (engine_salt("m2", "bfloat16;LBNHC", 16, 2), engine_salt("m", "float16;LBNHC", 16, 2),
+                 engine_salt("m", "bfloat16;LBNHC", 16, 1), engine_salt("m", "bfloat16;BLHNC", 16, 2)):
+        assert ChainHasher(salt, 16).upto(list(range(100)), 1)[0].hex() != hashes[0]
+
+
+# ------------------------------------------------------------------------------ layouts
+
+def old_layouts(kind):
+    """Layouts of older vLLM backends, each layer its own memfd."""
+    names = [f"model.layers.{i}.attn" for i in range(2)]
+    if kind == "flash_attn":
+        return {n: memfd_empty((2, NB, BS, HEADS, HEAD), torch.float16) for n in names}
+    if kind == "flashinfer":
+        return {n: memfd_empty((NB, 2, BS, HEADS, HEAD), torch.float16) for n in names}
+    if kind == "mla":
+        return {n: memfd_empty((NB, BS, 576), torch.bfloat16) for n in names}
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize(
+    "layout, kind, segments, seg_bytes, stride",
+    [
+        ("LBNHC", "attention", 1, HEADS * BS * 2 * HEAD * 4, HEADS * BS * 2 * HEAD * 4),
+        ("LBHNC", "attention", 1, HEADS * BS * 2 * HEAD * 4, HEADS * BS * 2 * HEAD * 4),
+        ("BLHNC", "cross_layer", 1, HEADS * BS * 2 * HEAD * 4, 2 * HEADS * BS * 2 * HEAD * 4),
+        ("flash_attn", "attention", 2, BS * HEADS * HEAD * 2, BS * HEADS * HEAD * 2),
+        ("flashinfer", "attention", 1, 2 * BS * HEADS * HEAD * 2, 2 * BS * HEADS * HEAD * 2),
+        ("mla", "attention", 1, BS * 576 * 2, BS * 576 * 2),
+    ],
+)
+def test_layout_detected(layout, kind, segments, seg_bytes, stride):
+    kv = kv_tensors(2, NB, HEADS, BS, HEAD, layout) if layout.isupper() else old_layouts(layout)
+    d = describe_kv_caches(kv, NB)
+    assert (d.kind, d.segments, d.segment_bytes, d.block_stride) == (kind, segments, seg_bytes, stride)
+    assert d.num_blocks == NB and len(d.layers) == 2
+    if layout == "flash_attn":
+        t = next(iter(kv.values()))
+        assert d.layers[0].addresses == [t.data_ptr(), t.data_ptr() + NB * seg_bytes]
+
+
+def test_layouts_refused_naming_the_layer():
+    kv = kv_tensors(2, NB, HEADS, BS, HEAD, "LBHNC")
+    bad = dict(kv)
+    # Half of the head dimension: a block is not densely packed.
+    bad["model.layers.1.self_attn.attn"] = memfd_empty((NB, HEADS, BS, 4 * HEAD), torch.float32)[..., : 2 * HEAD]
+    with pytest.raises(KvCacheLayoutError, match=r"layer 'model.layers.1.self_attn.attn'.*densely"):
+        describe_kv_caches(bad, NB)
+    bad = dict(kv)
+    bad["model.layers.1.self_attn.attn"] = memfd_empty((NB, HEADS, BS, HEAD), torch.float32)
+    with pytest.raises(KvCacheLayoutError, match=r"model.layers.1.self_attn.attn.*same shape"):
+        describe_kv_caches(bad, NB)
+    with pytest.raises(KvCacheLayoutError, match=r"no dimension .* 99 blocks"):
+        describe_kv_caches(kv, 99)
+    with pytest.raises(KvCacheLayoutError, match="one tensor per layer"):
+        describe_kv_caches({"l0": [kv["model.layers.0.self_attn.attn"]] * 2}, NB)
+
+
+def test_shared_kv_layers_registered_once():
+    kv = kv_tensors(2, NB, HEADS, BS, HEAD, "LBHNC")
+    kv["model.layers.2.self_attn.attn"] = kv["model.layers.0.self_attn.attn"]
+    d = describe_kv_caches(kv, NB)
+    assert len(d.layers) == 2
+    assert d.shared == {"model.layers.2.self_attn.attn": "model.layers.0.self_attn.attn"}
+
+
+# ------------------------------------------------------------------------------ against a node
+
+def blk(t, b):
+    """Block ``b`` of a layer tensor (the block dimension is 1 in the old FlashAttention
+    layout ``(2, num_blocks, ...)``)."""
+    return t[:, b] if t.shape[0] == 2 and t.shape[1] == NB else t[b]
+
+
+def fill(kv, block_ids, seed):
+    g = torch.Generator().manual_seed(seed)
+    for t in kv.values():
+        for b in block_ids:
+            v = blk(t, b)
+            v.copy_(torch.rand(v.shape, generator=g).to(t.dtype))
+
+
+def snapshot(kv, block_ids):
+    return [[blk(t, b).clone() for t in kv.values()] for b in block_ids]
+
+
+def req(rid, toks):
+    return NS(request_id=rid, all_token_ids=toks, num_computed_tokens=0, mm_features=[],
+              prompt_embeds=None, lora_request=None, cache_salt=None)
+
+
+def sched_out(counts, block_ids):
+    state = NS(get_block_ids=lambda rid: (block_ids[rid],))
+    return NS(num_scheduled_tokens=counts, preempted_req_ids=set(), kv_connector_block_state=state,
+              scheduled_spec_decode_tokens={})
+
+
+def wait_finished(workers, rids, what):
+    got = [set() for _ in workers]
+    end = time.monotonic() + 20
+    while time.monotonic() < end and not all(g >= rids for g in got):
+        for w, g in zip(workers, got):
+            sending, recving = w.get_finished(rids)
+            g |= sending if what == "save" else recving
+        time.sleep(0.005)
+    assert all(g >= rids for g in got), got
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC", "flash_attn", "flashinfer", "mla"])
+def test_tp2_one_lease_each_rank_its_share(node, layout):
+    cfg = parse_extra_config({"address": node.addr})
+    inst = f"tp2-{layout}"
+    dtype = "float16" if layout in ("flash_attn", "flashinfer") else "float32"
+    kvs, workers = [], []
+    for rank in range(2):
+        kv = kv_tensors(2, NB, HEADS, BS, HEAD, layout) if layout.isupper() else old_layouts(layout)
+        kvs.append(kv)
+        w = WorkerSide(cfg, instance=inst, model="m", kv_dtype=dtype, tp_rank=rank, tp_size=2,
+                       num_blocks=NB)
+        w.register_kv_caches(kv)
+        workers.append(w)
+    sched = SchedulerSide(cfg, instance=inst, model="m", kv_dtype=dtype, block_size=BS, tp_size=2)
+    try:
+        toks = list(range(500, 500 + 4 * BS + 5))
+        a_ids = [3, 4, 5, 6, 7]
+        for rank, kv in enumerate(kvs):
+            fill(kv, a_ids, seed=rank + 1)  # every rank holds its own bytes
+        before = [snapshot(kv, a_ids[:4]) for kv in kvs]
+        a = req("a", toks)
+        assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+        meta = sched.build_connector_meta(sched_out({"a": len(toks)}, {"a": a_ids}))
+        assert [len(s.hashes) for s in meta.saves] == [4]
+        # Rank 0 alone does not make a block queryable: every rank's part must be there.
+        workers[0].submit_saves(meta)
+        wait_finished(workers[:1], {"a"}, "save")
+        assert sched.get_num_new_matched_tokens(req("probe", toks), 0) == (0, False)
+        sched.request_finished(req("probe", toks))
+        workers[1].submit_saves(meta)
+        wait_finished(workers[1:], {"a"}, "save")
+        assert sched.request_finished(a) == (True, None)  # saves were handed out
+        sched.update_connector_output(NS(finished_sending={"a"}))
+
+        b = req("b", toks)
+        assert sched.get_num_new_matched_tokens(b, 0) == (4 * BS, True)
+        b_ids = [10, 11, 12, 13, 14]
+        sched.update_state_after_alloc(b, NS(get_block_ids=lambda: (b_ids,)), 4 * BS)
+        meta = sched.build_connector_meta(sched_out({}, {}))
+        (load,) = meta.loads
+        assert load.dest_blocks == b_ids[:4]
+        for w in workers:  # one lease, loaded by every rank
+            w.start_load(meta)
+        wait_finished(workers, {"b"}, "load")
+        for rank, (w, kv) in enumerate(zip(workers, kvs)):
+            assert w.get_block_ids_with_load_errors() == set()
+            after = snapshot(kv, b_ids[:4])
+            for i in range(4):
+                assert all(torch.equal(x, y) for x, y in zip(after[i], before[rank][i])), (rank, i)
+        assert sched.request_finished(b) == (False, None)
+    finally:
+        for w in workers:
+            w.shutdown()
+
+
+def test_failed_loads_report_exactly_their_blocks(node):
+    cfg = parse_extra_config({"address": node.addr, "load_timeout_ms": 2000})
+    kv = kv_tensors(2, NB, HEADS, BS, HEAD, "LBNHC")
+    w = WorkerSide(cfg, instance="fail", model="m", kv_dtype="float32", tp_rank=0, tp_size=1,
+                   num_blocks=NB)
+    w.register_kv_caches(kv)
+    try:
+        meta = StepMetadata(loads=[
+            LoadSpec("lost", None, [1, 2, 3], 48),  # the lease was lost before the load
+            LoadSpec("bogus", "00" * 16, [7, 8], 32),  # a lease the node does not know
+        ])
+        w.start_load(meta)
+        wait_finished([w], {"lost", "bogus"}, "load")
+        assert w.get_block_ids_with_load_errors() == {1, 2, 3, 7, 8}
+        assert w.get_block_ids_with_load_errors() == set()  # reported once
+        s = w.take_stats()
+        assert s["load_failures"] == 2 and s["failed_blocks"] == 5, s
+    finally:
+        w.shutdown()
+
+
+def test_node_down_costs_one_deadline_then_nothing(tmp_path):
+    from vllm_support import free_port
+
+    cfg = parse_extra_config({"address": f"127.0.0.1:{free_port()}", "deadline_ms": 300,
+                              "connect_timeout_ms": 300, "retry_ms": 5000})
+    sched = SchedulerSide(cfg, instance="x", model="m", kv_dtype="float32", block_size=BS, tp_size=1)
+    t0 = time.monotonic()
+    assert sched.get_num_new_matched_tokens(req("a", list(range(64))), 0) == (0, False)
+    first = time.monotonic() - t0
+    t1 = time.monotonic()
+    for i in range(50):
+        assert sched.get_num_new_matched_tokens(req(f"r{i}", list(range(64))), 0) == (0, False)
+    rest = time.monotonic() - t1
+    assert first < 3 and rest < 0.5, (first, rest)
+    s = sched.take_stats()
+    assert s["query_failures"] == 1 and s["queries_skipped"] == 50, s
