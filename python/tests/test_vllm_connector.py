@@ -63,6 +63,17 @@ def test_vllm_version():
     assert vllm.__version__ in SUPPORTED_VLLM
 
 
+def test_cross_layer_layout_asked_for_only_when_configured(tmp_path, node):
+    from vllm_engine import vllm_config
+
+    from kvferry.vllm import KvferryConnector
+
+    vc = vllm_config(tmp_path, {"address": node.addr, "kv_layout": "cross_layer"})
+    assert KvferryConnector.get_required_kvcache_layout(vc) == "BLHNC"
+    vc = vllm_config(tmp_path, {"address": node.addr})
+    assert KvferryConnector.get_required_kvcache_layout(vc) is None
+
+
 def test_unknown_extra_config_key_refused_at_start(tmp_path, node):
     with pytest.raises(ValueError, match=r"unknown key 'adress'.*known keys: address"):
         Engine(tmp_path, {"address": node.addr, "adress": "x"})
@@ -72,8 +83,10 @@ def test_unknown_extra_config_key_refused_at_start(tmp_path, node):
         Engine(tmp_path, {"address": node.addr, "deadline_ms": "fast"})
 
 
-def test_second_prompt_gets_its_prefix_from_kvferry(tmp_path, node):
-    eng = engine(tmp_path, node.addr)
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
+def test_second_prompt_gets_its_prefix_from_kvferry(tmp_path, node, layout):
+    extra = {"kv_layout": "cross_layer"} if layout == "BLHNC" else {}
+    eng = engine(tmp_path, node.addr, layout=layout, extra=extra)
     try:
         toks = prompt(100)
         eng.add("a", toks)

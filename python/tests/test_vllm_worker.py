@@ -289,3 +289,36 @@ def test_node_down_costs_one_deadline_then_nothing(tmp_path):
     assert first < 3 and rest < 0.5, (first, rest)
     s = sched.take_stats()
     assert s["query_failures"] == 1 and s["queries_skipped"] == 50, s
+
+
+def test_worker_registers_again_after_a_node_restart(node, monkeypatch):
+    import kvferry.vllm.worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "PROBE_S", 0.1)
+    cfg = parse_extra_config({"address": node.addr, "retry_ms": 50, "deadline_ms": 500})
+    kv = kv_tensors(2, NB, HEADS, BS, HEAD, "LBNHC")
+    w = WorkerSide(cfg, instance="restart", model="m", kv_dtype="float32", tp_rank=0,
+                   tp_size=1, num_blocks=NB)
+    w.register_kv_caches(kv)
+    sched = SchedulerSide(cfg, instance="restart", model="m", kv_dtype="float32",
+                          block_size=BS, tp_size=1)
+    try:
+        assert w.take_stats().get("registrations") == 1
+        node.kill()
+        node.start()  # same address, empty: it knows no instance
+        end = time.monotonic() + 20
+        regs = 0
+        while time.monotonic() < end and not regs:
+            regs += w.take_stats().get("registrations", 0)
+            time.sleep(0.05)
+        assert regs == 1, "the worker registered again by itself"
+        # Saves and hits work again.
+        toks = list(range(900, 900 + 2 * BS))
+        a = req("a", toks)
+        sched.get_num_new_matched_tokens(a, 0)
+        meta = sched.build_connector_meta(sched_out({"a": len(toks)}, {"a": [1, 2]}))
+        w.submit_saves(meta)
+        wait_finished([w], {"a"}, "save")
+        assert sched.get_num_new_matched_tokens(req("b", toks), 0) == (2 * BS, True)
+    finally:
+        w.shutdown()

@@ -105,6 +105,7 @@ class Engine:
 
         self.block_size = block_size
         self.vc = vllm_config(Path(tmp), extra, block_size=block_size, num_blocks=num_blocks, **kw)
+        self.vc.cache_config.kv_cache_layout = layout
         self.kvc = kv_cache_config(self.vc, num_blocks)
         self.scheduler = Scheduler(
             vllm_config=self.vc, kv_cache_config=self.kvc, log_stats=True,

@@ -33,6 +33,9 @@ KEYS: Dict[str, str] = {
     "load_mode": '"async" (default: loads run between steps) or "sync" (loads finish before '
     "the forward that needs them)",
     "fd_socket": "the node's fd socket path where it differs from what the node announces",
+    "kv_layout": '"auto" (default: vLLM picks its KV cache layout) or "cross_layer" (ask vLLM '
+    "for block-outermost KV, BLHNC, so a load is one copy per block; vLLM falls back with a "
+    "warning where the attention backend cannot use it)",
 }
 
 
@@ -49,6 +52,7 @@ class KvferryConfig:
     retry_ms: int = 1000
     load_mode: str = "async"
     fd_socket: Optional[str] = None
+    kv_layout: str = "auto"
 
     @property
     def deadline_s(self) -> float:
@@ -108,6 +112,12 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvferryConfig:
         elif key == "load_mode":
             if value not in ("async", "sync"):
                 raise ConfigError(f'{prefix}: "load_mode" must be "async" or "sync", got {value!r}')
+            values[key] = value
+        elif key == "kv_layout":
+            if value not in ("auto", "cross_layer"):
+                raise ConfigError(
+                    f'{prefix}: "kv_layout" must be "auto" or "cross_layer", got {value!r}'
+                )
             values[key] = value
     if "address" not in values:
         raise ConfigError(

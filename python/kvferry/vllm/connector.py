@@ -242,6 +242,12 @@ class KvferryConnector(KVConnectorBase_V1):
             tp_size, self.cfg.load_mode, ", direct GPU loads asked" if self.cfg.direct_gpu else "",
         )
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
+        # Called while the engine starts (layout resolution): bad settings fail here first.
+        cfg = parse_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        return "BLHNC" if cfg.kv_layout == "cross_layer" else None
+
     @property
     def requires_kv_delivery(self) -> bool:
         # A cache: a save that does not happen is a later miss, nothing more.

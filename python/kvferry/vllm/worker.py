@@ -35,6 +35,10 @@ log = logging.getLogger("kvferry.vllm")
 
 _STOP = object()
 
+#: How often an idle worker checks that the node still knows its instance.
+PROBE_S = 5.0
+PROBE_HASH = b"kvferry-vllm-probe"
+
 
 @dataclass
 class _Load:
@@ -80,7 +84,8 @@ class WorkerSide:
         self._clock = clock
         self.layout: Optional[RankLayout] = None
         self.namespace: Optional[str] = None
-        self._session: Any = None
+        self._sessions: List[Any] = []
+        self._last_probe = clock()
         self._reg_lock = threading.Lock()
         self._registered = False
         self._cuda = False
@@ -158,14 +163,11 @@ class WorkerSide:
             tp_size=self.tp_size,
             device=device_ordinal(self.layout) if self._cuda else 0,
         )
-        old, self._session = self._session, None
-        if old is not None:
-            try:
-                old.close()
-            except Exception:  # noqa: BLE001
-                pass
+        # A session ties the registration to this process: when it ends, the node
+        # unregisters the instance. Earlier sessions stay open (closing one that is still
+        # alive would unregister what was just registered); they go at shutdown.
         try:
-            self._session = client.open_session([self.instance])
+            self._sessions.append(client.open_session([self.instance]))
         except Exception as e:  # noqa: BLE001
             log.debug("kvferry: rank %d: no session: %s", self.rank, e)
         return ns
@@ -385,9 +387,35 @@ class WorkerSide:
         self.counters.add("saved_blocks", int(res.get("written") or 0))
         self.counters.add("saved_bytes", int(res.get("bytes") or 0))
 
+    def _probe(self) -> None:
+        """While idle: registers again after a node restart even when nothing is loaded or
+        saved (a consumer-only engine would otherwise never be found again). A query of one
+        hash no block has is the cheap way to learn whether the node knows the instance."""
+        now = self._clock()
+        if now - self._last_probe < PROBE_S or self.layout is None:
+            return
+        self._last_probe = now
+        if not self._registered:
+            self._ensure_registered()
+            return
+        try:
+            self.link.call("probe", lambda c: c.query(self.instance, [PROBE_HASH]))
+        except Exception as e:  # noqa: BLE001
+            self._lost_registration(e)
+            if getattr(e, "code", None) == "NOT_FOUND":
+                log.warning(
+                    "kvferry: rank %d: the node no longer knows instance %s (restarted?); "
+                    "registering again", self.rank, self.instance,
+                )
+                self._ensure_registered()
+
     def _saver(self) -> None:
         while True:
-            item = self._save_q.get()
+            try:
+                item = self._save_q.get(timeout=PROBE_S)
+            except queue.Empty:
+                self._probe()
+                continue
             if item is _STOP:
                 return
             spec, ev = item
@@ -451,9 +479,9 @@ class WorkerSide:
         for t in self._threads:
             t.join(timeout=self.cfg.deadline_s * 2 + 1)
         self._threads = []
-        if self._session is not None:
+        for session in self._sessions:
             try:
-                self._session.close()
+                session.close()
             except Exception:  # noqa: BLE001
                 pass
-            self._session = None
+        self._sessions = []
