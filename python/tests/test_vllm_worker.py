@@ -20,9 +20,7 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_support import Node, kv_tensors  # noqa: E402
-
-from kvferry.torch import memfd_empty  # noqa: E402
+from vllm_support import Node, empty, kv_tensors  # noqa: E402
 from kvferry.vllm import (  # noqa: E402
     ConfigError,
     KvCacheLayoutError,
@@ -34,6 +32,15 @@ from kvferry.vllm import (  # noqa: E402
 from kvferry.vllm.metadata import LoadSpec, StepMetadata  # noqa: E402
 
 BS, NB, HEADS, HEAD = 16, 24, 2, 32
+
+CUDA = torch.cuda.is_available()
+#: Where the KV lives in the node tests: CPU memfds on a host node, and on a machine with a
+#: GPU also CUDA allocations (registered by CUDA IPC handle) on a cuda node.
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+
+def memfd_empty(shape, dtype):
+    return empty(shape, dtype, "cpu")
 
 
 @pytest.fixture
@@ -97,15 +104,15 @@ def test_hashes_are_the_same_in_every_process():
 
 # ------------------------------------------------------------------------------ layouts
 
-def old_layouts(kind):
-    """Layouts of older vLLM backends, each layer its own memfd."""
+def old_layouts(kind, device="cpu"):
+    """Layouts of older vLLM backends, each layer its own memfd (or CUDA allocation)."""
     names = [f"model.layers.{i}.attn" for i in range(2)]
     if kind == "flash_attn":
-        return {n: memfd_empty((2, NB, BS, HEADS, HEAD), torch.float16) for n in names}
+        return {n: empty((2, NB, BS, HEADS, HEAD), torch.float16, device) for n in names}
     if kind == "flashinfer":
-        return {n: memfd_empty((NB, 2, BS, HEADS, HEAD), torch.float16) for n in names}
+        return {n: empty((NB, 2, BS, HEADS, HEAD), torch.float16, device) for n in names}
     if kind == "mla":
-        return {n: memfd_empty((NB, BS, 576), torch.bfloat16) for n in names}
+        return {n: empty((NB, BS, 576), torch.bfloat16, device) for n in names}
     raise ValueError(kind)
 
 
@@ -169,6 +176,14 @@ def fill(kv, block_ids, seed):
         for b in block_ids:
             v = blk(t, b)
             v.copy_(torch.rand(v.shape, generator=g).to(t.dtype))
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def canary(kv, value=-7.0):
+    """Every byte of the KV set to a canary (the loads must touch only their blocks)."""
+    for t in kv.values():
+        t.fill_(value)
 
 
 def snapshot(kv, block_ids):
@@ -197,14 +212,19 @@ def wait_finished(workers, rids, what):
     assert all(g >= rids for g in got), got
 
 
-@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC", "flash_attn", "flashinfer", "mla"])
-def test_tp2_one_lease_each_rank_its_share(node, layout):
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "BLHNC", "flash_attn", "flashinfer", "mla"])
+def test_tp2_one_lease_each_rank_its_share(tmp_path, layout, device):
+    node = Node(tmp_path, device="host" if device == "cpu" else "cuda")
     cfg = parse_extra_config({"address": node.addr})
-    inst = f"tp2-{layout}"
+    inst = f"tp2-{layout}-{device}"
     dtype = "float16" if layout in ("flash_attn", "flashinfer") else "float32"
     kvs, workers = [], []
     for rank in range(2):
-        kv = kv_tensors(2, NB, HEADS, BS, HEAD, layout) if layout.isupper() else old_layouts(layout)
+        if layout.isupper():
+            kv = kv_tensors(2, NB, HEADS, BS, HEAD, layout, device=device)
+        else:
+            kv = old_layouts(layout, device)
         kvs.append(kv)
         w = WorkerSide(cfg, instance=inst, model="m", kv_dtype=dtype, tp_rank=rank, tp_size=2,
                        num_blocks=NB)
@@ -234,6 +254,11 @@ def test_tp2_one_lease_each_rank_its_share(node, layout):
         b = req("b", toks)
         assert sched.get_num_new_matched_tokens(b, 0) == (4 * BS, True)
         b_ids = [10, 11, 12, 13, 14]
+        for kv in kvs:
+            canary(kv)
+        if CUDA:
+            torch.cuda.synchronize()
+        around = [snapshot(kv, [i for i in range(NB) if i not in b_ids[:4]]) for kv in kvs]
         sched.update_state_after_alloc(b, NS(get_block_ids=lambda: (b_ids,)), 4 * BS)
         meta = sched.build_connector_meta(sched_out({}, {}))
         (load,) = meta.loads
@@ -246,10 +271,18 @@ def test_tp2_one_lease_each_rank_its_share(node, layout):
             after = snapshot(kv, b_ids[:4])
             for i in range(4):
                 assert all(torch.equal(x, y) for x, y in zip(after[i], before[rank][i])), (rank, i)
+            # Every other block still holds the canary.
+            rest = snapshot(kv, [i for i in range(NB) if i not in b_ids[:4]])
+            assert all(
+                torch.equal(x, y) for r, a in zip(rest, around[rank]) for x, y in zip(r, a)
+            ), f"rank {rank}: a byte outside the destination blocks changed"
         assert sched.request_finished(b) == (False, None)
+        s = workers[0].take_stats()
+        assert s["loaded_tokens"] == 4 * BS and s["loaded_blocks"] == 4, s
     finally:
         for w in workers:
             w.shutdown()
+        node.kill()
 
 
 def test_failed_loads_report_exactly_their_blocks(node):

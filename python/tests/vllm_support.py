@@ -45,8 +45,9 @@ class Node:
     """``kvferry node --config FILE`` (host device) as a child process."""
 
     def __init__(self, tmp: Path, name: str = "vllm-node", port: Optional[int] = None,
-                 pool: str = "64MiB", slot: str = "256KiB"):
+                 pool: str = "64MiB", slot: str = "256KiB", device: str = "host"):
         self.tmp = Path(tmp)
+        self.device = device
         self.name = name
         self.port = port or free_port()
         self.pool, self.slot = pool, slot
@@ -64,7 +65,7 @@ class Node:
         config.write_text(
             f'node-id = "{self.name}"\n'
             f'[pool]\nsize = "{self.pool}"\nslot-bytes = "{self.slot}"\n'
-            '[device]\nkind = "host"\n'
+            f'[device]\nkind = "{self.device}"\n'
             '[metrics]\nlisten = ""\n'
             f'[engine]\nlisten = "{self.addr}"\nfd-dir = "{fd_dir}"\n'
         )
@@ -110,15 +111,29 @@ class Node:
 
 # ------------------------------------------------------------------------------ KV tensors
 
-def kv_tensors(layers: int, num_blocks: int, heads: int, block_size: int, head_size: int,
-               layout: str = "LBNHC", dtype=None) -> Dict[str, "object"]:
-    """``{layer_name: tensor}`` as vLLM 0.33 hands a connector: logical shape
-    ``(num_blocks, heads, block_size, 2 * head_size)``; ``LBNHC``/``LBHNC`` one memfd per
-    layer, ``BLHNC`` one memfd for all layers (cross-layer)."""
+def empty(shape, dtype, device: str = "cpu"):
+    """A zeroed tensor a node can map: a memfd on the CPU, its own allocation on a GPU."""
     import torch
-    from kvferry.torch import memfd_empty
+
+    if device == "cpu":
+        from kvferry.torch import memfd_empty
+
+        return memfd_empty(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def kv_tensors(layers: int, num_blocks: int, heads: int, block_size: int, head_size: int,
+               layout: str = "LBNHC", dtype=None, device: str = "cpu") -> Dict[str, "object"]:
+    """``{layer_name: tensor}`` as vLLM 0.33 hands a connector: logical shape
+    ``(num_blocks, heads, block_size, 2 * head_size)``; ``LBNHC``/``LBHNC`` one memfd (or
+    CUDA allocation) per layer, ``BLHNC`` one for all layers (cross-layer)."""
+    import torch
 
     dtype = dtype or torch.float32
+
+    def memfd_empty(shape, dt):
+        return empty(shape, dt, device)
+
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     c = 2 * head_size
     out = {}

@@ -254,7 +254,16 @@ def register_rank(
 
 
 def device_ordinal(layout: RankLayout) -> int:
-    return int(layout.device.split(":")[1]) if ":" in layout.device else 0
+    """The node's ordinal of the GPU holding the KV: torch's index mapped through
+    ``CUDA_VISIBLE_DEVICES`` (vLLM workers often see one GPU as ``cuda:0``; the node sees
+    them all). Entries that are not plain indices (UUIDs) leave torch's index as is."""
+    import os
+
+    index = int(layout.device.split(":")[1]) if ":" in layout.device else 0
+    visible = [p.strip() for p in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if p.strip()]
+    if index < len(visible) and all(p.isdigit() for p in visible):
+        return int(visible[index])
+    return index
 
 
 def layer_names(layout: RankLayout) -> Sequence[str]:

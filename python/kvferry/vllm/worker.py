@@ -193,8 +193,9 @@ class WorkerSide:
             return None
         import torch
 
+        assert self.layout is not None
         ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(device_ordinal(self.layout)))
+        ev.record(torch.cuda.current_stream(torch.device(self.layout.device)))
         return ev
 
     # ---------------------------------------------------------------- loads
