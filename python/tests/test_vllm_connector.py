@@ -305,7 +305,7 @@ def test_two_engine_processes_hit_each_others_blocks(tmp_path, node):
              "--instance", instance, "--tokens", "100", "--tmp", str(tmp_path / instance)],
             env=env, capture_output=True, text=True, timeout=300,
         )
-        line = next((l for l in p.stdout.splitlines() if l.startswith("ENGINE ")), None)
+        line = next((x for x in p.stdout.splitlines() if x.startswith("ENGINE ")), None)
         assert p.returncode == 0 and line, p.stdout[-3000:] + p.stderr[-3000:]
         return json.loads(line[len("ENGINE "):])
 

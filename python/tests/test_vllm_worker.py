@@ -97,8 +97,12 @@ def test_hashes_are_the_same_in_every_process():
     from kvferry.vllm.hashing import ChainHasher, engine_salt
 
     # Another model, dtype, block size, TP size or layout: other hashes.
-    for salt in (engine_salt("m2", "bfloat16;LBNHC", 16, 2), engine_salt("m", "float16;LBNHC", 16, 2),
-                 engine_salt("m", "bfloat16;LBNHC", 16, 1), engine_salt("m", "bfloat16;BLHNC", 16, 2)):
+    for salt in (
+        engine_salt("m2", "bfloat16;LBNHC", 16, 2),
+        engine_salt("m", "float16;LBNHC", 16, 2),
+        engine_salt("m", "bfloat16;LBNHC", 16, 1),
+        engine_salt("m", "bfloat16;BLHNC", 16, 2),
+    ):
         assert ChainHasher(salt, 16).upto(list(range(100)), 1)[0].hex() != hashes[0]
 
 
@@ -130,7 +134,8 @@ def old_layouts(kind, device="cpu"):
 def test_layout_detected(layout, kind, segments, seg_bytes, stride):
     kv = kv_tensors(2, NB, HEADS, BS, HEAD, layout) if layout.isupper() else old_layouts(layout)
     d = describe_kv_caches(kv, NB)
-    assert (d.kind, d.segments, d.segment_bytes, d.block_stride) == (kind, segments, seg_bytes, stride)
+    got = (d.kind, d.segments, d.segment_bytes, d.block_stride)
+    assert got == (kind, segments, seg_bytes, stride)
     assert d.num_blocks == NB and len(d.layers) == 2
     if layout == "flash_attn":
         t = next(iter(kv.values()))
@@ -141,7 +146,8 @@ def test_layouts_refused_naming_the_layer():
     kv = kv_tensors(2, NB, HEADS, BS, HEAD, "LBHNC")
     bad = dict(kv)
     # Half of the head dimension: a block is not densely packed.
-    bad["model.layers.1.self_attn.attn"] = memfd_empty((NB, HEADS, BS, 4 * HEAD), torch.float32)[..., : 2 * HEAD]
+    wide = memfd_empty((NB, HEADS, BS, 4 * HEAD), torch.float32)
+    bad["model.layers.1.self_attn.attn"] = wide[..., : 2 * HEAD]
     with pytest.raises(KvCacheLayoutError, match=r"layer 'model.layers.1.self_attn.attn'.*densely"):
         describe_kv_caches(bad, NB)
     bad = dict(kv)
@@ -311,7 +317,9 @@ def test_node_down_costs_one_deadline_then_nothing(tmp_path):
 
     cfg = parse_extra_config({"address": f"127.0.0.1:{free_port()}", "deadline_ms": 300,
                               "connect_timeout_ms": 300, "retry_ms": 5000})
-    sched = SchedulerSide(cfg, instance="x", model="m", kv_dtype="float32", block_size=BS, tp_size=1)
+    sched = SchedulerSide(
+        cfg, instance="x", model="m", kv_dtype="float32", block_size=BS, tp_size=1
+    )
     t0 = time.monotonic()
     assert sched.get_num_new_matched_tokens(req("a", list(range(64))), 0) == (0, False)
     first = time.monotonic() - t0

@@ -271,7 +271,9 @@ class KvferryConnector(KVConnectorBase_V1):
         # Async loads finish between steps; sync loads finish in start_load_kv.
         return None
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         # Whole blocks are saved after the step (wait_for_save).
         return None
 

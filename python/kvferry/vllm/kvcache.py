@@ -260,7 +260,8 @@ def device_ordinal(layout: RankLayout) -> int:
     import os
 
     index = int(layout.device.split(":")[1]) if ":" in layout.device else 0
-    visible = [p.strip() for p in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if p.strip()]
+    env = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    visible = [p.strip() for p in env.split(",") if p.strip()]
     if index < len(visible) and all(p.isdigit() for p in visible):
         return int(visible[index])
     return index

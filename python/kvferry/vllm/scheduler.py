@@ -203,7 +203,9 @@ class SchedulerSide:
 
     # ---------------------------------------------------------------- vLLM's calls
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> Tuple[int, bool]:
         if not self.load_enabled:
             return 0, False
         r = self._state(request)

@@ -273,7 +273,7 @@ class WorkerSide:
         for ld in pending:
             spec = ld.spec
             try:
-                comp = self.link.call("poll_load", lambda c: c.poll_load(ld.load_id))
+                comp = self.link.call("poll_load", lambda c, i=ld.load_id: c.poll_load(i))
             except Exception as e:  # noqa: BLE001
                 self._lost_registration(e)
                 if not isinstance(e, NodeDown):
