@@ -83,10 +83,17 @@ def test_unknown_extra_config_key_refused_at_start(tmp_path, node):
         Engine(tmp_path, {"address": node.addr, "deadline_ms": "fast"})
 
 
-@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
-def test_second_prompt_gets_its_prefix_from_kvferry(tmp_path, node, layout):
+@pytest.mark.parametrize(
+    "layout, async_scheduling",
+    [("LBNHC", True), ("BLHNC", True), ("LBNHC", False)],
+    ids=["LBNHC-async-scheduler", "BLHNC-async-scheduler", "LBNHC-scheduler"],
+)
+def test_second_prompt_gets_its_prefix_from_kvferry(tmp_path, node, layout, async_scheduling):
     extra = {"kv_layout": "cross_layer"} if layout == "BLHNC" else {}
-    eng = engine(tmp_path, node.addr, layout=layout, extra=extra)
+    eng = engine(tmp_path, node.addr, layout=layout, extra=extra,
+                 async_scheduling=async_scheduling)
+    want = "AsyncScheduler" if async_scheduling else "Scheduler"
+    assert type(eng.scheduler).__name__ == want
     try:
         toks = prompt(100)
         eng.add("a", toks)

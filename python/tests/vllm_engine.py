@@ -52,7 +52,8 @@ def model_dir(tmp: Path) -> str:
 def vllm_config(tmp: Path, extra: Dict[str, Any], *, block_size: int = 16,
                 num_blocks: int = 64, prefix_caching: bool = True,
                 policy: str = "recompute", kv_role: str = "kv_both",
-                max_batched: int = 1024, served_model_name: str = "tiny-llama"):
+                max_batched: int = 1024, served_model_name: str = "tiny-llama",
+                async_scheduling: bool = True):
     from vllm.config import (
         CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig,
     )
@@ -61,7 +62,7 @@ def vllm_config(tmp: Path, extra: Dict[str, Any], *, block_size: int = 16,
                      max_model_len=4096, served_model_name=served_model_name)
     sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched,
                          max_model_len=4096, enable_chunked_prefill=True,
-                         is_encoder_decoder=False)
+                         is_encoder_decoder=False, async_scheduling=async_scheduling)
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
     kt = KVTransferConfig(
         kv_connector="KvferryConnector",
@@ -107,6 +108,9 @@ class Engine:
         self.vc = vllm_config(Path(tmp), extra, block_size=block_size, num_blocks=num_blocks, **kw)
         self.vc.cache_config.kv_cache_layout = layout
         self.kvc = kv_cache_config(self.vc, num_blocks)
+        if self.vc.scheduler_config.async_scheduling:
+            # vLLM 0.33's default (as `vllm serve` runs it).
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler as Scheduler
         self.scheduler = Scheduler(
             vllm_config=self.vc, kv_cache_config=self.kvc, log_stats=True,
             structured_output_manager=StructuredOutputManager(self.vc), block_size=block_size,
