@@ -32,9 +32,12 @@ def kvferry_bin() -> Path:
 
 
 class NodeProc:
-    """``kvferry node --config FILE`` as a child process; ``addr`` is its engine service."""
+    """``kvferry node --config FILE`` as a child process; ``addr`` is its engine service.
+    ``device``: the node's ``[device] kind`` ("host": emulated, "cuda": the GPU);
+    ``extra``: TOML appended to the config."""
 
-    def __init__(self, tmp: Path, name: str = "py-node", token: str = "", extra: str = ""):
+    def __init__(self, tmp: Path, name: str = "py-node", token: str = "", extra: str = "",
+                 device: str = "host"):
         self.dir = tmp
         fd_dir = tmp / "fd"
         fd_dir.mkdir(parents=True, exist_ok=True)
@@ -42,7 +45,7 @@ class NodeProc:
         config.write_text(
             f'node-id = "{name}"\n'
             '[pool]\nsize = "64MiB"\nslot-bytes = "256KiB"\n'
-            '[device]\nkind = "host"\n'
+            f'[device]\nkind = "{device}"\n'
             '[metrics]\nlisten = ""\n'
             f'[engine]\nlisten = "127.0.0.1:0"\nfd-dir = "{fd_dir}"\ntoken = "{token}"\n'
             + extra
