@@ -410,17 +410,15 @@ fn kvferry_json(args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
-/// Runs tests/python/engine_client.py against `node`: query `query` hashes, expect `local`
-/// and `remote` blocks.
+/// Runs tests/python/engine_client.py (a user of the `kvferry` Python package) against
+/// `node`: query `query` hashes, expect `local` and `remote` blocks.
 fn python_client(node: &NodeProc, query: u32, local: u32, remote: u32) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let python = python_with_grpc(&root);
+    let python = python_with_kvferry(&root);
     let s = shape();
     let out = Command::new(&python)
         .arg(root.join("tests/python/engine_client.py"))
         .args(["--address", &node.engine])
-        .arg("--proto")
-        .arg(root.join("actors/proto"))
         .args(["--layers", &s.layers().to_string()])
         .args(["--segment-bytes", &s.segment_bytes().to_string()])
         .args(["--query", &query.to_string()])
@@ -439,41 +437,23 @@ fn python_client(node: &NodeProc, query: u32, local: u32, remote: u32) {
     eprintln!("cluster: {}", stdout.trim());
 }
 
-/// A Python with grpcio and grpcio-tools: `$KVFERRY_PYTHON`, else a virtualenv under
-/// target/ that this creates from PyPI the first time (./scripts/test creates it first).
-fn python_with_grpc(root: &Path) -> PathBuf {
+/// A Python with the `kvferry` package: `$KVFERRY_PYTHON`, else the virtualenv that
+/// scripts/python-env creates (outside the checkout) and installs ./python into.
+fn python_with_kvferry(root: &Path) -> PathBuf {
     if let Some(p) = std::env::var_os("KVFERRY_PYTHON") {
         return p.into();
     }
-    let venv = root.join("target/py-venv");
-    let python = venv.join("bin/python");
-    let has_grpc = |p: &Path| {
-        Command::new(p)
-            .args(["-c", "import grpc, grpc_tools"])
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if python.exists() && has_grpc(&python) {
-        return python;
-    }
-    eprintln!(
-        "cluster: creating {} with grpcio and grpcio-tools",
-        venv.display()
-    );
-    let ok = Command::new("python3")
-        .arg("-m")
-        .arg("venv")
-        .arg(&venv)
-        .status()
-        .is_ok_and(|s| s.success())
-        && Command::new(&python)
-            .args(["-m", "pip", "install", "-q", "grpcio", "grpcio-tools"])
-            .status()
-            .is_ok_and(|s| s.success());
+    eprintln!("cluster: no KVFERRY_PYTHON; running scripts/python-env");
+    let out = Command::new(root.join("scripts/python-env"))
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap();
+    let python = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
     assert!(
-        ok && has_grpc(&python),
-        "no Python with grpcio: install python3 (with venv) and let pip reach PyPI, or set \
-         KVFERRY_PYTHON"
+        out.status.success() && python.exists(),
+        "no Python with the kvferry package: scripts/python-env failed ({:?}); it needs \
+         python3 with venv and PyPI, or set KVFERRY_PYTHON",
+        out.status
     );
     python
 }

@@ -119,9 +119,10 @@ class HostKv:
         return self.layout.segment_bytes
 
     def register(self, client, instance: str, model: str = "m", *, rank: int = 0,
-                 tp_size: int = 1) -> str:
+                 tp_size: int = 1, dtype: str = "") -> str:
+        """``dtype``: the name in the namespace (default: the tensors' dtype)."""
         return kvferry.register_tensors(
-            client, instance, model, self.layout.dtype, rank=rank, tp_size=tp_size,
+            client, instance, model, dtype or self.layout.dtype, rank=rank, tp_size=tp_size,
             device=0, **self.layout.register_kwargs(),
         )
 
