@@ -123,6 +123,7 @@ class Engine:
         self.finished: set = set()
         self.invalid_reported: set = set()
         self.invalid_steps: List[set] = []
+        self.stats_log: List[Any] = []
         self.stats: Dict[str, Any] = {}
         self.scheduled_tokens: Dict[str, int] = {}
         # As vLLM's EngineCore does: requests carry vLLM's own block hashes (its prefix
@@ -213,6 +214,7 @@ class Engine:
                     self.finished.add(o.request_id)
             # vLLM's own stats: the workers' counters aggregated with the scheduler's.
             sst = getattr(outs, "scheduler_stats", None)
+            self.stats_log.append(None if sst is None else sst.kv_connector_stats)
             if sst is not None and sst.kv_connector_stats:
                 self.stats = merge(self.stats, sst.kv_connector_stats)
         return so

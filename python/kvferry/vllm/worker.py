@@ -105,6 +105,11 @@ class WorkerSide:
 
     # ---------------------------------------------------------------- registration
 
+    @property
+    def registered(self) -> bool:
+        """Whether the node holds this rank's registration, as far as this rank knows."""
+        return self._registered
+
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> RankLayout:
         """Detects the layout (raises :class:`~kvferry.vllm.kvcache.KvCacheLayoutError`
         naming the layer for tensors kvferry cannot register) and registers it; a node that
