@@ -83,6 +83,10 @@ class NodeLink:
     def down(self) -> bool:
         return self._down_since is not None
 
+    def resting(self) -> bool:
+        """True while a failed node is left alone (calls would fail at once)."""
+        return self._clock() < self._retry_at
+
     def client(self) -> Any:
         """The client, connecting if needed; NodeDown while the node is left alone."""
         with self._lock:

@@ -225,6 +225,10 @@ class SchedulerSide:
             if start == k and self._clock() - when < LEASE_REUSE_S:
                 return n * bs, self.cfg.async_load
             self._drop_lease(r)
+        if self.link.resting():
+            # The node failed lately: no hashing, no call, no wait.
+            self.counters.add("queries_skipped")
+            return 0, False
         hashes = self._hashes(r, full)[k:]
         n, lease = self._query(hashes)
         if not n or lease is None:
