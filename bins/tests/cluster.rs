@@ -437,23 +437,39 @@ fn python_client(node: &NodeProc, query: u32, local: u32, remote: u32) {
     eprintln!("cluster: {}", stdout.trim());
 }
 
-/// A Python with the `kvferry` package: `$KVFERRY_PYTHON`, else the virtualenv that
-/// scripts/python-env creates (outside the checkout) and installs ./python into.
+/// A Python with the `kvferry` package: `$KVFERRY_PYTHON` where it has it, else the
+/// virtualenv that scripts/python-env creates (outside the checkout) and installs ./python
+/// into (once per test process).
 fn python_with_kvferry(root: &Path) -> PathBuf {
-    if let Some(p) = std::env::var_os("KVFERRY_PYTHON") {
-        return p.into();
-    }
-    eprintln!("cluster: no KVFERRY_PYTHON; running scripts/python-env");
-    let out = Command::new(root.join("scripts/python-env"))
-        .stderr(Stdio::inherit())
-        .output()
-        .unwrap();
-    let python = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    assert!(
-        out.status.success() && python.exists(),
-        "no Python with the kvferry package: scripts/python-env failed ({:?}); it needs \
-         python3 with venv and PyPI, or set KVFERRY_PYTHON",
-        out.status
-    );
-    python
+    static PYTHON: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            let has_kvferry = |p: &Path| {
+                Command::new(p)
+                    .args(["-c", "import kvferry, numpy"])
+                    .status()
+                    .is_ok_and(|s| s.success())
+            };
+            if let Some(p) = std::env::var_os("KVFERRY_PYTHON") {
+                let p = PathBuf::from(p);
+                if has_kvferry(&p) {
+                    return p;
+                }
+                eprintln!("cluster: {} has no kvferry package", p.display());
+            }
+            eprintln!("cluster: running scripts/python-env");
+            let out = Command::new(root.join("scripts/python-env"))
+                .stderr(Stdio::inherit())
+                .output()
+                .unwrap();
+            let python = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+            assert!(
+                out.status.success() && has_kvferry(&python),
+                "no Python with the kvferry package: scripts/python-env failed ({:?}); it \
+                 needs python3 with venv and PyPI, or set KVFERRY_PYTHON",
+                out.status
+            );
+            python
+        })
+        .clone()
 }

@@ -33,6 +33,8 @@ pub struct EngineClient {
     rt: Arc<Runtime>,
     inner: RustClient,
     addr: String,
+    /// The process that made the runtime: its threads do not survive a fork.
+    pid: u32,
 }
 
 fn seconds(py: Python<'_>, what: &str, s: f64) -> PyResult<Duration> {
@@ -53,9 +55,23 @@ impl EngineClient {
         T: Send,
         F: Future<Output = Result<T, EngineClientError>> + Send,
     {
+        self.check_process(py, method)?;
         let rt = &self.rt;
         py.detach(|| rt.block_on(fut))
             .map_err(|e| errors::client(py, method, &e))
+    }
+
+    /// A client copied into a forked child would wait forever on runtime threads that
+    /// stayed in the parent.
+    fn check_process(&self, py: Python<'_>, method: &str) -> PyResult<()> {
+        if std::process::id() == self.pid {
+            return Ok(());
+        }
+        Err(errors::precondition(
+            py,
+            method,
+            "this client was made in another process (before a fork): make one in this process",
+        ))
     }
 }
 
@@ -85,14 +101,24 @@ impl EngineClient {
                 pyo3::exceptions::PyOSError::new_err(format!("kvferry client runtime: {e}"))
             })?;
         let token = token.unwrap_or_default();
-        let timed_out = |after| EngineClientError::ConnectTimeout {
-            addr: addr.clone(),
-            after,
+        // The Rust client bounds a connect by its own default deadline; this bounds it by
+        // `connect_timeout_s`, so a host that drops packets costs no more than that.
+        let connect = |fd: Option<PathBuf>| {
+            let (addr, token) = (addr.clone(), token.clone());
+            async move {
+                match tokio::time::timeout(connect_timeout, RustClient::connect(&addr, fd, token))
+                    .await
+                {
+                    Ok(c) => Ok(c?.with_deadline(deadline)),
+                    Err(_) => Err(EngineClientError::ConnectTimeout {
+                        addr,
+                        after: connect_timeout,
+                    }),
+                }
+            }
         };
-        let connect = async {
-            let first = RustClient::connect(addr.clone(), fd_socket.clone(), token.clone())
-                .await?
-                .with_deadline(deadline);
+        let connected = async {
+            let first = connect(fd_socket.clone()).await?;
             if fd_socket.is_some() {
                 return Ok(first);
             }
@@ -102,25 +128,16 @@ impl EngineClient {
             if caps.fd_socket.is_empty() {
                 return Ok(first);
             }
-            Ok(
-                RustClient::connect(addr.clone(), Some(caps.fd_socket.into()), token.clone())
-                    .await?
-                    .with_deadline(deadline),
-            )
+            connect(Some(caps.fd_socket.into())).await
         };
         let inner = py
-            .detach(|| {
-                rt.block_on(async {
-                    tokio::time::timeout(connect_timeout + deadline, connect)
-                        .await
-                        .unwrap_or_else(|_| Err(timed_out(connect_timeout)))
-                })
-            })
+            .detach(|| rt.block_on(connected))
             .map_err(|e| errors::client(py, "EngineClient", &e))?;
         Ok(Self {
             rt: Arc::new(rt),
             inner,
             addr,
+            pid: std::process::id(),
         })
     }
 

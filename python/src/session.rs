@@ -16,6 +16,8 @@ pub struct Session {
     /// `None` once closed.
     inner: Mutex<Option<EngineSession>>,
     bound: Mutex<Vec<String>>,
+    /// The process that opened it (see `EngineClient`: a fork leaves the runtime behind).
+    pid: u32,
 }
 
 impl Session {
@@ -24,6 +26,7 @@ impl Session {
             rt,
             inner: Mutex::new(Some(s)),
             bound: Mutex::new(bound),
+            pid: std::process::id(),
         }
     }
 
@@ -39,6 +42,13 @@ impl Session {
     fn bind(&self, py: Python<'_>, instance: &str) -> PyResult<()> {
         const M: &str = "Session.bind";
         let id = convert::instance(py, M, instance)?;
+        if std::process::id() != self.pid {
+            return Err(errors::precondition(
+                py,
+                M,
+                "this session was opened in another process",
+            ));
+        }
         let rt = &self.rt;
         let inner = &self.inner;
         let bound = py.detach(|| {

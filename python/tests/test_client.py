@@ -302,3 +302,20 @@ def test_a_stalled_node_costs_the_deadline_and_the_gil_is_free():
         assert spent < 3.5, spent
         # The other thread ran while the client waited without the GIL.
         assert ticks > 100 * spent, (ticks, spent)
+
+
+def test_a_forked_child_is_told_to_make_its_own_client(client):
+    import os
+
+    pid = os.fork()
+    if pid == 0:  # the child: the client's runtime threads stayed in the parent
+        try:
+            client.stats()
+        except kvferry.FailedPrecondition as e:
+            os._exit(0 if "another process" in str(e) else 2)
+        except BaseException:
+            os._exit(3)
+        os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert client.health()
