@@ -101,6 +101,94 @@ pub struct NodeConfig {
     /// Settings of the verbs NICs (`[verbs]`); absent: defaults.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub verbs: Option<crate::nic::VerbsSection>,
+    /// Deadlines, breaker and reconcile of a Redis directory (`[directory]`).
+    pub directory: DirectoryConfig,
+}
+
+/// How a node uses a Redis directory (`cluster.directory = "redis://…"`): queries never
+/// wait on it longer than `lookup-timeout-ms`, a failing or slow one is skipped by a
+/// breaker, and what the node holds is re-announced after an outage or a restart.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case", default)]
+pub struct DirectoryConfig {
+    /// Prefix of every key the directory writes (nodes sharing blocks share it).
+    pub key_prefix: String,
+    /// The longest a query waits on the directory; past it the query plans without it.
+    pub lookup_timeout_ms: u64,
+    /// Deadline of one batch of publishes / withdraws, a probe, or a reconcile step.
+    pub write_timeout_ms: u64,
+    /// Deadline of one connection attempt.
+    pub connect_timeout_ms: u64,
+    /// Failed calls in a row that open the breaker (one call past its deadline opens it).
+    pub breaker_failures: u32,
+    /// The breaker's cool-down before its probe; also how often a closed breaker checks
+    /// that the server has not restarted.
+    pub probe_interval_ms: u64,
+    /// How often the server's entries of this node are compared with what it holds.
+    pub reconcile_interval_secs: u64,
+}
+
+impl Default for DirectoryConfig {
+    fn default() -> Self {
+        Self {
+            key_prefix: "kvf".into(),
+            lookup_timeout_ms: 100,
+            write_timeout_ms: 1000,
+            connect_timeout_ms: 1000,
+            breaker_failures: 3,
+            probe_interval_ms: 1000,
+            reconcile_interval_secs: 30,
+        }
+    }
+}
+
+impl DirectoryConfig {
+    pub fn redis_options(&self) -> crate::remote::RedisOptions {
+        crate::remote::RedisOptions {
+            connect_timeout: Duration::from_millis(self.connect_timeout_ms),
+            lookup_timeout: Duration::from_millis(self.lookup_timeout_ms),
+            write_timeout: Duration::from_millis(self.write_timeout_ms),
+            breaker_failures: self.breaker_failures,
+            probe_interval: Duration::from_millis(self.probe_interval_ms),
+            reconcile_interval: Duration::from_secs(self.reconcile_interval_secs),
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key, reason: String| Err(ConfigError::Invalid { key, reason });
+        if self.key_prefix.is_empty() || !self.key_prefix.chars().all(|c| c.is_ascii_graphic()) {
+            return invalid(
+                "directory.key-prefix",
+                format!("{:?} must be printable and nonempty", self.key_prefix),
+            );
+        }
+        for (key, ms) in [
+            ("directory.lookup-timeout-ms", self.lookup_timeout_ms),
+            ("directory.write-timeout-ms", self.write_timeout_ms),
+            ("directory.connect-timeout-ms", self.connect_timeout_ms),
+            ("directory.probe-interval-ms", self.probe_interval_ms),
+        ] {
+            if ms == 0 || ms > 600_000 {
+                return invalid(key, format!("{ms} must be 1 to 600000 (ten minutes)"));
+            }
+        }
+        if self.breaker_failures == 0 || self.breaker_failures > 1000 {
+            return invalid(
+                "directory.breaker-failures",
+                format!("{} must be 1 to 1000", self.breaker_failures),
+            );
+        }
+        if self.reconcile_interval_secs == 0 || self.reconcile_interval_secs > 86_400 {
+            return invalid(
+                "directory.reconcile-interval-secs",
+                format!(
+                    "{} must be 1 to 86400 (a day)",
+                    self.reconcile_interval_secs
+                ),
+            );
+        }
+        Ok(())
+    }
 }
 
 /// Where and how `kvferry node` serves `kvferry.v1.Engine` and its fd socket.
@@ -271,6 +359,7 @@ impl Default for NodeConfig {
             engine: None,
             nic: Vec::new(),
             verbs: None,
+            directory: DirectoryConfig::default(),
         }
     }
 }
@@ -446,6 +535,7 @@ impl NodeConfig {
         if let Some(e) = &self.engine {
             e.validate()?;
         }
+        self.directory.validate()?;
         crate::nic::config::validate_node_nics(&self.nic, self.verbs.as_ref())
             .map_err(|(key, reason)| ConfigError::Invalid { key, reason })?;
         if self.device.count == 0 || self.device.count > 64 {
@@ -461,6 +551,17 @@ impl NodeConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_redis_sample_documents_the_directory_defaults() {
+        let text = include_str!("../../config/cluster-redis.toml");
+        let cfg = NodeConfig::from_toml(text, "cluster-redis.toml").unwrap();
+        assert_eq!(cfg.directory, DirectoryConfig::default());
+        let o = cfg.directory.redis_options();
+        assert_eq!(o.lookup_timeout, Duration::from_millis(100));
+        assert_eq!(o.reconcile_interval, Duration::from_secs(30));
+        assert_eq!(o, crate::remote::RedisOptions::default());
+    }
 
     #[test]
     fn defaults_validate_and_sizes_parse() {
@@ -531,6 +632,19 @@ mod tests {
                 "engine.completion-retention",
             ),
             ("[engine]\nhandle-ttl-secs = 0\n", "engine.handle-ttl-secs"),
+            (
+                "[directory]\nlookup-timeout-ms = 0\n",
+                "directory.lookup-timeout-ms",
+            ),
+            (
+                "[directory]\nbreaker-failures = 0\n",
+                "directory.breaker-failures",
+            ),
+            (
+                "[directory]\nreconcile-interval-secs = 0\n",
+                "directory.reconcile-interval-secs",
+            ),
+            ("[directory]\nkey-prefix = \"\"\n", "directory.key-prefix"),
             (
                 "[cluster]\n[[cluster.peers]]\nnode-id = \"node-0\"\naddress = \"127.0.0.1:1\"\n",
                 "cluster.peers",

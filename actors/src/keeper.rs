@@ -22,6 +22,7 @@ use crate::model::{InstanceId, LeaseId, Namespace};
 use crate::nic::stripe::{NicRouting, ReadRoute, StripePlan};
 use crate::registry::RankHandle;
 use crate::registry::{GetInstance, GetRank, InstanceRegistry};
+use crate::remote::directory::segments;
 use crate::remote::link::{BoxFut, Drained, Keep, ReadStats};
 use crate::remote::{PeerLink, Peers, RemoteBlock, RemotePin};
 use crate::store::{BlockStore, PinGuard, PinPrefix, ReserveFetch};
@@ -214,6 +215,9 @@ impl Handler<Query> for LeaseKeeper {
 /// position the first candidate owner that pins at least one block wins and the plan moves
 /// past what it pinned (a shortened pin is no error: blocks vanished since the lookup).
 /// Stops where no candidate pins anything or an owner cannot be reached.
+///
+/// The directory is asked once per query (its answer is bounded; a directory that is down
+/// answers "nobody", and the plan is the local prefix alone).
 async fn plan_remote(
     cluster: &dyn Peers,
     node_id: &str,
@@ -221,14 +225,16 @@ async fn plan_remote(
     hashes: &[BlockHash],
 ) -> Vec<RemoteSeg> {
     let mut out = Vec::new();
+    if hashes.is_empty() {
+        return out;
+    }
+    let owners = cluster.directory().owners(namespace, hashes, node_id).await;
+    if owners.len() != hashes.len() {
+        return out;
+    }
     let mut pos = 0;
     while pos < hashes.len() {
-        let Some(seg) = cluster
-            .directory()
-            .lookup(namespace, &hashes[pos..], node_id)
-            .into_iter()
-            .next()
-        else {
+        let Some(seg) = segments(&owners[pos..]).into_iter().next() else {
             break;
         };
         let want = &hashes[pos..pos + seg.len];

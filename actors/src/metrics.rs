@@ -253,6 +253,89 @@ fn render_nic(o: &mut String, m: &NicMetrics) {
     }
 }
 
+/// A directory across the network: its breaker, failed calls and call latencies.
+fn render_directory_health(o: &mut String, h: &crate::remote::DirectoryHealth) {
+    use crate::remote::BreakerState;
+    family(
+        o,
+        "kvferry_directory_breaker_open",
+        "gauge",
+        "1 while the directory's breaker is open or half-open: queries plan without it.",
+    );
+    let open = u8::from(h.breaker != BreakerState::Closed);
+    sample(o, "kvferry_directory_breaker_open", "", open);
+    for (name, help, v) in [
+        (
+            "kvferry_directory_breaker_trips_total",
+            "Times the directory's breaker opened.",
+            h.trips,
+        ),
+        (
+            "kvferry_directory_lookups_skipped_total",
+            "Lookups answered without the directory, its breaker being open.",
+            h.lookups_skipped,
+        ),
+        (
+            "kvferry_directory_reannounces_total",
+            "Times this process's nodes re-announced all they hold (after an outage or a restart of the directory).",
+            h.reannounces,
+        ),
+    ] {
+        family(o, name, "counter", help);
+        sample(o, name, "", v);
+    }
+    family(
+        o,
+        "kvferry_directory_failures_total",
+        "counter",
+        "Directory calls that failed or missed their deadline, by op.",
+    );
+    for (op, n) in [
+        ("lookup", h.lookup_failures),
+        ("write", h.write_failures),
+        ("probe", h.probe_failures),
+    ] {
+        sample(
+            o,
+            "kvferry_directory_failures_total",
+            &format!("op=\"{op}\""),
+            n,
+        );
+    }
+    family(
+        o,
+        "kvferry_directory_pending_updates",
+        "gauge",
+        "Block updates queued for the directory and not yet written.",
+    );
+    sample(o, "kvferry_directory_pending_updates", "", h.pending);
+    family(
+        o,
+        "kvferry_directory_call_seconds",
+        "histogram",
+        "Seconds per directory call (lookup; write: one pipeline), failed ones included.",
+    );
+    for (op, hist) in [("lookup", &h.lookup_seconds), ("write", &h.write_seconds)] {
+        let base = format!("op=\"{op}\"");
+        for (n, le) in hist.buckets.iter().zip(STAGE_BUCKETS) {
+            sample(
+                o,
+                "kvferry_directory_call_seconds_bucket",
+                &format!("{base},le=\"{le}\""),
+                n,
+            );
+        }
+        sample(
+            o,
+            "kvferry_directory_call_seconds_bucket",
+            &format!("{base},le=\"+Inf\""),
+            hist.count,
+        );
+        sample(o, "kvferry_directory_call_seconds_sum", &base, hist.sum);
+        sample(o, "kvferry_directory_call_seconds_count", &base, hist.count);
+    }
+}
+
 fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}");
     let _ = writeln!(out, "# TYPE {name} {kind}");
@@ -426,7 +509,7 @@ pub fn render(stats: &Stats, c: &Counters, extra: Extra) -> String {
         sample(&mut o, "kvferry_stage_seconds_sum", &base, h.sum);
         sample(&mut o, "kvferry_stage_seconds_count", &base, h.count);
     }
-    if let Some(d) = extra.directory {
+    if let Some(d) = &extra.directory {
         family(
             &mut o,
             "kvferry_directory_operations_total",
@@ -445,6 +528,9 @@ pub fn render(stats: &Stats, c: &Counters, extra: Extra) -> String {
                 n,
             );
         }
+    }
+    if let Some(h) = extra.directory.as_ref().and_then(|d| d.health.as_ref()) {
+        render_directory_health(&mut o, h);
     }
     if let Some(m) = &extra.nic {
         render_nic(&mut o, m);
@@ -572,5 +658,60 @@ mod tests {
                 .count(),
             12
         );
+    }
+
+    #[test]
+    fn renders_the_directory_breaker_failures_and_latency() {
+        use crate::remote::{BreakerState, DirectoryHealth, DirectoryStats};
+        let mut h = DirectoryHealth {
+            breaker: BreakerState::HalfOpen,
+            trips: 2,
+            lookups_skipped: 7,
+            lookup_failures: 3,
+            write_failures: 1,
+            reannounces: 1,
+            pending: 5,
+            ..Default::default()
+        };
+        h.lookup_seconds.observe(0.003);
+        h.lookup_seconds.observe(0.2);
+        let text = render(
+            &Stats::default(),
+            &Counters::default(),
+            Extra {
+                directory: Some(DirectoryStats {
+                    lookups: 9,
+                    health: Some(h),
+                    ..Default::default()
+                }),
+                ..Extra::default()
+            },
+        );
+        for line in [
+            "kvferry_directory_operations_total{op=\"lookup\"} 9\n",
+            "kvferry_directory_breaker_open 1\n",
+            "kvferry_directory_breaker_trips_total 2\n",
+            "kvferry_directory_lookups_skipped_total 7\n",
+            "kvferry_directory_reannounces_total 1\n",
+            "kvferry_directory_failures_total{op=\"lookup\"} 3\n",
+            "kvferry_directory_failures_total{op=\"write\"} 1\n",
+            "kvferry_directory_pending_updates 5\n",
+            "kvferry_directory_call_seconds_bucket{op=\"lookup\",le=\"0.005\"} 1\n",
+            "kvferry_directory_call_seconds_bucket{op=\"lookup\",le=\"1\"} 2\n",
+            "kvferry_directory_call_seconds_count{op=\"write\"} 0\n",
+        ] {
+            assert!(text.contains(line), "{line}{text}");
+        }
+        // In-process directories have no breaker to show.
+        let text = render(
+            &Stats::default(),
+            &Counters::default(),
+            Extra {
+                directory: Some(DirectoryStats::default()),
+                ..Extra::default()
+            },
+        );
+        assert!(text.contains("kvferry_directory_operations_total"));
+        assert!(!text.contains("kvferry_directory_breaker_open"));
     }
 }

@@ -49,16 +49,15 @@ impl BlockStore {
         }
     }
 
-    /// Advertises newly sealed blocks and withdraws evicted ones.
+    /// Advertises newly sealed blocks and withdraws evicted ones. The directory only queues
+    /// them (it writes in batches off this thread), so this never waits on the network.
     fn advertise(&mut self, ns: &Namespace, sealed: &[BlockHash]) {
-        let evicted = self.cache.take_evicted();
-        let Some(dir) = &self.directory else { return };
-        if !sealed.is_empty() {
-            dir.publish(&self.node_id, ns, sealed);
+        if let Some(dir) = &self.directory {
+            if !sealed.is_empty() {
+                dir.publish(&self.node_id, ns, sealed);
+            }
         }
-        for key in evicted {
-            dir.withdraw(&self.node_id, &key.namespace, &[key.hash]);
-        }
+        self.advertise_evictions();
     }
 
     fn sweep_peer_pins(&mut self) -> usize {
@@ -524,12 +523,19 @@ impl Handler<DropReclaimable> for BlockStore {
 }
 
 impl BlockStore {
+    /// Withdraws what was evicted, one call per namespace.
     fn advertise_evictions(&mut self) {
         let evicted = self.cache.take_evicted();
-        if let Some(dir) = &self.directory {
-            for key in evicted {
-                dir.withdraw(&self.node_id, &key.namespace, &[key.hash]);
+        let Some(dir) = &self.directory else { return };
+        let mut by_ns: Vec<(Namespace, Vec<BlockHash>)> = Vec::new();
+        for key in evicted {
+            match by_ns.iter_mut().find(|(ns, _)| *ns == key.namespace) {
+                Some((_, hashes)) => hashes.push(key.hash),
+                None => by_ns.push((key.namespace, vec![key.hash])),
             }
+        }
+        for (ns, hashes) in by_ns {
+            dir.withdraw(&self.node_id, &ns, &hashes);
         }
     }
 }

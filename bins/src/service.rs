@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use kvferry_actors::remote::{
-    Directory, GrpcPeers, GrpcPeersConfig, Provider, RedisDirectory, StaticDirectory,
+    Directory, GrpcPeers, GrpcPeersConfig, Peers, Provider, RedisDirectory, StaticDirectory,
 };
 use kvferry_actors::{node::open_devices, Clock, Node, NodeConfig};
 
@@ -179,8 +179,12 @@ pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
         ))
     } else {
         Arc::new(
-            RedisDirectory::connect(&c.directory, "kvf")
-                .with_context(|| format!("connecting to the directory at {}", c.directory))?,
+            RedisDirectory::connect_with(
+                &c.directory,
+                &cfg.directory.key_prefix,
+                cfg.directory.redis_options(),
+            )
+            .with_context(|| format!("connecting to the directory at {}", c.directory))?,
         )
     };
     let peers = GrpcPeers::new(
@@ -257,5 +261,8 @@ pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
         Ok::<_, anyhow::Error>(())
     });
     node.shutdown();
+    // Leaving queued this node's withdrawal: let it reach the directory (bounded by the
+    // directory's own deadlines) before the process ends.
+    rt.block_on(peers.directory().flush());
     served
 }

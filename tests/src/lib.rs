@@ -97,10 +97,12 @@ pub async fn settled(node: &Node) -> Stats {
     panic!("gauges did not return to zero: {s:?}");
 }
 
-/// A real `redis-server` on a free loopback port, killed on drop.
+/// A real `redis-server` on a free loopback port, killed on drop (continued first, if a
+/// test hung it).
 pub struct RedisServer {
     child: std::process::Child,
     pub addr: String,
+    port: u16,
 }
 
 impl RedisServer {
@@ -110,46 +112,93 @@ impl RedisServer {
                 .and_then(|l| l.local_addr())
                 .expect("a free loopback port")
                 .port();
-            let child = std::process::Command::new("redis-server")
-                .args([
-                    "--port",
-                    &port.to_string(),
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ])
-                .args(["--bind", "127.0.0.1"])
-                .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::null())
-                .spawn()
-                .unwrap_or_else(|e| {
-                    panic!(
-                        "redis-server could not start ({e}): run ./scripts/test, which installs it"
-                    )
-                });
-            let mut s = RedisServer {
-                child,
-                addr: format!("127.0.0.1:{port}"),
-            };
-            for _ in 0..500 {
-                if matches!(s.child.try_wait(), Ok(Some(_))) {
-                    break; // the port was taken meanwhile: try another
-                }
-                if std::net::TcpStream::connect(&s.addr).is_ok() {
-                    return s;
-                }
-                std::thread::sleep(Duration::from_millis(20));
+            if let Some(s) = Self::start_on(port) {
+                return s;
             }
         }
         panic!("redis-server did not come up");
+    }
+
+    /// None when it exits at once (the port was taken meanwhile) or never accepts.
+    fn start_on(port: u16) -> Option<Self> {
+        let child = std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(["--bind", "127.0.0.1"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("redis-server could not start ({e}): run ./scripts/test, which installs it")
+            });
+        let mut s = RedisServer {
+            child,
+            addr: format!("127.0.0.1:{port}"),
+            port,
+        };
+        for _ in 0..500 {
+            if matches!(s.child.try_wait(), Ok(Some(_))) {
+                return None;
+            }
+            if std::net::TcpStream::connect(&s.addr).is_ok() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// Signals the server while it runs (never a reaped pid, which may be reused).
+    fn signal(&mut self, sig: libc::c_int) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            // SAFETY: kill(2) on our own child, not yet reaped; no memory is involved.
+            let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
+            assert_eq!(rc, 0, "kill({}, {sig})", self.child.id());
+        }
+    }
+
+    /// Hangs it (SIGSTOP): connections are still accepted, nothing is answered.
+    pub fn hang(&mut self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    pub fn resume(&mut self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    pub fn kill(&mut self) {
+        self.resume();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Kills it and starts an empty one on the same port.
+    pub fn restart(mut self) -> Self {
+        self.kill();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(s) = Self::start_on(self.port) {
+                return s;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis-server did not come back on port {}",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.kill();
     }
 }
 

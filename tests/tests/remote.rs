@@ -3,10 +3,12 @@
 //! the pin lifecycle around it.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvferry_actors::fixture::{DeviceKv, KvKind};
-use kvferry_actors::remote::{LocalCluster, Peers, Provider};
+use kvferry_actors::remote::{
+    BreakerState, Directory, LocalCluster, Peers, Provider, RedisDirectory, RedisOptions,
+};
 use kvferry_actors::{Clock, DirectGrant, LoadRequest, ManualClock, Node, NodeError, QueryRequest};
 use kvferry_gpu::{Device, HostDevice, KvShape};
 use kvferry_tests::*;
@@ -186,6 +188,8 @@ fn worked_example_with_the_redis_directory() {
             &["b", "a", "c"],
         );
         let kv = worked_example(&c, 1).await;
+        // Publishing is asynchronous: written within a round trip, not by the put.
+        dir.flush().await;
         for direct in [true, false] {
             kv[0].reset().unwrap();
             let q = query(c.node(0), direct).await;
@@ -205,6 +209,7 @@ fn worked_example_with_the_redis_directory() {
         }
         // A node that leaves is withdrawn from the shared directory.
         c.node(2).shutdown();
+        dir.flush().await;
         let q = query(c.node(0), false).await;
         assert_eq!((q.local_blocks, q.remote_blocks), (4, 4));
         c.node(0).release(q.lease.unwrap()).await.unwrap();
@@ -374,7 +379,7 @@ fn staged_copies_are_advertised_and_then_hit_locally() {
         )
         .await;
         let dir = c.cluster.directory();
-        let owners = dir.owners(&q.namespace, &hashes(4..5), "d");
+        let owners = dir.owners(&q.namespace, &hashes(4..5), "d").await;
         assert!(owners[0].contains(&"b".to_string()), "{owners:?}");
         let q = c
             .node(3)
@@ -745,4 +750,157 @@ fn two_gpus_tp2_two_processes_over_shm() {
     });
     node.shutdown();
     child.finish(None);
+}
+
+/// Directory options for the outage tests: a query waits on Redis at most `lookup_timeout`.
+fn outage_options(reconcile: Duration) -> RedisOptions {
+    RedisOptions {
+        connect_timeout: Duration::from_millis(500),
+        lookup_timeout: Duration::from_millis(200),
+        write_timeout: Duration::from_millis(500),
+        breaker_failures: 3,
+        probe_interval: Duration::from_millis(100),
+        reconcile_interval: reconcile,
+    }
+}
+
+async fn query_range(node: &Node, ids: std::ops::Range<u64>) -> kvferry_actors::QueryResponse {
+    let q = node
+        .query(QueryRequest {
+            instance: id("eng"),
+            hashes: hashes(ids),
+            direct_gpu: false,
+        })
+        .await
+        .unwrap();
+    if let Some(l) = q.lease {
+        node.release(l).await.unwrap();
+    }
+    q
+}
+
+/// Polls `found` every 20 ms until it holds, for at most `within`; the time it took.
+async fn found_within<F, Fut>(within: Duration, what: &str, mut found: F) -> Duration
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let t = Instant::now();
+    while !found().await {
+        assert!(t.elapsed() < within, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    t.elapsed()
+}
+
+/// Redis hung with SIGSTOP: queries answer from local blocks within the lookup bound (and
+/// at once once the breaker is open), Health and Stats answer at once, puts that evict
+/// do not wait; once Redis answers again, what was sealed meanwhile is found by a peer.
+#[test]
+fn a_hung_redis_directory_never_stalls_a_node() {
+    let mut server = RedisServer::start();
+    let o = outage_options(Duration::from_secs(600));
+    let dir = Arc::new(RedisDirectory::connect_with(&server.addr, "kvf-hung", o.clone()).unwrap());
+    rt().block_on(async {
+        let c = Cluster::with(
+            LocalCluster::with_directory(Provider::Shm, Arc::clone(&dir) as Arc<dyn Directory>),
+            &["b", "a", "c"],
+        );
+        worked_example(&c, 1).await;
+        dir.flush().await;
+        let q = query_range(c.node(0), 0..12).await;
+        assert_eq!((q.local_blocks, q.remote_blocks), (4, 8));
+
+        server.hang();
+        let slack = Duration::from_millis(250);
+        let mut slowest = Duration::ZERO;
+        for _ in 0..10 {
+            let t = Instant::now();
+            let q = query_range(c.node(0), 0..12).await;
+            slowest = slowest.max(t.elapsed());
+            assert_eq!((q.local_blocks, q.remote_blocks), (4, 0));
+            // Health is the node's stats; the scrape reads the directory's counters only.
+            let t = Instant::now();
+            c.node(0).stats().await.unwrap();
+            let text = c.node(0).metrics_text().await.unwrap();
+            assert!(
+                t.elapsed() < slack,
+                "stats and a scrape took {:?}",
+                t.elapsed()
+            );
+            assert!(text.contains("kvferry_directory_breaker_open"));
+        }
+        assert!(
+            slowest <= o.lookup_timeout + slack,
+            "a query took {slowest:?}"
+        );
+        assert_eq!(dir.breaker(), BreakerState::Open);
+        assert!(c
+            .node(0)
+            .metrics_text()
+            .await
+            .unwrap()
+            .contains("kvferry_directory_breaker_open 1\n"));
+        // A's pool holds 32 slots: 64 puts evict 32 (and 4–7), each eviction a withdraw.
+        let t = Instant::now();
+        put(c.node(1), "eng", &shape(1), 0, 100..164).await;
+        let took = t.elapsed();
+        assert!(took < o.write_timeout, "evicting puts took {took:?}");
+        assert!(c.node(1).stats().await.unwrap().evictions >= 32);
+
+        server.resume();
+        // A's newest blocks, sealed during the hang, are found once the directory is back.
+        let took = found_within(
+            Duration::from_secs(5),
+            "blocks sealed while hung",
+            || async { query_range(c.node(0), 132..164).await.remote_blocks == 32 },
+        )
+        .await;
+        assert_eq!(dir.breaker(), BreakerState::Closed, "found after {took:?}");
+        // What A evicted meanwhile is withdrawn: B's query stops after its own blocks.
+        let q = query_range(c.node(0), 0..12).await;
+        assert_eq!((q.local_blocks, q.remote_blocks), (4, 0));
+        assert!(query_range(c.node(2), 100..132).await.remote_blocks == 0);
+        all_settled(&c).await;
+    });
+}
+
+/// Redis killed and restarted empty: every block a node holds is found by a peer again
+/// within the reconcile interval, and so is a block sealed during the outage.
+#[test]
+fn a_restarted_redis_directory_is_told_everything_again() {
+    let server = RedisServer::start();
+    let o = outage_options(Duration::from_secs(3));
+    let dir =
+        Arc::new(RedisDirectory::connect_with(&server.addr, "kvf-restart", o.clone()).unwrap());
+    rt().block_on(async {
+        let c = Cluster::with(
+            LocalCluster::with_directory(Provider::Shm, Arc::clone(&dir) as Arc<dyn Directory>),
+            &["b", "a", "c"],
+        );
+        worked_example(&c, 1).await;
+        dir.flush().await;
+        assert_eq!(query_range(c.node(0), 0..12).await.remote_blocks, 8);
+
+        let mut server = server;
+        server.kill();
+        // Sealed on C while the directory is down.
+        put(c.node(2), "eng", &shape(1), 0, 12..16).await;
+        let t = Instant::now();
+        let q = query_range(c.node(0), 0..16).await;
+        assert_eq!((q.local_blocks, q.remote_blocks), (4, 0));
+        assert!(t.elapsed() <= o.lookup_timeout + Duration::from_millis(250));
+
+        let server = server.restart();
+        let took = found_within(o.reconcile_interval, "every block found again", || async {
+            query_range(c.node(0), 0..16).await.remote_blocks == 12
+        })
+        .await;
+        // C found by A too, past B's blocks: every holder was re-announced.
+        let q = query_range(c.node(1), 8..16).await;
+        assert_eq!(q.remote_blocks, 8, "after {took:?}");
+        assert!(dir.stats().health.unwrap().reannounces >= 1);
+        all_settled(&c).await;
+        drop(server);
+    });
 }

@@ -1,10 +1,18 @@
 //! The directory: which nodes hold which blocks. A lookup answers, for a hash list, the
 //! ordered segments and their candidate owners; a node never lists itself.
+//!
+//! Nothing here may stall a node: `publish`, `withdraw` and `withdraw_node` never wait on the
+//! network (a networked backend queues them and writes them in batches on its own thread),
+//! and a lookup answers within the backend's bound, with empty owner lists ("nobody else
+//! holds anything") when the directory cannot answer in time.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
+use super::breaker::BreakerState;
+use super::link::BoxFut;
+use crate::metrics::STAGE_BUCKETS;
 use crate::model::{BlockHash, Namespace};
 
 /// A run of consecutive hashes that every listed owner holds.
@@ -18,28 +26,91 @@ pub struct Segment {
 }
 
 /// Directory operations counted for operators.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct DirectoryStats {
     pub publishes: u64,
     pub withdraws: u64,
     pub lookups: u64,
+    /// Block entries: every block of the directory (embedded), or the blocks this
+    /// process's nodes have announced (Redis: the server is not asked for a count).
     pub entries: usize,
+    /// How a directory across the network is doing; None for in-process ones.
+    pub health: Option<DirectoryHealth>,
 }
 
-/// A directory backend. Calls are short and synchronous: the embedded backend is a map, the
-/// Redis backend one pipelined round trip on loopback.
+/// A networked directory's breaker, failures and call latencies.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DirectoryHealth {
+    pub breaker: BreakerState,
+    /// Times the breaker opened.
+    pub trips: u64,
+    /// Lookups answered without asking, the breaker being open.
+    pub lookups_skipped: u64,
+    /// Calls that failed or missed their deadline, by kind.
+    pub lookup_failures: u64,
+    pub write_failures: u64,
+    pub probe_failures: u64,
+    /// Times every node of this process re-announced all it holds (the directory came
+    /// back after an outage, or restarted).
+    pub reannounces: u64,
+    /// Block updates queued and not yet written.
+    pub pending: usize,
+    pub lookup_seconds: LatencyHistogram,
+    pub write_seconds: LatencyHistogram,
+    pub last_error: Option<String>,
+}
+
+/// Seconds per call over [`STAGE_BUCKETS`] (cumulative, as Prometheus wants them).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LatencyHistogram {
+    pub buckets: [u64; STAGE_BUCKETS.len()],
+    pub sum: f64,
+    pub count: u64,
+}
+
+impl LatencyHistogram {
+    pub fn observe(&mut self, seconds: f64) {
+        for (b, le) in self.buckets.iter_mut().zip(STAGE_BUCKETS) {
+            if seconds <= le {
+                *b += 1;
+            }
+        }
+        self.sum += seconds;
+        self.count += 1;
+    }
+}
+
+/// A directory backend.
 pub trait Directory: Send + Sync + std::fmt::Debug {
+    /// `node` holds these blocks now. Never waits on the network.
     fn publish(&self, node: &str, ns: &Namespace, hashes: &[BlockHash]);
+    /// `node` no longer holds these blocks. Never waits on the network.
     fn withdraw(&self, node: &str, ns: &Namespace, hashes: &[BlockHash]);
     /// Owners per hash, excluding `exclude`, for the whole list (an empty list for a miss).
-    fn owners(&self, ns: &Namespace, hashes: &[BlockHash], exclude: &str) -> Vec<Vec<String>>;
-    /// Removes every entry of a node (it left the cluster).
+    /// Answers within the backend's bound: a directory that cannot answer in time answers
+    /// empty lists.
+    fn owners(
+        &self,
+        ns: &Namespace,
+        hashes: &[BlockHash],
+        exclude: &str,
+    ) -> BoxFut<Vec<Vec<String>>>;
+    /// Removes every entry of a node (it left the cluster). Never waits on the network.
     fn withdraw_node(&self, node: &str);
+    /// Counters only: never asks the network.
     fn stats(&self) -> DirectoryStats;
 
+    /// Resolves once what was queued before the call is written (or given up on, the
+    /// directory being down), within the backend's write deadline. In-process backends
+    /// write at once.
+    fn flush(&self) -> BoxFut<()> {
+        Box::pin(std::future::ready(()))
+    }
+
     /// Ordered segments from the first hash on, stopping at the first hash nobody else holds.
-    fn lookup(&self, ns: &Namespace, hashes: &[BlockHash], exclude: &str) -> Vec<Segment> {
-        segments(&self.owners(ns, hashes, exclude))
+    fn lookup(&self, ns: &Namespace, hashes: &[BlockHash], exclude: &str) -> BoxFut<Vec<Segment>> {
+        let owners = self.owners(ns, hashes, exclude);
+        Box::pin(async move { segments(&owners.await) })
     }
 }
 
@@ -123,17 +194,23 @@ impl Directory for EmbeddedDirectory {
         }
     }
 
-    fn owners(&self, ns: &Namespace, hashes: &[BlockHash], exclude: &str) -> Vec<Vec<String>> {
+    fn owners(
+        &self,
+        ns: &Namespace,
+        hashes: &[BlockHash],
+        exclude: &str,
+    ) -> BoxFut<Vec<Vec<String>>> {
         self.lookups.fetch_add(1, Ordering::Relaxed);
         let m = self.lock();
-        hashes
+        let owners = hashes
             .iter()
             .map(|h| {
                 m.get(&(ns.clone(), *h))
                     .map(|o| o.iter().filter(|n| *n != exclude).cloned().collect())
                     .unwrap_or_default()
             })
-            .collect()
+            .collect();
+        Box::pin(std::future::ready(owners))
     }
 
     fn withdraw_node(&self, node: &str) {
@@ -150,6 +227,7 @@ impl Directory for EmbeddedDirectory {
             withdraws: self.withdraws.load(Ordering::Relaxed),
             lookups: self.lookups.load(Ordering::Relaxed),
             entries: self.lock().len(),
+            health: None,
         }
     }
 }
@@ -177,7 +255,12 @@ impl Directory for StaticDirectory {
 
     fn withdraw(&self, _: &str, _: &Namespace, _: &[BlockHash]) {}
 
-    fn owners(&self, _: &Namespace, hashes: &[BlockHash], exclude: &str) -> Vec<Vec<String>> {
+    fn owners(
+        &self,
+        _: &Namespace,
+        hashes: &[BlockHash],
+        exclude: &str,
+    ) -> BoxFut<Vec<Vec<String>>> {
         self.lookups.fetch_add(1, Ordering::Relaxed);
         let owners: Vec<String> = self
             .peers
@@ -185,7 +268,7 @@ impl Directory for StaticDirectory {
             .filter(|p| *p != exclude)
             .cloned()
             .collect();
-        vec![owners; hashes.len()]
+        Box::pin(std::future::ready(vec![owners; hashes.len()]))
     }
 
     fn withdraw_node(&self, _: &str) {}
@@ -206,6 +289,15 @@ mod tests {
         Namespace::new("m", "bf16", "x").unwrap()
     }
 
+    /// The in-process backends answer at once: one poll resolves their futures.
+    fn now<T>(mut f: BoxFut<T>) -> T {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match f.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(v) => v,
+            std::task::Poll::Pending => panic!("an in-process directory future was pending"),
+        }
+    }
+
     #[test]
     fn segments_follow_common_owners_and_stop_at_a_gap() {
         let d = EmbeddedDirectory::new();
@@ -214,7 +306,7 @@ mod tests {
         d.publish("a", &ns(), &h[4..8]);
         d.publish("c", &ns(), &h[8..12]);
         d.publish("c", &ns(), &h[6..8]); // a and c both hold 6..8
-        let segs = d.lookup(&ns(), &h[4..], "b");
+        let segs = now(d.lookup(&ns(), &h[4..], "b"));
         assert_eq!(
             segs,
             vec![
@@ -231,10 +323,10 @@ mod tests {
             ]
         );
         // A node never lists itself.
-        assert!(d.lookup(&ns(), &h[0..4], "b").is_empty());
+        assert!(now(d.lookup(&ns(), &h[0..4], "b")).is_empty());
         // A hole ends the lookup.
         d.withdraw("a", &ns(), &h[5..6]);
-        let segs = d.lookup(&ns(), &h[4..], "b");
+        let segs = now(d.lookup(&ns(), &h[4..], "b"));
         assert_eq!(
             segs,
             vec![Segment {
@@ -245,5 +337,26 @@ mod tests {
         );
         d.withdraw_node("c");
         assert_eq!(d.stats().entries, 7);
+    }
+
+    #[test]
+    fn a_static_directory_lists_every_peer_but_the_asker() {
+        let d = StaticDirectory::new(vec!["a".into(), "b".into()]);
+        let h: Vec<BlockHash> = (0..3).map(BlockHash::from_u64).collect();
+        d.publish("a", &ns(), &h);
+        assert_eq!(
+            now(d.owners(&ns(), &h, "b")),
+            vec![vec!["a".to_string()]; 3]
+        );
+        assert_eq!(
+            now(d.lookup(&ns(), &h, "c")),
+            vec![Segment {
+                start: 0,
+                len: 3,
+                owners: vec!["a".into(), "b".into()]
+            }]
+        );
+        now(d.flush());
+        assert_eq!((d.stats().lookups, d.stats().health), (2, None));
     }
 }

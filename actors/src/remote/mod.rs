@@ -2,6 +2,7 @@
 //! cluster.
 
 pub mod bounce;
+pub mod breaker;
 pub mod cluster;
 pub mod directory;
 pub mod endpoint;
@@ -12,12 +13,15 @@ pub mod redis;
 pub mod tcp;
 pub mod verbs;
 
+pub use self::redis::{RedisDirectory, RedisOptions};
+pub use breaker::BreakerState;
 pub use cluster::{LocalCluster, Provider};
-pub use directory::{Directory, EmbeddedDirectory, Segment, StaticDirectory};
+pub use directory::{
+    Directory, DirectoryHealth, DirectoryStats, EmbeddedDirectory, Segment, StaticDirectory,
+};
 pub use endpoint::{EndpointError, VerbsPeerEndpoint, VerbsResponder};
 pub use grpc::{GrpcPeers, GrpcPeersConfig};
 pub use link::{PeerLink, PinnedRemote, RemoteBlock, RemotePin};
-pub use redis::RedisDirectory;
 
 use std::sync::Arc;
 

@@ -1,32 +1,55 @@
 //! The Redis backend of the block directory, for nodes in different processes or hosts.
 //!
-//! [`RedisDirectory`] speaks RESP2 over one blocking `TcpStream` (a directory call is one
-//! pipelined round trip, so an async client would buy nothing). Data model, under a key
-//! prefix (`kvf` by default):
+//! Data model, under a key prefix (`kvf` by default):
 //!
 //! - `{prefix}:blk:{namespace}:{hex hash}` — the set of node ids holding that block;
 //! - `{prefix}:node:{node}` — the set of block keys the node published, so that
-//!   [`Directory::withdraw_node`] can remove a departed node without scanning.
+//!   [`Directory::withdraw_node`] can remove a departed node without scanning, and a node
+//!   can reconcile what the server lists for it with what it holds.
 //!
-//! The trait's methods cannot fail, so a Redis outage degrades to "nobody else holds
-//! anything" (local hits only): failures are counted in [`RedisDirectory::errors`] and the
-//! latest one kept in [`RedisDirectory::last_error`]; nothing panics.
+//! [`RedisDirectory`] never lets Redis stall a node. It owns a thread with a small tokio
+//! runtime and one `redis` [`ConnectionManager`] (pipelined, reconnecting):
+//!
+//! - `publish` / `withdraw` / `withdraw_node` record the change in a ledger of what each of
+//!   this process's nodes holds and queue it; the thread writes everything queued in one
+//!   MULTI/EXEC pipeline per round (the block sets and the node set stay consistent).
+//! - a lookup is one pipeline of SMEMBERS run on that thread under `lookup_timeout`; the
+//!   caller awaits the answer, never the network, and gets empty owner lists when the
+//!   directory is down, slow or skipped.
+//! - a [`Breaker`] opens after `breaker_failures` failed calls in a row or one call past its
+//!   deadline; while it is open lookups are answered empty at once and queued writes are
+//!   dropped (the ledger keeps the truth). Every `probe_interval` the thread asks the
+//!   server for its `run_id`: that is the half-open probe while open, and a heartbeat that
+//!   detects a restarted server while closed.
+//! - when the breaker closes again, or the server's `run_id` changed (a restart, with or
+//!   without its data), every node of this process re-announces all it holds; every
+//!   `reconcile_interval` each node's set on the server is compared with its ledger and
+//!   the differences written, so writes lost to a failure are repaired.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use thiserror::Error;
+use tokio::sync::{watch, Notify};
 
-use super::directory::{Directory, DirectoryStats};
+use super::breaker::{Breaker, BreakerState, Transition};
+use super::directory::{Directory, DirectoryHealth, DirectoryStats, LatencyHistogram};
+use super::link::BoxFut;
 use crate::model::{BlockHash, Namespace};
 
 /// Redis's own default port, used when the address names none.
 pub const DEFAULT_PORT: u16 = 6379;
+
+/// Queued block updates past which the queue is dropped and a full re-announce owed
+/// instead (a directory down for long must not grow memory without bound).
+const MAX_PENDING: usize = 1 << 20;
+
+/// Commands per write pipeline: each pipeline is one call under `write_timeout`.
+const WRITE_CHUNK: usize = 4096;
 
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -35,93 +58,151 @@ pub enum RedisError {
     Address { addr: String, reason: &'static str },
     #[error("the redis key prefix must not be empty")]
     EmptyPrefix,
-    #[error("cannot resolve redis address {addr:?}: {source}")]
-    Resolve {
+    /// The directory's own thread or runtime could not start.
+    #[error("cannot start the redis directory's thread: {source}")]
+    Thread {
+        #[source]
+        source: std::io::Error,
+    },
+    /// The redis client refused the address or configuration.
+    #[error("redis client for {addr}: {source}")]
+    Client {
         addr: String,
         #[source]
-        source: io::Error,
+        source: redis::RedisError,
     },
-    /// The server is unreachable (refused, timed out): back off and retry later.
-    #[error("cannot connect to redis at {addr}: {source}")]
-    Connect {
-        addr: String,
-        #[source]
-        source: io::Error,
-    },
-    /// An established connection broke (reset, EOF, read/write timeout).
-    #[error("redis at {addr}: connection lost: {source}")]
-    Io {
-        addr: String,
-        #[source]
-        source: io::Error,
-    },
-    /// The byte stream is not RESP2; the connection is dropped.
-    #[error("redis at {addr}: malformed reply: {reason}")]
-    Protocol { addr: String, reason: String },
-    /// The server answered a command with an error reply (e.g. WRONGTYPE).
-    #[error("redis at {addr} refused {command}: {message}")]
-    Server {
-        addr: String,
-        command: &'static str,
-        message: String,
-    },
-    #[error("redis at {addr} answered {command} with {reply}")]
-    Unexpected {
-        addr: String,
-        command: &'static str,
-        reply: String,
-    },
-    /// A connection attempt failed recently; calls fail fast until the back-off ends.
-    #[error("redis at {addr} is down; next connection attempt in {retry_in:?}")]
-    Backoff { addr: String, retry_in: Duration },
+    /// The server is unreachable or did not answer PING at start.
+    #[error("cannot connect to redis at {addr}: {reason}")]
+    Connect { addr: String, reason: String },
 }
 
-/// Timeouts of the client. Zero read/write timeout means none (block forever).
+/// Deadlines and breaker of a [`RedisDirectory`] (the `[directory]` config section).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RedisOptions {
+    /// One connection attempt (and the PING at start).
     pub connect_timeout: Duration,
-    pub io_timeout: Duration,
-    /// After a failed connection attempt, calls fail without touching the network for this
-    /// long, so an unreachable host costs each lookup nothing rather than a connect timeout.
-    pub retry_backoff: Duration,
+    /// The longest a query waits on the directory.
+    pub lookup_timeout: Duration,
+    /// One write pipeline, probe or reconcile step.
+    pub write_timeout: Duration,
+    /// Failed calls in a row that open the breaker (one call past its deadline opens it).
+    pub breaker_failures: u32,
+    /// The breaker's cool-down before a probe, and the heartbeat that detects a restarted
+    /// server while it is closed.
+    pub probe_interval: Duration,
+    /// How often each node's entries on the server are compared with what it holds.
+    pub reconcile_interval: Duration,
 }
 
 impl Default for RedisOptions {
     fn default() -> Self {
         Self {
             connect_timeout: Duration::from_secs(1),
-            io_timeout: Duration::from_secs(1),
-            retry_backoff: Duration::from_secs(1),
+            lookup_timeout: Duration::from_millis(100),
+            write_timeout: Duration::from_secs(1),
+            breaker_failures: 3,
+            probe_interval: Duration::from_secs(1),
+            reconcile_interval: Duration::from_secs(30),
         }
     }
 }
 
 /// The block directory kept in a Redis server, shared by every node pointed at it.
 pub struct RedisDirectory {
+    shared: Arc<Shared>,
+}
+
+/// What the callers and the directory's thread share.
+struct Shared {
     addr: String,
-    addrs: Vec<SocketAddr>,
     prefix: String,
     options: RedisOptions,
-    state: Mutex<State>,
-    last_error: Mutex<Option<String>>,
+    conn: ConnectionManager,
+    runtime: tokio::runtime::Handle,
+    breaker: Mutex<Breaker>,
+    ledger: Mutex<Ledger>,
+    wake: Notify,
+    stop: AtomicBool,
+    /// The ledger's `changes` that the thread's last finished round covered: a flush
+    /// waits for the count at its call.
+    covered: watch::Sender<u64>,
     publishes: AtomicU64,
     withdraws: AtomicU64,
     lookups: AtomicU64,
-    errors: AtomicU64,
+    skipped: AtomicU64,
+    lookup_failures: AtomicU64,
+    write_failures: AtomicU64,
+    probe_failures: AtomicU64,
+    reannounces: AtomicU64,
+    latency: Mutex<(LatencyHistogram, LatencyHistogram)>,
+    last_error: Mutex<Option<String>>,
 }
 
+/// What this process's nodes hold (the truth a re-announce writes), and the changes not
+/// yet written.
 #[derive(Default)]
-struct State {
-    conn: Option<Conn>,
-    retry_at: Option<Instant>,
+struct Ledger {
+    held: HashMap<String, HashSet<(Namespace, BlockHash)>>,
+    pending: Vec<Update>,
+    pending_hashes: usize,
+    /// Nodes that left: their entries on the server are to be removed.
+    departed: HashSet<String>,
+    /// Every node re-announces all it holds at the next chance.
+    reannounce: bool,
+    /// The server's sets are compared with `held` at the next chance.
+    reconcile: bool,
+    /// Bumped by every change; a flush waits for a round that started after it.
+    changes: u64,
+}
+
+struct Update {
+    add: bool,
+    node: String,
+    ns: Namespace,
+    hashes: Vec<BlockHash>,
+}
+
+impl Ledger {
+    fn queue(&mut self, update: Update) {
+        let held = self.held.entry(update.node.clone()).or_default();
+        for h in &update.hashes {
+            if update.add {
+                held.insert((update.ns.clone(), *h));
+            } else {
+                held.remove(&(update.ns.clone(), *h));
+            }
+        }
+        self.changes += 1;
+        if self.pending_hashes + update.hashes.len() > MAX_PENDING {
+            // The ledger has it all: a re-announce writes it in one go later.
+            self.drop_pending();
+            return;
+        }
+        self.pending_hashes += update.hashes.len();
+        self.pending.push(update);
+    }
+
+    /// Queued updates are given up on; a full re-announce (with its reconcile, which also
+    /// removes what was withdrawn meanwhile) replaces them.
+    fn drop_pending(&mut self) {
+        if !self.pending.is_empty() {
+            self.reannounce = true;
+        }
+        self.pending.clear();
+        self.pending_hashes = 0;
+    }
+
+    fn entries(&self) -> usize {
+        self.held.values().map(HashSet::len).sum()
+    }
 }
 
 impl fmt::Debug for RedisDirectory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisDirectory")
-            .field("addr", &self.addr)
-            .field("prefix", &self.prefix)
-            .field("errors", &self.errors())
+            .field("addr", &self.shared.addr)
+            .field("prefix", &self.shared.prefix)
+            .field("breaker", &self.breaker())
             .finish()
     }
 }
@@ -133,313 +214,604 @@ impl RedisDirectory {
         Self::connect_with(addr, prefix, RedisOptions::default())
     }
 
+    /// As [`RedisDirectory::connect`], with these deadlines and breaker. Call it outside
+    /// an async context or from one that may block for `connect_timeout`.
     pub fn connect_with(
         addr: &str,
         prefix: &str,
         options: RedisOptions,
     ) -> Result<Self, RedisError> {
+        let dir = Self::start(addr, prefix, options)?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let shared = Arc::clone(&dir.shared);
+        let deadline = shared.options.connect_timeout;
+        dir.shared.runtime.spawn(async move {
+            let mut conn = shared.conn.clone();
+            let ping = redis::cmd("PING");
+            let r = tokio::time::timeout(deadline, ping.query_async::<String>(&mut conn)).await;
+            let _ = tx.send(match r {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err(format!("no answer to PING within {deadline:?}")),
+            });
+        });
+        let answer = rx
+            .recv_timeout(deadline + Duration::from_secs(1))
+            .unwrap_or_else(|_| Err("the directory's thread did not answer".into()));
+        answer.map_err(|reason| RedisError::Connect {
+            addr: dir.shared.addr.clone(),
+            reason,
+        })?;
+        Ok(dir)
+    }
+
+    /// Starts the directory's thread without checking the server (it connects lazily,
+    /// and the breaker keeps a node going while it is down).
+    pub fn start(addr: &str, prefix: &str, options: RedisOptions) -> Result<Self, RedisError> {
         if prefix.is_empty() {
             return Err(RedisError::EmptyPrefix);
         }
         let host_port = parse_addr(addr)?;
-        let addrs: Vec<SocketAddr> = host_port
-            .to_socket_addrs()
-            .map_err(|source| RedisError::Resolve {
-                addr: host_port.clone(),
-                source,
-            })?
-            .collect();
-        let dir = Self {
+        let client_err = |source| RedisError::Client {
+            addr: host_port.clone(),
+            source,
+        };
+        let client = redis::Client::open(format!("redis://{host_port}/")).map_err(client_err)?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|source| RedisError::Thread { source })?;
+        let longest = options.write_timeout.max(options.lookup_timeout);
+        // Retries are the breaker's: one connection attempt per call, bounded.
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(options.connect_timeout))
+            .set_response_timeout(Some(longest))
+            .set_number_of_retries(0);
+        let conn = {
+            let _in_runtime = runtime.enter();
+            ConnectionManager::new_lazy_with_config(client, config).map_err(client_err)?
+        };
+        let shared = Arc::new(Shared {
             addr: host_port,
-            addrs,
             prefix: prefix.to_owned(),
+            breaker: Mutex::new(Breaker::new(
+                options.breaker_failures,
+                options.probe_interval,
+            )),
             options,
-            state: Mutex::new(State::default()),
-            last_error: Mutex::new(None),
+            conn,
+            runtime: runtime.handle().clone(),
+            ledger: Mutex::new(Ledger::default()),
+            wake: Notify::new(),
+            stop: AtomicBool::new(false),
+            covered: watch::Sender::new(0),
             publishes: AtomicU64::new(0),
             withdraws: AtomicU64::new(0),
             lookups: AtomicU64::new(0),
-            errors: AtomicU64::new(0),
-        };
-        dir.ping()?;
-        Ok(dir)
+            skipped: AtomicU64::new(0),
+            lookup_failures: AtomicU64::new(0),
+            write_failures: AtomicU64::new(0),
+            probe_failures: AtomicU64::new(0),
+            reannounces: AtomicU64::new(0),
+            latency: Mutex::new(Default::default()),
+            last_error: Mutex::new(None),
+        });
+        let worker = Worker::new(Arc::clone(&shared));
+        std::thread::Builder::new()
+            .name("kvferry-directory".into())
+            .spawn(move || runtime.block_on(worker.run()))
+            .map_err(|source| RedisError::Thread { source })?;
+        Ok(Self { shared })
     }
 
-    /// One PING round trip (reconnecting if needed).
-    pub fn ping(&self) -> Result<(), RedisError> {
-        let mut p = Pipeline::default();
-        p.push("PING", &[]);
-        match self.exec(&p)?.pop() {
-            Some(Reply::Status(s)) if s == "PONG" => Ok(()),
-            other => Err(self.unexpected("PING", other)),
-        }
-    }
-
-    /// Failed directory operations since start (each failed call counts once).
+    /// Failed directory calls since start (lookups, writes and probes).
     pub fn errors(&self) -> u64 {
-        self.errors.load(Ordering::Relaxed)
+        let s = &self.shared;
+        s.lookup_failures.load(Ordering::Relaxed)
+            + s.write_failures.load(Ordering::Relaxed)
+            + s.probe_failures.load(Ordering::Relaxed)
     }
 
     /// The most recent failure, for operators.
     pub fn last_error(&self) -> Option<String> {
-        lock(&self.last_error).clone()
+        lock(&self.shared.last_error).clone()
+    }
+
+    pub fn breaker(&self) -> BreakerState {
+        lock(&self.shared.breaker).state()
     }
 
     pub fn addr(&self) -> &str {
-        &self.addr
+        &self.shared.addr
     }
 
-    fn block_key(&self, ns: &Namespace, h: &BlockHash) -> String {
-        let mut k = format!("{}:blk:{}:", self.prefix, ns.as_str());
-        for b in h.as_bytes() {
-            k.push_str(&format!("{b:02x}"));
+    pub fn options(&self) -> &RedisOptions {
+        &self.shared.options
+    }
+
+    fn queue(&self, update: Update) {
+        if update.hashes.is_empty() {
+            return;
         }
-        k
+        lock(&self.shared.ledger).queue(update);
+        self.shared.wake.notify_one();
     }
+}
 
-    fn node_key(&self, node: &str) -> String {
-        format!("{}:node:{node}", self.prefix)
-    }
-
-    /// Sends the pipeline and reads all its replies. A broken reused connection is
-    /// reconnected once and the pipeline resent (every command here is idempotent).
-    fn exec(&self, p: &Pipeline) -> Result<Vec<Reply>, RedisError> {
-        let mut st = lock(&self.state);
-        let mut may_retry = st.conn.is_some();
-        loop {
-            let conn = match st.conn.as_mut() {
-                Some(c) => c,
-                None => {
-                    if let Some(at) = st.retry_at {
-                        let now = Instant::now();
-                        if now < at {
-                            return Err(RedisError::Backoff {
-                                addr: self.addr.clone(),
-                                retry_in: at - now,
-                            });
-                        }
-                    }
-                    match Conn::open(&self.addr, &self.addrs, &self.options) {
-                        Ok(c) => {
-                            st.retry_at = None;
-                            st.conn.insert(c)
-                        }
-                        Err(e) => {
-                            st.retry_at = Some(Instant::now() + self.options.retry_backoff);
-                            return Err(e);
-                        }
-                    }
-                }
-            };
-            match conn.round_trip(p) {
-                Ok(replies) => return Ok(replies),
-                Err(e) => {
-                    // Whatever broke, the stream may be mid-reply: never reuse it.
-                    st.conn = None;
-                    if may_retry && matches!(e, RedisError::Io { .. }) {
-                        may_retry = false;
-                        continue;
-                    }
-                    return Err(e);
-                }
-            }
-        }
-    }
-
-    /// Counts a failed operation and keeps its message.
-    fn record<T>(&self, r: Result<T, RedisError>) -> Option<T> {
-        match r {
-            Ok(v) => Some(v),
-            Err(e) => {
-                self.errors.fetch_add(1, Ordering::Relaxed);
-                *lock(&self.last_error) = Some(e.to_string());
-                None
-            }
-        }
-    }
-
-    fn unexpected(&self, command: &'static str, reply: Option<Reply>) -> RedisError {
-        match reply {
-            Some(Reply::Error(message)) => RedisError::Server {
-                addr: self.addr.clone(),
-                command,
-                message,
-            },
-            other => RedisError::Unexpected {
-                addr: self.addr.clone(),
-                command,
-                reply: format!("{other:?}"),
-            },
-        }
-    }
-
-    /// Every reply of a write pipeline must be an integer (SADD/SREM/DEL counts).
-    fn expect_ints(&self, p: &Pipeline, replies: Vec<Reply>) -> Result<(), RedisError> {
-        for (command, reply) in p.names.iter().zip(replies) {
-            if !matches!(reply, Reply::Int(_)) {
-                return Err(self.unexpected(command, Some(reply)));
-            }
-        }
-        Ok(())
-    }
-
-    fn members(&self, command: &'static str, reply: Reply) -> Result<Vec<String>, RedisError> {
-        match reply {
-            Reply::Array(Some(items)) => items
-                .into_iter()
-                .map(|item| match item {
-                    Reply::Bulk(Some(b)) => Ok(String::from_utf8_lossy(&b).into_owned()),
-                    other => Err(self.unexpected(command, Some(other))),
-                })
-                .collect(),
-            other => Err(self.unexpected(command, Some(other))),
-        }
-    }
-
-    /// Adds `node` to each block's set, or removes it, and mirrors that in the node's set.
-    fn try_update(
-        &self,
-        op: &'static str,
-        node: &str,
-        ns: &Namespace,
-        hashes: &[BlockHash],
-    ) -> Result<(), RedisError> {
-        let keys: Vec<String> = hashes.iter().map(|h| self.block_key(ns, h)).collect();
-        let node_key = self.node_key(node);
-        let mut p = Pipeline::default();
-        for k in &keys {
-            p.push(op, &[k.as_bytes(), node.as_bytes()]);
-        }
-        let mut args: Vec<&[u8]> = Vec::with_capacity(keys.len() + 1);
-        args.push(node_key.as_bytes());
-        args.extend(keys.iter().map(|k| k.as_bytes()));
-        p.push(op, &args);
-        let replies = self.exec(&p)?;
-        self.expect_ints(&p, replies)
-    }
-
-    fn try_owners(
-        &self,
-        ns: &Namespace,
-        hashes: &[BlockHash],
-        exclude: &str,
-    ) -> Result<Vec<Vec<String>>, RedisError> {
-        let keys: Vec<String> = hashes.iter().map(|h| self.block_key(ns, h)).collect();
-        let mut p = Pipeline::default();
-        for k in &keys {
-            p.push("SMEMBERS", &[k.as_bytes()]);
-        }
-        self.exec(&p)?
-            .into_iter()
-            .map(|reply| {
-                let mut owners = self.members("SMEMBERS", reply)?;
-                owners.retain(|o| o != exclude);
-                // Sets are unordered; sorted owners keep lookups stable across calls.
-                owners.sort_unstable();
-                Ok(owners)
-            })
-            .collect()
-    }
-
-    fn try_withdraw_node(&self, node: &str) -> Result<(), RedisError> {
-        let node_key = self.node_key(node);
-        let mut p = Pipeline::default();
-        p.push("SMEMBERS", &[node_key.as_bytes()]);
-        let reply = self.exec(&p)?.pop();
-        let keys = match reply {
-            Some(r) => self.members("SMEMBERS", r)?,
-            None => return Err(self.unexpected("SMEMBERS", None)),
-        };
-        let mut p = Pipeline::default();
-        for k in &keys {
-            p.push("SREM", &[k.as_bytes(), node.as_bytes()]);
-        }
-        p.push("DEL", &[node_key.as_bytes()]);
-        let replies = self.exec(&p)?;
-        self.expect_ints(&p, replies)
-    }
-
-    /// Counts block keys with SCAN: O(keys) round trips of 1000, meant for operators.
-    fn try_entries(&self) -> Result<usize, RedisError> {
-        let pattern = format!("{}:blk:*", glob_escape(&self.prefix));
-        let mut seen: HashSet<Vec<u8>> = HashSet::new();
-        let mut cursor = b"0".to_vec();
-        loop {
-            let mut p = Pipeline::default();
-            p.push(
-                "SCAN",
-                &[&cursor, b"MATCH", pattern.as_bytes(), b"COUNT", b"1000"],
-            );
-            let reply = self.exec(&p)?.pop();
-            let (next, keys) = match reply {
-                Some(Reply::Array(Some(mut parts))) if parts.len() == 2 => {
-                    match (parts.remove(0), parts.remove(0)) {
-                        (Reply::Bulk(Some(next)), Reply::Array(Some(keys))) => (next, keys),
-                        (a, b) => {
-                            return Err(
-                                self.unexpected("SCAN", Some(Reply::Array(Some(vec![a, b]))))
-                            )
-                        }
-                    }
-                }
-                other => return Err(self.unexpected("SCAN", other)),
-            };
-            for k in keys {
-                if let Reply::Bulk(Some(k)) = k {
-                    seen.insert(k);
-                }
-            }
-            if next == b"0" {
-                return Ok(seen.len());
-            }
-            cursor = next;
-        }
+impl Drop for RedisDirectory {
+    /// The thread writes what is queued (within its deadlines) and ends on its own; a
+    /// drop never waits on the network.
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        self.shared.wake.notify_one();
     }
 }
 
 impl Directory for RedisDirectory {
     fn publish(&self, node: &str, ns: &Namespace, hashes: &[BlockHash]) {
-        self.publishes
+        self.shared
+            .publishes
             .fetch_add(hashes.len() as u64, Ordering::Relaxed);
-        if !hashes.is_empty() {
-            let r = self.try_update("SADD", node, ns, hashes);
-            self.record(r);
-        }
+        self.queue(Update {
+            add: true,
+            node: node.to_owned(),
+            ns: ns.clone(),
+            hashes: hashes.to_vec(),
+        });
     }
 
     fn withdraw(&self, node: &str, ns: &Namespace, hashes: &[BlockHash]) {
-        self.withdraws
+        self.shared
+            .withdraws
             .fetch_add(hashes.len() as u64, Ordering::Relaxed);
-        if !hashes.is_empty() {
-            let r = self.try_update("SREM", node, ns, hashes);
-            self.record(r);
-        }
+        self.queue(Update {
+            add: false,
+            node: node.to_owned(),
+            ns: ns.clone(),
+            hashes: hashes.to_vec(),
+        });
     }
 
-    fn owners(&self, ns: &Namespace, hashes: &[BlockHash], exclude: &str) -> Vec<Vec<String>> {
-        self.lookups.fetch_add(1, Ordering::Relaxed);
-        if hashes.is_empty() {
-            return Vec::new();
+    fn owners(
+        &self,
+        ns: &Namespace,
+        hashes: &[BlockHash],
+        exclude: &str,
+    ) -> BoxFut<Vec<Vec<String>>> {
+        let s = &self.shared;
+        s.lookups.fetch_add(1, Ordering::Relaxed);
+        let n = hashes.len();
+        let misses = move || vec![Vec::new(); n];
+        if n == 0 {
+            return Box::pin(std::future::ready(Vec::new()));
         }
-        let r = self.try_owners(ns, hashes, exclude);
-        self.record(r)
-            .unwrap_or_else(|| vec![Vec::new(); hashes.len()])
+        if !lock(&s.breaker).allows() {
+            s.skipped.fetch_add(1, Ordering::Relaxed);
+            return Box::pin(std::future::ready(misses()));
+        }
+        let mut pipe = redis::pipe();
+        for h in hashes {
+            pipe.cmd("SMEMBERS").arg(block_key(&s.prefix, ns, h));
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let shared = Arc::clone(s);
+        let exclude = exclude.to_owned();
+        // The call runs on the directory's thread, whose timer enforces the deadline: the
+        // caller only awaits the answer, whatever executor it is on.
+        s.runtime.spawn(async move {
+            let mut conn = shared.conn.clone();
+            let t = Instant::now();
+            let r = tokio::time::timeout(
+                shared.options.lookup_timeout,
+                pipe.query_async::<Vec<Vec<String>>>(&mut conn),
+            )
+            .await;
+            let owners = shared.outcome(Call::Lookup, t, r).map(|mut all| {
+                for owners in &mut all {
+                    owners.retain(|o| *o != exclude);
+                    // Sets are unordered; sorted owners keep lookups stable across calls.
+                    owners.sort_unstable();
+                }
+                all
+            });
+            let _ = tx.send(owners);
+        });
+        Box::pin(async move {
+            match rx.await {
+                Ok(Some(owners)) if owners.len() == n => owners,
+                _ => misses(),
+            }
+        })
     }
 
     fn withdraw_node(&self, node: &str) {
-        let r = self.try_withdraw_node(node);
-        self.record(r);
+        let mut l = lock(&self.shared.ledger);
+        l.held.remove(node);
+        let before = l.pending.len();
+        l.pending.retain(|u| u.node != node);
+        if l.pending.len() != before {
+            l.pending_hashes = l.pending.iter().map(|u| u.hashes.len()).sum();
+        }
+        l.departed.insert(node.to_owned());
+        l.changes += 1;
+        drop(l);
+        self.shared.wake.notify_one();
     }
 
-    /// `entries` scans the server (see [`RedisDirectory`]); it reads 0 when Redis is down.
     fn stats(&self) -> DirectoryStats {
-        let r = self.try_entries();
+        let s = &self.shared;
+        let (entries, pending) = {
+            let l = lock(&s.ledger);
+            (l.entries(), l.pending_hashes)
+        };
+        let (breaker, trips) = {
+            let b = lock(&s.breaker);
+            (b.state(), b.trips())
+        };
+        let (lookup_seconds, write_seconds) = lock(&s.latency).clone();
         DirectoryStats {
-            publishes: self.publishes.load(Ordering::Relaxed),
-            withdraws: self.withdraws.load(Ordering::Relaxed),
-            lookups: self.lookups.load(Ordering::Relaxed),
-            entries: self.record(r).unwrap_or(0),
+            publishes: s.publishes.load(Ordering::Relaxed),
+            withdraws: s.withdraws.load(Ordering::Relaxed),
+            lookups: s.lookups.load(Ordering::Relaxed),
+            entries,
+            health: Some(DirectoryHealth {
+                breaker,
+                trips,
+                lookups_skipped: s.skipped.load(Ordering::Relaxed),
+                lookup_failures: s.lookup_failures.load(Ordering::Relaxed),
+                write_failures: s.write_failures.load(Ordering::Relaxed),
+                probe_failures: s.probe_failures.load(Ordering::Relaxed),
+                reannounces: s.reannounces.load(Ordering::Relaxed),
+                pending,
+                lookup_seconds,
+                write_seconds,
+                last_error: lock(&s.last_error).clone(),
+            }),
         }
+    }
+
+    fn flush(&self) -> BoxFut<()> {
+        let s = &self.shared;
+        let target = lock(&s.ledger).changes;
+        let mut covered = s.covered.subscribe();
+        s.wake.notify_one();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let bound = s.options.write_timeout * 4 + s.options.lookup_timeout;
+        s.runtime.spawn(async move {
+            let _ = tokio::time::timeout(bound, covered.wait_for(|c| *c >= target)).await;
+            let _ = tx.send(());
+        });
+        Box::pin(async move {
+            let _ = rx.await;
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Call {
+    Lookup,
+    Write,
+    /// The heartbeat while closed: it feeds the breaker as any call does.
+    Heartbeat,
+    /// The half-open probe: only it decides whether the breaker closes.
+    Probe,
+}
+
+impl Shared {
+    /// Counts a call's outcome, feeds the breaker and keeps the latest error.
+    fn outcome<T>(
+        &self,
+        call: Call,
+        started: Instant,
+        r: Result<redis::RedisResult<T>, tokio::time::error::Elapsed>,
+    ) -> Option<T> {
+        let now = Instant::now();
+        let took = now.duration_since(started);
+        {
+            let mut lat = lock(&self.latency);
+            match call {
+                Call::Lookup => lat.0.observe(took.as_secs_f64()),
+                Call::Write => lat.1.observe(took.as_secs_f64()),
+                Call::Heartbeat | Call::Probe => {}
+            }
+        }
+        let failed = match r {
+            Ok(Ok(v)) => {
+                if call != Call::Probe {
+                    lock(&self.breaker).on_success();
+                }
+                return Some(v);
+            }
+            Ok(Err(e)) => {
+                let msg = format!("redis at {}: {call:?} failed: {e}", self.addr);
+                if call != Call::Probe {
+                    self.transition(lock(&self.breaker).on_failure(now));
+                }
+                msg
+            }
+            Err(_) => {
+                let deadline = match call {
+                    Call::Lookup => self.options.lookup_timeout,
+                    _ => self.options.write_timeout,
+                };
+                if call != Call::Probe {
+                    self.transition(lock(&self.breaker).on_slow(now));
+                }
+                format!(
+                    "redis at {}: {call:?} missed its deadline of {deadline:?}",
+                    self.addr
+                )
+            }
+        };
+        match call {
+            Call::Lookup => &self.lookup_failures,
+            Call::Write => &self.write_failures,
+            Call::Heartbeat | Call::Probe => &self.probe_failures,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+        *lock(&self.last_error) = Some(failed);
+        None
+    }
+
+    fn transition(&self, t: Option<Transition>) {
+        match t {
+            // Writes in flight may or may not have landed: the next chance compares.
+            Some(Transition::Opened) => lock(&self.ledger).reconcile = true,
+            // Everything written while it was open was dropped.
+            Some(Transition::Closed) => lock(&self.ledger).reannounce = true,
+            None => {}
+        }
+    }
+}
+
+fn block_key(prefix: &str, ns: &Namespace, h: &BlockHash) -> String {
+    let mut k = format!("{prefix}:blk:{}:", ns.as_str());
+    for b in h.as_bytes() {
+        k.push_str(&format!("{b:02x}"));
+    }
+    k
+}
+
+fn node_key(prefix: &str, node: &str) -> String {
+    format!("{prefix}:node:{node}")
+}
+
+/// The directory's thread: writes queued updates, probes, re-announces and reconciles.
+struct Worker {
+    shared: Arc<Shared>,
+    conn: ConnectionManager,
+    /// The server's `run_id` when last asked: another one means it restarted.
+    run_id: Option<String>,
+    next_beat: Instant,
+    next_reconcile: Instant,
+}
+
+impl Worker {
+    fn new(shared: Arc<Shared>) -> Self {
+        let now = Instant::now();
+        Self {
+            conn: shared.conn.clone(),
+            next_reconcile: now + shared.options.reconcile_interval,
+            shared,
+            run_id: None,
+            next_beat: now,
+        }
+    }
+
+    async fn run(mut self) {
+        loop {
+            let last = self.shared.stop.load(Ordering::Relaxed);
+            let covered = lock(&self.shared.ledger).changes;
+            self.round(last).await;
+            self.shared.covered.send_replace(covered);
+            if last {
+                return;
+            }
+            let mut wake_at = self.next_beat.min(self.next_reconcile);
+            if let Some(at) = lock(&self.shared.breaker).probe_at() {
+                wake_at = wake_at.min(at);
+            }
+            tokio::select! {
+                _ = self.shared.wake.notified() => {}
+                _ = tokio::time::sleep_until(wake_at.into()) => {}
+            }
+        }
+    }
+
+    /// One round: the breaker first, then departed nodes, a re-announce or reconcile when
+    /// due, and everything queued.
+    async fn round(&mut self, last: bool) {
+        let now = Instant::now();
+        let probe = {
+            let mut b = lock(&self.shared.breaker);
+            !b.allows() && b.poll_probe(now)
+        };
+        if probe {
+            self.next_beat = now + self.shared.options.probe_interval;
+            let ok = self.beat(Call::Probe).await;
+            let t = lock(&self.shared.breaker).on_probe(ok, Instant::now());
+            self.shared.transition(t);
+        } else if now >= self.next_beat && !last {
+            self.next_beat = now + self.shared.options.probe_interval;
+            self.beat(Call::Heartbeat).await;
+        }
+        if !lock(&self.shared.breaker).allows() {
+            // Nothing is written while it is open; the ledger keeps the truth.
+            lock(&self.shared.ledger).drop_pending();
+            return;
+        }
+        if !self.purge_departed().await {
+            return;
+        }
+        if !last {
+            let (reannounce, reconcile) = {
+                let l = lock(&self.shared.ledger);
+                (l.reannounce, l.reconcile)
+            };
+            if reannounce || reconcile || now >= self.next_reconcile {
+                self.next_reconcile = now + self.shared.options.reconcile_interval;
+                if !self.reconcile(reannounce).await {
+                    return;
+                }
+            }
+        }
+        self.write_pending().await;
+    }
+
+    /// Runs one pipeline under the write deadline.
+    async fn call<T: redis::FromRedisValue>(
+        &mut self,
+        call: Call,
+        p: &redis::Pipeline,
+    ) -> Option<T> {
+        let t = Instant::now();
+        let r = tokio::time::timeout(
+            self.shared.options.write_timeout,
+            p.query_async::<T>(&mut self.conn),
+        )
+        .await;
+        self.shared.outcome(call, t, r)
+    }
+
+    /// Asks the server for its `run_id`; a new one (a restart) owes a re-announce.
+    async fn beat(&mut self, call: Call) -> bool {
+        let mut p = redis::pipe();
+        p.cmd("INFO").arg("server");
+        let Some((info,)) = self.call::<(String,)>(call, &p).await else {
+            return false;
+        };
+        let id = info
+            .lines()
+            .find_map(|l| l.strip_prefix("run_id:"))
+            .map(|id| id.trim().to_owned());
+        if let Some(id) = id {
+            if self.run_id.as_ref().is_some_and(|old| *old != id) {
+                lock(&self.shared.ledger).reannounce = true;
+            }
+            self.run_id = Some(id);
+        }
+        true
+    }
+
+    /// Removes the entries of nodes that left; false when the server failed.
+    async fn purge_departed(&mut self) -> bool {
+        let departed: Vec<String> = lock(&self.shared.ledger).departed.iter().cloned().collect();
+        for node in departed {
+            let key = node_key(&self.shared.prefix, &node);
+            let mut p = redis::pipe();
+            p.cmd("SMEMBERS").arg(&key);
+            let Some((listed,)) = self.call::<(Vec<String>,)>(Call::Write, &p).await else {
+                return false;
+            };
+            if !self.write_sets(&node, &[], &listed).await {
+                return false;
+            }
+            // A node that rejoined meanwhile publishes afresh (queued after this).
+            lock(&self.shared.ledger).departed.remove(&node);
+        }
+        true
+    }
+
+    /// Makes the server's sets of each node of this process what the ledger holds: all of
+    /// it re-added when `full` (the server lost it or may have), else only the differences.
+    async fn reconcile(&mut self, full: bool) -> bool {
+        let snapshot: Vec<(String, Vec<(Namespace, BlockHash)>)> = {
+            let mut l = lock(&self.shared.ledger);
+            // What is queued is in `held` already: the comparison writes it.
+            l.pending.clear();
+            l.pending_hashes = 0;
+            l.reconcile = false;
+            if full {
+                l.reannounce = false;
+            }
+            l.held
+                .iter()
+                .map(|(n, b)| (n.clone(), b.iter().cloned().collect()))
+                .collect()
+        };
+        let prefix = self.shared.prefix.clone();
+        for (node, blocks) in snapshot {
+            let want: HashSet<String> = blocks
+                .iter()
+                .map(|(ns, h)| block_key(&prefix, ns, h))
+                .collect();
+            let mut p = redis::pipe();
+            p.cmd("SMEMBERS").arg(node_key(&prefix, &node));
+            let Some((listed,)) = self.call::<(Vec<String>,)>(Call::Write, &p).await else {
+                return self.owe(full);
+            };
+            let listed: HashSet<String> = listed.into_iter().collect();
+            let add: Vec<String> = if full {
+                want.iter().cloned().collect()
+            } else {
+                want.difference(&listed).cloned().collect()
+            };
+            let del: Vec<String> = listed.difference(&want).cloned().collect();
+            if !self.write_sets(&node, &add, &del).await {
+                return self.owe(full);
+            }
+        }
+        if full {
+            self.shared.reannounces.fetch_add(1, Ordering::Relaxed);
+        }
+        true
+    }
+
+    /// A reconcile that failed is owed again.
+    fn owe(&self, full: bool) -> bool {
+        let mut l = lock(&self.shared.ledger);
+        l.reconcile = true;
+        l.reannounce |= full;
+        false
+    }
+
+    /// Writes what was queued, in order, in pipelines of [`WRITE_CHUNK`] commands.
+    async fn write_pending(&mut self) {
+        let updates = {
+            let mut l = lock(&self.shared.ledger);
+            l.pending_hashes = 0;
+            std::mem::take(&mut l.pending)
+        };
+        let prefix = self.shared.prefix.clone();
+        for u in updates {
+            let keys: Vec<String> = u
+                .hashes
+                .iter()
+                .map(|h| block_key(&prefix, &u.ns, h))
+                .collect();
+            let ok = if u.add {
+                self.write_sets(&u.node, &keys, &[]).await
+            } else {
+                self.write_sets(&u.node, &[], &keys).await
+            };
+            if !ok {
+                // What landed is unknown, the rest was not sent: compare at the next chance.
+                let mut l = lock(&self.shared.ledger);
+                l.drop_pending();
+                l.reconcile = true;
+                return;
+            }
+        }
+    }
+
+    /// Adds `node` to the sets of `add` and removes it from those of `del`, mirrored in the
+    /// node's own set, each chunk in one MULTI/EXEC.
+    async fn write_sets(&mut self, node: &str, add: &[String], del: &[String]) -> bool {
+        let nkey = node_key(&self.shared.prefix, node);
+        for (op, keys) in [("SADD", add), ("SREM", del)] {
+            for chunk in keys.chunks(WRITE_CHUNK) {
+                let mut p = redis::pipe();
+                p.atomic();
+                for k in chunk {
+                    p.cmd(op).arg(k).arg(node).ignore();
+                }
+                p.cmd(op).arg(&nkey).arg(chunk).ignore();
+                if self.call::<()>(Call::Write, &p).await.is_none() {
+                    return false;
+                }
+            }
+        }
+        true
     }
 }
 
@@ -482,218 +854,34 @@ fn parse_addr(addr: &str) -> Result<String, RedisError> {
     }
 }
 
-/// Escapes a literal for a SCAN MATCH glob.
-fn glob_escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
-/// Commands encoded back to back, sent with one write.
-#[derive(Default)]
-struct Pipeline {
-    buf: Vec<u8>,
-    names: Vec<&'static str>,
-}
-
-impl Pipeline {
-    fn push(&mut self, name: &'static str, args: &[&[u8]]) {
-        self.buf
-            .extend_from_slice(format!("*{}\r\n", args.len() + 1).as_bytes());
-        for a in std::iter::once(name.as_bytes()).chain(args.iter().copied()) {
-            self.buf
-                .extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
-            self.buf.extend_from_slice(a);
-            self.buf.extend_from_slice(b"\r\n");
-        }
-        self.names.push(name);
-    }
-}
-
-/// A RESP2 reply.
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Reply {
-    Status(String),
-    Error(String),
-    Int(i64),
-    Bulk(Option<Vec<u8>>),
-    Array(Option<Vec<Reply>>),
-}
-
-enum ReadFault {
-    Io(io::Error),
-    Protocol(String),
-}
-
-impl From<io::Error> for ReadFault {
-    fn from(e: io::Error) -> Self {
-        ReadFault::Io(e)
-    }
-}
-
-// Bounds on what a reply may claim, so a corrupt stream cannot make us allocate wildly.
-const MAX_LINE: u64 = 64 * 1024;
-const MAX_BULK: usize = 512 * 1024 * 1024;
-const MAX_DEPTH: u8 = 8;
-
-fn read_line(r: &mut impl BufRead) -> Result<String, ReadFault> {
-    let mut line = Vec::new();
-    let n = r.by_ref().take(MAX_LINE).read_until(b'\n', &mut line)?;
-    if n == 0 {
-        return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
-    }
-    if !line.ends_with(b"\r\n") {
-        return Err(if n as u64 == MAX_LINE {
-            ReadFault::Protocol("line too long".into())
-        } else {
-            io::Error::from(io::ErrorKind::UnexpectedEof).into()
-        });
-    }
-    line.truncate(line.len() - 2);
-    String::from_utf8(line).map_err(|_| ReadFault::Protocol("line is not UTF-8".into()))
-}
-
-fn parse_len(s: &str) -> Result<i64, ReadFault> {
-    s.parse()
-        .map_err(|_| ReadFault::Protocol(format!("bad length {s:?}")))
-}
-
-fn read_reply(r: &mut impl BufRead, depth: u8) -> Result<Reply, ReadFault> {
-    if depth > MAX_DEPTH {
-        return Err(ReadFault::Protocol("arrays nested too deep".into()));
-    }
-    let line = read_line(r)?;
-    let (kind, rest) = match line.char_indices().nth(1) {
-        Some((i, _)) => line.split_at(i),
-        None => (line.as_str(), ""),
-    };
-    match kind {
-        "+" => Ok(Reply::Status(rest.to_owned())),
-        "-" => Ok(Reply::Error(rest.to_owned())),
-        ":" => Ok(Reply::Int(parse_len(rest)?)),
-        "$" => {
-            let len = parse_len(rest)?;
-            if len == -1 {
-                return Ok(Reply::Bulk(None));
-            }
-            let len = usize::try_from(len)
-                .ok()
-                .filter(|&l| l <= MAX_BULK)
-                .ok_or_else(|| ReadFault::Protocol(format!("bad bulk length {len}")))?;
-            let mut buf = vec![0u8; len + 2];
-            r.read_exact(&mut buf)?;
-            if !buf.ends_with(b"\r\n") {
-                return Err(ReadFault::Protocol("bulk string not ended by CRLF".into()));
-            }
-            buf.truncate(len);
-            Ok(Reply::Bulk(Some(buf)))
-        }
-        "*" => {
-            let len = parse_len(rest)?;
-            if len == -1 {
-                return Ok(Reply::Array(None));
-            }
-            let len = usize::try_from(len)
-                .map_err(|_| ReadFault::Protocol(format!("bad array length {len}")))?;
-            let mut items = Vec::with_capacity(len.min(1024));
-            for _ in 0..len {
-                items.push(read_reply(r, depth + 1)?);
-            }
-            Ok(Reply::Array(Some(items)))
-        }
-        _ => Err(ReadFault::Protocol(format!("unknown reply type {line:?}"))),
-    }
-}
-
-/// One connection: the stream behind a read buffer (writes go straight to the stream).
-struct Conn {
-    addr: String,
-    reader: BufReader<TcpStream>,
-}
-
-impl Conn {
-    fn open(addr: &str, addrs: &[SocketAddr], o: &RedisOptions) -> Result<Self, RedisError> {
-        let connect_err = |source| RedisError::Connect {
-            addr: addr.to_owned(),
-            source,
-        };
-        let mut last = None;
-        for a in addrs {
-            let r = if o.connect_timeout.is_zero() {
-                TcpStream::connect(a)
-            } else {
-                TcpStream::connect_timeout(a, o.connect_timeout)
-            };
-            match r {
-                Ok(s) => {
-                    let timeout = Some(o.io_timeout).filter(|t| !t.is_zero());
-                    s.set_read_timeout(timeout).map_err(connect_err)?;
-                    s.set_write_timeout(timeout).map_err(connect_err)?;
-                    // Pipelines are written whole; don't let Nagle hold the tail back.
-                    s.set_nodelay(true).map_err(connect_err)?;
-                    return Ok(Self {
-                        addr: addr.to_owned(),
-                        reader: BufReader::new(s),
-                    });
-                }
-                Err(e) => last = Some(e),
-            }
-        }
-        Err(connect_err(last.unwrap_or_else(|| {
-            io::Error::new(io::ErrorKind::NotFound, "the address resolved to nothing")
-        })))
-    }
-
-    fn round_trip(&mut self, p: &Pipeline) -> Result<Vec<Reply>, RedisError> {
-        let io_err = |source| RedisError::Io {
-            addr: self.addr.clone(),
-            source,
-        };
-        let s = self.reader.get_mut();
-        s.write_all(&p.buf).map_err(io_err)?;
-        s.flush().map_err(io_err)?;
-        let mut replies = Vec::with_capacity(p.names.len());
-        for _ in 0..p.names.len() {
-            match read_reply(&mut self.reader, 0) {
-                Ok(r) => replies.push(r),
-                Err(ReadFault::Io(e)) => return Err(io_err(e)),
-                Err(ReadFault::Protocol(reason)) => {
-                    return Err(RedisError::Protocol {
-                        addr: self.addr.clone(),
-                        reason,
-                    })
-                }
-            }
-        }
-        Ok(replies)
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use std::io::Cursor;
+    use std::future::Future;
     use std::net::TcpListener;
+    use std::path::PathBuf;
     use std::process::{Child, Command, Stdio};
     use std::thread;
 
     use super::*;
-    use crate::remote::directory::Segment;
+    use crate::remote::directory::{EmbeddedDirectory, Segment};
 
-    /// A real `redis-server` on a loopback port, killed on drop.
+    /// A real `redis-server` on a loopback port, killed on drop (and continued first, if a
+    /// test stopped it).
     struct RedisServer {
         child: Child,
         port: u16,
+        /// Where it saves and loads its data; None: in memory only.
+        dir: Option<PathBuf>,
     }
 
     impl RedisServer {
         fn start() -> Self {
+            Self::start_with(None)
+        }
+
+        fn start_with(dir: Option<PathBuf>) -> Self {
             for _ in 0..5 {
-                if let Some(s) = Self::start_on(free_port()) {
+                if let Some(s) = Self::start_on(free_port(), dir.clone()) {
                     return s;
                 }
             }
@@ -701,29 +889,33 @@ mod tests {
         }
 
         /// None when the server exits early (its port was taken meanwhile).
-        fn start_on(port: u16) -> Option<Self> {
-            let child = Command::new("redis-server")
-                .args(["--port", &port.to_string()])
-                .args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"])
+        fn start_on(port: u16, dir: Option<PathBuf>) -> Option<Self> {
+            let mut cmd = Command::new("redis-server");
+            cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--appendonly", "no", "--save", ""]);
+            if let Some(d) = &dir {
+                cmd.arg("--dir").arg(d).args(["--dbfilename", "dir.rdb"]);
+            }
+            let child = cmd
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn();
             let child = match child {
                 Ok(c) => c,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => panic!(
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!(
                     "redis-server is not installed (needed by the Redis directory tests): \
                      run ./scripts/test, which installs it, or apt-get install redis-server"
                 ),
                 Err(e) => panic!("cannot start redis-server: {e}"),
             };
-            let mut s = Self { child, port };
+            let mut s = Self { child, port, dir };
             let deadline = Instant::now() + Duration::from_secs(10);
             while Instant::now() < deadline {
                 if matches!(s.child.try_wait(), Ok(Some(_))) {
                     return None;
                 }
-                if pong(port) {
+                if s.pong() {
                     return Some(s);
                 }
                 thread::sleep(Duration::from_millis(20));
@@ -734,12 +926,81 @@ mod tests {
         fn addr(&self) -> String {
             format!("127.0.0.1:{}", self.port)
         }
+
+        fn pong(&self) -> bool {
+            redis::Client::open(format!("redis://{}/", self.addr()))
+                .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(500)))
+                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
+                .is_ok()
+        }
+
+        /// A plain blocking connection of the test's own, to look at the server.
+        fn conn(&self) -> redis::Connection {
+            let c = redis::Client::open(format!("redis://{}/", self.addr())).unwrap();
+            let conn = c
+                .get_connection_with_timeout(Duration::from_secs(2))
+                .unwrap();
+            conn.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            conn
+        }
+
+        /// Block keys under `prefix`, counted with SCAN.
+        fn entries(&self, prefix: &str) -> usize {
+            let mut c = self.conn();
+            let it = redis::cmd("SCAN")
+                .cursor_arg(0)
+                .arg("MATCH")
+                .arg(format!("{prefix}:blk:*"))
+                .clone()
+                .iter::<String>(&mut c)
+                .unwrap();
+            it.filter_map(Result::ok).collect::<HashSet<String>>().len()
+        }
+
+        /// Signals the server while it runs (never a pid that was reaped and may be reused).
+        fn signal(&mut self, sig: libc::c_int) {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return;
+            }
+            // SAFETY: kill(2) on our own child, not yet reaped; no memory is involved.
+            let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
+            assert_eq!(rc, 0, "kill({}, {sig})", self.child.id());
+        }
+
+        /// Hangs the server: its socket still accepts, nothing answers.
+        fn stop(&mut self) {
+            self.signal(libc::SIGSTOP);
+        }
+
+        fn cont(&mut self) {
+            self.signal(libc::SIGCONT);
+        }
+
+        /// Kills it and starts another on the same port (with the same data directory).
+        fn restart(mut self) -> Self {
+            self.kill();
+            let dir = self.dir.take();
+            let port = self.port;
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                if let Some(s) = Self::start_on(port, dir.clone()) {
+                    return s;
+                }
+                assert!(Instant::now() < deadline, "no restart on port {port}");
+                thread::sleep(Duration::from_millis(50));
+            }
+        }
+
+        fn kill(&mut self) {
+            self.cont();
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 
     impl Drop for RedisServer {
         fn drop(&mut self) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+            self.kill();
         }
     }
 
@@ -748,21 +1009,23 @@ mod tests {
         l.local_addr().expect("local addr").port()
     }
 
-    fn pong(port: u16) -> bool {
-        let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
-            return false;
-        };
-        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-        let mut buf = [0u8; 7];
-        s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
-    }
-
+    /// Short deadlines; no periodic reconcile within a test, so that what a test sees
+    /// found again was re-announced (the periodic one has a test of its own).
     fn quick() -> RedisOptions {
         RedisOptions {
             connect_timeout: Duration::from_millis(500),
-            io_timeout: Duration::from_millis(500),
-            retry_backoff: Duration::ZERO,
+            lookup_timeout: Duration::from_millis(200),
+            write_timeout: Duration::from_millis(500),
+            breaker_failures: 3,
+            probe_interval: Duration::from_millis(100),
+            reconcile_interval: Duration::from_secs(600),
         }
+    }
+
+    /// Within how long a directory back from an outage has re-announced everything: a
+    /// probe, then one round.
+    fn recovery(o: &RedisOptions) -> Duration {
+        o.probe_interval * 2 + o.write_timeout * 2 + Duration::from_millis(500)
     }
 
     fn ns(fp: &str) -> Namespace {
@@ -781,6 +1044,44 @@ mod tests {
         }
     }
 
+    fn block_on<F: Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
+    /// Writes what is queued, then looks up.
+    fn lookup(d: &RedisDirectory, space: &Namespace, h: &[BlockHash], me: &str) -> Vec<Segment> {
+        block_on(async {
+            d.flush().await;
+            d.lookup(space, h, me).await
+        })
+    }
+
+    fn owners(
+        d: &RedisDirectory,
+        space: &Namespace,
+        h: &[BlockHash],
+        me: &str,
+    ) -> Vec<Vec<String>> {
+        block_on(async {
+            d.flush().await;
+            d.owners(space, h, me).await
+        })
+    }
+
+    /// Polls `f` until it holds, for at most `within`; the time it took.
+    fn eventually(within: Duration, what: &str, mut f: impl FnMut() -> bool) -> Duration {
+        let t = Instant::now();
+        while !f() {
+            assert!(t.elapsed() < within, "{what}: not within {within:?}");
+            thread::sleep(Duration::from_millis(20));
+        }
+        t.elapsed()
+    }
+
     #[test]
     fn segments_across_three_nodes() {
         let server = RedisServer::start();
@@ -790,27 +1091,29 @@ mod tests {
         d.publish("a", &ns("x"), &h[4..8]);
         d.publish("c", &ns("x"), &h[8..12]);
         assert_eq!(
-            d.lookup(&ns("x"), &h[4..], "b"),
+            lookup(&d, &ns("x"), &h[4..], "b"),
             vec![seg(0, 4, &["a"]), seg(4, 4, &["c"])]
         );
         // Shared blocks list every holder, sorted, and keep the run with the common owner.
         d.publish("c", &ns("x"), &h[6..8]);
         d.publish("a", &ns("x"), &h[6..8]); // twice is once
         assert_eq!(
-            d.owners(&ns("x"), &h[5..9], "b"),
+            owners(&d, &ns("x"), &h[5..9], "b"),
             vec![vec!["a"], vec!["a", "c"], vec!["a", "c"], vec!["c"]]
         );
         assert_eq!(
-            d.lookup(&ns("x"), &h[4..], "b"),
+            lookup(&d, &ns("x"), &h[4..], "b"),
             vec![seg(0, 4, &["a"]), seg(4, 4, &["c"])]
         );
         // A node never lists itself.
-        assert!(d.lookup(&ns("x"), &h[0..4], "b").is_empty());
-        assert_eq!(d.lookup(&ns("x"), &h[0..4], "a"), vec![seg(0, 4, &["b"])]);
-        assert_eq!(d.owners(&ns("x"), &h[6..7], "a"), vec![vec!["c"]]);
+        assert!(lookup(&d, &ns("x"), &h[0..4], "b").is_empty());
+        assert_eq!(lookup(&d, &ns("x"), &h[0..4], "a"), vec![seg(0, 4, &["b"])]);
+        assert_eq!(owners(&d, &ns("x"), &h[6..7], "a"), vec![vec!["c"]]);
         let s = d.stats();
-        assert_eq!((s.publishes, s.entries), (16, 12));
+        assert_eq!((s.publishes, s.entries), (16, 14));
+        assert_eq!(server.entries("kvf"), 12);
         assert_eq!(d.errors(), 0, "{:?}", d.last_error());
+        assert_eq!(d.breaker(), BreakerState::Closed);
     }
 
     #[test]
@@ -824,27 +1127,30 @@ mod tests {
         d.publish("c", &ns("x"), &h[6..8]);
         // A hole ends the lookup.
         d.withdraw("a", &ns("x"), &h[5..6]);
-        assert_eq!(d.lookup(&ns("x"), &h[4..], "b"), vec![seg(0, 1, &["a"])]);
-        assert_eq!(d.stats().entries, 11);
+        assert_eq!(lookup(&d, &ns("x"), &h[4..], "b"), vec![seg(0, 1, &["a"])]);
+        assert_eq!(server.entries("kvf"), 11);
         // Withdrawing what a node does not hold changes nothing.
         d.withdraw("b", &ns("x"), &h[8..12]);
-        assert_eq!(d.owners(&ns("x"), &h[8..9], ""), vec![vec!["c"]]);
+        assert_eq!(owners(&d, &ns("x"), &h[8..9], ""), vec![vec!["c"]]);
 
         d.withdraw_node("c");
-        assert_eq!(d.stats().entries, 7, "as the embedded directory");
+        block_on(d.flush());
+        assert_eq!(server.entries("kvf"), 7, "as the embedded directory");
         assert_eq!(
-            d.owners(&ns("x"), &h[6..10], "b"),
+            owners(&d, &ns("x"), &h[6..10], "b"),
             vec![vec!["a"], vec!["a"], vec![], vec![]]
         );
         // The node's own index is gone too, and a second withdraw_node is a no-op.
-        let mut p = Pipeline::default();
-        p.push("EXISTS", &[b"kvf:node:c"]);
-        assert_eq!(d.exec(&p).unwrap(), vec![Reply::Int(0)]);
+        let exists: i64 = redis::cmd("EXISTS")
+            .arg("kvf:node:c")
+            .query(&mut server.conn())
+            .unwrap();
+        assert_eq!(exists, 0);
         d.withdraw_node("c");
         d.withdraw_node("never-seen");
         // A node that rejoins publishes afresh.
         d.publish("c", &ns("x"), &h[8..9]);
-        assert_eq!(d.owners(&ns("x"), &h[8..9], "b"), vec![vec!["c"]]);
+        assert_eq!(owners(&d, &ns("x"), &h[8..9], "b"), vec![vec!["c"]]);
         assert_eq!(d.errors(), 0, "{:?}", d.last_error());
     }
 
@@ -856,83 +1162,63 @@ mod tests {
         let h = hashes(4);
         d.publish("a", &ns("x"), &h);
         d.publish("b", &ns("y"), &h[..2]);
-        assert_eq!(d.lookup(&ns("x"), &h, "z"), vec![seg(0, 4, &["a"])]);
-        assert_eq!(d.lookup(&ns("y"), &h, "z"), vec![seg(0, 2, &["b"])]);
-        assert!(d.lookup(&ns("w"), &h, "z").is_empty());
-        assert!(other.lookup(&ns("x"), &h, "z").is_empty());
-        assert_eq!(other.stats().entries, 0);
+        assert_eq!(lookup(&d, &ns("x"), &h, "z"), vec![seg(0, 4, &["a"])]);
+        assert_eq!(lookup(&d, &ns("y"), &h, "z"), vec![seg(0, 2, &["b"])]);
+        assert!(lookup(&d, &ns("w"), &h, "z").is_empty());
+        assert!(lookup(&other, &ns("x"), &h, "z").is_empty());
+        assert_eq!(server.entries("kvf2"), 0);
         d.withdraw_node("a");
-        assert!(d.lookup(&ns("x"), &h, "z").is_empty());
-        assert_eq!(d.lookup(&ns("y"), &h, "z"), vec![seg(0, 2, &["b"])]);
+        assert!(lookup(&d, &ns("x"), &h, "z").is_empty());
+        assert_eq!(lookup(&d, &ns("y"), &h, "z"), vec![seg(0, 2, &["b"])]);
         // Hashes of different lengths are different blocks.
         let short = BlockHash::new(&[0, 0, 0, 0, 0, 0, 0]).unwrap();
         assert_eq!(
-            d.owners(&ns("y"), &[short], "z"),
+            owners(&d, &ns("y"), &[short], "z"),
             vec![Vec::<String>::new()]
         );
     }
 
     #[test]
-    fn an_outage_degrades_to_misses_and_a_fresh_server_is_picked_up() {
+    fn matches_the_embedded_directory() {
         let server = RedisServer::start();
-        let port = server.port;
         let d = RedisDirectory::connect_with(&server.addr(), "kvf", quick()).unwrap();
-        let h = hashes(4);
-        d.publish("a", &ns("x"), &h);
-        assert_eq!(d.lookup(&ns("x"), &h, "b"), vec![seg(0, 4, &["a"])]);
-        drop(server);
-
-        assert_eq!(d.owners(&ns("x"), &h, "b"), vec![Vec::<String>::new(); 4]);
-        assert!(d.lookup(&ns("x"), &h, "b").is_empty());
-        assert!(d.errors() > 0);
-        let before = d.errors();
-        d.publish("a", &ns("x"), &h);
-        d.withdraw("a", &ns("x"), &h);
-        d.withdraw_node("a");
-        assert_eq!(d.stats().entries, 0);
-        assert_eq!(d.errors(), before + 4);
-        assert!(d.ping().is_err());
-        let msg = d.last_error().unwrap();
-        assert!(msg.contains(&format!("127.0.0.1:{port}")), "{msg}");
-
-        // The directory was in memory only: a fresh server starts empty and is used again.
-        let _fresh = RedisServer::start_on(port).expect("restart on the same port");
-        d.ping().unwrap();
-        assert!(d.lookup(&ns("x"), &h, "b").is_empty());
-        let errors = d.errors();
-        d.publish("a", &ns("x"), &h);
-        assert_eq!(d.lookup(&ns("x"), &h, "b"), vec![seg(0, 4, &["a"])]);
-        assert_eq!(d.errors(), errors);
-    }
-
-    #[test]
-    fn a_failed_connection_backs_off() {
-        let port = free_port();
-        let addr = format!("127.0.0.1:{port}");
-        let d = RedisDirectory {
-            addr: addr.clone(),
-            addrs: vec![addr.parse().unwrap()],
-            prefix: "kvf".into(),
-            options: RedisOptions {
-                retry_backoff: Duration::from_secs(60),
-                ..quick()
-            },
-            state: Mutex::new(State::default()),
-            last_error: Mutex::new(None),
-            publishes: AtomicU64::new(0),
-            withdraws: AtomicU64::new(0),
-            lookups: AtomicU64::new(0),
-            errors: AtomicU64::new(0),
-        };
-        assert!(matches!(d.ping(), Err(RedisError::Connect { .. })));
-        // Even once a server is up, the back-off holds until it ends.
-        let _server = RedisServer::start_on(port).expect("start");
-        assert!(matches!(d.ping(), Err(RedisError::Backoff { .. })));
-        assert_eq!(
-            d.owners(&ns("x"), &hashes(2), "b"),
-            vec![Vec::<String>::new(); 2]
-        );
-        assert_eq!(d.errors(), 1);
+        let e = EmbeddedDirectory::new();
+        let nodes = ["a", "b", "c", "d"];
+        let h = hashes(16);
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for _ in 0..200 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let node = nodes[(x % 4) as usize];
+            let lo = ((x >> 8) % 16) as usize;
+            let hi = lo + ((x >> 16) % (17 - lo as u64)) as usize;
+            let space = ns(if (x >> 24).is_multiple_of(3) {
+                "y"
+            } else {
+                "x"
+            });
+            match (x >> 32) % 10 {
+                0..=5 => {
+                    d.publish(node, &space, &h[lo..hi]);
+                    e.publish(node, &space, &h[lo..hi]);
+                }
+                6..=8 => {
+                    d.withdraw(node, &space, &h[lo..hi]);
+                    e.withdraw(node, &space, &h[lo..hi]);
+                }
+                _ => {
+                    d.withdraw_node(node);
+                    e.withdraw_node(node);
+                }
+            }
+            let me = nodes[((x >> 40) % 4) as usize];
+            let mut want = block_on(e.owners(&space, &h, me));
+            want.iter_mut().for_each(|o| o.sort());
+            assert_eq!(owners(&d, &space, &h, me), want);
+        }
+        assert_eq!(server.entries("kvf"), e.stats().entries);
+        assert_eq!(d.errors(), 0, "{:?}", d.last_error());
     }
 
     #[test]
@@ -972,98 +1258,240 @@ mod tests {
                 "{bad:?}"
             );
         }
-        assert_eq!(glob_escape("a*b?[c]\\"), "a\\*b\\?\\[c\\]\\\\");
     }
 
+    /// A hung server (SIGSTOP): lookups answer empty within the bound, then at once (the
+    /// breaker opened); publishes never wait; once it answers again, the breaker closes
+    /// and what was sealed meanwhile is found.
     #[test]
-    fn resp_encoding_and_parsing() {
-        let mut p = Pipeline::default();
-        p.push("SADD", &[b"k", b"n 1"]);
-        p.push("PING", &[]);
-        assert_eq!(
-            p.buf,
-            b"*3\r\n$4\r\nSADD\r\n$1\r\nk\r\n$3\r\nn 1\r\n*1\r\n$4\r\nPING\r\n".to_vec()
-        );
-        let mut r = Cursor::new(
-            b"+OK\r\n-ERR x\r\n:42\r\n$-1\r\n$5\r\na\r\nbc\r\n*2\r\n$1\r\nx\r\n:1\r\n*-1\r\n*0\r\n"
-                .to_vec(),
-        );
-        let mut next = || match read_reply(&mut r, 0) {
-            Ok(v) => v,
-            Err(_) => panic!("parse failed"),
-        };
-        assert_eq!(next(), Reply::Status("OK".into()));
-        assert_eq!(next(), Reply::Error("ERR x".into()));
-        assert_eq!(next(), Reply::Int(42));
-        assert_eq!(next(), Reply::Bulk(None));
-        assert_eq!(next(), Reply::Bulk(Some(b"a\r\nbc".to_vec())));
-        assert_eq!(
-            next(),
-            Reply::Array(Some(vec![Reply::Bulk(Some(b"x".to_vec())), Reply::Int(1)]))
-        );
-        assert_eq!(next(), Reply::Array(None));
-        assert_eq!(next(), Reply::Array(Some(vec![])));
-        assert!(matches!(read_reply(&mut r, 0), Err(ReadFault::Io(_))));
-        for bad in [
-            &b"?x\r\n"[..],
-            b"$abc\r\n",
-            b"$-5\r\n",
-            b"$3\r\nabcd\r\n",
-            b":1\n",
-        ] {
-            let r = read_reply(&mut Cursor::new(bad.to_vec()), 0);
-            let is_fault = matches!(r, Err(ReadFault::Protocol(_)) | Err(ReadFault::Io(_)));
-            assert!(is_fault, "{bad:?}");
+    fn a_hung_server_costs_a_lookup_at_most_the_bound() {
+        let mut server = RedisServer::start();
+        let o = quick();
+        let d = RedisDirectory::connect_with(&server.addr(), "kvf", o.clone()).unwrap();
+        let h = hashes(8);
+        d.publish("a", &ns("x"), &h[..4]);
+        assert_eq!(lookup(&d, &ns("x"), &h, "b"), vec![seg(0, 4, &["a"])]);
+
+        server.stop();
+        let slack = Duration::from_millis(150);
+        let mut slowest = Duration::ZERO;
+        for _ in 0..20 {
+            let t = Instant::now();
+            let owners = block_on(d.owners(&ns("x"), &h, "b"));
+            slowest = slowest.max(t.elapsed());
+            assert_eq!(owners, vec![Vec::<String>::new(); 8]);
+            // Sealing and evicting never waits on the directory.
+            let t = Instant::now();
+            d.publish("a", &ns("x"), &h[4..8]);
+            d.withdraw("a", &ns("x"), &h[..1]);
+            d.publish("a", &ns("x"), &h[..1]);
+            assert!(t.elapsed() < Duration::from_millis(20), "{:?}", t.elapsed());
         }
-        // A truncated stream is a broken connection, not a protocol error.
-        let r = read_reply(&mut Cursor::new(b"$5\r\nab".to_vec()), 0);
-        assert!(matches!(r, Err(ReadFault::Io(_))));
-        let deep = b"*1\r\n".repeat(20);
-        let r = read_reply(&mut Cursor::new(deep), 0);
-        assert!(matches!(r, Err(ReadFault::Protocol(_))));
+        assert!(
+            slowest <= o.lookup_timeout + slack,
+            "a lookup took {slowest:?}"
+        );
+        assert_eq!(d.breaker(), BreakerState::Open);
+        let health = d.stats().health.unwrap();
+        assert!(health.lookups_skipped >= 15, "{health:?}");
+        assert!(
+            health.trips >= 1
+                && health.lookup_failures + health.write_failures + health.probe_failures >= 1
+        );
+        assert!(d.last_error().unwrap().contains(&server.addr()));
+        // The flush of a hung directory is bounded too.
+        let t = Instant::now();
+        block_on(d.flush());
+        assert!(t.elapsed() < o.write_timeout * 4 + o.lookup_timeout + slack);
+
+        server.cont();
+        let took = eventually(Duration::from_secs(5), "the breaker closes", || {
+            d.breaker() == BreakerState::Closed
+        });
+        assert!(
+            took <= o.probe_interval + o.write_timeout * 2 + slack * 4,
+            "{took:?}"
+        );
+        // The blocks sealed during the hang are re-announced.
+        eventually(recovery(&o), "blocks sealed while hung are found", || {
+            block_on(d.lookup(&ns("x"), &h, "b")) == vec![seg(0, 8, &["a"])]
+        });
+        assert!(d.stats().health.unwrap().reannounces >= 1);
     }
 
+    /// A server killed and restarted empty: every block is found again within the
+    /// reconcile interval, with what was sealed and evicted while it was down.
     #[test]
-    fn matches_the_embedded_directory() {
-        use crate::remote::directory::EmbeddedDirectory;
+    fn a_server_restarted_empty_is_told_everything_again() {
+        let mut server = RedisServer::start();
+        let o = quick();
+        let d = RedisDirectory::connect_with(&server.addr(), "kvf", o.clone()).unwrap();
+        let h = hashes(12);
+        d.publish("a", &ns("x"), &h[..4]);
+        d.publish("c", &ns("x"), &h[4..8]);
+        assert_eq!(
+            lookup(&d, &ns("x"), &h, "b"),
+            vec![seg(0, 4, &["a"]), seg(4, 4, &["c"])]
+        );
+        server.kill();
+        // Down: lookups answer empty at once or within the bound, writes are queued.
+        for _ in 0..5 {
+            let t = Instant::now();
+            assert!(block_on(d.lookup(&ns("x"), &h, "b")).is_empty());
+            assert!(t.elapsed() <= o.lookup_timeout + Duration::from_millis(150));
+        }
+        d.publish("c", &ns("x"), &h[8..12]); // sealed during the outage
+        d.withdraw("a", &ns("x"), &h[3..4]); // evicted during the outage
+        eventually(Duration::from_secs(5), "the breaker opens", || {
+            d.breaker() == BreakerState::Open
+        });
+        let server = server.restart();
+        let took = eventually(recovery(&o), "all found again", || {
+            block_on(d.lookup(&ns("x"), &h, "b")) == vec![seg(0, 3, &["a"])]
+                && block_on(d.owners(&ns("x"), &h[3..12], "b"))
+                    == [
+                        vec![],
+                        vec!["c".to_string()],
+                        vec!["c".into()],
+                        vec!["c".into()],
+                        vec!["c".into()],
+                        vec!["c".into()],
+                        vec!["c".into()],
+                        vec!["c".into()],
+                        vec!["c".into()],
+                    ]
+        });
+        assert_eq!(server.entries("kvf"), 11, "found again after {took:?}");
+        assert_eq!(d.breaker(), BreakerState::Closed);
+    }
+
+    /// A restart between two heartbeats fails no call and opens no breaker; the new
+    /// `run_id` alone triggers the re-announce.
+    #[test]
+    fn a_quick_restart_is_noticed_by_its_run_id() {
+        let o = quick();
         let server = RedisServer::start();
-        let d = RedisDirectory::connect_with(&server.addr(), "kvf", quick()).unwrap();
-        let e = EmbeddedDirectory::new();
-        let nodes = ["a", "b", "c", "d"];
-        let h = hashes(16);
-        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-        for _ in 0..200 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let node = nodes[(x % 4) as usize];
-            let lo = ((x >> 8) % 16) as usize;
-            let hi = lo + ((x >> 16) % (17 - lo as u64)) as usize;
-            let space = ns(if (x >> 24).is_multiple_of(3) {
-                "y"
-            } else {
-                "x"
-            });
-            match (x >> 32) % 10 {
-                0..=5 => {
-                    d.publish(node, &space, &h[lo..hi]);
-                    e.publish(node, &space, &h[lo..hi]);
-                }
-                6..=8 => {
-                    d.withdraw(node, &space, &h[lo..hi]);
-                    e.withdraw(node, &space, &h[lo..hi]);
-                }
-                _ => {
-                    d.withdraw_node(node);
-                    e.withdraw_node(node);
-                }
-            }
-            let me = nodes[((x >> 40) % 4) as usize];
-            let mut want = e.owners(&space, &h, me);
-            want.iter_mut().for_each(|o| o.sort());
-            assert_eq!(d.owners(&space, &h, me), want);
-        }
-        assert_eq!(d.stats().entries, e.stats().entries);
-        assert_eq!(d.errors(), 0, "{:?}", d.last_error());
+        let d = RedisDirectory::connect_with(&server.addr(), "kvf", o.clone()).unwrap();
+        let h = hashes(4);
+        d.publish("a", &ns("x"), &h);
+        assert_eq!(lookup(&d, &ns("x"), &h, "b"), vec![seg(0, 4, &["a"])]);
+        let server = server.restart();
+        eventually(recovery(&o), "re-announced after a restart", || {
+            block_on(d.lookup(&ns("x"), &h, "b")) == vec![seg(0, 4, &["a"])]
+        });
+        assert_eq!(server.entries("kvf"), 4);
+        assert!(d.stats().health.unwrap().reannounces >= 1);
+    }
+
+    /// A server restarted with an older snapshot of its data: what was withdrawn since is
+    /// removed, what was published since is added.
+    #[test]
+    fn a_server_restarted_with_old_data_is_reconciled() {
+        let dir = std::env::temp_dir().join(format!(
+            "kvferry-redis-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let server = RedisServer::start_with(Some(dir.clone()));
+        let o = quick();
+        let d = RedisDirectory::connect_with(&server.addr(), "kvf", o.clone()).unwrap();
+        let h = hashes(8);
+        d.publish("a", &ns("x"), &h[..4]);
+        block_on(d.flush());
+        let _: String = redis::cmd("SAVE").query(&mut server.conn()).unwrap();
+        d.withdraw("a", &ns("x"), &h[2..4]);
+        d.publish("a", &ns("x"), &h[4..6]);
+        assert_eq!(
+            owners(&d, &ns("x"), &h[..6], "b")
+                .iter()
+                .filter(|o| !o.is_empty())
+                .count(),
+            4
+        );
+        let server = server.restart();
+        eventually(recovery(&o), "reconciled after a restart with data", || {
+            let got = block_on(d.owners(&ns("x"), &h, "b"));
+            let holds: Vec<bool> = got.iter().map(|o| !o.is_empty()).collect();
+            holds == [true, true, false, false, true, true, false, false]
+        });
+        assert_eq!(server.entries("kvf"), 4);
+        let members: Vec<String> = redis::cmd("SMEMBERS")
+            .arg("kvf:node:a")
+            .query(&mut server.conn())
+            .unwrap();
+        assert_eq!(members.len(), 4, "{members:?}");
+        drop(server);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Entries that a lost write left behind (here: written behind the directory's back)
+    /// are repaired by the periodic reconcile.
+    #[test]
+    fn the_periodic_reconcile_repairs_lost_writes() {
+        let server = RedisServer::start();
+        let o = RedisOptions {
+            reconcile_interval: Duration::from_millis(500),
+            ..quick()
+        };
+        let d = RedisDirectory::connect_with(&server.addr(), "kvf", o.clone()).unwrap();
+        let h = hashes(4);
+        d.publish("a", &ns("x"), &h[..2]);
+        block_on(d.flush());
+        let mut c = server.conn();
+        // A lost publish and a lost withdraw.
+        let k1 = block_key("kvf", &ns("x"), &h[1]);
+        let k3 = block_key("kvf", &ns("x"), &h[3]);
+        let _: () = redis::pipe()
+            .cmd("SREM")
+            .arg(&k1)
+            .arg("a")
+            .ignore()
+            .cmd("SREM")
+            .arg("kvf:node:a")
+            .arg(&k1)
+            .ignore()
+            .cmd("SADD")
+            .arg(&k3)
+            .arg("a")
+            .ignore()
+            .cmd("SADD")
+            .arg("kvf:node:a")
+            .arg(&k3)
+            .ignore()
+            .query(&mut c)
+            .unwrap();
+        let took = eventually(o.reconcile_interval * 4, "reconciled", || {
+            let holds: Vec<bool> = block_on(d.owners(&ns("x"), &h, "b"))
+                .iter()
+                .map(|o| !o.is_empty())
+                .collect();
+            holds == [true, true, false, false]
+        });
+        assert!(took <= o.reconcile_interval * 2, "{took:?}");
+        assert_eq!(
+            d.stats().health.unwrap().reannounces,
+            0,
+            "a diff, not a re-announce"
+        );
+    }
+
+    #[test]
+    fn a_directory_started_while_the_server_is_down_catches_up() {
+        let port = free_port();
+        let o = quick();
+        let d = RedisDirectory::start(&format!("127.0.0.1:{port}"), "kvf", o.clone()).unwrap();
+        let h = hashes(4);
+        d.publish("a", &ns("x"), &h);
+        eventually(Duration::from_secs(5), "the breaker opens", || {
+            d.breaker() == BreakerState::Open
+        });
+        assert!(block_on(d.lookup(&ns("x"), &h, "b")).is_empty());
+        let _server = RedisServer::start_on(port, None).expect("a server on the port");
+        eventually(
+            recovery(&o) + o.connect_timeout,
+            "found once the server is up",
+            || block_on(d.lookup(&ns("x"), &h, "b")) == vec![seg(0, 4, &["a"])],
+        );
     }
 }
