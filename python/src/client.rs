@@ -48,6 +48,19 @@ fn seconds(py: Python<'_>, what: &str, s: f64) -> PyResult<Duration> {
     }
 }
 
+/// A descriptor of our own for Python's `fd`, so a Python thread closing `fd` meanwhile
+/// cannot make us send whatever file reuses the number.
+fn own_fd(py: Python<'_>, method: &str, fd: i32) -> PyResult<OwnedFd> {
+    // SAFETY: F_DUPFD_CLOEXEC reads no memory; an fd that is not open fails with EBADF.
+    let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if dup < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(errors::invalid(py, method, format!("fd {fd}: {e}")));
+    }
+    // SAFETY: `dup` is a descriptor fcntl just created for us; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(dup) })
+}
+
 impl EngineClient {
     /// Runs `fut` on the runtime with the GIL released.
     fn wait<T, F>(&self, py: Python<'_>, method: &str, fut: F) -> PyResult<T>
@@ -180,22 +193,32 @@ impl EngineClient {
     ) -> PyResult<u64> {
         const M: &str = "send_memfd";
         let id = convert::instance(py, M, instance)?;
-        // A copy of our own, so a Python thread closing `fd` meanwhile cannot make us send
-        // whatever file reuses the number.
-        // SAFETY: F_DUPFD_CLOEXEC reads no memory; an fd that is not open fails with EBADF.
-        let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
-        if dup < 0 {
-            return Err(errors::invalid(
-                py,
-                M,
-                format!("fd {fd}: {}", std::io::Error::last_os_error()),
-            ));
-        }
-        // SAFETY: `dup` is a descriptor fcntl just created for us; nothing else owns it.
-        let owned = unsafe { OwnedFd::from_raw_fd(dup) };
+        let owned = own_fd(py, M, fd)?;
         let fut = self
             .inner
             .send_memfd(&id, rank, device, owned.as_fd(), length);
+        self.wait(py, M, fut)
+    }
+
+    /// Sends a DMA-BUF `fd` of GPU KV covering `[base, base + length)` as the node addresses
+    /// it; returns the memory handle (a `("handle", h)` region).
+    #[allow(clippy::too_many_arguments)]
+    fn send_dmabuf(
+        &self,
+        py: Python<'_>,
+        instance: &str,
+        rank: u32,
+        device: u32,
+        fd: i32,
+        base: u64,
+        length: u64,
+    ) -> PyResult<u64> {
+        const M: &str = "send_dmabuf";
+        let id = convert::instance(py, M, instance)?;
+        let owned = own_fd(py, M, fd)?;
+        let fut = self
+            .inner
+            .send_dmabuf(&id, rank, device, owned.as_fd(), base, length);
         self.wait(py, M, fut)
     }
 

@@ -304,6 +304,8 @@ def test_a_stalled_node_costs_the_deadline_and_the_gil_is_free():
         assert ticks > 100 * spent, (ticks, spent)
 
 
+# Python 3.12 warns about fork() with threads: that hazard is what this test is about.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_a_forked_child_is_told_to_make_its_own_client(client):
     import os
 
@@ -319,3 +321,13 @@ def test_a_forked_child_is_told_to_make_its_own_client(client):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert client.health()
+
+
+def test_a_dmabuf_the_host_device_cannot_import_is_refused(client):
+    # A host node imports memfds only; the refusal is typed and names the method.
+    kv = HostKv.allocate("mla", layers=1)
+    buf = kv.buffers[0]
+    with pytest.raises(kvferry.KvferryError) as e:
+        client.send_dmabuf("py-dmabuf", 0, 0, buf.fd, 0, buf.length)
+    assert e.value.method == "send_dmabuf"
+    assert e.value.code in ("FAILED_PRECONDITION", "INVALID_ARGUMENT"), e.value
