@@ -1,9 +1,10 @@
 //! `kvferry._native`, the native half of the `kvferry` Python package: the Rust
 //! [`kvferry_actors::rpc::EngineClient`] bound with PyO3, so Python engines use the same
-//! client as Rust ones. [`client::EngineClient`] owns a small tokio runtime and releases
-//! the GIL while a call waits; [`session::Session`] ties instances to the client's life;
-//! [`errors`] raises the typed exceptions of `kvferry/errors.py`; [`convert`] turns
-//! Python arguments into requests and answers into dicts.
+//! client as Rust ones. `client::EngineClient` owns a small tokio runtime and releases
+//! the GIL while a call waits; `session::Session` ties instances to the client's life;
+//! `errors` raises the typed exceptions of `kvferry/errors.py`; `convert` turns Python
+//! arguments into requests and answers into dicts. (Private modules: the Python API is
+//! the interface, typed in `kvferry/_native.pyi`.)
 
 mod client;
 mod convert;
