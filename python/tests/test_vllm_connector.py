@@ -357,5 +357,13 @@ def test_stats_and_prometheus(tmp_path, node):
             "vllm:kvferry_load_duration_seconds_count", {"model_name": "tiny", "engine": "0"}
         )
         assert n == 1
+        # vLLM's periodic "KV Transfer metrics" log line.
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+        logging_ = KVConnectorLogging(eng.vc.kv_transfer_config)
+        logging_.observe(data)
+        lines = []
+        logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+        assert lines and "hit_tokens=32" in lines[0] and "avg_load_ms=" in lines[0], lines
     finally:
         eng.shutdown()

@@ -363,3 +363,38 @@ def test_worker_registers_again_after_a_node_restart(node, monkeypatch):
         assert sched.get_num_new_matched_tokens(req("b", toks), 0) == (2 * BS, True)
     finally:
         w.shutdown()
+
+
+def test_multimodal_inputs_and_salts_change_the_hashes():
+    from kvferry.vllm.hashing import ChainHasher, engine_salt, request_salt
+
+    base = engine_salt("m", "bfloat16;LBNHC", 16, 1)
+    toks = [7] * 64
+    plain = ChainHasher(base, 16).upto(toks, 4)
+    # An image over tokens 20..35 (blocks 1 and 2): same token ids, other content.
+    cat = ChainHasher(base, 16, [("img-cat", 20, 16)]).upto(toks, 4)
+    dog = ChainHasher(base, 16, [("img-dog", 20, 16)]).upto(toks, 4)
+    assert cat[0] == dog[0] == plain[0]  # block 0 lies before the image
+    assert cat[1] != dog[1] and cat[1] != plain[1]
+    assert cat[3] != dog[3]  # chained: every later block differs too
+    assert ChainHasher(request_salt(base, "lora-a", None), 16).upto(toks, 1) != plain[:1]
+    assert ChainHasher(request_salt(base, None, "salt"), 16).upto(toks, 1) != plain[:1]
+    assert request_salt(base, None, None) == base
+
+
+def test_requests_kvferry_cannot_name_are_never_queried():
+    cfg = parse_extra_config({"address": "127.0.0.1:9"})
+    calls = []
+
+    def factory():
+        calls.append(1)
+        raise AssertionError("no node call expected")
+
+    sched = SchedulerSide(cfg, instance="x", model="m", kv_dtype="float32", block_size=BS,
+                          tp_size=1, client_factory=factory)
+    embeds = req("e", list(range(64)))
+    embeds.prompt_embeds = object()  # prompt embeddings: no token ids to hash
+    assert sched.get_num_new_matched_tokens(embeds, 0) == (0, False)
+    short = req("s", list(range(BS - 1)))  # no full block
+    assert sched.get_num_new_matched_tokens(short, 0) == (0, False)
+    assert calls == []
