@@ -274,6 +274,8 @@ class SchedulerSide:
                 "kvferry: request %s has %d blocks, a load needs blocks %d..%d; not loading",
                 request.request_id, len(ids), start, start + m,
             )
+            if lease:
+                self._release(lease)
             lease = None
         r.load_start, r.load_end = start, start + m
         self.counters.add("hit_tokens", m * bs)
