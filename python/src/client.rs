@@ -37,6 +37,7 @@ pub struct EngineClient {
     pid: u32,
 }
 
+/// A deadline from Python seconds: positive and finite.
 fn seconds(py: Python<'_>, what: &str, s: f64) -> PyResult<Duration> {
     match Duration::try_from_secs_f64(s) {
         Ok(d) if !d.is_zero() => Ok(d),
@@ -343,7 +344,15 @@ impl EngineClient {
         timeout_s: f64,
     ) -> PyResult<Bound<'py, PyDict>> {
         const M: &str = "wait_load";
-        let end = Instant::now() + seconds(py, "timeout_s", timeout_s)?;
+        // Zero polls once.
+        let timeout = Duration::try_from_secs_f64(timeout_s).map_err(|_| {
+            errors::invalid(
+                py,
+                M,
+                format!("timeout_s must be >= 0 seconds, got {timeout_s}"),
+            )
+        })?;
+        let end = Instant::now() + timeout;
         let mut every = Duration::from_micros(100);
         loop {
             // In slices, so Ctrl-C reaches Python between them.

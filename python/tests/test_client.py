@@ -95,6 +95,8 @@ def test_put_query_load_wait_and_poll(client):
             # The completion was consumed; the lease too (one rank).
             with pytest.raises(kvferry.NotFound):
                 client.poll_load(load_id)
+            with pytest.raises(kvferry.NotFound):
+                client.wait_load(load_id, 0)
             with pytest.raises(kvferry.NotFound) as e:
                 client.release(q["lease"])
             assert (e.value.code, e.value.method) == ("NOT_FOUND", "release")

@@ -29,12 +29,17 @@ class CountingClient:
         return self.inner.register(*a, **kw)
 
 
-@pytest.mark.parametrize("one_memfd", [False, True], ids=["memfd-per-tensor", "one-memfd"])
+# cross_layer is one tensor: one memfd either way.
+LAYOUT_CASES = [
+    pytest.param(layout, one, id=f"{layout}-{'one-memfd' if one else 'memfd-per-tensor'}")
+    for layout in ["flash_attn", "flashinfer", "mla", "cross_layer"]
+    for one in ([False] if layout == "cross_layer" else [False, True])
+]
+
+
 @pytest.mark.parametrize("itemsize", [1, 2, 4], ids=["fp8", "bf16", "fp32"])
-@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer", "mla", "cross_layer"])
+@pytest.mark.parametrize("layout,one_memfd", LAYOUT_CASES)
 def test_layout_loads_byte_for_byte(client, layout, itemsize, one_memfd):
-    if layout == "cross_layer" and one_memfd:
-        pytest.skip("cross_layer is one tensor: one memfd either way")
     before = client.stats()
     instance = f"py-{layout}-{itemsize}-{int(one_memfd)}"
     kv = HostKv.allocate(layout, layers=3, num_blocks=12, block_size=2, heads=2,
