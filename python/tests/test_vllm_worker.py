@@ -398,3 +398,37 @@ def test_requests_kvferry_cannot_name_are_never_queried():
     short = req("s", list(range(BS - 1)))  # no full block
     assert sched.get_num_new_matched_tokens(short, 0) == (0, False)
     assert calls == []
+
+
+def test_vllm_taking_fewer_blocks_than_leased_loads_exactly_those(node):
+    cfg = parse_extra_config({"address": node.addr})
+    kv = kv_tensors(2, NB, HEADS, BS, HEAD, "LBNHC")
+    w = WorkerSide(cfg, instance="fewer", model="m", kv_dtype="float32", tp_rank=0, tp_size=1,
+                   num_blocks=NB)
+    w.register_kv_caches(kv)
+    sched = SchedulerSide(cfg, instance="fewer", model="m", kv_dtype="float32", block_size=BS,
+                          tp_size=1)
+    try:
+        toks = list(range(3000, 3000 + 4 * BS))
+        fill(kv, [1, 2, 3, 4], seed=9)
+        want = snapshot(kv, [1, 2])
+        a = req("a", toks)
+        sched.get_num_new_matched_tokens(a, 0)
+        meta = sched.build_connector_meta(sched_out({"a": len(toks)}, {"a": [1, 2, 3, 4]}))
+        w.submit_saves(meta)
+        wait_finished([w], {"a"}, "save")
+        sched.request_finished(a)
+        b = req("b", toks)
+        assert sched.get_num_new_matched_tokens(b, 0) == (4 * BS, True)
+        # vLLM allocates (and loads) only 2 of the 4 blocks: the lease is redone for 2.
+        sched.update_state_after_alloc(b, NS(get_block_ids=lambda: ([10, 11],)), 2 * BS)
+        meta = sched.build_connector_meta(sched_out({}, {}))
+        (load,) = meta.loads
+        assert load.dest_blocks == [10, 11] and load.lease is not None
+        w.start_load(meta)
+        wait_finished([w], {"b"}, "load")
+        assert w.get_block_ids_with_load_errors() == set()
+        got = snapshot(kv, [10, 11])
+        assert all(torch.equal(x, y) for g, h in zip(got, want) for x, y in zip(g, h))
+    finally:
+        w.shutdown()
