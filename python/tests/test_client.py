@@ -333,3 +333,25 @@ def test_a_dmabuf_the_host_device_cannot_import_is_refused(client):
         client.send_dmabuf("py-dmabuf", 0, 0, buf.fd, 0, buf.length)
     assert e.value.method == "send_dmabuf"
     assert e.value.code in ("FAILED_PRECONDITION", "INVALID_ARGUMENT"), e.value
+
+
+def test_one_client_from_many_threads(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    kv = HostKv.allocate("mla", layers=2)
+    with client.open_session() as session:
+        kv.register(client, "py-threads", model="py-threads")
+        session.bind("py-threads")
+        put_pattern(client, kv, "py-threads", range(4))
+
+        def engine_step(i):
+            q = client.query("py-threads", [block_hash(b) for b in range(2)])
+            dests = [2 * i, 2 * i + 1]
+            done = client.wait_load(client.load(q["lease"], "py-threads", 0, dests), 10)
+            return done["ok"] and client.health()
+
+        # Eight threads share the client; every load goes to blocks of its own.
+        with ThreadPoolExecutor(8) as pool:
+            ok = list(pool.map(engine_step, range(8)))
+        assert ok == [True] * 8
+        kv.verify([(2 * i + j, j) for i in range(8) for j in range(2)])
