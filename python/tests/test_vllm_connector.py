@@ -367,3 +367,28 @@ def test_stats_and_prometheus(tmp_path, node):
         assert lines and "hit_tokens=32" in lines[0] and "avg_load_ms=" in lines[0], lines
     finally:
         eng.shutdown()
+
+
+def test_tp2_ranks_load_their_share_of_one_lease(tmp_path, node):
+    eng = engine(tmp_path, node.addr, tp=2)
+    try:
+        assert [w.worker_side.rank for w in eng.workers] == [0, 1]
+        toks = prompt(70, seed=14)
+        eng.add("a", toks)
+        eng.run()
+        assert eng.scheduler.reset_prefix_cache()
+        eng.add("b", toks)
+        so = eng.step()
+        b = eng.requests["b"]
+        assert status(b) == "WAITING_FOR_REMOTE_KVS" and b.num_computed_tokens == 64
+        (load,) = so.kv_connector_metadata.loads  # one lease for both ranks
+        eng.run(until=lambda: status(b) != "WAITING_FOR_REMOTE_KVS")
+        assert eng.invalid_reported == set()
+        for rank, kv in enumerate(eng.kvs):  # each rank got its own bytes
+            for i, blk in enumerate(load.dest_blocks):
+                want = expected_block(kv, toks, i, BS, rank=rank)
+                assert blocks_equal(block_contents(kv, blk), want), (rank, i)
+        eng.run()
+        assert eng.outputs["b"] == eng.outputs["a"]
+    finally:
+        eng.shutdown()

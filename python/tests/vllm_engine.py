@@ -94,10 +94,12 @@ def kv_cache_config(vc, num_blocks: int):
 
 
 class Engine:
-    """One engine: scheduler (with its connector) and one TP rank's worker connector."""
+    """One engine: scheduler (with its connector) and ``tp`` worker connectors (TP ranks,
+    each with KV of its own), whose outputs vLLM's ``KVOutputAggregator`` combines as the
+    executor does."""
 
     def __init__(self, tmp: Path, extra: Dict[str, Any], *, num_blocks: int = 64,
-                 block_size: int = 16, layout: str = "LBNHC", **kw: Any):
+                 block_size: int = 16, layout: str = "LBNHC", tp: int = 1, **kw: Any):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
@@ -107,6 +109,7 @@ class Engine:
         self.block_size = block_size
         self.vc = vllm_config(Path(tmp), extra, block_size=block_size, num_blocks=num_blocks, **kw)
         self.vc.cache_config.kv_cache_layout = layout
+        self.vc.parallel_config.tensor_parallel_size = tp
         self.kvc = kv_cache_config(self.vc, num_blocks)
         if self.vc.scheduler_config.async_scheduling:
             # vLLM 0.33's default (as `vllm serve` runs it).
@@ -115,9 +118,25 @@ class Engine:
             vllm_config=self.vc, kv_cache_config=self.kvc, log_stats=True,
             structured_output_manager=StructuredOutputManager(self.vc), block_size=block_size,
         )
-        self.worker = KvferryConnector(self.vc, KVConnectorRole.WORKER, self.kvc)
-        self.kv = kv_tensors(LAYERS, num_blocks, KV_HEADS, block_size, HEAD_SIZE, layout)
-        self.worker.register_kv_caches(self.kv)
+        import kvferry.vllm.connector as conn
+
+        self.tp = tp
+        self.workers, self.kvs = [], []
+        real_rank = conn._tp_rank
+        try:
+            for rank in range(tp):
+                conn._tp_rank = lambda r=rank: r  # what vLLM's TP group says in rank r
+                w = KvferryConnector(self.vc, KVConnectorRole.WORKER, self.kvc)
+                kv = kv_tensors(LAYERS, num_blocks, KV_HEADS, block_size, HEAD_SIZE, layout)
+                w.register_kv_caches(kv)
+                self.workers.append(w)
+                self.kvs.append(kv)
+        finally:
+            conn._tp_rank = real_rank
+        self.worker, self.kv = self.workers[0], self.kvs[0]
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+        self.aggregator = KVOutputAggregator.from_connector(self.worker, tp)
         self.requests: Dict[str, Any] = {}
         self.outputs: Dict[str, List[int]] = {}
         self.finished: set = set()
@@ -162,48 +181,53 @@ class Engine:
         so = self.scheduler.schedule()
         if before_worker is not None:
             before_worker(so)
-        w = self.worker
         meta = so.kv_connector_metadata
-        w.handle_preemptions(meta)
-        w.bind_connector_metadata(meta)
-        if so.has_sync_kv_loads:
-            w.start_load_kv(None)
+        for w in self.workers:
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
+            if so.has_sync_kv_loads:
+                w.start_load_kv(None)
         req_ids, sampled = [], []
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
             end = req.num_computed_tokens
             start = end - n
             toks = list(req.all_token_ids)
-            forward(self.kv, toks, self.block_ids(rid), start, min(end, len(toks)),
-                    self.block_size)
+            for rank, kv in enumerate(self.kvs):
+                forward(kv, toks, self.block_ids(rid), start, min(end, len(toks)),
+                        self.block_size, rank=rank)
             self.scheduled_tokens[rid] = self.scheduled_tokens.get(rid, 0) + n
             req_ids.append(rid)
             # A token is sampled once the whole sequence has been computed.
             sampled.append([(sum(toks) + len(toks)) % 997 + 1] if end >= len(toks) else [])
-        if not so.has_sync_kv_loads:
-            w.start_load_kv(None)
-        w.wait_for_save()
-        res = w.get_transfer_results(so.finished_req_ids)
-        invalid = w.get_block_ids_with_load_errors()
+        outs_per_rank = []
+        for w in self.workers:
+            if not so.has_sync_kv_loads:
+                w.start_load_kv(None)
+            w.wait_for_save()
+            res = w.get_transfer_results(so.finished_req_ids)
+            invalid = w.get_block_ids_with_load_errors()
+            st = w.get_kv_connector_stats()
+            w.clear_connector_metadata()
+            outs_per_rank.append(ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+                logprobs=None,
+                prompt_logprobs_dict={},
+                pooler_output=None,
+                kv_connector_output=KVConnectorOutput(
+                    finished_sending=res.finished_sending or None,
+                    finished_recving=res.finished_recving or None,
+                    failed_recving=res.failed_recving,
+                    invalid_block_ids=invalid,
+                    kv_connector_stats=st,
+                ),
+            ))
+        out = self.aggregator.aggregate(outs_per_rank) if self.tp > 1 else outs_per_rank[0]
+        invalid = set(out.kv_connector_output.invalid_block_ids or ())
         self.invalid_reported |= invalid
-        self.invalid_steps.append(set(invalid))
-        st = w.get_kv_connector_stats()
-        w.clear_connector_metadata()
-        out = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=None,
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=res.finished_sending or None,
-                finished_recving=res.finished_recving or None,
-                failed_recving=res.failed_recving,
-                invalid_block_ids=invalid,
-                kv_connector_stats=st,
-            ),
-        )
+        self.invalid_steps.append(invalid)
         eco = self.scheduler.update_from_output(so, out)
         from kvferry.vllm.stats import merge
 
@@ -231,7 +255,8 @@ class Engine:
         raise AssertionError(f"not done after {max_steps} steps")
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        for w in self.workers:
+            w.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
 

@@ -153,28 +153,30 @@ def kv_tensors(layers: int, num_blocks: int, heads: int, block_size: int, head_s
     return out
 
 
-def _pattern(tokens: Sequence[int], pos: int, layer: int, heads: int, c: int):
-    """What the 'model' writes for position ``pos``: a function of tokens[:pos+1] only."""
+def _pattern(tokens: Sequence[int], pos: int, layer: int, heads: int, c: int, rank: int = 0):
+    """What the 'model' writes for position ``pos``: a function of tokens[:pos+1] (and of
+    the layer and the TP rank: each rank holds other heads) only."""
     import torch
 
-    h = hashlib.sha256(repr((list(tokens[: pos + 1]), layer)).encode()).digest()
+    key = (list(tokens[: pos + 1]), layer) if rank == 0 else (list(tokens[: pos + 1]), layer, rank)
+    h = hashlib.sha256(repr(key).encode()).digest()
     g = torch.Generator().manual_seed(int.from_bytes(h[:8], "little"))
     return torch.rand((heads, c), generator=g)
 
 
 def forward(kv: Dict[str, object], tokens: Sequence[int], block_ids: Sequence[int],
-            start: int, end: int, block_size: int) -> None:
+            start: int, end: int, block_size: int, rank: int = 0) -> None:
     """Writes positions [start, end) of a request into its blocks, every layer."""
     for layer, name in enumerate(sorted(kv, key=_natural)):
         t = kv[name]
         heads, c = t.shape[1], t.shape[3]
         for pos in range(start, end):
             b, off = block_ids[pos // block_size], pos % block_size
-            t[b, :, off, :] = _pattern(tokens, pos, layer, heads, c).to(t.dtype)
+            t[b, :, off, :] = _pattern(tokens, pos, layer, heads, c, rank).to(t.dtype)
 
 
 def expected_block(kv: Dict[str, object], tokens: Sequence[int], block_index: int,
-                   block_size: int) -> List[object]:
+                   block_size: int, rank: int = 0) -> List[object]:
     """Per layer, the contents block ``block_index`` of ``tokens`` must hold."""
     import torch
 
@@ -183,7 +185,7 @@ def expected_block(kv: Dict[str, object], tokens: Sequence[int], block_index: in
         t = kv[name]
         heads, c = t.shape[1], t.shape[3]
         out.append(torch.stack([
-            _pattern(tokens, block_index * block_size + off, layer, heads, c).to(t.dtype)
+            _pattern(tokens, block_index * block_size + off, layer, heads, c, rank).to(t.dtype)
             for off in range(block_size)
         ], dim=1))
     return out
