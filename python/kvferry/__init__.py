@@ -13,7 +13,7 @@ memfd, CUDA by IPC handle) in the KV layouts engines allocate; :mod:`kvferry.lay
 the layout logic without torch.
 """
 
-from ._native import DEFAULT_DEADLINE_S, EngineClient, Session, __version__
+from ._native import DEFAULT_DEADLINE_S, Completions, EngineClient, Session, __version__
 from .errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_DEADLINE_S",
     "EngineClient",
     "Session",
+    "Completions",
     "__version__",
     "KvferryError",
     "InvalidArgument",

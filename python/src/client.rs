@@ -15,6 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokio::runtime::Runtime;
 
+use crate::completions::Completions;
 use crate::session::Session;
 use crate::{convert, errors};
 
@@ -422,6 +423,14 @@ impl EngineClient {
         };
         let s = self.wait(py, M, self.inner.put_blocks(&req))?;
         convert::store(py, s)
+    }
+
+    /// Opens the completion stream of `instance` rank `rank` (replacing an older one): each
+    /// completed load comes once, on it or from `poll_load`.
+    fn completions(&self, py: Python<'_>, instance: &str, rank: u32) -> PyResult<Completions> {
+        let id = convert::instance(py, "completions", instance)?;
+        let s = self.wait(py, "completions", self.inner.completions(&id, rank))?;
+        Ok(Completions::new(self.rt.clone(), s, self.addr.clone()))
     }
 
     /// Releases a lease whatever its ranks still owe.

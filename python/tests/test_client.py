@@ -355,3 +355,31 @@ def test_one_client_from_many_threads(client):
             ok = list(pool.map(engine_step, range(8)))
         assert ok == [True] * 8
         kv.verify([(2 * i + j, j) for i in range(8) for j in range(2)])
+
+
+def test_completions_stream(client):
+    kv = HostKv.allocate("flash_attn", layers=2)
+    with client.open_session() as session:
+        kv.register(client, "py-stream", model="py-stream")
+        session.bind("py-stream")
+        put_pattern(client, kv, "py-stream", range(3))
+        with client.completions("py-stream", 0) as stream:
+            assert stream.next(0) is None  # nothing finished yet
+            loads = []
+            for dests in ([0, 1, 2], [5, 6, 7], [10, 11, 12]):
+                q = client.query("py-stream", [block_hash(b) for b in range(3)])
+                loads.append(client.load(q["lease"], "py-stream", 0, dests))
+            # The last one first: the others are kept for next().
+            last = stream.wait_for(loads[2], 10)
+            assert last["ok"] and last["load_id"] == loads[2]
+            rest = {stream.next(10)["load_id"] for _ in range(2)}
+            assert rest == set(loads[:2])
+            # Delivered on the stream: consumed, so polling no longer finds them.
+            with pytest.raises(kvferry.NotFound):
+                client.poll_load(loads[0])
+            with pytest.raises(kvferry.DeadlineExceeded) as e:
+                stream.wait_for(loads[0] + 1000, 0.2)
+            assert e.value.method == "Completions.wait_for"
+        with pytest.raises(kvferry.FailedPrecondition):
+            stream.next(0)
+        kv.verify([(d, b) for ds in ([0, 1, 2], [5, 6, 7], [10, 11, 12]) for b, d in enumerate(ds)])
