@@ -34,10 +34,11 @@ def kvferry_bin() -> Path:
 class NodeProc:
     """``kvferry node --config FILE`` as a child process; ``addr`` is its engine service.
     ``device``: the node's ``[device] kind`` ("host": emulated, "cuda": the GPU);
-    ``extra``: TOML appended to the config."""
+    ``extra``: TOML appended to the config; ``listen``: the engine address (default a free
+    loopback port)."""
 
     def __init__(self, tmp: Path, name: str = "py-node", token: str = "", extra: str = "",
-                 device: str = "host"):
+                 device: str = "host", listen: str = "127.0.0.1:0"):
         self.dir = tmp
         fd_dir = tmp / "fd"
         fd_dir.mkdir(parents=True, exist_ok=True)
@@ -47,7 +48,7 @@ class NodeProc:
             '[pool]\nsize = "64MiB"\nslot-bytes = "256KiB"\n'
             f'[device]\nkind = "{device}"\n'
             '[metrics]\nlisten = ""\n'
-            f'[engine]\nlisten = "127.0.0.1:0"\nfd-dir = "{fd_dir}"\ntoken = "{token}"\n'
+            f'[engine]\nlisten = "{listen}"\nfd-dir = "{fd_dir}"\ntoken = "{token}"\n'
             + extra
         )
         self.proc = subprocess.Popen(

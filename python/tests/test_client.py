@@ -383,3 +383,34 @@ def test_completions_stream(client):
         with pytest.raises(kvferry.FailedPrecondition):
             stream.next(0)
         kv.verify([(d, b) for ds in ([0, 1, 2], [5, 6, 7], [10, 11, 12]) for b, d in enumerate(ds)])
+
+
+def test_a_client_outlives_a_node_restart(tmp_path):
+    from conftest import NodeProc
+
+    first = NodeProc(tmp_path, name="py-restart")
+    c = kvferry.EngineClient(first.addr, deadline_s=2)
+    kv = HostKv.allocate("mla", layers=1)
+    kv.register(c, "py-restart")
+    first.stop()
+    with pytest.raises(kvferry.Unavailable):
+        c.stats()
+    # The same config again: same engine address, same fd socket path.
+    second = NodeProc(tmp_path, name="py-restart", listen=first.addr)
+    try:
+        # The same client object reconnects; the new node knows nothing of the old one.
+        end = time.monotonic() + 5
+        while True:
+            try:
+                assert c.stats()["instances"] == 0
+                break
+            except kvferry.Unavailable:
+                assert time.monotonic() < end, "no reconnection within 5 s"
+                time.sleep(0.05)
+        kv.register(c, "py-restart")
+        put_pattern(c, kv, "py-restart", [1])
+        q = c.query("py-restart", [block_hash(1)])
+        assert c.wait_load(c.load(q["lease"], "py-restart", 0, [3]), 5)["ok"]
+        kv.verify([(3, 1)])
+    finally:
+        second.stop()
