@@ -55,6 +55,22 @@ __all__ = [
 log = logging.getLogger("kvferry.vllm")
 
 
+def _warn_untested_vllm() -> None:
+    """One log line where vLLM is not a version this connector was tested against: its
+    connector API changes between releases, so what breaks may be subtle."""
+    import vllm
+
+    from . import SUPPORTED_VLLM
+
+    got = getattr(vllm, "__version__", "unknown")
+    if got not in SUPPORTED_VLLM:
+        log.warning(
+            "kvferry: vLLM %s is untested; the connector is tested with %s",
+            got,
+            ", ".join(SUPPORTED_VLLM),
+        )
+
+
 @dataclass
 class KvferryConnectorMetadata(StepMetadata, KVConnectorMetadata):
     """:class:`StepMetadata` as vLLM's connector metadata."""
@@ -187,6 +203,7 @@ class KvferryConnector(KVConnectorBase_V1):
         ktc = vllm_config.kv_transfer_config
         self.cfg = parse_extra_config(ktc.kv_connector_extra_config)
         check_supported(vllm_config, kv_cache_config)
+        _warn_untested_vllm()
         pc = vllm_config.parallel_config
         instance = self.cfg.instance or f"vllm-{ktc.engine_id}"
         dp_size = getattr(pc, "data_parallel_size", 1) or 1
