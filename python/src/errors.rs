@@ -11,13 +11,6 @@ use pyo3::prelude::*;
 /// A failure of the Rust client during `method`.
 pub fn client(py: Python<'_>, method: &str, e: &EngineClientError) -> PyErr {
     let (kind, code) = match e {
-        // tonic reports a call that ran past its own timeout as CANCELLED; this client
-        // cancels no call, so that is the deadline.
-        EngineClientError::Call {
-            code: Code::Cancelled,
-            message,
-            ..
-        } if message.contains("Timeout expired") => ("call", "DEADLINE_EXCEEDED"),
         EngineClientError::Call { code, .. } | EngineClientError::FdRefused { code, .. } => {
             ("call", code_name(*code))
         }

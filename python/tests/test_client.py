@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -414,3 +415,20 @@ def test_a_client_outlives_a_node_restart(tmp_path):
         kv.verify([(3, 1)])
     finally:
         second.stop()
+
+
+def test_a_stopped_node_is_deadline_exceeded_then_answers_again(fresh_node):
+    import signal
+
+    c = kvferry.EngineClient(fresh_node.addr, deadline_s=0.5)
+    assert c.health()
+    os.kill(fresh_node.proc.pid, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        with pytest.raises(kvferry.DeadlineExceeded) as e:
+            c.stats()
+        assert e.value.code == "DEADLINE_EXCEEDED" and e.value.method == "stats"
+        assert time.monotonic() - t < 2.0
+    finally:
+        os.kill(fresh_node.proc.pid, signal.SIGCONT)
+    assert c.health()

@@ -184,10 +184,16 @@ impl EngineClient {
     }
 
     fn failed(&self, method: &'static str, s: Status) -> EngineClientError {
+        // tonic reports the request's own timeout as CANCELLED "Timeout expired": to the
+        // caller it is the deadline passing, as when the node says so.
+        let code = match s.code() {
+            Code::Cancelled if s.message().contains("Timeout expired") => Code::DeadlineExceeded,
+            c => c,
+        };
         EngineClientError::Call {
             addr: self.addr.clone(),
             method,
-            code: s.code(),
+            code,
             message: s.message().to_owned(),
         }
     }
