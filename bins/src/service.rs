@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use kvferry_actors::remote::{
-    Directory, GrpcPeers, GrpcPeersConfig, Peers, Provider, RedisDirectory, StaticDirectory,
+    Directory, GrpcPeers, GrpcPeersConfig, Peers, Provider, RedisDirectory, RedisError,
+    StaticDirectory,
 };
 use kvferry_actors::{node::open_devices, Clock, Node, NodeConfig};
 
@@ -147,6 +148,26 @@ async fn start_engine(cfg: &NodeConfig, node: &Node) -> anyhow::Result<Option<En
     Ok(Some(Engine { stop, task }))
 }
 
+/// The Redis directory at `url`. A server that does not answer at start does not keep the
+/// node from starting (Redis may come up after the nodes): it starts without it, answers
+/// queries from its own blocks, and announces what it holds once Redis answers. A bad
+/// address fails.
+fn redis_directory(cfg: &NodeConfig, url: &str) -> anyhow::Result<RedisDirectory> {
+    let (prefix, options) = (&cfg.directory.key_prefix, cfg.directory.redis_options());
+    match RedisDirectory::connect_with(url, prefix, options.clone()) {
+        Ok(d) => Ok(d),
+        Err(e @ RedisError::Connect { .. }) => {
+            eprintln!(
+                "kvferry node {}: {e}; starting without the directory until it answers",
+                cfg.node_id
+            );
+            RedisDirectory::start(url, prefix, options)
+                .with_context(|| format!("starting the directory at {url}"))
+        }
+        Err(e) => Err(e).with_context(|| format!("connecting to the directory at {url}")),
+    }
+}
+
 pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
     let devices = open_devices(&cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -178,14 +199,7 @@ pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
             c.peers.iter().map(|p| p.node_id.clone()).collect(),
         ))
     } else {
-        Arc::new(
-            RedisDirectory::connect_with(
-                &c.directory,
-                &cfg.directory.key_prefix,
-                cfg.directory.redis_options(),
-            )
-            .with_context(|| format!("connecting to the directory at {}", c.directory))?,
-        )
+        Arc::new(redis_directory(&cfg, &c.directory)?)
     };
     let peers = GrpcPeers::new(
         GrpcPeersConfig {

@@ -33,6 +33,13 @@ impl Drop for NodeChild {
 
 /// Starts `kvferry node --config cfg` and waits for its `listening <what>=ADDR` line.
 fn start_node(cfg: &std::path::Path, what: &str) -> (NodeChild, String) {
+    let (child, mut addrs) = start_node_serving(cfg, &[what]);
+    (child, addrs.remove(0))
+}
+
+/// Starts `kvferry node --config cfg` and waits for a `listening <what>=ADDR` line of each
+/// of `whats`; their addresses in that order.
+fn start_node_serving(cfg: &std::path::Path, whats: &[&str]) -> (NodeChild, Vec<String>) {
     let mut child = NodeChild(
         kvferry()
             .args(["node", "--config", cfg.to_str().unwrap()])
@@ -42,19 +49,30 @@ fn start_node(cfg: &std::path::Path, what: &str) -> (NodeChild, String) {
             .unwrap(),
     );
     let out = child.0.stdout.take().unwrap();
-    let prefix = format!("listening {what}=");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if let Some(a) = line.strip_prefix(prefix.as_str()) {
-                let _ = tx.send(a.to_owned());
+            if let Some((what, addr)) = line
+                .strip_prefix("listening ")
+                .and_then(|l| l.split_once('='))
+            {
+                let _ = tx.send((what.to_owned(), addr.to_owned()));
             }
         }
     });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(30))
-        .unwrap_or_else(|_| panic!("the node did not start serving {what}"));
-    (child, addr)
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut seen = std::collections::HashMap::new();
+    while whats.iter().any(|w| !seen.contains_key(*w)) {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok((what, addr)) => {
+                seen.insert(what, addr);
+            }
+            Err(_) => panic!("the node did not start serving all of {whats:?}: {seen:?}"),
+        }
+    }
+    let addrs = whats.iter().map(|w| seen[*w].clone()).collect();
+    (child, addrs)
 }
 
 #[test]
@@ -242,7 +260,15 @@ fn metrics_and_health_are_served_and_pass_promtool() {
     }
     let (status, _) = http_get(&addr, "/nope");
     assert!(status.contains("404"), "{status}");
-    // promtool validates the exposition format of the real scrape.
+    promtool_check(&body);
+    // SAFETY: signalling our own child process by its pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// promtool validates the exposition format of a real scrape.
+fn promtool_check(body: &str) {
     let mut check = Command::new("promtool")
         .args(["check", "metrics"])
         .stdin(Stdio::piped())
@@ -267,6 +293,192 @@ fn metrics_and_health_are_served_and_pass_promtool() {
         "promtool: {}{}",
         String::from_utf8_lossy(&res.stdout),
         String::from_utf8_lossy(&res.stderr)
+    );
+}
+
+/// A `redis-server` on a loopback port, killed (and continued first) on drop.
+struct Redis {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Redis {
+    fn start_on(port: u16) -> Self {
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is not installed: run ./scripts/test, which installs it");
+        let r = Redis { child, port };
+        let t = std::time::Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "redis-server did not come up"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        r
+    }
+
+    fn signal(&mut self, sig: libc::c_int) {
+        if let Ok(None) = self.child.try_wait() {
+            // SAFETY: signalling our own child, not yet reaped, by its pid.
+            unsafe { libc::kill(self.child.id() as i32, sig) };
+        }
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.signal(libc::SIGCONT);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port()
+}
+
+/// A cluster node (shm, no peers) over the Redis directory on `port`, with short directory
+/// deadlines, metrics and an engine service.
+fn redis_node_config(dir: &std::path::Path, id: &str, port: u16) -> std::path::PathBuf {
+    let cfg = dir.join(format!("{id}.toml"));
+    std::fs::write(
+        &cfg,
+        format!(
+            "node-id = \"{id}\"\n[pool]\nsize = \"8MiB\"\nslot-bytes = \"1MiB\"\n[device]\n\
+             kind = \"host\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n[engine]\n\
+             listen = \"127.0.0.1:0\"\nfd-dir = \"{d}\"\n[cluster]\nprovider = \"shm\"\n\
+             peer-listen = \"127.0.0.1:0\"\nshm-dir = \"{d}/shm\"\n\
+             directory = \"redis://127.0.0.1:{port}\"\n[directory]\nlookup-timeout-ms = 200\n\
+             write-timeout-ms = 300\nprobe-interval-ms = 100\n",
+            d = dir.display()
+        ),
+    )
+    .unwrap();
+    cfg
+}
+
+/// Scrapes `/metrics` until `line` is in it, each scrape answering within a second; the
+/// last scrape.
+fn scrape_until(addr: &str, line: &str, within: Duration) -> String {
+    let t = std::time::Instant::now();
+    loop {
+        let s = std::time::Instant::now();
+        let (status, body) = http_get(addr, "/metrics");
+        assert!(
+            s.elapsed() < Duration::from_secs(1),
+            "a scrape took {:?}",
+            s.elapsed()
+        );
+        assert!(status.contains("200"), "{status}");
+        if body.lines().any(|l| l == line) {
+            return body;
+        }
+        assert!(
+            t.elapsed() < within,
+            "no {line:?} within {within:?}:\n{body}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Redis hung with SIGSTOP under a running node process: Health and scrapes answer at
+/// once, the scrape shows the breaker open (and passes promtool), and the breaker closes
+/// once Redis answers again; SIGTERM still stops the node promptly.
+#[test]
+fn a_hung_redis_directory_does_not_stall_a_node_process() {
+    let dir = std::env::temp_dir().join(format!("kvferry-cli-redis-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut redis = Redis::start_on(free_port());
+    let cfg = redis_node_config(&dir, "r", redis.port);
+    let (mut child, addrs) = start_node_serving(&cfg, &["metrics", "engine", "peer"]);
+    let (metrics, engine) = (&addrs[0], &addrs[1]);
+    let body = scrape_until(
+        metrics,
+        "kvferry_directory_breaker_open 0",
+        Duration::from_secs(5),
+    );
+    promtool_check(&body);
+
+    redis.signal(libc::SIGSTOP);
+    let body = scrape_until(
+        metrics,
+        "kvferry_directory_breaker_open 1",
+        Duration::from_secs(5),
+    );
+    promtool_check(&body);
+    assert!(
+        body.lines().any(
+            |l| l.starts_with("kvferry_directory_failures_total{op=\"probe\"} ")
+                && !l.ends_with(" 0")
+        ),
+        "{body}"
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client = kvferry_actors::rpc::EngineClient::connect(engine.clone(), None, "")
+            .await
+            .unwrap();
+        for _ in 0..5 {
+            let t = std::time::Instant::now();
+            assert_eq!(client.health().await.unwrap().node_id, "r");
+            client.stats().await.unwrap();
+            assert!(
+                t.elapsed() < Duration::from_millis(500),
+                "{:?}",
+                t.elapsed()
+            );
+        }
+    });
+    drop(rt);
+    let (status, _) = http_get(metrics, "/health");
+    assert!(status.contains("200"), "{status}");
+
+    redis.signal(libc::SIGCONT);
+    scrape_until(
+        metrics,
+        "kvferry_directory_breaker_open 0",
+        Duration::from_secs(5),
+    );
+    let t = std::time::Instant::now();
+    // SAFETY: signalling our own child process by its pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Redis may come up after the nodes: a node starts without it and uses it once it
+/// answers.
+#[test]
+fn a_node_starts_while_its_redis_directory_is_down() {
+    let dir = std::env::temp_dir().join(format!("kvferry-cli-redis-down-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = free_port();
+    let cfg = redis_node_config(&dir, "d", port);
+    let (mut child, addrs) = start_node_serving(&cfg, &["metrics", "peer"]);
+    scrape_until(
+        &addrs[0],
+        "kvferry_directory_breaker_open 1",
+        Duration::from_secs(5),
+    );
+    let _redis = Redis::start_on(port);
+    scrape_until(
+        &addrs[0],
+        "kvferry_directory_breaker_open 0",
+        Duration::from_secs(5),
     );
     // SAFETY: signalling our own child process by its pid.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };

@@ -13,7 +13,7 @@ pub mod redis;
 pub mod tcp;
 pub mod verbs;
 
-pub use self::redis::{RedisDirectory, RedisOptions};
+pub use self::redis::{RedisDirectory, RedisError, RedisOptions};
 pub use breaker::BreakerState;
 pub use cluster::{LocalCluster, Provider};
 pub use directory::{
