@@ -125,12 +125,33 @@ impl DeviceKv {
         block_stride: u64,
         view_offset: u64,
     ) -> Result<Self, DeviceError> {
+        let dev = Arc::clone(&device);
+        Self::alloc_with(
+            device,
+            shape,
+            kind,
+            num_blocks,
+            block_stride,
+            view_offset,
+            |len| dev.alloc(len),
+        )
+    }
+
+    /// [`DeviceKv::alloc`] with each buffer's memory from `alloc(bytes)`.
+    fn alloc_with(
+        device: Arc<dyn Device>,
+        shape: KvShape,
+        kind: KvKind,
+        num_blocks: u32,
+        block_stride: u64,
+        view_offset: u64,
+        mut alloc: impl FnMut(u64) -> Result<DeviceBuffer, DeviceError>,
+    ) -> Result<Self, DeviceError> {
         let (count, per_buffer) =
             Self::buffers_needed(shape, kind, num_blocks, block_stride, view_offset);
-        let mut memory = Vec::with_capacity(count as usize);
-        for _ in 0..count {
-            memory.push(device.alloc(per_buffer)?);
-        }
+        let memory = (0..count)
+            .map(|_| alloc(per_buffer))
+            .collect::<Result<Vec<_>, _>>()?;
         let spans = memory
             .iter()
             .map(|b| Span {
@@ -607,30 +628,20 @@ impl MemfdRegionsKv {
         view_offset: u64,
     ) -> Result<Self, DeviceError> {
         let device = kvferry_gpu::HostDevice::new(0);
-        let (count, len) =
-            DeviceKv::buffers_needed(shape, kind, num_blocks, block_stride, view_offset);
-        let (mut fds, mut memory) = (Vec::new(), Vec::new());
-        for _ in 0..count {
-            let (fd, mem) = memfd(&device, len)?;
-            fds.push(fd);
-            memory.push(mem);
-        }
-        let spans = memory
-            .iter()
-            .map(|b| Span {
-                ptr: b.ptr(),
-                len: b.len(),
-            })
-            .collect();
-        let kv = DeviceKv::over(
+        let mut fds = Vec::new();
+        let host = Arc::clone(&device);
+        let kv = DeviceKv::alloc_with(
             device,
             shape,
             kind,
             num_blocks,
             block_stride,
             view_offset,
-            spans,
-            memory,
+            |len| {
+                let (fd, mem) = memfd(&host, len)?;
+                fds.push(fd);
+                Ok(mem)
+            },
         )?;
         Ok(Self { kv, fds })
     }

@@ -87,7 +87,6 @@ def _median_ms(xs: List[float]) -> float:
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     import torch
 
-    import kvferry
     import kvferry.torch as kt
 
     seg = args.segment_kib << 10

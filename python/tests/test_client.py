@@ -11,6 +11,7 @@ import pytest
 
 import kvferry
 from kvpattern import HostKv, block_hash, rank_block, scattered
+from nodeproc import free_port
 
 CAPABILITY_KEYS = {
     "node_id", "version", "protocol", "device_kind", "device_count", "device_names",
@@ -250,12 +251,6 @@ def test_token(tmp_path):
         assert c.stats()["instances"] == 1
     finally:
         n.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_node_that_is_down_is_unavailable():

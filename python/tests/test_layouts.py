@@ -9,7 +9,7 @@ import pytest
 import kvferry
 from kvferry import memfd
 from kvferry.layout import describe_layout
-from kvpattern import GUARD, HostKv, block_hash, numpy_maker, rank_block, scattered
+from kvpattern import GUARD, HostKv, block_hash, rank_block, scattered
 
 from test_client import settle
 

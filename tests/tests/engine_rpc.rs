@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry_actors::fixture::{rank_part, KvKind, MemfdRegionsKv};
+use kvferry_actors::fixture::{rank_part, DeviceKv, KvKind, MemfdRegionsKv};
 use kvferry_actors::rpc::{self, proto, Code, EngineClient, EngineClientError, EngineOptions};
 use kvferry_actors::{Clock, DirectGrant, LeaseId, LoadRequest, Node, PutBlocks};
 use kvferry_gpu::{Device, HostDevice, KvShape, LayerLayout};
@@ -300,6 +300,60 @@ async fn put_shape(c: &EngineClient, shape: KvShape, instance: &str, ids: Vec<u6
     assert!(r.written > 0);
 }
 
+/// Puts pattern blocks 0..4 and loads them into scattered blocks, then saves two blocks the
+/// engine wrote and loads them elsewhere: every byte of `kv` checked after each load.
+async fn round_trip(c: &EngineClient, kv: &DeviceKv, instance: &str, what: &str) {
+    let shape = kv.shape;
+    put_shape(c, shape, instance, (0..4).collect()).await;
+    let load_ok = |lease: Option<LeaseId>, dest: &[u32]| {
+        let req = load(lease.expect("a lease"), instance, dest);
+        async move {
+            let l = c.load(&req).await.unwrap();
+            let done = c
+                .wait_polling(l, Duration::from_millis(1), WAIT)
+                .await
+                .unwrap();
+            assert_eq!(
+                done.status,
+                proto::LoadStatus::LoadOk as i32,
+                "{what}: {done:?}"
+            );
+            assert_eq!(
+                done.bytes,
+                req.dest_blocks.len() as u64 * shape.rank_bytes()
+            );
+        }
+    };
+    let q = c.query(&id(instance), &hashes(0..4), false).await.unwrap();
+    assert_eq!(q.local_blocks, 4, "{what}");
+    load_ok(q.lease, &[9, 2, 15, 5]).await;
+    let mut expected = vec![(9, 0), (2, 1), (15, 2), (5, 3)];
+    kv.verify(&expected, 0)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+
+    kv.write_block(0, 100, 0).unwrap();
+    kv.write_block(1, 101, 0).unwrap();
+    let saved = c
+        .save(&kvferry_actors::SaveRequest {
+            instance: id(instance),
+            rank: 0,
+            hashes: hashes(100..102),
+            src_blocks: vec![0, 1],
+        })
+        .await
+        .unwrap();
+    assert_eq!(saved.written, 2, "{what}");
+    let q = c
+        .query(&id(instance), &hashes(100..102), false)
+        .await
+        .unwrap();
+    assert_eq!(q.local_blocks, 2, "{what}");
+    load_ok(q.lease, &[12, 7]).await;
+    expected.extend([(0, 100), (1, 101), (12, 100), (7, 101)]);
+    kv.verify(&expected, 0)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+}
+
 /// The layouts engines allocate, each in one memfd per tensor (per layer; per plane for
 /// split K/V; one for cross-layer), registered as one region per memfd: put, query, load,
 /// save and load again, every byte of every memfd checked with canaries.
@@ -328,56 +382,7 @@ fn engine_layouts_spread_over_many_memfds_load_and_save_byte_for_byte() {
             assert_eq!((s.instances, s.memory_handles), (1, 0), "{what}");
             let _session = c.open_session(&[id("eng")]).await.unwrap();
 
-            put_shape(&c, shape, "eng", (0..4).collect()).await;
-            let q = c.query(&id("eng"), &hashes(0..4), false).await.unwrap();
-            assert_eq!(q.local_blocks, 4, "{what}");
-            let dest = [9u32, 2, 15, 5];
-            let l = c.load(&load(q.lease.unwrap(), "eng", &dest)).await.unwrap();
-            let done = c
-                .wait_polling(l, Duration::from_millis(2), WAIT)
-                .await
-                .unwrap();
-            assert_eq!(
-                done.status,
-                proto::LoadStatus::LoadOk as i32,
-                "{what}: {done:?}"
-            );
-            assert_eq!(done.bytes, 4 * shape.rank_bytes(), "{what}");
-            let mut expected = vec![(9, 0), (2, 1), (15, 2), (5, 3)];
-            kv.verify(&expected, 0)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
-
-            // Save two blocks the engine computed, then load them elsewhere.
-            kv.write_block(0, 100, 0).unwrap();
-            kv.write_block(1, 101, 0).unwrap();
-            let saved = c
-                .save(&kvferry_actors::SaveRequest {
-                    instance: id("eng"),
-                    rank: 0,
-                    hashes: hashes(100..102),
-                    src_blocks: vec![0, 1],
-                })
-                .await
-                .unwrap();
-            assert_eq!(saved.written, 2, "{what}");
-            let q = c.query(&id("eng"), &hashes(100..102), false).await.unwrap();
-            assert_eq!(q.local_blocks, 2, "{what}");
-            let l = c
-                .load(&load(q.lease.unwrap(), "eng", &[12, 7]))
-                .await
-                .unwrap();
-            let done = c
-                .wait_polling(l, Duration::from_millis(2), WAIT)
-                .await
-                .unwrap();
-            assert_eq!(
-                done.status,
-                proto::LoadStatus::LoadOk as i32,
-                "{what}: {done:?}"
-            );
-            expected.extend([(0, 100), (1, 101), (12, 100), (7, 101)]);
-            kv.verify(&expected, 0)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            round_trip(&c, &kv, "eng", &what).await;
 
             c.unregister(&id("eng")).await.unwrap();
             assert_eq!(
@@ -1282,7 +1287,6 @@ fn child_cuda_node() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn engine_layouts_in_per_layer_cuda_allocations_of_another_process() {
-    use kvferry_actors::fixture::DeviceKv;
     use kvferry_actors::rpc::{MemoryRegion, RegisterRegions};
     let child = ChildTest::spawn(
         "child_cuda_node",
@@ -1337,55 +1341,7 @@ fn engine_layouts_in_per_layer_cuda_allocations_of_another_process() {
             c.register_regions(&reg)
                 .await
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
-            put_shape(&c, shape, &instance, (0..4).collect()).await;
-            let q = c.query(&id(&instance), &hashes(0..4), false).await.unwrap();
-            let l = c
-                .load(&load(q.lease.unwrap(), &instance, &[9, 2, 15, 5]))
-                .await
-                .unwrap();
-            let done = c
-                .wait_polling(l, Duration::from_millis(1), WAIT)
-                .await
-                .unwrap();
-            assert_eq!(
-                done.status,
-                proto::LoadStatus::LoadOk as i32,
-                "{what}: {done:?}"
-            );
-            let mut expected = vec![(9, 0), (2, 1), (15, 2), (5, 3)];
-            kv.verify(&expected, 0)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
-            kv.write_block(0, 100, 0).unwrap();
-            let saved = c
-                .save(&kvferry_actors::SaveRequest {
-                    instance: id(&instance),
-                    rank: 0,
-                    hashes: hashes(100..101),
-                    src_blocks: vec![0],
-                })
-                .await
-                .unwrap();
-            assert_eq!(saved.written, 1, "{what}");
-            let q = c
-                .query(&id(&instance), &hashes(100..101), false)
-                .await
-                .unwrap();
-            let l = c
-                .load(&load(q.lease.unwrap(), &instance, &[11]))
-                .await
-                .unwrap();
-            let done = c
-                .wait_polling(l, Duration::from_millis(1), WAIT)
-                .await
-                .unwrap();
-            assert_eq!(
-                done.status,
-                proto::LoadStatus::LoadOk as i32,
-                "{what}: {done:?}"
-            );
-            expected.extend([(0, 100), (11, 100)]);
-            kv.verify(&expected, 0)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            round_trip(&c, &kv, &instance, &what).await;
             eprintln!(
                 "cuda regions {what}: {} buffers, loads and save ok",
                 spans.len()

@@ -1,0 +1,113 @@
+"""A real ``kvferry node`` for the Python tests: one class for the package's tests and the
+vLLM connector's.
+
+The binary is ``$KVFERRY_BIN``, else ``target/debug/kvferry`` (or ``target/release``) under
+the repository root. Each node gets its own config file and fd directory, a host device
+unless told (``device="cuda"`` on a GPU machine), an engine listener on a loopback port
+chosen up front (so :meth:`Node.start` after :meth:`Node.kill` restarts it on the same
+address) and no metrics listener.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Dict, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kvferry_bin() -> Path:
+    env = os.environ.get("KVFERRY_BIN")
+    if env:
+        return Path(env)
+    for profile in ("debug", "release"):
+        p = ROOT / "target" / profile / "kvferry"
+        if p.exists():
+            return p
+    raise FileNotFoundError("no kvferry binary: run `cargo build -p kvferry` or set KVFERRY_BIN")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    """``kvferry node --config FILE`` as a child process; ``addr`` is its engine service.
+
+    ``device``: the node's ``[device] kind``; ``token``: its engine token; ``extra``: TOML
+    appended to the config; ``listen`` / ``port``: the engine address (default a free
+    loopback port); ``pool`` / ``slot``: the host pool's size and slot size."""
+
+    def __init__(self, tmp: Path, name: str = "py-node", *, token: str = "", extra: str = "",
+                 device: str = "host", listen: Optional[str] = None, port: Optional[int] = None,
+                 pool: str = "64MiB", slot: str = "256KiB"):
+        self.dir = Path(tmp)
+        self.name = name
+        self.device = device
+        self.token, self.extra = token, extra
+        self.pool, self.slot = pool, slot
+        self.addr = listen or f"127.0.0.1:{port or free_port()}"
+        self.fd_socket = ""
+        self.proc: Optional[subprocess.Popen] = None
+        self.start()
+
+    def start(self) -> None:
+        fd_dir = self.dir / f"{self.name}-fd"
+        fd_dir.mkdir(parents=True, exist_ok=True)
+        config = self.dir / f"{self.name}.toml"
+        config.write_text(
+            f'node-id = "{self.name}"\n'
+            f'[pool]\nsize = "{self.pool}"\nslot-bytes = "{self.slot}"\n'
+            f'[device]\nkind = "{self.device}"\n'
+            '[metrics]\nlisten = ""\n'
+            f'[engine]\nlisten = "{self.addr}"\nfd-dir = "{fd_dir}"\ntoken = "{self.token}"\n'
+            + self.extra
+        )
+        self.proc = proc = subprocess.Popen(
+            [str(kvferry_bin()), "node", "--config", str(config)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        lines: "queue.Queue[Optional[str]]" = queue.Queue()
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.put(line.strip())
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        seen: Dict[str, str] = {}
+        end = time.monotonic() + 60
+        while not {"engine", "engine-fd"} <= seen.keys():
+            try:
+                line = lines.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                self.kill()
+                raise RuntimeError(f"node {self.name} did not start serving (saw {seen})")
+            if line.startswith("listening ") and "=" in line:
+                what, addr = line[len("listening "):].split("=", 1)
+                seen[what] = addr
+        self.addr = seen["engine"]
+        self.fd_socket = seen["engine-fd"]
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    stop = kill
+
+    def stop_signal(self, sig: int) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
