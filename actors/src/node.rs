@@ -364,6 +364,15 @@ impl Node {
         }
     }
 
+    /// Whether an engine service's gauges are attached (it has started serving).
+    pub fn engine_attached(&self) -> bool {
+        self.inner
+            .engine
+            .lock()
+            .ok()
+            .is_some_and(|e| e.as_ref().is_some_and(|w| w.strong_count() > 0))
+    }
+
     /// Everything an operator scrapes, in the Prometheus text format.
     pub async fn metrics_text(&self) -> Result<String, NodeError> {
         let stats = self.stats().await?;

@@ -14,20 +14,19 @@ use kvferry_actors::{node::open_devices, Clock, Node, NodeConfig};
 /// How long open peer calls may take to finish after SIGTERM.
 const DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+/// Takes SIGINT and SIGTERM over at once — before the node announces itself, since a
+/// signal that arrives before the handlers are in place ends the process by its default
+/// action — and resolves on either. Called inside the runtime.
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("handling SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("handling SIGINT")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term => {}
-    }
+    })
 }
 
 /// Serves `GET /metrics` (Prometheus text) and `GET /health` until the node stops.
@@ -145,6 +144,14 @@ async fn start_engine(cfg: &NodeConfig, node: &Node) -> anyhow::Result<Option<En
             let _ = stopped.await;
         },
     ));
+    // The service attaches its gauges when it first runs: wait for that (briefly), so the
+    // first scrape after the `listening` lines already shows them.
+    for _ in 0..1000 {
+        if node.engine_attached() || task.is_finished() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
     Ok(Some(Engine { stop, task }))
 }
 
@@ -178,13 +185,14 @@ pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
         let node =
             Node::start_with(cfg.clone(), devices, Clock::system()).context("starting the node")?;
         let served = rt.block_on(async {
-            start_metrics(&cfg, &node).await?;
+            let stop = shutdown_signal()?;
             let engine = start_engine(&cfg, &node).await?;
+            start_metrics(&cfg, &node).await?;
             eprintln!(
                 "kvferry node {}: running on its own; Ctrl-C or SIGTERM stops it",
                 node.config().node_id
             );
-            shutdown_signal().await;
+            stop.await;
             if let Some(e) = engine {
                 e.stop().await?;
             }
@@ -224,8 +232,9 @@ pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
     )
     .context("starting the node")?;
     let served = rt.block_on(async {
-        start_metrics(&cfg, &node).await?;
+        let stop_signal = shutdown_signal()?;
         let engine = start_engine(&cfg, &node).await?;
+        start_metrics(&cfg, &node).await?;
         let listener = tokio::net::TcpListener::bind(&c.peer_listen)
             .await
             .with_context(|| format!("binding cluster.peer-listen {}", c.peer_listen))?;
@@ -261,7 +270,7 @@ pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
         tokio::pin!(serve);
         tokio::select! {
             r = &mut serve => r?,
-            _ = shutdown_signal() => {
+            _ = stop_signal => {
                 let _ = stop.send(());
                 match tokio::time::timeout(DRAIN, &mut serve).await {
                     Ok(r) => r?,

@@ -267,6 +267,35 @@ fn metrics_and_health_are_served_and_pass_promtool() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A SIGTERM that arrives as soon as the node announces itself stops it cleanly: the signal
+/// handlers are in place before the first `listening` line (they were installed later, and
+/// the default action then ended the process with status 15, about two times in three).
+#[test]
+fn sigterm_right_after_the_first_listening_line_stops_cleanly() {
+    let dir = std::env::temp_dir().join(format!("kvferry-cli-term-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("node.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "node-id = \"t\"\n[pool]\nsize = \"8MiB\"\nslot-bytes = \"1MiB\"\n[device]\n\
+             kind = \"host\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n[engine]\n\
+             listen = \"127.0.0.1:0\"\nfd-dir = \"{}\"\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    for round in 0..10 {
+        // "engine" is the first line the node prints.
+        let (mut child, _) = start_node(&cfg, "engine");
+        // SAFETY: signalling our own child process by its pid.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let status = child.wait().unwrap();
+        assert!(status.success(), "round {round}: {status}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// promtool validates the exposition format of a real scrape.
 fn promtool_check(body: &str) {
     let mut check = Command::new("promtool")
