@@ -126,6 +126,8 @@ pub enum LayoutError {
     LayerCount { expected: u32, got: usize },
     #[error("layout has no blocks")]
     NoBlocks,
+    #[error("layout has {layers} layers; at most {max} are accepted")]
+    TooManyLayers { layers: usize, max: u32 },
     #[error("layer {layer}: split K/V needs two segments per layer, the shape has {segments}")]
     SplitNeedsTwoSegments { layer: u32, segments: u32 },
     #[error("layer {layer}: block stride {stride} is smaller than a segment ({segment} bytes)")]
@@ -185,8 +187,24 @@ fn seg_name(segments: u32, seg: u32) -> &'static str {
 }
 
 impl KvLayout {
+    /// Most layers a layout may have. Validation costs O(P log P) in the planes
+    /// (`layers x segments`); real models have a few hundred layers at most.
+    pub const MAX_LAYERS: u32 = 512;
+
     /// Validates a spec against the shape (without touching memory).
     pub fn new(spec: KvLayoutSpec, shape: &KvShape) -> Result<Self, LayoutError> {
+        Self::validate(spec, shape).map(|(layout, _)| layout)
+    }
+
+    /// [`Self::new`], also returning the planes it checked.
+    fn validate(spec: KvLayoutSpec, shape: &KvShape) -> Result<(Self, Vec<Plane>), LayoutError> {
+        let max = Self::MAX_LAYERS;
+        if spec.layers.len() > max as usize || shape.layers() > max {
+            return Err(LayoutError::TooManyLayers {
+                layers: spec.layers.len().max(shape.layers() as usize),
+                max,
+            });
+        }
         if spec.kind == GroupKind::Recurrent {
             return Err(LayoutError::Unsupported {
                 group: spec.kind.as_str(),
@@ -236,7 +254,7 @@ impl KvLayout {
         };
         let planes = layout.planes()?;
         layout.check_overlaps(&planes)?;
-        Ok(layout)
+        Ok((layout, planes))
     }
 
     /// Validates the layout and checks every plane against the device's allocations.
@@ -245,8 +263,8 @@ impl KvLayout {
         shape: &KvShape,
         device: &dyn Device,
     ) -> Result<Self, LayoutError> {
-        let layout = Self::new(spec, shape)?;
-        for p in layout.planes()? {
+        let (layout, planes) = Self::validate(spec, shape)?;
+        for p in planes {
             device
                 .check_range(p.start, p.extent)
                 .map_err(|source| LayoutError::Memory {
@@ -316,46 +334,70 @@ impl KvLayout {
         Ok(out)
     }
 
-    /// Exact overlap test between two planes of the same stride: segments `a + i*S` and
-    /// `c + j*S` (length `L`, `0 <= i, j < n`) overlap iff some `k = i - j` with
-    /// `|k| < n` puts `k*S` strictly within `L` of `c - a`.
-    fn planes_overlap(&self, a: &Plane, b: &Plane) -> bool {
-        let (s, l, n) = (
-            i128::from(self.block_stride),
-            i128::from(self.segment_bytes),
-            i128::from(self.num_blocks),
-        );
-        let d = i128::from(b.start) - i128::from(a.start);
-        let k0 = d.div_euclid(s);
-        [k0, k0 + 1]
-            .iter()
-            .any(|&k| k.abs() < n && (k * s - d).abs() < l)
-    }
-
+    /// Refuses the first pair of planes that share a byte, in O(P log P) for P planes.
+    ///
+    /// Every plane has the same stride `S`, segment length `L <= S` and block count `n`, so
+    /// write a plane's start as `q*S + r` (`0 <= r < S`): its segment `i` covers
+    /// `[r, r + L)` of stride cycle `q + i` (running past `S` into cycle `q + i + 1` when
+    /// `r + L > S`). Two planes `(q, r) <= (q', r')` by residue share a byte iff
+    /// - in one cycle: `r' - r < L` and `|q - q'| < n`, or
+    /// - across a cycle boundary: the second runs past `S` onto the first one's next cycle,
+    ///   `r + S - r' < L` and `|q - (q' + 1)| < n`.
+    ///
+    /// Giving each plane that runs past `S` a shadow at `(q + 1, r - S)` turns the second case
+    /// into the first, so the test is: two points within `L` on the residue axis and within
+    /// `n` on the cycle axis. Sweeping the points in residue order with a window of width
+    /// `L`, the newcomer collides iff its nearest neighbour by cycle in the window does.
+    /// (The window's cycles are distinct, or a collision was already found.)
     fn check_overlaps(&self, planes: &[Plane]) -> Result<(), LayoutError> {
-        let mut sorted: Vec<&Plane> = planes.iter().collect();
-        sorted.sort_by_key(|p| p.start);
-        for (i, a) in sorted.iter().enumerate() {
-            for b in &sorted[i + 1..] {
-                if b.start >= a.start + a.extent {
-                    break;
-                }
-                if self.planes_overlap(a, b) {
-                    let (x, y) = if (a.layer, a.segment) <= (b.layer, b.segment) {
-                        (a, b)
-                    } else {
-                        (b, a)
-                    };
-                    return Err(LayoutError::Overlap {
-                        first: x.layer,
-                        first_seg: seg_name(self.segments, x.segment),
-                        second: y.layer,
-                        second_seg: seg_name(self.segments, y.segment),
-                    });
-                }
+        let stride = i128::from(self.block_stride);
+        let seg = i128::from(self.segment_bytes);
+        let blocks = i128::from(self.num_blocks);
+        // (residue, cycle, plane index); a shadow has a negative residue.
+        let mut points: Vec<(i128, i128, usize)> = Vec::with_capacity(planes.len() * 2);
+        for (i, p) in planes.iter().enumerate() {
+            let start = i128::from(p.start);
+            let (q, r) = (start.div_euclid(stride), start.rem_euclid(stride));
+            points.push((r, q, i));
+            if r + seg > stride {
+                points.push((r - stride, q + 1, i));
             }
         }
+        points.sort_unstable();
+        let mut window: std::collections::BTreeMap<i128, usize> = Default::default();
+        let mut oldest = 0;
+        for &(r, q, i) in &points {
+            while points[oldest].0 <= r - seg {
+                let (_, q_old, i_old) = points[oldest];
+                if window.get(&q_old) == Some(&i_old) {
+                    window.remove(&q_old);
+                }
+                oldest += 1;
+            }
+            let below = window.range(..=q).next_back();
+            let above = window.range(q..).next();
+            for (&q_other, &j) in below.into_iter().chain(above) {
+                if (q_other - q).abs() < blocks && j != i {
+                    return Err(self.overlap(&planes[i], &planes[j]));
+                }
+            }
+            window.insert(q, i);
+        }
         Ok(())
+    }
+
+    fn overlap(&self, a: &Plane, b: &Plane) -> LayoutError {
+        let (x, y) = if (a.layer, a.segment) <= (b.layer, b.segment) {
+            (a, b)
+        } else {
+            (b, a)
+        };
+        LayoutError::Overlap {
+            first: x.layer,
+            first_seg: seg_name(self.segments, x.segment),
+            second: y.layer,
+            second_seg: seg_name(self.segments, y.segment),
+        }
     }
 
     /// Refuses destination lists with out-of-range or repeated blocks.
@@ -673,6 +715,128 @@ mod tests {
                 }
             ),
             "{err}"
+        );
+    }
+
+    /// The pairwise definition the sweep must agree with: segments `a + i*S` and `c + j*S`
+    /// (length `L`, `0 <= i, j < n`) overlap iff some `k = i - j` with `|k| < n` puts `k*S`
+    /// strictly within `L` of `c - a`.
+    fn pairwise_overlap(l: &KvLayout, planes: &[Plane]) -> bool {
+        let (s, len, n) = (
+            i128::from(l.block_stride),
+            i128::from(l.segment_bytes),
+            i128::from(l.num_blocks),
+        );
+        planes.iter().enumerate().any(|(x, a)| {
+            planes[x + 1..].iter().any(|b| {
+                let d = i128::from(b.start) - i128::from(a.start);
+                let k0 = d.div_euclid(s);
+                [k0, k0 + 1]
+                    .iter()
+                    .any(|&k| k.abs() < n && (k * s - d).abs() < len)
+            })
+        })
+    }
+
+    fn bare(stride: u64, seg: u64, blocks: u32) -> KvLayout {
+        KvLayout {
+            layers: Vec::new(),
+            block_stride: stride,
+            num_blocks: blocks,
+            view_offset: 0,
+            segments: 2,
+            segment_bytes: seg,
+        }
+    }
+
+    #[test]
+    fn the_sweep_agrees_with_the_pairwise_definition() {
+        // A small LCG: deterministic, no dependency.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |m: u64| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (x >> 33) % m
+        };
+        let (mut overlapping, mut disjoint) = (0, 0);
+        for _ in 0..20_000 {
+            let seg = 1 + next(8);
+            let stride = seg + next(24);
+            let blocks = 1 + next(5) as u32;
+            let l = bare(stride, seg, blocks);
+            let count = 2 + next(6) as usize;
+            let planes: Vec<Plane> = (0..count)
+                .map(|i| Plane {
+                    layer: i as u32 / 2,
+                    segment: i as u32 % 2,
+                    start: 1000 + next(stride * (u64::from(blocks) + 2)),
+                    extent: 0,
+                })
+                .collect();
+            let want = pairwise_overlap(&l, &planes);
+            let got = l.check_overlaps(&planes).is_err();
+            assert_eq!(
+                got, want,
+                "stride {stride} seg {seg} blocks {blocks}: {planes:?}"
+            );
+            if want {
+                overlapping += 1;
+            } else {
+                disjoint += 1;
+            }
+        }
+        assert!(
+            overlapping > 1000 && disjoint > 1000,
+            "{overlapping} {disjoint}"
+        );
+    }
+
+    #[test]
+    fn interleaved_planes_are_checked_in_n_log_n() {
+        // 200,000 planes inside one stride, each a cross-layer layer: the pairwise sweep
+        // compared every pair (2 x 10^10); this one sorts them.
+        let planes = 200_000u64;
+        let seg = 64;
+        let l = bare(planes * seg, seg, 1 << 20);
+        let mut ps: Vec<Plane> = (0..planes)
+            .map(|i| Plane {
+                layer: (i / 2) as u32,
+                segment: (i % 2) as u32,
+                start: i * seg,
+                extent: 0,
+            })
+            .collect();
+        let t = std::time::Instant::now();
+        assert!(l.check_overlaps(&ps).is_ok());
+        ps[planes as usize - 1].start -= 1;
+        assert!(l.check_overlaps(&ps).is_err());
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(5),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+
+    #[test]
+    fn layer_counts_are_bounded() {
+        let max = KvLayout::MAX_LAYERS;
+        let seg = 256u64;
+        let ok = KvLayoutSpec::cross_layer(0, max, 2, 64, seg);
+        let t = std::time::Instant::now();
+        assert!(KvLayout::new(ok, &shape(max, 2)).is_ok());
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(1),
+            "{:?}",
+            t.elapsed()
+        );
+        let over = KvLayoutSpec::cross_layer(0, max + 1, 2, 64, seg);
+        assert_eq!(
+            KvLayout::new(over, &shape(max + 1, 2)),
+            Err(LayoutError::TooManyLayers {
+                layers: max as usize + 1,
+                max
+            })
         );
     }
 
