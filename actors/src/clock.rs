@@ -47,3 +47,30 @@ impl fmt::Debug for Clock {
         f.write_str("Clock")
     }
 }
+
+/// `now + after`, saturating: a deadline past what an `Instant` can hold is "about a
+/// century from now", never a panic. Every TTL from a config or a request meets the clock
+/// here.
+pub fn deadline(now: Instant, after: Duration) -> Instant {
+    const FAR: Duration = Duration::from_secs(100 * 365 * 86_400);
+    now.checked_add(after.min(FAR))
+        .or_else(|| now.checked_add(Duration::from_secs(86_400)))
+        .unwrap_or(now)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_deadline_past_the_clock_saturates() {
+        let now = Instant::now();
+        assert_eq!(
+            deadline(now, Duration::from_secs(5)),
+            now + Duration::from_secs(5)
+        );
+        let far = deadline(now, Duration::from_secs(u64::MAX));
+        assert!(far > now + Duration::from_secs(86_400));
+        assert_eq!(deadline(now, Duration::MAX), far);
+    }
+}

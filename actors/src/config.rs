@@ -21,6 +21,115 @@ pub enum ConfigError {
     },
 }
 
+/// The longest any TTL of the config may be (`lease.ttl-secs`, `lease.peer-pin-ttl-secs`,
+/// `engine.handle-ttl-secs`): a day. Longer ones are mistakes, and near `u64::MAX` they
+/// overflow the clock.
+pub const MAX_TTL_SECS: u64 = 86_400;
+
+/// The largest `pool.slot-bytes`: one block of every TP rank of the largest models is far
+/// smaller.
+pub const MAX_SLOT_BYTES: u64 = 1 << 30;
+
+/// The longest Unix socket path (`sun_path` is 108 bytes with its terminating NUL).
+pub const MAX_SOCKET_PATH: usize = 107;
+
+/// The memory a host pool must fit in: physical memory and this process's cgroup limit,
+/// each where it can be read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostMemory {
+    /// `MemTotal` of `/proc/meminfo`.
+    pub total: Option<u64>,
+    /// `memory.max` of this process's cgroup (v2) or `memory.limit_in_bytes` (v1);
+    /// `None` where unlimited.
+    pub cgroup: Option<u64>,
+}
+
+impl HostMemory {
+    pub fn read() -> Self {
+        let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
+            let line = t.lines().find(|l| l.starts_with("MemTotal:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            kib.checked_mul(1024)
+        });
+        Self {
+            total,
+            cgroup: cgroup_limit(),
+        }
+    }
+
+    /// The tighter of the two limits, and where it comes from.
+    fn limit(&self) -> Option<(u64, &'static str)> {
+        match (self.total, self.cgroup) {
+            (Some(t), Some(c)) if c < t => Some((c, "the cgroup memory limit")),
+            (Some(t), _) => Some((t, "physical memory")),
+            (None, Some(c)) => Some((c, "the cgroup memory limit")),
+            (None, None) => None,
+        }
+    }
+}
+
+/// This process's cgroup memory limit: v2 `memory.max` of its own cgroup (or the root
+/// of the namespace), else v1 `memory.limit_in_bytes`.
+fn cgroup_limit() -> Option<u64> {
+    let own = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("0::").map(|p| p.trim().to_owned()))
+        })
+        .map(|p| format!("/sys/fs/cgroup{}/memory.max", p.trim_end_matches('/')));
+    let candidates = own
+        .into_iter()
+        .chain(["/sys/fs/cgroup/memory.max".to_owned()])
+        .chain(["/sys/fs/cgroup/memory/memory.limit_in_bytes".to_owned()]);
+    for path in candidates {
+        if let Ok(t) = std::fs::read_to_string(&path) {
+            // "max" (v2) or a huge page-rounded number (v1): no limit.
+            return t.trim().parse::<u64>().ok().filter(|&n| n < 1 << 62);
+        }
+    }
+    None
+}
+
+/// A token's rule (engine and cluster): what goes on a header and a socket line.
+fn check_token(key: &'static str, token: &str) -> Result<(), ConfigError> {
+    if token.chars().all(|c| c.is_ascii_graphic()) && token.len() <= 256 {
+        return Ok(());
+    }
+    Err(ConfigError::Invalid {
+        key,
+        reason: "must be at most 256 printable ASCII characters without spaces".into(),
+    })
+}
+
+/// A TTL's rule: 1 s to [`MAX_TTL_SECS`].
+fn check_ttl(key: &'static str, secs: u64) -> Result<(), ConfigError> {
+    if (1..=MAX_TTL_SECS).contains(&secs) {
+        return Ok(());
+    }
+    Err(ConfigError::Invalid {
+        key,
+        reason: format!("{secs} must be 1 to {MAX_TTL_SECS} (a day)"),
+    })
+}
+
+/// A Unix socket `name` in `dir` must fit `sun_path`.
+fn check_socket_dir(key: &'static str, dir: &str, name: &str) -> Result<(), ConfigError> {
+    let path = std::path::Path::new(dir).join(name);
+    let len = path.as_os_str().len();
+    if len <= MAX_SOCKET_PATH {
+        return Ok(());
+    }
+    Err(ConfigError::Invalid {
+        key,
+        reason: format!(
+            "the socket path {} is {len} bytes; a Unix socket path holds at most \
+             {MAX_SOCKET_PATH}: use a shorter directory",
+            path.display()
+        ),
+    })
+}
+
 /// A byte count written as an integer or a string with a unit ("64MiB", "1 GiB", "4096").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ByteSize(pub u64);
@@ -61,16 +170,27 @@ impl fmt::Display for ByteSize {
 
 impl<'de> Deserialize<'de> for ByteSize {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            N(u64),
-            S(String),
+        struct Bytes;
+        impl serde::de::Visitor<'_> for Bytes {
+            type Value = ByteSize;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a size like \"64MiB\" or a number of bytes")
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<ByteSize, E> {
+                Ok(ByteSize(n))
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<ByteSize, E> {
+                u64::try_from(n).map(ByteSize).map_err(|_| {
+                    E::custom(format!(
+                        "{n} is negative: expected a size like \"64MiB\" or a number of bytes"
+                    ))
+                })
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<ByteSize, E> {
+                ByteSize::parse(s).map_err(E::custom)
+            }
         }
-        match Raw::deserialize(d)? {
-            Raw::N(n) => Ok(ByteSize(n)),
-            Raw::S(s) => ByteSize::parse(&s).map_err(serde::de::Error::custom),
-        }
+        d.deserialize_any(Bytes)
     }
 }
 
@@ -229,7 +349,7 @@ impl EngineConfig {
         Duration::from_secs(self.handle_ttl_secs)
     }
 
-    fn validate(&self) -> Result<(), ConfigError> {
+    fn validate(&self, node_id: &str) -> Result<(), ConfigError> {
         let invalid = |key, reason: String| Err(ConfigError::Invalid { key, reason });
         if self.listen.parse::<std::net::SocketAddr>().is_err() {
             return invalid(
@@ -243,12 +363,14 @@ impl EngineConfig {
                 format!("{:?} must be an absolute path (or empty)", self.fd_dir),
             );
         }
-        if !self.token.chars().all(|c| c.is_ascii_graphic()) || self.token.len() > 256 {
-            return invalid(
-                "engine.token",
-                "must be at most 256 printable characters without spaces".into(),
-            );
+        if !self.fd_dir.is_empty() {
+            check_socket_dir(
+                "engine.fd-dir",
+                &self.fd_dir,
+                &format!("{node_id}.engine.sock"),
+            )?;
         }
+        check_token("engine.token", &self.token)?;
         let max = self.max_message_bytes;
         if !(ByteSize(64 << 10)..=ByteSize(1 << 30)).contains(&max) {
             return invalid(
@@ -262,9 +384,7 @@ impl EngineConfig {
                 format!("{} must be 1 to 65536", self.completion_retention),
             );
         }
-        if self.handle_ttl_secs == 0 {
-            return invalid("engine.handle-ttl-secs", "must be at least 1".into());
-        }
+        check_ttl("engine.handle-ttl-secs", self.handle_ttl_secs)?;
         Ok(())
     }
 }
@@ -407,6 +527,16 @@ impl LeaseConfig {
     }
 }
 
+/// Whether a peer at `peer` would be this node, listening on `own`: the same address, or
+/// the same port where this node listens on every address and the peer's is a loopback.
+fn is_own_address(own: std::net::SocketAddr, peer: std::net::SocketAddr) -> bool {
+    own == peer
+        || (own.port() == peer.port()
+            && own.port() != 0
+            && own.ip().is_unspecified()
+            && (peer.ip().is_loopback() || peer.ip().is_unspecified()))
+}
+
 impl NodeConfig {
     /// Parses and validates; `path` only names the source in errors.
     pub fn from_toml(text: &str, path: &str) -> Result<Self, ConfigError> {
@@ -426,8 +556,14 @@ impl NodeConfig {
         Self::from_toml(&text, path)
     }
 
-    /// Cross-field rules.
+    /// Every value range-checked and the cross-field rules, against this host's memory: a
+    /// config that passes starts (as far as the config decides it).
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_on(&HostMemory::read())
+    }
+
+    /// [`NodeConfig::validate`] with the host's memory given.
+    pub fn validate_on(&self, host: &HostMemory) -> Result<(), ConfigError> {
         let invalid = |key, reason: String| Err(ConfigError::Invalid { key, reason });
         if self.node_id.is_empty() || !self.node_id.chars().all(|c| c.is_ascii_graphic()) {
             return invalid(
@@ -436,10 +572,14 @@ impl NodeConfig {
             );
         }
         let (size, slot) = (self.pool.size.0, self.pool.slot_bytes.0);
-        if slot == 0 || slot % 64 != 0 {
+        if slot == 0 || slot % 64 != 0 || slot > MAX_SLOT_BYTES {
             return invalid(
                 "pool.slot-bytes",
-                format!("{slot} must be a nonzero multiple of 64"),
+                format!(
+                    "{} must be a nonzero multiple of 64, at most {}",
+                    self.pool.slot_bytes,
+                    ByteSize(MAX_SLOT_BYTES)
+                ),
             );
         }
         if size < slot {
@@ -451,9 +591,18 @@ impl NodeConfig {
                 ),
             );
         }
-        if self.lease.ttl_secs == 0 {
-            return invalid("lease.ttl-secs", "must be at least 1".into());
+        if let Some((limit, what)) = host.limit() {
+            if size > limit {
+                return invalid(
+                    "pool.size",
+                    format!(
+                        "{} is more than {what} ({} bytes); the pool is populated at start",
+                        self.pool.size, limit
+                    ),
+                );
+            }
         }
+        check_ttl("lease.ttl-secs", self.lease.ttl_secs)?;
         if self.lease.sweep_interval_secs == 0
             || self.lease.sweep_interval_secs > self.lease.ttl_secs
         {
@@ -465,9 +614,7 @@ impl NodeConfig {
                 ),
             );
         }
-        if self.lease.peer_pin_ttl_secs == 0 {
-            return invalid("lease.peer-pin-ttl-secs", "must be at least 1".into());
-        }
+        check_ttl("lease.peer-pin-ttl-secs", self.lease.peer_pin_ttl_secs)?;
         if !matches!(self.device.kind.as_str(), "host" | "cuda" | "auto") {
             return invalid(
                 "device.kind",
@@ -510,13 +657,40 @@ impl NodeConfig {
                     return invalid(key, format!("{addr:?} is not host:port"));
                 }
             }
-            if c.directory != "static" && !c.directory.starts_with("redis://") {
-                return invalid(
-                    "cluster.directory",
-                    format!("{:?} is not static or redis://host:port", c.directory),
-                );
+            check_token("cluster.token", &c.token)?;
+            if c.provider == "shm" {
+                if !std::path::Path::new(&c.shm_dir).is_absolute() {
+                    return invalid(
+                        "cluster.shm-dir",
+                        format!("{:?} must be an absolute path", c.shm_dir),
+                    );
+                }
+                check_socket_dir(
+                    "cluster.shm-dir",
+                    &c.shm_dir,
+                    &format!("{}.sock", self.node_id),
+                )?;
             }
+            if c.directory != "static" {
+                // The redis crate's own URL parser: what it accepts, the directory connects to.
+                let host = redis::parse_redis_url(&c.directory)
+                    .filter(|u| u.scheme() == "redis")
+                    .and_then(|u| u.host_str().map(str::to_owned));
+                if host.is_none_or(|h| h.is_empty()) {
+                    return invalid(
+                        "cluster.directory",
+                        format!("{:?} is not static or redis://host[:port]", c.directory),
+                    );
+                }
+            }
+            // Both parsed above.
+            let own: std::net::SocketAddr =
+                c.peer_listen.parse().map_err(|_| ConfigError::Invalid {
+                    key: "cluster.peer-listen",
+                    reason: format!("{:?} is not host:port", c.peer_listen),
+                })?;
             let mut seen = std::collections::HashSet::new();
+            let mut addresses = std::collections::HashMap::new();
             for p in &c.peers {
                 if p.node_id == self.node_id || !seen.insert(&p.node_id) {
                     return invalid(
@@ -524,16 +698,40 @@ impl NodeConfig {
                         format!("node id {:?} is listed twice or is this node", p.node_id),
                     );
                 }
-                if p.address.parse::<std::net::SocketAddr>().is_err() {
+                let Ok(addr) = p.address.parse::<std::net::SocketAddr>() else {
                     return invalid(
                         "cluster.peers",
                         format!("{:?} of {} is not host:port", p.address, p.node_id),
+                    );
+                };
+                if addr.port() == 0 {
+                    return invalid(
+                        "cluster.peers",
+                        format!("{} of {} has no port", p.address, p.node_id),
+                    );
+                }
+                if is_own_address(own, addr) {
+                    return invalid(
+                        "cluster.peers",
+                        format!(
+                            "{} of {} is this node's own cluster.peer-listen",
+                            p.address, p.node_id
+                        ),
+                    );
+                }
+                if let Some(other) = addresses.insert(addr, &p.node_id) {
+                    return invalid(
+                        "cluster.peers",
+                        format!(
+                            "{} and {} have one address, {}",
+                            other, p.node_id, p.address
+                        ),
                     );
                 }
             }
         }
         if let Some(e) = &self.engine {
-            e.validate()?;
+            e.validate(&self.node_id)?;
         }
         self.directory.validate()?;
         crate::nic::config::validate_node_nics(&self.nic, self.verbs.as_ref())
@@ -657,5 +855,145 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    fn invalid_key(text: &str, host: &HostMemory) -> (&'static str, String) {
+        let cfg: NodeConfig = toml::from_str(text).unwrap();
+        match cfg.validate_on(host).unwrap_err() {
+            ConfigError::Invalid { key, reason } => (key, reason),
+            e => panic!("{text}: {e}"),
+        }
+    }
+
+    /// Issue 15: every value `--check-config` used to pass and the node then failed on
+    /// (or panicked on) is refused, naming the key and saying why.
+    #[test]
+    fn check_config_refuses_what_would_not_start() {
+        let host = HostMemory {
+            total: Some(64 << 30),
+            cgroup: None,
+        };
+        let long_dir = format!("/tmp/{}", "d".repeat(100));
+        let peers = "[cluster]\npeer-listen = \"127.0.0.1:7100\"\n";
+        let cases = [
+            ("[lease]\nttl-secs = 9223372036854775807\n", "lease.ttl-secs", "86400"),
+            (
+                "[lease]\npeer-pin-ttl-secs = 9223372036854775807\n",
+                "lease.peer-pin-ttl-secs",
+                "86400",
+            ),
+            (
+                "[engine]\nhandle-ttl-secs = 9223372036854775807\n",
+                "engine.handle-ttl-secs",
+                "86400",
+            ),
+            ("[pool]\nsize = 9223372036854775807\n", "pool.size", "physical memory"),
+            ("[pool]\nsize = \"1048576TiB\"\n", "pool.size", "physical memory"),
+            ("[pool]\nsize = \"65GiB\"\n", "pool.size", "physical memory"),
+            (
+                "[pool]\nsize = \"8GiB\"\nslot-bytes = \"2GiB\"\n",
+                "pool.slot-bytes",
+                "at most 1GiB",
+            ),
+            ("[cluster]\ndirectory = \"redis://\"\n", "cluster.directory", "redis://"),
+            ("[cluster]\ndirectory = \"redis://:6379\"\n", "cluster.directory", "redis://"),
+            ("[cluster]\ndirectory = \"rediss://h:1\"\n", "cluster.directory", "redis://"),
+            ("[cluster]\ntoken = \"two words\"\n", "cluster.token", "without spaces"),
+            ("[cluster]\ntoken = \"a\\u0007b\"\n", "cluster.token", "printable"),
+            ("[engine]\ntoken = \"a\\tb\"\n", "engine.token", "printable"),
+            (
+                &format!("[engine]\nfd-dir = \"{long_dir}\"\n"),
+                "engine.fd-dir",
+                "at most 107",
+            ),
+            (
+                &format!("[cluster]\nprovider = \"shm\"\nshm-dir = \"{long_dir}\"\n"),
+                "cluster.shm-dir",
+                "at most 107",
+            ),
+            (
+                &format!("{peers}[[cluster.peers]]\nnode-id = \"b\"\naddress = \"127.0.0.1:7100\"\n"),
+                "cluster.peers",
+                "own cluster.peer-listen",
+            ),
+            (
+                "[cluster]\npeer-listen = \"0.0.0.0:7100\"\n[[cluster.peers]]\nnode-id = \"b\"\n\
+                 address = \"127.0.0.1:7100\"\n",
+                "cluster.peers",
+                "own cluster.peer-listen",
+            ),
+            (
+                &format!(
+                    "{peers}[[cluster.peers]]\nnode-id = \"b\"\naddress = \"127.0.0.1:7101\"\n\
+                     [[cluster.peers]]\nnode-id = \"c\"\naddress = \"127.0.0.1:7101\"\n"
+                ),
+                "cluster.peers",
+                "b and c have one address",
+            ),
+            (
+                &format!("{peers}[[cluster.peers]]\nnode-id = \"b\"\naddress = \"127.0.0.1:0\"\n"),
+                "cluster.peers",
+                "no port",
+            ),
+            (
+                "[[nic]]\nname = \"n0\"\nprovider = \"udp\"\n",
+                "nic",
+                "key `provider` is invalid: unknown provider \"udp\" (expected loopback, tcp, shm or verbs)",
+            ),
+        ];
+        for (text, key, why) in cases {
+            let (k, reason) = invalid_key(text, &host);
+            assert_eq!(k, key, "{text}: {reason}");
+            assert!(reason.contains(why), "{text}: {reason}");
+        }
+        // The cgroup limit when it is the tighter one.
+        let small = HostMemory {
+            total: Some(64 << 30),
+            cgroup: Some(1 << 30),
+        };
+        let (k, reason) = invalid_key("[pool]\nsize = \"2GiB\"\n", &small);
+        assert_eq!(k, "pool.size");
+        assert!(reason.contains("cgroup"), "{reason}");
+        // Within every limit: accepted.
+        let ok: NodeConfig = toml::from_str(
+            "[pool]\nsize = \"1GiB\"\n[lease]\nttl-secs = 86400\npeer-pin-ttl-secs = 86400\n\
+             [cluster]\ndirectory = \"redis://h:6379\"\n",
+        )
+        .unwrap();
+        ok.validate_on(&small).unwrap();
+    }
+
+    #[test]
+    fn a_size_of_the_wrong_type_says_what_a_size_is() {
+        for text in [
+            "[pool]\nsize = true\n",
+            "[pool]\nsize = 1.5\n",
+            "[pool]\nsize = [1]\n",
+        ] {
+            let err = NodeConfig::from_toml(text, "t.toml")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("expected a size like \"64MiB\" or a number of bytes"),
+                "{err}"
+            );
+            assert!(err.contains("size") && err.contains("line 2"), "{err}");
+            assert!(!err.contains("untagged"), "{err}");
+        }
+        let err = NodeConfig::from_toml("[pool]\nsize = -1\n", "t.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("negative"), "{err}");
+        let cfg = NodeConfig::from_toml("[pool]\nsize = 16777216\n", "t.toml").unwrap();
+        assert_eq!(cfg.pool.size, ByteSize(16 << 20));
+    }
+
+    /// The sample configs and the defaults stay inside the limits.
+    #[test]
+    fn defaults_are_inside_the_limits() {
+        let d = NodeConfig::default();
+        assert!(d.lease.ttl_secs <= MAX_TTL_SECS);
+        assert!(EngineConfig::default().handle_ttl_secs <= MAX_TTL_SECS);
+        assert!(d.pool.slot_bytes.0 <= MAX_SLOT_BYTES);
     }
 }

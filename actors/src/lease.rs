@@ -96,7 +96,7 @@ impl<P: Clone> LeaseTable<P> {
                 instance,
                 world,
                 consumed: 0,
-                expires: now + self.ttl,
+                expires: crate::clock::deadline(now, self.ttl),
                 plan,
             },
         );

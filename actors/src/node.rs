@@ -32,6 +32,8 @@ struct Inner {
     config: NodeConfig,
     system: actix::System,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// Closed when the actor thread ends, however it ends (see [`Node::actors_stopped`]).
+    actors_alive: tokio::sync::watch::Receiver<()>,
     cluster: Option<Arc<dyn Peers>>,
     /// The host pool's `(addr, len)`, for the Peer service's descriptors.
     pool_region: (u64, u64),
@@ -119,9 +121,13 @@ impl Node {
         let memory = Arc::clone(pool.memory());
         let directory = cluster.as_ref().map(|c| Arc::clone(c.directory()));
         let member = cluster.clone();
+        let (alive, actors_alive) = tokio::sync::watch::channel(());
         let thread = std::thread::Builder::new()
             .name("kvferry-actix".into())
             .spawn(move || {
+                // Dropped when this thread returns or unwinds: the node's owner learns that
+                // its actors are gone.
+                let _alive = alive;
                 let sys = actix::System::new();
                 sys.block_on(async move {
                     let store = BlockStore::new(
@@ -179,6 +185,7 @@ impl Node {
                 config,
                 system,
                 thread: Mutex::new(Some(thread)),
+                actors_alive,
                 cluster,
                 pool_region,
                 nics,
@@ -413,6 +420,21 @@ impl Node {
     /// Evicts every unpinned fetched copy; returns how many.
     pub async fn drop_reclaimable(&self) -> Result<usize, NodeError> {
         Ok(self.inner.store.send(store::DropReclaimable).await?)
+    }
+
+    /// Resolves when the actor thread has ended — after [`Node::shutdown`], or because the
+    /// actor system stopped or its thread died. A service waits on it beside its shutdown
+    /// signal, so a node without actors does not stay up answering UNAVAILABLE.
+    pub async fn actors_stopped(&self) {
+        let mut rx = self.inner.actors_alive.clone();
+        while rx.changed().await.is_ok() {}
+    }
+
+    /// The actor system's arbiter; the `kvferry` binary's crash tests run a panicking task
+    /// on it.
+    #[doc(hidden)]
+    pub fn actor_arbiter(&self) -> actix::ArbiterHandle {
+        self.inner.system.arbiter().clone()
     }
 
     /// Stops the actor system and waits for its thread.

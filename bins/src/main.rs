@@ -42,7 +42,22 @@ enum Cmd {
     Owner(bench_remote::OwnerArgs),
 }
 
+/// Crash-only: a panic on any thread (an actor's included: actix and tokio catch those and
+/// leave a process that answers UNAVAILABLE forever) prints its message and ends the
+/// process at once with status 101, so a supervisor restarts it.
+fn exit_on_panic() {
+    let print = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        print(info);
+        eprintln!("kvferry: panicked; exiting with status 101");
+        // SAFETY: `_exit` ends the process without running atexit handlers or other
+        // threads' destructors, which may wait on locks the panicking thread holds.
+        unsafe { libc::_exit(101) }
+    }));
+}
+
 fn main() -> std::process::ExitCode {
+    exit_on_panic();
     match run(Cli::parse()) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -17,16 +17,62 @@ const DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
 /// Takes SIGINT and SIGTERM over at once — before the node announces itself, since a
 /// signal that arrives before the handlers are in place ends the process by its default
 /// action — and resolves on either. Called inside the runtime.
-fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = &'static str>> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).context("handling SIGTERM")?;
     let mut int = signal(SignalKind::interrupt()).context("handling SIGINT")?;
     Ok(async move {
         tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
         }
     })
+}
+
+/// Why a running node stops: a signal (a clean stop, status 0), or its actor system ended
+/// under it (an error, status 1; a panic has already ended the process with 101).
+async fn until_stopped(
+    stop: impl std::future::Future<Output = &'static str>,
+    node: &Node,
+) -> anyhow::Result<()> {
+    let id = &node.config().node_id;
+    tokio::select! {
+        signal = stop => {
+            eprintln!("kvferry node {id}: stopping on {signal}");
+            Ok(())
+        }
+        () = node.actors_stopped() => {
+            anyhow::bail!("kvferry node {id}: its actor system stopped; exiting")
+        }
+    }
+}
+
+/// The start-up line, on stderr, once every listener is bound: supervisors and log
+/// searches match `kvferry node <id>: started`.
+fn announce_started(node: &Node, how: &str) {
+    eprintln!(
+        "kvferry node {}: started (pid {}, version {}); {how}",
+        node.config().node_id,
+        std::process::id(),
+        env!("CARGO_PKG_VERSION"),
+    );
+    crash_test(node);
+}
+
+/// Crash tests of the `kvferry` binary: `KVFERRY_TEST_CRASH=actor-panic` panics a task on
+/// the actor thread once the node has started, which must end the process with status 101
+/// (the panic hook in `main.rs`). Nothing else reads this variable.
+fn crash_test(node: &Node) {
+    if std::env::var("KVFERRY_TEST_CRASH").as_deref() == Ok("actor-panic") {
+        node.actor_arbiter().spawn(async {
+            panic!("KVFERRY_TEST_CRASH=actor-panic: a panic on the actor thread");
+        });
+    }
+}
+
+/// The shutdown line, on stderr, the last the process prints on a clean stop.
+fn announce_stopped(node_id: &str) {
+    eprintln!("kvferry node {node_id}: stopped");
 }
 
 /// Serves `GET /metrics` (Prometheus text) and `GET /health` until the node stops.
@@ -188,17 +234,17 @@ pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
             let stop = shutdown_signal()?;
             let engine = start_engine(&cfg, &node).await?;
             start_metrics(&cfg, &node).await?;
-            eprintln!(
-                "kvferry node {}: running on its own; Ctrl-C or SIGTERM stops it",
-                node.config().node_id
-            );
-            stop.await;
+            announce_started(&node, "running on its own; Ctrl-C or SIGTERM stops it");
+            let stopped = until_stopped(stop, &node).await;
             if let Some(e) = engine {
                 e.stop().await?;
             }
-            Ok::<_, anyhow::Error>(())
+            stopped
         });
         node.shutdown();
+        if served.is_ok() {
+            announce_stopped(&cfg.node_id);
+        }
         return served;
     };
     let provider = Provider::parse(&c.provider)?;
@@ -256,10 +302,12 @@ pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
             },
             (None, None) => "nowhere (no data endpoint)".to_owned(),
         };
-        eprintln!(
-            "kvferry node {}: Peer service on {addr}, pool served over {} {at}; SIGTERM stops it",
-            node.config().node_id,
-            provider.as_str(),
+        announce_started(
+            &node,
+            &format!(
+                "Peer service on {addr}, pool served over {} {at}; SIGTERM stops it",
+                provider.as_str()
+            ),
         );
         // On SIGTERM: stop accepting and let open calls finish, but not forever: peers keep
         // their connections open, so the drain is bounded.
@@ -268,24 +316,28 @@ pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
             let _ = stopped.await;
         });
         tokio::pin!(serve);
-        tokio::select! {
-            r = &mut serve => r?,
-            _ = stop_signal => {
+        let stopped = tokio::select! {
+            r = &mut serve => { r?; Ok(()) }
+            stopped = until_stopped(stop_signal, &node) => {
                 let _ = stop.send(());
                 match tokio::time::timeout(DRAIN, &mut serve).await {
                     Ok(r) => r?,
                     Err(_) => eprintln!("kvferry: peers still connected after {DRAIN:?}; stopping anyway"),
                 }
+                stopped
             }
-        }
+        };
         if let Some(e) = engine {
             e.stop().await?;
         }
-        Ok::<_, anyhow::Error>(())
+        stopped
     });
     node.shutdown();
     // Leaving queued this node's withdrawal: let it reach the directory (bounded by the
     // directory's own deadlines) before the process ends.
     rt.block_on(peers.directory().flush());
+    if served.is_ok() {
+        announce_stopped(&cfg.node_id);
+    }
     served
 }

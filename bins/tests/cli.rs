@@ -176,6 +176,38 @@ fn bad_configs_are_refused_naming_the_key() {
         ("[cluster]\nprovider = \"verbs\"\n", "cluster.provider"),
         ("[lease]\nttl-secs = 0\n", "lease.ttl-secs"),
         ("[engine]\nlisten = \"x\"\n", "engine.listen"),
+        // Issue 15: what used to pass and then panicked or failed at start.
+        ("[lease]\nttl-secs = 9223372036854775807\n", "lease.ttl-secs"),
+        (
+            "[lease]\npeer-pin-ttl-secs = 9223372036854775807\n",
+            "lease.peer-pin-ttl-secs",
+        ),
+        (
+            "[engine]\nhandle-ttl-secs = 9223372036854775807\n",
+            "engine.handle-ttl-secs",
+        ),
+        ("[pool]\nsize = 9223372036854775807\n", "pool.size"),
+        ("[pool]\nsize = \"1048576TiB\"\n", "pool.size"),
+        ("[cluster]\ndirectory = \"redis://\"\n", "cluster.directory"),
+        ("[cluster]\ntoken = \"two words\"\n", "cluster.token"),
+        (
+            "[engine]\nfd-dir = \"/tmp/0123456789012345678901234567890123456789012345678901234567890123456789012345678901234567890123456789\"\n",
+            "engine.fd-dir",
+        ),
+        (
+            "[cluster]\npeer-listen = \"127.0.0.1:7100\"\n[[cluster.peers]]\nnode-id = \"b\"\naddress = \"127.0.0.1:7100\"\n",
+            "own cluster.peer-listen",
+        ),
+        (
+            "[cluster]\n[[cluster.peers]]\nnode-id = \"b\"\naddress = \"127.0.0.1:7101\"\n\
+             [[cluster.peers]]\nnode-id = \"c\"\naddress = \"127.0.0.1:7101\"\n",
+            "b and c have one address",
+        ),
+        (
+            "[[nic]]\nname = \"n0\"\nprovider = \"udp\"\n",
+            "expected loopback, tcp, shm or verbs",
+        ),
+        ("[pool]\nsize = true\n", "expected a size like \"64MiB\" or a number of bytes"),
     ] {
         let cfg = dir.join("bad.toml");
         std::fs::write(&cfg, text).unwrap();
@@ -513,4 +545,137 @@ fn a_node_starts_while_its_redis_directory_is_down() {
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     assert!(child.wait().unwrap().success());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Starts a node whose stderr is read line by line; its lines come on the receiver.
+fn start_node_reading_stderr(
+    cfg: &std::path::Path,
+    env: &[(&str, &str)],
+) -> (NodeChild, std::sync::mpsc::Receiver<String>) {
+    let mut child = NodeChild(
+        kvferry()
+            .args(["node", "--config", cfg.to_str().unwrap()])
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let err = child.0.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    (child, rx)
+}
+
+/// Waits for a line containing `needle`; every line read so far.
+fn wait_for_line(rx: &std::sync::mpsc::Receiver<String>, needle: &str, seen: &mut Vec<String>) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !seen.iter().any(|l| l.contains(needle)) {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => seen.push(line),
+            Err(_) => panic!("no line with {needle:?}: {seen:#?}"),
+        }
+    }
+}
+
+fn standalone_config(dir: &std::path::Path, id: &str, cluster: bool) -> std::path::PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let cfg = dir.join("node.toml");
+    let mut text = format!(
+        "node-id = \"{id}\"\n[pool]\nsize = \"8MiB\"\nslot-bytes = \"1MiB\"\n[device]\n\
+         kind = \"host\"\n[engine]\nlisten = \"127.0.0.1:0\"\nfd-dir = \"{}\"\n",
+        dir.display()
+    );
+    if cluster {
+        text.push_str("[cluster]\nprovider = \"tcp\"\npeer-listen = \"127.0.0.1:0\"\n");
+    }
+    std::fs::write(&cfg, text).unwrap();
+    cfg
+}
+
+/// What a supervisor and an operator grep for: one `started` line once the node serves, one
+/// `stopped` line as the last word of a clean stop (status 0), for a node on its own and
+/// one in a cluster.
+#[test]
+fn start_up_and_shutdown_lines_are_greppable() {
+    for cluster in [false, true] {
+        let dir = std::env::temp_dir().join(format!(
+            "kvferry-cli-lines-{}-{cluster}",
+            std::process::id()
+        ));
+        let cfg = standalone_config(&dir, "g", cluster);
+        let (mut child, rx) = start_node_reading_stderr(&cfg, &[]);
+        let mut seen = Vec::new();
+        wait_for_line(&rx, "kvferry node g: started", &mut seen);
+        let started = seen
+            .iter()
+            .find(|l| l.starts_with("kvferry node g: started (pid "))
+            .unwrap();
+        assert!(
+            started.contains(&format!("pid {}", child.id())),
+            "{started}"
+        );
+        // SAFETY: signalling our own child process by its pid.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let status = child.wait().unwrap();
+        seen.extend(rx.iter());
+        assert!(status.success(), "{status:?}: {seen:#?}");
+        assert!(
+            seen.iter()
+                .any(|l| l == "kvferry node g: stopping on SIGTERM"),
+            "{seen:#?}"
+        );
+        assert_eq!(
+            seen.last().map(String::as_str),
+            Some("kvferry node g: stopped"),
+            "{seen:#?}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// Crash-only (issue 15): a panic on the actor thread used to leave a process that answered
+/// UNAVAILABLE forever; it now prints the panic and exits with status 101 at once, for a
+/// node on its own and one in a cluster.
+#[test]
+fn a_panicking_actor_ends_the_node_process_with_status_101() {
+    for cluster in [false, true] {
+        let dir = std::env::temp_dir().join(format!(
+            "kvferry-cli-panic-{}-{cluster}",
+            std::process::id()
+        ));
+        let cfg = standalone_config(&dir, "p", cluster);
+        let (mut child, rx) =
+            start_node_reading_stderr(&cfg, &[("KVFERRY_TEST_CRASH", "actor-panic")]);
+        let t0 = std::time::Instant::now();
+        let status = loop {
+            if let Some(s) = child.0.try_wait().unwrap() {
+                break s;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "still running: a zombie"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let lines: Vec<String> = rx.iter().collect();
+        assert_eq!(status.code(), Some(101), "{status:?}: {lines:#?}");
+        assert!(
+            lines.iter().any(|l| l.contains("kvferry node p: started")),
+            "{lines:#?}"
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains("KVFERRY_TEST_CRASH=actor-panic")),
+            "the panic message is printed: {lines:#?}"
+        );
+        assert!(!lines.iter().any(|l| l.contains(": stopped")), "{lines:#?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -210,7 +210,7 @@ pub fn validate_node_nics(
 ) -> Result<(Vec<NicConfig>, VerbsConfig), (&'static str, String)> {
     let mut out: Vec<NicConfig> = Vec::with_capacity(nics.len());
     for s in nics {
-        let cfg = s.validate().map_err(|e| ("nic", e.to_string()))?;
+        let cfg = s.validate().map_err(|e| ("nic", with_sources(&e)))?;
         if out.iter().any(|c| c.name == cfg.name) {
             return Err(("nic", format!("nic name {:?} appears twice", cfg.name)));
         }
@@ -220,6 +220,18 @@ pub fn validate_node_nics(
         .cloned()
         .unwrap_or_default()
         .validate()
-        .map_err(|e| ("verbs", e.to_string()))?;
+        .map_err(|e| ("verbs", with_sources(&e)))?;
     Ok((out, verbs))
+}
+
+/// The error and its sources on one line: "key `provider` is invalid" alone does not say why.
+fn with_sources(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }

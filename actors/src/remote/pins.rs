@@ -43,7 +43,7 @@ impl PeerPins {
             PeerPin {
                 namespace,
                 hashes,
-                expires: now + self.ttl,
+                expires: crate::clock::deadline(now, self.ttl),
             },
         );
         id

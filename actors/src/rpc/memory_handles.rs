@@ -120,7 +120,7 @@ impl MemoryHandles {
             id,
             Entry {
                 handle,
-                expires: now + self.ttl,
+                expires: crate::clock::deadline(now, self.ttl),
             },
         );
         Ok(id)
