@@ -15,6 +15,8 @@ pub enum ModelError {
     HashLength { index: usize, len: usize },
     #[error("namespace {field} must be 1 to 128 printable characters without '/', got {value:?}")]
     Namespace { field: &'static str, value: String },
+    #[error("namespace must be model/dtype/fingerprint (three parts separated by '/'), got {0:?}")]
+    NamespaceParts(String),
     #[error("instance id must be 1 to 128 printable characters, got {0:?}")]
     InstanceId(String),
     #[error("lease id must be 32 hex characters, got {0:?}")]

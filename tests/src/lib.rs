@@ -2,6 +2,8 @@
 //! with canaried device KV (allocated by the node's device, or held by the test in a memfd
 //! as a client without a GPU does: [`MemfdKv`]), and gauge checks.
 
+pub mod raw;
+
 use std::sync::Arc;
 use std::time::Duration;
 

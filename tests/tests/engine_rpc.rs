@@ -686,9 +686,38 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         let many = hashes(0..rpc::MAX_ENGINE_HASHES as u64 + 1);
         assert_eq!(
             code(c.query(&id("eng"), &many, false).await),
-            Code::InvalidArgument
+            Code::ResourceExhausted
         );
         unchanged("too many hashes").await;
+        let dest: Vec<u32> = (0..rpc::MAX_ENGINE_BLOCKS as u32 + 1).collect();
+        assert_eq!(
+            code(c.load(&load(lease, "eng", &dest)).await),
+            Code::ResourceExhausted
+        );
+        unchanged("too many destination blocks").await;
+        let save = |n: usize| proto::SaveRequest {
+            instance: "eng".into(),
+            rank: 0,
+            hashes: vec![vec![1u8]; n],
+            src_blocks: vec![0; n],
+        };
+        let r = raw.save(c.request(save(rpc::MAX_ENGINE_HASHES + 1))).await;
+        assert_eq!(raw_code(r), Code::ResourceExhausted);
+        unchanged("too many blocks to save").await;
+        let put = proto::PutBlocksRequest {
+            instance: "eng".into(),
+            rank: 0,
+            blocks: vec![
+                proto::PutBlock {
+                    hash: vec![1],
+                    data: vec![1],
+                };
+                rpc::MAX_ENGINE_HASHES + 1
+            ],
+        };
+        let r = raw.put_blocks(c.request(put)).await;
+        assert_eq!(raw_code(r), Code::ResourceExhausted);
+        unchanged("too many blocks to put").await;
         let r = raw
             .query(c.request(proto::QueryRequest {
                 instance: "eng".into(),
@@ -756,6 +785,27 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
             Code::InvalidArgument
         );
         unchanged("another device").await;
+        let wide = KvShape::new(rpc::MAX_ENGINE_LAYERS + 1, 1, 2, 64).unwrap();
+        let mut layers = good.clone();
+        layers.shape = wide;
+        layers.layout = kvferry_gpu::KvLayoutSpec::cross_layer(0, wide.layers(), 2, 4, 64);
+        let e = c.register(&layers, handle).await.unwrap_err();
+        assert_eq!(e.code(), Some(Code::ResourceExhausted), "{e}");
+        assert!(e.to_string().contains("at most 512"), "{e}");
+        unchanged("too many layers").await;
+        // A block of 3 layers x 2 x 16 KiB = 96 KiB cannot fit the node's 64 KiB slot.
+        let big = KvShape::new(3, 1, 2, 16 << 10).unwrap();
+        let mut slot = good.clone();
+        slot.shape = big;
+        slot.layout = kvferry_gpu::KvLayoutSpec::flash_attn(&[0, 1 << 20, 2 << 20], 4, 16 << 10);
+        let e = c.register(&slot, handle).await.unwrap_err();
+        assert_eq!(e.code(), Some(Code::FailedPrecondition), "{e}");
+        let says = e.to_string();
+        assert!(
+            says.contains("98304 bytes") && says.contains(&format!("{SLOT}-byte pool slot")),
+            "{says}"
+        );
+        unchanged("a block larger than a slot").await;
 
         // Message size, tokens, unknown ids.
         let huge = PutBlocks {
@@ -826,6 +876,62 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         );
         unchanged("refused memory").await;
 
+        // Bodies that do not decode, on every method that takes one; a Session stream that
+        // receives one ends with the same status.
+        for method in [
+            "RegisterInstance",
+            "UnregisterInstance",
+            "Save",
+            "PutBlocks",
+            "Query",
+            "Load",
+            "Release",
+            "Completions",
+            "PollLoad",
+        ] {
+            let path: &'static str = Box::leak(format!("/kvferry.v1.Engine/{method}").into());
+            let got = raw::unary_code(&srv.addr, TOKEN, path, raw::GARBLED.to_vec()).await;
+            assert_eq!(got, Code::InvalidArgument, "{method}");
+        }
+        unchanged("undecodable requests").await;
+        let end = raw::stream_end(
+            &srv.addr,
+            TOKEN,
+            "/kvferry.v1.Engine/Session",
+            raw::GARBLED.to_vec(),
+        )
+        .await;
+        assert_eq!(end.code(), Code::InvalidArgument, "{end:?}");
+        assert!(end.message().starts_with("Session: "), "{end:?}");
+        unchanged("an undecodable session message").await;
+
+        // 200 descriptors in one fd-socket message: an err line, and the connection still
+        // answers the next request.
+        {
+            use std::io::{BufRead, BufReader, Write};
+            use std::os::fd::AsRawFd;
+            let sock = std::os::unix::net::UnixStream::connect(&srv.fd_path).unwrap();
+            sock.set_read_timeout(Some(WAIT)).unwrap();
+            let dups: Vec<std::os::fd::OwnedFd> = (0..200)
+                .map(|_| spare.fd().try_clone_to_owned().unwrap())
+                .collect();
+            let raw_fds: Vec<i32> = dups.iter().map(|f| f.as_raw_fd()).collect();
+            let line = format!("memfd spare 0 0 {} {TOKEN}\n", spare.len());
+            raw::send_many_fds(sock.as_raw_fd(), line.as_bytes(), &raw_fds).unwrap();
+            let mut reader = BufReader::new(sock.try_clone().unwrap());
+            let mut answer = String::new();
+            reader.read_line(&mut answer).unwrap();
+            assert!(
+                answer.starts_with("err invalid-argument ") && answer.contains("one descriptor"),
+                "{answer:?}"
+            );
+            (&sock).write_all(b"memfd spare 0 0 0\n").unwrap();
+            answer.clear();
+            reader.read_line(&mut answer).unwrap();
+            assert!(answer.starts_with("err invalid-argument "), "{answer:?}");
+        }
+        unchanged("too many descriptors").await;
+
         // After all that, the lease loads and the spare handle registers.
         let l = c.load(&load(lease, "eng", &[0, 1, 2])).await.unwrap();
         ok(
@@ -842,6 +948,47 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         assert_eq!((s.leases_live, s.instances, s.memory_handles), (0, 3, 0));
         assert_eq!((s.loads_ok, s.loads_failed), (1, 0));
         drop((c, wrong, none));
+        srv.stop().await;
+    });
+}
+
+/// The limits on what one request carries are advertised, and the costliest registration
+/// within them (the most layers, every plane interleaved inside one block stride, as
+/// cross-layer KV lays them out) answers at once while the node keeps answering.
+#[test]
+fn the_largest_registration_answers_quickly_and_the_limits_are_advertised() {
+    rt().block_on(async {
+        let srv = Server::with_token().await;
+        let c = srv.client(TOKEN).await;
+        let caps = c.capabilities().await.unwrap();
+        assert_eq!(caps.max_hashes as usize, rpc::MAX_ENGINE_HASHES);
+        assert_eq!(caps.max_blocks as usize, rpc::MAX_ENGINE_BLOCKS);
+        assert_eq!(caps.max_layers, rpc::MAX_ENGINE_LAYERS);
+        assert_eq!(caps.max_regions as usize, rpc::MAX_ENGINE_REGIONS);
+        assert_eq!(caps.max_hash_bytes, 32);
+        assert_eq!(caps.slot_bytes, SLOT);
+        assert!(caps.max_message_bytes > 0);
+
+        let layers = caps.max_layers;
+        // 512 layers x 2 x 64 bytes: one 64 KiB block, exactly the node's slot.
+        let shape = KvShape::new(layers, 1, 2, 64).unwrap();
+        let kv = MemfdKv::create(shape, 4, 0).unwrap();
+        let handle = c
+            .send_memfd(&id("wide"), 0, 0, kv.fd(), kv.len())
+            .await
+            .unwrap();
+        let mut req = kv.register_request(&id("wide"), "m", 0);
+        req.layout = kvferry_gpu::KvLayoutSpec::cross_layer(0, layers, 2, 4, 64);
+        let t = std::time::Instant::now();
+        c.register(&req, handle).await.unwrap();
+        let took = t.elapsed();
+        assert!(
+            took < Duration::from_secs(1),
+            "{layers} layers took {took:?}"
+        );
+        c.health().await.unwrap();
+        assert_eq!(c.stats().await.unwrap().instances, 1);
+        drop(c);
         srv.stop().await;
     });
 }

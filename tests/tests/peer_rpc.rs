@@ -357,16 +357,35 @@ fn malformed_requests_are_invalid_and_change_nothing() {
         h.push(vec![1; 33]);
         let e = pin(ns.clone(), h).await.unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument);
-        // Namespaces that are not model/dtype/fingerprint.
+        // Namespaces that are not model/dtype/fingerprint, each word once in the message.
         for bad in ["", "m/bf16", "m/bf16/x/y", "m/b f16/x"] {
             let e = pin(bad.into(), hashes_bytes(&[0])).await.unwrap_err();
             assert_eq!(e.code(), Code::InvalidArgument, "{bad:?}");
+            assert!(
+                e.message().starts_with("PinBlocks: namespace ")
+                    && !e.message().contains("namespace namespace"),
+                "{}",
+                e.message()
+            );
         }
-        // Too many hashes.
+        // Too many hashes: over a limit, not malformed.
         let many = (0..rpc::MAX_PIN_HASHES as u64 + 1).collect::<Vec<_>>();
         let e = pin(ns.clone(), hashes_bytes(&many)).await.unwrap_err();
-        assert_eq!(e.code(), Code::InvalidArgument);
+        assert_eq!(e.code(), Code::ResourceExhausted);
         assert!(e.message().contains("4096"), "{}", e.message());
+        // A request over the size limit: RESOURCE_EXHAUSTED, as the Engine service says.
+        let e = pin("m".repeat(rpc::MAX_PEER_REQUEST_BYTES), hashes_bytes(&[0]))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+        // Bodies that do not decode, on every method.
+        for method in ["Hello", "Handshake", "PinBlocks", "Unpin"] {
+            let path: &'static str = Box::leak(format!("/kvferry.v1.Peer/{method}").into());
+            let got =
+                raw::unary_code(&o.addr.to_string(), TOKEN, path, raw::GARBLED.to_vec()).await;
+            assert_eq!(got, Code::InvalidArgument, "{method}");
+        }
+        o.unchanged().await;
         // The limit itself is fine (the present prefix is pinned).
         let most = (0..rpc::MAX_PIN_HASHES as u64).collect::<Vec<_>>();
         let ok = pin(ns.clone(), hashes_bytes(&most))

@@ -1,20 +1,24 @@
 //! Checks engine requests field by field and turns them into the `Node`'s types, and turns
 //! the node's errors into gRPC statuses. Pure functions: a request refused here never
-//! reaches the node.
+//! reaches the node. Counts are checked against the limits in [`super`] (advertised in
+//! `Capabilities`) before anything proportional to them is built: RESOURCE_EXHAUSTED.
 
-use kvferry_gpu::{
-    DeviceError, GroupKind, KvLayout, KvLayoutSpec, KvShape, LayerLayout, LayoutError,
-};
+use kvferry_gpu::{DeviceError, GroupKind, KvLayoutSpec, KvShape, LayerLayout, LayoutError};
 use tonic::Status;
 
 use super::proto;
-use super::MAX_ENGINE_HASHES;
+use super::{MAX_ENGINE_BLOCKS, MAX_ENGINE_HASHES, MAX_ENGINE_LAYERS};
 use crate::error::NodeError;
 use crate::lease::LeaseError;
 use crate::model::{BlockHash, InstanceId, LeaseId};
 
 fn bad(method: &str, what: impl std::fmt::Display) -> Status {
     Status::invalid_argument(format!("{method}: {what}"))
+}
+
+/// A count over one of the advertised limits.
+fn over(method: &str, count: usize, what: &str, max: usize, per: &str) -> Status {
+    Status::resource_exhausted(format!("{method}: {count} {what}; at most {max} per {per}"))
 }
 
 pub(crate) fn instance(method: &str, s: &str) -> Result<InstanceId, Status> {
@@ -31,37 +35,66 @@ pub(crate) fn hashes(method: &str, hashes: &[Vec<u8>]) -> Result<Vec<BlockHash>,
         return Err(bad(method, "no block hashes given"));
     }
     if hashes.len() > MAX_ENGINE_HASHES {
-        return Err(bad(
+        return Err(over(
             method,
-            format!(
-                "{} block hashes; at most {MAX_ENGINE_HASHES} per request",
-                hashes.len()
-            ),
+            hashes.len(),
+            "block hashes",
+            MAX_ENGINE_HASHES,
+            "request",
         ));
     }
     BlockHash::parse_all(hashes).map_err(|e| bad(method, e))
 }
 
-/// 1 to [`MAX_ENGINE_HASHES`] block indices.
+/// 1 to [`MAX_ENGINE_BLOCKS`] block indices.
 pub(crate) fn blocks(method: &str, field: &str, blocks: &[u32]) -> Result<(), Status> {
     if blocks.is_empty() {
         return Err(bad(method, format!("no {field} given")));
     }
-    if blocks.len() > MAX_ENGINE_HASHES {
-        return Err(bad(
+    if blocks.len() > MAX_ENGINE_BLOCKS {
+        return Err(over(
             method,
-            format!(
-                "{} {field}; at most {MAX_ENGINE_HASHES} per request",
-                blocks.len()
-            ),
+            blocks.len(),
+            field,
+            MAX_ENGINE_BLOCKS,
+            "request",
         ));
     }
     Ok(())
 }
 
+/// 1 to [`MAX_ENGINE_LAYERS`] layers.
 pub(crate) fn shape(method: &str, s: Option<&proto::KvShape>) -> Result<KvShape, Status> {
     let s = s.ok_or_else(|| bad(method, "no KV shape given"))?;
+    if s.layers > MAX_ENGINE_LAYERS {
+        return Err(over(
+            method,
+            s.layers as usize,
+            "layers in the KV shape",
+            MAX_ENGINE_LAYERS as usize,
+            "instance",
+        ));
+    }
     KvShape::new(s.layers, s.tp_size, s.segments, s.segment_bytes).map_err(|e| bad(method, e))
+}
+
+/// The shape's whole block (every rank's part) must fit one host pool slot of `slot_bytes`:
+/// no block of it could ever be stored otherwise. FAILED_PRECONDITION: the request is well
+/// formed, this node's configuration cannot serve it.
+pub(crate) fn fits_slot(method: &str, shape: &KvShape, slot_bytes: u64) -> Result<(), Status> {
+    let block = shape.block_bytes();
+    if block > slot_bytes {
+        return Err(Status::failed_precondition(format!(
+            "{method}: a block of this shape is {block} bytes ({} layers x {} segments x {} \
+             bytes x tp {}), larger than this node's {slot_bytes}-byte pool slot \
+             (`pool.slot-bytes`)",
+            shape.layers(),
+            shape.segments(),
+            shape.segment_bytes(),
+            shape.tp_size()
+        )));
+    }
+    Ok(())
 }
 
 /// Memory region of each of a layer's planes, as the request names them: `[K, V]` (or
@@ -74,6 +107,15 @@ pub(crate) fn layout(
     l: Option<&proto::KvLayout>,
 ) -> Result<(KvLayoutSpec, Vec<PlaneRegions>), Status> {
     let l = l.ok_or_else(|| bad(method, "no KV layout given"))?;
+    if l.layers.len() > MAX_ENGINE_LAYERS as usize {
+        return Err(over(
+            method,
+            l.layers.len(),
+            "layers in the KV layout",
+            MAX_ENGINE_LAYERS as usize,
+            "instance",
+        ));
+    }
     let kind = match proto::GroupKind::try_from(l.kind) {
         Ok(proto::GroupKind::Attention) => GroupKind::Attention,
         Ok(proto::GroupKind::CrossLayer) => GroupKind::CrossLayer,
@@ -122,8 +164,9 @@ pub(crate) struct Placed {
 }
 
 /// Checks that every plane of `spec` (offsets) lies inside `[0, len)` of the region it names
-/// and moves it to that region's base. Overlaps between planes are checked afterwards, on the
-/// moved addresses, by the registration (two planes in different regions may share offsets).
+/// and moves it to that region's base. Overlaps between planes are checked afterwards, once,
+/// on the moved addresses, by the registration (`KvLayout::new_on`: two planes in different
+/// regions may share offsets).
 pub(crate) fn place(
     method: &str,
     spec: KvLayoutSpec,
@@ -216,15 +259,14 @@ pub(crate) fn place(
             })
         })
         .collect::<Result<Vec<_>, Status>>()?;
-    let placed = KvLayoutSpec { layers, ..spec };
-    KvLayout::new(placed.clone(), shape).map_err(|e| bad(method, e))?;
-    Ok(placed)
+    Ok(KvLayoutSpec { layers, ..spec })
 }
 
 /// The node's error as the engine sees it.
 pub(crate) fn status(method: &str, e: NodeError) -> Status {
     let msg = format!("{method}: {e}");
     match &e {
+        NodeError::Layout(LayoutError::TooManyLayers { .. }) => Status::resource_exhausted(msg),
         NodeError::Model(_)
         | NodeError::Shape(_)
         | NodeError::Layout(_)
@@ -267,6 +309,7 @@ pub(crate) fn error_kind(e: &NodeError) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvferry_gpu::KvLayout;
 
     fn split(k: u64, v: u64) -> proto::LayerLayout {
         split_in(k, 0, v, 0)
@@ -314,8 +357,9 @@ mod tests {
             ..l.clone()
         };
         let (spec, regions) = layout("T", Some(&overlap)).unwrap();
-        let err = place("T", spec, &regions, &shape, &one(0, 1 << 20)).unwrap_err();
-        assert!(err.message().contains("overlaps"), "{}", err.message());
+        let placed = place("T", spec, &regions, &shape, &one(0, 1 << 20)).unwrap();
+        let err = KvLayout::new(placed, &shape).unwrap_err();
+        assert!(err.to_string().contains("overlaps"), "{err}");
         let hole = proto::KvLayout {
             layers: vec![split(0, 256), proto::LayerLayout { layer: None }],
             ..l
@@ -385,8 +429,9 @@ mod tests {
         // Two regions that are one memory (the same base): the planes overlap there.
         let mut same = regions;
         same[1].base = same[0].base;
-        let err = place("T", spec, &names, &shape, &same).unwrap_err();
-        assert!(err.message().contains("overlaps"), "{}", err.message());
+        let placed = place("T", spec, &names, &shape, &same).unwrap();
+        let err = KvLayout::new(placed, &shape).unwrap_err();
+        assert!(err.to_string().contains("overlaps"), "{err}");
         // A contiguous K/V pair split over two regions is refused.
         let c = proto::KvLayout {
             layers: vec![
@@ -408,10 +453,61 @@ mod tests {
     }
 
     #[test]
-    fn hash_lists_are_bounded() {
-        assert!(hashes("Q", &[]).is_err());
-        assert!(hashes("Q", &[vec![]]).is_err());
-        assert!(hashes("Q", &vec![vec![1u8]; MAX_ENGINE_HASHES + 1]).is_err());
+    fn counts_over_the_limits_are_resource_exhausted() {
+        fn code<T>(r: Result<T, Status>) -> tonic::Code {
+            r.map(|_| ()).unwrap_err().code()
+        }
+        assert_eq!(code(hashes("Q", &[])), tonic::Code::InvalidArgument);
+        assert_eq!(code(hashes("Q", &[vec![]])), tonic::Code::InvalidArgument);
+        assert_eq!(
+            code(hashes("Q", &vec![vec![1u8]; MAX_ENGINE_HASHES + 1])),
+            tonic::Code::ResourceExhausted
+        );
         assert_eq!(hashes("Q", &[vec![1u8], vec![2u8; 32]]).unwrap().len(), 2);
+        assert_eq!(
+            code(blocks("L", "blocks", &vec![0; MAX_ENGINE_BLOCKS + 1])),
+            tonic::Code::ResourceExhausted
+        );
+        assert_eq!(
+            code(blocks("L", "blocks", &[])),
+            tonic::Code::InvalidArgument
+        );
+        let s = |layers| proto::KvShape {
+            layers,
+            tp_size: 1,
+            segments: 2,
+            segment_bytes: 64,
+        };
+        assert!(shape("R", Some(&s(MAX_ENGINE_LAYERS))).is_ok());
+        let e = shape("R", Some(&s(MAX_ENGINE_LAYERS + 1))).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted);
+        assert!(e.message().contains("at most 512"), "{}", e.message());
+        let l = proto::KvLayout {
+            layers: vec![split(0, 64); MAX_ENGINE_LAYERS as usize + 1],
+            ..Default::default()
+        };
+        assert_eq!(code(layout("R", Some(&l))), tonic::Code::ResourceExhausted);
+        // The node's own refusal maps the same way.
+        let e = status(
+            "R",
+            NodeError::Layout(LayoutError::TooManyLayers {
+                layers: 513,
+                max: 512,
+            }),
+        );
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted);
+    }
+
+    #[test]
+    fn a_block_must_fit_a_slot() {
+        let shape = KvShape::new(4, 2, 2, 1024).unwrap(); // 16 KiB per block
+        assert!(fits_slot("R", &shape, 16 << 10).is_ok());
+        let e = fits_slot("R", &shape, (16 << 10) - 64).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+        assert!(
+            e.message().contains("16384 bytes") && e.message().contains("16320-byte pool slot"),
+            "{}",
+            e.message()
+        );
     }
 }

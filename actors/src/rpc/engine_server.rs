@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
-use tonic::codegen::http;
 use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::tokio_stream::Stream;
 use tonic::transport::server::TcpIncoming;
@@ -26,7 +25,11 @@ use super::memory_handles::MemoryHandles;
 use super::peer_server::same_token;
 use super::proto::engine_server::{Engine, EngineServer};
 use super::proto::*;
-use super::{ENGINE_PROTOCOL, MAX_ENGINE_HASHES, MAX_ENGINE_REGIONS, VERSION};
+use super::statuses::{self, AsPromised};
+use super::{
+    ENGINE_PROTOCOL, MAX_ENGINE_BLOCKS, MAX_ENGINE_HASHES, MAX_ENGINE_LAYERS, MAX_ENGINE_REGIONS,
+    MAX_HASH_BYTES, VERSION,
+};
 use crate::api;
 use crate::config::EngineConfig;
 use crate::keeper::DIRECT_REFUSAL;
@@ -226,7 +229,7 @@ pub async fn serve(
         .http2_keepalive_interval(Some(Duration::from_secs(20)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
         .serve_with_incoming_shutdown(
-            OversizedIsExhausted(service),
+            AsPromised(service),
             TcpIncoming::from(listener).with_nodelay(Some(true)),
             async {
                 shutdown.await;
@@ -257,44 +260,6 @@ async fn sweep_handles(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             }
             _ = stop.wait_for(|s| *s) => break,
         }
-    }
-}
-
-/// Answers RESOURCE_EXHAUSTED for a request over the size limit, as gRPC specifies: tonic's
-/// codec answers OUT_OF_RANGE (in the headers of a trailers-only response), and no handler
-/// of this service answers OUT_OF_RANGE itself.
-#[derive(Clone)]
-struct OversizedIsExhausted<S>(S);
-
-impl<S, B> tonic::codegen::Service<http::Request<tonic::body::Body>> for OversizedIsExhausted<S>
-where
-    S: tonic::codegen::Service<http::Request<tonic::body::Body>, Response = http::Response<B>>,
-    S::Future: Send + 'static,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
-
-    fn poll_ready(
-        &mut self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), S::Error>> {
-        self.0.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
-        let fut = self.0.call(req);
-        Box::pin(async move {
-            let mut resp = fut.await?;
-            let h = resp.headers_mut();
-            if h.get("grpc-status").is_some_and(|v| v == "11") {
-                let exhausted = (tonic::Code::ResourceExhausted as i32).to_string();
-                if let Ok(v) = http::HeaderValue::from_str(&exhausted) {
-                    h.insert("grpc-status", v);
-                }
-            }
-            Ok(resp)
-        })
     }
 }
 
@@ -528,6 +493,11 @@ impl Engine for EngineService {
             completion_retention: o.completion_retention as u32,
             handle_ttl_ms: u64::try_from(o.handle_ttl.as_millis()).unwrap_or(u64::MAX),
             max_hashes: MAX_ENGINE_HASHES as u32,
+            max_layers: MAX_ENGINE_LAYERS,
+            max_regions: MAX_ENGINE_REGIONS as u32,
+            max_blocks: MAX_ENGINE_BLOCKS as u32,
+            max_hash_bytes: MAX_HASH_BYTES as u32,
+            slot_bytes: node.config().pool.slot_bytes.0,
         }))
     }
 
@@ -539,6 +509,7 @@ impl Engine for EngineService {
         let r = req.into_inner();
         let instance = check::instance(M, &r.instance)?;
         let shape = check::shape(M, r.shape.as_ref())?;
+        check::fits_slot(M, &shape, self.shared.node.config().pool.slot_bytes.0)?;
         let (spec, plane_regions) = check::layout(M, r.layout.as_ref())?;
         if r.rank >= shape.tp_size() {
             return Err(Status::invalid_argument(format!(
@@ -791,8 +762,17 @@ impl Engine for EngineService {
                     m = inbound.message() => m,
                     _ = stop.wait_for(|s| *s) => break,
                 };
-                // End of stream, a broken connection or a malformed message: the session ends.
-                let Ok(Some(m)) = msg else { break };
+                // End of stream or a broken connection: the session ends. A message that does
+                // not decode (or is too large) ends it with the status saying so.
+                let m = match msg {
+                    Ok(Some(m)) => m,
+                    Ok(None) => break,
+                    Err(e) => {
+                        shared.end_session(std::mem::take(&mut bound)).await;
+                        let _ = tx.send(Err(statuses::inbound(M, e))).await;
+                        return;
+                    }
+                };
                 let answer = match check::instance(M, &m.bind) {
                     Ok(instance) => match shared.node.check_registered(&instance, None).await {
                         Ok(()) => {

@@ -6,8 +6,10 @@
 //! `memfd <instance> <rank> <device> <len> [<token>]` or
 //! `dmabuf <instance> <rank> <device> <len> <base> [<token>]`; the answer is one line,
 //! `ok <handle>` or `err <code> <message>` (code: the gRPC code name, e.g.
-//! `invalid-argument`). A connection may carry any number of requests, one at a time; at
-//! most 256 connections are served at once, and one idle for a minute is closed.
+//! `invalid-argument`). Every refusal is an `err` line and leaves the connection usable (a
+//! message with too many descriptors included), except a line longer than 1024 bytes, which
+//! is answered and then closed. A connection may carry any number of requests, one at a
+//! time; at most 256 connections are served at once, and one idle for a minute is closed.
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -290,6 +292,22 @@ async fn connection(mut stream: UnixStream, shared: Arc<Shared>, mut stop: watch
                 fds.extend(more);
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                // More descriptors than one message may carry: the kernel closed those that did
+                // not fit and `recv_with_fds` the others. The request they came with is lost
+                // with them; it is refused, and the connection stays usable.
+                line.clear();
+                fds.clear();
+                let reply = format!(
+                    "err invalid-argument fd socket: send exactly one descriptor with each \
+                     request (a message carried more than {})\n",
+                    fd_passing::MAX_FDS
+                );
+                if stream.write_all(reply.as_bytes()).await.is_err() {
+                    return;
+                }
+                continue;
+            }
             Err(_) => return,
         }
         while let Some(end) = line.iter().position(|b| *b == b'\n') {

@@ -12,6 +12,7 @@ pub mod fd_socket;
 pub mod memory_handles;
 pub mod peer_client;
 pub mod peer_server;
+mod statuses;
 
 /// The generated `kvferry.v1` messages, client and server.
 #[allow(clippy::all, missing_docs)]
@@ -35,8 +36,12 @@ pub const PROTOCOL: u32 = 1;
 /// What this build can do for peers, announced in Hello.
 pub const CAPABILITIES: &[&str] = &["pin-blocks", "pin-ttl", "unpin"];
 
-/// Most hashes accepted in one PinBlocks request.
+/// Most hashes accepted in one PinBlocks request; more: RESOURCE_EXHAUSTED.
 pub const MAX_PIN_HASHES: usize = 4096;
+
+/// Largest Peer request decoded (4096 hashes of 32 bytes with framing fit well inside it);
+/// larger: RESOURCE_EXHAUSTED.
+pub const MAX_PEER_REQUEST_BYTES: usize = 256 << 10;
 
 /// The kvferry release of this build.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -46,8 +51,21 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// accepted. Protocol 1 requests (one memory handle or CUDA IPC handle) are still served.
 pub const ENGINE_PROTOCOL: u32 = 2;
 
-/// Most memory regions in one registration (one per layer and K/V plane at most).
-pub const MAX_ENGINE_REGIONS: usize = 1024;
+// Limits on what one engine request carries, advertised in `Capabilities`; a request over
+// one is refused with RESOURCE_EXHAUSTED before it reaches the node, so the work one request
+// causes is bounded. The message as a whole is bounded by `engine.max-message-bytes`.
 
-/// Most hashes (or destination blocks) in one engine request.
+/// Most memory regions in one registration (one per layer and K/V plane at most).
+pub const MAX_ENGINE_REGIONS: usize = 2 * MAX_ENGINE_LAYERS as usize;
+
+/// Most layers of a registered KV shape and layout.
+pub const MAX_ENGINE_LAYERS: u32 = kvferry_gpu::KvLayout::MAX_LAYERS;
+
+/// Most hashes in one engine request (Query, Save, PutBlocks).
 pub const MAX_ENGINE_HASHES: usize = 4096;
+
+/// Most block indices in one engine request (Load's destinations, Save's sources).
+pub const MAX_ENGINE_BLOCKS: usize = MAX_ENGINE_HASHES;
+
+/// Longest block hash, in bytes (and 1 at least).
+pub const MAX_HASH_BYTES: usize = crate::model::MAX_HASH_LEN;

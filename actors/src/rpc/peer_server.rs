@@ -20,15 +20,12 @@ use super::proto::{
     HandshakeRequest, HandshakeResponse, HelloRequest, HelloResponse, NodeInfo, PinBlocksRequest,
     PinBlocksResponse, PinnedBlock, PoolRegion, UnpinRequest, UnpinResponse,
 };
-use super::{CAPABILITIES, MAX_PIN_HASHES, PROTOCOL, VERSION};
+use super::statuses::AsPromised;
+use super::{CAPABILITIES, MAX_PEER_REQUEST_BYTES, MAX_PIN_HASHES, PROTOCOL, VERSION};
 use crate::model::{BlockHash, ModelError, Namespace};
 use crate::remote::endpoint::{check_answer, endpoints_from_proto, Role, VerbsResponder};
 use crate::remote::Provider;
 use crate::store::{BlockStore, PinForPeer, UnpinForPeer};
-
-/// Largest request the server decodes: 4096 hashes of 32 bytes with framing fit well
-/// inside it, and nothing legitimate comes close to tonic's 4 MiB default.
-const MAX_REQUEST_BYTES: usize = 256 << 10;
 
 /// Requests in flight on one connection; more wait for a free slot.
 const MAX_IN_FLIGHT_PER_CONNECTION: usize = 64;
@@ -197,8 +194,12 @@ pub async fn serve(
             addr: "?".into(),
             source,
         })?;
-    let service = PeerServer::new(PeerService { backend, token })
-        .max_decoding_message_size(MAX_REQUEST_BYTES);
+    // Nothing legitimate comes close to tonic's 4 MiB default; larger requests, and bodies
+    // that do not decode, get the statuses the proto promises.
+    let service = AsPromised(
+        PeerServer::new(PeerService { backend, token })
+            .max_decoding_message_size(MAX_PEER_REQUEST_BYTES),
+    );
     tonic::transport::Server::builder()
         .concurrency_limit_per_connection(MAX_IN_FLIGHT_PER_CONNECTION)
         .serve_with_incoming_shutdown(
@@ -233,10 +234,7 @@ pub fn parse_namespace(s: &str) -> Result<Namespace, ModelError> {
         (Some(model), Some(dtype), Some(fingerprint), None) => {
             Namespace::new(model, dtype, fingerprint)
         }
-        _ => Err(ModelError::Namespace {
-            field: "namespace",
-            value: s.to_owned(),
-        }),
+        _ => Err(ModelError::NamespaceParts(s.to_owned())),
     }
 }
 
@@ -388,7 +386,7 @@ impl Peer for PeerService {
         let req = req.into_inner();
         self.check_token(&req.token)?;
         if req.hashes.len() > MAX_PIN_HASHES {
-            return Err(Status::invalid_argument(format!(
+            return Err(Status::resource_exhausted(format!(
                 "PinBlocks asks for {} hashes; at most {MAX_PIN_HASHES} per request",
                 req.hashes.len()
             )));
@@ -454,5 +452,13 @@ mod tests {
         for bad in ["", "m/bf16", "m/bf16/x/y", "m//x", "m/bf 16/x"] {
             assert!(parse_namespace(bad).is_err(), "{bad:?}");
         }
+        let e = parse_namespace("m/bf16").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "namespace must be model/dtype/fingerprint (three parts separated by '/'), got \
+             \"m/bf16\""
+        );
+        let e = parse_namespace("m//x").unwrap_err().to_string();
+        assert!(e.starts_with("namespace dtype must be 1 to 128"), "{e}");
     }
 }

@@ -1,0 +1,92 @@
+//! The statuses both services promise for requests their handlers never see: tonic's codec
+//! answers OUT_OF_RANGE for a message over the size limit and INTERNAL for a body that does
+//! not decode, where the protos (and gRPC for the first) say RESOURCE_EXHAUSTED and
+//! INVALID_ARGUMENT. [`AsPromised`] rewrites those two in the headers of a trailers-only
+//! response (how tonic answers a refused unary request). No handler of either service answers
+//! OUT_OF_RANGE itself, and their INTERNAL messages never start with prost's decode-error
+//! text. A `Session` stream's messages are decoded inside its handler, which maps them with
+//! [`inbound`].
+
+use std::future::Future;
+use std::pin::Pin;
+
+use tonic::codegen::http;
+use tonic::{Code, Status};
+
+/// How prost's `DecodeError` displays itself (tonic passes it on as INTERNAL).
+const DECODE_ERROR: &str = "failed to decode Protobuf message";
+
+/// The status a refused inbound message should carry, if tonic's is not it.
+pub(crate) fn promised(s: &Status) -> Option<Status> {
+    match s.code() {
+        Code::OutOfRange => Some(Status::resource_exhausted(s.message().to_owned())),
+        Code::Internal if s.message().starts_with(DECODE_ERROR) => Some(Status::invalid_argument(
+            format!("the request body is not a valid message: {}", s.message()),
+        )),
+        _ => None,
+    }
+}
+
+/// A stream's inbound message that failed to arrive, as the client should see it.
+pub(crate) fn inbound(method: &str, s: Status) -> Status {
+    let s = promised(&s).unwrap_or(s);
+    Status::new(s.code(), format!("{method}: {}", s.message()))
+}
+
+/// Wraps a tonic service so that its codec's refusals carry the promised statuses.
+#[derive(Clone)]
+pub(crate) struct AsPromised<S>(pub S);
+
+impl<S, B> tonic::codegen::Service<http::Request<tonic::body::Body>> for AsPromised<S>
+where
+    S: tonic::codegen::Service<http::Request<tonic::body::Body>, Response = http::Response<B>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        let fut = self.0.call(req);
+        Box::pin(async move {
+            let mut resp = fut.await?;
+            if let Some(fixed) = Status::from_header_map(resp.headers()).and_then(|s| promised(&s))
+            {
+                // Only fails for a message that cannot be a header value; tonic's stays then.
+                let _ = fixed.add_header(resp.headers_mut());
+            }
+            Ok(resp)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codec_refusals_are_mapped_and_handler_statuses_kept() {
+        let big = Status::out_of_range("decoded message length too large");
+        assert_eq!(promised(&big).unwrap().code(), Code::ResourceExhausted);
+        let garbled = Status::internal("failed to decode Protobuf message: invalid wire type");
+        let s = inbound("Session", garbled);
+        assert_eq!(s.code(), Code::InvalidArgument);
+        assert!(
+            s.message().starts_with("Session: the request body"),
+            "{s:?}"
+        );
+        assert!(promised(&Status::internal("Load: a transfer failed")).is_none());
+        assert!(promised(&Status::not_found("x")).is_none());
+        assert_eq!(
+            inbound("S", Status::cancelled("gone")).code(),
+            Code::Cancelled
+        );
+    }
+}
