@@ -343,6 +343,13 @@ impl EngineService {
         instance: &InstanceId,
     ) -> Result<(Vec<check::Placed>, Vec<crate::registry::Memory>, Vec<u64>), Status> {
         use memory_region::Memory as Region;
+        // Counted before any region is looked at (each may map memory).
+        if r.regions.len() > MAX_ENGINE_REGIONS {
+            return Err(Status::resource_exhausted(format!(
+                "{m}: {} memory regions; at most {MAX_ENGINE_REGIONS} per registration",
+                r.regions.len()
+            )));
+        }
         let single = r.memory_handle != 0 || !r.cuda_ipc_handle.is_empty();
         let regions: Vec<Region> = match (single, r.regions.is_empty()) {
             (true, false) => {
@@ -370,12 +377,6 @@ impl EngineService {
                 })
                 .collect::<Result<_, _>>()?,
         };
-        if regions.len() > MAX_ENGINE_REGIONS {
-            return Err(Status::resource_exhausted(format!(
-                "{m}: {} memory regions; at most {MAX_ENGINE_REGIONS} per registration",
-                regions.len()
-            )));
-        }
         let mut placed = Vec::with_capacity(regions.len());
         let mut memory = Vec::with_capacity(regions.len());
         let mut handles = Vec::new();
