@@ -136,6 +136,11 @@ pub fn capabilities<'py>(py: Python<'py>, c: CapabilitiesResponse) -> PyResult<B
     d.set_item("completion_retention", c.completion_retention)?;
     d.set_item("handle_ttl_ms", c.handle_ttl_ms)?;
     d.set_item("max_hashes", c.max_hashes)?;
+    d.set_item("max_layers", c.max_layers)?;
+    d.set_item("max_regions", c.max_regions)?;
+    d.set_item("max_blocks", c.max_blocks)?;
+    d.set_item("max_hash_bytes", c.max_hash_bytes)?;
+    d.set_item("slot_bytes", c.slot_bytes)?;
     Ok(d)
 }
 

@@ -17,6 +17,7 @@ CAPABILITY_KEYS = {
     "node_id", "version", "protocol", "device_kind", "device_count", "device_names",
     "providers", "direct_possible", "direct_reason", "fd_socket", "memory_kinds",
     "max_message_bytes", "completion_retention", "handle_ttl_ms", "max_hashes",
+    "max_layers", "max_regions", "max_blocks", "max_hash_bytes", "slot_bytes",
 }
 COMPLETION_KEYS = {
     "load_id", "instance", "rank", "ok", "error_kind", "error", "bytes", "blocks", "path",
@@ -52,6 +53,10 @@ def test_capabilities_health_stats(client, node):
     assert caps["device_kind"] == "host"
     assert "memfd" in caps["memory_kinds"]
     assert caps["fd_socket"] == node.fd_socket
+    # The limits the node enforces, as it advertises them (the test node's slot: 256 KiB).
+    assert (caps["max_hashes"], caps["max_blocks"], caps["max_hash_bytes"]) == (4096, 4096, 32)
+    assert caps["max_layers"] >= 128 and caps["max_regions"] >= 2 * caps["max_layers"]
+    assert caps["slot_bytes"] == 256 << 10
     assert client.health() is True
     stats = client.stats()
     assert {"instances", "leases_live", "memory_handles", "sessions", "loads_ok"} <= set(stats)
