@@ -42,18 +42,21 @@ pub struct HostMemory {
     /// `memory.max` of this process's cgroup (v2) or `memory.limit_in_bytes` (v1);
     /// `None` where unlimited.
     pub cgroup: Option<u64>,
+    /// `HugePages_Free` of `/proc/meminfo` (2 MiB pages), for `pool.hugepages`.
+    pub hugepages_free: Option<u64>,
 }
 
 impl HostMemory {
     pub fn read() -> Self {
-        let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
-            let line = t.lines().find(|l| l.starts_with("MemTotal:"))?;
-            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-            kib.checked_mul(1024)
-        });
+        let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let field = |name: &str| -> Option<u64> {
+            let line = info.lines().find(|l| l.starts_with(name))?;
+            line.split_whitespace().nth(1)?.parse().ok()
+        };
         Self {
-            total,
+            total: field("MemTotal:").and_then(|kib| kib.checked_mul(1024)),
             cgroup: cgroup_limit(),
+            hugepages_free: field("HugePages_Free:"),
         }
     }
 
@@ -527,6 +530,14 @@ impl LeaseConfig {
     }
 }
 
+/// Whether two listeners would take one port: the same port (not 0) on the same address, or
+/// on every address for either.
+fn same_listener(a: std::net::SocketAddr, b: std::net::SocketAddr) -> bool {
+    a.port() == b.port()
+        && a.port() != 0
+        && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+}
+
 /// Whether a peer at `peer` would be this node, listening on `own`: the same address, or
 /// the same port where this node listens on every address and the peer's is a loopback.
 fn is_own_address(own: std::net::SocketAddr, peer: std::net::SocketAddr) -> bool {
@@ -538,6 +549,34 @@ fn is_own_address(own: std::net::SocketAddr, peer: std::net::SocketAddr) -> bool
 }
 
 impl NodeConfig {
+    /// The node's listeners take distinct ports; the second of two that collide is named.
+    fn check_listeners_differ(&self) -> Result<(), ConfigError> {
+        let mut listeners: Vec<(&'static str, &str)> = Vec::new();
+        if let Some(e) = &self.engine {
+            listeners.push(("engine.listen", &e.listen));
+        }
+        listeners.push(("metrics.listen", &self.metrics.listen));
+        if let Some(c) = &self.cluster {
+            listeners.push(("cluster.peer-listen", &c.peer_listen));
+            if c.provider == "tcp" {
+                listeners.push(("cluster.data-listen", &c.data_listen));
+            }
+        }
+        let parsed: Vec<(&'static str, std::net::SocketAddr)> = listeners
+            .into_iter()
+            .filter_map(|(k, a)| a.parse().ok().map(|a| (k, a)))
+            .collect();
+        for (i, (key, addr)) in parsed.iter().enumerate() {
+            if let Some((first, _)) = parsed[..i].iter().find(|(_, a)| same_listener(*a, *addr)) {
+                return Err(ConfigError::Invalid {
+                    key,
+                    reason: format!("{addr} is also {first}: each listener needs its own port"),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Parses and validates; `path` only names the source in errors.
     pub fn from_toml(text: &str, path: &str) -> Result<Self, ConfigError> {
         let cfg: NodeConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
@@ -565,10 +604,18 @@ impl NodeConfig {
     /// [`NodeConfig::validate`] with the host's memory given.
     pub fn validate_on(&self, host: &HostMemory) -> Result<(), ConfigError> {
         let invalid = |key, reason: String| Err(ConfigError::Invalid { key, reason });
-        if self.node_id.is_empty() || !self.node_id.chars().all(|c| c.is_ascii_graphic()) {
+        if self.node_id.is_empty()
+            || !self.node_id.chars().all(|c| c.is_ascii_graphic())
+            || self.node_id.contains('/')
+            || self.node_id == "."
+            || self.node_id == ".."
+        {
             return invalid(
                 "node-id",
-                format!("{:?} must be printable and nonempty", self.node_id),
+                format!(
+                    "{:?} must be printable ASCII without spaces or '/' (it names socket files)",
+                    self.node_id
+                ),
             );
         }
         let (size, slot) = (self.pool.size.0, self.pool.slot_bytes.0);
@@ -598,6 +645,20 @@ impl NodeConfig {
                     format!(
                         "{} is more than {what} ({} bytes); the pool is populated at start",
                         self.pool.size, limit
+                    ),
+                );
+            }
+        }
+        if self.pool.hugepages {
+            // As the pool sizes itself: whole slots, rounded up to 2 MiB pages.
+            let need = (size / slot * slot).div_ceil(2 << 20);
+            let free = host.hugepages_free.unwrap_or(0);
+            if free < need {
+                return invalid(
+                    "pool.hugepages",
+                    format!(
+                        "the pool needs {need} free 2 MiB hugepages, the system has {free} \
+                         (raise vm.nr_hugepages or set pool.hugepages = false)"
                     ),
                 );
             }
@@ -673,6 +734,7 @@ impl NodeConfig {
             }
             if c.directory != "static" {
                 // The redis crate's own URL parser: what it accepts, the directory connects to.
+                use redis::IntoConnectionInfo;
                 let host = redis::parse_redis_url(&c.directory)
                     .filter(|u| u.scheme() == "redis")
                     .and_then(|u| u.host_str().map(str::to_owned));
@@ -680,6 +742,12 @@ impl NodeConfig {
                     return invalid(
                         "cluster.directory",
                         format!("{:?} is not static or redis://host[:port]", c.directory),
+                    );
+                }
+                if let Err(e) = c.directory.as_str().into_connection_info() {
+                    return invalid(
+                        "cluster.directory",
+                        format!("{:?} is not a Redis URL: {e}", c.directory),
                     );
                 }
             }
@@ -734,6 +802,7 @@ impl NodeConfig {
             e.validate(&self.node_id)?;
         }
         self.directory.validate()?;
+        self.check_listeners_differ()?;
         crate::nic::config::validate_node_nics(&self.nic, self.verbs.as_ref())
             .map_err(|(key, reason)| ConfigError::Invalid { key, reason })?;
         if self.device.count == 0 || self.device.count > 64 {
@@ -872,6 +941,7 @@ mod tests {
         let host = HostMemory {
             total: Some(64 << 30),
             cgroup: None,
+            hugepages_free: Some(0),
         };
         let long_dir = format!("/tmp/{}", "d".repeat(100));
         let peers = "[cluster]\npeer-listen = \"127.0.0.1:7100\"\n";
@@ -898,6 +968,16 @@ mod tests {
             ("[cluster]\ndirectory = \"redis://\"\n", "cluster.directory", "redis://"),
             ("[cluster]\ndirectory = \"redis://:6379\"\n", "cluster.directory", "redis://"),
             ("[cluster]\ndirectory = \"rediss://h:1\"\n", "cluster.directory", "redis://"),
+            (
+                "[cluster]\ndirectory = \"redis://h:6379/db\"\n",
+                "cluster.directory",
+                "Invalid database number",
+            ),
+            (
+                "[cluster]\ndirectory = \"redis://h:65536\"\n",
+                "cluster.directory",
+                "redis://",
+            ),
             ("[cluster]\ntoken = \"two words\"\n", "cluster.token", "without spaces"),
             ("[cluster]\ntoken = \"a\\u0007b\"\n", "cluster.token", "printable"),
             ("[engine]\ntoken = \"a\\tb\"\n", "engine.token", "printable"),
@@ -935,6 +1015,22 @@ mod tests {
                 "cluster.peers",
                 "no port",
             ),
+            ("node-id = \"a/b\"\n", "node-id", "'/'"),
+            (
+                "[pool]\nsize = \"64MiB\"\nslot-bytes = \"1MiB\"\nhugepages = true\n",
+                "pool.hugepages",
+                "needs 32 free 2 MiB hugepages, the system has 0",
+            ),
+            (
+                "[engine]\nlisten = \"127.0.0.1:7200\"\n[cluster]\npeer-listen = \"0.0.0.0:7200\"\n",
+                "cluster.peer-listen",
+                "also engine.listen",
+            ),
+            (
+                "[metrics]\nlisten = \"127.0.0.1:9100\"\n[cluster]\ndata-listen = \"127.0.0.1:9100\"\n",
+                "cluster.data-listen",
+                "also metrics.listen",
+            ),
             (
                 "[[nic]]\nname = \"n0\"\nprovider = \"udp\"\n",
                 "nic",
@@ -950,6 +1046,7 @@ mod tests {
         let small = HostMemory {
             total: Some(64 << 30),
             cgroup: Some(1 << 30),
+            hugepages_free: Some(32),
         };
         let (k, reason) = invalid_key("[pool]\nsize = \"2GiB\"\n", &small);
         assert_eq!(k, "pool.size");
@@ -957,7 +1054,14 @@ mod tests {
         // Within every limit: accepted.
         let ok: NodeConfig = toml::from_str(
             "[pool]\nsize = \"1GiB\"\n[lease]\nttl-secs = 86400\npeer-pin-ttl-secs = 86400\n\
-             [cluster]\ndirectory = \"redis://h:6379\"\n",
+             [cluster]\ndirectory = \"redis://h:6379/2\"\n",
+        )
+        .unwrap();
+        ok.validate_on(&small).unwrap();
+        let ok: NodeConfig = toml::from_str(
+            "[pool]\nsize = \"64MiB\"\nslot-bytes = \"1MiB\"\nhugepages = true\n\
+             [engine]\nlisten = \"127.0.0.1:0\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n\
+             [cluster]\npeer-listen = \"127.0.0.1:7100\"\ndata-listen = \"127.0.0.1:7101\"\n",
         )
         .unwrap();
         ok.validate_on(&small).unwrap();

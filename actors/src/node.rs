@@ -484,3 +484,32 @@ impl Node {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A service waits on `actors_stopped` beside its shutdown signal: it resolves once the
+    /// actor thread has ended, and not before.
+    #[test]
+    fn actors_stopped_resolves_when_the_actor_thread_ends() {
+        let mut cfg = NodeConfig::default();
+        cfg.device.kind = "host".into();
+        cfg.pool.size = crate::config::ByteSize(4 << 20);
+        let node = Node::start(cfg).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let early =
+                tokio::time::timeout(std::time::Duration::from_millis(50), node.actors_stopped())
+                    .await;
+            assert!(early.is_err(), "resolved while the actors run");
+            node.shutdown();
+            tokio::time::timeout(std::time::Duration::from_secs(5), node.actors_stopped())
+                .await
+                .expect("the actor thread ended");
+        });
+    }
+}

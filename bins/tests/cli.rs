@@ -207,6 +207,11 @@ fn bad_configs_are_refused_naming_the_key() {
             "[[nic]]\nname = \"n0\"\nprovider = \"udp\"\n",
             "expected loopback, tcp, shm or verbs",
         ),
+        ("node-id = \"a/b\"\n", "node-id"),
+        (
+            "[engine]\nlisten = \"127.0.0.1:7200\"\n[cluster]\npeer-listen = \"0.0.0.0:7200\"\n",
+            "cluster.peer-listen",
+        ),
         ("[pool]\nsize = true\n", "expected a size like \"64MiB\" or a number of bytes"),
     ] {
         let cfg = dir.join("bad.toml");
