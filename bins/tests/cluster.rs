@@ -2,7 +2,8 @@
 //! in other processes: this test (the Rust `EngineClient`) and a Python grpcio client. Host
 //! KV reaches the nodes as memfds over their fd sockets; queries, asynchronous loads and
 //! byte checks go through `kvferry.v1.Engine`. An owner is killed with SIGKILL mid-load and
-//! restarted from the same file.
+//! restarted from the same file. Two hosts in network namespaces joined by a veth pair, with
+//! the link cut under a load (where this machine can make namespaces: root and iproute2).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -47,7 +48,22 @@ impl NodeProc {
     /// Starts `kvferry node --config FILE` and waits for its engine, fd socket and peer
     /// listening lines.
     fn start(name: &str, config: &Path) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        Self::start_in(name, config, None)
+    }
+
+    /// [`NodeProc::start`] inside network namespace `netns` (`ip netns exec` execs the node,
+    /// so the child is the node itself).
+    fn start_in(name: &str, config: &Path, netns: Option<&str>) -> Self {
+        let bin = env!("CARGO_BIN_EXE_kvferry");
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, bin]);
+                c
+            }
+            None => Command::new(bin),
+        };
+        let mut child = cmd
             .args(["node", "--config", config.to_str().unwrap()])
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -124,22 +140,29 @@ impl Drop for NodeProc {
 }
 
 /// The config file of node `name`: host device, an engine service and fd socket, the
-/// `provider` (tcp or shm), static peers.
+/// `provider` (tcp or shm), static peers; every node on loopback.
 fn write_config(dir: &Path, name: &str, ports: &[(&str, u16)], provider: &str) -> PathBuf {
-    let port = ports.iter().find(|(n, _)| *n == name).unwrap().1;
+    let hosts: Vec<(&str, &str, u16)> = ports.iter().map(|&(n, p)| (n, "127.0.0.1", p)).collect();
+    write_config_at(dir, name, &hosts, provider)
+}
+
+/// [`write_config`] with each node's address: `(name, ip, peer port)`; the node listens
+/// (engine, peer, data) on its own ip.
+fn write_config_at(dir: &Path, name: &str, hosts: &[(&str, &str, u16)], provider: &str) -> PathBuf {
+    let (_, ip, port) = *hosts.iter().find(|(n, _, _)| *n == name).unwrap();
     let mut text = format!(
         "node-id = \"{name}\"\n\
          [pool]\nsize = \"64MiB\"\nslot-bytes = \"256KiB\"\n\
          [device]\nkind = \"host\"\n\
-         [engine]\nlisten = \"127.0.0.1:0\"\nfd-dir = \"{dir}\"\n\
-         [cluster]\nprovider = \"{provider}\"\npeer-listen = \"127.0.0.1:{port}\"\n\
-         data-listen = \"127.0.0.1:0\"\nshm-dir = \"{dir}\"\ntoken = \"cluster-secret\"\n\
+         [engine]\nlisten = \"{ip}:0\"\nfd-dir = \"{dir}\"\n\
+         [cluster]\nprovider = \"{provider}\"\npeer-listen = \"{ip}:{port}\"\n\
+         data-listen = \"{ip}:0\"\nshm-dir = \"{dir}\"\ntoken = \"cluster-secret\"\n\
          directory = \"static\"\n",
         dir = dir.display()
     );
-    for (peer, p) in ports.iter().filter(|(n, _)| *n != name) {
+    for (peer, peer_ip, p) in hosts.iter().filter(|(n, _, _)| *n != name) {
         text.push_str(&format!(
-            "[[cluster.peers]]\nnode-id = \"{peer}\"\naddress = \"127.0.0.1:{p}\"\n"
+            "[[cluster.peers]]\nnode-id = \"{peer}\"\naddress = \"{peer_ip}:{p}\"\n"
         ));
     }
     let path = dir.join(format!("{name}.toml"));
@@ -392,6 +415,191 @@ fn three_node_processes(provider: &str) {
     for n in &mut nodes {
         n.stop();
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two hosts: owner A in a network namespace of its own, joined to requester B (in this
+/// namespace) by a veth pair; B reads A's blocks over tcp through the veth, never loopback.
+/// Removed (namespace and link) when dropped, whatever the test did.
+struct TwoHosts {
+    ns: String,
+    veth: String,
+    b_ip: String,
+    a_ip: String,
+}
+
+impl TwoHosts {
+    /// Sets them up, or says why this machine cannot.
+    fn new() -> Result<Self, String> {
+        let id = std::process::id();
+        let net = format!("10.77.{}", id % 250);
+        let t = Self {
+            ns: format!("kvf-{id}-a"),
+            veth: format!("kvf{}b", id % 10_000_000),
+            b_ip: format!("{net}.1"),
+            a_ip: format!("{net}.2"),
+        };
+        let peer = format!("kvf{}a", id % 10_000_000);
+        t.ip(&["netns", "add", &t.ns])?;
+        t.ip(&[
+            "link", "add", &t.veth, "type", "veth", "peer", "name", &peer,
+        ])?;
+        t.ip(&["link", "set", &peer, "netns", &t.ns])?;
+        t.ip(&["addr", "add", &format!("{}/24", t.b_ip), "dev", &t.veth])?;
+        t.ip(&["link", "set", &t.veth, "up"])?;
+        let addr = format!("{}/24", t.a_ip);
+        for args in [
+            vec!["addr", "add", addr.as_str(), "dev", peer.as_str()],
+            vec!["link", "set", peer.as_str(), "up"],
+            vec!["link", "set", "lo", "up"],
+        ] {
+            let mut full = vec!["netns", "exec", t.ns.as_str(), "ip"];
+            full.extend(args);
+            t.ip(&full)?;
+        }
+        Ok(t)
+    }
+
+    fn ip(&self, args: &[&str]) -> Result<(), String> {
+        let out = Command::new("ip")
+            .args(args)
+            .output()
+            .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "ip {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        }
+    }
+
+    /// Takes B's end of the link down (`up = false`) or up again.
+    fn link(&self, up: bool) {
+        self.ip(&["link", "set", &self.veth, if up { "up" } else { "down" }])
+            .unwrap();
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        let _ = self.ip(&["link", "del", &self.veth]);
+        let _ = self.ip(&["netns", "del", &self.ns]);
+    }
+}
+
+/// Issue 15's two hosts: B reads a remote suffix from A across a veth pair over tcp; with
+/// the link cut after the lease and before its load, the load fails typed, with exactly its
+/// destinations failed and nothing written around them, B's gauges go back to zero; with the
+/// link restored, the next load of the same prompt works, byte for byte.
+#[test]
+fn two_hosts_in_network_namespaces_and_a_cut_link() {
+    let hosts = match TwoHosts::new() {
+        Ok(h) => h,
+        Err(why) => {
+            eprintln!("SKIPPED two_hosts_in_network_namespaces_and_a_cut_link: {why}");
+            return;
+        }
+    };
+    let dir = std::env::temp_dir().join(format!("kvferry-netns-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (b_port, a_port) = (free_port(), free_port());
+    let addrs = [
+        ("b", hosts.b_ip.as_str(), b_port),
+        ("a", hosts.a_ip.as_str(), a_port),
+    ];
+    let mut b = NodeProc::start("b", &write_config_at(&dir, "b", &addrs, "tcp"));
+    let mut a = NodeProc::start_in(
+        "a",
+        &write_config_at(&dir, "a", &addrs, "tcp"),
+        Some(&hosts.ns),
+    );
+    assert!(a.engine.starts_with(&hosts.a_ip), "{}", a.engine);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        // This test reaches A's engine service through the veth too.
+        let (eb, ea) = (attach(&b).await, attach(&a).await);
+        eb.put_pattern(0..4).await.unwrap();
+        ea.put_pattern(LONG).await.unwrap();
+        let prompt = long_prompt();
+        // Direct, so no staged copy of A's blocks lands in B's pool: they stay remote.
+        let (done, dest) = query_and_load(&eb, &prompt, true, 68).await;
+        assert_eq!(done.status(), LoadStatus::LoadOk, "{done:?}");
+        assert_eq!(done.path, "direct");
+        verify(&eb, &prompt, &dest);
+        settled(&eb).await;
+
+        // The lease is granted (A pinned its 64 blocks), then the link goes down.
+        let q = eb
+            .client
+            .query(&eb.instance, &hashes(&prompt), true)
+            .await
+            .unwrap();
+        assert_eq!((q.local_blocks, q.remote_blocks), (4, 64), "{q:?}");
+        hosts.link(false);
+        let t = Instant::now();
+        let done = eb
+            .load(q.lease.unwrap(), &dest, Duration::from_secs(60))
+            .await
+            .unwrap();
+        eprintln!(
+            "netns: load over a cut link: {:?} after {:.1} s: {}: {}",
+            done.status(),
+            t.elapsed().as_secs_f64(),
+            done.error_kind,
+            done.error
+        );
+        assert_eq!(done.status(), LoadStatus::LoadFailed, "{done:?}");
+        assert_eq!(done.error_kind, "remote", "{done:?}");
+        assert_eq!(done.failed_blocks, dest, "{done:?}");
+        eb.kv.untouched_outside(&dest).unwrap();
+        eb.kv.reset().unwrap();
+        settled(&eb).await;
+
+        // Restored: the same prompt hits again and loads, byte for byte (B rebuilds its
+        // link to A on its own; a query in between may still find the old one dead).
+        hosts.link(true);
+        let end = Instant::now() + Duration::from_secs(30);
+        loop {
+            let q = eb
+                .client
+                .query(&eb.instance, &hashes(&prompt), true)
+                .await
+                .unwrap();
+            if q.hit_blocks() == 68 {
+                let done = eb
+                    .load(q.lease.unwrap(), &dest, Duration::from_secs(60))
+                    .await
+                    .unwrap();
+                if done.status() == LoadStatus::LoadOk {
+                    verify(&eb, &prompt, &dest);
+                    break;
+                }
+                eb.kv.untouched_outside(&dest).unwrap();
+                eb.kv.reset().unwrap();
+            } else if let Some(l) = q.lease {
+                eb.client.release(l).await.unwrap();
+            }
+            assert!(
+                Instant::now() < end,
+                "no load worked within 30 s of the link's return"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        settled(&eb).await;
+        // A's pins for the failed lease are gone too.
+        settled(&ea).await;
+        drop((eb, ea));
+    });
+    b.stop();
+    a.stop();
     let _ = std::fs::remove_dir_all(&dir);
 }
 
