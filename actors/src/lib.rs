@@ -9,8 +9,6 @@ pub mod cache;
 pub mod clock;
 pub mod config;
 pub mod error;
-pub mod fixture;
-pub mod fixture_client;
 pub mod keeper;
 pub mod lease;
 pub mod metrics;

@@ -5,9 +5,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use kvferry_actors::config::ByteSize;
-use kvferry_actors::fixture::{put_pattern, DeviceKv, KvKind};
 use kvferry_actors::{BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, QueryRequest};
 use kvferry_gpu::{Device, DeviceKind, KvShape};
+use kvferry_testkit::{put_pattern, DeviceKv, KvKind};
 use serde_json::json;
 
 #[derive(clap::Subcommand)]
@@ -70,7 +70,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
 }
 
 fn transport(a: TransportArgs) -> anyhow::Result<()> {
-    use kvferry_transport::bench;
+    use kvferry_testkit::transport_bench as bench;
     let cfg = bench::BenchConfig {
         bytes: a.mib << 20,
         repetitions: a.repetitions.max(1),
@@ -414,7 +414,7 @@ impl Baseline {
             } => {
                 // SAFETY: `src` is a live, pinned Vec that outlives the call.
                 let s = unsafe {
-                    kvferry_gpu::cuda::bench_raw_h2d(
+                    kvferry_testkit::bench_raw_h2d(
                         device.as_ref(),
                         src.as_ptr() as u64,
                         dst.ptr(),

@@ -7,10 +7,10 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use kvferry_actors::fixture_client::Attached;
 use kvferry_actors::rpc::proto::LoadStatus;
 use kvferry_actors::BlockHash;
 use kvferry_gpu::KvShape;
+use kvferry_testkit::Attached;
 use serde_json::json;
 
 use crate::bench::median;

@@ -6,13 +6,13 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use kvferry_actors::config::ByteSize;
-use kvferry_actors::fixture::{put_pattern, DeviceKv, KvKind};
 use kvferry_actors::remote::{GrpcPeers, GrpcPeersConfig, LocalCluster, Provider, StaticDirectory};
 use kvferry_actors::{
     BlockHash, Clock, InstanceId, LeaseId, LoadRequest, Node, NodeConfig, QueryRequest,
     TransferReport,
 };
 use kvferry_gpu::{Device, HostDevice, KvShape};
+use kvferry_testkit::{put_pattern, DeviceKv, KvKind};
 use serde_json::json;
 
 #[derive(clap::Args)]
@@ -77,7 +77,7 @@ pub struct OwnerArgs {
 }
 
 pub fn owner(a: OwnerArgs) -> anyhow::Result<()> {
-    kvferry_actors::fixture::run_owner_process(kvferry_actors::fixture::OwnerSpec {
+    kvferry_testkit::run_owner_process(kvferry_testkit::OwnerSpec {
         node_id: a.node_id,
         model: "bench".into(),
         provider: Provider::parse(&a.provider)?,

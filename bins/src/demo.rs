@@ -9,12 +9,12 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use kvferry_actors::config::ByteSize;
-use kvferry_actors::fixture::{put_pattern, DeviceKv, KvKind};
 use kvferry_actors::remote::{LocalCluster, Provider};
 use kvferry_actors::{
     BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, QueryRequest, TransferReport,
 };
 use kvferry_gpu::{Device, HostDevice, KvShape};
+use kvferry_testkit::{put_pattern, DeviceKv, KvKind};
 use serde_json::json;
 
 #[derive(clap::Args)]

@@ -5,10 +5,10 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use kvferry_actors::fixture_client::Attached;
 use kvferry_actors::rpc::proto::LoadStatus;
 use kvferry_actors::BlockHash;
 use kvferry_gpu::KvShape;
+use kvferry_testkit::Attached;
 
 use crate::demo::{print, Report, Run, DEST};
 

@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvferry_actors::fixture_client::Attached;
 use kvferry_actors::rpc::proto::{LoadCompletion, LoadStatus};
 use kvferry_actors::BlockHash;
 use kvferry_gpu::KvShape;
+use kvferry_testkit::Attached;
 
 /// 4 layers x split K/V x 16 KiB: 128 KiB per block.
 fn shape() -> KvShape {

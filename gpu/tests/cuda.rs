@@ -893,7 +893,7 @@ fn time_submit(dev: &CudaDevice, dir: CopyDirection, list: &CopyList, iters: usi
             t.push(t0.elapsed().as_secs_f64());
         }
     }
-    cuda::median(&mut t)
+    kvferry_testkit::median(&mut t)
 }
 
 #[test]
@@ -910,10 +910,12 @@ fn fragmented_and_contiguous_bandwidth() {
 
     // SAFETY: `host` is mapped for the whole call.
     let raw_224 =
-        unsafe { cuda::bench_raw_h2d(auto.as_ref(), host.addr(), dst.ptr(), total, 10) }.unwrap();
+        unsafe { kvferry_testkit::bench_raw_h2d(auto.as_ref(), host.addr(), dst.ptr(), total, 10) }
+            .unwrap();
     // SAFETY: as above.
     let raw_1g =
-        unsafe { cuda::bench_raw_h2d(auto.as_ref(), host.addr(), dst.ptr(), BIG, 5) }.unwrap();
+        unsafe { kvferry_testkit::bench_raw_h2d(auto.as_ref(), host.addr(), dst.ptr(), BIG, 5) }
+            .unwrap();
     println!(
         "raw H2D 224 MiB: {:.2} GB/s ({:.3} ms)",
         gbps(total, raw_224),
@@ -979,9 +981,10 @@ fn fragmented_and_contiguous_bandwidth() {
     }
     let big_bytes = big_frag.bytes();
     // SAFETY: as above.
-    let raw_big =
-        unsafe { cuda::bench_raw_h2d(auto.as_ref(), host.addr(), dst.ptr(), big_bytes, 5) }
-            .unwrap();
+    let raw_big = unsafe {
+        kvferry_testkit::bench_raw_h2d(auto.as_ref(), host.addr(), dst.ptr(), big_bytes, 5)
+    }
+    .unwrap();
     let s = time_submit(
         &open(CopyPath::Kernel),
         CopyDirection::HostToDevice,

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvferry_actors::config::ByteSize;
-use kvferry_actors::fixture::{DeviceKv, KvKind};
 use kvferry_actors::{BlockHash, Clock, InstanceId, Node, NodeConfig, Stats};
 use kvferry_gpu::{Device, HostDevice, KvShape};
+use kvferry_testkit::{DeviceKv, KvKind};
 
 pub fn config(slot: u64, slots: u64) -> NodeConfig {
     let mut cfg = NodeConfig {
@@ -77,7 +77,7 @@ pub async fn put(
     rank: u32,
     ids: std::ops::Range<u64>,
 ) {
-    kvferry_actors::fixture::put_pattern(node, &id(instance), shape, rank, ids)
+    kvferry_testkit::put_pattern(node, &id(instance), shape, rank, ids)
         .await
         .unwrap();
 }
@@ -206,7 +206,7 @@ impl Drop for RedisServer {
 
 /// Host KV of a client without a GPU, as the tests play that client (a memfd with the
 /// fixture's pattern and canaries).
-pub use kvferry_actors::fixture::MemfdKv;
+pub use kvferry_testkit::MemfdKv;
 
 /// This test binary re-executed to run one ignored test as a child process (an owner or a
 /// node of its own), with `env` set; its stdout is read line by line. The child serves until

@@ -11,10 +11,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry_actors::fixture::{rank_part, DeviceKv, KvKind, MemfdRegionsKv};
 use kvferry_actors::rpc::{self, proto, Code, EngineClient, EngineClientError, EngineOptions};
 use kvferry_actors::{Clock, DirectGrant, LeaseId, LoadRequest, Node, PutBlocks};
 use kvferry_gpu::{Device, HostDevice, KvShape, LayerLayout};
+use kvferry_testkit::{rank_part, DeviceKv, KvKind, MemfdRegionsKv};
 use kvferry_tests::*;
 use tokio::sync::oneshot;
 
@@ -1312,7 +1312,7 @@ fn a_remote_suffix_loads_direct_when_granted_and_staged_otherwise() {
             "eng",
             shape(),
             0,
-            kvferry_actors::fixture::KvKind::Split,
+            kvferry_testkit::KvKind::Split,
             16,
             0,
         )
@@ -1513,7 +1513,7 @@ fn an_engine_workers_cuda_kv_in_another_process_through_an_ipc_handle() {
         let c = EngineClient::connect(addr, Some(fd_path), TOKEN)
             .await
             .unwrap();
-        let kv = kvferry_actors::fixture::DeviceKv::alloc_in_one(
+        let kv = kvferry_testkit::DeviceKv::alloc_in_one(
             cuda.clone() as Arc<dyn Device>,
             shape(),
             16,

@@ -3,13 +3,13 @@
 
 use std::time::Duration;
 
-use kvferry_actors::fixture::KvKind;
 use kvferry_actors::lease::LeaseError;
 use kvferry_actors::{
     Clock, DirectGrant, LoadRequest, NodeConfig, NodeError, QueryRequest, RegisterInstance,
     SaveRequest,
 };
 use kvferry_gpu::{GroupKind, KvShape, LayerLayout, LayoutError};
+use kvferry_testkit::KvKind;
 use kvferry_tests::*;
 
 fn shape(layers: u32, tp: u32, segs: u32) -> KvShape {
@@ -266,7 +266,7 @@ fn pool_exhaustion_is_typed_and_pinned_blocks_survive_eviction() {
                 rank: 0,
                 blocks: vec![(
                     kvferry_actors::BlockHash::from_u64(99),
-                    kvferry_actors::fixture::rank_part(&shape, 99, 0),
+                    kvferry_testkit::rank_part(&shape, 99, 0),
                 )],
             })
             .await

@@ -11,7 +11,6 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvferry_actors::fixture::{DeviceKv, KvKind};
 use kvferry_actors::remote::endpoint::{endpoints_from_proto, Role};
 use kvferry_actors::remote::{Provider, VerbsPeerEndpoint, VerbsResponder};
 use kvferry_actors::rpc::peer_client::PeerInfo;
@@ -20,6 +19,7 @@ use kvferry_actors::rpc::{
 };
 use kvferry_actors::{BlockHash, Clock, Namespace, Node};
 use kvferry_gpu::{Device, KvShape};
+use kvferry_testkit::{DeviceKv, KvKind};
 use kvferry_tests::*;
 use tokio::sync::oneshot;
 

@@ -5,12 +5,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvferry_actors::fixture::{DeviceKv, KvKind};
 use kvferry_actors::remote::{
     BreakerState, Directory, LocalCluster, Peers, Provider, RedisDirectory, RedisOptions,
 };
 use kvferry_actors::{Clock, DirectGrant, LoadRequest, ManualClock, Node, NodeError, QueryRequest};
 use kvferry_gpu::{Device, HostDevice, KvShape};
+use kvferry_testkit::{DeviceKv, KvKind};
 use kvferry_tests::*;
 
 struct Cluster {
@@ -570,7 +570,7 @@ const OWNER_TP_ENV: &str = "KVFERRY_REMOTE_OWNER_TP";
 fn child_owner_process() {
     let provider = std::env::var(OWNER_ENV).expect("started by a two-process test");
     let tp = std::env::var(OWNER_TP_ENV).map_or(1, |t| t.parse().unwrap());
-    kvferry_actors::fixture::run_owner_process(kvferry_actors::fixture::OwnerSpec {
+    kvferry_testkit::run_owner_process(kvferry_testkit::OwnerSpec {
         node_id: "a".into(),
         model: "m".into(),
         provider: Provider::parse(&provider).unwrap(),

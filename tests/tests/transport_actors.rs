@@ -932,7 +932,7 @@ fn verbs_without_a_device_refuses_direct_gpu_with_the_reason() {
             "d",
             shape,
             0,
-            kvferry_actors::fixture::KvKind::Split,
+            kvferry_testkit::KvKind::Split,
             4,
             0,
         )

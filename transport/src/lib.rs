@@ -6,7 +6,7 @@
 //! RC state machine, and [`Qp`], which pairs it with a provider [`Connection`];
 //! [`CompletionQueue`] for poller threads; [`NicConfig`]. Providers: [`loopback`], [`tcp`],
 //! [`shm`] (its descriptors travel with [`fd_passing`]), [`verbs`] (its rdma-core layer
-//! behind the `verbs` feature), and the [`fault`] wrapper; [`mod@bench`] measures them.
+//! behind the `verbs` feature), and the [`fault`] wrapper.
 
 mod completion;
 mod config;
@@ -23,7 +23,6 @@ mod scatter;
 mod sink;
 mod wire;
 
-pub mod bench;
 pub mod fault;
 pub mod fd_passing;
 pub mod loopback;

@@ -261,28 +261,6 @@ pub unsafe fn event_synchronize(e: CUevent) -> Result<(), CudaError> {
     check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(e) })
 }
 
-/// Milliseconds between two recorded timing events.
-///
-/// # Safety
-/// Both events are live, created with timing, and have completed.
-pub unsafe fn event_elapsed_ms(start: CUevent, end: CUevent) -> Result<f32, CudaError> {
-    let mut ms = 0f32;
-    // SAFETY: the caller guarantees both events; writes one float. CUDA 13 renamed the
-    // call to `_v2` and dropped the old name from its headers; older drivers have only the
-    // first.
-    let r = unsafe {
-        if has_symbol("cuEventElapsedTime_v2") {
-            sys::cuEventElapsedTime_v2(&mut ms, start, end)
-        } else {
-            return Err(CudaError::MissingSymbol {
-                symbol: "cuEventElapsedTime_v2",
-            });
-        }
-    };
-    check("cuEventElapsedTime", r)?;
-    Ok(ms)
-}
-
 pub fn mem_alloc(bytes: usize) -> Result<CUdeviceptr, CudaError> {
     let mut p: CUdeviceptr = 0;
     // SAFETY: writes one device pointer into `p`; needs a current context, which every
@@ -370,22 +348,6 @@ pub unsafe fn memcpy_dtoh(dst: *mut c_void, src: CUdeviceptr, len: usize) -> Res
     // SAFETY: the caller guarantees both ranges.
     check("cuMemcpyDtoH", unsafe {
         sys::cuMemcpyDtoH_v2(dst, src, len)
-    })
-}
-
-/// Asynchronous host → device copy on `s` (truly asynchronous only from pinned memory).
-///
-/// # Safety
-/// Both ranges stay valid until the work on `s` completes; `s` is live.
-pub unsafe fn memcpy_htod_async(
-    dst: CUdeviceptr,
-    src: *const c_void,
-    len: usize,
-    s: CUstream,
-) -> Result<(), CudaError> {
-    // SAFETY: the caller guarantees both ranges and the stream.
-    check("cuMemcpyHtoDAsync", unsafe {
-        sys::cuMemcpyHtoDAsync_v2(dst, src, len, s)
     })
 }
 

@@ -12,7 +12,6 @@
 //! Layers, as in cudarc: `ffi` makes every raw call; `CudaDevice` and the kernel wrapper own
 //! the resources.
 
-mod bench;
 mod device;
 mod error;
 mod ffi;
@@ -21,7 +20,6 @@ mod open;
 mod plan;
 mod shared;
 
-pub use bench::{bench_raw_h2d, median};
 pub use device::{
     driver_present, CudaDevice, CudaOptions, IpcHandle, DEFAULT_STAGING_CHUNKS,
     DEFAULT_STAGING_CHUNK_BYTES,

@@ -7,11 +7,14 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use crate::fixture::{rank_part, MemfdKv};
-use crate::rpc::proto::LoadCompletion;
-use crate::rpc::{EngineClient, EngineClientError, EngineSession};
-use crate::{BlockHash, InstanceId, LeaseId, LoadRequest, PutBlocks};
+use kvferry_actors::model::ModelError;
+use kvferry_actors::rpc::proto::LoadCompletion;
+use kvferry_actors::rpc::{EngineClient, EngineClientError, EngineSession};
+use kvferry_actors::{BlockHash, InstanceId, LeaseId, LoadRequest, PutBlocks};
 use kvferry_gpu::{DeviceError, KvShape};
+
+use crate::memfd_kv::MemfdKv;
+use crate::pattern::rank_part;
 
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -21,7 +24,7 @@ pub enum AttachError {
     #[error("client KV: {0}")]
     Memory(#[from] DeviceError),
     #[error(transparent)]
-    Instance(#[from] crate::model::ModelError),
+    Instance(#[from] ModelError),
     #[error(
         "the node at {addr} takes no memfd (fd socket {fd_socket:?}, memory kinds {kinds:?}): \
          give it an [engine] section with an fd-dir, on this host"

@@ -1,4 +1,4 @@
-//! Benchmarks the `kvferry bench transport` subcommand runs. Each returns plain medians over a
+//! The transport benchmarks `kvferry bench transport` runs. Each returns plain medians over a
 //! few short repetitions (one warm-up run is discarded), measured in one process against a
 //! baseline taken in the same run, so ratios stay meaningful on a noisy machine.
 
@@ -10,18 +10,16 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
-use crate::completion::WorkCompletion;
-use crate::connection::Connector;
-use crate::cq::CompletionQueue;
-use crate::descriptor::{LocalSegment, ReadRequest, RemoteDescriptor};
-use crate::loopback::LoopbackConnector;
-use crate::mr_table::{Access, MrError, MrHandle, MrTable};
-use crate::qp::{Qp, QpError, QpGauges};
-use crate::qp_key::{NicId, NodeId, QpKey, QpNum};
-use crate::rc_queue::QueueLimits;
-use crate::region::{HostRegion, RegionError};
-use crate::shm::{ShmConnector, ShmOwner};
-use crate::tcp::{TcpConnector, TcpOwner};
+use crate::stats::median;
+
+use kvferry_transport::loopback::LoopbackConnector;
+use kvferry_transport::shm::{ShmConnector, ShmOwner};
+use kvferry_transport::tcp::{TcpConnector, TcpOwner};
+use kvferry_transport::{
+    Access, CompletionQueue, CompletionStatus, Connector, HostRegion, LocalSegment, MrError,
+    MrHandle, MrTable, NicId, NodeId, Qp, QpError, QpGauges, QpKey, QpNum, QueueLimits,
+    ReadRequest, RegionError, RemoteDescriptor, WorkCompletion,
+};
 
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -41,7 +39,7 @@ pub enum BenchError {
     #[error("read {wr_id} completed with {status}")]
     ReadFailed {
         wr_id: u64,
-        status: crate::CompletionStatus,
+        status: CompletionStatus,
     },
     #[error("reads did not complete within {seconds} s")]
     Stalled { seconds: u64 },
@@ -115,15 +113,6 @@ pub fn run_all(cfg: &BenchConfig) -> Result<TransportBench, BenchError> {
         shm_vs_memcpy: shm_vs_memcpy(cfg)?,
         loopback_rate: loopback_rate(cfg)?,
     })
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 fn gib_s(bytes: usize, d: Duration) -> f64 {
@@ -250,7 +239,7 @@ fn provider_medians(
     for _ in 0..cfg.repetitions {
         v.push(gib_s(moved, run_batch(&mut qp, &cq, &batch)?));
     }
-    Ok(median(v))
+    Ok(median(&mut v))
 }
 
 /// tcp provider reading `cfg.bytes` vs a plain socket copy of the same bytes on loopback.
@@ -299,7 +288,7 @@ pub fn tcp_vs_socket(cfg: &BenchConfig) -> Result<ThroughputResult, BenchError> 
         }
     }
     let _ = sender.join();
-    let baseline = median(v);
+    let baseline = median(&mut v);
     Ok(ThroughputResult {
         bytes: moved as u64,
         repetitions: cfg.repetitions,
@@ -350,7 +339,7 @@ pub fn shm_vs_memcpy(cfg: &BenchConfig) -> Result<ThroughputResult, BenchError> 
             v.push(gib_s(moved, start.elapsed()));
         }
     }
-    let baseline = median(v);
+    let baseline = median(&mut v);
     Ok(ThroughputResult {
         bytes: moved as u64,
         repetitions: cfg.repetitions,
@@ -379,7 +368,7 @@ pub fn loopback_rate(cfg: &BenchConfig) -> Result<RateResult, BenchError> {
         read_size: size,
         reads: batch.len(),
         repetitions: cfg.repetitions,
-        reads_per_sec: median(v),
+        reads_per_sec: median(&mut v),
     })
 }
 

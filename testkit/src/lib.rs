@@ -1,0 +1,28 @@
+//! Fixtures and benchmark helpers for kvferry's tests and the `kvferry` binary's `demo` and
+//! `bench`; the library crates never depend on this one.
+//!
+//! Fixtures: the byte pattern of every (block, rank, layer, segment, offset) and its
+//! [`CANARY`] ([`rank_part`], [`put_pattern`]); [`DeviceKv`] (device KV in each [`KvKind`]
+//! engines allocate, canaries everywhere, [`DeviceKv::verify`]); [`MemfdKv`] and
+//! [`MemfdRegionsKv`] (host KV in memfds, as an engine without a GPU passes it); an owner
+//! node in its own process ([`run_owner_process`]); [`Attached`], an engine process attached
+//! to a running node. Benchmarks: [`transport_bench`] and the raw-driver baseline
+//! [`bench_raw_h2d`].
+
+mod attached;
+mod cuda_bench;
+mod device_kv;
+mod memfd_kv;
+mod owner;
+mod pattern;
+mod stats;
+
+pub mod transport_bench;
+
+pub use attached::{AttachError, Attached};
+pub use cuda_bench::bench_raw_h2d;
+pub use device_kv::{DeviceKv, KvKind};
+pub use memfd_kv::{MemfdKv, MemfdRegionsKv};
+pub use owner::{run_owner_process, OwnerSpec};
+pub use pattern::{fill_segment, put_pattern, rank_part, CANARY};
+pub use stats::median;
