@@ -226,6 +226,8 @@ pub struct NodeConfig {
     pub verbs: Option<crate::nic::VerbsSection>,
     /// Deadlines, breaker and reconcile of a Redis directory (`[directory]`).
     pub directory: DirectoryConfig,
+    /// The `kvferry` binary's log level and format (`[log]`).
+    pub log: crate::log_config::LogSection,
 }
 
 /// How a node uses a Redis directory (`cluster.directory = "redis://…"`): queries never
@@ -483,6 +485,7 @@ impl Default for NodeConfig {
             nic: Vec::new(),
             verbs: None,
             directory: DirectoryConfig::default(),
+            log: crate::log_config::LogSection::default(),
         }
     }
 }
@@ -802,6 +805,7 @@ impl NodeConfig {
             e.validate(&self.node_id)?;
         }
         self.directory.validate()?;
+        self.log.validate()?;
         self.check_listeners_differ()?;
         crate::nic::config::validate_node_nics(&self.nic, self.verbs.as_ref())
             .map_err(|(key, reason)| ConfigError::Invalid { key, reason })?;

@@ -11,6 +11,7 @@ pub mod config;
 pub mod error;
 pub mod keeper;
 pub mod lease;
+pub mod log_config;
 pub mod metrics;
 pub mod model;
 pub mod nic;

@@ -1,53 +1,285 @@
-//! Counters, gauges and stage histograms shared by the actors. `Node::stats` reads the
-//! gauges; [`render`] writes everything in the Prometheus text format for `/metrics`.
+//! The node's metrics, through the `metrics` facade into a Prometheus recorder of
+//! `metrics-exporter-prometheus`. [`describe`] names every family once; [`Counters`] records
+//! what happens (transfers, queries) as it happens; [`render`] adds the values sampled at
+//! scrape time (gauges of the actors, the NIC runtime, the directory, the engine service)
+//! and lets the exporter write the text format. `Node::stats` reads the plain counters.
+//!
+//! One recorder per node, not the process-wide one: several nodes run in one process (the
+//! in-process cluster, tests, an engine embedding two), and `Node::metrics_text` must show
+//! one node's numbers. Each [`Counters`] owns a recorder and records through
+//! [`metrics::with_local_recorder`], so nothing here installs or reads the global recorder
+//! (an embedding application keeps its own). What belongs to the process rather than a node
+//! — the Redis directory's call latencies — goes to one process recorder ([`directory_call`]),
+//! shown in the scrape of every node that uses a networked directory.
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, OnceLock};
+
+use ::metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use ::metrics::{with_local_recorder, Unit};
+use metrics_exporter_prometheus::{
+    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
+};
 
 use crate::api::{Stats, TransferReport};
 
-/// Upper bounds (seconds) of the stage histograms: 10 us to 10 s.
+/// Upper bounds (seconds) of the stage and directory-call histograms: 10 us to 10 s.
+/// Explicit, so the exporter renders histograms (without buckets it renders summaries,
+/// which cannot be aggregated across nodes).
 pub const STAGE_BUCKETS: [f64; 13] = [
     1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 1.0, 10.0,
 ];
 
-#[derive(Debug, Default, Clone)]
-struct Histogram {
-    buckets: [u64; STAGE_BUCKETS.len()],
-    sum: f64,
-    count: u64,
+// Family names. Operators scrape these: they are the names the hand-written renderer used.
+pub const LEASES_LIVE: &str = "kvferry_leases_live";
+pub const BLOCKS: &str = "kvferry_blocks";
+pub const BLOCKS_SEALED: &str = "kvferry_blocks_sealed";
+pub const PINNED_BLOCKS: &str = "kvferry_pinned_blocks";
+pub const PINS: &str = "kvferry_pins";
+pub const POOL_SLOTS: &str = "kvferry_pool_slots";
+pub const INSTANCES: &str = "kvferry_instances";
+pub const TRANSFERS_IN_FLIGHT: &str = "kvferry_transfers_in_flight";
+pub const PEER_PINS: &str = "kvferry_peer_pins";
+pub const LEASES_EXPIRED: &str = "kvferry_leases_expired_total";
+pub const EVICTIONS: &str = "kvferry_evictions_total";
+pub const QUERIES: &str = "kvferry_queries_total";
+pub const LOADS: &str = "kvferry_loads_total";
+pub const BYTES: &str = "kvferry_bytes_total";
+pub const STAGE_SECONDS: &str = "kvferry_stage_seconds";
+pub const DIRECTORY_OPERATIONS: &str = "kvferry_directory_operations_total";
+pub const DIRECTORY_BREAKER_OPEN: &str = "kvferry_directory_breaker_open";
+pub const DIRECTORY_BREAKER_TRIPS: &str = "kvferry_directory_breaker_trips_total";
+pub const DIRECTORY_LOOKUPS_SKIPPED: &str = "kvferry_directory_lookups_skipped_total";
+pub const DIRECTORY_REANNOUNCES: &str = "kvferry_directory_reannounces_total";
+pub const DIRECTORY_FAILURES: &str = "kvferry_directory_failures_total";
+pub const DIRECTORY_PENDING: &str = "kvferry_directory_pending_updates";
+pub const DIRECTORY_CALL_SECONDS: &str = "kvferry_directory_call_seconds";
+/// Metric names of the NIC actors.
+pub const MR_REGISTRATIONS: &str = "kvferry_mr_registrations_total";
+pub const MR_REGISTRATION_FAILURES: &str = "kvferry_mr_registration_failures_total";
+pub const MRS_REGISTERED: &str = "kvferry_mrs_registered";
+pub const QPS: &str = "kvferry_qps";
+pub const COMPLETION_ERRORS: &str = "kvferry_completion_errors_total";
+pub const ENGINE_SESSIONS: &str = "kvferry_engine_sessions";
+pub const ENGINE_MEMORY_HANDLES: &str = "kvferry_engine_memory_handles";
+pub const ENGINE_LOADS_PENDING: &str = "kvferry_engine_loads_pending";
+pub const ENGINE_COMPLETIONS_RETAINED: &str = "kvferry_engine_completions_retained";
+pub const ENGINE_COMPLETIONS_DROPPED: &str = "kvferry_engine_completions_dropped_total";
+
+/// Describes every family this crate exports to the recorder in effect (one HELP line
+/// each; the exporter writes the TYPE from how a family is recorded).
+pub fn describe() {
+    for (name, help) in [
+        (LEASES_LIVE, "Leases not yet consumed, released or expired."),
+        (
+            BLOCKS,
+            "Blocks held in the host pool (sealed or being written).",
+        ),
+        (BLOCKS_SEALED, "Blocks every TP rank has written."),
+        (
+            PINNED_BLOCKS,
+            "Blocks pinned by leases, transfers or peers.",
+        ),
+        (PINS, "Pins held on blocks."),
+        (POOL_SLOTS, "Slots in the host pool."),
+        (INSTANCES, "Registered engine instances."),
+        (
+            TRANSFERS_IN_FLIGHT,
+            "Loads and saves whose copies have not drained.",
+        ),
+        (PEER_PINS, "Pins this node holds for peers."),
+        (
+            DIRECTORY_BREAKER_OPEN,
+            "1 while the directory's breaker is open or half-open: queries plan without it.",
+        ),
+        (
+            DIRECTORY_PENDING,
+            "Block updates queued for the directory and not yet written.",
+        ),
+        (
+            MRS_REGISTERED,
+            "Registrations in each nic's MR table (deferred deregistrations included).",
+        ),
+        (
+            QPS,
+            "Queue pairs by nic and state (reset, init, rtr, rts, error).",
+        ),
+        (
+            ENGINE_SESSIONS,
+            "Open engine sessions (each unregisters its instances when it ends).",
+        ),
+        (
+            ENGINE_MEMORY_HANDLES,
+            "Client memory (memfd or DMA-BUF) passed on the fd socket and held.",
+        ),
+        (
+            ENGINE_LOADS_PENDING,
+            "Engine loads accepted and not yet completed.",
+        ),
+        (
+            ENGINE_COMPLETIONS_RETAINED,
+            "Load completions waiting for a stream or poll.",
+        ),
+    ] {
+        describe_gauge!(name, help);
+    }
+    for (name, help) in [
+        (LEASES_EXPIRED, "Leases removed by expiry."),
+        (EVICTIONS, "Blocks evicted from the host pool."),
+        (QUERIES, "Queries by result (local, remote, miss)."),
+        (
+            LOADS,
+            "Transfers by path (local, direct, staged, save) and status.",
+        ),
+        (DIRECTORY_OPERATIONS, "Directory operations by kind."),
+        (
+            DIRECTORY_BREAKER_TRIPS,
+            "Times the directory's breaker opened.",
+        ),
+        (
+            DIRECTORY_LOOKUPS_SKIPPED,
+            "Lookups answered without the directory, its breaker being open.",
+        ),
+        (
+            DIRECTORY_REANNOUNCES,
+            "Times this process's nodes re-announced all they hold (after an outage or a restart of the directory).",
+        ),
+        (
+            DIRECTORY_FAILURES,
+            "Directory calls that failed or missed their deadline, by op.",
+        ),
+        (
+            MR_REGISTRATIONS,
+            "Memory registrations made, by nic and kind (host, device).",
+        ),
+        (
+            MR_REGISTRATION_FAILURES,
+            "Memory registrations refused, by nic, kind and reason.",
+        ),
+        (
+            COMPLETION_ERRORS,
+            "Reads reported with an error, by nic and completion status (flushes included).",
+        ),
+        (
+            ENGINE_COMPLETIONS_DROPPED,
+            "Load completions dropped uncollected, over the retention bound.",
+        ),
+    ] {
+        describe_counter!(name, help);
+    }
+    describe_counter!(
+        BYTES,
+        Unit::Bytes,
+        "Bytes moved by successful transfers, by path."
+    );
+    describe_histogram!(
+        STAGE_SECONDS,
+        Unit::Seconds,
+        "Seconds per transfer stage (plan, pin, register, post, wire, h2d, d2h, fence)."
+    );
+    describe_histogram!(
+        DIRECTORY_CALL_SECONDS,
+        Unit::Seconds,
+        "Seconds per directory call (lookup; write: one pipeline), failed ones included."
+    );
 }
 
-impl Histogram {
-    fn observe(&mut self, v: f64) {
-        for (b, le) in self.buckets.iter_mut().zip(STAGE_BUCKETS) {
-            if v <= le {
-                *b += 1;
-            }
+/// Histogram samples wait in the recorder until a scrape or an upkeep folds them into
+/// buckets; a node nobody scrapes folds them every this many samples, so they stay bounded.
+const UPKEEP_EVERY: u64 = 4096;
+
+/// A Prometheus recorder and its handle: what one node (or the process) records into.
+struct Registry {
+    recorder: PrometheusRecorder,
+    handle: PrometheusHandle,
+    samples: AtomicU64,
+}
+
+impl Registry {
+    fn new() -> Self {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Full(STAGE_SECONDS.into()), &STAGE_BUCKETS)
+            .and_then(|b| {
+                b.set_buckets_for_metric(
+                    Matcher::Full(DIRECTORY_CALL_SECONDS.into()),
+                    &STAGE_BUCKETS,
+                )
+            })
+            // Only fails for an empty bucket list; STAGE_BUCKETS is a non-empty constant.
+            .expect("STAGE_BUCKETS is not empty")
+            .build_recorder();
+        let handle = recorder.handle();
+        with_local_recorder(&recorder, describe);
+        Self {
+            recorder,
+            handle,
+            samples: AtomicU64::new(0),
         }
-        self.sum += v;
-        self.count += 1;
+    }
+
+    fn record<T>(&self, f: impl FnOnce() -> T) -> T {
+        with_local_recorder(&self.recorder, f)
+    }
+
+    /// Counts histogram samples just recorded, folding them in now and then.
+    fn sampled(&self, n: u64) {
+        let before = self.samples.fetch_add(n, Ordering::Relaxed);
+        if before / UPKEEP_EVERY != (before + n) / UPKEEP_EVERY {
+            self.handle.run_upkeep();
+        }
+    }
+
+    fn render(&self) -> String {
+        self.handle.render()
     }
 }
 
-#[derive(Debug, Default)]
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry").finish_non_exhaustive()
+    }
+}
+
+/// The process's recorder: what belongs to no single node.
+fn process() -> &'static Registry {
+    static PROCESS: OnceLock<Registry> = OnceLock::new();
+    PROCESS.get_or_init(Registry::new)
+}
+
+/// One call to a networked directory (`op`: `lookup`, or `write` for one pipeline), failed
+/// ones included. The directory is shared by this process's nodes, so its latencies are the
+/// process's.
+pub fn directory_call(op: &'static str, seconds: f64) {
+    let p = process();
+    p.record(|| record_directory_call(op, seconds));
+    p.sampled(1);
+}
+
+fn record_directory_call(op: &'static str, seconds: f64) {
+    histogram!(DIRECTORY_CALL_SECONDS, "op" => op).record(seconds);
+}
+
+/// What a node counts as it happens: the plain counters `Node::stats` reads, and the
+/// families of its own recorder.
+#[derive(Debug)]
 pub struct Counters {
     pub transfers_in_flight: AtomicUsize,
     pub loads_ok: AtomicU64,
     pub loads_failed: AtomicU64,
     pub bytes_loaded: AtomicU64,
-    /// (path, status) → loads; path → bytes; (path, stage) → seconds; result → queries.
-    loads: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
-    bytes: Mutex<BTreeMap<&'static str, u64>>,
-    stages: Mutex<BTreeMap<(&'static str, &'static str), Histogram>>,
-    queries: Mutex<BTreeMap<&'static str, u64>>,
+    registry: Registry,
 }
 
-fn bump<K: Ord>(m: &Mutex<BTreeMap<K, u64>>, k: K, by: u64) {
-    let mut g = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    *g.entry(k).or_default() += by;
+impl Default for Counters {
+    fn default() -> Self {
+        Self {
+            transfers_in_flight: AtomicUsize::new(0),
+            loads_ok: AtomicU64::new(0),
+            loads_failed: AtomicU64::new(0),
+            bytes_loaded: AtomicU64::new(0),
+            registry: Registry::new(),
+        }
+    }
 }
 
 impl Counters {
@@ -62,34 +294,44 @@ impl Counters {
 
     /// Records one finished transfer: by path and status, its bytes and its stages.
     pub fn transfer(&self, path: &'static str, out: Result<&TransferReport, ()>) {
-        match out {
-            Ok(r) => {
-                bump(&self.loads, (path, "ok"), 1);
-                bump(&self.bytes, path, r.bytes);
-                let mut h = self
-                    .stages
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                for s in &r.stages {
-                    h.entry((path, s.name)).or_default().observe(s.seconds);
-                }
-            }
-            Err(()) => bump(&self.loads, (path, "error"), 1),
-        }
+        let stages = self.registry.record(|| record_transfer(path, out));
+        self.registry.sampled(stages as u64);
     }
 
     /// Records a query by result: `local`, `remote` (some blocks from peers) or `miss`.
     pub fn query(&self, result: &'static str) {
-        bump(&self.queries, result, 1);
+        self.registry.record(|| record_query(result));
     }
+}
+
+/// Returns the stage samples recorded.
+fn record_transfer(path: &'static str, out: Result<&TransferReport, ()>) -> usize {
+    match out {
+        Ok(r) => {
+            counter!(LOADS, "path" => path, "status" => "ok").increment(1);
+            counter!(BYTES, "path" => path).increment(r.bytes);
+            for s in &r.stages {
+                histogram!(STAGE_SECONDS, "path" => path, "stage" => s.name).record(s.seconds);
+            }
+            r.stages.len()
+        }
+        Err(()) => {
+            counter!(LOADS, "path" => path, "status" => "error").increment(1);
+            0
+        }
+    }
+}
+
+fn record_query(result: &'static str) {
+    counter!(QUERIES, "result" => result).increment(1);
 }
 
 /// Counts one transfer in flight for as long as it lives.
 #[derive(Debug)]
-pub struct InFlight(pub(crate) std::sync::Arc<Counters>);
+pub struct InFlight(pub(crate) Arc<Counters>);
 
 impl InFlight {
-    pub fn new(c: std::sync::Arc<Counters>) -> Self {
+    pub fn new(c: Arc<Counters>) -> Self {
         c.transfers_in_flight.fetch_add(1, Ordering::Relaxed);
         Self(c)
     }
@@ -130,46 +372,6 @@ pub trait EngineProbe: Send + Sync {
     fn engine_gauges(&self) -> EngineGauges;
 }
 
-fn render_engine(o: &mut String, g: &EngineGauges) {
-    for (name, help, v) in [
-        (
-            "kvferry_engine_sessions",
-            "Open engine sessions (each unregisters its instances when it ends).",
-            g.sessions,
-        ),
-        (
-            "kvferry_engine_memory_handles",
-            "Client memory (memfd or DMA-BUF) passed on the fd socket and held.",
-            g.memory_handles,
-        ),
-        (
-            "kvferry_engine_loads_pending",
-            "Engine loads accepted and not yet completed.",
-            g.loads_pending,
-        ),
-        (
-            "kvferry_engine_completions_retained",
-            "Load completions waiting for a stream or poll.",
-            g.completions_retained,
-        ),
-    ] {
-        family(o, name, "gauge", help);
-        sample(o, name, "", v);
-    }
-    family(
-        o,
-        "kvferry_engine_completions_dropped_total",
-        "counter",
-        "Load completions dropped uncollected, over the retention bound.",
-    );
-    sample(
-        o,
-        "kvferry_engine_completions_dropped_total",
-        "",
-        g.completions_dropped,
-    );
-}
-
 /// What the NIC actors report for a scrape: memory registrations by NIC, kind and failure
 /// reason; each NIC worker's QPs by state and completion errors by status.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -179,377 +381,136 @@ pub struct NicMetrics {
     pub workers: Vec<(String, crate::nic::WorkerGaugeValues)>,
 }
 
-/// Metric names of the NIC actors.
-pub const MR_REGISTRATIONS: &str = "kvferry_mr_registrations_total";
-pub const MR_REGISTRATION_FAILURES: &str = "kvferry_mr_registration_failures_total";
-pub const MRS_REGISTERED: &str = "kvferry_mrs_registered";
-pub const QPS: &str = "kvferry_qps";
-pub const COMPLETION_ERRORS: &str = "kvferry_completion_errors_total";
+// Values sampled at scrape time are totals kept elsewhere: counters take them with
+// `absolute` (the exporter keeps the larger, so a total never goes back), gauges with `set`.
+// `as f64`: gauges are small counts, exact in an f64.
 
-fn render_nic(o: &mut String, m: &NicMetrics) {
-    family(
-        o,
-        MR_REGISTRATIONS,
-        "counter",
-        "Memory registrations made, by nic and kind (host, device).",
-    );
-    for (nic, kind, n) in &m.registry.made {
-        sample(
-            o,
-            MR_REGISTRATIONS,
-            &format!("nic=\"{nic}\",kind=\"{kind}\""),
-            n,
-        );
+fn record_stats(stats: &Stats, peer_pins: usize) {
+    for (name, v) in [
+        (LEASES_LIVE, stats.leases_live),
+        (BLOCKS, stats.blocks),
+        (BLOCKS_SEALED, stats.sealed_blocks),
+        (PINNED_BLOCKS, stats.pinned_blocks),
+        (POOL_SLOTS, stats.pool_slots),
+        (INSTANCES, stats.instances),
+        (TRANSFERS_IN_FLIGHT, stats.transfers_in_flight),
+        (PEER_PINS, peer_pins),
+    ] {
+        gauge!(name).set(v as f64);
     }
-    family(
-        o,
-        MR_REGISTRATION_FAILURES,
-        "counter",
-        "Memory registrations refused, by nic, kind and reason.",
-    );
-    for (nic, kind, reason, n) in &m.registry.failed {
-        sample(
-            o,
-            MR_REGISTRATION_FAILURES,
-            &format!("nic=\"{nic}\",kind=\"{kind}\",reason=\"{reason}\""),
-            n,
-        );
-    }
-    family(
-        o,
-        MRS_REGISTERED,
-        "gauge",
-        "Registrations in each nic's MR table (deferred deregistrations included).",
-    );
-    for (nic, n) in &m.registry.registered {
-        sample(o, MRS_REGISTERED, &format!("nic=\"{nic}\""), n);
-    }
-    family(
-        o,
-        QPS,
-        "gauge",
-        "Queue pairs by nic and state (reset, init, rtr, rts, error).",
-    );
-    for (nic, g) in &m.workers {
-        for (state, n) in g.states.labelled() {
-            sample(o, QPS, &format!("nic=\"{nic}\",state=\"{state}\""), n);
-        }
-    }
-    family(
-        o,
-        COMPLETION_ERRORS,
-        "counter",
-        "Reads reported with an error, by nic and completion status (flushes included).",
-    );
-    for (nic, g) in &m.workers {
-        for (status, n) in g.completion_errors.labelled() {
-            sample(
-                o,
-                COMPLETION_ERRORS,
-                &format!("nic=\"{nic}\",status=\"{status}\""),
-                n,
-            );
-        }
-    }
+    gauge!(PINS).set(stats.pins as f64);
+    counter!(LEASES_EXPIRED).absolute(stats.leases_expired);
+    counter!(EVICTIONS).absolute(stats.evictions);
 }
 
-/// A directory across the network: its breaker, failed calls and call latencies.
-fn render_directory_health(o: &mut String, h: &crate::remote::DirectoryHealth) {
-    use crate::remote::BreakerState;
-    family(
-        o,
-        "kvferry_directory_breaker_open",
-        "gauge",
-        "1 while the directory's breaker is open or half-open: queries plan without it.",
-    );
-    let open = u8::from(h.breaker != BreakerState::Closed);
-    sample(o, "kvferry_directory_breaker_open", "", open);
-    for (name, help, v) in [
-        (
-            "kvferry_directory_breaker_trips_total",
-            "Times the directory's breaker opened.",
-            h.trips,
-        ),
-        (
-            "kvferry_directory_lookups_skipped_total",
-            "Lookups answered without the directory, its breaker being open.",
-            h.lookups_skipped,
-        ),
-        (
-            "kvferry_directory_reannounces_total",
-            "Times this process's nodes re-announced all they hold (after an outage or a restart of the directory).",
-            h.reannounces,
-        ),
+fn record_directory(d: &crate::remote::directory::DirectoryStats) {
+    for (op, n) in [
+        ("publish", d.publishes),
+        ("withdraw", d.withdraws),
+        ("lookup", d.lookups),
     ] {
-        family(o, name, "counter", help);
-        sample(o, name, "", v);
+        counter!(DIRECTORY_OPERATIONS, "op" => op).absolute(n);
     }
-    family(
-        o,
-        "kvferry_directory_failures_total",
-        "counter",
-        "Directory calls that failed or missed their deadline, by op.",
-    );
+    let Some(h) = &d.health else {
+        return;
+    };
+    let open = h.breaker != crate::remote::BreakerState::Closed;
+    gauge!(DIRECTORY_BREAKER_OPEN).set(if open { 1.0 } else { 0.0 });
+    counter!(DIRECTORY_BREAKER_TRIPS).absolute(h.trips);
+    counter!(DIRECTORY_LOOKUPS_SKIPPED).absolute(h.lookups_skipped);
+    counter!(DIRECTORY_REANNOUNCES).absolute(h.reannounces);
     for (op, n) in [
         ("lookup", h.lookup_failures),
         ("write", h.write_failures),
         ("probe", h.probe_failures),
     ] {
-        sample(
-            o,
-            "kvferry_directory_failures_total",
-            &format!("op=\"{op}\""),
-            n,
-        );
+        counter!(DIRECTORY_FAILURES, "op" => op).absolute(n);
     }
-    family(
-        o,
-        "kvferry_directory_pending_updates",
-        "gauge",
-        "Block updates queued for the directory and not yet written.",
-    );
-    sample(o, "kvferry_directory_pending_updates", "", h.pending);
-    family(
-        o,
-        "kvferry_directory_call_seconds",
-        "histogram",
-        "Seconds per directory call (lookup; write: one pipeline), failed ones included.",
-    );
-    for (op, hist) in [("lookup", &h.lookup_seconds), ("write", &h.write_seconds)] {
-        let base = format!("op=\"{op}\"");
-        for (n, le) in hist.buckets.iter().zip(STAGE_BUCKETS) {
-            sample(
-                o,
-                "kvferry_directory_call_seconds_bucket",
-                &format!("{base},le=\"{le}\""),
-                n,
-            );
+    gauge!(DIRECTORY_PENDING).set(h.pending as f64);
+}
+
+/// The kinds of memory a NIC registers (`nic::mr_registry`'s `MrKind`).
+const MR_KINDS: [&str; 2] = ["host", "device"];
+
+fn record_nic(m: &NicMetrics) {
+    // Every NIC's registration series exist from its first scrape, at 0 until one is made,
+    // so that `rate()` and alerts see the first registration.
+    for (nic, _) in &m.registry.registered {
+        for kind in MR_KINDS {
+            counter!(MR_REGISTRATIONS, "nic" => nic.clone(), "kind" => kind).absolute(0);
         }
-        sample(
-            o,
-            "kvferry_directory_call_seconds_bucket",
-            &format!("{base},le=\"+Inf\""),
-            hist.count,
-        );
-        sample(o, "kvferry_directory_call_seconds_sum", &base, hist.sum);
-        sample(o, "kvferry_directory_call_seconds_count", &base, hist.count);
     }
-}
-
-fn family(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} {kind}");
-}
-
-fn sample(out: &mut String, name: &str, labels: &str, v: impl std::fmt::Display) {
-    if labels.is_empty() {
-        let _ = writeln!(out, "{name} {v}");
-    } else {
-        let _ = writeln!(out, "{name}{{{labels}}} {v}");
+    for (nic, kind, n) in &m.registry.made {
+        counter!(MR_REGISTRATIONS, "nic" => nic.clone(), "kind" => *kind).absolute(*n);
     }
-}
-
-/// The Prometheus text exposition of a node. Labels are low-cardinality only (path,
-/// status, stage, result, nic, kind, reason, state).
-pub fn render(stats: &Stats, c: &Counters, extra: Extra) -> String {
-    let mut o = String::with_capacity(4096);
-    let gauges: [(&str, &str, u64); 8] = [
-        (
-            "kvferry_leases_live",
-            "Leases not yet consumed, released or expired.",
-            stats.leases_live as u64,
-        ),
-        (
-            "kvferry_blocks",
-            "Blocks held in the host pool (sealed or being written).",
-            stats.blocks as u64,
-        ),
-        (
-            "kvferry_blocks_sealed",
-            "Blocks every TP rank has written.",
-            stats.sealed_blocks as u64,
-        ),
-        (
-            "kvferry_pinned_blocks",
-            "Blocks pinned by leases, transfers or peers.",
-            stats.pinned_blocks as u64,
-        ),
-        ("kvferry_pins", "Pins held on blocks.", stats.pins),
-        (
-            "kvferry_pool_slots",
-            "Slots in the host pool.",
-            stats.pool_slots as u64,
-        ),
-        (
-            "kvferry_instances",
-            "Registered engine instances.",
-            stats.instances as u64,
-        ),
-        (
-            "kvferry_transfers_in_flight",
-            "Loads and saves whose copies have not drained.",
-            stats.transfers_in_flight as u64,
-        ),
-    ];
-    for (name, help, v) in gauges {
-        family(&mut o, name, "gauge", help);
-        sample(&mut o, name, "", v);
+    for (nic, kind, reason, n) in &m.registry.failed {
+        counter!(MR_REGISTRATION_FAILURES, "nic" => nic.clone(), "kind" => *kind, "reason" => *reason)
+            .absolute(*n);
     }
-    family(
-        &mut o,
-        "kvferry_peer_pins",
-        "gauge",
-        "Pins this node holds for peers.",
-    );
-    sample(&mut o, "kvferry_peer_pins", "", extra.peer_pins);
-    family(
-        &mut o,
-        "kvferry_leases_expired_total",
-        "counter",
-        "Leases removed by expiry.",
-    );
-    sample(
-        &mut o,
-        "kvferry_leases_expired_total",
-        "",
-        stats.leases_expired,
-    );
-    family(
-        &mut o,
-        "kvferry_evictions_total",
-        "counter",
-        "Blocks evicted from the host pool.",
-    );
-    sample(&mut o, "kvferry_evictions_total", "", stats.evictions);
-
-    family(
-        &mut o,
-        "kvferry_queries_total",
-        "counter",
-        "Queries by result (local, remote, miss).",
-    );
-    for (result, n) in c
-        .queries
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .iter()
-    {
-        sample(
-            &mut o,
-            "kvferry_queries_total",
-            &format!("result=\"{result}\""),
-            n,
-        );
+    for (nic, n) in &m.registry.registered {
+        gauge!(MRS_REGISTERED, "nic" => nic.clone()).set(*n as f64);
     }
-    family(
-        &mut o,
-        "kvferry_loads_total",
-        "counter",
-        "Transfers by path (local, direct, staged, save) and status.",
-    );
-    for ((path, status), n) in c
-        .loads
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .iter()
-    {
-        sample(
-            &mut o,
-            "kvferry_loads_total",
-            &format!("path=\"{path}\",status=\"{status}\""),
-            n,
-        );
-    }
-    family(
-        &mut o,
-        "kvferry_bytes_total",
-        "counter",
-        "Bytes moved by successful transfers, by path.",
-    );
-    for (path, n) in c
-        .bytes
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .iter()
-    {
-        sample(
-            &mut o,
-            "kvferry_bytes_total",
-            &format!("path=\"{path}\""),
-            n,
-        );
-    }
-    family(
-        &mut o,
-        "kvferry_stage_seconds",
-        "histogram",
-        "Seconds per transfer stage (plan, pin, register, post, wire, h2d, d2h, fence).",
-    );
-    for ((path, stage), h) in c
-        .stages
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .iter()
-    {
-        let base = format!("path=\"{path}\",stage=\"{stage}\"");
-        for (n, le) in h.buckets.iter().zip(STAGE_BUCKETS) {
-            sample(
-                &mut o,
-                "kvferry_stage_seconds_bucket",
-                &format!("{base},le=\"{le}\""),
-                n,
-            );
+    for (nic, g) in &m.workers {
+        for (state, n) in g.states.labelled() {
+            gauge!(QPS, "nic" => nic.clone(), "state" => state).set(n as f64);
         }
-        sample(
-            &mut o,
-            "kvferry_stage_seconds_bucket",
-            &format!("{base},le=\"+Inf\""),
-            h.count,
-        );
-        sample(&mut o, "kvferry_stage_seconds_sum", &base, h.sum);
-        sample(&mut o, "kvferry_stage_seconds_count", &base, h.count);
+        for (status, n) in g.completion_errors.labelled() {
+            counter!(COMPLETION_ERRORS, "nic" => nic.clone(), "status" => status).absolute(n);
+        }
     }
+}
+
+fn record_engine(g: &EngineGauges) {
+    for (name, v) in [
+        (ENGINE_SESSIONS, g.sessions),
+        (ENGINE_MEMORY_HANDLES, g.memory_handles),
+        (ENGINE_LOADS_PENDING, g.loads_pending),
+        (ENGINE_COMPLETIONS_RETAINED, g.completions_retained),
+    ] {
+        gauge!(name).set(v as f64);
+    }
+    counter!(ENGINE_COMPLETIONS_DROPPED).absolute(g.completions_dropped);
+}
+
+/// Records a scrape's sampled values into the recorder in effect.
+fn record_scrape(stats: &Stats, extra: &Extra) {
+    record_stats(stats, extra.peer_pins);
     if let Some(d) = &extra.directory {
-        family(
-            &mut o,
-            "kvferry_directory_operations_total",
-            "counter",
-            "Directory operations by kind.",
-        );
-        for (op, n) in [
-            ("publish", d.publishes),
-            ("withdraw", d.withdraws),
-            ("lookup", d.lookups),
-        ] {
-            sample(
-                &mut o,
-                "kvferry_directory_operations_total",
-                &format!("op=\"{op}\""),
-                n,
-            );
-        }
-    }
-    if let Some(h) = extra.directory.as_ref().and_then(|d| d.health.as_ref()) {
-        render_directory_health(&mut o, h);
+        record_directory(d);
     }
     if let Some(m) = &extra.nic {
-        render_nic(&mut o, m);
+        record_nic(m);
     }
     if let Some(g) = &extra.engine {
-        render_engine(&mut o, g);
+        record_engine(g);
     }
-    o
+}
+
+/// The Prometheus text exposition of a node: its own recorder after this scrape's values,
+/// then, for a node whose directory is across the network, the process's directory call
+/// latencies. Labels are low-cardinality only (path, status, stage, result, op, nic, kind,
+/// reason, state).
+pub fn render(stats: &Stats, c: &Counters, extra: Extra) -> String {
+    render_with(stats, c, &extra, process())
+}
+
+fn render_with(stats: &Stats, c: &Counters, extra: &Extra, process: &Registry) -> String {
+    c.registry.record(|| record_scrape(stats, extra));
+    let mut text = c.registry.render();
+    if extra.directory.as_ref().is_some_and(|d| d.health.is_some()) {
+        text.push_str(&process.render());
+    }
+    text
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::api::Stage;
+    use crate::remote::{BreakerState, DirectoryHealth, DirectoryStats};
 
-    #[test]
-    fn renders_families_histograms_and_labels() {
-        let c = Counters::default();
-        let r = TransferReport {
+    fn report() -> TransferReport {
+        TransferReport {
             path: "direct",
             blocks: 2,
             bytes: 4096,
@@ -565,8 +526,62 @@ mod tests {
                     seconds: 2e-6,
                 },
             ],
-        };
-        c.transfer("direct", Ok(&r));
+        }
+    }
+
+    fn nic_metrics() -> NicMetrics {
+        use crate::nic::{RegistryCounts, WorkerGaugeValues};
+        let mut w = WorkerGaugeValues::default();
+        w.states.rts = 2;
+        w.states.error = 1;
+        w.completion_errors.flushed = 5;
+        NicMetrics {
+            registry: RegistryCounts {
+                made: vec![("mlx5_0".into(), "host", 1)],
+                failed: vec![("mlx5_1".into(), "host", "nic_unavailable", 1)],
+                registered: vec![("mlx5_0".into(), 1), ("mlx5_1".into(), 0)],
+            },
+            workers: vec![("mlx5_0".into(), w), ("mlx5_1".into(), Default::default())],
+        }
+    }
+
+    fn directory_stats() -> DirectoryStats {
+        DirectoryStats {
+            lookups: 9,
+            health: Some(DirectoryHealth {
+                breaker: BreakerState::HalfOpen,
+                trips: 2,
+                lookups_skipped: 7,
+                lookup_failures: 3,
+                write_failures: 1,
+                reannounces: 1,
+                pending: 5,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// Every family in one scrape: each declared once, with HELP and TYPE.
+    fn assert_declared_once(text: &str) {
+        let mut names: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split_whitespace().next())
+            .collect();
+        let n = names.len();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(n, names.len(), "a family declared twice:\n{text}");
+        for name in names {
+            assert!(text.contains(&format!("# HELP {name} ")), "{name}:\n{text}");
+        }
+    }
+
+    #[test]
+    fn renders_families_histograms_and_labels() {
+        let c = Counters::default();
+        c.transfer("direct", Ok(&report()));
         c.transfer("direct", Err(()));
         c.query("remote");
         let text = render(
@@ -577,47 +592,76 @@ mod tests {
             &c,
             Extra::default(),
         );
-        assert!(text.contains("kvferry_leases_live 3\n"), "{text}");
+        for line in [
+            "kvferry_leases_live 3\n",
+            "kvferry_loads_total{path=\"direct\",status=\"ok\"} 1\n",
+            "kvferry_loads_total{path=\"direct\",status=\"error\"} 1\n",
+            "kvferry_bytes_total{path=\"direct\"} 4096\n",
+            // 1.5 ms falls in the 2.5 ms bucket and above, not the 1 ms one.
+            "kvferry_stage_seconds_bucket{path=\"direct\",stage=\"wire\",le=\"0.001\"} 0\n",
+            "kvferry_stage_seconds_bucket{path=\"direct\",stage=\"wire\",le=\"0.0025\"} 1\n",
+            "kvferry_stage_seconds_bucket{path=\"direct\",stage=\"wire\",le=\"+Inf\"} 1\n",
+            "kvferry_stage_seconds_count{path=\"direct\",stage=\"wire\"} 1\n",
+            "kvferry_queries_total{result=\"remote\"} 1\n",
+            "# TYPE kvferry_stage_seconds histogram\n",
+            "# TYPE kvferry_loads_total counter\n",
+            "# TYPE kvferry_leases_live gauge\n",
+        ] {
+            assert!(text.contains(line), "{line}{text}");
+        }
+        assert_declared_once(&text);
+        // A second scrape shows the same totals: sampled values are not added twice.
+        let text = render(&Stats::default(), &c, Extra::default());
         assert!(text.contains("kvferry_loads_total{path=\"direct\",status=\"ok\"} 1\n"));
-        assert!(text.contains("kvferry_loads_total{path=\"direct\",status=\"error\"} 1\n"));
-        assert!(text.contains("kvferry_bytes_total{path=\"direct\"} 4096\n"));
-        // 1.5 ms falls in the 2.5 ms bucket and above, not the 1 ms one.
-        assert!(text.contains(
-            "kvferry_stage_seconds_bucket{path=\"direct\",stage=\"wire\",le=\"0.001\"} 0\n"
-        ));
-        assert!(text.contains(
-            "kvferry_stage_seconds_bucket{path=\"direct\",stage=\"wire\",le=\"0.0025\"} 1\n"
-        ));
         assert!(text.contains("kvferry_stage_seconds_count{path=\"direct\",stage=\"wire\"} 1\n"));
-        assert!(text.contains("kvferry_queries_total{result=\"remote\"} 1\n"));
-        // Every sample's family is declared once.
-        let types = text
-            .lines()
-            .filter(|l| l.starts_with("# TYPE kvferry_stage_seconds "))
-            .count();
-        assert_eq!(types, 1);
+        assert!(text.contains("kvferry_leases_live 0\n"), "{text}");
+    }
+
+    /// Two nodes in one process (the in-process cluster) keep their own numbers.
+    #[test]
+    fn each_node_renders_its_own_numbers() {
+        let (a, b) = (Counters::default(), Counters::default());
+        a.query("local");
+        a.query("local");
+        b.query("miss");
+        let ta = render(&Stats::default(), &a, Extra::default());
+        let tb = render(&Stats::default(), &b, Extra::default());
+        assert!(
+            ta.contains("kvferry_queries_total{result=\"local\"} 2\n"),
+            "{ta}"
+        );
+        assert!(!ta.contains("result=\"miss\""), "{ta}");
+        assert!(
+            tb.contains("kvferry_queries_total{result=\"miss\"} 1\n"),
+            "{tb}"
+        );
+        assert!(!tb.contains("result=\"local\""), "{tb}");
+    }
+
+    /// Histogram samples of a node nobody scrapes are folded in as they come.
+    #[test]
+    fn unscraped_stage_samples_stay_bounded_and_are_all_counted() {
+        let c = Counters::default();
+        let r = report();
+        let n = UPKEEP_EVERY as usize + 10;
+        for _ in 0..n / 2 + 1 {
+            c.transfer("direct", Ok(&r));
+        }
+        let text = render(&Stats::default(), &c, Extra::default());
+        let want = format!(
+            "kvferry_stage_seconds_count{{path=\"direct\",stage=\"wire\"}} {}\n",
+            n / 2 + 1
+        );
+        assert!(text.contains(&want), "{want}{text}");
     }
 
     #[test]
     fn renders_nic_families_once_with_low_cardinality_labels() {
-        use crate::nic::{RegistryCounts, WorkerGaugeValues};
-        let mut w = WorkerGaugeValues::default();
-        w.states.rts = 2;
-        w.states.error = 1;
-        w.completion_errors.flushed = 5;
-        let m = NicMetrics {
-            registry: RegistryCounts {
-                made: vec![("mlx5_0".into(), "host", 1)],
-                failed: vec![("mlx5_1".into(), "host", "nic_unavailable", 1)],
-                registered: vec![("mlx5_0".into(), 1), ("mlx5_1".into(), 0)],
-            },
-            workers: vec![("mlx5_0".into(), w), ("mlx5_1".into(), Default::default())],
-        };
         let text = render(
             &Stats::default(),
             &Counters::default(),
             Extra {
-                nic: Some(m),
+                nic: Some(nic_metrics()),
                 ..Extra::default()
             },
         );
@@ -625,6 +669,7 @@ mod tests {
             "kvferry_mr_registrations_total{nic=\"mlx5_0\",kind=\"host\"} 1\n",
             "kvferry_mr_registration_failures_total{nic=\"mlx5_1\",kind=\"host\",reason=\"nic_unavailable\"} 1\n",
             "kvferry_mrs_registered{nic=\"mlx5_1\"} 0\n",
+            "kvferry_mr_registrations_total{nic=\"mlx5_1\",kind=\"device\"} 0\n",
             "kvferry_qps{nic=\"mlx5_0\",state=\"rts\"} 2\n",
             "kvferry_qps{nic=\"mlx5_0\",state=\"error\"} 1\n",
             "kvferry_qps{nic=\"mlx5_1\",state=\"reset\"} 0\n",
@@ -633,18 +678,7 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line}{text}");
         }
-        for name in [
-            MR_REGISTRATIONS,
-            MR_REGISTRATION_FAILURES,
-            MRS_REGISTERED,
-            QPS,
-            COMPLETION_ERRORS,
-        ] {
-            let help = format!("# HELP {name} ");
-            let ty = format!("# TYPE {name} ");
-            assert_eq!(text.matches(&help).count(), 1, "{name}");
-            assert_eq!(text.matches(&ty).count(), 1, "{name}");
-        }
+        assert_declared_once(&text);
         // Five states per nic, six error statuses per nic.
         assert_eq!(
             text.lines()
@@ -662,31 +696,17 @@ mod tests {
 
     #[test]
     fn renders_the_directory_breaker_failures_and_latency() {
-        use crate::remote::{BreakerState, DirectoryHealth, DirectoryStats};
-        let mut h = DirectoryHealth {
-            breaker: BreakerState::HalfOpen,
-            trips: 2,
-            lookups_skipped: 7,
-            lookup_failures: 3,
-            write_failures: 1,
-            reannounces: 1,
-            pending: 5,
-            ..Default::default()
+        let process = Registry::new();
+        process.record(|| {
+            record_directory_call("lookup", 0.003);
+            record_directory_call("lookup", 0.2);
+            record_directory_call("write", 0.0001);
+        });
+        let extra = Extra {
+            directory: Some(directory_stats()),
+            ..Extra::default()
         };
-        h.lookup_seconds.observe(0.003);
-        h.lookup_seconds.observe(0.2);
-        let text = render(
-            &Stats::default(),
-            &Counters::default(),
-            Extra {
-                directory: Some(DirectoryStats {
-                    lookups: 9,
-                    health: Some(h),
-                    ..Default::default()
-                }),
-                ..Extra::default()
-            },
-        );
+        let text = render_with(&Stats::default(), &Counters::default(), &extra, &process);
         for line in [
             "kvferry_directory_operations_total{op=\"lookup\"} 9\n",
             "kvferry_directory_breaker_open 1\n",
@@ -698,20 +718,144 @@ mod tests {
             "kvferry_directory_pending_updates 5\n",
             "kvferry_directory_call_seconds_bucket{op=\"lookup\",le=\"0.005\"} 1\n",
             "kvferry_directory_call_seconds_bucket{op=\"lookup\",le=\"1\"} 2\n",
-            "kvferry_directory_call_seconds_count{op=\"write\"} 0\n",
+            "kvferry_directory_call_seconds_count{op=\"write\"} 1\n",
         ] {
             assert!(text.contains(line), "{line}{text}");
         }
-        // In-process directories have no breaker to show.
-        let text = render(
-            &Stats::default(),
-            &Counters::default(),
-            Extra {
-                directory: Some(DirectoryStats::default()),
-                ..Extra::default()
-            },
-        );
+        assert_declared_once(&text);
+        // In-process directories have no breaker and no call latencies to show.
+        let extra = Extra {
+            directory: Some(DirectoryStats::default()),
+            ..Extra::default()
+        };
+        let text = render_with(&Stats::default(), &Counters::default(), &extra, &process);
         assert!(text.contains("kvferry_directory_operations_total"));
         assert!(!text.contains("kvferry_directory_breaker_open"));
+        assert!(!text.contains("kvferry_directory_call_seconds"));
+    }
+
+    /// The names, kinds, units and labels this crate exports, as a recorder sees them: a
+    /// renamed family or a new label fails here before an operator's dashboard does.
+    #[test]
+    fn exported_names_kinds_and_labels_through_the_debugging_recorder() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        use metrics_util::MetricKind;
+        use std::collections::{BTreeMap, BTreeSet};
+
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        with_local_recorder(&recorder, || {
+            describe();
+            record_transfer("staged", Ok(&report()));
+            record_transfer("staged", Err(()));
+            record_query("miss");
+            record_directory_call("write", 0.01);
+            record_scrape(
+                &Stats {
+                    pins: 4,
+                    evictions: 2,
+                    ..Default::default()
+                },
+                &Extra {
+                    peer_pins: 1,
+                    directory: Some(directory_stats()),
+                    nic: Some(nic_metrics()),
+                    engine: Some(EngineGauges {
+                        sessions: 1,
+                        completions_dropped: 3,
+                        ..Default::default()
+                    }),
+                },
+            );
+        });
+        let mut seen: BTreeMap<String, (MetricKind, BTreeSet<String>)> = BTreeMap::new();
+        let mut described = BTreeSet::new();
+        for (key, unit, help, value) in snapshotter.snapshot().into_vec() {
+            let (kind, key) = key.into_parts();
+            let name = key.name().to_owned();
+            if help.is_some() {
+                described.insert(name.clone());
+            }
+            match (&value, kind) {
+                (DebugValue::Counter(_), MetricKind::Counter)
+                | (DebugValue::Gauge(_), MetricKind::Gauge)
+                | (DebugValue::Histogram(_), MetricKind::Histogram) => {}
+                _ => panic!("{name}: {kind:?} with {value:?}"),
+            }
+            if kind == MetricKind::Histogram {
+                assert_eq!(unit, Some(Unit::Seconds), "{name}");
+            }
+            let entry = seen.entry(name).or_insert_with(|| (kind, BTreeSet::new()));
+            assert_eq!(entry.0, kind, "one kind per family");
+            entry.1.extend(key.labels().map(|l| l.key().to_owned()));
+        }
+        let want: BTreeMap<&str, (MetricKind, &[&str])> = [
+            (LEASES_LIVE, (MetricKind::Gauge, &[][..])),
+            (BLOCKS, (MetricKind::Gauge, &[][..])),
+            (BLOCKS_SEALED, (MetricKind::Gauge, &[][..])),
+            (PINNED_BLOCKS, (MetricKind::Gauge, &[][..])),
+            (PINS, (MetricKind::Gauge, &[][..])),
+            (POOL_SLOTS, (MetricKind::Gauge, &[][..])),
+            (INSTANCES, (MetricKind::Gauge, &[][..])),
+            (TRANSFERS_IN_FLIGHT, (MetricKind::Gauge, &[][..])),
+            (PEER_PINS, (MetricKind::Gauge, &[][..])),
+            (LEASES_EXPIRED, (MetricKind::Counter, &[][..])),
+            (EVICTIONS, (MetricKind::Counter, &[][..])),
+            (QUERIES, (MetricKind::Counter, &["result"][..])),
+            (LOADS, (MetricKind::Counter, &["path", "status"][..])),
+            (BYTES, (MetricKind::Counter, &["path"][..])),
+            (
+                STAGE_SECONDS,
+                (MetricKind::Histogram, &["path", "stage"][..]),
+            ),
+            (DIRECTORY_OPERATIONS, (MetricKind::Counter, &["op"][..])),
+            (DIRECTORY_BREAKER_OPEN, (MetricKind::Gauge, &[][..])),
+            (DIRECTORY_BREAKER_TRIPS, (MetricKind::Counter, &[][..])),
+            (DIRECTORY_LOOKUPS_SKIPPED, (MetricKind::Counter, &[][..])),
+            (DIRECTORY_REANNOUNCES, (MetricKind::Counter, &[][..])),
+            (DIRECTORY_FAILURES, (MetricKind::Counter, &["op"][..])),
+            (DIRECTORY_PENDING, (MetricKind::Gauge, &[][..])),
+            (DIRECTORY_CALL_SECONDS, (MetricKind::Histogram, &["op"][..])),
+            (
+                MR_REGISTRATIONS,
+                (MetricKind::Counter, &["kind", "nic"][..]),
+            ),
+            (
+                MR_REGISTRATION_FAILURES,
+                (MetricKind::Counter, &["kind", "nic", "reason"][..]),
+            ),
+            (MRS_REGISTERED, (MetricKind::Gauge, &["nic"][..])),
+            (QPS, (MetricKind::Gauge, &["nic", "state"][..])),
+            (
+                COMPLETION_ERRORS,
+                (MetricKind::Counter, &["nic", "status"][..]),
+            ),
+            (ENGINE_SESSIONS, (MetricKind::Gauge, &[][..])),
+            (ENGINE_MEMORY_HANDLES, (MetricKind::Gauge, &[][..])),
+            (ENGINE_LOADS_PENDING, (MetricKind::Gauge, &[][..])),
+            (ENGINE_COMPLETIONS_RETAINED, (MetricKind::Gauge, &[][..])),
+            (ENGINE_COMPLETIONS_DROPPED, (MetricKind::Counter, &[][..])),
+        ]
+        .into_iter()
+        .collect();
+        let got: BTreeMap<&str, (MetricKind, Vec<&str>)> = seen
+            .iter()
+            .map(|(n, (k, l))| (n.as_str(), (*k, l.iter().map(String::as_str).collect())))
+            .collect();
+        let want: BTreeMap<&str, (MetricKind, Vec<&str>)> = want
+            .into_iter()
+            .map(|(n, (k, l))| (n, (k, l.to_vec())))
+            .collect();
+        assert_eq!(got, want);
+        for name in got.keys() {
+            assert!(name.starts_with("kvferry_"), "{name}");
+            assert!(described.contains(*name), "{name} has no describe()");
+            let counter = got[name].0 == MetricKind::Counter;
+            assert_eq!(
+                counter,
+                name.ends_with("_total"),
+                "{name}: counters end in _total"
+            );
+        }
     }
 }

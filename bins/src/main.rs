@@ -5,10 +5,12 @@ mod bench_cluster;
 mod bench_remote;
 mod demo;
 mod demo_cluster;
+mod logging;
 mod plot;
 mod service;
 
 use clap::{Parser, Subcommand};
+use kvferry_actors::log_config::LogSection;
 use kvferry_actors::NodeConfig;
 
 #[derive(Parser)]
@@ -62,7 +64,7 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             // One line with the whole cause chain; no backtrace for an operator's mistake.
-            eprintln!("kvferry: {e:#}");
+            logging::fatal(&format!("kvferry: {e:#}"));
             std::process::ExitCode::FAILURE
         }
     }
@@ -79,10 +81,30 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 println!("{config}: ok");
                 return Ok(());
             }
-            service::run(cfg)
+            let filter = logging::init(&cfg.log)?;
+            service::run(cfg, &filter)
         }
-        Cmd::Demo(args) => demo::run(args),
-        Cmd::Bench(cmd) => bench::run(cmd),
-        Cmd::Owner(a) => bench_remote::owner(a),
+        Cmd::Demo(args) => {
+            warnings_only()?;
+            demo::run(args)
+        }
+        Cmd::Bench(cmd) => {
+            warnings_only()?;
+            bench::run(cmd)
+        }
+        Cmd::Owner(a) => {
+            warnings_only()?;
+            bench_remote::owner(a)
+        }
     }
+}
+
+/// The commands other than `node` print their results; the libraries' warnings still show
+/// (or what `RUST_LOG` asks for).
+fn warnings_only() -> anyhow::Result<()> {
+    logging::init(&LogSection {
+        level: "warn".into(),
+        ..LogSection::default()
+    })
+    .map(drop)
 }

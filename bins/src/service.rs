@@ -11,6 +11,8 @@ use kvferry_actors::remote::{
 };
 use kvferry_actors::{node::open_devices, Clock, Node, NodeConfig};
 
+use crate::logging::lifecycle;
+
 /// How long open peer calls may take to finish after SIGTERM.
 const DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -38,7 +40,7 @@ async fn until_stopped(
     let id = &node.config().node_id;
     tokio::select! {
         signal = stop => {
-            eprintln!("kvferry node {id}: stopping on {signal}");
+            lifecycle(&format!("kvferry node {id}: stopping on {signal}"));
             Ok(())
         }
         () = node.actors_stopped() => {
@@ -50,12 +52,12 @@ async fn until_stopped(
 /// The start-up line, on stderr, once every listener is bound: supervisors and log
 /// searches match `kvferry node <id>: started`.
 fn announce_started(node: &Node, how: &str) {
-    eprintln!(
+    lifecycle(&format!(
         "kvferry node {}: started (pid {}, version {}); {how}",
         node.config().node_id,
         std::process::id(),
         env!("CARGO_PKG_VERSION"),
-    );
+    ));
     crash_test(node);
 }
 
@@ -72,60 +74,105 @@ fn crash_test(node: &Node) {
 
 /// The shutdown line, on stderr, the last the process prints on a clean stop.
 fn announce_stopped(node_id: &str) {
-    eprintln!("kvferry node {node_id}: stopped");
+    lifecycle(&format!("kvferry node {node_id}: stopped"));
 }
 
-/// Serves `GET /metrics` (Prometheus text) and `GET /health` until the node stops.
-async fn serve_metrics(listener: tokio::net::TcpListener, node: Node) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
-        };
-        let node = node.clone();
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            let mut n = 0;
-            // Read the request head (bounded: 4 KiB, 5 s).
-            let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-                while n < buf.len() {
-                    match sock.read(&mut buf[n..]).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(k) => n += k,
-                    }
-                    if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                        break;
-                    }
-                }
-            })
-            .await;
-            if read.is_err() {
-                return;
+/// The effective config, once, before anything starts: what an operator needs to read a
+/// log without the file at hand.
+fn log_config_summary(cfg: &NodeConfig, log_filter: &str) {
+    let (provider, directory, peers, peer_listen) = match &cfg.cluster {
+        Some(c) => (
+            c.provider.as_str(),
+            redact_url(&c.directory),
+            c.peers.len(),
+            c.peer_listen.as_str(),
+        ),
+        None => ("none", String::new(), 0, ""),
+    };
+    tracing::info!(
+        node = %cfg.node_id,
+        pool_size = %cfg.pool.size,
+        slot_bytes = %cfg.pool.slot_bytes,
+        hugepages = cfg.pool.hugepages,
+        device = %cfg.device.kind,
+        devices = cfg.device.count,
+        lease_ttl_secs = cfg.lease.ttl().as_secs(),
+        provider,
+        directory = %directory,
+        peers,
+        peer_listen,
+        engine = cfg.engine.as_ref().map_or("", |e| e.listen.as_str()),
+        metrics = %cfg.metrics.listen,
+        nics = cfg.nic.len(),
+        log = %log_filter,
+        log_format = cfg.log.format.as_str(),
+        "starting with this config",
+    );
+}
+
+/// A directory URL without its password (`redis://user:secret@host` → `redis://user:***@host`).
+fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let auth = &url[scheme + 3..at];
+            match auth.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => url.to_owned(),
             }
-            let head = String::from_utf8_lossy(&buf[..n]);
-            let path = head.split_whitespace().nth(1).unwrap_or("");
-            let (status, kind, body) = match path {
-                "/metrics" => match node.metrics_text().await {
-                    Ok(t) => ("200 OK", "text/plain; version=0.0.4", t),
-                    Err(e) => ("503 Service Unavailable", "text/plain", format!("{e}\n")),
-                },
-                "/health" => match node.stats().await {
-                    Ok(_) => ("200 OK", "text/plain", "ok\n".to_owned()),
-                    Err(e) => ("503 Service Unavailable", "text/plain", format!("{e}\n")),
-                },
-                _ => (
-                    "404 Not Found",
-                    "text/plain",
-                    "try /metrics or /health\n".to_owned(),
-                ),
-            };
-            let resp = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = sock.write_all(resp.as_bytes()).await;
-        });
+        }
+        _ => url.to_owned(),
     }
+}
+
+/// `GET /metrics`: the node's Prometheus text; `GET /health`: 200 `ok` while the node's
+/// actors answer, 503 with the reason when they do not; anything else 404. Served with axum
+/// (its router and hyper's HTTP/1.1) rather than a hand-written parser; the exporter's own
+/// listener does not fit, since a scrape first asks the actors for their gauges.
+fn metrics_router(node: Node) -> axum::Router {
+    use axum::extract::State;
+    use axum::http::{header, StatusCode};
+    use axum::routing::get;
+
+    type Reply = (StatusCode, [(header::HeaderName, &'static str); 1], String);
+    const TEXT: &str = "text/plain; charset=utf-8";
+    const PROMETHEUS: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+    async fn metrics(State(node): State<Node>) -> Reply {
+        match node.metrics_text().await {
+            Ok(t) => (StatusCode::OK, [(header::CONTENT_TYPE, PROMETHEUS)], t),
+            Err(e) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                [(header::CONTENT_TYPE, TEXT)],
+                format!("{e}\n"),
+            ),
+        }
+    }
+    async fn health(State(node): State<Node>) -> Reply {
+        match node.stats().await {
+            Ok(_) => (
+                StatusCode::OK,
+                [(header::CONTENT_TYPE, TEXT)],
+                "ok\n".into(),
+            ),
+            Err(e) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                [(header::CONTENT_TYPE, TEXT)],
+                format!("{e}\n"),
+            ),
+        }
+    }
+    async fn not_found() -> Reply {
+        (
+            StatusCode::NOT_FOUND,
+            [(header::CONTENT_TYPE, TEXT)],
+            "try /metrics or /health\n".into(),
+        )
+    }
+    axum::Router::new()
+        .route("/metrics", get(metrics))
+        .route("/health", get(health))
+        .fallback(not_found)
+        .with_state(node)
 }
 
 /// Starts the metrics endpoint if the config names one.
@@ -137,7 +184,13 @@ async fn start_metrics(cfg: &NodeConfig, node: &Node) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding metrics.listen {}", cfg.metrics.listen))?;
     println!("listening metrics={}", listener.local_addr()?);
-    tokio::spawn(serve_metrics(listener, node.clone()));
+    let app = metrics_router(node.clone());
+    tokio::spawn(async move {
+        // axum retries failed accepts itself; an end is an error worth a line.
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "the metrics endpoint stopped serving");
+        }
+    });
     Ok(())
 }
 
@@ -155,7 +208,7 @@ impl Engine {
         match tokio::time::timeout(DRAIN, self.task).await {
             Ok(r) => Ok(r??),
             Err(_) => {
-                eprintln!("kvferry: engine calls still open after {DRAIN:?}; stopping anyway");
+                tracing::warn!(drain = ?DRAIN, "engine calls still open; stopping anyway");
                 Ok(())
             }
         }
@@ -210,9 +263,10 @@ fn redis_directory(cfg: &NodeConfig, url: &str) -> anyhow::Result<RedisDirectory
     match RedisDirectory::connect_with(url, prefix, options.clone()) {
         Ok(d) => Ok(d),
         Err(e @ RedisError::Connect { .. }) => {
-            eprintln!(
-                "kvferry node {}: {e}; starting without the directory until it answers",
-                cfg.node_id
+            tracing::warn!(
+                node = %cfg.node_id,
+                error = %e,
+                "the directory does not answer; starting without it until it answers"
             );
             RedisDirectory::start(url, prefix, options)
                 .with_context(|| format!("starting the directory at {url}"))
@@ -221,7 +275,10 @@ fn redis_directory(cfg: &NodeConfig, url: &str) -> anyhow::Result<RedisDirectory
     }
 }
 
-pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
+/// Runs a node until SIGTERM or SIGINT; `log_filter` is the log filter in force, for the
+/// start-up summary.
+pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
+    log_config_summary(&cfg, log_filter);
     let devices = open_devices(&cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -322,7 +379,7 @@ pub fn run(cfg: NodeConfig) -> anyhow::Result<()> {
                 let _ = stop.send(());
                 match tokio::time::timeout(DRAIN, &mut serve).await {
                     Ok(r) => r?,
-                    Err(_) => eprintln!("kvferry: peers still connected after {DRAIN:?}; stopping anyway"),
+                    Err(_) => tracing::warn!(drain = ?DRAIN, "peers still connected; stopping anyway"),
                 }
                 stopped
             }

@@ -510,8 +510,14 @@ impl Shared {
         {
             let mut lat = lock(&self.latency);
             match call {
-                Call::Lookup => lat.0.observe(took.as_secs_f64()),
-                Call::Write => lat.1.observe(took.as_secs_f64()),
+                Call::Lookup => {
+                    lat.0.observe(took.as_secs_f64());
+                    crate::metrics::directory_call("lookup", took.as_secs_f64());
+                }
+                Call::Write => {
+                    lat.1.observe(took.as_secs_f64());
+                    crate::metrics::directory_call("write", took.as_secs_f64());
+                }
                 Call::Heartbeat | Call::Probe => {}
             }
         }
