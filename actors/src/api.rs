@@ -65,6 +65,14 @@ pub struct LoadRequest {
     pub dest_blocks: Vec<u32>,
 }
 
+/// Watches one load land layer by layer (what an engine's per-layer wait needs).
+pub trait LoadObserver: Send + Sync {
+    /// The first `layers` of `total` layers have landed in every destination block of the
+    /// load. Called with growing counts, possibly repeated, from the node's actor thread:
+    /// implementations must return at once.
+    fn layers_landed(&self, layers: u32, total: u32);
+}
+
 /// Seconds spent in one stage of a transfer.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Stage {

@@ -1,5 +1,6 @@
 //! The LeaseKeeper actor: answers queries with leases, hands each rank its share at load
-//! time and starts the Transfer that owns it, and sweeps expired leases.
+//! time (planned by [`LoadPlan`], executed by the Transfer that owns it), sweeps expired
+//! leases, and owns the instance registry.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -8,10 +9,11 @@ use actix::fut::{wrap_future, ActorFutureExt};
 use actix::{
     Actor, ActorContext, Addr, AsyncContext, Context, Handler, Message, ResponseActFuture,
 };
-use kvferry_gpu::{CopyDirection, CopyList, CopyOp};
 use tokio::sync::oneshot;
 
-use crate::api::{DirectGrant, LoadRequest, QueryRequest, QueryResponse, Stage, TransferReport};
+use crate::api::{
+    DirectGrant, LoadObserver, LoadRequest, QueryRequest, QueryResponse, Stage, TransferReport,
+};
 use crate::cache::SlotRef;
 use crate::clock::Clock;
 use crate::error::NodeError;
@@ -19,14 +21,13 @@ use crate::lease::LeaseTable;
 use crate::metrics::{Counters, InFlight};
 use crate::model::BlockHash;
 use crate::model::{InstanceId, LeaseId, Namespace};
-use crate::nic::stripe::{NicRouting, ReadRoute, StripePlan};
-use crate::registry::RankHandle;
-use crate::registry::{GetInstance, GetRank, InstanceRegistry};
+use crate::nic::stripe::{NicRouting, StripePlan};
+use crate::plan::{LoadPlan, PlanInput, MIN_LAYER_GROUP_BYTES};
+use crate::registry::InstanceRegistry;
 use crate::remote::directory::segments;
-use crate::remote::link::{BoxFut, Drained, Keep, ReadStats};
 use crate::remote::{PeerLink, Peers, RemoteBlock, RemotePin};
-use crate::store::{BlockStore, PinGuard, PinPrefix, ReserveFetch};
-use crate::transfer::{Transfer, TransferSpec};
+use crate::store::{BlockStore, PinGuard, PinPrefix};
+use crate::transfer::{LoadJob, Transfer};
 
 /// Why a direct-GPU request is refused on a node without peers.
 pub const DIRECT_REFUSAL: &str = "remote suffix not supported: this node has no peers";
@@ -69,7 +70,8 @@ pub struct LeaseKeeper {
     clock: Clock,
     sweep_every: Duration,
     store: Addr<BlockStore>,
-    registry: Addr<InstanceRegistry>,
+    /// Instances and their ranks: a load finds its rank handle here, without a round trip.
+    pub(crate) registry: InstanceRegistry,
     counters: Arc<Counters>,
     node_id: String,
     cluster: Option<Arc<dyn Peers>>,
@@ -86,7 +88,7 @@ impl LeaseKeeper {
         sweep_every: Duration,
         clock: Clock,
         store: Addr<BlockStore>,
-        registry: Addr<InstanceRegistry>,
+        registry: InstanceRegistry,
         counters: Arc<Counters>,
         node_id: String,
         cluster: Option<Arc<dyn Peers>>,
@@ -141,12 +143,12 @@ impl Handler<Query> for LeaseKeeper {
     type Result = ResponseActFuture<Self, Result<QueryResponse, NodeError>>;
 
     fn handle(&mut self, Query(q): Query, _: &mut Context<Self>) -> Self::Result {
-        let (registry, store) = (self.registry.clone(), self.store.clone());
+        let store = self.store.clone();
         let (cluster, node_id) = (self.cluster.clone(), self.node_id.clone());
-        let instance = q.instance.clone();
+        let known = self.registry.instance(&q.instance);
         let hashes = q.hashes;
         let lookup = async move {
-            let (namespace, shape) = registry.send(GetInstance(instance)).await??;
+            let (namespace, shape) = known?;
             let pinned = store
                 .send(PinPrefix {
                     namespace: namespace.clone(),
@@ -267,108 +269,80 @@ async fn plan_remote(
 
 pub type ReportRx = oneshot::Receiver<Result<TransferReport, NodeError>>;
 
-/// Accepts a load: validates it, consumes the rank's share and starts its Transfer. Replies
-/// once the transfer is accepted; its report arrives on the returned receiver.
+/// Accepts a load: validates it, plans it, consumes the rank's share and starts the
+/// Transfer that executes the plan. Replies once the transfer is accepted; its report
+/// arrives on the returned receiver. `observer` (if any) sees the layers land.
 #[derive(Message)]
 #[rtype(result = "Result<ReportRx, NodeError>")]
-pub struct Load(pub LoadRequest);
+pub struct Load(pub LoadRequest, pub Option<Arc<dyn LoadObserver>>);
 
 impl Handler<Load> for LeaseKeeper {
-    type Result = ResponseActFuture<Self, Result<ReportRx, NodeError>>;
+    type Result = Result<ReportRx, NodeError>;
 
-    fn handle(&mut self, Load(req): Load, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, Load(req, observer): Load, _: &mut Context<Self>) -> Self::Result {
         let t0 = Instant::now();
-        let get = self.registry.send(GetRank {
-            instance: req.instance.clone(),
+        let handle = self.registry.rank(&req.instance, req.rank)?;
+        let now = self.clock.now();
+        // Validate and plan everything before consuming, so a bad request changes nothing.
+        let share = self.table.check(req.lease, &req.instance, req.rank, now)?;
+        handle.layout.check_blocks(&req.dest_blocks)?;
+        let local: Vec<u64> = share.local.iter().map(|b| b.addr).collect();
+        let remote: Vec<Vec<u64>> = share
+            .remote
+            .iter()
+            .map(|s| s.blocks.iter().map(|b| b.addr).collect())
+            .collect();
+        let plan = LoadPlan::build(PlanInput {
+            shape: &handle.shape,
+            layout: &handle.layout,
             rank: req.rank,
-        });
-        Box::pin(wrap_future(get).map(move |r, act: &mut Self, _| {
-            let handle = r??;
-            let now = act.clock.now();
-            // Validate everything before consuming, so a bad request changes nothing.
-            let plan = act.table.check(req.lease, &req.instance, req.rank, now)?;
-            if req.dest_blocks.len() != plan.blocks() {
-                return Err(NodeError::bad(format!(
-                    "lease {} holds {} blocks, {} destination blocks given",
-                    req.lease,
-                    plan.blocks(),
-                    req.dest_blocks.len()
-                )));
-            }
-            handle.layout.check_blocks(&req.dest_blocks)?;
-            // Routed before consuming too: a plan no NIC can carry changes nothing.
-            let route = match (&act.routing, plan.direct) {
-                (Some(r), true) if !plan.remote.is_empty() => Some(
-                    route_reads(r, plan, handle.shape.rank_bytes(), handle.device.ordinal())
-                        .map_err(|reason| NodeError::Remote {
-                            peer: "verbs".into(),
-                            reason,
-                        })?,
-                ),
-                _ => None,
-            };
-            let share = act
-                .table
-                .consume(req.lease, &req.instance, req.rank, now)?
-                .share;
-            let shape = handle.shape;
-            let per_block = (shape.layers() * shape.segments()) as usize;
-            let mut list = CopyList::with_capacity(share.local.len() * per_block);
-            for (b, &dst) in share.local.iter().zip(&req.dest_blocks) {
-                for layer in 0..shape.layers() {
-                    for seg in 0..shape.segments() {
-                        list.push(
-                            b.addr + shape.segment_offset(req.rank, layer, seg),
-                            handle.layout.segment_addr(layer, seg, dst),
-                            shape.segment_bytes(),
-                        );
-                    }
-                }
-            }
-            let plan_s = t0.elapsed().as_secs_f64();
-            let (tx, rx) = oneshot::channel();
-            let remote_dest = req.dest_blocks[share.local.len()..].to_vec();
-            let then = (!share.remote.is_empty()).then(|| {
-                remote_load(
-                    share.clone(),
-                    Arc::clone(&handle),
-                    remote_dest,
-                    act.store.clone(),
-                    route,
-                )
+            local: &local,
+            remote: &remote,
+            direct: share.direct,
+            dest: &req.dest_blocks,
+            min_group_bytes: MIN_LAYER_GROUP_BYTES,
+        })
+        .map_err(|e| NodeError::bad(e.to_string()))?;
+        // Routed before consuming too: a plan no NIC can carry changes nothing.
+        let route = match (&self.routing, share.direct) {
+            (Some(r), true) if !share.remote.is_empty() => Some(
+                route_reads(r, share, handle.shape.rank_bytes(), handle.device.ordinal()).map_err(
+                    |reason| NodeError::Remote {
+                        peer: "verbs".into(),
+                        reason,
+                    },
+                )?,
+            ),
+            _ => None,
+        };
+        let share = self
+            .table
+            .consume(req.lease, &req.instance, req.rank, now)?
+            .share;
+        let mut stages = vec![Stage {
+            name: "plan",
+            seconds: t0.elapsed().as_secs_f64(),
+        }];
+        if !share.remote.is_empty() {
+            stages.push(Stage {
+                name: "pin",
+                seconds: share.pin_seconds,
             });
-            let path = match (share.remote.is_empty(), share.direct) {
-                (true, _) => "local",
-                (false, true) => "direct",
-                (false, false) => "staged",
-            };
-            let mut stages = vec![Stage {
-                name: "plan",
-                seconds: plan_s,
-            }];
-            if !share.remote.is_empty() {
-                stages.push(Stage {
-                    name: "pin",
-                    seconds: share.pin_seconds,
-                });
-            }
-            let blocks = share.blocks();
-            let spec = TransferSpec {
-                path,
-                dir: CopyDirection::HostToDevice,
-                device: Arc::clone(&handle.device),
-                list,
-                blocks,
-                holds: vec![Box::new(share), Box::new(handle)],
-                on_success: None,
-                stages,
-                started: t0,
-                in_flight: InFlight::new(Arc::clone(&act.counters)),
-                then,
-            };
-            Transfer::new(spec, tx).start();
-            Ok(rx)
-        }))
+        }
+        let (tx, rx) = oneshot::channel();
+        let job = LoadJob {
+            plan,
+            share,
+            handle,
+            store: self.store.clone(),
+            route,
+            observer,
+            stages,
+            started: t0,
+            in_flight: InFlight::new(Arc::clone(&self.counters)),
+        };
+        Transfer::load(job, tx).start();
+        Ok(rx)
     }
 }
 
@@ -450,184 +424,4 @@ pub fn route_reads(
     routing
         .route(&lens, ordinal)
         .map_err(|e| format!("no verbs nic for this direct load: {e}"))
-}
-
-/// Blocks per pipeline step of a staged load: reads of later chunks overlap the device copy
-/// of earlier ones.
-const STAGED_CHUNK: usize = 8;
-
-/// The remote suffix of one rank's load, run after the local prefix has landed: segment by
-/// segment in block order, each block's rank part read as one remote range scattered into
-/// its layer segments, either straight into device KV (direct) or through pool slots
-/// (staged). Direct errors are load failures: nothing falls back to staging.
-fn remote_load(
-    share: LeasePlan,
-    handle: Arc<RankHandle>,
-    dest: Vec<u32>,
-    store: Addr<BlockStore>,
-    route: Option<StripePlan>,
-) -> BoxFut<Result<(u64, Vec<Stage>), NodeError>> {
-    Box::pin(async move {
-        let shape = handle.shape;
-        let rank = handle.rank;
-        let layout = &handle.layout;
-        let mut stages = Vec::new();
-        let bytes = share.remote_blocks() as u64 * shape.rank_bytes();
-        let mut dests = dest.into_iter();
-        if share.direct {
-            let planes: Vec<(u64, u64)> = layout
-                .planes()?
-                .iter()
-                .map(|p| (p.start, p.extent))
-                .collect();
-            let mut total = ReadStats::default();
-            let mut next_read = 0;
-            for seg in share.remote.iter() {
-                // This segment's reads, each with the NIC the plan assigned it.
-                let seg_route = route.as_ref().map(|r| ReadRoute {
-                    nics: r.nics.clone(),
-                    reads: seg
-                        .blocks
-                        .iter()
-                        .zip(r.per_read.iter().skip(next_read))
-                        .map(|(b, nic)| {
-                            (b.addr + shape.rank_offset(rank), shape.rank_bytes(), *nic)
-                        })
-                        .collect(),
-                });
-                next_read += seg.blocks.len();
-                let mut list = CopyList::with_capacity(seg.blocks.len() * per_block(&shape));
-                for (b, dst) in seg.blocks.iter().zip(dests.by_ref()) {
-                    push_block(
-                        &mut list,
-                        &shape,
-                        layout,
-                        b.addr + shape.rank_offset(rank),
-                        dst,
-                    );
-                }
-                let keep: Keep = Box::new(Arc::clone(&handle));
-                let r = seg
-                    .link
-                    .read_device_routed(
-                        Arc::clone(&handle.device),
-                        list,
-                        planes.clone(),
-                        keep,
-                        seg_route,
-                    )
-                    .await?;
-                total.register += r.register;
-                total.post += r.post;
-                total.wire += r.wire;
-            }
-            for (name, seconds) in [
-                ("register", total.register),
-                ("post", total.post),
-                ("wire", total.wire),
-            ] {
-                stages.push(Stage { name, seconds });
-            }
-            let t = Instant::now();
-            handle.device.flush_direct_writes()?;
-            stages.push(Stage {
-                name: "fence",
-                seconds: t.elapsed().as_secs_f64(),
-            });
-            return Ok((bytes, stages));
-        }
-        // Staged: reserve slots, read each chunk into them, copy each chunk to the device as
-        // soon as it has landed; later reads run while earlier chunks copy.
-        let (mut wire, mut h2d, mut post) = (0.0f64, 0.0f64, 0.0f64);
-        let mut copies = Vec::new();
-        for seg in share.remote.iter() {
-            let hashes: Vec<BlockHash> = seg.blocks.iter().map(|b| b.hash).collect();
-            let (slots, guard) = store
-                .send(ReserveFetch {
-                    namespace: share.namespace.clone(),
-                    tp: shape.tp_size(),
-                    rank,
-                    block_bytes: shape.block_bytes(),
-                    hashes,
-                })
-                .await??;
-            let seg_dests: Vec<u32> = dests.by_ref().take(seg.blocks.len()).collect();
-            let memory = Arc::clone(guard.memory());
-            let mut reads = Vec::new();
-            for (i, chunk) in seg.blocks.chunks(STAGED_CHUNK).enumerate() {
-                let ops: Vec<CopyOp> = chunk
-                    .iter()
-                    .zip(&slots[i * STAGED_CHUNK..])
-                    .filter(|(_, s)| s.must_write)
-                    .map(|(b, s)| CopyOp {
-                        src: b.addr + shape.rank_offset(rank),
-                        dst: s.addr + shape.rank_offset(rank),
-                        len: shape.rank_bytes(),
-                    })
-                    .collect();
-                let keep: Keep = Box::new(Arc::clone(&memory));
-                reads.push(tokio::spawn(seg.link.read_host(ops, keep)));
-            }
-            for (i, read) in reads.into_iter().enumerate() {
-                // Time spent waiting here is the part of the wire the pipeline did not hide.
-                let tr = Instant::now();
-                let r = read.await.map_err(|_| NodeError::Stopped {
-                    what: "remote read",
-                })??;
-                wire += tr.elapsed().as_secs_f64();
-                post += r.post;
-                let lo = i * STAGED_CHUNK;
-                let hi = (lo + STAGED_CHUNK).min(slots.len());
-                let mut list = CopyList::with_capacity((hi - lo) * per_block(&shape));
-                for (s, &dst) in slots[lo..hi].iter().zip(&seg_dests[lo..hi]) {
-                    push_block(
-                        &mut list,
-                        &shape,
-                        layout,
-                        s.addr + shape.rank_offset(rank),
-                        dst,
-                    );
-                }
-                // SAFETY: sources are pool slots pinned by `guard` (kept until every copy of
-                // this segment resolved, below) in memory kept mapped by `memory`;
-                // destinations are device KV held by `handle`.
-                let ev = unsafe { handle.device.submit(CopyDirection::HostToDevice, list) }?;
-                copies.push(Drained::new(ev, vec![Box::new(Arc::clone(&memory))]));
-            }
-            let th = Instant::now();
-            for c in copies.drain(..) {
-                c.await?;
-            }
-            h2d += th.elapsed().as_secs_f64();
-            guard.finish();
-        }
-        for (name, seconds) in [("post", post), ("wire", wire), ("h2d", h2d)] {
-            stages.push(Stage { name, seconds });
-        }
-        Ok((bytes, stages))
-    })
-}
-
-fn per_block(shape: &kvferry_gpu::KvShape) -> usize {
-    (shape.layers() * shape.segments()) as usize
-}
-
-/// Scatters one rank part (host layout, starting at `src`) into device block `dst`.
-fn push_block(
-    list: &mut CopyList,
-    shape: &kvferry_gpu::KvShape,
-    layout: &kvferry_gpu::KvLayout,
-    src: u64,
-    dst: u32,
-) {
-    for layer in 0..shape.layers() {
-        for seg in 0..shape.segments() {
-            let off = u64::from(layer * shape.segments() + seg) * shape.segment_bytes();
-            list.push(
-                src + off,
-                layout.segment_addr(layer, seg, dst),
-                shape.segment_bytes(),
-            );
-        }
-    }
 }

@@ -16,11 +16,13 @@ pub mod metrics;
 pub mod model;
 pub mod nic;
 pub mod node;
+pub mod plan;
 pub mod pool;
 pub mod registry;
 pub mod remote;
 pub mod rpc;
 pub mod store;
+pub mod suffix;
 pub mod transfer;
 
 pub use api::*;

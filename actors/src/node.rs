@@ -9,8 +9,8 @@ use actix::{Actor, Addr};
 use kvferry_gpu::{Device, HostRegistration};
 
 use crate::api::{
-    LoadRequest, PutBlocks, QueryRequest, QueryResponse, RegisterInstance, SaveRequest, Stats,
-    StoreReport, TransferReport,
+    LoadObserver, LoadRequest, PutBlocks, QueryRequest, QueryResponse, RegisterInstance,
+    SaveRequest, Stats, StoreReport, TransferReport,
 };
 use crate::clock::Clock;
 use crate::config::NodeConfig;
@@ -26,7 +26,6 @@ use crate::store::{self, BlockStore, GetCacheStats};
 struct Inner {
     keeper: Addr<LeaseKeeper>,
     store: Addr<BlockStore>,
-    registry: Addr<InstanceRegistry>,
     devices: Vec<Arc<dyn Device>>,
     counters: Arc<Counters>,
     config: NodeConfig,
@@ -139,13 +138,12 @@ impl Node {
                         cfg.lease.peer_pin_ttl(),
                     )
                     .start();
-                    let registry = InstanceRegistry::new(devs).start();
                     let keeper = LeaseKeeper::new(
                         cfg.lease.ttl(),
                         cfg.lease.sweep_interval(),
                         clock,
                         store.clone(),
-                        registry.clone(),
+                        InstanceRegistry::new(devs),
                         ctrs,
                         cfg.node_id.clone(),
                         member,
@@ -155,14 +153,14 @@ impl Node {
                         None => keeper,
                     }
                     .start();
-                    let _ = tx.send((keeper, store, registry, actix::System::current()));
+                    let _ = tx.send((keeper, store, actix::System::current()));
                 });
                 let _ = sys.run();
             })
             .map_err(|_| NodeError::Stopped {
                 what: "could not start the actor thread",
             })?;
-        let (keeper, store, registry, system) = rx.recv().map_err(|_| NodeError::Stopped {
+        let (keeper, store, system) = rx.recv().map_err(|_| NodeError::Stopped {
             what: "actor system failed to start",
         })?;
         if let Some(c) = &cluster {
@@ -179,7 +177,6 @@ impl Node {
             inner: Arc::new(Inner {
                 keeper,
                 store,
-                registry,
                 devices,
                 counters,
                 config,
@@ -222,7 +219,7 @@ impl Node {
         memory: Vec<registry::Memory>,
     ) -> Result<Namespace, NodeError> {
         self.inner
-            .registry
+            .keeper
             .send(registry::Register(req, memory))
             .await?
     }
@@ -236,7 +233,7 @@ impl Node {
         match rank {
             Some(rank) => {
                 self.inner
-                    .registry
+                    .keeper
                     .send(GetRank {
                         instance: instance.clone(),
                         rank,
@@ -245,7 +242,7 @@ impl Node {
             }
             None => {
                 self.inner
-                    .registry
+                    .keeper
                     .send(registry::GetInstance(instance.clone()))
                     .await??;
             }
@@ -263,7 +260,7 @@ impl Node {
     pub async fn unregister_instance(&self, instance: InstanceId) -> Result<usize, NodeError> {
         let drains = self
             .inner
-            .registry
+            .keeper
             .send(registry::Unregister(instance.clone()))
             .await??;
         let released = self.inner.keeper.send(ReleaseInstance(instance)).await?;
@@ -278,7 +275,7 @@ impl Node {
     pub async fn put_blocks(&self, req: PutBlocks) -> Result<StoreReport, NodeError> {
         let handle = self
             .inner
-            .registry
+            .keeper
             .send(GetRank {
                 instance: req.instance,
                 rank: req.rank,
@@ -297,7 +294,7 @@ impl Node {
     pub async fn save(&self, req: SaveRequest) -> Result<StoreReport, NodeError> {
         let handle = self
             .inner
-            .registry
+            .keeper
             .send(GetRank {
                 instance: req.instance,
                 rank: req.rank,
@@ -320,7 +317,17 @@ impl Node {
 
     /// Starts a load and returns once it is accepted; the receiver yields its report.
     pub async fn start_load(&self, req: LoadRequest) -> Result<keeper::ReportRx, NodeError> {
-        self.inner.keeper.send(Load(req)).await?
+        self.inner.keeper.send(Load(req, None)).await?
+    }
+
+    /// [`Self::start_load`], with `observer` told as the load's layers land (in layer order;
+    /// all at once where the plan copies a block in one piece or a remote suffix is read).
+    pub async fn start_load_observed(
+        &self,
+        req: LoadRequest,
+        observer: Arc<dyn LoadObserver>,
+    ) -> Result<keeper::ReportRx, NodeError> {
+        self.inner.keeper.send(Load(req, Some(observer))).await?
     }
 
     /// Loads one rank's share and waits for the transfer to finish.
@@ -344,7 +351,7 @@ impl Node {
         use std::sync::atomic::Ordering::Relaxed;
         let (leases_live, leases_expired) = self.inner.keeper.send(LeaseStats).await?;
         let cache = self.inner.store.send(GetCacheStats).await?;
-        let instances = self.inner.registry.send(CountInstances).await?;
+        let instances = self.inner.keeper.send(CountInstances).await?;
         let c = &self.inner.counters;
         Ok(Stats {
             leases_live,

@@ -1,15 +1,18 @@
-//! The InstanceRegistry actor: engine instances, their ranks' validated KV layouts and
-//! devices. Transfers hold a rank's handle; unregistering waits until the last one drops.
+//! The instance registry: engine instances, their ranks' validated KV layouts and devices.
+//! A plain struct the [`LeaseKeeper`] owns (a load finds its rank handle without a round
+//! trip); its messages are handled by the keeper. Transfers hold a rank's handle;
+//! unregistering waits until the last one drops.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use actix::{Actor, Context, Handler, Message};
+use actix::{Context, Handler, Message};
 use kvferry_gpu::{Device, KvLayout, KvShape};
 use tokio::sync::oneshot;
 
 use crate::api::RegisterInstance;
 use crate::error::NodeError;
+use crate::keeper::LeaseKeeper;
 use crate::model::{InstanceId, Namespace};
 
 /// Sends once when dropped: the drain signal of a rank handle.
@@ -74,10 +77,42 @@ impl InstanceRegistry {
             instances: HashMap::new(),
         }
     }
-}
 
-impl Actor for InstanceRegistry {
-    type Context = Context<Self>;
+    /// A rank's handle, for a transfer.
+    pub fn rank(&self, instance: &InstanceId, rank: u32) -> Result<Arc<RankHandle>, NodeError> {
+        let inst = self
+            .instances
+            .get(instance)
+            .ok_or_else(|| NodeError::UnknownInstance {
+                instance: instance.clone(),
+            })?;
+        inst.ranks
+            .get(rank as usize)
+            .and_then(|r| r.as_ref())
+            .map(|(h, _)| Arc::clone(h))
+            .ok_or_else(|| NodeError::UnknownRank {
+                instance: instance.clone(),
+                rank,
+            })
+    }
+
+    /// Namespace and shape of an instance, for a query.
+    pub fn instance(&self, instance: &InstanceId) -> Result<(Namespace, KvShape), NodeError> {
+        self.instances
+            .get(instance)
+            .map(|i| (i.namespace.clone(), i.shape))
+            .ok_or_else(|| NodeError::UnknownInstance {
+                instance: instance.clone(),
+            })
+    }
+
+    pub fn len(&self) -> usize {
+        self.instances.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.instances.is_empty()
+    }
 }
 
 /// Registers one rank (validating its layout against its device's memory), keeping
@@ -86,10 +121,20 @@ impl Actor for InstanceRegistry {
 #[rtype(result = "Result<Namespace, NodeError>")]
 pub struct Register(pub RegisterInstance, pub Vec<Memory>);
 
-impl Handler<Register> for InstanceRegistry {
+impl Handler<Register> for LeaseKeeper {
     type Result = Result<Namespace, NodeError>;
 
     fn handle(&mut self, Register(req, memory): Register, _: &mut Context<Self>) -> Self::Result {
+        self.registry.register(req, memory)
+    }
+}
+
+impl InstanceRegistry {
+    fn register(
+        &mut self,
+        req: RegisterInstance,
+        memory: Vec<Memory>,
+    ) -> Result<Namespace, NodeError> {
         let device =
             self.devices
                 .get(req.device as usize)
@@ -155,24 +200,11 @@ pub struct GetRank {
     pub rank: u32,
 }
 
-impl Handler<GetRank> for InstanceRegistry {
+impl Handler<GetRank> for LeaseKeeper {
     type Result = Result<Arc<RankHandle>, NodeError>;
 
     fn handle(&mut self, m: GetRank, _: &mut Context<Self>) -> Self::Result {
-        let inst = self
-            .instances
-            .get(&m.instance)
-            .ok_or_else(|| NodeError::UnknownInstance {
-                instance: m.instance.clone(),
-            })?;
-        inst.ranks
-            .get(m.rank as usize)
-            .and_then(|r| r.as_ref())
-            .map(|(h, _)| Arc::clone(h))
-            .ok_or(NodeError::UnknownRank {
-                instance: m.instance,
-                rank: m.rank,
-            })
+        self.registry.rank(&m.instance, m.rank)
     }
 }
 
@@ -181,14 +213,11 @@ impl Handler<GetRank> for InstanceRegistry {
 #[rtype(result = "Result<(Namespace, KvShape), NodeError>")]
 pub struct GetInstance(pub InstanceId);
 
-impl Handler<GetInstance> for InstanceRegistry {
+impl Handler<GetInstance> for LeaseKeeper {
     type Result = Result<(Namespace, KvShape), NodeError>;
 
     fn handle(&mut self, m: GetInstance, _: &mut Context<Self>) -> Self::Result {
-        self.instances
-            .get(&m.0)
-            .map(|i| (i.namespace.clone(), i.shape))
-            .ok_or(NodeError::UnknownInstance { instance: m.0 })
+        self.registry.instance(&m.0)
     }
 }
 
@@ -198,11 +227,12 @@ impl Handler<GetInstance> for InstanceRegistry {
 #[rtype(result = "Result<Vec<oneshot::Receiver<()>>, NodeError>")]
 pub struct Unregister(pub InstanceId);
 
-impl Handler<Unregister> for InstanceRegistry {
+impl Handler<Unregister> for LeaseKeeper {
     type Result = Result<Vec<oneshot::Receiver<()>>, NodeError>;
 
     fn handle(&mut self, m: Unregister, _: &mut Context<Self>) -> Self::Result {
         let inst = self
+            .registry
             .instances
             .remove(&m.0)
             .ok_or(NodeError::UnknownInstance { instance: m.0 })?;
@@ -216,10 +246,10 @@ impl Handler<Unregister> for InstanceRegistry {
 #[rtype(result = "usize")]
 pub struct CountInstances;
 
-impl Handler<CountInstances> for InstanceRegistry {
+impl Handler<CountInstances> for LeaseKeeper {
     type Result = usize;
 
     fn handle(&mut self, _: CountInstances, _: &mut Context<Self>) -> usize {
-        self.instances.len()
+        self.registry.len()
     }
 }

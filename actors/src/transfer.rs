@@ -1,8 +1,13 @@
 //! The Transfer actor: one per load or save. It owns everything its copies touch (lease
-//! share, instance handle, pool memory, writer pins) until the device reports the batch
-//! complete, and only then releases them and replies.
+//! share, rank handle, pool memory, writer pins) until every batch it submitted has been
+//! reported, and only then releases them and replies, once.
+//!
+//! A load runs its [`LoadPlan`]: the local prefix as layer batches submitted back to back
+//! (each reported as it lands, so an engine can start on early layers), and the remote
+//! suffix at the same time (its destinations are other blocks); it replies when both are done.
 
 use std::any::Any;
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -10,14 +15,20 @@ use std::task::{self, Poll};
 use std::time::Instant;
 
 use actix::fut::ActorFutureExt;
-use actix::{Actor, ActorContext, ActorFuture, AsyncContext, Context};
+use actix::{Actor, ActorContext, ActorFuture, Addr, AsyncContext, Context};
 use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, CopyStats, Device, DeviceError};
 use tokio::sync::oneshot;
 
-use crate::api::{Stage, TransferReport};
+use crate::api::{LoadObserver, Stage, TransferReport};
 use crate::error::NodeError;
+use crate::keeper::LeasePlan;
 use crate::metrics::InFlight;
+use crate::nic::stripe::StripePlan;
+use crate::plan::LoadPlan;
+use crate::registry::RankHandle;
 use crate::remote::link::BoxFut;
+use crate::store::BlockStore;
+use crate::suffix::Suffix;
 
 /// Something a transfer keeps alive until its copies have drained.
 pub type Hold = Box<dyn Any + Send>;
@@ -27,15 +38,26 @@ pub type OnSuccess = Box<dyn FnOnce() + Send>;
 
 pub type ReportTx = oneshot::Sender<Result<TransferReport, NodeError>>;
 
-/// Work that runs once the batch has landed (the remote suffix of a load): bytes it moved and
-/// the stages it spent.
+/// Work that runs beside the device batches (the remote suffix of a load): bytes it moved
+/// and the stages it spent.
 pub type Then = BoxFut<Result<(u64, Vec<Stage>), NodeError>>;
+
+/// The remote part's state.
+enum Remote {
+    None,
+    Running,
+    Done(Result<(u64, Vec<Stage>), NodeError>),
+}
 
 pub struct Transfer {
     path: &'static str,
     dir: CopyDirection,
     device: Arc<dyn Device>,
-    list: Option<CopyList>,
+    /// Batches not yet submitted, each with the layer count that has landed once it has.
+    batches: VecDeque<(u32, CopyList)>,
+    /// Submitted and not yet reported, in submission order (the device completes a lane's
+    /// batches in that order).
+    pending: VecDeque<(u32, CopyEvent)>,
     blocks: usize,
     holds: Vec<Hold>,
     on_success: Option<OnSuccess>,
@@ -43,14 +65,19 @@ pub struct Transfer {
     stages: Vec<Stage>,
     started: Instant,
     submitted: Option<Instant>,
-    pending: Option<CopyEvent>,
     in_flight: Option<InFlight>,
     then: Option<Then>,
-    /// The batch's result while `then` runs.
-    local: Option<CopyStats>,
+    remote: Remote,
+    /// What the device batches did so far, and their first error.
+    local: CopyStats,
+    local_error: Option<DeviceError>,
+    local_seconds: f64,
+    layers: u32,
+    landed: u32,
+    observer: Option<Arc<dyn LoadObserver>>,
 }
 
-/// Everything a transfer needs, built by whoever accepted the request.
+/// Everything a save (or put) transfer needs, built by whoever accepted the request.
 pub struct TransferSpec {
     pub path: &'static str,
     pub dir: CopyDirection,
@@ -66,13 +93,27 @@ pub struct TransferSpec {
     pub then: Option<Then>,
 }
 
+/// One rank's load: its plan and what executing it needs.
+pub struct LoadJob {
+    pub plan: LoadPlan,
+    pub share: LeasePlan,
+    pub handle: Arc<RankHandle>,
+    pub store: Addr<BlockStore>,
+    pub route: Option<StripePlan>,
+    pub observer: Option<Arc<dyn LoadObserver>>,
+    pub stages: Vec<Stage>,
+    pub started: Instant,
+    pub in_flight: InFlight,
+}
+
 impl Transfer {
     pub fn new(spec: TransferSpec, reply: ReportTx) -> Self {
         Self {
             path: spec.path,
             dir: spec.dir,
             device: spec.device,
-            list: Some(spec.list),
+            batches: VecDeque::from([(0, spec.list)]),
+            pending: VecDeque::new(),
             blocks: spec.blocks,
             holds: spec.holds,
             on_success: spec.on_success,
@@ -80,10 +121,68 @@ impl Transfer {
             stages: spec.stages,
             started: spec.started,
             submitted: None,
-            pending: None,
             in_flight: Some(spec.in_flight),
             then: spec.then,
-            local: None,
+            remote: Remote::None,
+            local: CopyStats::default(),
+            local_error: None,
+            local_seconds: 0.0,
+            layers: 0,
+            landed: 0,
+            observer: None,
+        }
+    }
+
+    /// A load: the local layer batches and the remote suffix, started together.
+    pub fn load(job: LoadJob, reply: ReportTx) -> Self {
+        let LoadJob {
+            plan,
+            share,
+            handle,
+            store,
+            route,
+            observer,
+            stages,
+            started,
+            in_flight,
+        } = job;
+        let then = (!plan.remote.is_empty()).then(|| {
+            Suffix {
+                parts: plan.remote.clone(),
+                share: share.clone(),
+                handle: Arc::clone(&handle),
+                store,
+                route,
+            }
+            .run()
+        });
+        let batches = plan
+            .local
+            .into_iter()
+            .map(|b| (b.layers.end, b.list))
+            .collect();
+        Self {
+            path: plan.path.as_str(),
+            dir: CopyDirection::HostToDevice,
+            device: Arc::clone(&handle.device),
+            batches,
+            pending: VecDeque::new(),
+            blocks: plan.blocks,
+            holds: vec![Box::new(share), Box::new(handle)],
+            on_success: None,
+            reply: Some(reply),
+            stages,
+            started,
+            submitted: None,
+            in_flight: Some(in_flight),
+            then,
+            remote: Remote::None,
+            local: CopyStats::default(),
+            local_error: None,
+            local_seconds: 0.0,
+            layers: plan.layers,
+            landed: 0,
+            observer,
         }
     }
 
@@ -94,67 +193,113 @@ impl Transfer {
         }
     }
 
-    fn finish(&mut self, result: Result<CopyStats, DeviceError>, ctx: &mut Context<Self>) {
-        let copy_seconds = self
-            .submitted
-            .map(|t| t.elapsed().as_secs_f64())
-            .unwrap_or(0.0);
-        if let (Ok(stats), Some(then)) = (&result, self.then.take()) {
-            // The local prefix landed; now the remote suffix, still owning everything.
-            self.stages.push(Stage {
-                name: self.copy_stage(),
-                seconds: copy_seconds,
-            });
-            self.local = Some(*stats);
-            ctx.spawn(actix::fut::wrap_future(then).map(|r, act: &mut Self, ctx| act.done(r, ctx)));
+    /// Layers that have landed in every destination: the local batches' count while the
+    /// remote part runs, all of them once it is done too. Reported when it grows.
+    fn report_layers(&mut self) {
+        let Some(obs) = &self.observer else {
             return;
-        }
-        let out = match result {
-            Ok(stats) => {
-                if let Some(f) = self.on_success.take() {
-                    f();
-                }
-                self.stages.push(Stage {
-                    name: self.copy_stage(),
-                    seconds: copy_seconds,
-                });
-                Ok(TransferReport {
-                    path: self.path,
-                    blocks: self.blocks,
-                    bytes: stats.bytes,
-                    copies: stats.ops,
-                    seconds: self.started.elapsed().as_secs_f64(),
-                    stages: std::mem::take(&mut self.stages),
-                })
-            }
-            Err(source) => Err(NodeError::Transfer {
-                path: self.path,
-                source,
-            }),
         };
-        self.reply_with(out, ctx);
+        let remote_done = !matches!(self.remote, Remote::Running);
+        let local = if self.pending.is_empty() && self.batches.is_empty() {
+            self.layers
+        } else {
+            self.landed
+        };
+        let visible = if remote_done { local } else { 0 };
+        if visible > 0 && self.local_error.is_none() && !matches!(self.remote, Remote::Done(Err(_)))
+        {
+            obs.layers_landed(visible, self.layers);
+        }
     }
 
-    /// The remote suffix finished.
-    fn done(&mut self, r: Result<(u64, Vec<Stage>), NodeError>, ctx: &mut Context<Self>) {
-        let local = self.local.take().unwrap_or_default();
-        let out = r.map(|(bytes, stages)| {
+    /// One batch resolved.
+    fn batch_done(
+        &mut self,
+        layers: u32,
+        r: Result<CopyStats, DeviceError>,
+        ctx: &mut Context<Self>,
+    ) {
+        match r {
+            Ok(s) => {
+                self.local.bytes += s.bytes;
+                self.local.ops += s.ops;
+                self.landed = self.landed.max(layers);
+            }
+            Err(e) => {
+                self.local_error.get_or_insert(e);
+            }
+        }
+        if self.pending.is_empty() {
+            self.local_seconds = self
+                .submitted
+                .map(|t| t.elapsed().as_secs_f64())
+                .unwrap_or(0.0);
+        } else {
+            ctx.spawn(
+                AwaitFront.map(|(layers, r), act: &mut Self, ctx| act.batch_done(layers, r, ctx)),
+            );
+        }
+        if self.local_error.is_none() {
+            self.report_layers();
+        }
+        self.maybe_finish(ctx);
+    }
+
+    fn remote_done(&mut self, r: Result<(u64, Vec<Stage>), NodeError>, ctx: &mut Context<Self>) {
+        self.remote = Remote::Done(r);
+        self.report_layers();
+        self.maybe_finish(ctx);
+    }
+
+    /// Replies once the device batches and the remote part have both finished.
+    fn maybe_finish(&mut self, ctx: &mut Context<Self>) {
+        if !self.pending.is_empty() || matches!(self.remote, Remote::Running) {
+            return;
+        }
+        let remote = std::mem::replace(&mut self.remote, Remote::None);
+        let out = if let Some(source) = self.local_error.take() {
+            Err(NodeError::Transfer {
+                path: self.path,
+                source,
+            })
+        } else {
+            let mut bytes = self.local.bytes;
+            let remote_stages = match remote {
+                Remote::Done(Err(e)) => {
+                    self.reply_with(Err(e), ctx);
+                    return;
+                }
+                Remote::Done(Ok((b, stages))) => {
+                    bytes += b;
+                    stages
+                }
+                _ => Vec::new(),
+            };
+            if let Some(f) = self.on_success.take() {
+                f();
+            }
+            if self.local.ops > 0 || remote_stages.is_empty() {
+                self.stages.push(Stage {
+                    name: self.copy_stage(),
+                    seconds: self.local_seconds,
+                });
+            }
             // One entry per stage: the prefix's and the suffix's device copies add up.
-            for st in stages {
+            for st in remote_stages {
                 match self.stages.iter_mut().find(|s| s.name == st.name) {
                     Some(s) => s.seconds += st.seconds,
                     None => self.stages.push(st),
                 }
             }
-            TransferReport {
+            Ok(TransferReport {
                 path: self.path,
                 blocks: self.blocks,
-                bytes: local.bytes + bytes,
-                copies: local.ops,
+                bytes,
+                copies: self.local.ops,
                 seconds: self.started.elapsed().as_secs_f64(),
                 stages: std::mem::take(&mut self.stages),
-            }
-        });
+            })
+        };
         self.reply_with(out, ctx);
     }
 
@@ -176,12 +321,12 @@ impl Transfer {
     }
 }
 
-/// Polls the transfer's pending event from inside the actor, so the event (and what it
+/// Polls the oldest pending batch from inside the actor, so the event (and what it
 /// protects) stays owned by the actor until it resolves.
-struct AwaitCopy;
+struct AwaitFront;
 
-impl ActorFuture<Transfer> for AwaitCopy {
-    type Output = Result<CopyStats, DeviceError>;
+impl ActorFuture<Transfer> for AwaitFront {
+    type Output = (u32, Result<CopyStats, DeviceError>);
 
     fn poll(
         self: Pin<&mut Self>,
@@ -190,15 +335,18 @@ impl ActorFuture<Transfer> for AwaitCopy {
         cx: &mut task::Context<'_>,
     ) -> Poll<Self::Output> {
         let ordinal = act.device.ordinal();
-        match act.pending.as_mut() {
-            Some(ev) => {
-                let r = Pin::new(ev).poll(cx);
-                if r.is_ready() {
-                    act.pending = None;
+        match act.pending.front_mut() {
+            Some((layers, ev)) => {
+                let layers = *layers;
+                match Pin::new(ev).poll(cx) {
+                    Poll::Ready(r) => {
+                        act.pending.pop_front();
+                        Poll::Ready((layers, r))
+                    }
+                    Poll::Pending => Poll::Pending,
                 }
-                r
             }
-            None => Poll::Ready(Err(DeviceError::Stopped { ordinal })),
+            None => Poll::Ready((0, Err(DeviceError::Stopped { ordinal }))),
         }
     }
 }
@@ -207,31 +355,50 @@ impl Actor for Transfer {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
-        let Some(list) = self.list.take() else {
-            return;
-        };
-        let now = Instant::now();
-        self.submitted = Some(now);
-        // SAFETY: every host range in `list` lies in pool slots kept alive by `self.holds`
-        // (the pool memory `Arc` and the pins on those slots), and the holds are released
-        // only after the event has resolved: in `finish`, or by the drain thread in `Drop`.
-        match unsafe { self.device.submit(self.dir, list) } {
-            Ok(ev) => {
-                self.pending = Some(ev);
-                ctx.spawn(actix::fut::ActorFutureExt::map(AwaitCopy, |r, act, ctx| {
-                    act.finish(r, ctx)
-                }));
+        // The remote part first: its reads start while the local batches are submitted.
+        if let Some(then) = self.then.take() {
+            self.remote = Remote::Running;
+            ctx.spawn(
+                actix::fut::wrap_future(then).map(|r, act: &mut Self, ctx| act.remote_done(r, ctx)),
+            );
+        }
+        self.submitted = Some(Instant::now());
+        while let Some((layers, list)) = self.batches.pop_front() {
+            if list.is_empty() {
+                self.landed = self.landed.max(layers);
+                continue;
             }
-            Err(e) => self.finish(Err(e), ctx),
+            // SAFETY: every host range in `list` lies in pool slots kept alive by
+            // `self.holds` (the pool memory `Arc` and the pins on those slots), and the holds
+            // are released only after every submitted event has resolved: in `maybe_finish`,
+            // or by the drain thread in `Drop`.
+            match unsafe { self.device.submit(self.dir, list) } {
+                Ok(ev) => self.pending.push_back((layers, ev)),
+                Err(e) => {
+                    // Nothing more is submitted; what was is still awaited.
+                    self.local_error = Some(e);
+                    self.batches.clear();
+                }
+            }
+        }
+        if self.pending.is_empty() {
+            self.local_seconds = 0.0;
+            self.report_layers();
+            self.maybe_finish(ctx);
+        } else {
+            ctx.spawn(
+                AwaitFront.map(|(layers, r), act: &mut Self, ctx| act.batch_done(layers, r, ctx)),
+            );
         }
     }
 }
 
 impl Drop for Transfer {
     fn drop(&mut self) {
-        // Stopped with a batch still in flight (the system is shutting down): the device may
-        // still read or write the held memory, so keep it until the batch drains.
-        if let Some(ev) = self.pending.take() {
+        // Stopped with batches still in flight (the system is shutting down): the device may
+        // still read or write the held memory, so keep it until they drain.
+        if !self.pending.is_empty() {
+            let pending = std::mem::take(&mut self.pending);
             // ManuallyDrop: if the thread cannot start, the closure is dropped unrun and the
             // holds leak, which is safe, instead of freeing memory a copy may still use.
             let holds = std::mem::ManuallyDrop::new(std::mem::take(&mut self.holds));
@@ -239,7 +406,9 @@ impl Drop for Transfer {
             let _ = std::thread::Builder::new()
                 .name("kvferry-drain".into())
                 .spawn(move || {
-                    let _ = ev.wait_blocking();
+                    for (_, ev) in pending {
+                        let _ = ev.wait_blocking();
+                    }
                     drop(std::mem::ManuallyDrop::into_inner(holds));
                     drop(in_flight);
                 });

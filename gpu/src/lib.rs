@@ -1,5 +1,5 @@
 //! Device memory for kvferry: the [`Device`] trait, the emulated [`HostDevice`] backend, KV
-//! layouts ([`KvShape`], [`KvLayout`]) and batched copies ([`CopyList`]).
+//! layouts ([`KvShape`], [`KvLayout`], [`Scatter`], the one block scatter) and batched copies ([`CopyList`]).
 //!
 //! The crate never links CUDA at build time; backends that need a driver load it at run time
 //! and fail with a typed error where none is present.
@@ -9,6 +9,7 @@ pub mod cuda;
 mod device;
 mod host;
 mod layout;
+mod scatter;
 mod shape;
 
 pub use copy::{CopyList, CopyOp};
@@ -19,4 +20,5 @@ pub use device::{
 };
 pub use host::HostDevice;
 pub use layout::{GroupKind, KvLayout, KvLayoutSpec, LayerLayout, LayoutError};
+pub use scatter::Scatter;
 pub use shape::{KvShape, ShapeError};

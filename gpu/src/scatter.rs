@@ -1,0 +1,185 @@
+//! The one place that scatters a host block over a rank's layers and segments: loads (host
+//! slot → device KV), saves and puts (device KV → host slot) and remote reads (an owner's
+//! slot → device KV) all build their copy lists here.
+//!
+//! A host block is rank-major (`rank → layer → segment`), so one rank's part of it is one
+//! contiguous range; the device side is wherever the rank's [`KvLayout`] puts each layer.
+
+use std::ops::Range;
+
+use crate::{CopyDirection, CopyList, KvLayout, KvShape};
+
+/// One rank's scatter between host block slots and its device KV.
+#[derive(Clone, Copy, Debug)]
+pub struct Scatter<'a> {
+    shape: &'a KvShape,
+    layout: &'a KvLayout,
+    rank: u32,
+}
+
+impl<'a> Scatter<'a> {
+    pub fn new(shape: &'a KvShape, layout: &'a KvLayout, rank: u32) -> Self {
+        Self {
+            shape,
+            layout,
+            rank,
+        }
+    }
+
+    /// Copies per block before merging (`layers × segments`).
+    pub fn copies_per_block(&self) -> usize {
+        (self.shape.layers() * self.shape.segments()) as usize
+    }
+
+    /// Whether one block's rank part maps onto one contiguous device range in host order
+    /// (vLLM's cross-layer blocks): then a block is one copy, and only block-major order
+    /// keeps it so.
+    pub fn block_contiguous(&self) -> bool {
+        let (layers, segs) = (self.shape.layers(), self.shape.segments());
+        let first = self.layout.segment_addr(0, 0, 0);
+        (0..layers).all(|l| {
+            (0..segs).all(|s| {
+                let i = u64::from(l * segs + s);
+                self.layout.segment_addr(l, s, 0) == first + i * self.shape.segment_bytes()
+            })
+        })
+    }
+
+    /// Appends one segment's copy in `dir` between host block `slot` and device block `block`.
+    fn push(&self, list: &mut CopyList, dir: CopyDirection, slot: u64, block: u32, l: u32, s: u32) {
+        let host = slot + self.shape.segment_offset(self.rank, l, s);
+        let dev = self.layout.segment_addr(l, s, block);
+        let len = self.shape.segment_bytes();
+        match dir {
+            CopyDirection::HostToDevice => list.push(host, dev, len),
+            CopyDirection::DeviceToHost => list.push(dev, host, len),
+        }
+    }
+
+    /// Every layer of one block, layer by layer: host slot at `slot` (the block's start, all
+    /// ranks) ↔ device block `block`. Addresses on the host side may be an owner's (a remote
+    /// read's source), since nothing here dereferences them.
+    pub fn push_block(&self, list: &mut CopyList, dir: CopyDirection, slot: u64, block: u32) {
+        for l in 0..self.shape.layers() {
+            for s in 0..self.shape.segments() {
+                self.push(list, dir, slot, block, l, s);
+            }
+        }
+    }
+
+    /// `layers` of every `(slot, block)` pair, layer-major: each layer's copies for all blocks
+    /// come before the next layer's, so a batch split at layer boundaries lands in layer order.
+    pub fn push_layers(
+        &self,
+        list: &mut CopyList,
+        dir: CopyDirection,
+        layers: Range<u32>,
+        pairs: &[(u64, u32)],
+    ) {
+        for l in layers {
+            for &(slot, block) in pairs {
+                for s in 0..self.shape.segments() {
+                    self.push(list, dir, slot, block, l, s);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{GroupKind, KvLayoutSpec, LayerLayout};
+
+    fn split(layers: u32, blocks: u32, seg: u64) -> (KvShape, KvLayout) {
+        let shape = KvShape::new(layers, 2, 2, seg).unwrap();
+        let plane = seg * u64::from(blocks);
+        let layout = KvLayout::new(
+            KvLayoutSpec {
+                kind: GroupKind::Attention,
+                layers: (0..layers)
+                    .map(|l| LayerLayout::Split {
+                        k_base: 0x10_0000 + u64::from(l) * 2 * plane,
+                        v_base: 0x10_0000 + (u64::from(l) * 2 + 1) * plane,
+                    })
+                    .collect(),
+                block_stride: seg,
+                num_blocks: blocks,
+                view_offset: 0,
+            },
+            &shape,
+        )
+        .unwrap();
+        (shape, layout)
+    }
+
+    #[test]
+    fn a_block_covers_its_rank_part_once_in_host_order() {
+        let (shape, layout) = split(3, 8, 64);
+        let sc = Scatter::new(&shape, &layout, 1);
+        let mut l = CopyList::default();
+        sc.push_block(&mut l, CopyDirection::HostToDevice, 0x1000, 5);
+        assert_eq!(l.len(), 6);
+        assert_eq!(l.bytes(), shape.rank_bytes());
+        // Host side: rank 1's part, contiguous and in order.
+        let base = 0x1000 + shape.rank_offset(1);
+        for (i, op) in l.ops().iter().enumerate() {
+            assert_eq!(op.src, base + i as u64 * 64);
+            assert_eq!(op.dst, layout.segment_addr(i as u32 / 2, i as u32 % 2, 5));
+        }
+        // The save direction is the mirror image.
+        let mut d = CopyList::default();
+        sc.push_block(&mut d, CopyDirection::DeviceToHost, 0x1000, 5);
+        for (a, b) in l.ops().iter().zip(d.ops()) {
+            assert_eq!((a.src, a.dst, a.len), (b.dst, b.src, b.len));
+        }
+        assert!(!sc.block_contiguous());
+    }
+
+    #[test]
+    fn layer_major_order_puts_every_block_of_a_layer_before_the_next_layer() {
+        let (shape, layout) = split(4, 8, 32);
+        let sc = Scatter::new(&shape, &layout, 0);
+        let pairs = [(0x1000, 2), (0x9000, 7), (0x5000, 0)];
+        let mut l = CopyList::default();
+        sc.push_layers(&mut l, CopyDirection::HostToDevice, 1..3, &pairs);
+        assert_eq!(l.len(), 2 * 3 * 2);
+        let layer_of = |dst: u64| {
+            (0..4)
+                .find(|&ly| (0..2).any(|s| (0..8).any(|b| layout.segment_addr(ly, s, b) == dst)))
+                .unwrap()
+        };
+        let layers: Vec<u32> = l.ops().iter().map(|o| layer_of(o.dst)).collect();
+        assert_eq!(layers, vec![1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2]);
+        // Same bytes as the block-major scatter of those layers.
+        let mut whole = CopyList::default();
+        for &(slot, b) in &pairs {
+            sc.push_block(&mut whole, CopyDirection::HostToDevice, slot, b);
+        }
+        let mut a: Vec<_> = l.ops().to_vec();
+        let mut b: Vec<_> = whole
+            .ops()
+            .iter()
+            .copied()
+            .filter(|o| (1..3).contains(&layer_of(o.dst)))
+            .collect();
+        a.sort_by_key(|o| o.dst);
+        b.sort_by_key(|o| o.dst);
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn cross_layer_blocks_are_one_copy_each() {
+        let shape = KvShape::new(4, 1, 2, 128).unwrap();
+        let spec = KvLayoutSpec::cross_layer(0x40_0000, 4, 2, 16, 128);
+        let layout = KvLayout::new(spec, &shape).unwrap();
+        let sc = Scatter::new(&shape, &layout, 0);
+        assert!(sc.block_contiguous());
+        let mut l = CopyList::default();
+        for (slot, b) in [(0x1000u64, 3u32), (0x8000, 9)] {
+            sc.push_block(&mut l, CopyDirection::HostToDevice, slot, b);
+        }
+        assert_eq!(l.len(), 2);
+        assert_eq!(l.bytes(), 2 * shape.rank_bytes());
+    }
+}
