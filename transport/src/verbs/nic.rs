@@ -42,6 +42,12 @@ pub enum RegistrarError {
     OutsideRegion { nic: String, addr: u64, len: u64 },
     #[error("nic {nic} is not usable: {reason}")]
     Unavailable { nic: String, reason: String },
+    #[error(
+        "nic {nic}: registering {need} bytes needs RLIMIT_MEMLOCK of at least that, the \
+         limit is {limit} (raise `LimitMEMLOCK=` in the unit or `ulimit -l`, or run with \
+         CAP_IPC_LOCK)"
+    )]
+    Memlock { nic: String, need: u64, limit: u64 },
 }
 
 impl RegistrarError {
@@ -52,6 +58,7 @@ impl RegistrarError {
             RegistrarError::Register { .. } => "nic_refused",
             RegistrarError::OutsideRegion { .. } => "bad_range",
             RegistrarError::Unavailable { .. } => "nic_unavailable",
+            RegistrarError::Memlock { .. } => "memlock",
         }
     }
 }
@@ -115,12 +122,52 @@ impl std::fmt::Debug for ChunkMr {
     }
 }
 
+/// What a NIC's device allows, as the handshake checks a peer's endpoint against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NicLimits {
+    pub max_sge: u32,
+    pub max_qp_wr: u32,
+    pub max_qp_rd_atom: u32,
+    pub max_msg_sz: u64,
+    pub mtu: super::gid::Mtu,
+}
+
 /// An RDMA NIC as the node uses it.
 pub trait RdmaNic: Send + Sync {
     /// The device name (`mlx5_0`), also the `nic` metrics label.
     fn name(&self) -> &str;
     /// The chosen port's address: GID, LID, MTU.
     fn address(&self) -> PortAddress;
+
+    /// The read depth this NIC answers with: the configured depth clamped to the device's
+    /// `max_qp_rd_atom`; `None` where the NIC does not know its device.
+    fn responder_depth(&self) -> Option<u8> {
+        None
+    }
+
+    /// The device's limits; `None` where the NIC does not know its device.
+    fn limits(&self) -> Option<NicLimits> {
+        None
+    }
+
+    /// Whether registrations on this NIC pin memory (count against `RLIMIT_MEMLOCK`).
+    fn pins_memory(&self) -> bool {
+        true
+    }
+
+    /// Registers host memory standing in for device memory (local write only): only the
+    /// software device does, for tests of direct loads without a GPU.
+    fn register_host_local(
+        &self,
+        addr: u64,
+        len: u64,
+    ) -> Result<Box<dyn Any + Send + Sync>, RegistrarError> {
+        let _ = (addr, len);
+        Err(RegistrarError::Unavailable {
+            nic: self.name().to_string(),
+            reason: "device memory must be registered as a DMA-BUF".into(),
+        })
+    }
     /// Registers one chunk of `region` for local write and remote read.
     fn register_chunk(
         &self,
@@ -201,13 +248,71 @@ impl NicHostMr {
     }
 }
 
+/// `Some(limit)` when registering `need` more bytes would exceed `RLIMIT_MEMLOCK` (`limit`
+/// bytes, `None` = unlimited) without the privilege to ignore it.
+pub fn memlock_shortfall(need: u64, limit: Option<u64>, privileged: bool) -> Option<u64> {
+    match limit {
+        Some(l) if !privileged && need > l => Some(l),
+        _ => None,
+    }
+}
+
+/// This process's `RLIMIT_MEMLOCK` soft limit (`None`: unlimited or unreadable).
+pub fn memlock_limit() -> Option<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `r` is a valid out-pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0
+        || r.rlim_cur == libc::RLIM_INFINITY
+    {
+        return None;
+    }
+    Some(r.rlim_cur)
+}
+
+/// `CAP_IPC_LOCK` (linux/capability.h; not in libc).
+const CAP_IPC_LOCK: u32 = 14;
+
+/// Whether this process may lock memory beyond its limit (CAP_IPC_LOCK; root has it).
+fn may_lock_beyond_limit() -> bool {
+    // The effective capability set, from procfs (no capability crate for one bit).
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return false;
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
+}
+
 /// Registers the whole of `region` on `nic`, split into MRs of at most `chunk_size` bytes.
 /// All or nothing: on a failure the chunks registered so far are deregistered (dropped).
+/// A NIC that pins memory is checked against `RLIMIT_MEMLOCK` first, so a too-small limit is
+/// one clear error at start instead of an `ENOMEM` from the kernel part-way.
 pub fn register_host_split(
     nic: &dyn RdmaNic,
     region: &Arc<HostRegion>,
     chunk_size: u64,
 ) -> Result<NicHostMr, RegistrarError> {
+    let need = region.len() as u64;
+    if nic.pins_memory() {
+        if let Some(limit) = memlock_shortfall(need, memlock_limit(), may_lock_beyond_limit()) {
+            tracing::warn!(
+                nic = nic.name(),
+                need,
+                limit,
+                "verbs: RLIMIT_MEMLOCK too low"
+            );
+            return Err(RegistrarError::Memlock {
+                nic: nic.name().to_string(),
+                need,
+                limit,
+            });
+        }
+    }
     let plan = split(region.addr(), region.len() as u64, chunk_size).map_err(|source| {
         RegistrarError::Split {
             nic: nic.name().to_string(),
@@ -242,14 +347,15 @@ pub fn check_chunk(nic: &str, region: &HostRegion, chunk: Chunk) -> Result<(), R
     }
 }
 
-/// Whether this build carries the rdma-core provider.
+/// Whether this build carries the rdma-core provider (the software device is always there).
 pub const fn compiled() -> bool {
     cfg!(feature = "verbs")
 }
 
-/// Opens the RDMA device `nic.name` (its CQ sized for `qps` QPs); a typed error, never a
-/// panic, where the build or the host has none.
-#[cfg(feature = "verbs")]
+/// Opens the RDMA device `nic.name` (its CQ sized for `qps` QPs) through the verbs table
+/// that serves it: the software device for `soft_*` names (every build), rdma-core
+/// otherwise (cargo feature `verbs`). A typed error, never a panic, where the build or the
+/// host has none.
 pub fn open_nic(
     sysfs: &Sysfs,
     nic: NicConfig,
@@ -257,23 +363,18 @@ pub fn open_nic(
     qps: u32,
 ) -> Result<Arc<dyn RdmaNic>, NicOpenError> {
     let name = nic.name.clone();
+    if super::ops::ops_for(&name).is_none() {
+        return Err(NicOpenError::NotCompiled { nic: name });
+    }
     super::provider::VerbsNic::open(&name, sysfs, nic, cfg, qps)
         .map(|n| n as Arc<dyn RdmaNic>)
-        .map_err(|e| NicOpenError::Device {
-            nic: name,
-            reason: e.to_string(),
+        .map_err(|e| {
+            tracing::warn!(nic = %name, error = %e, "verbs: opening the nic failed");
+            NicOpenError::Device {
+                nic: name,
+                reason: e.to_string(),
+            }
         })
-}
-
-/// Opens the RDMA device `nic.name`; this build has no verbs provider.
-#[cfg(not(feature = "verbs"))]
-pub fn open_nic(
-    _sysfs: &Sysfs,
-    nic: NicConfig,
-    _cfg: VerbsConfig,
-    _qps: u32,
-) -> Result<Arc<dyn RdmaNic>, NicOpenError> {
-    Err(NicOpenError::NotCompiled { nic: nic.name })
 }
 
 #[cfg(test)]
@@ -370,6 +471,24 @@ mod tests {
         assert!(live.lock().unwrap().is_empty(), "partial work undone");
         let e = register_host_split(&nic, &region, 0).unwrap_err();
         assert_eq!(e.kind(), "split");
+    }
+
+    #[test]
+    fn memlock_is_checked_before_registering() {
+        assert_eq!(
+            memlock_shortfall(8 << 30, Some(64 << 10), false),
+            Some(64 << 10)
+        );
+        assert_eq!(memlock_shortfall(8 << 30, Some(64 << 10), true), None);
+        assert_eq!(memlock_shortfall(8 << 30, None, false), None);
+        assert_eq!(memlock_shortfall(4096, Some(64 << 10), false), None);
+        let e = RegistrarError::Memlock {
+            nic: "mlx5_0".into(),
+            need: 8 << 30,
+            limit: 65536,
+        };
+        assert_eq!(e.kind(), "memlock");
+        assert!(e.to_string().contains("LimitMEMLOCK"), "{e}");
     }
 
     #[test]

@@ -1,30 +1,40 @@
-//! The verbs provider: a [`VerbsNic`] (open device, CQ poller thread, QP table) and a
-//! [`VerbsConnector`] that brings RC QPs to ready-to-send and issues `IBV_WR_RDMA_READ`s.
+//! The verbs provider: a [`VerbsNic`] (open device, completion poller thread, QP table) and
+//! a [`VerbsConnector`] that brings RC QPs to ready-to-send and issues `IBV_WR_RDMA_READ`s,
+//! over whichever [`super::ops::VerbsOps`] table serves the device (rdma-core or the software
+//! device).
+//!
+//! One request of the RC queue contract may become several RDMA READs: a read is cut where
+//! the owner's advertised MRs end (one READ names one rkey; the pool is registered in
+//! `registration-chunk` pieces) and at the port's `max_msg_sz`. The parts share the request's
+//! completion, reported once, when the last part completes (the first failure wins). Parts
+//! wait in a backlog while the send queue is full, and are posted as completions free it.
 //!
 //! Completions are polled by one thread per NIC and pushed, one per request, into the QP's
-//! [`CompletionSink`] (the NIC's `CompletionQueue`, which the actors' `CompletionPoller`
-//! drains). `abort` moves the QP to error, so every outstanding read completes flushed (the
-//! shared drain contract); dropping a connection waits for that drain before destroying the QP.
+//! [`CompletionSink`]. The same thread reads the device's asynchronous events: a CQ overrun
+//! fails every request on that CQ as a transport error (their QPs are unusable; the worker
+//! rebuilds them) and gives new QPs a fresh CQ, so the NIC recovers without a restart.
+//! `abort` moves the QP to error, so every outstanding read completes flushed (the shared
+//! drain contract); dropping a connection waits for that drain before destroying the QP.
 //!
 //! Reads land straight in the request's destination: the SGEs are the ranges the MR table
 //! checked when the request was accepted (its resolved [`crate::Scatter`]), keyed by this
-//! NIC's registrations of those regions (the host pool at start, DMA-BUF device memory per
-//! instance). A destination the NIC has not registered is a post error; nothing is staged
-//! and copied, so a direct load over verbs cannot fall back to host memory.
+//! NIC's registrations of those regions. A destination the NIC has not registered is a post
+//! error; nothing is staged and copied, so a direct load over verbs cannot fall back to host
+//! memory.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::config::VerbsConfig;
 use super::device::{DeviceError, Registration, VerbsDevice};
-use super::ffi;
+use super::ops::{AsyncEvent, Handle, QpCaps, Wc};
 use super::qp_attrs::{connect_transitions, responder_depth, QpEndpoint, Transition};
 use super::registration::{KeyMap, ACCESS_REMOTE_READ};
 use super::sysfs::Sysfs;
-use super::work::{build_read_into, completion_status};
+use super::work::{build_read, completion_status, ReadWr};
 use crate::completion::{CompletionSink, CompletionStatus, WorkCompletion};
 use crate::config::NicConfig;
 use crate::connection::{Connection, ConnectionError, Connector, WorkRequest};
@@ -41,42 +51,129 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 pub use super::nic::EndpointExchange;
 
-/// An issued read: holding the request holds its destination (the scatter pins the regions,
-/// so they stay registered) until the completion is handled.
+/// An issued request: holding it holds its destination (the scatter pins the regions, so
+/// they stay registered) until its last part completes.
 struct Pending {
     wr: WorkRequest,
+    parts_left: usize,
+    status: CompletionStatus,
+}
+
+#[derive(Default)]
+struct SendQueue {
+    /// Part id → request wr_id.
+    parts: HashMap<u64, u64>,
+    /// Parts not yet posted (the send queue was full).
+    backlog: VecDeque<ReadWr>,
+    posted: usize,
+    next_part: u64,
+    /// The QP failed outside a completion (CQ overrun): nothing more is posted.
+    broken: bool,
 }
 
 struct ConnShared {
     key: QpKey,
+    peer: NodeId,
+    qp: Handle,
+    cq: Handle,
+    device: Arc<VerbsDevice>,
+    max_send_wr: usize,
     sink: Arc<dyn CompletionSink>,
     pending: Mutex<HashMap<u64, Pending>>,
+    sq: Mutex<SendQueue>,
 }
 
 impl ConnShared {
+    /// Posts backlogged parts while the send queue has room.
+    fn pump(&self) {
+        loop {
+            let wr = {
+                let mut sq = lock(&self.sq);
+                if sq.broken || sq.posted >= self.max_send_wr {
+                    return;
+                }
+                let Some(wr) = sq.backlog.pop_front() else {
+                    return;
+                };
+                sq.posted += 1;
+                wr
+            };
+            if let Err(e) = self.device.ops().post_read(self.qp, &wr) {
+                tracing::warn!(peer = %self.peer, error = %e, "verbs: posting a read part failed");
+                lock(&self.sq).posted -= 1;
+                self.part_done(wr.wr_id, CompletionStatus::PostFailed, false);
+            }
+        }
+    }
+
+    /// One part finished (`posted`: it had been posted, so it held a send-queue slot).
+    fn part_done(&self, part: u64, status: CompletionStatus, posted: bool) {
+        let wr_id = {
+            let mut sq = lock(&self.sq);
+            if posted {
+                sq.posted = sq.posted.saturating_sub(1);
+            }
+            match sq.parts.remove(&part) {
+                Some(w) => w,
+                None => return,
+            }
+        };
+        let finished = {
+            let mut pending = lock(&self.pending);
+            let Some(p) = pending.get_mut(&wr_id) else {
+                return;
+            };
+            p.parts_left -= 1;
+            if !status.is_success() && p.status.is_success() {
+                p.status = status;
+            }
+            if p.parts_left == 0 {
+                pending.remove(&wr_id)
+            } else {
+                None
+            }
+        };
+        if let Some(p) = finished {
+            self.complete(wr_id, p);
+        }
+    }
+
     /// Finishes one request: make device pieces visible on success, release the
     /// destination, then report.
-    fn complete(&self, wr_id: u64, status: CompletionStatus) {
-        let Some(p) = lock(&self.pending).remove(&wr_id) else {
-            return;
-        };
+    fn complete(&self, wr_id: u64, p: Pending) {
         let len = p.wr.remote.len;
-        let status = if status.is_success() {
+        let status = if p.status.is_success() {
             match p.wr.scatter.finish() {
                 Ok(()) => CompletionStatus::Success,
                 Err(_) => CompletionStatus::LocalWriteError,
             }
         } else {
-            status
+            p.status
         };
-        let qp = self.key;
         drop(p);
         self.sink.push(WorkCompletion {
-            qp,
+            qp: self.key,
             wr_id,
             status,
             bytes: if status.is_success() { len } else { 0 },
         });
+    }
+
+    /// Fails every outstanding request with `status` (the QP is unusable and nothing more
+    /// will come from the device for it).
+    fn fail_all(&self, status: CompletionStatus) {
+        {
+            let mut sq = lock(&self.sq);
+            sq.broken = true;
+            sq.backlog.clear();
+            sq.parts.clear();
+            sq.posted = 0;
+        }
+        let left: Vec<(u64, Pending)> = lock(&self.pending).drain().collect();
+        for (wr_id, mut p) in left {
+            p.status = status;
+            self.complete(wr_id, p);
+        }
     }
 }
 
@@ -84,6 +181,8 @@ struct NicInner {
     device: Arc<VerbsDevice>,
     conns: Mutex<HashMap<u32, Arc<ConnShared>>>,
     stop: AtomicBool,
+    async_events: AtomicU64,
+    cq_overruns: AtomicU64,
 }
 
 /// One RDMA NIC in use: the device and its completion poller thread.
@@ -104,7 +203,7 @@ impl std::fmt::Debug for VerbsNic {
 
 impl VerbsNic {
     /// Opens the device `name` and starts its poller. The CQ is sized for `qps` QPs of
-    /// `nic.max_send_wr` each.
+    /// `nic.max_send_wr` each (clamped to the device's `max_cqe`).
     pub fn open(
         name: &str,
         sysfs: &Sysfs,
@@ -118,6 +217,8 @@ impl VerbsNic {
             device,
             conns: Mutex::new(HashMap::new()),
             stop: AtomicBool::new(false),
+            async_events: AtomicU64::new(0),
+            cq_overruns: AtomicU64::new(0),
         });
         let t = inner.clone();
         let poller = std::thread::Builder::new()
@@ -140,28 +241,55 @@ impl VerbsNic {
         &self.inner.device
     }
 
+    /// Asynchronous events read so far, and CQ overruns among them.
+    pub fn async_events(&self) -> (u64, u64) {
+        (
+            self.inner.async_events.load(Ordering::Relaxed),
+            self.inner.cq_overruns.load(Ordering::Relaxed),
+        )
+    }
+
+    /// QPs (requester connections) alive on this NIC.
+    pub fn connections(&self) -> usize {
+        lock(&self.inner.conns).len()
+    }
+
     /// Registers the host pool on this NIC for remote reads.
     pub fn register_host(&self, region: &HostRegion) -> Result<Registration, DeviceError> {
         self.inner.device.register_host(region, &self.cfg)
     }
 
     /// Registers host memory that only this NIC writes into (a requester's destination
-    /// outside the pool): local write only.
-    pub fn register_local(&self, region: &HostRegion) -> Result<Registration, DeviceError> {
+    /// outside the pool): local write only, shared by everyone registering the same range.
+    pub fn register_local(&self, region: &HostRegion) -> Result<Arc<Registration>, DeviceError> {
         self.inner.device.register_local(region, &self.cfg)
     }
 
-    /// Registers GPU memory (a DMA-BUF) on this NIC, local write only.
+    /// Registers GPU memory (a DMA-BUF) on this NIC, local write only, shared by everyone
+    /// registering the same planes.
     pub fn register_dmabuf(
         &self,
         fd: std::os::fd::BorrowedFd<'_>,
         offset: u64,
         len: u64,
         iova: u64,
-    ) -> Result<Registration, DeviceError> {
+    ) -> Result<Arc<Registration>, DeviceError> {
         self.inner
             .device
             .register_dmabuf(fd, offset, len, iova, &self.cfg)
+    }
+
+    fn caps(&self) -> QpCaps {
+        let limits = self.nic.queue_limits();
+        self.inner
+            .device
+            .qp_caps(limits.max_send_wr, limits.max_sge)
+    }
+
+    /// The read depth this NIC lets a peer have outstanding: the configured depth within the
+    /// device's `max_qp_rd_atom` (what Hello and Handshake must advertise).
+    pub fn responder_depth(&self) -> u8 {
+        responder_depth(self.nic.max_rd_atomic, self.inner.device.read_depth())
     }
 }
 
@@ -174,15 +302,39 @@ impl super::nic::RdmaNic for VerbsNic {
         self.inner.device.address()
     }
 
+    fn responder_depth(&self) -> Option<u8> {
+        Some(VerbsNic::responder_depth(self))
+    }
+
+    fn pins_memory(&self) -> bool {
+        // The software device registers nothing with the kernel.
+        self.inner.device.ops().kind() != "soft"
+    }
+
+    fn limits(&self) -> Option<super::nic::NicLimits> {
+        let a = self.inner.device.attr();
+        Some(super::nic::NicLimits {
+            max_sge: a.max_sge,
+            max_qp_wr: a.max_qp_wr,
+            max_qp_rd_atom: a.max_qp_rd_atom,
+            max_msg_sz: self.inner.device.max_msg_sz(),
+            mtu: self.inner.device.address().mtu,
+        })
+    }
+
     fn register_chunk(
         &self,
         region: &Arc<HostRegion>,
         chunk: super::registration::Chunk,
     ) -> Result<super::nic::ChunkMr, super::nic::RegistrarError> {
+        let access = super::registration::access_flags(
+            crate::mr_table::MrKind::Host,
+            self.cfg.relaxed_ordering,
+        );
         let reg = self
             .inner
             .device
-            .register_host_chunk(region, chunk, &self.cfg)
+            .register_host_chunk(region, chunk, access)
             .map_err(|e| match e {
                 DeviceError::Verbs { nic, source, .. } => super::nic::RegistrarError::Register {
                     nic,
@@ -220,6 +372,28 @@ impl super::nic::RdmaNic for VerbsNic {
             })
     }
 
+    fn register_host_local(
+        &self,
+        addr: u64,
+        len: u64,
+    ) -> Result<Box<dyn std::any::Any + Send + Sync>, super::nic::RegistrarError> {
+        if self.inner.device.ops().kind() != "soft" {
+            // Only the software device stands host memory in for device memory.
+            return Err(super::nic::RegistrarError::Unavailable {
+                nic: self.inner.device.name().to_string(),
+                reason: "device memory must be registered as a DMA-BUF".into(),
+            });
+        }
+        self.inner
+            .device
+            .register_local_range(addr, len, &self.cfg)
+            .map(|r| Box::new(r) as Box<dyn std::any::Any + Send + Sync>)
+            .map_err(|e| super::nic::RegistrarError::Unavailable {
+                nic: self.inner.device.name().to_string(),
+                reason: e.to_string(),
+            })
+    }
+
     fn connector(
         self: Arc<Self>,
         peer: NodeId,
@@ -239,26 +413,25 @@ impl super::nic::RdmaNic for VerbsNic {
             reason,
         };
         let dev = self.inner.device.clone();
-        let limits = self.nic.queue_limits();
-        // SAFETY: PD and CQ belong to `dev`, which the responder keeps alive.
-        let raw =
-            unsafe { ffi::create_rc_qp(dev.pd(), dev.cq(), limits.max_send_wr, limits.max_sge) }
-                .map_err(|e| setup("creating the responder QP", e.to_string()))?;
+        // The responder posts nothing: the smallest send queue the device takes.
+        let caps = dev.qp_caps(1, 1);
+        let (raw, qpn, _) = dev
+            .create_qp(caps)
+            .map_err(|e| setup("creating the responder QP", e.to_string()))?;
         let responder = ResponderQp {
             nic: self.clone(),
             qp: raw,
         };
-        // SAFETY: `raw` is alive (owned by `responder`).
-        let qpn = unsafe { ffi::qp_num(raw) };
-        let local = local_endpoint(&dev, qpn, limits.max_rd_atomic);
+        let local = local_endpoint(&dev, qpn, self.nic.max_rd_atomic);
         let (addr, psn) = (dev.address(), local.psn);
         let steps = connect_transitions(
             &self.cfg,
-            limits.max_rd_atomic,
+            self.nic.max_rd_atomic,
             dev.read_depth(),
             &addr,
             &remote,
             psn,
+            // The requester reads the pool through this QP: remote read, nothing else.
             ACCESS_REMOTE_READ,
         );
         for t in &steps {
@@ -273,21 +446,13 @@ impl super::nic::RdmaNic for VerbsNic {
 /// (the NIC serves them from the pool's MRs), so it posts nothing and completes nothing.
 struct ResponderQp {
     nic: Arc<VerbsNic>,
-    qp: *mut ffi::ibv_qp,
+    qp: Handle,
 }
-
-// SAFETY: an `ibv_qp` may be modified and destroyed from any thread; the struct only does so
-// in `Drop`, with exclusive access.
-unsafe impl Send for ResponderQp {}
-// SAFETY: shared access reads nothing through the pointer.
-unsafe impl Sync for ResponderQp {}
 
 impl Drop for ResponderQp {
     fn drop(&mut self) {
         let _ = self.nic.inner.device.modify(self.qp, &Transition::error());
-        // SAFETY: created by `accept`, never handed out; no work requests were posted on it.
-        let r = unsafe { ffi::destroy_qp(self.qp) };
-        self.nic.inner.device.record_teardown(r);
+        self.nic.inner.device.destroy_qp(self.qp);
     }
 }
 
@@ -301,23 +466,79 @@ impl Drop for VerbsNic {
 }
 
 fn poll_loop(inner: &NicInner) {
-    // SAFETY: `ibv_wc` is plain integers; all-zero is a valid value.
-    let mut wcs: Vec<ffi::ibv_wc> = vec![unsafe { std::mem::zeroed() }; POLL_BATCH];
+    let mut wcs = vec![Wc::default(); POLL_BATCH];
     while !inner.stop.load(Ordering::Relaxed) {
-        // SAFETY: the CQ lives as long as the device (held by `inner`); this thread is its
-        // only poller.
-        let n: usize = unsafe { ffi::poll_cq(inner.device.cq(), &mut wcs) }.unwrap_or_default();
-        if n == 0 {
-            std::thread::sleep(IDLE_SLEEP);
-            continue;
-        }
-        for wc in &wcs[..n] {
-            let code = wc.error().map(|(s, _)| s).unwrap_or(0);
-            let conn = lock(&inner.conns).get(&wc.qp_num).cloned();
-            if let Some(c) = conn {
-                c.complete(wc.wr_id(), completion_status(code));
+        let mut got = 0;
+        for cq in inner.device.cqs() {
+            match inner.device.poll(cq, &mut wcs) {
+                Ok(n) => {
+                    got += n;
+                    for wc in &wcs[..n] {
+                        let conn = lock(&inner.conns).get(&wc.qp_num).cloned();
+                        if let Some(c) = conn {
+                            c.part_done(wc.wr_id, completion_status(wc.status), true);
+                            c.pump();
+                        }
+                    }
+                }
+                Err(e) => cq_failed(inner, cq, &e.to_string()),
             }
         }
+        while let Ok(Some(ev)) = inner.device.async_event() {
+            inner.async_events.fetch_add(1, Ordering::Relaxed);
+            got += 1;
+            match ev {
+                AsyncEvent::CqError => {
+                    tracing::warn!(nic = %inner.device.name(), "verbs: CQ error event");
+                    for cq in inner.device.cqs() {
+                        // The failed CQ answers its next poll with an error; find it.
+                        if inner.device.poll(cq, &mut []).is_err() {
+                            cq_failed(inner, cq, "CQ error event");
+                        }
+                    }
+                }
+                AsyncEvent::PortError { port } => {
+                    tracing::warn!(nic = %inner.device.name(), port, "verbs: port down")
+                }
+                AsyncEvent::PortActive { port } => {
+                    tracing::info!(nic = %inner.device.name(), port, "verbs: port active")
+                }
+                other => {
+                    tracing::warn!(nic = %inner.device.name(), event = other.as_str(), "verbs: async event")
+                }
+            }
+        }
+        if got == 0 {
+            std::thread::sleep(IDLE_SLEEP);
+        }
+    }
+}
+
+/// A CQ overran: every request of its QPs fails (transport error, the worker rebuilds the
+/// QPs) and new QPs get a fresh CQ.
+fn cq_failed(inner: &NicInner, cq: Handle, why: &str) {
+    let victims: Vec<Arc<ConnShared>> = lock(&inner.conns)
+        .values()
+        .filter(|c| c.cq == cq && !lock(&c.sq).broken)
+        .cloned()
+        .collect();
+    if victims.is_empty() && !inner.device.cqs().last().is_some_and(|c| *c == cq) {
+        return;
+    }
+    if inner.device.cq() == cq {
+        inner.cq_overruns.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            nic = %inner.device.name(),
+            qps = victims.len(),
+            reason = why,
+            "verbs: completion queue failed; its QPs are rebuilt on a fresh CQ"
+        );
+        if let Err(e) = inner.device.replace_cq(cq) {
+            tracing::warn!(nic = %inner.device.name(), error = %e, "verbs: replacing the CQ failed");
+        }
+    }
+    for c in victims {
+        c.fail_all(CompletionStatus::TransportError);
     }
 }
 
@@ -372,42 +593,46 @@ impl Connector for VerbsConnector {
             reason: format!("{what}: {e}"),
         };
         let dev = self.nic.inner.device.clone();
-        let limits = self.nic.nic.queue_limits();
-        // SAFETY: PD and CQ belong to `dev`, which the connection keeps alive.
-        let raw =
-            unsafe { ffi::create_rc_qp(dev.pd(), dev.cq(), limits.max_send_wr, limits.max_sge) }
-                .map_err(|source| ConnectionError::Setup {
-                    peer,
-                    what: "RC queue pair",
-                    source,
-                })?;
+        let caps = self.nic.caps();
+        let (raw, qpn, cq) = dev.create_qp(caps).map_err(|e| ConnectionError::Setup {
+            peer,
+            what: "RC queue pair",
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let shared = Arc::new(ConnShared {
+            key: qp,
+            peer,
+            qp: raw,
+            cq,
+            device: dev.clone(),
+            max_send_wr: caps.max_send_wr as usize,
+            sink,
+            pending: Mutex::new(HashMap::new()),
+            sq: Mutex::new(SendQueue::default()),
+        });
         let mut conn = VerbsConnection {
             nic: self.nic.clone(),
-            qp: raw,
-            shared: Arc::new(ConnShared {
-                key: qp,
-                sink,
-                pending: Mutex::new(HashMap::new()),
-            }),
+            shared,
+            qpn,
             remote_keys: KeyMap::new(),
+            max_sge: caps.max_send_sge,
+            max_msg: dev.max_msg_sz(),
             peer,
             aborted: false,
         };
-        // SAFETY: `raw` is alive.
-        let qpn = unsafe { ffi::qp_num(raw) };
-        let local = local_endpoint(&dev, qpn, limits.max_rd_atomic);
+        let local = local_endpoint(&dev, qpn, self.nic.nic.max_rd_atomic);
         let (addr, psn) = (dev.address(), local.psn);
         let (remote, keys) = self.exchange.exchange(qp, local)?;
         conn.remote_keys = keys;
         let steps = connect_transitions(
             &self.nic.cfg,
-            limits.max_rd_atomic,
+            self.nic.nic.max_rd_atomic,
             dev.read_depth(),
             &addr,
             &remote,
             psn,
-            // Peers read our host pool through their QP to this one.
-            ACCESS_REMOTE_READ,
+            // Least privilege: the requester's QP only issues reads; nobody reads through it.
+            0,
         );
         for t in &steps {
             dev.modify(raw, t)
@@ -421,16 +646,73 @@ impl Connector for VerbsConnector {
 /// One RC QP to a peer.
 pub struct VerbsConnection {
     nic: Arc<VerbsNic>,
-    qp: *mut ffi::ibv_qp,
     shared: Arc<ConnShared>,
+    qpn: u32,
     remote_keys: KeyMap,
+    max_sge: u32,
+    max_msg: u64,
     peer: NodeId,
     aborted: bool,
 }
 
-// SAFETY: an `ibv_qp` may be posted to and modified from any thread; the connection is used by
-// one owner at a time (`&mut self`), and the poller only touches `shared` (behind mutexes).
-unsafe impl Send for VerbsConnection {}
+impl VerbsConnection {
+    /// Cuts `wr` into READs: at the owner's MR boundaries and at `max_msg_sz`.
+    fn parts(&self, wr: &WorkRequest) -> Result<Vec<ReadWr>, String> {
+        let ranges = wr.scatter.ranges();
+        let (start, len) = (wr.remote.addr, wr.remote.len);
+        let end = start
+            .checked_add(len)
+            .ok_or_else(|| format!("remote range {start:#x}+{len} wraps"))?;
+        let mut out = Vec::new();
+        let mut at = start;
+        // Position in the local ranges: (index, offset into it).
+        let (mut li, mut lo) = (0usize, 0u64);
+        let local_keys = self.nic.inner.device.local_keys();
+        while at < end {
+            let region_end = self
+                .remote_keys
+                .region_end(at)
+                .ok_or_else(|| format!("remote {at:#x} is in no region the owner advertised"))?;
+            let part_end = end.min(region_end).min(at.saturating_add(self.max_msg));
+            let mut want = part_end - at;
+            let mut local = Vec::new();
+            while want > 0 {
+                let (addr, rlen) = *ranges
+                    .get(li)
+                    .ok_or_else(|| "the destination is shorter than the read".to_string())?;
+                let n = (rlen - lo).min(want);
+                local.push((addr + lo, n));
+                want -= n;
+                lo += n;
+                if lo == rlen {
+                    li += 1;
+                    lo = 0;
+                }
+            }
+            let rd = crate::descriptor::RemoteDescriptor {
+                addr: at,
+                len: part_end - at,
+                rkey: wr.remote.rkey,
+            };
+            let r = build_read(
+                0,
+                &rd,
+                &local,
+                &self.remote_keys,
+                &local_keys,
+                self.max_sge,
+                self.max_msg,
+            )
+            .map_err(|e| e.to_string())?;
+            out.push(r);
+            at = part_end;
+        }
+        if out.is_empty() {
+            return Err("a read of zero bytes".into());
+        }
+        Ok(out)
+    }
+}
 
 impl Connection for VerbsConnection {
     fn peer(&self) -> NodeId {
@@ -440,7 +722,7 @@ impl Connection for VerbsConnection {
     fn issue(&mut self, wr: WorkRequest) -> Result<(), ConnectionError> {
         let peer = self.peer;
         let wr_id = wr.wr_id;
-        if self.aborted {
+        if self.aborted || lock(&self.shared.sq).broken {
             return Err(ConnectionError::ConnectionLost { peer });
         }
         let post_err = |reason: String| ConnectionError::Post {
@@ -448,24 +730,62 @@ impl Connection for VerbsConnection {
             wr_id,
             reason,
         };
-        let dev = &self.nic.inner.device;
-        let rwr = build_read_into(
-            wr_id,
-            &wr.remote,
-            &wr.scatter,
-            &self.remote_keys,
-            &dev.local_keys(),
-            self.nic.nic.max_sge,
-        )
-        .map_err(|e| post_err(e.to_string()))?;
-        lock(&self.shared.pending).insert(wr_id, Pending { wr });
-        // SAFETY: the QP is alive; the SGEs name destination ranges that the request's scatter
-        // (held in `pending` until the completion is handled) keeps registered in the MR table
-        // and, through it, on this NIC.
-        if let Err(e) = unsafe { ffi::post_read(self.qp, &rwr) } {
-            lock(&self.shared.pending).remove(&wr_id);
-            return Err(post_err(e.to_string()));
+        let mut parts = self.parts(&wr).map_err(post_err)?;
+        {
+            let mut pending = lock(&self.shared.pending);
+            if pending.contains_key(&wr_id) {
+                // Two requests under one id would complete as one: refuse the second.
+                return Err(post_err(format!("wr_id {wr_id} is already outstanding")));
+            }
+            pending.insert(
+                wr_id,
+                Pending {
+                    wr,
+                    parts_left: parts.len(),
+                    status: CompletionStatus::Success,
+                },
+            );
         }
+        // The first part is posted here when nothing waits before it, so that a refusal is
+        // the caller's error; the rest (and everything behind a backlog) wait their turn.
+        let first = {
+            let mut sq = lock(&self.shared.sq);
+            for p in &mut parts {
+                sq.next_part += 1;
+                p.wr_id = sq.next_part;
+                sq.parts.insert(p.wr_id, wr_id);
+            }
+            let direct = sq.backlog.is_empty() && sq.posted < self.shared.max_send_wr;
+            let first = if direct {
+                sq.posted += 1;
+                Some(parts.remove(0))
+            } else {
+                None
+            };
+            sq.backlog.extend(parts);
+            first
+        };
+        if let Some(p) = first {
+            if let Err(e) = self.nic.inner.device.ops().post_read(self.shared.qp, &p) {
+                let mut sq = lock(&self.shared.sq);
+                sq.posted -= 1;
+                // Nothing of this request is posted: undo it whole.
+                let ids: Vec<u64> = sq
+                    .parts
+                    .iter()
+                    .filter(|(_, w)| **w == wr_id)
+                    .map(|(p, _)| *p)
+                    .collect();
+                for id in &ids {
+                    sq.parts.remove(id);
+                }
+                sq.backlog.retain(|b| !ids.contains(&b.wr_id));
+                drop(sq);
+                lock(&self.shared.pending).remove(&wr_id);
+                return Err(post_err(e.to_string()));
+            }
+        }
+        self.shared.pump();
         Ok(())
     }
 
@@ -474,9 +794,21 @@ impl Connection for VerbsConnection {
             return;
         }
         self.aborted = true;
-        // Error state flushes every outstanding read; if even that fails the drop path
-        // reports them flushed itself.
-        let _ = self.nic.inner.device.modify(self.qp, &Transition::error());
+        // Error state flushes every outstanding read; parts never posted fail here.
+        let _ = self
+            .nic
+            .inner
+            .device
+            .modify(self.shared.qp, &Transition::error());
+        let unposted: Vec<u64> = {
+            let mut sq = lock(&self.shared.sq);
+            sq.broken = true;
+            sq.backlog.drain(..).map(|w| w.wr_id).collect()
+        };
+        for part in unposted {
+            self.shared
+                .part_done(part, CompletionStatus::Flushed, false);
+        }
     }
 }
 
@@ -487,16 +819,9 @@ impl Drop for VerbsConnection {
         while !lock(&self.shared.pending).is_empty() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));
         }
-        // SAFETY: the QP is alive.
-        let qpn = unsafe { ffi::qp_num(self.qp) };
-        lock(&self.nic.inner.conns).remove(&qpn);
-        // SAFETY: the QP is in error and no longer in the poller's table.
-        let r = unsafe { ffi::destroy_qp(self.qp) };
-        self.nic.inner.device.record_teardown(r);
+        lock(&self.nic.inner.conns).remove(&self.qpn);
+        self.nic.inner.device.destroy_qp(self.shared.qp);
         // Whatever the NIC never flushed still completes exactly once.
-        let left: Vec<u64> = lock(&self.shared.pending).keys().copied().collect();
-        for wr_id in left {
-            self.shared.complete(wr_id, CompletionStatus::Flushed);
-        }
+        self.shared.fail_all(CompletionStatus::Flushed);
     }
 }

@@ -140,6 +140,19 @@ impl KeyMap {
         (addr < a + l).then_some((*a, *l, *k))
     }
 
+    /// The end of the region holding `addr`, if one does (where a read starting at `addr`
+    /// must stop: one read names one rkey).
+    pub fn region_end(&self, addr: u64) -> Option<u64> {
+        self.containing(addr).map(|(a, l, _)| a + l)
+    }
+
+    /// Every region `(range, keys)`, by address.
+    pub fn regions(&self) -> impl Iterator<Item = (Chunk, NicKeys)> + '_ {
+        self.chunks
+            .iter()
+            .map(|(a, (l, k))| (Chunk { addr: *a, len: *l }, *k))
+    }
+
     /// The rkey covering the whole remote range (one read names one rkey, so a range across
     /// two peer regions is refused; the planner keeps reads inside one).
     pub fn remote_key(&self, addr: u64, len: u64) -> Result<u32, RegistrationError> {

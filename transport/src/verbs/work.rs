@@ -6,7 +6,6 @@ use thiserror::Error;
 use super::registration::{KeyMap, RegistrationError, Sge};
 use crate::completion::CompletionStatus;
 use crate::descriptor::RemoteDescriptor;
-use crate::scatter::Scatter;
 
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -31,11 +30,12 @@ pub enum WorkError {
     },
     #[error("request {wr_id} reads {remote} bytes into {local}")]
     LengthMismatch { wr_id: u64, remote: u64, local: u64 },
-    #[error("request {wr_id} reads {len} bytes; one RDMA read carries at most 2 GiB")]
-    TooLong { wr_id: u64, len: u64 },
+    #[error("request {wr_id} reads {len} bytes; the port's max_msg_sz is {max}")]
+    TooLong { wr_id: u64, len: u64, max: u64 },
 }
 
-/// The largest message an RC QP accepts (`max_msg_sz` is 2^31 on every current device).
+/// The largest message the verbs ABI can express in one work request (a 32-bit length); a
+/// port's `max_msg_sz` is at most this (2^30 on mlx5).
 pub const MAX_READ: u64 = 1 << 31;
 
 /// One signaled `IBV_WR_RDMA_READ`.
@@ -48,7 +48,8 @@ pub struct ReadWr {
 }
 
 /// Builds the read of `remote` into `local` ranges `(addr, len)`: the remote rkey from the
-/// peer's advertised regions, local SGEs split at this NIC's region boundaries.
+/// peer's advertised regions, local SGEs split at this NIC's region boundaries; at most
+/// `max_msg` bytes (the port's `max_msg_sz`; callers cut longer reads first).
 pub fn build_read(
     wr_id: u64,
     remote: &RemoteDescriptor,
@@ -56,11 +57,14 @@ pub fn build_read(
     remote_keys: &KeyMap,
     local_keys: &KeyMap,
     max_sge: u32,
+    max_msg: u64,
 ) -> Result<ReadWr, WorkError> {
-    if remote.len > MAX_READ {
+    let max = max_msg.min(MAX_READ);
+    if remote.len > max {
         return Err(WorkError::TooLong {
             wr_id,
             len: remote.len,
+            max,
         });
     }
     let local_len: u64 = local.iter().map(|r| r.1).sum();
@@ -90,29 +94,6 @@ pub fn build_read(
         rkey,
         sges,
     })
-}
-
-/// Builds the read of `remote` straight into a request's checked destination: the SGEs name
-/// the destination ranges themselves (host pool slots or device KV), with the local keys of
-/// this NIC's registrations of those regions. There is no staging buffer: a destination not
-/// registered on the NIC is refused (`WorkError::Local`), never bounced through host memory.
-#[cfg_attr(not(feature = "verbs"), allow(dead_code))] // the rdma-core provider is its caller
-pub(crate) fn build_read_into(
-    wr_id: u64,
-    remote: &RemoteDescriptor,
-    scatter: &Scatter,
-    remote_keys: &KeyMap,
-    local_keys: &KeyMap,
-    max_sge: u32,
-) -> Result<ReadWr, WorkError> {
-    build_read(
-        wr_id,
-        remote,
-        &scatter.ranges(),
-        remote_keys,
-        local_keys,
-        max_sge,
-    )
 }
 
 /// `ibv_wc_status` codes (stable ABI values from `verbs.h`).
@@ -204,6 +185,7 @@ mod tests {
             &remote,
             &local,
             4,
+            1 << 30,
         )
         .unwrap();
         assert_eq!(wr.rkey, 0xaa);
@@ -220,7 +202,8 @@ mod tests {
                 &[(0x8f00, 0x200), (0x8000, 0x100)],
                 &remote,
                 &local,
-                2
+                2,
+                1 << 30
             ),
             Err(WorkError::TooManySges { sges: 3, .. })
         ));
@@ -231,7 +214,8 @@ mod tests {
                 &[(0x8000, 0x100)],
                 &remote,
                 &local,
-                4
+                4,
+                1 << 30
             ),
             Err(WorkError::LengthMismatch { .. })
         ));
@@ -242,7 +226,8 @@ mod tests {
                 &[(0x8000, 0x200)],
                 &remote,
                 &local,
-                4
+                4,
+                1 << 30
             ),
             Err(WorkError::Remote { .. })
         ));
@@ -253,7 +238,8 @@ mod tests {
                 &[(0xa000, 0x10)],
                 &remote,
                 &local,
-                4
+                4,
+                1 << 30
             ),
             Err(WorkError::Local { .. })
         ));
@@ -266,6 +252,7 @@ mod tests {
         use crate::descriptor::LocalSegment;
         use crate::mr_table::{Access, MrTable};
         use crate::region::HostRegion;
+        use crate::scatter::Scatter;
         use crate::verbs::registration::split;
         use std::sync::Arc;
 
@@ -298,7 +285,16 @@ mod tests {
             },
         ];
         let scatter = Scatter::resolve(&table, &segs).unwrap();
-        let wr = build_read_into(9, &rd(0x1_0000, 256), &scatter, &remote, &nic, 4).unwrap();
+        let wr = build_read(
+            9,
+            &rd(0x1_0000, 256),
+            &scatter.ranges(),
+            &remote,
+            &nic,
+            4,
+            1 << 30,
+        )
+        .unwrap();
         let sges: Vec<_> = wr.sges.iter().map(|s| (s.addr, s.len, s.lkey)).collect();
         assert_eq!(
             sges,
@@ -324,9 +320,40 @@ mod tests {
         )
         .unwrap();
         assert!(matches!(
-            build_read_into(10, &rd(0x1_0000, 256), &scatter, &remote, &nic, 4),
+            build_read(
+                10,
+                &rd(0x1_0000, 256),
+                &scatter.ranges(),
+                &remote,
+                &nic,
+                4,
+                1 << 30
+            ),
             Err(WorkError::Local { wr_id: 10, .. })
         ));
+    }
+
+    #[test]
+    fn reads_longer_than_max_msg_sz_are_refused() {
+        let (remote, local) = maps();
+        let e = build_read(
+            3,
+            &rd(0x1_0000, 0x200),
+            &[(0x8000, 0x200)],
+            &remote,
+            &local,
+            4,
+            0x100,
+        )
+        .unwrap_err();
+        assert_eq!(
+            e,
+            WorkError::TooLong {
+                wr_id: 3,
+                len: 0x200,
+                max: 0x100
+            }
+        );
     }
 
     #[test]
