@@ -226,6 +226,9 @@ pub struct NodeConfig {
     pub verbs: Option<crate::nic::VerbsSection>,
     /// Deadlines, breaker and reconcile of a Redis directory (`[directory]`).
     pub directory: DirectoryConfig,
+    /// The SSD tier behind the host pool (`[ssd]`); absent: RAM only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ssd: Option<crate::ssd::SsdConfig>,
     /// The `kvferry` binary's log level and format (`[log]`).
     pub log: crate::log_config::LogSection,
 }
@@ -485,6 +488,7 @@ impl Default for NodeConfig {
             nic: Vec::new(),
             verbs: None,
             directory: DirectoryConfig::default(),
+            ssd: None,
             log: crate::log_config::LogSection::default(),
         }
     }
@@ -805,6 +809,9 @@ impl NodeConfig {
             e.validate(&self.node_id)?;
         }
         self.directory.validate()?;
+        if let Some(ssd) = &self.ssd {
+            ssd.validate(self.pool.slot_bytes.0)?;
+        }
         self.log.validate()?;
         self.check_listeners_differ()?;
         crate::nic::config::validate_node_nics(&self.nic, self.verbs.as_ref())

@@ -21,6 +21,7 @@ pub mod pool;
 pub mod registry;
 pub mod remote;
 pub mod rpc;
+pub mod ssd;
 pub mod store;
 pub mod suffix;
 pub mod transfer;

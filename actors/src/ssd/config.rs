@@ -1,0 +1,171 @@
+//! `[ssd]`: the directories (one per disk) the SSD tier keeps blocks in, and how it writes.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{ByteSize, ConfigError};
+
+use super::format;
+
+/// The deepest io_uring queue a directory may ask for (a ring of this many entries is a few
+/// hundred KiB of kernel memory; deeper queues buy nothing on one NVMe disk).
+pub const MAX_QUEUE_DEPTH: u32 = 1024;
+
+/// The most directories one node spreads its blocks over.
+pub const MAX_DIRS: usize = 64;
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case", default)]
+pub struct SsdConfig {
+    /// One `[[ssd.dir]]` per disk; blocks are spread over them.
+    pub dir: Vec<SsdDir>,
+    /// Reads and writes in flight per directory.
+    pub queue_depth: u32,
+    /// Write every sealed block to disk as it seals (not only when RAM evicts it): a restart
+    /// or a crash then loses nothing that was sealed, at the cost of writing every block once.
+    pub write_through: bool,
+    /// Open block files with `O_DIRECT` where the filesystem allows it (tmpfs does not: there
+    /// the tier falls back to buffered I/O and says so in the log).
+    pub direct_io: bool,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct SsdDir {
+    /// Created if missing; holds one block file (`kvferry-blocks.dat`).
+    pub path: PathBuf,
+    /// The most this directory's block file may take (whole block slots of it are used).
+    pub capacity: ByteSize,
+}
+
+impl Default for SsdConfig {
+    fn default() -> Self {
+        Self {
+            dir: Vec::new(),
+            queue_depth: 32,
+            write_through: false,
+            direct_io: true,
+        }
+    }
+}
+
+impl SsdConfig {
+    /// Range and cross-field checks; `slot_bytes` is the host pool's slot size (the largest
+    /// block the node holds, so the size of one block slot on disk).
+    pub fn validate(&self, slot_bytes: u64) -> Result<(), ConfigError> {
+        let invalid = |key, reason: String| Err(ConfigError::Invalid { key, reason });
+        if self.dir.is_empty() {
+            return invalid(
+                "ssd.dir",
+                "[ssd] needs at least one [[ssd.dir]] with a path and a capacity".into(),
+            );
+        }
+        if self.dir.len() > MAX_DIRS {
+            return invalid(
+                "ssd.dir",
+                format!("{} directories, at most {MAX_DIRS}", self.dir.len()),
+            );
+        }
+        if self.queue_depth == 0 || self.queue_depth > MAX_QUEUE_DEPTH {
+            return invalid(
+                "ssd.queue-depth",
+                format!(
+                    "{} must be between 1 and {MAX_QUEUE_DEPTH}",
+                    self.queue_depth
+                ),
+            );
+        }
+        let stride = format::slot_stride(slot_bytes);
+        for (i, d) in self.dir.iter().enumerate() {
+            if !d.path.is_absolute() {
+                return invalid(
+                    "ssd.dir.path",
+                    format!("{} is not an absolute path", d.path.display()),
+                );
+            }
+            if self.dir[..i].iter().any(|o| o.path == d.path) {
+                return invalid(
+                    "ssd.dir.path",
+                    format!("{} is listed twice", d.path.display()),
+                );
+            }
+            if format::slots_for(d.capacity.0, stride) == 0 {
+                return invalid(
+                    "ssd.dir.capacity",
+                    format!(
+                        "{} of {} holds no block: one takes {} on disk (pool.slot-bytes and \
+                         a 4 KiB header), plus a 4 KiB file header",
+                        d.capacity,
+                        d.path.display(),
+                        ByteSize(stride)
+                    ),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<SsdConfig, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn keys_are_kebab_case_and_unknown_ones_refused() {
+        let c = parse(
+            "queue-depth = 8\nwrite-through = true\n[[dir]]\npath = \"/d\"\ncapacity = \"1GiB\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.queue_depth, 8);
+        assert!(c.write_through && c.direct_io);
+        assert_eq!(c.dir[0].capacity, ByteSize(1 << 30));
+        c.validate(1 << 20).unwrap();
+        let e = parse("queue_depth = 8\n").unwrap_err();
+        assert!(e.contains("unknown field"), "{e}");
+        let e = parse("[[dir]]\npath = \"/d\"\ncapacity = 1\nsize = 2\n").unwrap_err();
+        assert!(e.contains("unknown field"), "{e}");
+    }
+
+    #[test]
+    fn validate_names_the_key() {
+        let ok = SsdConfig {
+            dir: vec![SsdDir {
+                path: "/d".into(),
+                capacity: ByteSize(1 << 30),
+            }],
+            ..Default::default()
+        };
+        let key = |c: &SsdConfig| match c.validate(1 << 20) {
+            Err(ConfigError::Invalid { key, .. }) => key,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(key(&SsdConfig::default()), "ssd.dir");
+        let mut c = ok.clone();
+        c.queue_depth = 0;
+        assert_eq!(key(&c), "ssd.queue-depth");
+        c.queue_depth = MAX_QUEUE_DEPTH + 1;
+        assert_eq!(key(&c), "ssd.queue-depth");
+        let mut c = ok.clone();
+        c.dir[0].path = "rel".into();
+        assert_eq!(key(&c), "ssd.dir.path");
+        let mut c = ok.clone();
+        c.dir.push(c.dir[0].clone());
+        assert_eq!(key(&c), "ssd.dir.path");
+        let mut c = ok.clone();
+        c.dir[0].capacity = ByteSize(1 << 20);
+        assert_eq!(
+            key(&c),
+            "ssd.dir.capacity",
+            "one 1 MiB block needs more than 1 MiB"
+        );
+        // Huge values do not overflow.
+        let mut c = ok;
+        c.dir[0].capacity = ByteSize(u64::MAX);
+        c.validate(crate::config::MAX_SLOT_BYTES).unwrap();
+    }
+}

@@ -1,0 +1,723 @@
+//! The SSD tier as the block store drives it: the index of what is on disk (on the store's
+//! thread) and one I/O thread per directory (the disk). Opening it scans every directory's
+//! file, so a node restarted on the same directories finds its blocks again.
+
+use std::path::PathBuf;
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use tokio::sync::oneshot;
+
+use super::config::SsdConfig;
+use super::error::SsdError;
+use super::format::{self, BlockHeader, FileHeader, HEADER};
+use super::index::{Entry, Loc, NoSlot, SsdIndex};
+use super::io::{open_file, AlignedBuf, DirIo, IoMode, Op, ReadInto, ReadOutcome};
+use super::metrics::{SsdDirStats, SsdMetrics, SsdStats};
+use crate::model::BlockKey;
+
+struct DirHandle {
+    path: PathBuf,
+    tx: Option<mpsc::Sender<Op>>,
+    thread: Option<JoinHandle<()>>,
+    mode: IoMode,
+}
+
+/// A write the store queued: its completion goes back to [`SsdTier::write_done`].
+#[derive(Debug)]
+pub struct PendingWrite {
+    pub key: BlockKey,
+    pub loc: Loc,
+}
+
+/// Where a write's result arrives.
+pub type WriteRx = oneshot::Receiver<Result<(), SsdError>>;
+/// Where a read's outcome arrives.
+pub type ReadRx = oneshot::Receiver<ReadOutcome>;
+
+/// A read the store queued: its outcome goes back to [`SsdTier::read_done`].
+#[derive(Debug)]
+pub struct PendingRead {
+    pub key: BlockKey,
+    pub loc: Loc,
+    pub len: u64,
+}
+
+pub struct SsdTier {
+    dirs: Vec<DirHandle>,
+    index: SsdIndex,
+    stride: u64,
+    write_through: bool,
+    metrics: Arc<SsdMetrics>,
+    recovered: usize,
+}
+
+impl std::fmt::Debug for SsdTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SsdTier")
+            .field("dirs", &self.dirs.len())
+            .field("blocks", &self.index.len())
+            .finish()
+    }
+}
+
+impl SsdTier {
+    /// Opens every directory (creating what is missing), scans what is on disk and starts
+    /// the I/O threads. `slot_bytes` is the host pool's slot size: the largest block.
+    pub fn open(cfg: &SsdConfig, slot_bytes: u64) -> Result<Self, SsdError> {
+        let t0 = Instant::now();
+        let stride = format::slot_stride(slot_bytes);
+        let mut dirs = Vec::with_capacity(cfg.dir.len());
+        let mut slots = Vec::with_capacity(cfg.dir.len());
+        let mut found = Vec::new();
+        for (d, dir) in cfg.dir.iter().enumerate() {
+            std::fs::create_dir_all(&dir.path).map_err(|source| SsdError::Open {
+                path: dir.path.clone(),
+                op: "creating the directory",
+                source,
+            })?;
+            let path = dir.path.join(format::FILE_NAME);
+            let (file, direct) = open_file(&path, cfg.direct_io)?;
+            let n = format::slots_for(dir.capacity.0, stride);
+            let (mut io, uring) = DirIo::new(path.clone(), file, direct.is_ok(), cfg.queue_depth);
+            let mode = IoMode { direct, uring };
+            match (&mode.direct, &mode.uring) {
+                (Ok(()), Ok(())) => tracing::info!(dir = %dir.path.display(), slots = n,
+                    "ssd: O_DIRECT with io_uring"),
+                (direct, uring) => tracing::warn!(dir = %dir.path.display(), slots = n,
+                    o_direct = %direct.as_ref().err().map_or("on", |s| s.as_str()),
+                    io_uring = %uring.as_ref().err().map_or("on", |s| s.as_str()),
+                    "ssd: falling back (buffered I/O and/or pread/pwrite): slower, same format"),
+            }
+            let scanned = prepare_file(&mut io, &path, stride, n, |slot, h| {
+                found.push((Loc { dir: d, slot }, h.key, h.tp, h.len, h.seq));
+            })?;
+            tracing::info!(dir = %dir.path.display(), blocks = scanned, "ssd: scanned");
+            let (tx, rx) = mpsc::channel();
+            let thread = std::thread::Builder::new()
+                .name(format!("kvferry-ssd-{d}"))
+                .spawn(move || io.run(rx))
+                .map_err(|source| SsdError::Open {
+                    path: dir.path.clone(),
+                    op: "spawning its I/O thread",
+                    source,
+                })?;
+            dirs.push(DirHandle {
+                path: dir.path.clone(),
+                tx: Some(tx),
+                thread: Some(thread),
+                mode,
+            });
+            slots.push(n);
+        }
+        let index = SsdIndex::recover(&slots, found);
+        let recovered = index.len();
+        tracing::info!(
+            blocks = recovered,
+            seconds = t0.elapsed().as_secs_f64(),
+            "ssd: tier open"
+        );
+        Ok(Self {
+            dirs,
+            index,
+            stride,
+            write_through: cfg.write_through,
+            metrics: Arc::new(SsdMetrics::default()),
+            recovered,
+        })
+    }
+
+    pub fn metrics(&self) -> &Arc<SsdMetrics> {
+        &self.metrics
+    }
+
+    pub fn write_through(&self) -> bool {
+        self.write_through
+    }
+
+    /// Blocks a restart found on disk.
+    pub fn recovered(&self) -> usize {
+        self.recovered
+    }
+
+    pub fn modes(&self) -> Vec<IoMode> {
+        self.dirs.iter().map(|d| d.mode.clone()).collect()
+    }
+
+    pub fn contains(&self, key: &BlockKey) -> bool {
+        self.index.contains(key)
+    }
+
+    pub fn entry(&self, key: &BlockKey) -> Option<&Entry> {
+        self.index.get(key)
+    }
+
+    pub fn keys(&self) -> impl Iterator<Item = &BlockKey> {
+        self.index.keys()
+    }
+
+    /// Queues a write of a `len`-byte block that `fill` copies into place. Returns the
+    /// write and the block whose disk slot it takes (it left the tier), or None when the
+    /// block is on disk already or every slot is busy.
+    pub fn write(
+        &mut self,
+        key: &BlockKey,
+        tp: u32,
+        len: u64,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Option<(PendingWrite, WriteRx, Option<BlockKey>)> {
+        if len + HEADER > self.stride {
+            return None;
+        }
+        let plan = match self.index.begin_write(key, tp, len) {
+            Ok(p) => p,
+            Err(NoSlot::Present) => return None,
+            Err(NoSlot::AllBusy) => {
+                self.metrics
+                    .writes_skipped
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                return None;
+            }
+        };
+        let mut buf = AlignedBuf::new((HEADER + format::round_up(len)) as usize);
+        {
+            let b = buf.as_mut_slice();
+            let (head, data) = b.split_at_mut(HEADER as usize);
+            let data = &mut data[..len as usize];
+            fill(data);
+            BlockHeader::new(key.clone(), tp, data, plan.seq).encode(head);
+        }
+        let (reply, done) = oneshot::channel();
+        let op = Op::Write {
+            offset: format::slot_offset(plan.loc.slot, self.stride),
+            buf,
+            reply,
+        };
+        if !self.send(plan.loc.dir, op) {
+            self.index.end_write(key, plan.loc, false, false);
+            return None;
+        }
+        Some((
+            PendingWrite {
+                key: key.clone(),
+                loc: plan.loc,
+            },
+            done,
+            plan.evicted,
+        ))
+    }
+
+    fn send(&self, dir: usize, op: Op) -> bool {
+        self.dirs
+            .get(dir)
+            .and_then(|d| d.tx.as_ref())
+            .is_some_and(|tx| tx.send(op).is_ok())
+    }
+
+    /// A queued write finished. Returns false when the block did not make it to disk.
+    pub fn write_done(&mut self, w: &PendingWrite, out: Result<(), SsdError>) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        match out {
+            Ok(()) => {
+                self.metrics.writes.fetch_add(1, Relaxed);
+                self.metrics.write_bytes.fetch_add(self.stride, Relaxed);
+                self.index.end_write(&w.key, w.loc, true, false);
+                true
+            }
+            Err(e) => {
+                let full = e.is_disk_full();
+                self.metrics.write_errors.fetch_add(1, Relaxed);
+                if full {
+                    // Logged once per directory: from now on it only reuses its slots.
+                    if self.metrics.disk_full.fetch_add(1, Relaxed) == 0 {
+                        tracing::warn!(error = %e, "ssd: disk full; this directory keeps the \
+                            blocks it has and evicts to make room; RAM is unaffected");
+                    }
+                } else {
+                    tracing::warn!(error = %e, "ssd: block write failed; the block stays in RAM only");
+                }
+                self.index.end_write(&w.key, w.loc, false, full);
+                false
+            }
+        }
+    }
+
+    /// Queues a read of a block into pool memory the caller holds a writer pin on (the I/O
+    /// thread writes there until the read is done). None if the block is not on disk.
+    pub fn read(&mut self, key: &BlockKey, into: ReadInto) -> Option<(PendingRead, ReadRx)> {
+        let e = self.index.begin_read(key)?;
+        if e.len > into.cap {
+            self.index.end_read(key, e.loc, true);
+            return None;
+        }
+        let (reply, done) = oneshot::channel();
+        let op = Op::Read {
+            offset: format::slot_offset(e.loc.slot, self.stride),
+            key: key.clone(),
+            len: e.len,
+            into,
+            reply,
+        };
+        if !self.send(e.loc.dir, op) {
+            self.index.end_read(key, e.loc, true);
+            return None;
+        }
+        Some((
+            PendingRead {
+                key: key.clone(),
+                loc: e.loc,
+                len: e.len,
+            },
+            done,
+        ))
+    }
+
+    /// A queued read finished; true when its bytes are good. A damaged block leaves the
+    /// tier (returns its key in `gone` when this removed it, to withdraw it).
+    pub fn read_done(&mut self, r: &PendingRead, out: Option<ReadOutcome>) -> (bool, bool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        match out {
+            Some(ReadOutcome::Ok) => {
+                self.metrics.reads.fetch_add(1, Relaxed);
+                self.metrics.read_bytes.fetch_add(r.len, Relaxed);
+                self.index.end_read(&r.key, r.loc, true);
+                (true, false)
+            }
+            Some(ReadOutcome::Damaged(d)) => {
+                self.metrics.damaged(d);
+                tracing::warn!(dir = %self.dir_path(r.loc.dir), slot = r.loc.slot,
+                    damage = d.as_str(), key = ?r.key,
+                    "ssd: damaged block on disk: a miss, dropped from the tier");
+                let gone = self.index.end_read(&r.key, r.loc, false);
+                (false, gone)
+            }
+            Some(ReadOutcome::Failed(e)) => {
+                self.metrics.read_errors.fetch_add(1, Relaxed);
+                tracing::warn!(error = %e, "ssd: block read failed: a miss");
+                let gone = self.index.end_read(&r.key, r.loc, false);
+                (false, gone)
+            }
+            None => {
+                self.index.end_read(&r.key, r.loc, true);
+                (false, false)
+            }
+        }
+    }
+
+    fn dir_path(&self, d: usize) -> String {
+        self.dirs
+            .get(d)
+            .map_or_else(String::new, |d| d.path.display().to_string())
+    }
+
+    /// Replies once every read and write queued so far has finished.
+    pub fn barrier(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let waits: Vec<_> = (0..self.dirs.len())
+            .filter_map(|d| {
+                let (reply, rx) = oneshot::channel();
+                self.send(d, Op::Barrier { reply }).then_some(rx)
+            })
+            .collect();
+        async move {
+            for w in waits {
+                let _ = w.await;
+            }
+        }
+    }
+
+    pub fn stats(&self) -> SsdStats {
+        let mut s = SsdStats {
+            blocks: self.index.len(),
+            capacity_blocks: self.index.capacity(),
+            evictions: self.index.evictions,
+            recovered: self.recovered,
+            dirs: self
+                .dirs
+                .iter()
+                .map(|d| SsdDirStats {
+                    path: d.path.display().to_string(),
+                    direct: d.mode.direct.is_ok(),
+                    uring: d.mode.uring.is_ok(),
+                })
+                .collect(),
+            ..Default::default()
+        };
+        s.fill(&self.metrics);
+        s
+    }
+}
+
+impl Drop for SsdTier {
+    /// Finishes every queued write before the node is gone: a clean stop loses nothing.
+    fn drop(&mut self) {
+        for d in &mut self.dirs {
+            d.tx = None;
+        }
+        for d in &mut self.dirs {
+            if let Some(t) = d.thread.take() {
+                let _ = t.join();
+            }
+            if let Ok(f) = std::fs::File::open(d.path.join(format::FILE_NAME)) {
+                let _ = f.sync_data();
+            }
+        }
+    }
+}
+
+/// Checks (or writes) the file header and sizes the file to `slots` slots, then scans the
+/// slots' headers. A file of another geometry is started afresh (with a warning). Returns
+/// how many blocks the scan found.
+fn prepare_file(
+    io: &mut DirIo,
+    path: &std::path::Path,
+    stride: u64,
+    slots: u64,
+    mut seen: impl FnMut(u64, BlockHeader),
+) -> Result<usize, SsdError> {
+    let os = |op: &'static str| {
+        move |source| SsdError::Open {
+            path: path.into(),
+            op,
+            source,
+        }
+    };
+    let mut head = AlignedBuf::new(HEADER as usize);
+    let len = io.file().metadata().map_err(os("stat"))?.len();
+    let existing = if len >= HEADER {
+        use std::os::unix::fs::FileExt;
+        io.file()
+            .read_exact_at(head.as_mut_slice(), 0)
+            .map_err(os("reading the file header"))?;
+        FileHeader::decode(head.as_slice())
+    } else {
+        None
+    };
+    let keep = match existing {
+        Some(h) if h.stride == stride => h.slots.min(slots),
+        Some(h) => {
+            tracing::warn!(file = %path.display(), old_stride = h.stride, stride,
+                "ssd: block file written for another pool.slot-bytes; starting it afresh");
+            0
+        }
+        None if len > 0 => {
+            tracing::warn!(file = %path.display(), "ssd: no valid file header; starting it afresh");
+            0
+        }
+        None => 0,
+    };
+    if keep == 0 {
+        io.file().set_len(0).map_err(os("truncating"))?;
+    }
+    io.file()
+        .set_len(format::slot_offset(slots, stride))
+        .map_err(os("sizing"))?;
+    FileHeader { stride, slots }.encode(head.as_mut_slice());
+    {
+        use std::os::unix::fs::FileExt;
+        io.file()
+            .write_all_at(head.as_slice(), 0)
+            .map_err(os("writing the file header"))?;
+    }
+    let mut n = 0;
+    io.scan(
+        keep,
+        |s| format::slot_offset(s, stride),
+        |slot, b| {
+            if let Ok(h) = BlockHeader::decode(b) {
+                if h.len + HEADER <= stride {
+                    n += 1;
+                    seen(slot, h);
+                }
+            }
+        },
+    );
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ByteSize;
+    use crate::model::{BlockHash, Namespace};
+    use crate::ssd::config::SsdDir;
+    use crate::ssd::format::Damage;
+    use std::path::Path;
+
+    const SLOT: u64 = 64 << 10;
+
+    fn key(i: u64) -> BlockKey {
+        BlockKey {
+            namespace: Namespace::new("m", "bf16", "t").unwrap(),
+            hash: BlockHash::from_u64(i),
+        }
+    }
+
+    fn data(i: u64, len: usize) -> Vec<u8> {
+        (0..len).map(|j| (i as usize * 31 + j * 7) as u8).collect()
+    }
+
+    /// A fresh directory under `base` (removed first if a failed run left it).
+    fn fresh(base: &str, name: &str) -> PathBuf {
+        let p = Path::new(base).join(format!("kvferry-ssd-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        p
+    }
+
+    fn cfg(dirs: &[&Path], blocks: u64) -> SsdConfig {
+        SsdConfig {
+            dir: dirs
+                .iter()
+                .map(|p| SsdDir {
+                    path: p.to_path_buf(),
+                    capacity: ByteSize(HEADER + blocks * format::slot_stride(SLOT)),
+                })
+                .collect(),
+            queue_depth: 4,
+            ..Default::default()
+        }
+    }
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    async fn put(t: &mut SsdTier, i: u64, len: usize) -> (bool, Option<BlockKey>) {
+        let d = data(i, len);
+        let Some((w, rx, evicted)) = t.write(&key(i), 2, len as u64, |dst| dst.copy_from_slice(&d))
+        else {
+            return (false, None);
+        };
+        let out = rx.await.unwrap();
+        (t.write_done(&w, out), evicted)
+    }
+
+    /// Reads block `i` into a fresh buffer: the outcome and the bytes.
+    async fn get(t: &mut SsdTier, i: u64) -> (bool, Vec<u8>) {
+        let buf = Arc::new(AlignedBuf::new(SLOT as usize));
+        let into = ReadInto {
+            addr: buf.as_slice().as_ptr() as u64,
+            cap: SLOT,
+            keep: Arc::clone(&buf) as Arc<dyn Send + Sync>,
+        };
+        let Some((r, rx)) = t.read(&key(i), into) else {
+            return (false, Vec::new());
+        };
+        let out = rx.await.ok();
+        let (ok, _) = t.read_done(&r, out);
+        (ok, buf.as_slice()[..r.len as usize].to_vec())
+    }
+
+    /// Both I/O paths: O_DIRECT where /tmp allows it, and the buffered fallback on tmpfs.
+    fn round_trip_and_restart(base: &str, expect_direct: bool) {
+        let dir = fresh(base, "rt");
+        rt().block_on(async {
+            let mut t = SsdTier::open(&cfg(&[&dir], 8), SLOT).unwrap();
+            assert_eq!(
+                t.modes()[0].direct.is_ok(),
+                expect_direct,
+                "{:?}",
+                t.modes()
+            );
+            for i in 0..5u64 {
+                // Odd lengths: padding is not part of the block.
+                assert!(put(&mut t, i, 1000 + i as usize * 4099).await.0);
+            }
+            for i in 0..5u64 {
+                let (ok, bytes) = get(&mut t, i).await;
+                assert!(ok);
+                assert_eq!(bytes, data(i, 1000 + i as usize * 4099), "block {i}");
+            }
+            assert_eq!(t.stats().writes, 5);
+            drop(t);
+            // Restart on the same directory: every block is found by the scan.
+            let mut t = SsdTier::open(&cfg(&[&dir], 8), SLOT).unwrap();
+            assert_eq!(t.recovered(), 5);
+            for i in 0..5u64 {
+                let (ok, bytes) = get(&mut t, i).await;
+                assert!(
+                    ok && bytes == data(i, 1000 + i as usize * 4099),
+                    "block {i}"
+                );
+            }
+        });
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn o_direct_round_trip_and_restart_on_tmp() {
+        // /tmp is a disk filesystem here (ext4); where it is tmpfs this asserts the fallback.
+        let direct = !is_tmpfs("/tmp");
+        round_trip_and_restart("/tmp", direct);
+    }
+
+    /// tmpfs: O_DIRECT where the kernel allows it on tmpfs (6.6 and later), else the
+    /// buffered fallback; either way the same bytes come back.
+    #[test]
+    fn tmpfs_round_trip_and_restart() {
+        assert!(
+            is_tmpfs("/dev/shm"),
+            "/dev/shm is tmpfs on every supported host"
+        );
+        let probe = fresh("/dev/shm", "probe");
+        let direct = super::super::io::open_file(&probe, true)
+            .map(|(_, d)| d.is_ok())
+            .unwrap();
+        let _ = std::fs::remove_file(&probe);
+        round_trip_and_restart("/dev/shm", direct);
+    }
+
+    /// The fallback path end to end: buffered I/O (what a filesystem without O_DIRECT gets).
+    #[test]
+    fn buffered_io_round_trip_and_restart() {
+        let dir = fresh("/tmp", "buffered");
+        rt().block_on(async {
+            let mut c = cfg(&[&dir], 4);
+            c.direct_io = false;
+            let mut t = SsdTier::open(&c, SLOT).unwrap();
+            assert!(t.modes()[0].direct.is_err());
+            assert!(put(&mut t, 7, 12345).await.0);
+            drop(t);
+            let mut t = SsdTier::open(&c, SLOT).unwrap();
+            let (ok, bytes) = get(&mut t, 7).await;
+            assert!(ok && bytes == data(7, 12345));
+        });
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn is_tmpfs(path: &str) -> bool {
+        let c = std::ffi::CString::new(path).unwrap();
+        // SAFETY: a zeroed statfs is a valid out-parameter; the path is NUL-terminated.
+        let mut s: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let rc = unsafe { libc::statfs(c.as_ptr(), &mut s) };
+        rc == 0 && s.f_type == libc::TMPFS_MAGIC
+    }
+
+    #[test]
+    fn a_flipped_byte_is_a_miss_counted_and_dropped() {
+        let dir = fresh("/tmp", "corrupt");
+        rt().block_on(async {
+            let mut t = SsdTier::open(&cfg(&[&dir], 4), SLOT).unwrap();
+            assert!(put(&mut t, 1, 5000).await.0);
+            assert!(put(&mut t, 2, 5000).await.0);
+            let loc = t.entry(&key(1)).unwrap().loc;
+            drop(t);
+            // Flip one byte of block 1's bytes on disk, behind the tier's back.
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(dir.join(format::FILE_NAME))
+                .unwrap();
+            use std::os::unix::fs::FileExt;
+            let at = format::slot_offset(loc.slot, format::slot_stride(SLOT)) + HEADER + 1234;
+            let mut b = [0u8; 1];
+            f.read_exact_at(&mut b, at).unwrap();
+            f.write_all_at(&[b[0] ^ 0x40], at).unwrap();
+            f.sync_all().unwrap();
+            let mut t = SsdTier::open(&cfg(&[&dir], 4), SLOT).unwrap();
+            assert_eq!(t.recovered(), 2, "the header is intact: found by the scan");
+            let (ok, _) = get(&mut t, 1).await;
+            assert!(!ok, "corrupt bytes are never served");
+            assert_eq!(t.stats().damaged, [0, 0, 1]);
+            assert!(!t.contains(&key(1)), "dropped from the tier");
+            let (ok, bytes) = get(&mut t, 2).await;
+            assert!(ok && bytes == data(2, 5000));
+            // Its slot is reused.
+            assert!(put(&mut t, 3, 5000).await.0);
+        });
+        std::fs::remove_dir_all(&dir).unwrap();
+        let _ = Damage::Checksum;
+    }
+
+    #[test]
+    fn capacity_evicts_the_least_recently_used() {
+        let (a, b) = (fresh("/tmp", "lru-a"), fresh("/dev/shm", "lru-b"));
+        rt().block_on(async {
+            let mut t = SsdTier::open(&cfg(&[&a, &b], 2), SLOT).unwrap();
+            for i in 0..4 {
+                assert_eq!(put(&mut t, i, 3000).await, (true, None));
+            }
+            assert!(get(&mut t, 0).await.0, "block 0 is now the youngest");
+            assert_eq!(put(&mut t, 4, 3000).await, (true, Some(key(1))));
+            assert_eq!(put(&mut t, 5, 3000).await, (true, Some(key(2))));
+            let s = t.stats();
+            assert_eq!((s.blocks, s.capacity_blocks, s.evictions), (4, 4, 2));
+            for i in [0, 3, 4, 5] {
+                let (ok, bytes) = get(&mut t, i).await;
+                assert!(ok && bytes == data(i, 3000), "block {i}");
+            }
+            assert!(!get(&mut t, 1).await.0);
+        });
+        std::fs::remove_dir_all(&a).unwrap();
+        std::fs::remove_dir_all(&b).unwrap();
+    }
+
+    #[test]
+    fn another_slot_size_starts_the_file_afresh() {
+        let dir = fresh("/tmp", "geometry");
+        rt().block_on(async {
+            let mut t = SsdTier::open(&cfg(&[&dir], 4), SLOT).unwrap();
+            assert!(put(&mut t, 1, 5000).await.0);
+            drop(t);
+            let mut c = cfg(&[&dir], 4);
+            c.dir[0].capacity = ByteSize(HEADER + 4 * format::slot_stride(2 * SLOT));
+            let t = SsdTier::open(&c, 2 * SLOT).unwrap();
+            assert_eq!(t.recovered(), 0);
+        });
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A directory on a 1 MiB tmpfs configured for far more: writes fail with DiskFull,
+    /// what was written stays readable, and the directory reuses its written slots.
+    #[test]
+    fn disk_full_is_typed_and_the_tier_keeps_working() {
+        let dir = fresh("/tmp", "full");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+            .arg(&dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !mounted {
+            eprintln!("cannot mount a tmpfs here (not root?): disk full is not exercised");
+            let _ = std::fs::remove_dir_all(&dir);
+            return;
+        }
+        let out = std::panic::catch_unwind(|| {
+            rt().block_on(async {
+                let mut t = SsdTier::open(&cfg(&[&dir], 64), SLOT).unwrap();
+                let mut written = 0;
+                let mut full = 0;
+                for i in 0..64 {
+                    match put(&mut t, i, SLOT as usize).await.0 {
+                        true => written += 1,
+                        false => full += 1,
+                    }
+                }
+                let s = t.stats();
+                // One write met the full disk; every later one reused a written slot.
+                assert_eq!((full, s.disk_full, s.write_errors), (1, 1, 1), "{s:?}");
+                assert_eq!(written, 63);
+                assert!(s.blocks >= 8 && s.blocks < 64, "{s:?}");
+                assert_eq!(s.capacity_blocks, s.blocks, "a full directory only reuses");
+                assert_eq!(s.evictions, 63 - s.blocks as u64);
+                // The newest written blocks are readable.
+                let last = (0..64).rev().find(|i| t.contains(&key(*i))).unwrap();
+                let (ok, bytes) = get(&mut t, last).await;
+                assert!(ok && bytes == data(last, SLOT as usize));
+                // And it keeps taking blocks by evicting, in place.
+                let (ok, evicted) = put(&mut t, 100, SLOT as usize).await;
+                assert!(ok && evicted.is_some());
+            })
+        });
+        let _ = std::process::Command::new("umount").arg(&dir).status();
+        let _ = std::fs::remove_dir_all(&dir);
+        if let Err(p) = out {
+            std::panic::resume_unwind(p);
+        }
+    }
+}
