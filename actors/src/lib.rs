@@ -12,6 +12,7 @@ pub mod error;
 pub mod keeper;
 pub mod lease;
 pub mod log_config;
+pub(crate) mod log_limit;
 pub mod metrics;
 pub mod model;
 pub mod nic;

@@ -173,6 +173,14 @@ impl Node {
                 c.attach_verbs(side);
             }
         }
+        tracing::info!(
+            node = %config.node_id,
+            slots = config.pool.size.0.checked_div(config.pool.slot_bytes.0).unwrap_or(0),
+            slot_bytes = config.pool.slot_bytes.0,
+            devices = devices.len(),
+            in_cluster = cluster.is_some(),
+            "node started"
+        );
         Ok(Self {
             inner: Arc::new(Inner {
                 keeper,
@@ -458,9 +466,12 @@ impl Inner {
         self.system.stop();
         let t = self.thread.lock().ok().and_then(|mut g| g.take());
         if let Some(t) = t {
+            // Once per node: a later stop (the last handle dropping) finds no thread.
+            tracing::info!(node = %self.config.node_id, "node stopping: its actors end");
             if std::thread::current().id() != t.thread().id() {
                 let _ = t.join();
             }
+            tracing::info!(node = %self.config.node_id, "node stopped");
         }
     }
 }

@@ -14,6 +14,9 @@ use kvferry_actors::log_config::{parse_directives, LogFormat, LogSection};
 
 static FORMAT: OnceLock<LogFormat> = OnceLock::new();
 
+/// The target of the lifecycle events in JSON format.
+const LIFECYCLE: &str = "kvferry::lifecycle";
+
 /// The filter in force: `RUST_LOG` (`env`) when set and not empty, else `level`.
 fn directives(
     env: Option<&str>,
@@ -36,6 +39,8 @@ pub fn init(section: &LogSection) -> anyhow::Result<String> {
     use tracing_subscriber::util::SubscriberInitExt;
     let env = std::env::var("RUST_LOG").ok();
     let (filter, shown) = directives(env.as_deref(), &section.level)?;
+    // The lifecycle lines are written whatever the level, as they are in text format.
+    let filter = filter.with_target(LIFECYCLE, tracing::Level::INFO);
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let registry = tracing_subscriber::registry().with(filter);
     match section.format {
@@ -52,7 +57,7 @@ pub fn init(section: &LogSection) -> anyhow::Result<String> {
 /// A lifecycle line with its stable text (see the module's note).
 pub fn lifecycle(line: &str) {
     match FORMAT.get() {
-        Some(LogFormat::Json) => tracing::info!(target: "kvferry::lifecycle", "{line}"),
+        Some(LogFormat::Json) => tracing::info!(target: LIFECYCLE, "{line}"),
         _ => eprintln!("{line}"),
     }
 }
@@ -60,7 +65,7 @@ pub fn lifecycle(line: &str) {
 /// The last line of a failed run: `kvferry: <cause>`.
 pub fn fatal(line: &str) {
     match FORMAT.get() {
-        Some(LogFormat::Json) => tracing::error!(target: "kvferry::lifecycle", "{line}"),
+        Some(LogFormat::Json) => tracing::error!(target: LIFECYCLE, "{line}"),
         _ => eprintln!("{line}"),
     }
 }

@@ -87,7 +87,7 @@ fn log_config_summary(cfg: &NodeConfig, log_filter: &str) {
             c.peers.len(),
             c.peer_listen.as_str(),
         ),
-        None => ("none", String::new(), 0, ""),
+        None => ("off", "off".to_owned(), 0, "off"),
     };
     tracing::info!(
         node = %cfg.node_id,
@@ -101,8 +101,8 @@ fn log_config_summary(cfg: &NodeConfig, log_filter: &str) {
         directory = %directory,
         peers,
         peer_listen,
-        engine = cfg.engine.as_ref().map_or("", |e| e.listen.as_str()),
-        metrics = %cfg.metrics.listen,
+        engine = cfg.engine.as_ref().map_or("off", |e| e.listen.as_str()),
+        metrics = if cfg.metrics.listen.is_empty() { "off" } else { cfg.metrics.listen.as_str() },
         nics = cfg.nic.len(),
         log = %log_filter,
         log_format = cfg.log.format.as_str(),

@@ -684,3 +684,86 @@ fn a_panicking_actor_ends_the_node_process_with_status_101() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// `[log] format = "json"`: every stderr line is one JSON object, the lifecycle lines among
+/// them with their usual text as the message (and written whatever the level); the start-up
+/// summary carries the effective config; `RUST_LOG` takes the place of `[log] level`.
+#[test]
+fn json_logs_keep_the_lifecycle_lines_and_rust_log_sets_the_level() {
+    for rust_log in [None, Some("warn")] {
+        let dir = std::env::temp_dir().join(format!(
+            "kvferry-cli-json-{}-{}",
+            std::process::id(),
+            rust_log.is_some()
+        ));
+        let cfg = standalone_config(&dir, "j", true);
+        let mut text = std::fs::read_to_string(&cfg).unwrap();
+        text.push_str("[log]\nlevel = \"info\"\nformat = \"json\"\n");
+        std::fs::write(&cfg, text).unwrap();
+        let env: Vec<(&str, &str)> = rust_log.iter().map(|l| ("RUST_LOG", *l)).collect();
+        let (mut child, rx) = start_node_reading_stderr(&cfg, &env);
+        let mut seen = Vec::new();
+        wait_for_line(&rx, "kvferry node j: started (pid ", &mut seen);
+        // SAFETY: signalling our own child process by its pid.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let status = child.wait().unwrap();
+        seen.extend(rx.iter());
+        assert!(status.success(), "{status:?}: {seen:#?}");
+        let events: Vec<serde_json::Value> = seen
+            .iter()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+            .collect();
+        let message = |e: &serde_json::Value| e["message"].as_str().unwrap_or("").to_owned();
+        assert_eq!(
+            events.last().map(message).as_deref(),
+            Some("kvferry node j: stopped"),
+            "{seen:#?}"
+        );
+        assert!(
+            events
+                .iter()
+                .any(|e| message(e) == "kvferry node j: stopping on SIGTERM"),
+            "{seen:#?}"
+        );
+        let summary = events
+            .iter()
+            .find(|e| message(e) == "starting with this config");
+        match rust_log {
+            None => {
+                let s = summary.unwrap_or_else(|| panic!("no summary: {seen:#?}"));
+                assert_eq!(s["node"], "j", "{s}");
+                assert_eq!(s["provider"], "tcp", "{s}");
+                assert_eq!(s["log_format"], "json", "{s}");
+            }
+            Some(_) => assert!(summary.is_none(), "RUST_LOG=warn hides info: {seen:#?}"),
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// A `[log] level` that is not a level is refused by `--check-config`, naming the key; a
+/// bad `RUST_LOG` stops the node at start with status 1.
+#[test]
+fn bad_log_levels_are_refused() {
+    let dir = std::env::temp_dir().join(format!("kvferry-cli-loglevel-{}", std::process::id()));
+    let cfg = standalone_config(&dir, "l", false);
+    let good = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, format!("{good}[log]\nlevel = \"wran\"\n")).unwrap();
+    let out = kvferry()
+        .args(["node", "--config", cfg.to_str().unwrap(), "--check-config"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("log.level") && err.contains("wran"), "{err}");
+    std::fs::write(&cfg, good).unwrap();
+    let out = kvferry()
+        .args(["node", "--config", cfg.to_str().unwrap()])
+        .env("RUST_LOG", "kvferry=loud")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("RUST_LOG"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

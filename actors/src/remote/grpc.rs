@@ -64,6 +64,11 @@ pub struct GrpcPeersConfig {
     pub data_listen: String,
 }
 
+/// How often a failing link to one peer is logged.
+const LINK_FAILURE_LOG_PERIOD: std::time::Duration = std::time::Duration::from_secs(10);
+static LINK_FAILURES: crate::log_limit::LogLimit =
+    crate::log_limit::LogLimit::new(LINK_FAILURE_LOG_PERIOD);
+
 fn remote(peer: &str, reason: impl Into<String>) -> NodeError {
     NodeError::Remote {
         peer: peer.to_owned(),
@@ -104,7 +109,36 @@ impl GrpcPeers {
         })
     }
 
+    /// [`Self::link_to`] with its outcome logged: one line per link made, and failures
+    /// at most every [`LINK_FAILURE_LOG_PERIOD`] per peer (a peer that is down fails every
+    /// plan that names it).
     async fn connect(&self, from: &str, to: &str) -> Result<Arc<dyn PeerLink>, NodeError> {
+        match self.link_to(from, to).await {
+            Ok(link) => {
+                tracing::info!(
+                    node = from,
+                    peer = to,
+                    provider = self.provider.as_str(),
+                    "peer linked"
+                );
+                Ok(link)
+            }
+            Err(e) => {
+                if let Some(held_back) = LINK_FAILURES.allow(to) {
+                    tracing::warn!(
+                        node = from,
+                        peer = to,
+                        error = %e,
+                        held_back,
+                        "peer link failed; plans read its blocks from elsewhere or not at all"
+                    );
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn link_to(&self, from: &str, to: &str) -> Result<Arc<dyn PeerLink>, NodeError> {
         let addr = self
             .peers
             .get(to)
@@ -219,6 +253,11 @@ impl Peers for GrpcPeers {
             .and_then(|c| c.get(to).map(PeerClient::restarted))
             .unwrap_or(false);
         if restarted {
+            tracing::warn!(
+                node = from,
+                peer = to,
+                "peer restarted (a new incarnation): re-linking"
+            );
             // Transfers still reading through the old link hold it; new plans get a new one.
             if let Ok(mut l) = self.links.lock() {
                 l.remove(to);

@@ -521,7 +521,9 @@ impl Shared {
                 Call::Heartbeat | Call::Probe => {}
             }
         }
-        let failed = match r {
+        // The breaker's transition is applied once the error is kept, so that its log line
+        // can say why it opened.
+        let (failed, transition) = match r {
             Ok(Ok(v)) => {
                 if call != Call::Probe {
                     lock(&self.breaker).on_success();
@@ -530,23 +532,24 @@ impl Shared {
             }
             Ok(Err(e)) => {
                 let msg = format!("redis at {}: {call:?} failed: {e}", self.addr);
-                if call != Call::Probe {
-                    self.transition(lock(&self.breaker).on_failure(now));
-                }
-                msg
+                let t = (call != Call::Probe)
+                    .then(|| lock(&self.breaker).on_failure(now))
+                    .flatten();
+                (msg, t)
             }
             Err(_) => {
                 let deadline = match call {
                     Call::Lookup => self.options.lookup_timeout,
                     _ => self.options.write_timeout,
                 };
-                if call != Call::Probe {
-                    self.transition(lock(&self.breaker).on_slow(now));
-                }
-                format!(
+                let t = (call != Call::Probe)
+                    .then(|| lock(&self.breaker).on_slow(now))
+                    .flatten();
+                let msg = format!(
                     "redis at {}: {call:?} missed its deadline of {deadline:?}",
                     self.addr
-                )
+                );
+                (msg, t)
             }
         };
         match call {
@@ -555,11 +558,27 @@ impl Shared {
             Call::Heartbeat | Call::Probe => &self.probe_failures,
         }
         .fetch_add(1, Ordering::Relaxed);
+        // Every failure at debug; an operator's line comes with the breaker opening.
+        tracing::debug!(directory = %self.addr, error = %failed, "directory call failed");
         *lock(&self.last_error) = Some(failed);
+        self.transition(transition);
         None
     }
 
     fn transition(&self, t: Option<Transition>) {
+        match t {
+            Some(Transition::Opened) => tracing::warn!(
+                directory = %self.addr,
+                error = lock(&self.last_error).as_deref().unwrap_or(""),
+                probe_every = ?self.options.probe_interval,
+                "directory breaker opened: queries plan from local blocks and known peers until a probe answers"
+            ),
+            Some(Transition::Closed) => tracing::info!(
+                directory = %self.addr,
+                "directory breaker closed: the directory answers again; re-announcing what this process's nodes hold"
+            ),
+            None => {}
+        }
         match t {
             // Writes in flight may or may not have landed: the next chance compares.
             Some(Transition::Opened) => lock(&self.ledger).reconcile = true,
@@ -692,6 +711,10 @@ impl Worker {
             .map(|id| id.trim().to_owned());
         if let Some(id) = id {
             if self.run_id.as_ref().is_some_and(|old| *old != id) {
+                tracing::warn!(
+                    directory = %self.shared.addr,
+                    "the directory restarted (its run_id changed); re-announcing what this process's nodes hold"
+                );
                 lock(&self.shared.ledger).reannounce = true;
             }
             self.run_id = Some(id);
@@ -759,6 +782,10 @@ impl Worker {
         }
         if full {
             self.shared.reannounces.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(
+                directory = %self.shared.addr,
+                "re-announced every block this process's nodes hold"
+            );
         }
         true
     }

@@ -20,6 +20,11 @@ use crate::remote::Provider;
 /// Deadline of every call unless [`PeerClient::with_deadline`] says otherwise.
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(5);
 
+/// A peer that is down or stalled fails every call that names it: one line per peer per
+/// this period.
+const LOST_LOG_PERIOD: Duration = Duration::from_secs(10);
+static LOST: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(LOST_LOG_PERIOD);
+
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum PeerClientError {
@@ -282,6 +287,20 @@ impl PeerClient {
     }
 
     fn failed(&self, method: &'static str, s: Status) -> PeerClientError {
+        // Unavailable: the connection broke or the peer is not there; DeadlineExceeded: it
+        // stalled. Other codes are answers (refusals) that the caller reports.
+        if matches!(s.code(), Code::Unavailable | Code::DeadlineExceeded) {
+            if let Some(held_back) = LOST.allow(&self.inner.addr) {
+                tracing::warn!(
+                    peer = %self.inner.addr,
+                    method,
+                    code = ?s.code(),
+                    error = s.message(),
+                    held_back,
+                    "peer lost or stalled"
+                );
+            }
+        }
         PeerClientError::Call {
             addr: self.inner.addr.clone(),
             method,
@@ -401,10 +420,18 @@ impl PeerClient {
         if resp.incarnation == 0 {
             return Err(self.malformed("Handshake", "no incarnation"));
         }
-        self.inner
+        let was = self
+            .inner
             .life
             .incarnation
-            .store(resp.incarnation, std::sync::atomic::Ordering::Release);
+            .swap(resp.incarnation, std::sync::atomic::Ordering::AcqRel);
+        tracing::info!(
+            peer = %self.inner.addr,
+            provider = provider.as_str(),
+            incarnation = format_args!("{:#x}", resp.incarnation),
+            previous = format_args!("{was:#x}"),
+            "peer handshake"
+        );
         Ok(PeerHandshake {
             incarnation: resp.incarnation,
             provider,
@@ -448,6 +475,12 @@ impl PeerClient {
                 .life
                 .restarted
                 .store(true, std::sync::atomic::Ordering::Release);
+            tracing::warn!(
+                peer = %self.inner.addr,
+                incarnation = format_args!("{:#x}", resp.incarnation),
+                previous = format_args!("{was:#x}"),
+                "peer restarted: links built on the old handshake are rebuilt"
+            );
             let _ = self.unpin(resp.pin_id).await;
             return Err(PeerClientError::Restarted {
                 addr: self.inner.addr.clone(),

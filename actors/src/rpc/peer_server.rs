@@ -211,6 +211,10 @@ pub async fn serve(
         .map_err(|source| PeerServeError::Serve { addr, source })
 }
 
+/// Wrong-token calls, logged at most once a minute (a misconfigured peer retries).
+static BAD_TOKENS: crate::log_limit::LogLimit =
+    crate::log_limit::LogLimit::new(std::time::Duration::from_secs(60));
+
 struct PeerService {
     backend: PeerBackend,
     token: String,
@@ -247,6 +251,13 @@ impl PeerService {
         if self.token.is_empty() || same_token(self.token.as_bytes(), got.as_bytes()) {
             Ok(())
         } else {
+            if let Some(held_back) = BAD_TOKENS.allow("") {
+                tracing::warn!(
+                    node = %self.backend.node_id,
+                    held_back,
+                    "refused a peer call with a wrong cluster token"
+                );
+            }
             Err(Status::unauthenticated(format!(
                 "node {}: the request's cluster token does not match",
                 self.backend.node_id
@@ -307,6 +318,13 @@ impl Peer for PeerService {
             )));
         }
         if peer.protocol != PROTOCOL {
+            tracing::warn!(
+                node = %self.backend.node_id,
+                peer = %peer.node_id,
+                protocol = peer.protocol,
+                ours = PROTOCOL,
+                "refused a peer of another protocol revision"
+            );
             return Err(Status::failed_precondition(format!(
                 "peer {} speaks peer protocol {}; node {} speaks {PROTOCOL}",
                 peer.node_id, peer.protocol, self.backend.node_id
@@ -361,6 +379,12 @@ impl Peer for PeerService {
                 served.join(", ")
             )));
         };
+        tracing::info!(
+            node = %b.node_id,
+            peer = %req.node_id,
+            provider = provider.as_str(),
+            "peer handshake: serving the pool"
+        );
         Ok(Response::new(HandshakeResponse {
             incarnation: b.incarnation,
             provider: provider.as_str().to_owned(),
