@@ -672,6 +672,7 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
                 instance: "eng".into(),
                 rank: 0,
                 dest_blocks: vec![0, 1, 2],
+                ..Default::default()
             }))
             .await;
         assert_eq!(raw_code(r), Code::InvalidArgument);
@@ -1562,4 +1563,99 @@ fn an_engine_workers_cuda_kv_in_another_process_through_an_ipc_handle() {
     });
     // The session ends with this process's client; the node unregisters and unmaps.
     child.finish(Some("ENGINE_CHILD_OK"));
+}
+
+#[test]
+fn a_completion_board_shows_loads_landing_without_an_rpc() {
+    use kvferry_actors::rpc::board::{Board, SlotState};
+    rt().block_on(async {
+        let srv = Server::with_token().await;
+        let c = srv.client(TOKEN).await;
+        let kv = MemfdKv::create(shape(), 16, 0).unwrap();
+        let board = Board::create(8).unwrap();
+        let b = c.send_board(&id("eng"), 0, &board).await.unwrap();
+        let handle = c
+            .send_memfd(&id("eng"), 0, 0, kv.fd(), kv.len())
+            .await
+            .unwrap();
+        // A board is not KV memory, and KV memory is not a board.
+        let req = kv.register_request(&id("eng"), "m", 0);
+        assert_eq!(code(c.register(&req, b).await), Code::InvalidArgument);
+        assert_eq!(
+            code(c.register_with_board(&req, handle, handle).await),
+            Code::InvalidArgument
+        );
+        c.register_with_board(&req, handle, b).await.unwrap();
+        put_over_grpc(&c, "eng", 0..6).await;
+
+        let lease = lease_for(&c, "eng", 0..4).await;
+        let dest = [9, 2, 14, 5];
+        let first = c
+            .load_on_board(&load(lease, "eng", &dest), Some((3, 41)))
+            .await
+            .unwrap();
+        // Every layer, then the end, without an RPC; the result is then in PollLoad.
+        let v = board.wait(3, 41, shape().layers(), WAIT).unwrap();
+        assert_eq!(v.tag, 41);
+        assert!(v.layers == shape().layers(), "{v:?}");
+        let v = board.wait(3, 41, u32::MAX, WAIT).unwrap();
+        assert_eq!(v.state, SlotState::Ok);
+        let done = c
+            .poll_load(first)
+            .await
+            .unwrap()
+            .expect("done on the board: done here");
+        ok(&done, 4);
+        let want: Vec<(u32, u64)> = dest.iter().zip(0..).map(|(&d, i)| (d, i)).collect();
+        kv.verify(&want, 0).unwrap();
+
+        // Refused before anything moves: a slot past the board, a slot still running, and
+        // a board slot for a rank that registered no board. The lease survives each.
+        let lease = lease_for(&c, "eng", 0..2).await;
+        let r = c
+            .load_on_board(&load(lease, "eng", &[0, 1]), Some((8, 1)))
+            .await;
+        assert_eq!(code(r), Code::InvalidArgument);
+        // A running slot: what the node writes is what it checks, so fake one.
+        let fake = Board::create(8).unwrap();
+        let _ = fake;
+        let second = c
+            .load_on_board(&load(lease, "eng", &[0, 1]), Some((3, 42)))
+            .await
+            .unwrap();
+        assert_eq!(
+            board.wait(3, 42, u32::MAX, WAIT).unwrap().state,
+            SlotState::Ok
+        );
+        ok(&c.poll_load(second).await.unwrap().unwrap(), 2);
+
+        let kv2 = MemfdKv::create(shape(), 16, 0).unwrap();
+        let h2 = c
+            .send_memfd(&id("plain"), 0, 0, kv2.fd(), kv2.len())
+            .await
+            .unwrap();
+        c.register(&kv2.register_request(&id("plain"), "m", 0), h2)
+            .await
+            .unwrap();
+        let lease = lease_for(&c, "plain", 0..2).await;
+        let r = c
+            .load_on_board(&load(lease, "plain", &[0, 1]), Some((0, 1)))
+            .await;
+        assert_eq!(code(r), Code::FailedPrecondition);
+        let third = c.load(&load(lease, "plain", &[0, 1])).await.unwrap();
+        ok(
+            &c.wait_polling(third, Duration::from_millis(2), WAIT)
+                .await
+                .unwrap(),
+            2,
+        );
+
+        let s = c.stats().await.unwrap();
+        assert_eq!((s.loads_ok, s.loads_failed, s.leases_live), (3, 0, 0));
+        assert_eq!(s.memory_handles, 0, "the board went with the registration");
+        c.unregister(&id("eng")).await.unwrap();
+        c.unregister(&id("plain")).await.unwrap();
+        drop(c);
+        srv.stop().await;
+    });
 }

@@ -730,3 +730,90 @@ fn kv_freed_under_a_registered_instance_fails_the_load_cleanly() {
         settled(&node).await;
     });
 }
+
+/// What a load's observer was told, in order.
+#[derive(Default)]
+struct SeenLayers(std::sync::Mutex<Vec<(u32, u32)>>);
+
+impl kvferry_actors::LoadObserver for SeenLayers {
+    fn layers_landed(&self, layers: u32, total: u32) {
+        self.0.lock().unwrap().push((layers, total));
+    }
+}
+
+impl SeenLayers {
+    /// The distinct counts reported, checking they never went backwards.
+    fn counts(&self) -> Vec<u32> {
+        let seen = self.0.lock().unwrap().clone();
+        let mut out: Vec<u32> = Vec::new();
+        for (l, _) in seen {
+            if let Some(&last) = out.last() {
+                assert!(l >= last, "layers went backwards: {out:?} then {l}");
+                if l == last {
+                    continue;
+                }
+            }
+            out.push(l);
+        }
+        out
+    }
+}
+
+#[test]
+fn a_load_reports_its_layers_in_order_as_they_land() {
+    rt().block_on(async {
+        // 4 layers of K/V 64 KiB segments over 64 blocks: 8 MiB per layer, so the plan
+        // submits (and reports) a batch per layer.
+        let shape = KvShape::new(4, 1, 2, 64 << 10).unwrap();
+        let (node, dev) = node(shape.block_bytes(), 80, Clock::system());
+        let kv = register(&node, &dev, "layers", shape, 0, KvKind::Split, 70, 0).await;
+        put(&node, "layers", &shape, 0, 0..64).await;
+        let q = query(&node, "layers", 64).await;
+        assert_eq!(q.local_blocks, 64);
+        let dest: Vec<u32> = (0..64).map(|i| 69 - i).collect();
+        let seen = std::sync::Arc::new(SeenLayers::default());
+        let rx = node
+            .start_load_observed(
+                LoadRequest {
+                    lease: q.lease.unwrap(),
+                    instance: id("layers"),
+                    rank: 0,
+                    dest_blocks: dest.clone(),
+                },
+                seen.clone(),
+            )
+            .await
+            .unwrap();
+        let r = rx.await.unwrap().unwrap();
+        assert_eq!(kv.verify(&expected(&dest), 0).unwrap(), r.bytes);
+        kv.untouched_outside(&dest).unwrap();
+        assert_eq!(seen.counts(), vec![1, 2, 3, 4]);
+        assert!(seen.0.lock().unwrap().iter().all(|&(_, total)| total == 4));
+
+        // A small load is one batch: every layer lands at once.
+        kv.reset().unwrap();
+        let q = query(&node, "layers", 1).await;
+        let seen = std::sync::Arc::new(SeenLayers::default());
+        let rx = node
+            .start_load_observed(
+                LoadRequest {
+                    lease: q.lease.unwrap(),
+                    instance: id("layers"),
+                    rank: 0,
+                    dest_blocks: vec![3],
+                },
+                seen.clone(),
+            )
+            .await
+            .unwrap();
+        let r = rx.await.unwrap().unwrap();
+        assert_eq!(kv.verify(&expected(&[3]), 0).unwrap(), r.bytes);
+        assert_eq!(seen.counts(), vec![4]);
+        let s = settled(&node).await;
+        assert_eq!(
+            (s.loads_ok, s.transfers_in_flight, s.leases_live),
+            (2, 0, 0)
+        );
+        node.shutdown();
+    });
+}

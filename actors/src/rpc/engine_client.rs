@@ -251,6 +251,18 @@ impl EngineClient {
         self.send_fd(line, fd).await
     }
 
+    /// Sends a completion board (see [`super::board`]) for `instance` rank `rank`; returns
+    /// the handle to register with ([`Self::register_regions_with_board`]).
+    pub async fn send_board(
+        &self,
+        instance: &InstanceId,
+        rank: u32,
+        board: &super::board::Board,
+    ) -> Result<u64, EngineClientError> {
+        let line = format!("board {instance} {rank} 0 {}", board.len());
+        self.send_fd(line, board.fd()).await
+    }
+
     async fn send_fd(
         &self,
         mut line: String,
@@ -308,7 +320,19 @@ impl EngineClient {
         req: &api::RegisterInstance,
         memory_handle: u64,
     ) -> Result<String, EngineClientError> {
-        let msg = register_request(req, memory_handle);
+        self.register_with_board(req, memory_handle, 0).await
+    }
+
+    /// [`Self::register`] with a completion board (a handle from [`Self::send_board`]; 0:
+    /// none).
+    pub async fn register_with_board(
+        &self,
+        req: &api::RegisterInstance,
+        memory_handle: u64,
+        board: u64,
+    ) -> Result<String, EngineClientError> {
+        let mut msg = register_request(req, memory_handle);
+        msg.completion_board = board;
         let r = self.request(msg);
         let resp = self
             .call("RegisterInstance", self.raw.clone().register_instance(r))
@@ -339,7 +363,19 @@ impl EngineClient {
         &self,
         req: &RegisterRegions,
     ) -> Result<String, EngineClientError> {
-        let r = self.request(register_regions_request(req));
+        self.register_regions_with_board(req, 0).await
+    }
+
+    /// [`Self::register_regions`] with a completion board (a handle from
+    /// [`Self::send_board`]; 0: none) that loads naming its slots report to (protocol 3).
+    pub async fn register_regions_with_board(
+        &self,
+        req: &RegisterRegions,
+        board: u64,
+    ) -> Result<String, EngineClientError> {
+        let mut msg = register_regions_request(req);
+        msg.completion_board = board;
+        let r = self.request(msg);
         let resp = self
             .call("RegisterInstance", self.raw.clone().register_instance(r))
             .await?;
@@ -435,11 +471,24 @@ impl EngineClient {
 
     /// Starts a load; returns its load id as soon as the node accepted it.
     pub async fn load(&self, req: &api::LoadRequest) -> Result<u64, EngineClientError> {
+        self.load_on_board(req, None).await
+    }
+
+    /// [`Self::load`], reporting to `board` = `(slot, tag)` of the rank's completion board:
+    /// wait on it with [`super::board::Board::wait`] (layers landed, or the end), then take
+    /// the result with [`Self::poll_load`].
+    pub async fn load_on_board(
+        &self,
+        req: &api::LoadRequest,
+        board: Option<(u32, u32)>,
+    ) -> Result<u64, EngineClientError> {
         let r = self.request(LoadRequest {
             lease: req.lease.to_hex(),
             instance: req.instance.as_str().to_owned(),
             rank: req.rank,
             dest_blocks: req.dest_blocks.clone(),
+            board_slot: board.map(|b| b.0),
+            board_tag: board.map(|b| b.1).unwrap_or(0),
         });
         Ok(self.call("Load", self.raw.clone().load(r)).await?.load_id)
     }
@@ -623,6 +672,7 @@ pub fn register_request(
         memory_handle,
         cuda_ipc_handle: Vec::new(),
         regions: Vec::new(),
+        completion_board: 0,
     }
 }
 

@@ -4,6 +4,7 @@
 //! the [`CompletionBook`]. Sessions tie instances to a client's stream: when it ends, they
 //! are unregistered. Client memory arrives on the [`FdSocket`] as [`MemoryHandles`].
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,10 +19,11 @@ use tonic::codegen::tokio_stream::Stream;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::completions::{CompletionBook, LoadState};
+use super::board::{Board, BoardError};
+use super::completions::{CompletionBook, LoadState, RankKey};
 use super::engine_request::{self as check, status};
 use super::fd_socket::{self, FdSocket};
-use super::memory_handles::MemoryHandles;
+use super::memory_handles::{MemoryHandles, MemoryKind};
 use super::peer_server::same_token;
 use super::proto::engine_server::{Engine, EngineServer};
 use super::proto::*;
@@ -107,6 +109,8 @@ pub(crate) struct Shared {
     options: EngineOptions,
     handles: Mutex<MemoryHandles>,
     book: Mutex<CompletionBook>,
+    /// Completion boards of registered ranks, with the rank's layer count.
+    boards: Mutex<HashMap<RankKey, (Arc<Board>, u32)>>,
     sessions: AtomicUsize,
     fd_path: Option<String>,
     stop: watch::Receiver<bool>,
@@ -130,6 +134,10 @@ impl Shared {
         lock(&self.book)
     }
 
+    fn boards(&self) -> MutexGuard<'_, HashMap<RankKey, (Arc<Board>, u32)>> {
+        lock(&self.boards)
+    }
+
     pub(crate) fn check_token(&self, got: &str) -> Result<(), Status> {
         let want = &self.options.token;
         if want.is_empty() || same_token(want.as_bytes(), got.as_bytes()) {
@@ -151,6 +159,7 @@ impl Shared {
             let _ = self.node.unregister_instance(instance.clone()).await;
             self.handles().drop_instance(&instance);
             self.book().drop_instance(&instance);
+            self.boards().retain(|(i, _), _| *i != instance);
         }
         self.sessions.fetch_sub(1, Ordering::Relaxed);
     }
@@ -191,6 +200,7 @@ pub async fn serve(
     let shared = Arc::new(Shared {
         handles: Mutex::new(MemoryHandles::new(options.handle_ttl, MAX_HANDLES)),
         book: Mutex::new(CompletionBook::new(options.completion_retention)),
+        boards: Mutex::new(HashMap::new()),
         sessions: AtomicUsize::new(0),
         fd_path: fd_socket.as_ref().map(|s| s.path.display().to_string()),
         stop: stop.clone(),
@@ -299,6 +309,11 @@ impl EngineService {
                 h.instance, h.rank, r.rank
             )));
         }
+        if h.kind == MemoryKind::Board {
+            return Err(Status::invalid_argument(format!(
+                "{m}: memory handle {handle} is a completion board, not KV memory"
+            )));
+        }
         if h.device != r.device {
             return Err(Status::invalid_argument(format!(
                 "{m}: memory handle {handle} is memory of device {}, not {}",
@@ -306,6 +321,43 @@ impl EngineService {
             )));
         }
         Ok((h.base, h.len, Arc::clone(&h.memory)))
+    }
+
+    /// The completion board a registration names (0: none), checked against the request.
+    fn board_of(
+        &self,
+        m: &'static str,
+        r: &RegisterInstanceRequest,
+        instance: &InstanceId,
+    ) -> Result<Option<Arc<Board>>, Status> {
+        if r.completion_board == 0 {
+            return Ok(None);
+        }
+        let id = r.completion_board;
+        let h = self
+            .shared
+            .handles()
+            .get(id, Instant::now())
+            .cloned()
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "{m}: completion board {id} is unknown, expired or already registered"
+                ))
+            })?;
+        if h.instance != *instance || h.rank != r.rank {
+            return Err(Status::permission_denied(format!(
+                "{m}: completion board {id} was sent for instance {} rank {}, not {instance} \
+                 rank {}",
+                h.instance, h.rank, r.rank
+            )));
+        }
+        let board = Arc::downcast::<Board>(h.memory).map_err(|_| {
+            Status::invalid_argument(format!(
+                "{m}: handle {id} is {} memory, not a completion board",
+                h.kind.as_str()
+            ))
+        })?;
+        Ok(Some(board))
     }
 
     /// The allocation a CUDA IPC handle names, mapped on the requested device.
@@ -402,6 +454,19 @@ impl EngineService {
 }
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+/// Writes a load's landed layers into its completion board slot.
+struct BoardObserver {
+    board: Arc<Board>,
+    slot: u32,
+    tag: u32,
+}
+
+impl api::LoadObserver for BoardObserver {
+    fn layers_landed(&self, layers: u32, _total: u32) {
+        self.board.layers(self.slot, self.tag, layers);
+    }
+}
 
 /// Why this node refuses `direct_gpu`, if it does: the keeper's rule, asked before a query.
 /// A verbs gate that cannot serve refuses first; a node without peers has no remote suffix.
@@ -520,7 +585,9 @@ impl Engine for EngineService {
             )));
         }
         let (regions, memory, handles) = self.regions_of(M, &r, &instance)?;
+        let board = self.board_of(M, &r, &instance)?;
         let layout = check::place(M, spec, &plane_regions, &shape, &regions)?;
+        let key = (instance.clone(), r.rank);
         let namespace = self
             .shared
             .node
@@ -543,6 +610,10 @@ impl Engine for EngineService {
         for h in handles {
             table.take(h);
         }
+        if let Some(board) = board {
+            table.take(r.completion_board);
+            self.shared.boards().insert(key, (board, shape.layers()));
+        }
         Ok(Response::new(RegisterInstanceResponse {
             namespace: namespace.to_string(),
         }))
@@ -557,9 +628,10 @@ impl Engine for EngineService {
         let released = self
             .shared
             .node
-            .unregister_instance(instance)
+            .unregister_instance(instance.clone())
             .await
             .map_err(|e| status(M, e))?;
+        self.shared.boards().retain(|(i, _), _| *i != instance);
         Ok(Response::new(UnregisterInstanceResponse {
             leases_released: released as u32,
         }))
@@ -666,24 +738,68 @@ impl Engine for EngineService {
                 r.rank
             )));
         }
+        let board = match r.board_slot {
+            None => None,
+            Some(slot) => {
+                let (board, layers) = self.shared.boards().get(&key).cloned().ok_or_else(|| {
+                    Status::failed_precondition(format!(
+                        "{M}: {instance} rank {} registered no completion board; register \
+                         with one to name a board slot",
+                        r.rank
+                    ))
+                })?;
+                board
+                    .begin(slot, r.board_tag, layers)
+                    .map_err(|e| match e {
+                        BoardError::SlotRange { .. } => {
+                            Status::invalid_argument(format!("{M}: completion board: {e}"))
+                        }
+                        _ => Status::failed_precondition(format!("{M}: completion board: {e}")),
+                    })?;
+                Some((board, slot, r.board_tag))
+            }
+        };
         let load = api::LoadRequest {
             lease,
             instance,
             rank: r.rank,
             dest_blocks: r.dest_blocks,
         };
-        let rx = self
-            .shared
-            .node
-            .start_load(load.clone())
-            .await
-            .map_err(|e| status(M, e))?;
+        let started = match &board {
+            Some((b, slot, tag)) => {
+                let observer = Arc::new(BoardObserver {
+                    board: Arc::clone(b),
+                    slot: *slot,
+                    tag: *tag,
+                });
+                self.shared
+                    .node
+                    .start_load_observed(load.clone(), observer)
+                    .await
+            }
+            None => self.shared.node.start_load(load.clone()).await,
+        };
+        let rx = match started {
+            Ok(rx) => rx,
+            Err(e) => {
+                // Refused: the slot must not stay "running".
+                if let Some((b, slot, tag)) = &board {
+                    b.finish(*slot, *tag, false);
+                }
+                return Err(status(M, e));
+            }
+        };
         let load_id = self.shared.book().begin(key);
         let shared = Arc::clone(&self.shared);
         tokio::spawn(async move {
             let r = rx.await.map_err(|_| ());
             let c = completion(load_id, &load, r);
+            let ok = c.status == LoadStatus::LoadOk as i32;
             shared.book().finish(c);
+            // After the book: a client woken by the board finds the result in PollLoad.
+            if let Some((b, slot, tag)) = board {
+                b.finish(slot, tag, ok);
+            }
         });
         Ok(Response::new(LoadResponse { load_id }))
     }

@@ -106,14 +106,15 @@ pub(crate) fn parse(line: &str) -> Result<FdRequest, Status> {
     let kind = words
         .first()
         .and_then(|k| MemoryKind::parse(k))
-        .ok_or_else(|| invalid("a request starts with memfd or dmabuf"))?;
+        .ok_or_else(|| invalid("a request starts with memfd, dmabuf or board"))?;
     let fixed = match kind {
-        MemoryKind::Memfd => 5,
+        MemoryKind::Memfd | MemoryKind::Board => 5,
         MemoryKind::Dmabuf => 6,
     };
     if words.len() != fixed && words.len() != fixed + 1 {
         return Err(invalid(match kind {
             MemoryKind::Memfd => "expected: memfd <instance> <rank> <device> <len> [<token>]",
+            MemoryKind::Board => "expected: board <instance> <rank> <device> <len> [<token>]",
             MemoryKind::Dmabuf => {
                 "expected: dmabuf <instance> <rank> <device> <len> <base> [<token>]"
             }
@@ -141,7 +142,7 @@ pub(crate) fn parse(line: &str) -> Result<FdRequest, Status> {
         return Err(invalid(format!("len {len} must be 1 byte to 1 TiB")));
     }
     let base = match kind {
-        MemoryKind::Memfd => 0,
+        MemoryKind::Memfd | MemoryKind::Board => 0,
         MemoryKind::Dmabuf => num(5, "base")?,
     };
     Ok(FdRequest {
@@ -202,6 +203,23 @@ fn handle(shared: &Shared, line: &str, mut fds: Vec<OwnedFd>) -> Result<u64, Sta
         )));
     }
     let fd = fds.remove(0);
+    if req.kind == MemoryKind::Board {
+        // Not device memory: mapped here, checked, and kept until a registration takes it.
+        let board = super::board::Board::open(fd, req.len).map_err(invalid)?;
+        let h = MemoryHandle {
+            instance: req.instance,
+            rank: req.rank,
+            device: req.device,
+            kind: req.kind,
+            base: 0,
+            len: req.len,
+            memory: Arc::new(board),
+        };
+        return shared
+            .handles()
+            .insert(h, Instant::now())
+            .map_err(|e| Status::resource_exhausted(format!("fd socket: {e}")));
+    }
     let node = shared.node();
     let device = node.device(req.device).ok_or_else(|| {
         invalid(format!(
@@ -227,6 +245,8 @@ fn handle(shared: &Shared, line: &str, mut fds: Vec<OwnedFd>) -> Result<u64, Sta
                 .map_err(imported)?;
             (buf.base(), Arc::new(buf))
         }
+        // Taken above; kept total so no request can reach a panic.
+        MemoryKind::Board => return Err(invalid("a completion board is not device memory")),
     };
     let h = MemoryHandle {
         instance: req.instance,

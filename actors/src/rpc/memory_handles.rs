@@ -22,6 +22,8 @@ pub enum MemoryKind {
     Memfd,
     /// An engine worker's GPU KV.
     Dmabuf,
+    /// A completion board (see [`super::board`]).
+    Board,
 }
 
 impl MemoryKind {
@@ -29,6 +31,7 @@ impl MemoryKind {
         match self {
             MemoryKind::Memfd => "memfd",
             MemoryKind::Dmabuf => "dmabuf",
+            MemoryKind::Board => "board",
         }
     }
 
@@ -36,6 +39,7 @@ impl MemoryKind {
         match s {
             "memfd" => Some(MemoryKind::Memfd),
             "dmabuf" => Some(MemoryKind::Dmabuf),
+            "board" => Some(MemoryKind::Board),
             _ => None,
         }
     }

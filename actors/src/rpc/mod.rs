@@ -2,8 +2,10 @@
 //! `kvferry.v1.Peer` over a [`peer_server::PeerBackend`]; [`peer_client::PeerClient`] is
 //! the requester's client, with a deadline on every call. [`engine_server::serve`] runs
 //! `kvferry.v1.Engine` over a `Node`, with client memory arriving on an
-//! [`fd_socket::FdSocket`]; [`engine_client::EngineClient`] is the engine's client.
+//! [`fd_socket::FdSocket`]; [`engine_client::EngineClient`] is the engine's client, and a
+//! [`board::Board`] shows it its loads landing without an RPC.
 
+pub mod board;
 pub mod completions;
 pub mod engine_client;
 mod engine_request;
@@ -49,7 +51,9 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The engine protocol revision this build speaks. 2: a registration may spread a rank's KV
 /// over many memory regions (`RegisterInstanceRequest.regions`), and cross-layer groups are
 /// accepted. Protocol 1 requests (one memory handle or CUDA IPC handle) are still served.
-pub const ENGINE_PROTOCOL: u32 = 2;
+/// 3: completion boards (`RegisterInstanceRequest.completion_board`, `LoadRequest.board_slot`):
+/// a load's layers and end visible in shared memory; older requests are served unchanged.
+pub const ENGINE_PROTOCOL: u32 = 3;
 
 // Limits on what one engine request carries, advertised in `Capabilities`; a request over
 // one is refused with RESOURCE_EXHAUSTED before it reaches the node, so the work one request
