@@ -103,7 +103,7 @@ impl Node {
             registrations.push(d.register_host(pool.base(), pool.memory().len() as u64, false)?);
         }
         let pool_region = (pool.base(), pool.memory().len() as u64);
-        let nics = crate::nic::NodeNics::start(
+        let nics = crate::nic::NodeNics::prepare(
             &config.nic,
             config.verbs.as_ref(),
             Arc::clone(pool.memory()),
@@ -129,6 +129,8 @@ impl Node {
                 let _alive = alive;
                 let sys = actix::System::new();
                 sys.block_on(async move {
+                    // The NIC workers run on Arbiters of this System: the node runs one.
+                    let nics = nics.map(crate::nic::PreparedNics::start).transpose();
                     let store = BlockStore::new(
                         pool,
                         Arc::clone(&ctrs),
@@ -153,18 +155,36 @@ impl Node {
                         None => keeper,
                     }
                     .start();
-                    let _ = tx.send((keeper, store, actix::System::current()));
+                    let _ = tx.send((keeper, store, actix::System::current(), nics));
                 });
                 let _ = sys.run();
             })
             .map_err(|_| NodeError::Stopped {
                 what: "could not start the actor thread",
             })?;
-        let (keeper, store, system) = rx.recv().map_err(|_| NodeError::Stopped {
+        let (keeper, store, system, nics) = rx.recv().map_err(|_| NodeError::Stopped {
             what: "actor system failed to start",
         })?;
+        let nics = match nics {
+            Ok(n) => n,
+            Err(e) => {
+                system.stop();
+                let _ = thread.join();
+                return Err(NodeError::bad(format!("starting the nic actors: {e}")));
+            }
+        };
         if let Some(c) = &cluster {
-            if let Err(e) = c.join(&config.node_id, store.clone(), memory) {
+            // On the actor thread: what the data side starts with actix (its NIC workers)
+            // joins this node's System.
+            let joined = {
+                let (c, id, store) = (Arc::clone(c), config.node_id.clone(), store.clone());
+                crate::nic::run_on_system(&system, move || c.join(&id, store, memory)).unwrap_or(
+                    Err(NodeError::Stopped {
+                        what: "the actor system stopped during start",
+                    }),
+                )
+            };
+            if let Err(e) = joined {
                 system.stop();
                 let _ = thread.join();
                 return Err(e);

@@ -190,9 +190,9 @@ async fn settled(rt: &NicRuntime) -> WorkerGaugeValues {
     let end = Instant::now() + Duration::from_secs(5);
     loop {
         let g = gauges(rt).await;
-        if g.qp.outstanding == 0 && g.qp.in_flight == 0 && g.qp.in_error == 0 && g.batches == 0
-            || Instant::now() > end
-        {
+        let idle = g.qp.outstanding == 0 && g.qp.in_flight == 0 && g.qp.in_error == 0;
+        // A QP rebuilt after a drain connects off the worker's thread: settled once it is back.
+        if idle && g.batches == 0 && g.connecting == 0 || Instant::now() > end {
             return g;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;

@@ -1,5 +1,7 @@
-//! Embedding: the NIC actors on an actix `System` running on its own named thread, with one
-//! `Arbiter` per NIC. `Addr`s are `Send + Sync`, so callers on any runtime send to them.
+//! The NIC actors: one `Arbiter` per NIC for its worker and one for the MR registry. In a node
+//! they are Arbiters of the node's actix `System` (the node runs one System); started where no
+//! System is current (tests, embedders without actix) they get a System of their own on a
+//! named thread. `Addr`s are `Send + Sync`, so callers on any runtime send to them.
 
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -7,7 +9,7 @@ use std::thread::JoinHandle;
 
 use actix::{Actor, Addr, Arbiter, System};
 use kvferry_transport::verbs::{open_nic, Sysfs};
-use kvferry_transport::{Access, HostRegion, MrTable, NicConfig, NicId, ProviderKind};
+use kvferry_transport::{Access, ConfigError, HostRegion, MrTable, NicConfig, NicId, ProviderKind};
 use thiserror::Error;
 
 use super::config::{validate_node_nics, NicSection, VerbsSection};
@@ -35,13 +37,29 @@ pub enum RuntimeError {
     },
     #[error("nic {nic}: {reason}")]
     Config { nic: String, reason: String },
+    #[error("nic {nic}: invalid settings")]
+    Nic {
+        nic: String,
+        #[source]
+        source: ConfigError,
+    },
 }
 
 struct Started {
-    system: System,
     registry: Addr<MrRegistry>,
     workers: Vec<Addr<NicWorker>>,
     arbiters: Vec<Arbiter>,
+}
+
+/// Where the NIC arbiters live.
+enum Host {
+    /// In the System that was current at start (the node's): stopping it stops them too.
+    Shared,
+    /// In a System of their own, on this thread.
+    Own {
+        system: System,
+        thread: Option<JoinHandle<()>>,
+    },
 }
 
 /// The running NIC actors. Dropping it stops every worker and the system, and joins the
@@ -56,9 +74,8 @@ pub struct NicRuntime {
     pub names: Vec<String>,
     /// Index = NIC id; each verbs NIC opened, or why it could not be.
     pub rdma: Vec<RdmaSlot>,
-    system: System,
+    host: Host,
     arbiters: Vec<Arbiter>,
-    thread: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for NicRuntime {
@@ -89,36 +106,107 @@ impl NicRuntime {
     /// As [`NicRuntime::start_with_rdma`], registering `initial` regions (the host pool)
     /// through the registry before its actor starts, so they are in place before any read;
     /// each registration's outcome comes back (failures are counted like any other).
+    ///
+    /// Called on a thread of an actix `System` (the node's), the actors run on new Arbiters
+    /// of that System; elsewhere on a System of their own.
     pub fn start_registered(
         nics: Vec<NicConfig>,
         rdma: Vec<RdmaSlot>,
         chunk: u64,
         initial: Vec<RegionSpec>,
     ) -> Result<(Self, Vec<Result<RegionHandles, RegistryError>>), RuntimeError> {
+        let (prepared, registered) = Self::prepare(nics, rdma, chunk, initial)?;
+        Ok((prepared.start()?, registered))
+    }
+
+    /// The part of [`NicRuntime::start_registered`] that starts no actor: checks the NICs and
+    /// registers `initial` (which may take long: pinning a pool of gigabytes). Start the
+    /// actors with [`PreparedRuntime::start`] on the thread of the System they should join.
+    pub fn prepare(
+        nics: Vec<NicConfig>,
+        rdma: Vec<RdmaSlot>,
+        chunk: u64,
+        initial: Vec<RegionSpec>,
+    ) -> Result<(PreparedRuntime, Vec<Result<RegionHandles, RegistryError>>), RuntimeError> {
         for n in &nics {
-            n.validate().map_err(|e| RuntimeError::Config {
+            n.validate().map_err(|source| RuntimeError::Nic {
                 nic: n.name.clone(),
-                reason: e.to_string(),
+                source,
             })?;
         }
         let tables: Vec<MrTable> = nics.iter().map(|_| MrTable::new()).collect();
         let names: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
         let mut registry = Registry::with_nics(tables.clone(), names.clone(), rdma.clone(), chunk);
         let registered: Vec<_> = initial.into_iter().map(|s| registry.register(s)).collect();
+        Ok((
+            PreparedRuntime {
+                nics,
+                rdma,
+                tables,
+                names,
+                registry,
+            },
+            registered,
+        ))
+    }
+}
+
+/// NICs checked and initial regions registered; no actor started yet.
+pub struct PreparedRuntime {
+    nics: Vec<NicConfig>,
+    rdma: Vec<RdmaSlot>,
+    tables: Vec<MrTable>,
+    names: Vec<String>,
+    registry: Registry,
+}
+
+impl std::fmt::Debug for PreparedRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedRuntime")
+            .field("nics", &self.names)
+            .finish()
+    }
+}
+
+impl PreparedRuntime {
+    /// Starts the actors: on a thread of an actix `System` (the node's), on new Arbiters of
+    /// that System; elsewhere on a System of their own, on a named thread.
+    pub fn start(self) -> Result<NicRuntime, RuntimeError> {
+        let PreparedRuntime {
+            nics,
+            rdma,
+            tables,
+            names,
+            registry,
+        } = self;
+        if System::try_current().is_some() {
+            let started = start_actors(nics, tables.clone(), registry)?;
+            return Ok(NicRuntime {
+                registry: started.registry,
+                workers: started.workers,
+                tables,
+                names,
+                rdma,
+                host: Host::Shared,
+                arbiters: started.arbiters,
+            });
+        }
         let tables_for_system = tables.clone();
-        let (tx, rx) = mpsc::channel::<Result<Started, RuntimeError>>();
+        let (tx, rx) = mpsc::channel::<Result<(Started, System), RuntimeError>>();
         let thread = std::thread::Builder::new()
             .name("kvf-nic-system".into())
             .spawn(move || {
                 let sys = System::new();
                 sys.block_on(async move {
-                    let _ = tx.send(start_actors(nics, tables_for_system, registry));
+                    let started = start_actors(nics, tables_for_system, registry)
+                        .map(|s| (s, System::current()));
+                    let _ = tx.send(started);
                 });
                 // Returns once `System::stop` is called.
                 let _ = sys.run();
             })
             .map_err(RuntimeError::Thread)?;
-        let started = match rx.recv() {
+        let (started, system) = match rx.recv() {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {
                 let _ = thread.join();
@@ -129,20 +217,36 @@ impl NicRuntime {
                 return Err(RuntimeError::Lost);
             }
         };
-        Ok((
-            NicRuntime {
-                registry: started.registry,
-                workers: started.workers,
-                tables,
-                names,
-                rdma,
-                system: started.system,
-                arbiters: started.arbiters,
+        Ok(NicRuntime {
+            registry: started.registry,
+            workers: started.workers,
+            tables,
+            names,
+            rdma,
+            host: Host::Own {
+                system,
                 thread: Some(thread),
             },
-            registered,
-        ))
+            arbiters: started.arbiters,
+        })
     }
+}
+
+/// Runs `f` on the main thread of `system` and waits for its result (`None` if the System
+/// is gone). What `f` starts with actix (a data side's NIC workers) joins that System.
+/// Never call it from that thread itself.
+pub fn run_on_system<T: Send + 'static>(
+    system: &System,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    let (tx, rx) = mpsc::channel();
+    let sent = system.arbiter().spawn_fn(move || {
+        let _ = tx.send(f());
+    });
+    if !sent {
+        return None;
+    }
+    rx.recv().ok()
 }
 
 impl NicRuntime {
@@ -176,25 +280,38 @@ fn start_actors(
     tables: Vec<MrTable>,
     registry: Registry,
 ) -> Result<Started, RuntimeError> {
-    let system = System::current();
-    let registry = MrRegistry::with_registry(registry).start();
     let mut workers = Vec::with_capacity(nics.len());
-    let mut arbiters = Vec::with_capacity(nics.len());
+    let mut arbiters: Vec<Arbiter> = Vec::with_capacity(nics.len() + 1);
     for (i, (cfg, table)) in nics.into_iter().zip(tables).enumerate() {
         let nic = NicId(u16::try_from(i).unwrap_or(u16::MAX));
         let name = cfg.name.clone();
-        let worker = NicWorker::new(nic, cfg, table).map_err(|source| RuntimeError::Worker {
-            nic: name,
-            source: Box::new(source),
-        })?;
+        let cq_depth = cq_depth(&cfg);
+        let worker = match NicWorker::new(nic, cfg, table, cq_depth) {
+            Ok(w) => w,
+            Err(source) => {
+                // Arbiters of a shared System would otherwise outlive the failed start.
+                for a in arbiters {
+                    a.stop();
+                }
+                return Err(RuntimeError::Worker {
+                    nic: name,
+                    source: Box::new(source),
+                });
+            }
+        };
         let arbiter = Arbiter::new();
         workers.push(NicWorker::start_in_arbiter(&arbiter.handle(), move |_| {
             worker
         }));
         arbiters.push(arbiter);
     }
+    // Registrations may take long (pinning gigabytes): not on a worker's or the node's thread.
+    let arbiter = Arbiter::new();
+    let registry = MrRegistry::start_in_arbiter(&arbiter.handle(), move |_| {
+        MrRegistry::with_registry(registry)
+    });
+    arbiters.push(arbiter);
     Ok(Started {
-        system,
         registry,
         workers,
         arbiters,
@@ -209,9 +326,11 @@ impl Drop for NicRuntime {
         for a in self.arbiters.drain(..) {
             let _ = a.join();
         }
-        self.system.stop();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        if let Host::Own { system, thread } = &mut self.host {
+            system.stop();
+            if let Some(t) = thread.take() {
+                let _ = t.join();
+            }
         }
     }
 }
@@ -245,6 +364,51 @@ impl std::fmt::Debug for NodeNics {
 /// QPs each verbs NIC's completion queue is sized for (times its `max-send-wr`).
 const CQ_QPS: u32 = 64;
 
+/// The entries of a NIC's completion queue: what `open_nic` creates a verbs CQ with, and the
+/// same for the other providers, whose queue is the worker's own. The worker admits reads so
+/// that the QPs never owe more completions than this.
+fn cq_depth(nic: &NicConfig) -> usize {
+    (nic.max_send_wr as usize).saturating_mul(CQ_QPS as usize)
+}
+
+/// A node's NICs opened and its pool registered on them, the actors not started yet: what
+/// the node decides before its actors exist (the `direct_gpu` refusal, the routing), and
+/// [`PreparedNics::start`] to run on the node's System thread.
+pub struct PreparedNics {
+    runtime: PreparedRuntime,
+    pub pool: Result<RegionHandles, RegistryError>,
+    pub direct_refusal: Option<String>,
+    pub routing: Option<Arc<NicRouting>>,
+    configs: Vec<NicConfig>,
+}
+
+impl std::fmt::Debug for PreparedNics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedNics")
+            .field("runtime", &self.runtime)
+            .field("pool", &self.pool)
+            .field("direct_refusal", &self.direct_refusal)
+            .finish()
+    }
+}
+
+impl PreparedNics {
+    /// Starts the NIC actors (on Arbiters of the current System, where there is one).
+    pub fn start(self) -> Result<NodeNics, RuntimeError> {
+        let runtime = self.runtime.start()?;
+        let mut nics = NodeNics {
+            runtime,
+            pool: self.pool,
+            direct_refusal: self.direct_refusal,
+            routing: self.routing,
+            responder: None,
+            configs: self.configs,
+        };
+        nics.responder = nics.serving().and_then(NicResponder::new).map(Arc::new);
+        Ok(nics)
+    }
+}
+
 impl NodeNics {
     /// Starts the NIC actors of `nics` (none: `Ok(None)`) and registers `pool` on every NIC
     /// for remote read (and local write, for staged reads into it).
@@ -253,6 +417,18 @@ impl NodeNics {
         verbs: Option<&VerbsSection>,
         pool: Arc<HostRegion>,
     ) -> Result<Option<Self>, RuntimeError> {
+        Self::prepare(nics, verbs, pool)?
+            .map(PreparedNics::start)
+            .transpose()
+    }
+
+    /// Opens the NICs of `nics` (none: `Ok(None)`) and registers `pool` on every NIC; starts
+    /// no actor.
+    pub fn prepare(
+        nics: &[NicSection],
+        verbs: Option<&VerbsSection>,
+        pool: Arc<HostRegion>,
+    ) -> Result<Option<PreparedNics>, RuntimeError> {
         if nics.is_empty() {
             return Ok(None);
         }
@@ -314,25 +490,18 @@ impl NodeNics {
             region: pool,
             access: Access::LOCAL_WRITE.union(Access::REMOTE_READ),
         };
-        let (runtime, mut registered) = NicRuntime::start_registered(
-            cfgs.clone(),
-            rdma,
-            verbs_cfg.registration_chunk,
-            vec![spec],
-        )?;
+        let (runtime, mut registered) =
+            NicRuntime::prepare(cfgs.clone(), rdma, verbs_cfg.registration_chunk, vec![spec])?;
         let pool = registered
             .pop()
             .unwrap_or(Err(RegistryError::BadRange { addr: 0, len: 0 }));
-        let mut nics = NodeNics {
+        Ok(Some(PreparedNics {
             runtime,
             pool,
             direct_refusal,
             routing,
-            responder: None,
             configs: cfgs,
-        };
-        nics.responder = nics.serving().and_then(NicResponder::new).map(Arc::new);
-        Ok(Some(nics))
+        }))
     }
 
     /// `(NIC id, device)` of every open RDMA NIC, when the pool is registered on them.
