@@ -1,11 +1,9 @@
 //! The host pool: one memfd-backed, page-aligned mapping cut into fixed-size slots.
 
-use std::fs::File;
-use std::os::fd::{FromRawFd, OwnedFd};
-
 use std::sync::Arc;
 
 use kvferry_transport::HostRegion;
+use rustix::fs::MemfdFlags;
 use slab::Slab;
 use thiserror::Error;
 
@@ -88,8 +86,9 @@ impl HostPool {
                 }
             }
         }
-        let os = |op: &'static str| {
-            let source = std::io::Error::last_os_error();
+        // Without hugepages an OS failure is the machine's; with them it is almost always the
+        // hugepage reservation, which the operator fixes differently.
+        let os = |op: &'static str, source: std::io::Error| {
             if hugepages {
                 PoolError::Hugepages {
                     reason: format!("{op}: {source}"),
@@ -102,46 +101,15 @@ impl HostPool {
                 }
             }
         };
-        let mut flags = libc::MFD_CLOEXEC;
+        let mut flags = MemfdFlags::CLOEXEC;
         if hugepages {
-            flags |= libc::MFD_HUGETLB;
+            flags |= MemfdFlags::HUGETLB;
         }
-        // SAFETY: the name is a valid NUL-terminated C string; flags are valid memfd flags.
-        let raw = unsafe { libc::memfd_create(c"kvferry-pool".as_ptr(), flags) };
-        if raw < 0 {
-            return Err(os("memfd_create"));
-        }
-        // SAFETY: `raw` is a freshly created descriptor we own exclusively.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let file = File::from(fd);
-        file.set_len(len).map_err(|source| {
-            if hugepages {
-                PoolError::Hugepages {
-                    reason: format!("ftruncate: {source}"),
-                }
-            } else {
-                PoolError::Os {
-                    op: "ftruncate",
-                    size: len,
-                    source,
-                }
-            }
-        })?;
-        let fd = OwnedFd::from(file);
-        let mem = HostRegion::map_shared(fd, len as usize, true).map_err(|e| {
-            let source = std::io::Error::other(e.to_string());
-            if hugepages {
-                PoolError::Hugepages {
-                    reason: format!("mmap: {source}"),
-                }
-            } else {
-                PoolError::Os {
-                    op: "mmap",
-                    size: len,
-                    source,
-                }
-            }
-        })?;
+        let fd = rustix::fs::memfd_create(c"kvferry-pool", flags)
+            .map_err(|e| os("memfd_create", e.into()))?;
+        rustix::fs::ftruncate(&fd, len).map_err(|e| os("ftruncate", e.into()))?;
+        let mem = HostRegion::map_shared(fd, len as usize, true)
+            .map_err(|e| os("mmap", std::io::Error::other(e)))?;
         Ok(Self {
             mem: Arc::new(mem),
             slot_bytes,
@@ -260,6 +228,22 @@ mod tests {
         p.free(s[1]);
         assert_eq!(p.alloc().unwrap(), s[1]);
         assert_eq!(p.used(), 4);
+    }
+
+    #[test]
+    fn the_pool_is_a_memfd_a_same_host_peer_maps_read_only() {
+        let mut p = HostPool::new(2 * 4096, 4096, false).unwrap();
+        let s = p.alloc().unwrap();
+        p.write(s, 0, b"peer");
+        let fd = p
+            .memory()
+            .reopen_read_only()
+            .unwrap()
+            .expect("memfd-backed");
+        let view = HostRegion::map_read_only(fd, 2 * 4096).unwrap();
+        let mut b = [0u8; 4];
+        view.read_at(s * 4096, &mut b).unwrap();
+        assert_eq!(&b, b"peer");
     }
 
     #[test]

@@ -25,29 +25,21 @@ fn memfd(
     device: &kvferry_gpu::HostDevice,
     len: u64,
 ) -> Result<(std::os::fd::OwnedFd, DeviceBuffer), DeviceError> {
-    use std::os::fd::FromRawFd;
-    let fail = |what: &str| DeviceError::Import {
+    use rustix::fs::MemfdFlags;
+    let fail = |what: &str, e: std::io::Error| DeviceError::Import {
         ordinal: 0,
         what: "memfd",
-        reason: format!("{what}: {}", std::io::Error::last_os_error()),
+        reason: format!("{what}: {e}"),
     };
-    // SAFETY: a NUL-terminated name and valid flags; the result is checked.
-    let raw = unsafe {
-        libc::memfd_create(
-            c"kvferry-client-kv".as_ptr(),
-            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-        )
-    };
-    if raw < 0 {
-        return Err(fail("memfd_create"));
-    }
-    // SAFETY: `raw` is a descriptor we just created and own from here on.
-    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
-    // SAFETY: ftruncate on a descriptor we own.
-    if unsafe { libc::ftruncate(raw, len as libc::off_t) } < 0 {
-        return Err(fail("ftruncate"));
-    }
-    let mine = fd.try_clone().map_err(|_| fail("dup"))?;
+    // Sealing allowed, as an engine's allocator may seal its KV memfd against shrinking.
+    let fd = rustix::fs::memfd_create(
+        c"kvferry-client-kv",
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )
+    .map_err(|e| fail("memfd_create", e.into()))?;
+    rustix::fs::ftruncate(&fd, len).map_err(|e| fail("ftruncate", e.into()))?;
+    // std's clone is F_DUPFD_CLOEXEC: the copy stays close-on-exec like the original.
+    let mine = fd.try_clone().map_err(|e| fail("dup", e))?;
     let memory = device.import_memfd(mine, len)?;
     Ok((fd, memory))
 }

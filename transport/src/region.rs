@@ -1,11 +1,13 @@
 //! Host memory that reads come from or land in: page-aligned mappings that the MR table keeps
 //! alive while any registration or in-flight read refers to them.
 
-use std::ffi::CString;
+use std::ffi::c_void;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 
+use rustix::fs::MemfdFlags;
+use rustix::mm::{MapFlags, ProtFlags};
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -75,15 +77,14 @@ impl HostRegion {
         if len == 0 {
             return Err(RegionError::Empty);
         }
-        // SAFETY: a fresh anonymous mapping; no existing memory is affected.
+        // SAFETY: a fresh anonymous mapping at an address the kernel picks; no existing
+        // memory is affected.
         let ptr = unsafe {
-            libc::mmap(
+            rustix::mm::mmap_anonymous(
                 std::ptr::null_mut(),
                 len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
             )
         };
         Self::from_mmap(ptr, len, None, true)
@@ -95,36 +96,27 @@ impl HostRegion {
         if len == 0 {
             return Err(RegionError::Empty);
         }
-        let cname = CString::new(name.replace('\0', "_")).map_err(|_| RegionError::Empty)?;
-        // SAFETY: cname is a valid NUL-terminated string for the duration of the call.
-        let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(RegionError::MemfdCreate {
+        // A NUL inside the name would make it unrepresentable as a C string; the name is
+        // only a label in /proc, so it is replaced rather than refused.
+        let fd = rustix::fs::memfd_create(name.replace('\0', "_"), MemfdFlags::CLOEXEC).map_err(
+            |e| RegionError::MemfdCreate {
                 name: name.to_string(),
-                source: io::Error::last_os_error(),
-            });
-        }
-        // SAFETY: memfd_create returned a new descriptor that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let size = libc::off_t::try_from(len).map_err(|_| RegionError::Truncate {
+                source: e.into(),
+            },
+        )?;
+        rustix::fs::ftruncate(&fd, len as u64).map_err(|e| RegionError::Truncate {
             len,
-            source: io::Error::from(io::ErrorKind::InvalidInput),
+            source: e.into(),
         })?;
-        // SAFETY: fd is a valid memfd we own.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
-            return Err(RegionError::Truncate {
-                len,
-                source: io::Error::last_os_error(),
-            });
-        }
-        // SAFETY: maps the memfd we just sized to `len`; no existing memory is affected.
+        // SAFETY: maps the memfd we just sized to `len` at an address the kernel picks; no
+        // existing memory is affected.
         let ptr = unsafe {
-            libc::mmap(
+            rustix::mm::mmap(
                 std::ptr::null_mut(),
                 len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &fd,
                 0,
             )
         };
@@ -138,19 +130,19 @@ impl HostRegion {
         if len == 0 {
             return Err(RegionError::Empty);
         }
-        let mut flags = libc::MAP_SHARED;
+        let mut flags = MapFlags::SHARED;
         if populate {
-            flags |= libc::MAP_POPULATE;
+            flags |= MapFlags::POPULATE;
         }
-        // SAFETY: maps `len` bytes of a descriptor we own; no existing memory is affected. The
-        // caller sized the file to at least `len`.
+        // SAFETY: maps `len` bytes of a descriptor we own at an address the kernel picks; no
+        // existing memory is affected. The caller sized the file to at least `len`.
         let ptr = unsafe {
-            libc::mmap(
+            rustix::mm::mmap(
                 std::ptr::null_mut(),
                 len,
-                libc::PROT_READ | libc::PROT_WRITE,
+                ProtFlags::READ | ProtFlags::WRITE,
                 flags,
-                fd.as_raw_fd(),
+                &fd,
                 0,
             )
         };
@@ -163,16 +155,16 @@ impl HostRegion {
         if len == 0 {
             return Err(RegionError::Empty);
         }
-        // SAFETY: maps `len` bytes of a descriptor we own read-only; no existing memory is
-        // affected. A file shorter than `len` would fault on access, so callers pass the length
-        // the owner sized the memfd to.
+        // SAFETY: maps `len` bytes of a descriptor we own read-only at an address the kernel
+        // picks; no existing memory is affected. A file shorter than `len` would fault on
+        // access, so callers pass the length the owner sized the memfd to.
         let ptr = unsafe {
-            libc::mmap(
+            rustix::mm::mmap(
                 std::ptr::null_mut(),
                 len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
+                ProtFlags::READ,
+                MapFlags::SHARED,
+                &fd,
                 0,
             )
         };
@@ -180,17 +172,15 @@ impl HostRegion {
     }
 
     fn from_mmap(
-        ptr: *mut libc::c_void,
+        mapped: rustix::io::Result<*mut c_void>,
         len: usize,
         fd: Option<OwnedFd>,
         writable: bool,
     ) -> Result<Self, RegionError> {
-        if ptr == libc::MAP_FAILED {
-            return Err(RegionError::Map {
-                len,
-                source: io::Error::last_os_error(),
-            });
-        }
+        let ptr = mapped.map_err(|e| RegionError::Map {
+            len,
+            source: e.into(),
+        })?;
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(RegionError::Map {
             len,
             source: io::Error::from(io::ErrorKind::InvalidData),
@@ -228,17 +218,11 @@ impl HostRegion {
     /// A new read-only descriptor of the backing memfd (what same-host peers receive).
     pub fn reopen_read_only(&self) -> Result<Option<OwnedFd>, RegionError> {
         let Some(fd) = &self.fd else { return Ok(None) };
-        let path = CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-            .map_err(|_| RegionError::Empty)?;
-        // SAFETY: path is a valid NUL-terminated string; O_RDONLY opens a new description.
-        let raw = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
-        if raw < 0 {
-            return Err(RegionError::Reopen {
-                source: io::Error::last_os_error(),
-            });
-        }
-        // SAFETY: open returned a new descriptor that nothing else owns.
-        Ok(Some(unsafe { OwnedFd::from_raw_fd(raw) }))
+        // A new open file description through /proc, not a dup: its read-only mode is what
+        // keeps a peer's mapping from ever being made writable.
+        let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+        let file = std::fs::File::open(path).map_err(|source| RegionError::Reopen { source })?;
+        Ok(Some(file.into()))
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<(), RegionError> {
@@ -314,9 +298,7 @@ impl Drop for HostRegion {
     fn drop(&mut self) {
         // SAFETY: ptr/len are exactly the mapping created in the constructor, unmapped once.
         // munmap of a valid mapping cannot fail in a way we could act on.
-        unsafe {
-            libc::munmap(self.ptr.as_ptr().cast(), self.len);
-        }
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }
 
@@ -341,5 +323,38 @@ mod tests {
         assert_eq!(&b, b"hello");
         assert!(matches!(ro.write_at(0, b"x"), Err(RegionError::ReadOnly)));
         assert!(matches!(HostRegion::anonymous(0), Err(RegionError::Empty)));
+    }
+
+    #[test]
+    fn a_read_only_reopen_cannot_be_mapped_writable() {
+        let r = HostRegion::memfd("ro", 4096).unwrap();
+        let ro = r.reopen_read_only().unwrap().unwrap();
+        // The peer's descriptor itself refuses a writable shared mapping (EACCES), so no
+        // mprotect could ever turn its read-only view into a writable one.
+        assert!(matches!(
+            HostRegion::map_shared(ro, 4096, false),
+            Err(RegionError::Map { .. })
+        ));
+        assert!(HostRegion::anonymous(4096)
+            .unwrap()
+            .reopen_read_only()
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
+    fn a_nul_in_the_name_is_replaced_and_writes_reach_the_shared_mapping() {
+        let r = HostRegion::memfd("pool\0name", 8192).unwrap();
+        r.write_at(4096, b"shared").unwrap();
+        let fd = r.fd().unwrap().try_clone_to_owned().unwrap();
+        let twin = HostRegion::map_shared(fd, 8192, true).unwrap();
+        let mut b = [0u8; 6];
+        twin.read_at(4096, &mut b).unwrap();
+        assert_eq!(&b, b"shared");
+        let name = std::fs::read_link(format!("/proc/self/fd/{}", r.fd().unwrap().as_raw_fd()));
+        assert_eq!(
+            name.unwrap().to_string_lossy(),
+            "/memfd:pool_name (deleted)"
+        );
     }
 }
