@@ -851,6 +851,9 @@ impl<B, C> PeerQueues<B, C> {
             // The cause first, while the batch it names is still here to translate its id.
             if slot.fault.is_none() {
                 slot.fault = qp.fault().map(|f| caller_fault(f, &slot.batches));
+                if let Some(fault) = slot.fault {
+                    tracing::warn!(%nic, qp = %key, ?fault, outstanding = qp.outstanding(), "QP in error: draining before it is rebuilt");
+                }
             }
             self.scratch.clear();
             qp.poll_completions(&mut self.scratch);

@@ -564,3 +564,44 @@ impl NodeNics {
         (!nics.is_empty()).then_some(VerbsSide { nics })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::config::NodeConfig;
+
+    /// The node runs one actix System: its NIC workers are Arbiters of it, so stopping the
+    /// node's System stops them (a System of their own would keep them running).
+    #[test]
+    fn nic_workers_run_on_the_nodes_system() {
+        let mut cfg = NodeConfig::default();
+        cfg.device.kind = "host".into();
+        cfg.pool.size = crate::config::ByteSize(4 << 20);
+        cfg.nic = vec![NicSection {
+            name: "lo0".into(),
+            provider: "loopback".into(),
+            ..NicSection::default()
+        }];
+        let node = crate::Node::start(cfg).unwrap();
+        let nics = node.nics().expect("the [[nic]] actors run");
+        let worker = nics.runtime.workers[0].clone();
+        let registry = nics.runtime.registry.clone();
+        assert!(matches!(nics.runtime.host, Host::Shared));
+        assert!(worker.connected() && registry.connected());
+        node.shutdown();
+        let end = Instant::now() + Duration::from_secs(5);
+        while (worker.connected() || registry.connected()) && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(
+            !worker.connected(),
+            "the NIC worker outlived the node's System"
+        );
+        assert!(
+            !registry.connected(),
+            "the MR registry outlived the node's System"
+        );
+    }
+}

@@ -192,3 +192,94 @@ impl Handler<Gauges> for NicWorker {
         MessageResult(self.queues.gauge_values())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::sync::Mutex;
+
+    use kvferry_transport::loopback::LoopbackConnector;
+    use kvferry_transport::{CompletionSink, Connection, ConnectionError, ProviderKind};
+
+    use super::*;
+    use crate::nic::NicRuntime;
+
+    /// A connector whose connects wait until the test lets each one through: a peer slow to
+    /// answer a handshake.
+    struct Slow {
+        go: Mutex<mpsc::Receiver<()>>,
+        inner: LoopbackConnector,
+    }
+
+    impl Connector for Slow {
+        fn connect(
+            &self,
+            qp: QpKey,
+            sink: Arc<dyn CompletionSink>,
+        ) -> Result<Box<dyn Connection>, ConnectionError> {
+            let waited = self
+                .go
+                .lock()
+                .map(|rx| rx.recv_timeout(Duration::from_secs(10)));
+            if !matches!(waited, Ok(Ok(()))) {
+                return Err(ConnectionError::PeerUnreachable { peer: qp.peer });
+            }
+            self.inner.connect(qp, sink)
+        }
+    }
+
+    /// Connects wait on the network off the worker's thread: while two handshakes hang, the
+    /// worker still answers (it would be stuck in the Connect handler if it connected there),
+    /// shows both QPs connecting, and answers the Connect once they are through.
+    #[test]
+    fn a_hanging_handshake_does_not_block_the_worker() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let nics = NicRuntime::start(vec![NicConfig {
+                name: "lo0".into(),
+                provider: ProviderKind::Loopback,
+                ..NicConfig::default()
+            }])
+            .unwrap();
+            let worker = nics.workers[0].clone();
+            let (go, rx) = mpsc::channel();
+            let slow = Arc::new(Slow {
+                go: Mutex::new(rx),
+                inner: LoopbackConnector::new(NodeId(9), MrTable::new()),
+            });
+            let connect = tokio::spawn(worker.send(Connect {
+                peer: NodeId(9),
+                connector: slow,
+                qps: Some(2),
+            }));
+            let mut connecting = 0;
+            for _ in 0..200 {
+                let g = tokio::time::timeout(Duration::from_secs(1), worker.send(Gauges))
+                    .await
+                    .expect("the worker answers while handshakes hang")
+                    .unwrap();
+                connecting = g.connecting;
+                if connecting == 2 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            assert_eq!(connecting, 2);
+            assert!(!connect.is_finished());
+            go.send(()).unwrap();
+            go.send(()).unwrap();
+            let keys = tokio::time::timeout(Duration::from_secs(5), connect)
+                .await
+                .expect("connect answered")
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            assert_eq!(keys.len(), 2);
+            let g = worker.send(Gauges).await.unwrap();
+            assert_eq!((g.ready, g.connecting), (2, 0), "{g:?}");
+        });
+    }
+}
