@@ -117,6 +117,18 @@ mod tests {
         }
     }
 
+    /// The samples document the section: node.toml its defaults, cluster-redis.toml JSON.
+    #[test]
+    fn the_samples_parse_to_what_they_say() {
+        let node = include_str!("../../config/node.toml");
+        let cfg = crate::NodeConfig::from_toml(node, "node.toml").unwrap();
+        assert_eq!(cfg.log, LogSection::default());
+        let redis = include_str!("../../config/cluster-redis.toml");
+        let cfg = crate::NodeConfig::from_toml(redis, "cluster-redis.toml").unwrap();
+        assert_eq!(cfg.log.format, LogFormat::Json);
+        cfg.log.validate().unwrap();
+    }
+
     #[test]
     fn the_section_is_kebab_case_and_refuses_unknown_keys() {
         let s: LogSection = toml::from_str("level = \"debug\"\nformat = \"json\"\n").unwrap();

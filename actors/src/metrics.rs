@@ -259,6 +259,10 @@ fn record_directory_call(op: &'static str, seconds: f64) {
     histogram!(DIRECTORY_CALL_SECONDS, "op" => op).record(seconds);
 }
 
+/// How often one kind of failed transfer is logged per path.
+pub const FAILURE_LOG_PERIOD: std::time::Duration = std::time::Duration::from_secs(10);
+static FAILURES: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(FAILURE_LOG_PERIOD);
+
 /// What a node counts as it happens: the plain counters `Node::stats` reads, and the
 /// families of its own recorder.
 #[derive(Debug)]
@@ -296,6 +300,20 @@ impl Counters {
     pub fn transfer(&self, path: &'static str, out: Result<&TransferReport, ()>) {
         let stages = self.registry.record(|| record_transfer(path, out));
         self.registry.sampled(stages as u64);
+    }
+
+    /// Logs a failed transfer with its kind (the error's variant): at most one line per
+    /// path and kind every [`FAILURE_LOG_PERIOD`], saying how many it stands for, since a
+    /// fault (a peer gone, a full pool) fails every load until it clears.
+    pub fn log_failure(&self, path: &'static str, e: &crate::error::NodeError) {
+        let debug = format!("{e:?}");
+        let kind = debug
+            .split(|c: char| !c.is_alphanumeric() && c != '_')
+            .next()
+            .unwrap_or("");
+        if let Some(held_back) = FAILURES.allow(&format!("{path}/{kind}")) {
+            tracing::warn!(path, kind, error = %e, held_back, "transfer failed");
+        }
     }
 
     /// Records a query by result: `local`, `remote` (some blocks from peers) or `miss`.
@@ -615,6 +633,51 @@ mod tests {
         assert!(text.contains("kvferry_loads_total{path=\"direct\",status=\"ok\"} 1\n"));
         assert!(text.contains("kvferry_stage_seconds_count{path=\"direct\",stage=\"wire\"} 1\n"));
         assert!(text.contains("kvferry_leases_live 0\n"), "{text}");
+    }
+
+    /// A fault that fails every load is logged once per path and kind, not once per load.
+    #[test]
+    fn failed_transfers_are_logged_once_per_path_and_kind() {
+        use std::sync::{Arc, Mutex};
+        #[derive(Clone, Default)]
+        struct Buf(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Buf {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buf = Buf::default();
+        let writer = buf.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .finish();
+        let c = Counters::default();
+        tracing::subscriber::with_default(subscriber, || {
+            let gone = crate::error::NodeError::Remote {
+                peer: "b".into(),
+                reason: "gone".into(),
+            };
+            for _ in 0..5 {
+                c.log_failure("test-staged", &gone);
+            }
+            c.log_failure(
+                "test-staged",
+                &crate::error::NodeError::Stopped { what: "test" },
+            );
+        });
+        let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        assert!(
+            lines[0].contains("kind=\"Remote\"") || lines[0].contains("kind=Remote"),
+            "{text}"
+        );
+        assert!(lines[0].contains("peer b: gone"), "{text}");
+        assert!(lines[1].contains("Stopped"), "{text}");
     }
 
     /// Two nodes in one process (the in-process cluster) keep their own numbers.

@@ -309,6 +309,9 @@ impl Transfer {
                 f.0.load(out.is_ok(), out.as_ref().map(|r| r.bytes).unwrap_or(0));
             }
             f.0.transfer(self.path, out.as_ref().map_err(|_| ()));
+            if let Err(e) = &out {
+                f.0.log_failure(self.path, e);
+            }
         }
         // Release before replying, so a caller that sees the reply sees the pins gone.
         self.on_success = None;
