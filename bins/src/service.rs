@@ -398,3 +398,51 @@ pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
     }
     served
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// GETs `path` from the router served on a loopback port: the status code and body.
+    async fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).await.unwrap();
+        let code = resp.split_whitespace().nth(1).unwrap().parse().unwrap();
+        let body = resp.split_once("\r\n\r\n").unwrap().1.to_owned();
+        (code, body)
+    }
+
+    /// `/health` is 200 `ok` while the actors answer and 503 with the reason once they are
+    /// gone (the node was shut down under the endpoint); `/metrics` too; others are 404.
+    #[test]
+    fn health_and_metrics_answer_503_once_the_actors_are_gone() {
+        let mut cfg = NodeConfig::default();
+        cfg.device.kind = "host".into();
+        cfg.pool.size = kvferry_actors::config::ByteSize(4 << 20);
+        let node = Node::start(cfg).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let app = metrics_router(node.clone());
+            tokio::spawn(async move { axum::serve(listener, app).await });
+            assert_eq!(get(addr, "/health").await, (200, "ok\n".into()));
+            let (code, body) = get(addr, "/metrics").await;
+            assert_eq!(code, 200);
+            assert!(body.contains("kvferry_pool_slots 4\n"), "{body}");
+            assert_eq!(get(addr, "/nope").await.0, 404);
+            node.shutdown();
+            let (code, body) = get(addr, "/health").await;
+            assert_eq!(code, 503, "{body}");
+            assert!(body.contains("shutting down"), "{body}");
+            assert_eq!(get(addr, "/metrics").await.0, 503);
+        });
+    }
+}

@@ -113,7 +113,9 @@ impl GrpcPeers {
     /// at most every [`LINK_FAILURE_LOG_PERIOD`] per peer (a peer that is down fails every
     /// plan that names it).
     async fn connect(&self, from: &str, to: &str) -> Result<Arc<dyn PeerLink>, NodeError> {
-        match self.link_to(from, to).await {
+        // Events of the handshake (the owner's incarnation, a lost peer) carry the link.
+        let span = tracing::info_span!("peer_link", node = from, peer = to);
+        match tracing::Instrument::instrument(self.link_to(from, to), span).await {
             Ok(link) => {
                 tracing::info!(
                     node = from,
