@@ -88,6 +88,15 @@ pub enum Reservation {
     Present,
 }
 
+/// A sealed block that left the cache. Its slot is free, but its bytes stay as they were
+/// until the slot's next writer writes (the store copies them to the SSD tier before that).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Evicted {
+    pub key: BlockKey,
+    pub slot: usize,
+    pub tp: u32,
+}
+
 /// Gauges an operator asks about.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheStats {
@@ -108,7 +117,7 @@ pub struct BlockCache {
     pins: u64,
     evictions: u64,
     /// Sealed blocks evicted since the last `take_evicted` (to withdraw from the directory).
-    evicted: Vec<BlockKey>,
+    evicted: Vec<Evicted>,
 }
 
 impl BlockCache {
@@ -126,7 +135,7 @@ impl BlockCache {
     }
 
     /// Sealed blocks evicted since the last call.
-    pub fn take_evicted(&mut self) -> Vec<BlockKey> {
+    pub fn take_evicted(&mut self) -> Vec<Evicted> {
         std::mem::take(&mut self.evicted)
     }
 
@@ -222,7 +231,11 @@ impl BlockCache {
                     self.pool.free(e.slot);
                     self.evictions += 1;
                     if e.sealed() {
-                        self.evicted.push(key);
+                        self.evicted.push(Evicted {
+                            key,
+                            slot: e.slot,
+                            tp: e.tp,
+                        });
                     }
                     return true;
                 }
@@ -345,7 +358,11 @@ impl BlockCache {
                 self.pool.free(e.slot);
                 self.evictions += 1;
                 if e.sealed() {
-                    self.evicted.push(key.clone());
+                    self.evicted.push(Evicted {
+                        key: key.clone(),
+                        slot: e.slot,
+                        tp: e.tp,
+                    });
                 }
             }
         }

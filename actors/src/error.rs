@@ -28,6 +28,8 @@ pub enum NodeError {
     Device(#[from] DeviceError),
     #[error(transparent)]
     Config(#[from] ConfigError),
+    #[error(transparent)]
+    Ssd(#[from] crate::ssd::SsdError),
     #[error("instance {instance} is not registered")]
     UnknownInstance { instance: InstanceId },
     #[error("instance {instance} rank {rank} is not registered")]

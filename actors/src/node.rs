@@ -112,6 +112,11 @@ impl Node {
         let verbs_side = nics
             .as_ref()
             .map(|n| (n.direct_refusal.clone(), n.routing.clone()));
+        // Scans the SSD directories before the actors start: a warm restart serves what it finds.
+        let ssd = match &config.ssd {
+            Some(c) => Some(crate::ssd::SsdTier::open(c, config.pool.slot_bytes.0)?),
+            None => None,
+        };
         let counters = Arc::new(Counters::default());
         let (tx, rx) = std::sync::mpsc::channel();
         let cfg = config.clone();
@@ -139,6 +144,7 @@ impl Node {
                         clock.clone(),
                         cfg.lease.peer_pin_ttl(),
                     )
+                    .with_ssd(ssd)
                     .start();
                     let keeper = LeaseKeeper::new(
                         cfg.lease.ttl(),
@@ -450,6 +456,16 @@ impl Node {
     /// Expires due peer pins now (the store sweeps every second); returns how many.
     pub async fn sweep_peer_pins(&self) -> Result<usize, NodeError> {
         Ok(self.inner.store.send(store::SweepPeerPins).await?)
+    }
+
+    /// The SSD tier's counters and gauges; None without `[ssd]`.
+    pub async fn ssd_stats(&self) -> Result<Option<crate::ssd::SsdStats>, NodeError> {
+        Ok(self.inner.store.send(store::GetSsdStats).await?)
+    }
+
+    /// Waits until every SSD write and read queued so far is done.
+    pub async fn ssd_sync(&self) -> Result<(), NodeError> {
+        Ok(self.inner.store.send(store::SsdSync).await?)
     }
 
     /// Evicts every unpinned fetched copy; returns how many.

@@ -1,10 +1,15 @@
 //! The BlockStore actor: drives the block cache, pins prefixes for leases, and runs puts and
 //! saves into the host pool.
 
+use std::collections::HashMap;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use actix::{Actor, Addr, AsyncContext, Context, Handler, Message, ResponseFuture};
+use actix::fut::{wrap_future, ActorFutureExt};
+use actix::{
+    Actor, Addr, AsyncContext, Context, Handler, Message, ResponseActFuture, ResponseFuture,
+};
 use kvferry_gpu::{CopyDirection, CopyList};
 use tokio::sync::oneshot;
 
@@ -13,12 +18,15 @@ use crate::cache::{BlockCache, BlockClass, CacheStats, Reservation, SlotRef};
 use crate::clock::Clock;
 use crate::error::NodeError;
 use crate::metrics::{Counters, InFlight};
-use crate::model::{BlockHash, Namespace};
+use crate::model::{BlockHash, BlockKey, Namespace};
 use crate::pool::{HostPool, PoolMemory};
 use crate::registry::RankHandle;
 use crate::remote::directory::Directory;
 use crate::remote::link::{PinnedRemote, RemoteBlock};
 use crate::remote::pins::PeerPins;
+use crate::ssd::io::{ReadInto, ReadOutcome};
+use crate::ssd::tier::{PendingRead, PendingWrite, ReadRx, WriteRx};
+use crate::ssd::{SsdError, SsdStats, SsdTier};
 use crate::transfer::{Transfer, TransferSpec};
 
 pub struct BlockStore {
@@ -28,6 +36,17 @@ pub struct BlockStore {
     directory: Option<Arc<dyn Directory>>,
     peer_pins: PeerPins,
     clock: Clock,
+    /// The SSD tier behind the pool; None: RAM only.
+    ssd: Option<SsdTier>,
+    /// `(tp, block bytes)` of every namespace seen: what an evicted block's bytes are.
+    shapes: HashMap<Namespace, (u32, u64)>,
+}
+
+/// SSD blocks being read into RAM slots for one lookup, in prefix order. Each block's slot
+/// holds a writer pin for every rank until the read is done.
+struct Promotion {
+    namespace: Namespace,
+    reads: Vec<(PendingRead, u32)>,
 }
 
 impl BlockStore {
@@ -46,18 +65,29 @@ impl BlockStore {
             directory,
             peer_pins: PeerPins::new(peer_pin_ttl),
             clock,
+            ssd: None,
+            shapes: HashMap::new(),
         }
+    }
+
+    /// Puts an SSD tier behind the pool: evicted sealed blocks are written to it (and every
+    /// sealed block if it writes through), lookups continue into it, and what it found on
+    /// disk at open is advertised when the store starts.
+    pub fn with_ssd(mut self, ssd: Option<SsdTier>) -> Self {
+        self.ssd = ssd;
+        self
     }
 
     /// Advertises newly sealed blocks and withdraws evicted ones. The directory only queues
     /// them (it writes in batches off this thread), so this never waits on the network.
-    fn advertise(&mut self, ns: &Namespace, sealed: &[BlockHash]) {
+    fn advertise(&mut self, ns: &Namespace, sealed: &[BlockHash], ctx: &mut Context<Self>) {
         if let Some(dir) = &self.directory {
             if !sealed.is_empty() {
                 dir.publish(&self.node_id, ns, sealed);
             }
         }
-        self.advertise_evictions();
+        self.write_through(ns, sealed, ctx);
+        self.advertise_evictions(ctx);
     }
 
     fn sweep_peer_pins(&mut self) -> usize {
@@ -76,6 +106,12 @@ impl Actor for BlockStore {
         ctx.run_interval(Duration::from_secs(1), |act, _| {
             act.sweep_peer_pins();
         });
+        // A warm restart: what the SSD tier found on disk is served again, to peers too.
+        if let (Some(ssd), Some(dir)) = (&self.ssd, &self.directory) {
+            for (ns, hashes) in by_namespace(ssd.keys().cloned()) {
+                dir.publish(&self.node_id, &ns, &hashes);
+            }
+        }
     }
 
     fn stopped(&mut self, _: &mut Self::Context) {
@@ -119,6 +155,9 @@ impl std::fmt::Debug for PinGuard {
 pub struct PinnedPrefix {
     pub blocks: Arc<Vec<SlotRef>>,
     pub guard: Option<Arc<PinGuard>>,
+    /// How many of `blocks` (the last ones) were read from the SSD tier for this lookup;
+    /// the others were in RAM.
+    pub ssd_blocks: usize,
 }
 
 #[derive(Message)]
@@ -128,23 +167,35 @@ pub struct PinPrefix {
     pub hashes: Vec<BlockHash>,
 }
 
+/// Pins the prefix of `hashes` held here: the RAM prefix, continued by blocks read from the
+/// SSD tier into RAM slots (the reply waits for those reads; they run off this thread).
 impl Handler<PinPrefix> for BlockStore {
-    type Result = actix::MessageResult<PinPrefix>;
+    type Result = ResponseActFuture<Self, PinnedPrefix>;
 
     fn handle(&mut self, m: PinPrefix, ctx: &mut Context<Self>) -> Self::Result {
-        let blocks = self.cache.pin_prefix(&m.namespace, &m.hashes);
-        let guard = (!blocks.is_empty()).then(|| {
-            Arc::new(PinGuard {
-                store: ctx.address(),
-                namespace: m.namespace,
-                hashes: blocks.iter().map(|b| b.hash).collect(),
-                _memory: Arc::clone(self.cache.pool().memory()),
-            })
-        });
-        actix::MessageResult(PinnedPrefix {
-            blocks: Arc::new(blocks),
-            guard,
-        })
+        Box::pin(self.pin_local(m.namespace.clone(), &m.hashes, ctx).map(
+            move |(blocks, ssd_blocks), act: &mut Self, ctx| {
+                if let Some(ssd) = &act.ssd {
+                    let m = ssd.metrics();
+                    m.hits_ram
+                        .fetch_add((blocks.len() - ssd_blocks) as u64, Relaxed);
+                    m.hits_ssd.fetch_add(ssd_blocks as u64, Relaxed);
+                }
+                let guard = (!blocks.is_empty()).then(|| {
+                    Arc::new(PinGuard {
+                        store: ctx.address(),
+                        namespace: m.namespace,
+                        hashes: blocks.iter().map(|b| b.hash).collect(),
+                        _memory: Arc::clone(act.cache.pool().memory()),
+                    })
+                });
+                PinnedPrefix {
+                    blocks: Arc::new(blocks),
+                    guard,
+                    ssd_blocks,
+                }
+            },
+        ))
     }
 }
 
@@ -175,9 +226,10 @@ pub struct Put {
 impl Handler<Put> for BlockStore {
     type Result = Result<StoreReport, NodeError>;
 
-    fn handle(&mut self, m: Put, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, m: Put, ctx: &mut Context<Self>) -> Self::Result {
         let t0 = Instant::now();
         let h = &m.handle;
+        self.learn_shape(&h.namespace, h.shape.tp_size(), h.shape.block_bytes());
         let rank_bytes = h.shape.rank_bytes();
         // Validate the whole request before changing anything.
         for (i, (_, data)) in m.blocks.iter().enumerate() {
@@ -192,16 +244,19 @@ impl Handler<Put> for BlockStore {
         let offset = h.shape.rank_offset(h.rank);
         let mut sealed = Vec::new();
         for (hash, data) in &m.blocks {
-            match self.cache.reserve(
+            let r = self.cache.reserve(
                 &h.namespace,
                 *hash,
                 h.shape.tp_size(),
                 h.rank,
                 h.shape.block_bytes(),
                 BlockClass::Retained,
-            ) {
+            );
+            // Before the slot is written: an evicted block's bytes are still in it.
+            self.advertise_evictions(ctx);
+            match r {
                 Err(e) => {
-                    self.advertise(&h.namespace, &sealed);
+                    self.advertise(&h.namespace, &sealed, ctx);
                     return Err(e.into());
                 }
                 Ok(Reservation::Present) => report.present += 1,
@@ -216,7 +271,7 @@ impl Handler<Put> for BlockStore {
             }
         }
         report.sealed = sealed.len();
-        self.advertise(&h.namespace, &sealed);
+        self.advertise(&h.namespace, &sealed, ctx);
         report.seconds = t0.elapsed().as_secs_f64();
         Ok(report)
     }
@@ -251,9 +306,9 @@ pub(crate) struct Abort {
 impl Handler<Abort> for BlockStore {
     type Result = ();
 
-    fn handle(&mut self, m: Abort, _: &mut Context<Self>) {
+    fn handle(&mut self, m: Abort, ctx: &mut Context<Self>) {
         self.cache.abort(&m.namespace, m.hash);
-        self.advertise(&m.namespace, &[]);
+        self.advertise(&m.namespace, &[], ctx);
     }
 }
 
@@ -269,11 +324,15 @@ pub(crate) struct Commit {
 impl Handler<Commit> for BlockStore {
     type Result = usize;
 
-    fn handle(&mut self, m: Commit, _: &mut Context<Self>) -> usize {
-        m.hashes
+    fn handle(&mut self, m: Commit, ctx: &mut Context<Self>) -> usize {
+        let sealed: Vec<BlockHash> = m
+            .hashes
             .iter()
-            .filter(|h| self.cache.commit(&m.namespace, **h, m.rank))
-            .count()
+            .copied()
+            .filter(|h| self.cache.commit(&m.namespace, *h, m.rank))
+            .collect();
+        self.write_through(&m.namespace, &sealed, ctx);
+        sealed.len()
     }
 }
 
@@ -291,7 +350,7 @@ impl Handler<Save> for BlockStore {
 
     fn handle(&mut self, m: Save, ctx: &mut Context<Self>) -> Self::Result {
         let t0 = Instant::now();
-        let prepared = self.prepare_save(&m, ctx.address());
+        let prepared = self.prepare_save(&m, ctx);
         let (guards, present, list) = match prepared {
             Ok(p) => p,
             Err(e) => return Box::pin(async move { Err(e) }),
@@ -360,9 +419,11 @@ impl BlockStore {
     fn prepare_save(
         &mut self,
         m: &Save,
-        me: Addr<BlockStore>,
+        ctx: &mut Context<Self>,
     ) -> Result<(Vec<WriteGuard>, usize, CopyList), NodeError> {
+        let me = ctx.address();
         let h = &m.handle;
+        self.learn_shape(&h.namespace, h.shape.tp_size(), h.shape.block_bytes());
         if m.hashes.len() != m.src_blocks.len() {
             return Err(NodeError::bad(format!(
                 "{} hashes but {} source blocks",
@@ -385,6 +446,8 @@ impl BlockStore {
                 shape.block_bytes(),
                 BlockClass::Retained,
             );
+            // Before the copies start: an evicted block's bytes are still in its slot.
+            self.advertise_evictions(ctx);
             let slot = match r {
                 Ok(Reservation::Present) => {
                     present += 1;
@@ -442,27 +505,31 @@ pub struct PinForPeer {
     pub hashes: Vec<BlockHash>,
 }
 
+/// SSD-held blocks are read into RAM first (the reply waits), so a peer reads pool memory.
 impl Handler<PinForPeer> for BlockStore {
-    type Result = actix::MessageResult<PinForPeer>;
+    type Result = ResponseActFuture<Self, PinnedRemote>;
 
-    fn handle(&mut self, m: PinForPeer, _: &mut Context<Self>) -> Self::Result {
-        let blocks = self.cache.pin_prefix(&m.namespace, &m.hashes);
-        if blocks.is_empty() {
-            return actix::MessageResult(PinnedRemote {
-                pin_id: 0,
-                blocks: Vec::new(),
-            });
-        }
-        let hashes = blocks.iter().map(|b| b.hash).collect();
-        let pin_id = self.peer_pins.create(m.namespace, hashes, self.clock.now());
-        let blocks = blocks
-            .iter()
-            .map(|b| RemoteBlock {
-                hash: b.hash,
-                addr: b.addr,
-            })
-            .collect();
-        actix::MessageResult(PinnedRemote { pin_id, blocks })
+    fn handle(&mut self, m: PinForPeer, ctx: &mut Context<Self>) -> Self::Result {
+        Box::pin(self.pin_local(m.namespace.clone(), &m.hashes, ctx).map(
+            move |(blocks, _), act: &mut Self, _| {
+                if blocks.is_empty() {
+                    return PinnedRemote {
+                        pin_id: 0,
+                        blocks: Vec::new(),
+                    };
+                }
+                let hashes = blocks.iter().map(|b| b.hash).collect();
+                let pin_id = act.peer_pins.create(m.namespace, hashes, act.clock.now());
+                let blocks = blocks
+                    .iter()
+                    .map(|b| RemoteBlock {
+                        hash: b.hash,
+                        addr: b.addr,
+                    })
+                    .collect();
+                PinnedRemote { pin_id, blocks }
+            },
+        ))
     }
 }
 
@@ -515,28 +582,328 @@ pub struct DropReclaimable;
 impl Handler<DropReclaimable> for BlockStore {
     type Result = usize;
 
-    fn handle(&mut self, _: DropReclaimable, _: &mut Context<Self>) -> usize {
+    fn handle(&mut self, _: DropReclaimable, ctx: &mut Context<Self>) -> usize {
         let n = self.cache.drop_reclaimable();
-        self.advertise_evictions();
+        self.advertise_evictions(ctx);
         n
     }
 }
 
 impl BlockStore {
-    /// Withdraws what was evicted, one call per namespace.
-    fn advertise_evictions(&mut self) {
+    /// Handles what RAM evicted: blocks the SSD tier takes (write-behind) stay advertised,
+    /// the others are withdrawn, one call per namespace.
+    ///
+    /// Called right after every reservation, before its slot is written: an evicted
+    /// block's bytes are still in its freed slot, and are copied out here.
+    fn advertise_evictions(&mut self, ctx: &mut Context<Self>) {
         let evicted = self.cache.take_evicted();
-        let Some(dir) = &self.directory else { return };
-        let mut by_ns: Vec<(Namespace, Vec<BlockHash>)> = Vec::new();
-        for key in evicted {
-            match by_ns.iter_mut().find(|(ns, _)| *ns == key.namespace) {
-                Some((_, hashes)) => hashes.push(key.hash),
-                None => by_ns.push((key.namespace, vec![key.hash])),
+        if evicted.is_empty() {
+            return;
+        }
+        let mut gone = Vec::new();
+        let mut writes = Vec::new();
+        for ev in evicted {
+            let Some(ssd) = self.ssd.as_mut() else {
+                gone.push(ev.key);
+                continue;
+            };
+            if ssd.contains(&ev.key) {
+                continue;
+            }
+            let pool = self.cache.pool();
+            let len = self
+                .shapes
+                .get(&ev.key.namespace)
+                .map_or(pool.slot_bytes(), |s| s.1);
+            match ssd.write(&ev.key, ev.tp, len, |dst| pool.read(ev.slot, 0, dst)) {
+                Some((w, rx, disk_evicted)) => {
+                    writes.push((w, rx));
+                    gone.extend(disk_evicted);
+                }
+                None => gone.push(ev.key),
             }
         }
-        for (ns, hashes) in by_ns {
+        for (w, rx) in writes {
+            self.watch_write(w, rx, ctx);
+        }
+        self.withdraw(gone);
+    }
+
+    /// Withdraws blocks that left this node: those no tier holds any more.
+    fn withdraw(&self, keys: Vec<BlockKey>) {
+        let Some(dir) = &self.directory else { return };
+        let gone = keys.into_iter().filter(|k| {
+            !self.cache.contains(&k.namespace, k.hash)
+                && !self.ssd.as_ref().is_some_and(|s| s.contains(k))
+        });
+        for (ns, hashes) in by_namespace(gone) {
             dir.withdraw(&self.node_id, &ns, &hashes);
         }
+    }
+
+    fn learn_shape(&mut self, ns: &Namespace, tp: u32, block_bytes: u64) {
+        if !self.shapes.contains_key(ns) {
+            self.shapes.insert(ns.clone(), (tp, block_bytes));
+        }
+    }
+
+    /// Finishes a queued SSD write when the disk is done with it.
+    fn watch_write(&mut self, w: PendingWrite, rx: WriteRx, ctx: &mut Context<Self>) {
+        ctx.spawn(wrap_future(rx).map(move |r, act: &mut Self, _| {
+            let out = r.unwrap_or_else(|_| {
+                Err(SsdError::Stopped {
+                    path: Default::default(),
+                })
+            });
+            let key = w.key.clone();
+            if let Some(ssd) = act.ssd.as_mut() {
+                if !ssd.write_done(&w, out) {
+                    act.withdraw(vec![key]);
+                }
+            }
+        }));
+    }
+
+    /// Write-through: every newly sealed block goes to the SSD tier too.
+    fn write_through(&mut self, ns: &Namespace, sealed: &[BlockHash], ctx: &mut Context<Self>) {
+        let Some(ssd) = self.ssd.as_mut().filter(|s| s.write_through()) else {
+            return;
+        };
+        let Some(&(tp, len)) = self.shapes.get(ns) else {
+            return;
+        };
+        let mut writes = Vec::new();
+        let mut gone = Vec::new();
+        for h in sealed {
+            // Pinned only to learn its slot; the copy below is done before the unpin.
+            let Some(s) = self.cache.pin_prefix(ns, std::slice::from_ref(h)).pop() else {
+                continue;
+            };
+            let key = BlockKey {
+                namespace: ns.clone(),
+                hash: *h,
+            };
+            let pool = self.cache.pool();
+            if let Some((w, rx, disk_evicted)) =
+                ssd.write(&key, tp, len, |dst| pool.read(s.slot, 0, dst))
+            {
+                writes.push((w, rx));
+                gone.extend(disk_evicted);
+            }
+            self.cache.unpin(ns, std::slice::from_ref(h));
+        }
+        for (w, rx) in writes {
+            self.watch_write(w, rx, ctx);
+        }
+        self.withdraw(gone);
+    }
+
+    /// Pins the prefix of `hashes` held here, RAM and SSD blocks in any order: RAM blocks
+    /// are pinned first (so promotions cannot evict them), then the SSD blocks get RAM
+    /// slots (evicting as needed) and are read into them off this thread. Resolves to the
+    /// pinned prefix and how many of it came from SSD; the prefix ends at the first block
+    /// that neither tier holds, that got no RAM slot, or whose read failed.
+    fn pin_local(
+        &mut self,
+        namespace: Namespace,
+        hashes: &[BlockHash],
+        ctx: &mut Context<Self>,
+    ) -> ResponseActFuture<Self, (Vec<SlotRef>, usize)> {
+        let mut parts: Vec<Option<SlotRef>> = Vec::new();
+        let mut on_ssd = Vec::new();
+        for h in hashes {
+            let one = std::slice::from_ref(h);
+            if self.cache.prefix_len(&namespace, one) == 1 {
+                parts.extend(self.cache.pin_prefix(&namespace, one).into_iter().map(Some));
+                continue;
+            }
+            let key = BlockKey {
+                namespace: namespace.clone(),
+                hash: *h,
+            };
+            // A block in RAM but unsealed has a writer: not read from disk under it.
+            if self.cache.contains(&namespace, *h)
+                || !self.ssd.as_ref().is_some_and(|s| s.contains(&key))
+            {
+                break;
+            }
+            parts.push(None);
+            on_ssd.push(*h);
+        }
+        let promotion = self.start_promotion(&namespace, &on_ssd, ctx);
+        let Some((p, rxs)) = promotion else {
+            let blocks = self.assemble(&namespace, parts, Vec::new());
+            return Box::pin(actix::fut::ready(blocks));
+        };
+        let wait = async move {
+            let mut out = Vec::with_capacity(rxs.len());
+            for rx in rxs {
+                out.push(rx.await.ok());
+            }
+            out
+        };
+        Box::pin(wrap_future(wait).map(move |outcomes, act: &mut Self, _| {
+            let promoted = act.finish_promotion(p, outcomes);
+            act.assemble(&namespace, parts, promoted)
+        }))
+    }
+
+    /// The prefix in order: RAM blocks (`Some`) and promoted ones (`None`, filled from
+    /// `promoted` in order). Where a promotion is missing the prefix ends, and the RAM
+    /// blocks pinned past that point are unpinned. Also says how many came from SSD.
+    fn assemble(
+        &mut self,
+        ns: &Namespace,
+        parts: Vec<Option<SlotRef>>,
+        promoted: Vec<SlotRef>,
+    ) -> (Vec<SlotRef>, usize) {
+        let mut promoted = promoted.into_iter();
+        let mut out = Vec::with_capacity(parts.len());
+        let mut cut = false;
+        let mut from_ssd = 0;
+        let mut unpin = Vec::new();
+        for part in parts {
+            match (part, cut) {
+                (Some(s), false) => out.push(s),
+                (Some(s), true) => unpin.push(s.hash),
+                (None, false) => match promoted.next() {
+                    Some(s) => {
+                        out.push(s);
+                        from_ssd += 1;
+                    }
+                    None => cut = true,
+                },
+                (None, true) => {}
+            }
+        }
+        // Promoted past the cut (cannot happen: promotions are a prefix of the SSD parts).
+        for s in promoted {
+            unpin.push(s.hash);
+        }
+        self.cache.unpin(ns, &unpin);
+        (out, from_ssd)
+    }
+
+    /// Reserves RAM slots for the run of `hashes` held on SSD and queues their reads. The
+    /// run stops at the first block not on SSD, present in RAM in any state (a writer has
+    /// it), or without a RAM slot.
+    fn start_promotion(
+        &mut self,
+        ns: &Namespace,
+        hashes: &[BlockHash],
+        ctx: &mut Context<Self>,
+    ) -> Option<(Promotion, Vec<ReadRx>)> {
+        let ssd = self.ssd.as_mut()?;
+        // Held first: making room in RAM writes evicted blocks to disk, which must not
+        // evict the blocks about to be read.
+        let mut held = Vec::new();
+        for h in hashes {
+            let key = BlockKey {
+                namespace: ns.clone(),
+                hash: *h,
+            };
+            let Some(e) = ssd.hold(&key) else { break };
+            held.push((key, e));
+        }
+        let mut p = Promotion {
+            namespace: ns.clone(),
+            reads: Vec::new(),
+        };
+        let mut rxs = Vec::new();
+        let mut held = held.into_iter();
+        for (key, e) in held.by_ref() {
+            let h = key.hash;
+            let mut slot = None;
+            let mut reserved = 0;
+            if !self.cache.contains(ns, h) {
+                for rank in 0..e.tp {
+                    let r = self
+                        .cache
+                        .reserve(ns, h, e.tp, rank, e.len, BlockClass::Retained);
+                    // Before the read lands: an evicted block's bytes are still in its slot.
+                    self.advertise_evictions(ctx);
+                    match r {
+                        Ok(Reservation::Write(s)) => {
+                            slot = Some(s);
+                            reserved += 1;
+                        }
+                        Ok(Reservation::Present) | Err(_) => break,
+                    }
+                }
+            }
+            let pool = self.cache.pool();
+            let read = match (slot, reserved == e.tp, self.ssd.as_mut()) {
+                (Some(s), true, Some(ssd)) => ssd.read_held(
+                    &key,
+                    e,
+                    ReadInto {
+                        addr: s.addr,
+                        cap: pool.slot_bytes(),
+                        keep: Arc::clone(pool.memory()) as Arc<dyn Send + Sync>,
+                    },
+                ),
+                (_, _, Some(ssd)) => {
+                    ssd.release(&key, &e);
+                    None
+                }
+                _ => None,
+            };
+            let Some((r, rx)) = read else {
+                if let Some(ssd) = &self.ssd {
+                    ssd.metrics().promote_no_room.fetch_add(1, Relaxed);
+                }
+                for _ in 0..reserved {
+                    self.cache.abort(ns, h);
+                }
+                break;
+            };
+            p.reads.push((r, e.tp));
+            rxs.push(rx);
+        }
+        if let Some(ssd) = self.ssd.as_mut() {
+            for (key, e) in held {
+                ssd.release(&key, &e);
+            }
+        }
+        (!p.reads.is_empty()).then_some((p, rxs))
+    }
+
+    /// Seals the blocks whose reads were good and pins the good prefix of them; a damaged
+    /// block frees its RAM slot, leaves the SSD tier, and ends the prefix.
+    fn finish_promotion(
+        &mut self,
+        p: Promotion,
+        outcomes: Vec<Option<ReadOutcome>>,
+    ) -> Vec<SlotRef> {
+        let ns = &p.namespace;
+        let mut out = Vec::new();
+        let mut prefix = true;
+        let mut gone = Vec::new();
+        for ((r, tp), outcome) in p.reads.into_iter().zip(outcomes) {
+            let h = r.key.hash;
+            let (ok, removed) = match self.ssd.as_mut() {
+                Some(ssd) => ssd.read_done(&r, outcome),
+                None => (false, false),
+            };
+            if ok {
+                for rank in 0..tp {
+                    self.cache.commit(ns, h, rank);
+                }
+                if prefix {
+                    out.extend(self.cache.pin_prefix(ns, std::slice::from_ref(&h)));
+                }
+            } else {
+                for _ in 0..tp {
+                    self.cache.abort(ns, h);
+                }
+                prefix = false;
+                if removed {
+                    gone.push(r.key);
+                }
+            }
+        }
+        self.withdraw(gone);
+        out
     }
 }
 
@@ -604,6 +971,7 @@ impl Handler<ReserveFetch> for BlockStore {
     type Result = actix::MessageResult<ReserveFetch>;
 
     fn handle(&mut self, m: ReserveFetch, ctx: &mut Context<Self>) -> Self::Result {
+        self.learn_shape(&m.namespace, m.tp, m.block_bytes);
         let mut slots = Vec::with_capacity(m.hashes.len());
         let mut guard = FetchGuard {
             store: ctx.address(),
@@ -613,10 +981,12 @@ impl Handler<ReserveFetch> for BlockStore {
             memory: Arc::clone(self.cache.pool().memory()),
         };
         for hash in &m.hashes {
-            match self
+            let r = self
                 .cache
-                .reserve_fetch(&m.namespace, *hash, m.tp, m.rank, m.block_bytes)
-            {
+                .reserve_fetch(&m.namespace, *hash, m.tp, m.rank, m.block_bytes);
+            // Before the remote read lands: an evicted block's bytes are still in its slot.
+            self.advertise_evictions(ctx);
+            match r {
                 Ok((slot, must_write)) => {
                     guard.pinned.push((*hash, must_write));
                     slots.push(FetchSlot {
@@ -633,12 +1003,12 @@ impl Handler<ReserveFetch> for BlockStore {
                             self.cache.unpin_one(&m.namespace, h);
                         }
                     }
-                    self.advertise_evictions();
+                    self.advertise_evictions(ctx);
                     return actix::MessageResult(Err(e.into()));
                 }
             }
         }
-        self.advertise_evictions();
+        self.advertise_evictions(ctx);
         actix::MessageResult(Ok((slots, guard)))
     }
 }
@@ -655,7 +1025,7 @@ struct FinishFetch {
 impl Handler<FinishFetch> for BlockStore {
     type Result = ();
 
-    fn handle(&mut self, m: FinishFetch, _: &mut Context<Self>) {
+    fn handle(&mut self, m: FinishFetch, ctx: &mut Context<Self>) {
         let mut sealed = Vec::new();
         for (hash, written) in m.pinned {
             match (written, m.commit) {
@@ -668,6 +1038,53 @@ impl Handler<FinishFetch> for BlockStore {
                 (false, _) => self.cache.unpin_one(&m.namespace, hash),
             }
         }
-        self.advertise(&m.namespace, &sealed);
+        self.advertise(&m.namespace, &sealed, ctx);
+    }
+}
+
+/// Groups block keys by namespace, for one directory call each.
+fn by_namespace(keys: impl IntoIterator<Item = BlockKey>) -> Vec<(Namespace, Vec<BlockHash>)> {
+    let mut by_ns: Vec<(Namespace, Vec<BlockHash>)> = Vec::new();
+    for key in keys {
+        match by_ns.iter_mut().find(|(ns, _)| *ns == key.namespace) {
+            Some((_, hashes)) => hashes.push(key.hash),
+            None => by_ns.push((key.namespace, vec![key.hash])),
+        }
+    }
+    by_ns
+}
+
+/// The SSD tier's counters and gauges; None without one.
+#[derive(Message)]
+#[rtype(result = "Option<SsdStats>")]
+pub struct GetSsdStats;
+
+impl Handler<GetSsdStats> for BlockStore {
+    type Result = actix::MessageResult<GetSsdStats>;
+
+    fn handle(&mut self, _: GetSsdStats, _: &mut Context<Self>) -> Self::Result {
+        actix::MessageResult(self.ssd.as_ref().map(SsdTier::stats))
+    }
+}
+
+/// Replies once every SSD write and read queued so far is done (tests and benchmarks).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SsdSync;
+
+impl Handler<SsdSync> for BlockStore {
+    type Result = ResponseActFuture<Self, ()>;
+
+    fn handle(&mut self, _: SsdSync, _: &mut Context<Self>) -> Self::Result {
+        let wait = self.ssd.as_ref().map(SsdTier::barrier);
+        Box::pin(
+            wrap_future(async move {
+                if let Some(w) = wait {
+                    w.await;
+                }
+            })
+            // One turn more: the write completions the barrier waited for run first.
+            .map(|_, _: &mut Self, _| ()),
+        )
     }
 }

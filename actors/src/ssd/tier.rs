@@ -246,7 +246,29 @@ impl SsdTier {
     /// Queues a read of a block into pool memory the caller holds a writer pin on (the I/O
     /// thread writes there until the read is done). None if the block is not on disk.
     pub fn read(&mut self, key: &BlockKey, into: ReadInto) -> Option<(PendingRead, ReadRx)> {
-        let e = self.index.begin_read(key)?;
+        let e = self.hold(key)?;
+        self.read_held(key, e, into)
+    }
+
+    /// Keeps a block's disk slot from being reused (by eviction) until [`Self::read_held`]
+    /// or [`Self::release`]: a lookup holds its whole SSD run before it makes room in RAM,
+    /// since making room writes evicted blocks to disk, which may evict on disk.
+    pub fn hold(&mut self, key: &BlockKey) -> Option<Entry> {
+        self.index.begin_read(key)
+    }
+
+    /// Drops a hold without reading.
+    pub fn release(&mut self, key: &BlockKey, e: &Entry) {
+        self.index.end_read(key, e.loc, true);
+    }
+
+    /// Queues the read of a held block (the hold passes to the read).
+    pub fn read_held(
+        &mut self,
+        key: &BlockKey,
+        e: Entry,
+        into: ReadInto,
+    ) -> Option<(PendingRead, ReadRx)> {
         if e.len > into.cap {
             self.index.end_read(key, e.loc, true);
             return None;
