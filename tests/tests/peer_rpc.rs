@@ -580,6 +580,7 @@ fn verbs_endpoint(nic: &str, qps: &[(u32, u32)]) -> proto::VerbsEndpoint {
             .map(|(qpn, psn)| proto::QueuePair {
                 qpn: *qpn,
                 psn: *psn,
+                slot: qpn % 64,
             })
             .collect(),
         regions: Vec::new(),
@@ -955,7 +956,8 @@ fn grpc_exchange_trades_one_qp_with_the_owner_responder() {
         // Called from a plain thread, as a NIC worker connecting a QP would.
         let r = std::thread::spawn(move || {
             let a = exchange.exchange(key, local);
-            let b = exchange.exchange(key, QpEndpoint { qpn: 0x43, ..local });
+            let other = QpKey::new(NodeId(7), NicId(0), QpNum(2));
+            let b = exchange.exchange(other, QpEndpoint { qpn: 0x43, ..local });
             (a, b)
         })
         .join()

@@ -3,7 +3,7 @@
 //! Query refuses them naming why (design rule 5: no silent downgrade). A plain function over
 //! the capability probe and what opening the NICs said.
 
-use kvferry_transport::verbs::VerbsCapability;
+use kvferry_transport::verbs::{is_soft_name, VerbsCapability};
 
 /// Why Query must refuse `direct_gpu`, or `None` when it may grant it. `configured` are the
 /// verbs NICs of the config (none: verbs was not asked for, nothing to refuse); `cap` is the
@@ -17,6 +17,22 @@ pub fn verbs_refusal(
     if configured.is_empty() {
         return None;
     }
+    // The software verbs device (`soft_*` names) is in every build and needs no hardware:
+    // only whether it opened matters.
+    let hardware: Vec<String> = configured
+        .iter()
+        .filter(|c| !is_soft_name(c))
+        .cloned()
+        .collect();
+    if hardware.is_empty() {
+        return open_failures.first().map(|(nic, reason)| {
+            format!(
+                "direct GPU loads over verbs are unavailable on this node: nic {nic} could \
+                 not be opened: {reason}"
+            )
+        });
+    }
+    let configured = &hardware[..];
     match cap {
         VerbsCapability::Unusable { reason } => Some(format!(
             "direct GPU loads over verbs are unavailable on this node: {reason}"
@@ -65,5 +81,12 @@ mod tests {
         )
         .unwrap();
         assert!(r.contains("nic mlx5_0 could not be opened"), "{r}");
+        // The software device needs no RDMA hardware; a real NIC beside it still does.
+        let soft = vec!["soft_mlx5_0".to_string()];
+        assert_eq!(verbs_refusal(&soft, &none, &[]), None);
+        let both = vec!["soft_mlx5_0".to_string(), "mlx5_0".to_string()];
+        assert!(verbs_refusal(&both, &none, &[]).is_some());
+        let r = verbs_refusal(&soft, &none, &[("soft_mlx5_0".into(), "boom".into())]).unwrap();
+        assert!(r.contains("soft_mlx5_0 could not be opened"), "{r}");
     }
 }

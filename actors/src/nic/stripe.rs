@@ -6,7 +6,9 @@
 
 use kvferry_transport::verbs::affinity::{choose_nics, stripe, Destination};
 use kvferry_transport::verbs::sysfs::PciLocation;
-use kvferry_transport::verbs::{AffinityError, NicInfo, Sysfs, SysfsError, VerbsConfig};
+use kvferry_transport::verbs::{
+    is_soft_name, AffinityError, NicInfo, SoftOps, Sysfs, SysfsError, VerbsConfig, VerbsOps,
+};
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -106,7 +108,21 @@ impl NicRouting {
         let nics = names
             .iter()
             .map(|n| {
-                sysfs.nic(n).map_err(|source| RoutingError::Sysfs {
+                let info = if is_soft_name(n) {
+                    // The software device is in no sysfs tree: its ports come from its
+                    // profile, and it sits nowhere on PCIe (as near as any NIC to host memory).
+                    SoftOps::global().ports(n, sysfs).map(|ports| NicInfo {
+                        name: n.clone(),
+                        pci: PciLocation {
+                            path: Vec::new(),
+                            numa: None,
+                        },
+                        ports,
+                    })
+                } else {
+                    sysfs.nic(n)
+                };
+                info.map_err(|source| RoutingError::Sysfs {
                     nic: n.clone(),
                     source,
                 })
@@ -185,6 +201,20 @@ mod tests {
         assert_eq!(r.destination(5), Destination::Host { numa: None });
         let p = r.route(&lens, 5).unwrap();
         assert_eq!(p.nics, names(&["mlx5_0", "mlx5_2", "mlx5_3"]));
+    }
+
+    #[test]
+    fn software_devices_route_without_sysfs() {
+        let r = NicRouting::discover(
+            &Sysfs::new("/nonexistent"),
+            &names(&["soft_mlx5_0", "soft_mlx5_1"]),
+            &[],
+            VerbsConfig::default(),
+        )
+        .unwrap();
+        let p = r.route(&[8 << 20, 8 << 20], 0).unwrap();
+        assert_eq!(p.nics, names(&["soft_mlx5_0", "soft_mlx5_1"]));
+        assert_eq!(p.bytes_per_nic(&[8 << 20, 8 << 20]), vec![8 << 20, 8 << 20]);
     }
 
     #[test]

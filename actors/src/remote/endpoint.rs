@@ -48,6 +48,15 @@ pub enum EndpointError {
     DuplicateQpn { nic: String, qpn: u32 },
     #[error("verbs endpoint {nic}: psn {psn} is wider than 24 bits")]
     Psn { nic: String, psn: u32 },
+    #[error("verbs endpoint {nic}: qp slot {slot} is not below {MAX_QPS} or appears twice")]
+    Slot { nic: String, slot: u32 },
+    #[error("verbs endpoint {nic}: {field} {got} contradicts the nic's announced {announced}")]
+    Contradicts {
+        nic: String,
+        field: &'static str,
+        got: String,
+        announced: String,
+    },
     #[error("verbs endpoint {nic}: {count} qps, expected {expected}")]
     QpCount {
         nic: String,
@@ -98,6 +107,9 @@ pub struct VerbsPeerEndpoint {
     pub responder_depth: u8,
     /// `(qpn, psn)` of each QP, in exchange order.
     pub qps: Vec<(u32, u32)>,
+    /// The requester's slot of each QP (same order as `qps`; what the owner keys its QPs
+    /// by, so a rebuilt QP replaces its predecessor); zeros in answers and announcements.
+    pub slots: Vec<u32>,
     /// The pool's MRs on this NIC: `(range, rkey)`.
     pub regions: Vec<(Chunk, u32)>,
 }
@@ -160,7 +172,9 @@ impl VerbsPeerEndpoint {
             });
         }
         let mut seen = HashSet::with_capacity(p.qps.len());
+        let mut slots_seen = HashSet::with_capacity(p.qps.len());
         let mut qps = Vec::with_capacity(p.qps.len());
+        let mut slots = Vec::with_capacity(p.qps.len());
         for q in &p.qps {
             if q.qpn == 0 || q.qpn > MASK_24 {
                 return Err(EndpointError::Qpn { nic, qpn: q.qpn });
@@ -171,6 +185,10 @@ impl VerbsPeerEndpoint {
             if q.psn > MASK_24 {
                 return Err(EndpointError::Psn { nic, psn: q.psn });
             }
+            if q.slot >= MAX_QPS as u32 || (role == Role::Request && !slots_seen.insert(q.slot)) {
+                return Err(EndpointError::Slot { nic, slot: q.slot });
+            }
+            slots.push(q.slot);
             qps.push((q.qpn, q.psn));
         }
         let (regions_ok, regions_expected) = match role {
@@ -223,6 +241,7 @@ impl VerbsPeerEndpoint {
             mtu,
             responder_depth,
             qps,
+            slots,
             regions,
         })
     }
@@ -237,9 +256,11 @@ impl VerbsPeerEndpoint {
             qps: self
                 .qps
                 .iter()
-                .map(|(qpn, psn)| proto::QueuePair {
+                .enumerate()
+                .map(|(i, (qpn, psn))| proto::QueuePair {
                     qpn: *qpn,
                     psn: *psn,
+                    slot: self.slots.get(i).copied().unwrap_or(0),
                 })
                 .collect(),
             regions: self
@@ -326,6 +347,50 @@ pub fn check_answer(
     Ok(())
 }
 
+/// Checks an owner's answer against the ports it announced in Hello: it must come from an
+/// announced port (its GID and LID), with that port's MTU, accepting no more reads than the
+/// port announced. A contradiction is refused naming the field, before any QP is connected.
+pub fn check_announced(
+    answer: &VerbsPeerEndpoint,
+    ports: &[VerbsPeerEndpoint],
+) -> Result<(), EndpointError> {
+    let contradicts = |field, got: String, announced: String| EndpointError::Contradicts {
+        nic: answer.nic.clone(),
+        field,
+        got,
+        announced,
+    };
+    let port = ports
+        .iter()
+        .find(|p| p.gid == answer.gid && p.lid == answer.lid)
+        .ok_or_else(|| {
+            contradicts(
+                "gid",
+                answer.gid.to_string(),
+                ports
+                    .iter()
+                    .map(|p| p.gid.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            )
+        })?;
+    if answer.mtu != port.mtu {
+        return Err(contradicts(
+            "mtu",
+            answer.mtu.bytes().to_string(),
+            port.mtu.bytes().to_string(),
+        ));
+    }
+    if answer.responder_depth > port.responder_depth {
+        return Err(contradicts(
+            "responder depth",
+            answer.responder_depth.to_string(),
+            port.responder_depth.to_string(),
+        ));
+    }
+    Ok(())
+}
+
 /// The owner side of the verbs exchange: the ports a node announces in Hello, and, per
 /// Handshake, new owner QPs connected to the requester's (ready-to-receive against them)
 /// with the pool's MRs on each NIC.
@@ -354,10 +419,15 @@ mod tests {
             qps: match role {
                 Role::Announce => vec![],
                 _ => vec![
-                    proto::QueuePair { qpn: 0x11, psn: 7 },
+                    proto::QueuePair {
+                        qpn: 0x11,
+                        psn: 7,
+                        slot: 0,
+                    },
                     proto::QueuePair {
                         qpn: 0x12,
                         psn: 0xff_ffff,
+                        slot: 1,
                     },
                 ],
             },
@@ -420,7 +490,11 @@ mod tests {
                 Role::Request,
                 |p| {
                     p.qps = (1..=65)
-                        .map(|q| proto::QueuePair { qpn: q, psn: 0 })
+                        .map(|q| proto::QueuePair {
+                            qpn: q,
+                            psn: 0,
+                            slot: 0,
+                        })
                         .collect()
                 },
                 "65 qps",
@@ -435,7 +509,13 @@ mod tests {
             (Role::Request, |p| p.qps[0].psn = 0x100_0000, "psn 16777216"),
             (
                 Role::Announce,
-                |p| p.qps.push(proto::QueuePair { qpn: 1, psn: 0 }),
+                |p| {
+                    p.qps.push(proto::QueuePair {
+                        qpn: 1,
+                        psn: 0,
+                        slot: 0,
+                    })
+                },
                 "none in Hello",
             ),
             (
@@ -477,6 +557,42 @@ mod tests {
             let e = VerbsPeerEndpoint::from_proto(&p, role).unwrap_err();
             assert!(e.to_string().contains(want), "{want:?}: {e}");
         }
+    }
+
+    #[test]
+    fn answers_must_agree_with_the_announced_port() {
+        let port = VerbsPeerEndpoint::from_proto(&good(Role::Announce), Role::Announce).unwrap();
+        let ok = VerbsPeerEndpoint::from_proto(&good(Role::Answer), Role::Answer).unwrap();
+        check_announced(&ok, std::slice::from_ref(&port)).unwrap();
+        let mut deeper = ok.clone();
+        deeper.responder_depth = 17;
+        let mut mtu = ok.clone();
+        mtu.mtu = Mtu::M1024;
+        let mut gid = ok.clone();
+        gid.gid = Gid([7; 16]);
+        for (bad, field) in [
+            (deeper, "responder depth 17"),
+            (mtu, "mtu 1024"),
+            (gid, "gid"),
+        ] {
+            let e = check_announced(&bad, std::slice::from_ref(&port)).unwrap_err();
+            assert!(e.to_string().contains(field), "{field}: {e}");
+            assert!(matches!(e, EndpointError::Contradicts { .. }), "{e}");
+        }
+    }
+
+    #[test]
+    fn request_slots_are_below_64_and_distinct() {
+        let mut p = good(Role::Request);
+        p.qps[1].slot = 0;
+        let e = VerbsPeerEndpoint::from_proto(&p, Role::Request).unwrap_err();
+        assert!(matches!(e, EndpointError::Slot { slot: 0, .. }), "{e}");
+        p.qps[1].slot = 64;
+        let e = VerbsPeerEndpoint::from_proto(&p, Role::Request).unwrap_err();
+        assert!(matches!(e, EndpointError::Slot { slot: 64, .. }), "{e}");
+        p.qps[1].slot = 5;
+        let e = VerbsPeerEndpoint::from_proto(&p, Role::Request).unwrap();
+        assert_eq!(e.slots, vec![0, 5]);
     }
 
     #[test]

@@ -273,22 +273,28 @@ impl PeerLink for TcpLink {
         let mut nic_mrs: Vec<Box<dyn std::any::Any + Send + Sync>> = Vec::new();
         if let Some(nic) = &self.rdma {
             for (base, len) in &regions {
-                let reg = device
-                    .export_dmabuf(*base, *len)
-                    .map_err(|e| e.to_string())
-                    .and_then(|buf| {
-                        let offset = buf.offset_of(*base, *len).ok_or_else(|| {
-                            format!("plane {base:#x}+{len} is outside its DMA-BUF")
-                        })?;
-                        let r = nic
-                            .register_device(buf.fd(), offset, *len, *base)
-                            .map_err(|e| e.to_string())?;
-                        Ok::<_, String>((buf, r))
-                    });
+                let reg = match device.export_dmabuf(*base, *len) {
+                    Ok(buf) => buf
+                        .offset_of(*base, *len)
+                        .ok_or_else(|| format!("plane {base:#x}+{len} is outside its DMA-BUF"))
+                        .and_then(|offset| {
+                            nic.register_device(buf.fd(), offset, *len, *base)
+                                .map_err(|e| e.to_string())
+                        })
+                        .map(|r| (Some(buf), r)),
+                    // Host memory standing in for a GPU (the software verbs device only; a
+                    // real NIC refuses and the load fails as before).
+                    Err(e) => nic
+                        .register_host_local(*base, *len)
+                        .map(|r| (None, r))
+                        .map_err(|h| format!("{e}; {h}")),
+                };
                 match reg {
                     Ok((buf, r)) => {
                         nic_mrs.push(r);
-                        nic_mrs.push(Box::new(buf));
+                        if let Some(buf) = buf {
+                            nic_mrs.push(Box::new(buf));
+                        }
                     }
                     Err(reason) => {
                         let e = self.err(format!(

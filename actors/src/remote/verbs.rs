@@ -12,7 +12,7 @@
 //! transport's, under its `verbs` feature.
 
 use std::any::Any;
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use actix::Addr;
@@ -21,7 +21,7 @@ use kvferry_transport::verbs::registration::{Chunk, KeyMap};
 use kvferry_transport::verbs::{EndpointExchange, QpEndpoint, RdmaNic};
 use kvferry_transport::{ConnectionError, MrKey, MrTable, NodeId, QpKey};
 
-use super::endpoint::VerbsPeerEndpoint;
+use super::endpoint::{check_announced, VerbsPeerEndpoint};
 use super::link::{BoxFut, Keep, PeerLink, PinnedRemote, ReadStats};
 use super::tcp::TcpLink;
 use super::VerbsResponder;
@@ -29,11 +29,7 @@ use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
 use crate::nic::worker::NicWorker;
 use crate::nic::ReadRoute;
-use crate::rpc::peer_client::PeerClient;
-
-/// Owner QPs kept per requester; older ones (from QPs the requester has rebuilt since) are
-/// destroyed first.
-const MAX_QPS_PER_PEER: usize = 1024;
+use crate::rpc::peer_client::{PeerClient, PeerInfo};
 
 /// What a node reads peers with over one of its RDMA NICs.
 #[derive(Clone)]
@@ -61,18 +57,25 @@ impl std::fmt::Debug for VerbsSide {
     }
 }
 
-/// One RDMA NIC serving the pool: the device, the pool's MRs on it, the depth it answers
-/// reads with.
+/// One RDMA NIC serving the pool: the device, the pool's MRs on it, the configured depth it
+/// answers reads with (advertised clamped to what the device accepts).
 pub struct ServingNic {
     pub nic: Arc<dyn RdmaNic>,
     pub regions: Vec<(Chunk, u32)>,
     pub responder_depth: u8,
 }
 
+/// Which owner QP serves which requester QP: (requester node, requester NIC, its slot).
+type SlotKey = (String, String, u32);
+
 /// The owner side of verbs Handshakes over a node's open RDMA NICs.
+///
+/// Owner QPs are kept per requester QP slot: a requester that rebuilds a QP handshakes for
+/// the same slot again, and the new owner QP replaces the old one, so owner QPs never pile
+/// up and no live QP is destroyed for room (at most 16 NICs × 64 slots per requester).
 pub struct NicResponder {
     nics: Vec<ServingNic>,
-    held: Mutex<HashMap<String, VecDeque<Box<dyn Any + Send + Sync>>>>,
+    held: Mutex<HashMap<SlotKey, Box<dyn Any + Send + Sync>>>,
 }
 
 impl std::fmt::Debug for NicResponder {
@@ -103,15 +106,43 @@ impl NicResponder {
 
     fn port(n: &ServingNic) -> VerbsPeerEndpoint {
         let a = n.nic.address();
+        // Advertise what the device accepts, not what was configured: a requester issuing
+        // more reads than the responder holds gets remote invalid-request errors.
+        let depth = n
+            .nic
+            .responder_depth()
+            .map_or(n.responder_depth, |d| d.min(n.responder_depth));
         VerbsPeerEndpoint {
             nic: n.nic.name().to_string(),
             gid: a.gid,
             lid: a.lid,
             mtu: a.mtu,
-            responder_depth: n.responder_depth,
+            responder_depth: depth.max(1),
             qps: Vec::new(),
+            slots: Vec::new(),
             regions: Vec::new(),
         }
+    }
+
+    /// Owner QPs alive (one per requester QP slot served).
+    pub fn qps(&self) -> usize {
+        self.held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len()
+    }
+
+    /// Drops every owner QP of `peer` (it left or restarted).
+    pub fn forget(&self, peer: &str) {
+        let gone: Vec<_> = {
+            let mut held = self
+                .held
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let keys: Vec<SlotKey> = held.keys().filter(|k| k.0 == peer).cloned().collect();
+            keys.into_iter().filter_map(|k| held.remove(&k)).collect()
+        };
+        drop(gone);
     }
 }
 
@@ -141,19 +172,32 @@ impl VerbsResponder for NicResponder {
                     .accept(remote)
                     .map_err(|e| e.to_string())?;
                 e.qps.push((local.qpn, local.psn));
-                guards.push(guard);
+                e.slots.push(0);
+                let slot = asked.slots.get(q).copied().unwrap_or(0);
+                guards.push(((peer.to_string(), asked.nic.clone(), slot), guard));
             }
             answer.push(e);
         }
-        let mut held = self
-            .held
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let q = held.entry(peer.to_string()).or_default();
-        q.extend(guards);
-        while q.len() > MAX_QPS_PER_PEER {
-            q.pop_front();
+        // Replaced QPs are destroyed outside the lock (destroying waits for nothing, but
+        // keeps the critical section a map update).
+        let replaced: Vec<_> = {
+            let mut held = self
+                .held
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            guards
+                .into_iter()
+                .filter_map(|(k, g)| held.insert(k, g))
+                .collect()
+        };
+        if !replaced.is_empty() {
+            tracing::info!(
+                peer,
+                qps = replaced.len(),
+                "verbs: owner QPs of rebuilt requester QPs replaced"
+            );
         }
+        drop(replaced);
         Ok(answer)
     }
 }
@@ -174,7 +218,7 @@ pub struct GrpcExchange {
 impl EndpointExchange for GrpcExchange {
     fn exchange(
         &self,
-        _qp: QpKey,
+        qp: QpKey,
         local: QpEndpoint,
     ) -> Result<(QpEndpoint, KeyMap), ConnectionError> {
         let fail = |reason: String| ConnectionError::Handshake {
@@ -188,14 +232,26 @@ impl EndpointExchange for GrpcExchange {
             mtu: local.mtu,
             responder_depth: local.responder_depth,
             qps: vec![(local.qpn, local.psn)],
+            // The owner keys its QP by this slot: a rebuilt QP replaces its predecessor.
+            slots: vec![qp.qp.0 % super::endpoint::MAX_QPS as u32],
             regions: Vec::new(),
         };
-        let answer = std::thread::scope(|s| {
+        let me = PeerInfo::local(
+            &self.node_id,
+            &[super::Provider::Verbs],
+            std::slice::from_ref(&self.nic),
+        );
+        let (hello, answer) = std::thread::scope(|s| {
             s.spawn(|| {
-                self.runtime.block_on(
-                    self.client
-                        .handshake_verbs(&self.node_id, std::slice::from_ref(&mine)),
-                )
+                self.runtime.block_on(async {
+                    // What the owner announces for its NICs, to hold the answer to.
+                    let hello = self.client.hello(me).await?;
+                    let answer = self
+                        .client
+                        .handshake_verbs(&self.node_id, std::slice::from_ref(&mine))
+                        .await?;
+                    Ok::<_, crate::rpc::peer_client::PeerClientError>((hello, answer))
+                })
             })
             .join()
         })
@@ -205,6 +261,9 @@ impl EndpointExchange for GrpcExchange {
             .verbs
             .first()
             .ok_or_else(|| fail("the owner answered no nic".into()))?;
+        // The answer must agree with the port the owner announced (MTU, address, no deeper
+        // than announced): anything else is refused here, before any QP leaves reset.
+        check_announced(theirs, &hello.verbs).map_err(|e| fail(e.to_string()))?;
         let remote = theirs
             .qp_endpoint(0)
             .ok_or_else(|| fail("the owner answered no QP".into()))?;
@@ -369,9 +428,14 @@ impl PeerLink for VerbsLink {
         let parts = route
             .as_ref()
             .and_then(|r| split_by_route(&list, r, &self.nics));
-        let Some(parts) = parts.filter(|p| p.len() > 1) else {
+        let Some(mut parts) = parts else {
             return self.read_device(device, list, regions, keep);
         };
+        if parts.len() == 1 {
+            // One NIC carries it all: the one the route chose, not the first link.
+            let (link, part) = parts.remove(0);
+            return self.links[link].read_device(device, part, regions, keep);
+        }
         // Every part holds the caller's guards until the last one has landed.
         let keep = Arc::new(Mutex::new(keep));
         let reads: Vec<_> = parts
@@ -446,5 +510,136 @@ mod tests {
             reads: vec![(0x1000, 128, 0)],
         };
         assert!(split_by_route(&list, &unknown, &links).is_none());
+    }
+
+    use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+
+    use kvferry_transport::verbs::gid::{Gid, Mtu};
+    use kvferry_transport::verbs::{AcceptError, ChunkMr, PortAddress, RegistrarError};
+    use kvferry_transport::HostRegion;
+
+    use crate::remote::endpoint::VerbsResponder;
+
+    /// A NIC whose device accepts 8 reads as responder and counts its owner QPs.
+    struct Fake {
+        next: AtomicU32,
+        alive: Arc<AtomicUsize>,
+    }
+
+    struct FakeQp(Arc<AtomicUsize>);
+
+    impl Drop for FakeQp {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    impl RdmaNic for Fake {
+        fn name(&self) -> &str {
+            "soft_mlx5_0"
+        }
+
+        fn address(&self) -> PortAddress {
+            PortAddress {
+                port: 1,
+                gid_index: 0,
+                gid: Gid([9; 16]),
+                lid: 0,
+                global: true,
+                mtu: Mtu::M4096,
+            }
+        }
+
+        fn responder_depth(&self) -> Option<u8> {
+            Some(8)
+        }
+
+        fn register_chunk(
+            &self,
+            _region: &Arc<HostRegion>,
+            chunk: Chunk,
+        ) -> Result<ChunkMr, RegistrarError> {
+            Err(RegistrarError::OutsideRegion {
+                nic: "soft_mlx5_0".into(),
+                addr: chunk.addr,
+                len: chunk.len,
+            })
+        }
+
+        fn accept(
+            self: Arc<Self>,
+            remote: QpEndpoint,
+        ) -> Result<(QpEndpoint, Box<dyn Any + Send + Sync>), AcceptError> {
+            self.alive.fetch_add(1, Ordering::SeqCst);
+            let qpn = self.next.fetch_add(1, Ordering::SeqCst);
+            Ok((
+                QpEndpoint { qpn, ..remote },
+                Box::new(FakeQp(Arc::clone(&self.alive))),
+            ))
+        }
+    }
+
+    fn responder(configured_depth: u8) -> (NicResponder, Arc<AtomicUsize>) {
+        let alive = Arc::new(AtomicUsize::new(0));
+        let nic = Arc::new(Fake {
+            next: AtomicU32::new(0x500),
+            alive: Arc::clone(&alive),
+        });
+        let serving = ServingNic {
+            nic,
+            regions: vec![(
+                Chunk {
+                    addr: 0x10_0000,
+                    len: 0x1_0000,
+                },
+                0x77,
+            )],
+            responder_depth: configured_depth,
+        };
+        (NicResponder::new(vec![serving]).unwrap(), alive)
+    }
+
+    fn request(qpn: u32, slot: u32) -> VerbsPeerEndpoint {
+        VerbsPeerEndpoint {
+            nic: "soft_mlx5_1".into(),
+            gid: Gid([3; 16]),
+            lid: 0,
+            mtu: Mtu::M4096,
+            responder_depth: 16,
+            qps: vec![(qpn, 1)],
+            slots: vec![slot],
+            regions: Vec::new(),
+        }
+    }
+
+    /// Defect 4: the depth announced (Hello) and answered (Handshake) is the device's
+    /// clamp of the configured one, not the configured one.
+    #[test]
+    fn the_owner_advertises_the_depth_its_device_accepts() {
+        let (r, _) = responder(32);
+        assert_eq!(r.ports()[0].responder_depth, 8);
+        let a = r.accept("b", &[request(0x11, 0)]).unwrap();
+        assert_eq!(a[0].responder_depth, 8);
+        let (r, _) = responder(4);
+        assert_eq!(r.ports()[0].responder_depth, 4);
+    }
+
+    /// Defect 6: owner QPs are kept per requester QP slot; a rebuilt QP (same slot)
+    /// replaces its predecessor instead of piling up, and a live QP of another slot is never
+    /// destroyed to make room.
+    #[test]
+    fn owner_qps_are_replaced_per_requester_slot() {
+        let (r, alive) = responder(16);
+        for qpn in 0x20..0x60 {
+            r.accept("b", &[request(qpn, 0)]).unwrap();
+        }
+        assert_eq!(alive.load(Ordering::SeqCst), 1);
+        r.accept("b", &[request(0x70, 1)]).unwrap();
+        r.accept("c", &[request(0x71, 0)]).unwrap();
+        assert_eq!((r.qps(), alive.load(Ordering::SeqCst)), (3, 3));
+        r.forget("b");
+        assert_eq!((r.qps(), alive.load(Ordering::SeqCst)), (1, 1));
+        drop(r);
+        assert_eq!(alive.load(Ordering::SeqCst), 0);
     }
 }
