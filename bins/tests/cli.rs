@@ -767,3 +767,65 @@ fn bad_log_levels_are_refused() {
     assert!(err.contains("RUST_LOG"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A peer that is down fails every query that names it (a static directory names every
+/// peer): the node writes one `peer link failed` warning, not one per query, and counts the
+/// rest in the next one's `held_back`.
+#[test]
+fn a_peer_that_is_down_is_logged_once_not_once_per_query() {
+    let dir = std::env::temp_dir().join(format!("kvferry-cli-gone-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (engine, gone) = (free_port(), free_port());
+    let cfg = dir.join("node.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "node-id = \"w\"\n[pool]\nsize = \"8MiB\"\nslot-bytes = \"1MiB\"\n[device]\n\
+             kind = \"host\"\n[engine]\nlisten = \"127.0.0.1:{engine}\"\nfd-dir = \"{}\"\n\
+             [cluster]\nprovider = \"tcp\"\npeer-listen = \"127.0.0.1:0\"\n\
+             peers = [{{ node-id = \"gone\", address = \"127.0.0.1:{gone}\" }}]\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    let (mut child, rx) = start_node_reading_stderr(&cfg, &[]);
+    let mut seen = Vec::new();
+    wait_for_line(&rx, "kvferry node w: started", &mut seen);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let shape = kvferry_gpu::KvShape::new(2, 1, 2, 4 << 10).unwrap();
+        let e = kvferry_testkit::Attached::connect(
+            &format!("127.0.0.1:{engine}"),
+            "",
+            shape,
+            8,
+            "eng",
+            "m",
+        )
+        .await
+        .unwrap();
+        for i in 0..5 {
+            let hashes = [kvferry_actors::BlockHash::from_u64(i)];
+            // Answered from local blocks (none) or refused: either way it asked for `gone`.
+            let _ = e.client.query(&e.instance, &hashes, false).await;
+        }
+    });
+    drop(rt);
+    // SAFETY: signalling our own child process by its pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+    seen.extend(rx.iter());
+    let failed: Vec<&String> = seen
+        .iter()
+        .filter(|l| l.contains("peer link failed"))
+        .collect();
+    assert_eq!(failed.len(), 1, "{seen:#?}");
+    assert!(
+        failed[0].contains("WARN") && failed[0].contains("peer=\"gone\""),
+        "{seen:#?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
