@@ -204,6 +204,7 @@ impl Engine {
     /// Stops accepting, ends sessions and completion streams, and waits (bounded) for the
     /// calls in flight; the fd socket is removed.
     async fn stop(self) -> anyhow::Result<()> {
+        tracing::info!(drain = ?DRAIN, "engine service: no new calls; open calls and streams drain");
         let _ = self.stop.send(());
         match tokio::time::timeout(DRAIN, self.task).await {
             Ok(r) => Ok(r??),
@@ -376,6 +377,7 @@ pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
         let stopped = tokio::select! {
             r = &mut serve => { r?; Ok(()) }
             stopped = until_stopped(stop_signal, &node) => {
+                tracing::info!(drain = ?DRAIN, "peer service: no new calls; open calls drain");
                 let _ = stop.send(());
                 match tokio::time::timeout(DRAIN, &mut serve).await {
                     Ok(r) => r?,
@@ -393,6 +395,7 @@ pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
     // Leaving queued this node's withdrawal: let it reach the directory (bounded by the
     // directory's own deadlines) before the process ends.
     rt.block_on(peers.directory().flush());
+    tracing::info!(node = %cfg.node_id, "this node's withdrawal handed to the directory");
     if served.is_ok() {
         announce_stopped(&cfg.node_id);
     }
