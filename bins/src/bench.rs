@@ -19,6 +19,8 @@ pub enum BenchCmd {
     /// Providers against plain copies of the same bytes: tcp vs socket, shm vs memcpy,
     /// and loopback 4 KiB reads per second.
     Transport(TransportArgs),
+    /// Loads of blocks held only on SSD against a raw O_DIRECT read of the same bytes.
+    Ssd(crate::bench_ssd::SsdArgs),
 }
 
 #[derive(clap::Args)]
@@ -66,6 +68,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Local(a) => local(a),
         BenchCmd::Remote(a) => crate::bench_remote::run(a),
         BenchCmd::Transport(a) => transport(a),
+        BenchCmd::Ssd(a) => crate::bench_ssd::run(a),
     }
 }
 

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_cluster;
 mod bench_remote;
+mod bench_ssd;
 mod demo;
 mod demo_cluster;
 mod logging;
