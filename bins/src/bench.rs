@@ -16,6 +16,9 @@ pub enum BenchCmd {
     Local(LocalArgs),
     /// A remote suffix loaded direct and staged from an owner node, in the same run.
     Remote(crate::bench_remote::RemoteArgs),
+    /// What an engine in another process sees: query, load (first layer and whole) and save
+    /// over the Engine API, against a raw copy of the same bytes.
+    Engine(crate::bench_engine::EngineArgs),
     /// Providers against plain copies of the same bytes: tcp vs socket, shm vs memcpy,
     /// and loopback 4 KiB reads per second.
     Transport(TransportArgs),
@@ -67,6 +70,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Local(a) => local(a),
         BenchCmd::Remote(a) => crate::bench_remote::run(a),
+        BenchCmd::Engine(a) => crate::bench_engine::run(a),
         BenchCmd::Transport(a) => transport(a),
         BenchCmd::Ssd(a) => crate::bench_ssd::run(a),
     }

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_cluster;
+mod bench_engine;
 mod bench_remote;
 mod bench_ssd;
 mod demo;

@@ -13,7 +13,14 @@ memfd, CUDA by IPC handle) in the KV layouts engines allocate; :mod:`kvferry.lay
 the layout logic without torch.
 """
 
-from ._native import DEFAULT_DEADLINE_S, Completions, EngineClient, Session, __version__
+from ._native import (
+    DEFAULT_DEADLINE_S,
+    CompletionBoard,
+    Completions,
+    EngineClient,
+    Session,
+    __version__,
+)
 from .errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -35,6 +42,7 @@ __all__ = [
     "EngineClient",
     "Session",
     "Completions",
+    "CompletionBoard",
     "__version__",
     "KvferryError",
     "InvalidArgument",

@@ -298,11 +298,13 @@ def register_tensors(
     segment_bytes: int,
     segments: int,
     kind: str = "attention",
+    board: Any = None,
 ) -> str:
     """Registers one rank's planes with the node behind ``client``; returns the namespace.
 
     Each memfd is sent once (``send_memfd``) and each CUDA allocation is one region. Every
     plane is checked against its tensor first: nothing is sent for a layout that is wrong.
+    ``board`` (from ``client.open_board``) receives the progress of loads naming its slots.
     """
     if segments not in (1, 2):
         raise LayoutError(f"segments must be 1 or 2, got {segments}")
@@ -371,6 +373,7 @@ def register_tensors(
         num_blocks=num_blocks,
         regions=wire,
         planes=planes,
+        **({"board": board} if board is not None else {}),
     )
 
 
@@ -385,10 +388,12 @@ def register_kv(
     tp_size: int = 1,
     device: Optional[int] = None,
     dtype_name: Optional[str] = None,
+    board: Any = None,
 ) -> Tuple[str, KvLayout]:
     """:func:`describe_layout` then :func:`register_tensors`. ``device``: the node's device
     ordinal (default: the tensors' CUDA index, 0 for CPU); ``dtype_name``: default the
-    tensors' dtype. Returns ``(namespace, layout)``."""
+    tensors' dtype; ``board``: a completion board from ``client.open_board``. Returns
+    ``(namespace, layout)``."""
     kv = describe_layout(tensors, layout)
     if device is None:
         device = int(kv.device.split(":")[1]) if ":" in kv.device else 0
@@ -400,6 +405,7 @@ def register_kv(
         rank=rank,
         tp_size=tp_size,
         device=device,
+        board=board,
         **kv.register_kwargs(),
     )
     return ns, kv

@@ -9,12 +9,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvferry_actors::api;
+use kvferry_actors::rpc::board::Board;
 use kvferry_actors::rpc::{EngineClient as RustClient, EngineClientError, RegisterRegions};
 use kvferry_gpu::KvShape;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokio::runtime::Runtime;
 
+use crate::board::CompletionBoard;
 use crate::completions::Completions;
 use crate::session::Session;
 use crate::{convert, errors};
@@ -39,7 +41,7 @@ pub struct EngineClient {
 }
 
 /// A deadline from Python seconds: positive and finite.
-fn seconds(py: Python<'_>, what: &str, s: f64) -> PyResult<Duration> {
+pub(crate) fn seconds(py: Python<'_>, what: &str, s: f64) -> PyResult<Duration> {
     match Duration::try_from_secs_f64(s) {
         Ok(d) if !d.is_zero() => Ok(d),
         _ => Err(errors::invalid(
@@ -224,9 +226,29 @@ impl EngineClient {
         self.wait(py, M, fut)
     }
 
+    /// Creates a completion board of `slots` slots for `instance` rank `rank` and sends it
+    /// to the node (protocol 3); pass it to `register(..., board=)`, then name its slots in
+    /// `load(..., board_slot=, board_tag=)`.
+    #[pyo3(signature = (instance, rank, slots=256))]
+    fn open_board(
+        &self,
+        py: Python<'_>,
+        instance: &str,
+        rank: u32,
+        slots: u32,
+    ) -> PyResult<CompletionBoard> {
+        const M: &str = "open_board";
+        let id = convert::instance(py, M, instance)?;
+        let board = Board::create(slots).map_err(|e| errors::invalid(py, M, e.to_string()))?;
+        let board = Arc::new(board);
+        let handle = self.wait(py, M, self.inner.send_board(&id, rank, &board))?;
+        Ok(CompletionBoard { board, handle })
+    }
+
     /// Registers one rank whose KV is spread over `regions`; `planes` give each layer's
-    /// placement in them. Returns the namespace.
-    #[pyo3(signature = (instance, model, dtype, *, layers, tp_size, segments, segment_bytes, rank, device, kind="attention", block_stride, num_blocks, regions, planes))]
+    /// placement in them; `board` (from `open_board`) receives the progress of loads that
+    /// name its slots. Returns the namespace.
+    #[pyo3(signature = (instance, model, dtype, *, layers, tp_size, segments, segment_bytes, rank, device, kind="attention", block_stride, num_blocks, regions, planes, board=None))]
     #[allow(clippy::too_many_arguments)]
     fn register(
         &self,
@@ -245,6 +267,7 @@ impl EngineClient {
         num_blocks: u32,
         regions: Vec<(String, Bound<'_, PyAny>)>,
         planes: Vec<Bound<'_, PyAny>>,
+        board: Option<PyRef<'_, CompletionBoard>>,
     ) -> PyResult<String> {
         const M: &str = "register";
         let id = convert::instance(py, M, instance)?;
@@ -272,7 +295,8 @@ impl EngineClient {
             regions,
             layers,
         };
-        self.wait(py, M, self.inner.register_regions(&req))
+        let board = board.map(|b| b.handle).unwrap_or(0);
+        self.wait(py, M, self.inner.register_regions_with_board(&req, board))
     }
 
     /// Unregisters an instance; returns how many of its leases were released.
@@ -306,7 +330,10 @@ impl EngineClient {
     }
 
     /// Starts this rank's load of `lease` into `dest_blocks` (one per leased block, in
-    /// prefix order); returns its load id at once.
+    /// prefix order); returns its load id at once. With `board_slot`, the load reports its
+    /// layers and its end to that slot of the rank's board under `board_tag`.
+    #[pyo3(signature = (lease, instance, rank, dest_blocks, board_slot=None, board_tag=0))]
+    #[allow(clippy::too_many_arguments)]
     fn load(
         &self,
         py: Python<'_>,
@@ -314,6 +341,8 @@ impl EngineClient {
         instance: &str,
         rank: u32,
         dest_blocks: Vec<u32>,
+        board_slot: Option<u32>,
+        board_tag: u32,
     ) -> PyResult<u64> {
         let req = api::LoadRequest {
             lease: convert::lease(py, "load", lease)?,
@@ -321,7 +350,8 @@ impl EngineClient {
             rank,
             dest_blocks,
         };
-        self.wait(py, "load", self.inner.load(&req))
+        let board = board_slot.map(|slot| (slot, board_tag));
+        self.wait(py, "load", self.inner.load_on_board(&req, board))
     }
 
     /// The completion of `load_id` (consuming it), or None while it runs.

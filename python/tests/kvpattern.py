@@ -119,11 +119,12 @@ class HostKv:
         return self.layout.segment_bytes
 
     def register(self, client, instance: str, model: str = "m", *, rank: int = 0,
-                 tp_size: int = 1, dtype: str = "") -> str:
-        """``dtype``: the name in the namespace (default: the tensors' dtype)."""
+                 tp_size: int = 1, dtype: str = "", board=None) -> str:
+        """``dtype``: the name in the namespace (default: the tensors' dtype); ``board``: a
+        completion board its loads may report to."""
         return kvferry.register_tensors(
             client, instance, model, dtype or self.layout.dtype, rank=rank, tp_size=tp_size,
-            device=0, **self.layout.register_kwargs(),
+            device=0, board=board, **self.layout.register_kwargs(),
         )
 
     def reset(self) -> None:

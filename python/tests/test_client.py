@@ -114,6 +114,39 @@ def test_put_query_load_wait_and_poll(client):
     settle(client, before)
 
 
+def test_a_completion_board_shows_the_load_without_an_rpc(client):
+    before = client.stats()
+    kv = HostKv.allocate("flash_attn", layers=3)
+    board = client.open_board("py-board", 0, slots=4)
+    assert board.slots == 4 and board.handle > 0
+    assert board.view(2) == {"tag": 0, "state": "idle", "layers": 0, "done": False}
+    with client.open_session() as session:
+        kv.register(client, "py-board", board=board)
+        session.bind("py-board")
+        put_pattern(client, kv, "py-board", range(5))
+        q = client.query("py-board", [block_hash(i) for i in range(5)])
+        dests = scattered(5, kv.num_blocks)
+        load_id = client.load(q["lease"], "py-board", 0, dests, board_slot=2, board_tag=9)
+        first = board.wait(2, 9, 1, timeout_s=10)
+        assert first["tag"] == 9 and first["layers"] >= 1, first
+        end = board.wait(2, 9, 1 << 20, timeout_s=10)
+        assert end == {"tag": 9, "state": "ok", "layers": 3, "done": True}
+        # Written after the result: PollLoad has it at once.
+        done = client.poll_load(load_id)
+        assert done is not None and done["ok"], done
+        assert kv.verify(zip(dests, range(5))) == 5 * kv.layers * kv.segments * kv.seg_bytes
+        # A slot past the board is refused, and the lease survives it.
+        q = client.query("py-board", [block_hash(0)])
+        with pytest.raises(kvferry.InvalidArgument):
+            client.load(q["lease"], "py-board", 0, [1], board_slot=4, board_tag=1)
+        client.release(q["lease"])
+        # Waiting for a tag the slot never shows returns at the timeout with what it says.
+        t = time.monotonic()
+        stale = board.wait(2, 10, 1, timeout_s=0.05)
+        assert time.monotonic() - t >= 0.04 and stale["tag"] == 9
+    settle(client, before)
+
+
 def test_save_then_load(client):
     before = client.stats()
     kv = HostKv.allocate("flashinfer", layers=2, itemsize=4)

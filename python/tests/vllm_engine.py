@@ -187,6 +187,10 @@ class Engine:
             w.bind_connector_metadata(meta)
             if so.has_sync_kv_loads:
                 w.start_load_kv(None)
+                # As vLLM's attention layers do: each waits for its own layer to land.
+                side = w.worker_side
+                for name in list(getattr(side, "_layer_index", {})):
+                    w.wait_for_layer_load(name)
         req_ids, sampled = [], []
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]

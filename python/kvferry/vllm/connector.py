@@ -285,8 +285,10 @@ class KvferryConnector(KVConnectorBase_V1):
             self.worker_side.start_load(self._get_connector_metadata())  # type: ignore[arg-type]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Async loads finish between steps; sync loads finish in start_load_kv.
-        return None
+        # Async loads finish between steps; sync loads are waited for layer by layer on the
+        # node's completion board (or finished in start_load_kv where there is none).
+        if self.worker_side is not None:
+            self.worker_side.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any

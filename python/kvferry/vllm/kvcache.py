@@ -232,8 +232,10 @@ def register_rank(
     rank: int,
     tp_size: int,
     device: int,
+    board: Any = None,
 ) -> str:
-    """Registers one rank's KV with the node; returns the namespace."""
+    """Registers one rank's KV with the node (with ``board``, a completion board that its
+    loads report to layer by layer); returns the namespace."""
     from kvferry.layout import register_tensors
 
     return register_tensors(
@@ -250,6 +252,7 @@ def register_rank(
         segment_bytes=layout.segment_bytes,
         segments=layout.segments,
         kind=layout.kind,
+        board=board,
     )
 
 

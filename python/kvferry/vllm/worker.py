@@ -40,6 +40,10 @@ PROBE_S = 5.0
 PROBE_HASH = b"kvferry-vllm-probe"
 
 
+#: Slots of a rank's completion board (loads in flight at once that report to it).
+BOARD_SLOTS = 256
+
+
 @dataclass
 class _Load:
     spec: LoadSpec
@@ -47,6 +51,9 @@ class _Load:
     started: float
     load_id: Optional[int] = None
     deadline: float = 0.0
+    #: The completion board slot and tag the load reports to (None: no board).
+    slot: Optional[int] = None
+    tag: int = 0
 
 
 @dataclass
@@ -99,6 +106,16 @@ class WorkerSide:
         self._save_reqs: Set[str] = set()
         self._finishing: Set[str] = set()
 
+        # The completion board (node protocol 3): loads' layers seen landing without an
+        # RPC; None where the node has none (older nodes, fake clients).
+        self._board: Any = None
+        self._board_tag = 0
+        self._board_free: List[int] = []
+        # This step's synchronous loads once started, for wait_for_layer_load.
+        self._sync_started: List[_Load] = []
+        self._sync_begun = 0
+        self._layer_index: Dict[str, int] = {}
+
         self._load_q: "queue.Queue[Any]" = queue.Queue()
         self._save_q: "queue.Queue[Any]" = queue.Queue()
         self._threads: List[threading.Thread] = []
@@ -116,6 +133,7 @@ class WorkerSide:
         is down is registered with later."""
         self.layout = describe_kv_caches(kv_caches, self.num_blocks, self.backend)
         self._cuda = self.layout.device.startswith("cuda")
+        self._layer_index = {lp.name: i for i, lp in enumerate(self.layout.layers)}
         log.info(
             "kvferry: rank %d KV: %d layers, %s, %d segment(s) of %d bytes, block stride %d, "
             "%d blocks on %s%s",
@@ -154,8 +172,20 @@ class WorkerSide:
             )
             return True
 
+    def _open_board(self, client: Any) -> Any:
+        """A completion board for this registration, or None where the node (or a fake
+        client) has none: loads are then watched by polling alone."""
+        if not hasattr(client, "open_board"):
+            return None
+        try:
+            return client.open_board(self.instance, self.rank, BOARD_SLOTS)
+        except Exception as e:  # noqa: BLE001
+            log.info("kvferry: rank %d: no completion board (%s); polling loads", self.rank, e)
+            return None
+
     def _register(self, client: Any) -> str:
         assert self.layout is not None
+        board = self._open_board(client)
         ns = register_rank(
             client,
             self.layout,
@@ -167,7 +197,11 @@ class WorkerSide:
             rank=self.rank,
             tp_size=self.tp_size,
             device=device_ordinal(self.layout) if self._cuda else 0,
+            board=board,
         )
+        with self._lock:
+            self._board = board
+            self._board_free = list(range(board.slots)) if board is not None else []
         # A session ties the registration to this process: when it ends, the node
         # unregisters the instance. Earlier sessions stay open (closing one that is still
         # alive would unregister what was just registered); they go at shutdown.
@@ -217,15 +251,32 @@ class WorkerSide:
             return
         ev = self._record_event()
         now = self._clock()
+        sync = [spec for spec in meta.loads if spec.sync]
+        with self._lock:
+            self._sync_outstanding += len(sync)
+            self._sync_started = []
+            self._sync_begun = 0
         for spec in meta.loads:
-            if spec.sync:
-                with self._lock:
-                    self._sync_outstanding += 1
             self._load_q.put(_Load(spec, ev, now, deadline=now + self.cfg.load_timeout_s))
-        if any(spec.sync for spec in meta.loads):
-            self.wait_for_sync_loads()
+        if sync:
+            with self._lock:
+                board = self._board
+            if board is None:
+                self.wait_for_sync_loads()
+            else:
+                # With a board, the forward starts once the loads are started:
+                # wait_for_layer_load waits for each layer as it lands.
+                limit = 2 * self.cfg.deadline_s + 1.0
+                with self._lock:
+                    self._lock.wait_for(lambda: self._sync_begun >= len(sync), timeout=limit)
 
-    def _finish(self, spec: LoadSpec, failed: Set[int], completion: Optional[dict]) -> None:
+    def _finish(
+        self,
+        spec: LoadSpec,
+        failed: Set[int],
+        completion: Optional[dict],
+        ld: Optional[_Load] = None,
+    ) -> None:
         c = self.counters
         c.add("loads")
         if completion is not None:
@@ -241,11 +292,23 @@ class WorkerSide:
             c.add("loaded_blocks", len(spec.dest_blocks))
         with self._lock:
             self._done.append(_Done(spec.req_id, spec.sync, failed))
+            if ld is not None and ld.slot is not None and self._board is not None:
+                self._board_free.append(ld.slot)
+                ld.slot = None
             if spec.sync:
                 self._sync_outstanding -= 1
             self._lock.notify_all()
 
     def _begin(self, ld: _Load) -> Optional[_Load]:
+        started = self._begin_load(ld)
+        if started is None and ld.spec.sync:
+            # Finished already (failed): nothing to wait for layer by layer.
+            with self._lock:
+                self._sync_begun += 1
+                self._lock.notify_all()
+        return started
+
+    def _begin_load(self, ld: _Load) -> Optional[_Load]:
         spec = ld.spec
         dest = set(spec.dest_blocks)
         if spec.lease is None or not spec.dest_blocks:
@@ -260,30 +323,58 @@ class WorkerSide:
             log.debug("kvferry: rank %d: not registered; load of %s fails", self.rank, spec.req_id)
             self._finish(spec, dest, None)
             return None
+        with self._lock:
+            if self._board is not None and self._board_free:
+                ld.slot = self._board_free.pop()
+                self._board_tag = (self._board_tag + 1) & 0xFFFFFFFF
+                ld.tag = self._board_tag
+
+        def load(c: Any) -> int:
+            args = (spec.lease, self.instance, self.rank, list(spec.dest_blocks))
+            if ld.slot is None:
+                return c.load(*args)
+            return c.load(*args, board_slot=ld.slot, board_tag=ld.tag)
+
         try:
-            ld.load_id = self.link.call(
-                "load",
-                lambda c: c.load(spec.lease, self.instance, self.rank, list(spec.dest_blocks)),
-            )
+            ld.load_id = self.link.call("load", load)
         except Exception as e:  # noqa: BLE001
             self._lost_registration(e)
+            if getattr(e, "code", None) == "FAILED_PRECONDITION" and ld.slot is not None:
+                # The node lost the board (restarted): re-registered with a new one later.
+                with self._lock:
+                    self._board = None
             if not isinstance(e, NodeDown):
                 log.warning("kvferry: rank %d: load of %s refused: %s", self.rank, spec.req_id, e)
-            self._finish(spec, dest, None)
+            self._finish(spec, dest, None, ld)
             return None
+        if spec.sync:
+            with self._lock:
+                self._sync_started.append(ld)
+                self._sync_begun += 1
+                self._lock.notify_all()
         return ld
 
     def _poll(self, pending: List[_Load]) -> List[_Load]:
         still = []
+        board = self._board
         for ld in pending:
             spec = ld.spec
+            if board is not None and ld.slot is not None and self._clock() <= ld.deadline:
+                try:
+                    done = board.view(ld.slot)
+                except Exception:  # noqa: BLE001
+                    done = {"done": True}
+                if done.get("tag") == ld.tag and not done.get("done"):
+                    # Still running, as the node's own board says: no RPC needed.
+                    still.append(ld)
+                    continue
             try:
                 comp = self.link.call("poll_load", lambda c, i=ld.load_id: c.poll_load(i))
             except Exception as e:  # noqa: BLE001
                 self._lost_registration(e)
                 if not isinstance(e, NodeDown):
                     log.warning("kvferry: rank %d: load %s: %s", self.rank, ld.load_id, e)
-                self._finish(spec, set(spec.dest_blocks), None)
+                self._finish(spec, set(spec.dest_blocks), None, ld)
                 continue
             if comp is None:
                 if self._clock() > ld.deadline:
@@ -292,7 +383,7 @@ class WorkerSide:
                         "blocks are recomputed",
                         self.rank, spec.req_id, len(spec.dest_blocks), self.cfg.load_timeout_s,
                     )
-                    self._finish(spec, set(spec.dest_blocks), None)
+                    self._finish(spec, set(spec.dest_blocks), None, ld)
                 else:
                     still.append(ld)
                 continue
@@ -304,7 +395,7 @@ class WorkerSide:
                     "kvferry: rank %d: load of %s failed (%s: %s); %d block(s) recomputed",
                     self.rank, spec.req_id, comp.get("error_kind"), comp.get("error"), len(failed),
                 )
-            self._finish(spec, failed, comp)
+            self._finish(spec, failed, comp, ld)
         return still
 
     def _loader(self) -> None:
@@ -324,7 +415,7 @@ class WorkerSide:
             for it in items:
                 if it is _STOP:
                     for ld in pending:
-                        self._finish(ld.spec, set(ld.spec.dest_blocks), None)
+                        self._finish(ld.spec, set(ld.spec.dest_blocks), None, ld)
                     return
                 try:
                     started = self._begin(it)
@@ -341,9 +432,46 @@ class WorkerSide:
                 except Exception as e:  # noqa: BLE001
                     log.exception("kvferry: rank %d: polling loads: %s", self.rank, e)
                     for ld in pending:
-                        self._finish(ld.spec, set(ld.spec.dest_blocks), None)
+                        self._finish(ld.spec, set(ld.spec.dest_blocks), None, ld)
                     pending = []
                 idle = min(idle * 2, 0.002)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Returns once layer ``layer_name`` of this step's synchronous loads has landed (or
+        those loads ended), as the node's completion board shows it; at the last layer it
+        also waits for their results, so failed blocks are reported this step. Without a
+        board the loads finished in :meth:`start_load` already."""
+        with self._lock:
+            loads = list(self._sync_started)
+            board = self._board
+        if not loads:
+            return
+        index = self._layer_index.get(layer_name)
+        last = len(self._layer_index) - 1
+        if index is None:
+            # A layer the registration does not know (a shared layer's alias): wait for all.
+            index = last
+        if board is not None:
+            deadline = self._clock() + self.cfg.load_timeout_s
+            for ld in loads:
+                slot = ld.slot
+                if slot is None:
+                    continue
+                left = max(0.0, deadline - self._clock())
+                try:
+                    v = board.wait(slot, ld.tag, index + 1, left)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("kvferry: rank %d: board wait: %s", self.rank, e)
+                    continue
+                if v.get("tag") == ld.tag and not v.get("done") and v.get("layers", 0) <= index:
+                    log.warning(
+                        "kvferry: rank %d: layer %s of %s not landed after %.1f s",
+                        self.rank, layer_name, ld.spec.req_id, self.cfg.load_timeout_s,
+                    )
+        if index >= last:
+            self.wait_for_sync_loads()
+            with self._lock:
+                self._sync_started = []
 
     def wait_for_sync_loads(self) -> None:
         """Waits for this step's synchronous loads (load_mode "sync"); bounded by
@@ -457,6 +585,13 @@ class WorkerSide:
         :meth:`get_block_ids_with_load_errors` (the same step)."""
         sending: Set[str] = set()
         recving: Set[str] = set()
+        with self._lock:
+            started = bool(self._sync_started)
+        if started:
+            # Synchronous loads end within their step even if not every layer was waited for.
+            self.wait_for_sync_loads()
+            with self._lock:
+                self._sync_started = []
         with self._lock:
             done, self._done = self._done, []
             for d in done:

@@ -1,0 +1,416 @@
+//! `kvferry bench engine`: what an engine sees. A `kvferry node` runs in its own process
+//! (this binary re-executed); this process is the engine: it allocates KV the way vLLM does
+//! (one allocation per layer: memfds on a host node, CUDA allocations by IPC handle on a
+//! GPU), saves N blocks, then times the query of their hashes, the load of the lease into
+//! every third block (Load RPC until the completion board shows the first layer, and the
+//! end), and the save — each against a raw copy of the same bytes in the same run. Every
+//! load is checked byte for byte, canaries included.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use kvferry_actors::rpc::board::{Board, SlotState};
+use kvferry_actors::rpc::{EngineClient, MemoryRegion, RegisterRegions};
+use kvferry_actors::{BlockHash, InstanceId, LoadRequest, SaveRequest};
+use kvferry_gpu::{Device, KvShape};
+use kvferry_testkit::{median, DeviceKv, KvKind, MemfdRegionsKv};
+use serde_json::json;
+
+use crate::bench::Baseline;
+
+#[derive(clap::Args)]
+pub struct EngineArgs {
+    #[arg(long)]
+    json: bool,
+    /// host (KV in memfds, node on the host device) or cuda (KV in CUDA allocations).
+    #[arg(long, default_value = "host")]
+    device: String,
+    /// Block counts of the sweep.
+    #[arg(long, value_delimiter = ',', default_values_t = [1u32, 16, 64, 256, 1024])]
+    blocks: Vec<u32>,
+    #[arg(long, default_value_t = 28)]
+    layers: u32,
+    /// Bytes of one K or V segment of one block, in KiB.
+    #[arg(long, default_value_t = 32)]
+    segment_kib: u64,
+    /// Timed repetitions of each figure (after one warm-up); medians are reported.
+    #[arg(long, default_value_t = 9)]
+    iters: usize,
+}
+
+const INSTANCE: &str = "bench-engine";
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A `kvferry node` child process; killed on drop.
+struct NodeProcess {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+}
+
+impl Drop for NodeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn spawn_node(device: &str, slot: u64, slots: u64) -> anyhow::Result<(NodeProcess, String)> {
+    let dir = std::env::temp_dir().join(format!("kvferry-bench-engine-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let addr = format!("127.0.0.1:{}", free_port()?);
+    let cfg = dir.join("node.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "node-id = \"bench-engine\"\n[pool]\nsize = \"{}B\"\nslot-bytes = \"{slot}B\"\n\
+             [device]\nkind = \"{device}\"\ncount = 1\n[metrics]\nlisten = \"\"\n\
+             [engine]\nlisten = \"{addr}\"\nfd-dir = \"{}\"\n",
+            slot * slots,
+            dir.display()
+        ),
+    )?;
+    let log = std::fs::File::create(dir.join("node.log"))?;
+    let child = std::process::Command::new(std::env::current_exe()?)
+        .arg("node")
+        .arg("--config")
+        .arg(&cfg)
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .context("starting the node process")?;
+    Ok((NodeProcess { child, dir }, addr))
+}
+
+async fn connect(p: &mut NodeProcess, addr: &str) -> anyhow::Result<EngineClient> {
+    let end = Instant::now() + WAIT;
+    loop {
+        if let Ok(c) = EngineClient::connect(addr.to_owned(), None, "").await {
+            if let Ok(caps) = c.capabilities().await {
+                let fd = std::path::PathBuf::from(caps.fd_socket);
+                return Ok(EngineClient::connect(addr.to_owned(), Some(fd), "").await?);
+            }
+        }
+        if let Some(status) = p.child.try_wait()? {
+            let log = std::fs::read_to_string(p.dir.join("node.log")).unwrap_or_default();
+            bail!("the node exited ({status}): {}", log.trim_end());
+        }
+        if Instant::now() > end {
+            bail!("the node did not answer within {WAIT:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The engine's KV and how it is registered.
+enum Kv {
+    Host(MemfdRegionsKv),
+    Cuda(
+        DeviceKv,
+        Vec<MemoryRegion>,
+        Vec<kvferry_actors::rpc::RegionLayer>,
+    ),
+}
+
+impl Kv {
+    fn kv(&self) -> &DeviceKv {
+        match self {
+            Kv::Host(k) => k,
+            Kv::Cuda(k, ..) => k,
+        }
+    }
+}
+
+fn alloc_kv(device: &str, shape: KvShape, blocks: u32) -> anyhow::Result<Kv> {
+    let seg = shape.segment_bytes();
+    if device == "host" {
+        return Ok(Kv::Host(MemfdRegionsKv::create(
+            shape,
+            KvKind::Split,
+            blocks,
+            seg,
+            0,
+        )?));
+    }
+    let cuda = kvferry_gpu::CudaDevice::open(0)?;
+    let kv = DeviceKv::alloc(
+        Arc::clone(&cuda) as Arc<dyn Device>,
+        shape,
+        KvKind::Split,
+        blocks,
+        seg,
+        0,
+    )?;
+    let mut regions = Vec::new();
+    let mut offsets = Vec::new();
+    for ptr in kv.buffer_ptrs() {
+        let ipc = cuda.ipc_handle(ptr)?;
+        regions.push(MemoryRegion::CudaIpc(ipc.bytes.to_vec()));
+        offsets.push(ipc.offset);
+    }
+    let mut layers = kv.placements();
+    for l in &mut layers {
+        l.k.offset += offsets[l.k.region as usize];
+        if let Some(v) = l.v.as_mut() {
+            v.offset += offsets[v.region as usize];
+        }
+    }
+    Ok(Kv::Cuda(kv, regions, layers))
+}
+
+async fn register(c: &EngineClient, kv: &Kv, board: u64) -> anyhow::Result<()> {
+    let id = InstanceId::new(INSTANCE)?;
+    let req = match kv {
+        Kv::Host(k) => {
+            let mut handles = Vec::new();
+            for (i, len) in k.buffer_lens().into_iter().enumerate() {
+                handles.push(c.send_memfd(&id, 0, 0, k.fd_of(i), len).await?);
+            }
+            k.registration(&id, "bench", 0, &handles)
+        }
+        Kv::Cuda(k, regions, layers) => RegisterRegions {
+            instance: id,
+            model: "bench".into(),
+            dtype: "bf16".into(),
+            shape: k.shape,
+            rank: 0,
+            device: 0,
+            kind: k.spec().kind,
+            block_stride: k.block_stride,
+            num_blocks: k.num_blocks,
+            regions: regions.clone(),
+            layers: layers.clone(),
+        },
+    };
+    c.register_regions_with_board(&req, board).await?;
+    Ok(())
+}
+
+fn hashes(tag: u64, n: u32) -> Vec<BlockHash> {
+    (0..u64::from(n))
+        .map(|i| BlockHash::from_u64(tag << 32 | i))
+        .collect()
+}
+
+/// One row of the sweep.
+struct Row {
+    blocks: u32,
+    bytes: u64,
+    query: f64,
+    load: f64,
+    first_layer: f64,
+    save: f64,
+    raw: f64,
+    verified: bool,
+}
+
+pub fn run(a: EngineArgs) -> anyhow::Result<()> {
+    if !matches!(a.device.as_str(), "host" | "cuda") {
+        bail!("--device is host or cuda, not {:?}", a.device);
+    }
+    if a.blocks.is_empty() || a.blocks.contains(&0) || a.iters == 0 {
+        bail!("--blocks needs block counts above 0 and --iters at least 1");
+    }
+    let shape = KvShape::new(a.layers, 1, 2, a.segment_kib << 10)?;
+    let max = *a.blocks.iter().max().unwrap_or(&1);
+    // Sources 0..n, destinations every third block after them.
+    let num_blocks = 4 * max + 4;
+    // Each save uses fresh hashes; the pool evicts the oldest (unpinned) ones.
+    let slots = 2 * u64::from(max) + 64;
+    let (mut node, addr) = spawn_node(&a.device, shape.block_bytes(), slots)?;
+    let kv = alloc_kv(&a.device, shape, num_blocks)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let out = rt.block_on(async {
+        let c = connect(&mut node, &addr).await?;
+        let caps = c.capabilities().await?;
+        let id = InstanceId::new(INSTANCE)?;
+        let board = Board::create(8)?;
+        let board_handle = c.send_board(&id, 0, &board).await?;
+        register(&c, &kv, board_handle).await?;
+        let _session = c.open_session(std::slice::from_ref(&id)).await?;
+        let device_kv = kv.kv();
+        let mut rows = Vec::new();
+        let mut tag = 0u32;
+        for &n in &a.blocks {
+            let bytes = u64::from(n) * shape.rank_bytes();
+            device_kv.reset()?;
+            for i in 0..n {
+                device_kv.write_block(i, u64::from(i), 0)?;
+            }
+            let src: Vec<u32> = (0..n).collect();
+            let dest: Vec<u32> = (0..n).map(|i| n + 1 + 3 * i).collect();
+            // Sources hold their pattern, destinations the same; every other byte a canary.
+            let expected: Vec<(u32, u64)> = src
+                .iter()
+                .map(|&b| (b, u64::from(b)))
+                .chain(dest.iter().zip(0u64..).map(|(&d, i)| (d, i)))
+                .collect();
+            let (mut query, mut load, mut first, mut save) = (vec![], vec![], vec![], vec![]);
+            let mut verified = true;
+            for it in 0..=a.iters {
+                // Save: fresh hashes each time, so every block is copied.
+                let hs = hashes(u64::from(n) << 8 | it as u64, n);
+                let t = Instant::now();
+                let saved = c
+                    .save(&SaveRequest {
+                        instance: id.clone(),
+                        rank: 0,
+                        hashes: hs.clone(),
+                        src_blocks: src.clone(),
+                    })
+                    .await?;
+                let save_s = t.elapsed().as_secs_f64();
+                if saved.written != n {
+                    bail!("a save of {n} blocks wrote {}", saved.written);
+                }
+                let t = Instant::now();
+                let q = c.query(&id, &hs, false).await?;
+                let query_s = t.elapsed().as_secs_f64();
+                let Some(lease) = q.lease.filter(|_| q.local_blocks == n) else {
+                    bail!("a query of {n} saved blocks hit {}", q.local_blocks);
+                };
+                tag = tag.wrapping_add(1);
+                let t = Instant::now();
+                let load_id = c
+                    .load_on_board(
+                        &LoadRequest {
+                            lease,
+                            instance: id.clone(),
+                            rank: 0,
+                            dest_blocks: dest.clone(),
+                        },
+                        Some((0, tag)),
+                    )
+                    .await?;
+                let v = board.wait(0, tag, 1, WAIT)?;
+                let first_s = t.elapsed().as_secs_f64();
+                let v = if v.state.is_done() {
+                    v
+                } else {
+                    board.wait(0, tag, u32::MAX, WAIT)?
+                };
+                let load_s = t.elapsed().as_secs_f64();
+                if v.state != SlotState::Ok {
+                    let done = c.poll_load(load_id).await?;
+                    bail!("the load of {n} blocks failed: {done:?}");
+                }
+                match c.poll_load(load_id).await? {
+                    Some(done) if done.status == 1 => {}
+                    other => bail!("the board says done, PollLoad says {other:?}"),
+                }
+                if it == 0 {
+                    // The warm-up's bytes are checked; later loads write the same.
+                    let checked = device_kv.verify(&expected, 0);
+                    let untouched = device_kv
+                        .untouched_outside(&src.iter().chain(&dest).copied().collect::<Vec<_>>());
+                    if let Err(e) = checked.map(|_| ()).and(untouched) {
+                        eprintln!("kvferry bench engine: {n} blocks: {e}");
+                        verified = false;
+                    }
+                    continue;
+                }
+                query.push(query_s);
+                load.push(load_s);
+                first.push(first_s);
+                save.push(save_s);
+            }
+            let device = kvferry_gpu::open_device(&a.device, 0)?;
+            let mut base = Baseline::new(&device, bytes)?;
+            base.run()?;
+            let mut raw: Vec<f64> = (0..a.iters).map(|_| base.run()).collect::<Result<_, _>>()?;
+            rows.push(Row {
+                blocks: n,
+                bytes,
+                query: median(&mut query),
+                load: median(&mut load),
+                first_layer: median(&mut first),
+                save: median(&mut save),
+                raw: median(&mut raw),
+                verified,
+            });
+        }
+        c.unregister(&id).await?;
+        Ok::<_, anyhow::Error>((rows, caps))
+    })?;
+    let (rows, caps) = out;
+    let ok = rows.iter().all(|r| r.verified);
+    if a.json {
+        let sweep: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                json!({
+                    "blocks": r.blocks,
+                    "bytes": r.bytes,
+                    "query_ms": r.query * 1e3,
+                    "load_ms": r.load * 1e3,
+                    "first_layer_ms": r.first_layer * 1e3,
+                    "save_ms": r.save * 1e3,
+                    "raw_ms": r.raw * 1e3,
+                    "load_vs_raw": r.raw / r.load,
+                    "save_vs_raw": r.raw / r.save,
+                    "verified": r.verified,
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            json!({
+                "device": a.device,
+                "node_device": caps.device_kind,
+                "layers": a.layers,
+                "segment_bytes": shape.segment_bytes(),
+                "block_bytes": shape.rank_bytes(),
+                "iters": a.iters,
+                "baseline": if a.device == "cuda" { "raw cuMemcpyHtoDAsync from pinned memory" } else { "memcpy (one contiguous copy)" },
+                "sweep": sweep,
+                "verified": ok,
+            })
+        );
+    } else {
+        println!(
+            "kvferry bench engine: {} layers x K/V x {} KiB on {} (node in its own process), medians of {}",
+            a.layers, a.segment_kib, a.device, a.iters
+        );
+        println!(
+            "{:>6} {:>10} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9} {:>9}  bytes",
+            "blocks",
+            "MiB",
+            "query ms",
+            "load ms",
+            "1st layer",
+            "save ms",
+            "raw ms",
+            "load/raw",
+            "save/raw"
+        );
+        for r in &rows {
+            println!(
+                "{:>6} {:>10.1} {:>9.3} {:>9.3} {:>11.3} {:>9.3} {:>9.3} {:>9.2} {:>9.2}  {}",
+                r.blocks,
+                r.bytes as f64 / (1 << 20) as f64,
+                r.query * 1e3,
+                r.load * 1e3,
+                r.first_layer * 1e3,
+                r.save * 1e3,
+                r.raw * 1e3,
+                r.raw / r.load,
+                r.raw / r.save,
+                if r.verified { "verified" } else { "WRONG" }
+            );
+        }
+    }
+    if !ok {
+        bail!("a load's bytes were wrong");
+    }
+    Ok(())
+}
