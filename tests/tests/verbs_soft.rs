@@ -440,3 +440,21 @@ fn fault_matrix_over_soft_verbs() {
         owner.stop().await;
     });
 }
+
+/// The checked-in sample for the software device starts a node whose pool is registered on
+/// the soft NIC (in 16 MiB MRs) and which grants direct loads over verbs.
+#[test]
+fn the_soft_verbs_sample_config_starts_a_serving_node() {
+    let text = include_str!("../../config/node-soft-verbs.toml");
+    let cfg = kvferry_actors::NodeConfig::from_toml(text, "config/node-soft-verbs.toml").unwrap();
+    let dev: Arc<dyn Device> = kvferry_gpu::HostDevice::new(0);
+    let node = Node::start_with(cfg, vec![dev], Clock::system()).unwrap();
+    let nics = node.nics().unwrap();
+    let pool = nics.pool.as_ref().unwrap();
+    let mr = pool.rdma(kvferry_transport::NicId(0)).unwrap();
+    assert_eq!(mr.nic(), "soft_mlx5_0");
+    assert_eq!(mr.chunks(), 4, "64 MiB in 16 MiB MRs");
+    assert_eq!(nics.direct_refusal, None);
+    assert!(nics.responder.is_some());
+    node.shutdown();
+}
