@@ -134,28 +134,30 @@ fn check_socket_dir(key: &'static str, dir: &str, name: &str) -> Result<(), Conf
 }
 
 /// A byte count written as an integer or a string with a unit ("64MiB", "1 GiB", "4096").
+///
+/// Parsing is the `bytesize` crate's; this type keeps what a config needs around it: an exact
+/// display (`3MiB`, or plain bytes where no unit divides), so a printed config reads back the
+/// same, and the bound below.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ByteSize(pub u64);
 
 impl ByteSize {
+    /// The largest size accepted: what a TOML integer can hold. `bytesize` saturates where a
+    /// size overflows; a bound well inside u64 keeps arithmetic on sizes from overflowing too.
+    pub const MAX: u64 = i64::MAX as u64;
+
+    /// Parses a size: plain bytes, binary units (KiB, MiB, GiB, TiB; also Ki, Mi, …) or decimal
+    /// ones (KB, MB, GB, TB; also K, M, …), in any case, with an optional space and fraction
+    /// ("1.5GiB").
     pub fn parse(s: &str) -> Result<Self, String> {
         let s = s.trim();
-        let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-        let (num, unit) = s.split_at(split);
-        let n: u64 = num
-            .parse()
-            .map_err(|_| format!("{s:?} is not a byte size"))?;
-        let mult: u64 = match unit.trim() {
-            "" | "B" => 1,
-            "KiB" => 1 << 10,
-            "MiB" => 1 << 20,
-            "GiB" => 1 << 30,
-            "TiB" => 1 << 40,
-            u => return Err(format!("unknown unit {u:?} (use B, KiB, MiB, GiB or TiB)")),
-        };
-        n.checked_mul(mult)
-            .map(ByteSize)
-            .ok_or_else(|| format!("{s:?} overflows"))
+        let v: bytesize::ByteSize = s.parse().map_err(|e| {
+            format!("{s:?} is not a byte size ({e}); write e.g. \"64MiB\" or a number of bytes")
+        })?;
+        if v.0 > Self::MAX {
+            return Err(format!("{s:?} is larger than {} bytes", Self::MAX));
+        }
+        Ok(ByteSize(v.0))
     }
 }
 
@@ -849,6 +851,32 @@ mod tests {
         assert_eq!(ByteSize::parse("4096").unwrap(), ByteSize(4096));
         assert!(ByteSize::parse("12 parsecs").is_err());
         assert_eq!(ByteSize(3 << 20).to_string(), "3MiB");
+    }
+
+    #[test]
+    fn sizes_in_binary_and_decimal_units_and_their_limits() {
+        let ok = |s: &str| ByteSize::parse(s).unwrap().0;
+        assert_eq!(ok("2KiB"), 2048);
+        assert_eq!(ok("  8 mib "), 8 << 20);
+        assert_eq!(ok("1.5GiB"), 3 << 29);
+        assert_eq!(ok("3 TiB"), 3 << 40);
+        assert_eq!(ok("64MB"), 64_000_000);
+        assert_eq!(ok("2G"), 2_000_000_000);
+        assert_eq!(ok("512 B"), 512);
+        for bad in ["", "MiB", "-1MiB", "1 parsec", "0x100", "1e3"] {
+            let e = ByteSize::parse(bad).unwrap_err();
+            assert!(e.contains("not a byte size"), "{bad:?}: {e}");
+        }
+        // bytesize saturates on overflow; that must be an error here, not u64::MAX.
+        let e = ByteSize::parse("99999999999 TiB").unwrap_err();
+        assert!(e.contains("larger than"), "{e}");
+        assert_eq!(ok("8388607 TiB"), 8388607 << 40);
+        // What a config prints reads back as the same size.
+        for v in [0, 1, 4095, 4096, 3 << 20, (5 << 30) + 1, ByteSize::MAX] {
+            assert_eq!(ok(&ByteSize(v).to_string()), v);
+        }
+        let cfg = NodeConfig::from_toml("[pool]\nsize = \"-5\"\n", "x.toml");
+        assert!(cfg.is_err());
     }
 
     #[test]

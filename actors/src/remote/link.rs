@@ -8,13 +8,16 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
 use actix::Addr;
+use futures::future::BoxFuture;
 use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, CopyOp, Device, HostRegistration};
 
 use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
 use crate::store::{BlockStore, PinForPeer, UnpinForPeer};
 
-pub type BoxFut<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+/// The futures links and directories return (object-safe traits); the name stays for the
+/// many signatures that use it.
+pub type BoxFut<T> = BoxFuture<'static, T>;
 
 /// Kept alive until a read has fully landed (pins, slot guards, mappings).
 pub type Keep = Box<dyn Any + Send>;
