@@ -485,8 +485,14 @@ mod nic {
         let mut drv = Driver::with_limits(&req, &p, &d, 1, big);
         drv.post(&[read(&d, 1, p.region.addr(), &[(0, 4096), (8192, 4096)])]);
         assert_eq!(drv.run(1)[0].status, CompletionStatus::Success);
-        // A CQ bigger than the device's max_cqe is clamped too.
+        // A CQ bigger than the device's max_cqe is clamped too, and the NIC says so.
         assert_eq!(req.device().cqe(), 4096);
+        let limits = RdmaNic::limits(req.as_ref()).unwrap();
+        assert_eq!(
+            (limits.cq_entries, limits.max_sge, limits.max_qp_wr),
+            (4096, 4, 1024)
+        );
+        assert_eq!(limits.max_msg_sz, 16 << 20);
     }
 
     /// Defect 2: two loads registering the same destination on one NIC share one

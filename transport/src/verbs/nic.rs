@@ -130,6 +130,10 @@ pub struct NicLimits {
     pub max_qp_rd_atom: u32,
     pub max_msg_sz: u64,
     pub mtu: super::gid::Mtu,
+    /// Entries of the CQ every QP of this NIC reports to (the requested size clamped to the
+    /// device's `max_cqe`): completions outstanding across the NIC's QPs must stay below it,
+    /// or the CQ overruns.
+    pub cq_entries: u32,
 }
 
 /// An RDMA NIC as the node uses it.

@@ -319,6 +319,7 @@ impl super::nic::RdmaNic for VerbsNic {
             max_qp_rd_atom: a.max_qp_rd_atom,
             max_msg_sz: self.inner.device.max_msg_sz(),
             mtu: self.inner.device.address().mtu,
+            cq_entries: self.inner.device.cqe(),
         })
     }
 
