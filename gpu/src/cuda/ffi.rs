@@ -1,16 +1,23 @@
-//! Raw CUDA driver calls, one thin wrapper each, turning return codes into [`CudaError`].
+//! CUDA driver calls, one thin wrapper each, turning return codes into [`CudaError`].
 //!
-//! This is the only file of the backend that calls into the driver. cudarc loads
-//! `libcuda.so` lazily and panics when the library or a symbol is missing, so [`init`] proves
-//! the library and every required symbol present before anything else here may be called,
-//! and optional calls check [`has_symbol`] first. Functions that take raw handles or raw
-//! addresses are `unsafe fn`: their callers vouch for the handles' liveness and for the
-//! memory the addresses name.
+//! This is the only file of the backend that calls into the driver. Where cudarc's `result`
+//! layer has the call, the wrapper is that call with our error (the call's name and the
+//! driver's error name); raw `sys` calls remain only for what `result` lacks:
+//! `cuDriverGetVersion`, an event with combined flags (`result` takes one flag), the unified
+//! `cuMemcpyAsync`, `cuMemcpyBatchAsync_v2`, several pointer attributes in one
+//! `cuPointerGetAttributes`, host registration, CUDA IPC handles, the DMA-BUF export and the
+//! GPUDirect RDMA flush. cudarc loads `libcuda.so` lazily and panics when the library or a
+//! symbol is missing, so [`init`] proves the library and every required symbol (those
+//! `result` calls included) present before anything else here may be called, and optional
+//! calls check [`has_symbol`] first. Functions that take raw handles or raw addresses are
+//! `unsafe fn`: their callers vouch for the handles' liveness and for the memory the
+//! addresses name.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::OnceLock;
 
+use cudarc::driver::result::{self as cu, DriverError};
 use cudarc::driver::sys;
 
 pub use sys::{CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmodule, CUstream};
@@ -82,6 +89,15 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<(), CudaError> {
     if r == sys::CUresult::CUDA_SUCCESS {
         return Ok(());
     }
+    Err(driver_error(call, r))
+}
+
+/// A `result` layer error as ours: the call and the driver's name for the code.
+fn cu_err(call: &'static str) -> impl Fn(DriverError) -> CudaError {
+    move |e| driver_error(call, e.0)
+}
+
+fn driver_error(call: &'static str, r: sys::CUresult) -> CudaError {
     let mut p: *const c_char = std::ptr::null();
     // SAFETY: cuGetErrorName only writes a pointer to a static string into `p`.
     let named = unsafe { sys::cuGetErrorName(r, &mut p) };
@@ -91,11 +107,11 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<(), CudaError> {
     } else {
         format!("{r:?}")
     };
-    Err(CudaError::Driver {
+    CudaError::Driver {
         call,
         code: r as u32,
         name,
-    })
+    }
 }
 
 /// Loads the driver, proves every required symbol present and initialises it (idempotent).
@@ -108,8 +124,7 @@ pub fn init() -> Result<(), CudaError> {
         if let Some(symbol) = REQUIRED.iter().find(|s| !has_symbol(s)) {
             return Err(CudaError::MissingSymbol { symbol });
         }
-        // SAFETY: cuInit takes flags only (0 is the only valid value); the symbol exists.
-        check("cuInit", unsafe { sys::cuInit(0) })
+        cu::init().map_err(cu_err("cuInit"))
     })
     .clone()
 }
@@ -124,47 +139,27 @@ pub fn driver_version() -> Result<i32, CudaError> {
 }
 
 pub fn device_count() -> Result<i32, CudaError> {
-    let mut n: c_int = 0;
-    // SAFETY: writes one int into `n`; the driver was initialised by `init`.
-    check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
-    Ok(n)
+    cu::device::get_count().map_err(cu_err("cuDeviceGetCount"))
 }
 
 pub fn device_get(ordinal: i32) -> Result<CUdevice, CudaError> {
-    let mut d: CUdevice = 0;
-    // SAFETY: writes one device handle (an int) into `d`.
-    check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut d, ordinal) })?;
-    Ok(d)
+    cu::device::get(ordinal).map_err(cu_err("cuDeviceGet"))
 }
 
 pub fn device_name(dev: CUdevice) -> Result<String, CudaError> {
-    let mut buf = [0 as c_char; 256];
-    // SAFETY: the driver writes at most `len` bytes, NUL-terminated, into `buf`.
-    check("cuDeviceGetName", unsafe {
-        sys::cuDeviceGetName(buf.as_mut_ptr(), 256, dev)
-    })?;
-    // SAFETY: NUL-terminated within the buffer (the last byte is never written past `len`).
-    Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
-        .to_string_lossy()
-        .into_owned())
+    cu::device::get_name(dev).map_err(cu_err("cuDeviceGetName"))
 }
 
 pub fn device_attribute(dev: CUdevice, attr: sys::CUdevice_attribute) -> Result<i32, CudaError> {
-    let mut v: c_int = 0;
-    // SAFETY: writes one int into `v`; an unknown attribute is an error code, not UB.
-    check("cuDeviceGetAttribute", unsafe {
-        sys::cuDeviceGetAttribute(&mut v, attr, dev)
-    })?;
-    Ok(v)
+    // SAFETY: only reads an attribute; a handle that is no device, or an unknown attribute,
+    // is an error code, not UB.
+    unsafe { cu::device::get_attribute(dev, attr) }.map_err(cu_err("cuDeviceGetAttribute"))
 }
 
 pub fn primary_ctx_retain(dev: CUdevice) -> Result<CUcontext, CudaError> {
-    let mut ctx: CUcontext = std::ptr::null_mut();
-    // SAFETY: writes one context handle into `ctx`; the caller releases it once.
-    check("cuDevicePrimaryCtxRetain", unsafe {
-        sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
-    })?;
-    Ok(ctx)
+    // SAFETY: a handle that is no device is an error code; the caller releases the context
+    // once.
+    unsafe { cu::primary_ctx::retain(dev) }.map_err(cu_err("cuDevicePrimaryCtxRetain"))
 }
 
 /// # Safety
@@ -172,9 +167,7 @@ pub fn primary_ctx_retain(dev: CUdevice) -> Result<CUcontext, CudaError> {
 /// (streams, events, modules) may be used afterwards.
 pub unsafe fn primary_ctx_release(dev: CUdevice) -> Result<(), CudaError> {
     // SAFETY: the caller balances one retain.
-    check("cuDevicePrimaryCtxRelease", unsafe {
-        sys::cuDevicePrimaryCtxRelease_v2(dev)
-    })
+    unsafe { cu::primary_ctx::release(dev) }.map_err(cu_err("cuDevicePrimaryCtxRelease"))
 }
 
 /// # Safety
@@ -182,35 +175,27 @@ pub unsafe fn primary_ctx_release(dev: CUdevice) -> Result<(), CudaError> {
 pub unsafe fn ctx_set_current(ctx: CUcontext) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees `ctx` is retained; binding it to this thread is all this
     // does.
-    check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) })
+    unsafe { cu::ctx::set_current(ctx) }.map_err(cu_err("cuCtxSetCurrent"))
 }
 
 /// A non-blocking stream (no implicit synchronisation with the legacy default stream) in the
 /// current context.
 pub fn stream_create() -> Result<CUstream, CudaError> {
-    let mut s: CUstream = std::ptr::null_mut();
-    let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint;
-    // SAFETY: writes one stream handle into `s`.
-    check("cuStreamCreate", unsafe {
-        sys::cuStreamCreate(&mut s, flags)
-    })?;
-    Ok(s)
+    cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(cu_err("cuStreamCreate"))
 }
 
 /// # Safety
 /// `s` is a live stream of the current context, destroyed once.
 pub unsafe fn stream_destroy(s: CUstream) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees `s` is live and not used afterwards.
-    check("cuStreamDestroy", unsafe { sys::cuStreamDestroy_v2(s) })
+    unsafe { cu::stream::destroy(s) }.map_err(cu_err("cuStreamDestroy"))
 }
 
 /// # Safety
 /// `s` is a live stream.
 pub unsafe fn stream_synchronize(s: CUstream) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees `s` is live.
-    check("cuStreamSynchronize", unsafe {
-        sys::cuStreamSynchronize(s)
-    })
+    unsafe { cu::stream::synchronize(s) }.map_err(cu_err("cuStreamSynchronize"))
 }
 
 /// Makes all later work on `s` wait until the most recent record of `e` has completed (an
@@ -219,20 +204,22 @@ pub unsafe fn stream_synchronize(s: CUstream) -> Result<(), CudaError> {
 /// # Safety
 /// `s` and `e` are live handles of the same context.
 pub unsafe fn stream_wait_event(s: CUstream, e: CUevent) -> Result<(), CudaError> {
-    // SAFETY: the caller guarantees both handles; flags 0 is the only defined value.
-    check("cuStreamWaitEvent", unsafe {
-        sys::cuStreamWaitEvent(s, e, 0)
-    })
+    let flags = sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT;
+    // SAFETY: the caller guarantees both handles.
+    unsafe { cu::stream::wait_event(s, e, flags) }.map_err(cu_err("cuStreamWaitEvent"))
 }
 
 /// An event; `timing` keeps timestamps (for benchmarks), otherwise they are disabled, which
 /// makes record and wait cheaper. Waiting on it blocks the thread instead of spinning.
 pub fn event_create(timing: bool) -> Result<CUevent, CudaError> {
-    let mut e: CUevent = std::ptr::null_mut();
-    let mut flags = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as c_uint;
-    if !timing {
-        flags |= sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
+    if timing {
+        return cu::event::create(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)
+            .map_err(cu_err("cuEventCreate"));
     }
+    // Raw: `result::event::create` takes one flag, and this event needs two.
+    let mut e: CUevent = std::ptr::null_mut();
+    let flags = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as c_uint
+        | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
     // SAFETY: writes one event handle into `e`.
     check("cuEventCreate", unsafe {
         sys::cuEventCreate(&mut e, flags)
@@ -244,55 +231,50 @@ pub fn event_create(timing: bool) -> Result<CUevent, CudaError> {
 /// `e` is a live event, destroyed once.
 pub unsafe fn event_destroy(e: CUevent) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees `e` is live and not used afterwards.
-    check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(e) })
+    unsafe { cu::event::destroy(e) }.map_err(cu_err("cuEventDestroy"))
 }
 
 /// # Safety
 /// `e` and `s` are live and of the same context.
 pub unsafe fn event_record(e: CUevent, s: CUstream) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees both handles.
-    check("cuEventRecord", unsafe { sys::cuEventRecord(e, s) })
+    unsafe { cu::event::record(e, s) }.map_err(cu_err("cuEventRecord"))
 }
 
 /// # Safety
 /// `e` is a live event.
 pub unsafe fn event_synchronize(e: CUevent) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees `e` is live.
-    check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(e) })
+    unsafe { cu::event::synchronize(e) }.map_err(cu_err("cuEventSynchronize"))
 }
 
 pub fn mem_alloc(bytes: usize) -> Result<CUdeviceptr, CudaError> {
-    let mut p: CUdeviceptr = 0;
-    // SAFETY: writes one device pointer into `p`; needs a current context, which every
-    // caller sets first (without one the driver returns an error code).
-    check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut p, bytes) })?;
-    Ok(p)
+    // SAFETY: returns fresh, uninitialised device memory that nothing reads before it is
+    // written; needs a current context, which every caller sets first (without one the
+    // driver returns an error code).
+    unsafe { cu::malloc_sync(bytes) }.map_err(cu_err("cuMemAlloc"))
 }
 
 /// # Safety
 /// `p` came from [`mem_alloc`], is freed once, and no queued work still uses it.
 pub unsafe fn mem_free(p: CUdeviceptr) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees ownership and that no work is pending on it.
-    check("cuMemFree", unsafe { sys::cuMemFree_v2(p) })
+    unsafe { cu::free_sync(p) }.map_err(cu_err("cuMemFree"))
 }
 
 /// Page-locked host memory, mapped into the device address space and usable from every
 /// context.
 pub fn mem_host_alloc(bytes: usize) -> Result<*mut c_void, CudaError> {
-    let mut p: *mut c_void = std::ptr::null_mut();
     let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
-    // SAFETY: writes one pointer into `p`.
-    check("cuMemHostAlloc", unsafe {
-        sys::cuMemHostAlloc(&mut p, bytes, flags)
-    })?;
-    Ok(p)
+    // SAFETY: returns fresh pinned memory; callers write it before reading it.
+    unsafe { cu::malloc_host(bytes, flags) }.map_err(cu_err("cuMemHostAlloc"))
 }
 
 /// # Safety
 /// `p` came from [`mem_host_alloc`], is freed once, and no queued work still uses it.
 pub unsafe fn mem_free_host(p: *mut c_void) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees ownership and that no work is pending on it.
-    check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(p) })
+    unsafe { cu::free_host(p) }.map_err(cu_err("cuMemFreeHost"))
 }
 
 /// Pins `[p, p + len)` and maps it for every context (`read_only` for mappings the process
@@ -334,10 +316,13 @@ pub unsafe fn memcpy_htod(
     src: *const c_void,
     len: usize,
 ) -> Result<(), CudaError> {
-    // SAFETY: the caller guarantees both ranges.
-    check("cuMemcpyHtoD", unsafe {
-        sys::cuMemcpyHtoD_v2(dst, src, len)
-    })
+    // SAFETY: the caller guarantees `len` readable bytes at `src` for the (synchronous) call
+    // and the device range.
+    unsafe {
+        let src = std::slice::from_raw_parts(src.cast::<u8>(), len);
+        cu::memcpy_htod_sync(dst, src)
+    }
+    .map_err(cu_err("cuMemcpyHtoD"))
 }
 
 /// Synchronous device → host copy.
@@ -345,10 +330,13 @@ pub unsafe fn memcpy_htod(
 /// # Safety
 /// `dst` is writable host memory of `len` bytes; `src..src+len` is device memory.
 pub unsafe fn memcpy_dtoh(dst: *mut c_void, src: CUdeviceptr, len: usize) -> Result<(), CudaError> {
-    // SAFETY: the caller guarantees both ranges.
-    check("cuMemcpyDtoH", unsafe {
-        sys::cuMemcpyDtoH_v2(dst, src, len)
-    })
+    // SAFETY: the caller guarantees `len` writable bytes at `dst`, used by nothing else during
+    // the (synchronous) call, and the device range.
+    unsafe {
+        let dst = std::slice::from_raw_parts_mut(dst.cast::<u8>(), len);
+        cu::memcpy_dtoh_sync(dst, src)
+    }
+    .map_err(cu_err("cuMemcpyDtoH"))
 }
 
 /// Asynchronous copy between two unified addresses (host or device, the driver infers which).
@@ -542,31 +530,22 @@ pub fn flush_gpudirect_rdma_writes() -> Result<(), CudaError> {
 /// Loads a module from a NUL-terminated PTX image into the current context (JIT compiled
 /// for the device).
 pub fn module_load_data(image: &CStr) -> Result<CUmodule, CudaError> {
-    let mut m: CUmodule = std::ptr::null_mut();
-    // SAFETY: `image` is a NUL-terminated PTX text the driver only reads during the call;
-    // writes one module handle into `m`.
-    check("cuModuleLoadData", unsafe {
-        sys::cuModuleLoadData(&mut m, image.as_ptr().cast())
-    })?;
-    Ok(m)
+    // SAFETY: `image` is a NUL-terminated PTX text the driver only reads during the call.
+    unsafe { cu::module::load_data(image.as_ptr().cast()) }.map_err(cu_err("cuModuleLoadData"))
 }
 
 /// # Safety
 /// `m` is a live module, unloaded once, with no kernel of it still running.
 pub unsafe fn module_unload(m: CUmodule) -> Result<(), CudaError> {
     // SAFETY: the caller guarantees the module is live and idle.
-    check("cuModuleUnload", unsafe { sys::cuModuleUnload(m) })
+    unsafe { cu::module::unload(m) }.map_err(cu_err("cuModuleUnload"))
 }
 
 /// # Safety
 /// `m` is a live module.
 pub unsafe fn module_get_function(m: CUmodule, name: &CStr) -> Result<CUfunction, CudaError> {
-    let mut f: CUfunction = std::ptr::null_mut();
-    // SAFETY: the caller guarantees `m`; `name` is NUL-terminated; writes one handle.
-    check("cuModuleGetFunction", unsafe {
-        sys::cuModuleGetFunction(&mut f, m, name.as_ptr())
-    })?;
-    Ok(f)
+    // SAFETY: the caller guarantees `m`.
+    unsafe { cu::module::get_function(m, name.to_owned()) }.map_err(cu_err("cuModuleGetFunction"))
 }
 
 /// Launches a 1-D grid.
@@ -582,24 +561,10 @@ pub unsafe fn launch_kernel(
     s: CUstream,
     params: &mut [*mut c_void],
 ) -> Result<(), CudaError> {
-    // SAFETY: the caller guarantees the function, the arguments and the stream; no extra
-    // launch options and no dynamic shared memory.
-    let r = unsafe {
-        sys::cuLaunchKernel(
-            f,
-            grid,
-            1,
-            1,
-            block,
-            1,
-            1,
-            0,
-            s,
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    };
-    check("cuLaunchKernel", r)
+    // SAFETY: the caller guarantees the function, the arguments and the stream; no dynamic
+    // shared memory.
+    unsafe { cu::launch_kernel(f, (grid, 1, 1), (block, 1, 1), 0, s, params) }
+        .map_err(cu_err("cuLaunchKernel"))
 }
 
 /// True where `fd` is a DMA-BUF (the kernel names its inode `dmabuf`).
