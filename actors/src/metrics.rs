@@ -65,6 +65,21 @@ pub const ENGINE_MEMORY_HANDLES: &str = "kvferry_engine_memory_handles";
 pub const ENGINE_LOADS_PENDING: &str = "kvferry_engine_loads_pending";
 pub const ENGINE_COMPLETIONS_RETAINED: &str = "kvferry_engine_completions_retained";
 pub const ENGINE_COMPLETIONS_DROPPED: &str = "kvferry_engine_completions_dropped_total";
+/// The SSD tier's families (`ssd::SsdStats`).
+pub const SSD_BLOCKS: &str = "kvferry_ssd_blocks";
+pub const SSD_CAPACITY_BLOCKS: &str = "kvferry_ssd_capacity_blocks";
+pub const SSD_EVICTIONS: &str = "kvferry_ssd_evictions_total";
+pub const SSD_WRITES: &str = "kvferry_ssd_writes_total";
+pub const SSD_WRITE_BYTES: &str = "kvferry_ssd_write_bytes_total";
+pub const SSD_WRITE_ERRORS: &str = "kvferry_ssd_write_errors_total";
+pub const SSD_DISK_FULL: &str = "kvferry_ssd_disk_full_total";
+pub const SSD_WRITES_SKIPPED: &str = "kvferry_ssd_writes_skipped_total";
+pub const SSD_READS: &str = "kvferry_ssd_reads_total";
+pub const SSD_READ_BYTES: &str = "kvferry_ssd_read_bytes_total";
+pub const SSD_READ_ERRORS: &str = "kvferry_ssd_read_errors_total";
+pub const SSD_PROMOTE_NO_ROOM: &str = "kvferry_ssd_promote_no_room_total";
+pub const SSD_DAMAGED_BLOCKS: &str = "kvferry_ssd_damaged_blocks_total";
+pub const SSD_HIT_BLOCKS: &str = "kvferry_ssd_hit_blocks_total";
 
 /// Describes every family this crate exports to the recorder in effect (one HELP line
 /// each; the exporter writes the TYPE from how a family is recorded).
@@ -120,6 +135,8 @@ pub fn describe() {
             ENGINE_COMPLETIONS_RETAINED,
             "Load completions waiting for a stream or poll.",
         ),
+        (SSD_BLOCKS, "Blocks held on SSD."),
+        (SSD_CAPACITY_BLOCKS, "Block slots of the SSD directories."),
     ] {
         describe_gauge!(name, help);
     }
@@ -164,9 +181,40 @@ pub fn describe() {
             ENGINE_COMPLETIONS_DROPPED,
             "Load completions dropped uncollected, over the retention bound.",
         ),
+        (SSD_EVICTIONS, "Blocks evicted from SSD by capacity."),
+        (SSD_WRITES, "Blocks written to SSD."),
+        (
+            SSD_WRITE_ERRORS,
+            "SSD block writes that failed (disk full included).",
+        ),
+        (SSD_DISK_FULL, "SSD block writes refused for lack of space."),
+        (
+            SSD_WRITES_SKIPPED,
+            "Blocks evicted from RAM unwritten: every SSD slot was busy.",
+        ),
+        (SSD_READS, "Blocks read from SSD into RAM."),
+        (
+            SSD_READ_ERRORS,
+            "SSD block reads that failed with an I/O error.",
+        ),
+        (
+            SSD_PROMOTE_NO_ROOM,
+            "SSD hits cut short: no RAM slot to promote into.",
+        ),
+        (
+            SSD_DAMAGED_BLOCKS,
+            "Blocks read from SSD that were torn or corrupt (a miss, never served), by damage (header, key, checksum).",
+        ),
+        (SSD_HIT_BLOCKS, "Blocks of the local prefix by tier (ram, ssd)."),
     ] {
         describe_counter!(name, help);
     }
+    describe_counter!(
+        SSD_WRITE_BYTES,
+        Unit::Bytes,
+        "Bytes written to SSD (headers and padding included)."
+    );
+    describe_counter!(SSD_READ_BYTES, Unit::Bytes, "Block bytes read from SSD.");
     describe_counter!(
         BYTES,
         Unit::Bytes,
@@ -370,6 +418,8 @@ pub struct Extra {
     pub nic: Option<NicMetrics>,
     /// The engine service, while one serves this node.
     pub engine: Option<EngineGauges>,
+    /// The SSD tier, when the node has one.
+    pub ssd: Option<crate::ssd::SsdStats>,
 }
 
 /// What the engine service holds for its clients, as a scrape sees it.
@@ -490,6 +540,30 @@ fn record_engine(g: &EngineGauges) {
     counter!(ENGINE_COMPLETIONS_DROPPED).absolute(g.completions_dropped);
 }
 
+fn record_ssd(s: &crate::ssd::SsdStats) {
+    gauge!(SSD_BLOCKS).set(s.blocks as f64);
+    gauge!(SSD_CAPACITY_BLOCKS).set(s.capacity_blocks as f64);
+    for (name, v) in [
+        (SSD_EVICTIONS, s.evictions),
+        (SSD_WRITES, s.writes),
+        (SSD_WRITE_BYTES, s.write_bytes),
+        (SSD_WRITE_ERRORS, s.write_errors),
+        (SSD_DISK_FULL, s.disk_full),
+        (SSD_WRITES_SKIPPED, s.writes_skipped),
+        (SSD_READS, s.reads),
+        (SSD_READ_BYTES, s.read_bytes),
+        (SSD_READ_ERRORS, s.read_errors),
+        (SSD_PROMOTE_NO_ROOM, s.promote_no_room),
+    ] {
+        counter!(name).absolute(v);
+    }
+    for (damage, v) in ["header", "key", "checksum"].into_iter().zip(s.damaged) {
+        counter!(SSD_DAMAGED_BLOCKS, "damage" => damage).absolute(v);
+    }
+    counter!(SSD_HIT_BLOCKS, "tier" => "ram").absolute(s.hits_ram);
+    counter!(SSD_HIT_BLOCKS, "tier" => "ssd").absolute(s.hits_ssd);
+}
+
 /// Records a scrape's sampled values into the recorder in effect.
 fn record_scrape(stats: &Stats, extra: &Extra) {
     record_stats(stats, extra.peer_pins);
@@ -501,6 +575,9 @@ fn record_scrape(stats: &Stats, extra: &Extra) {
     }
     if let Some(g) = &extra.engine {
         record_engine(g);
+    }
+    if let Some(s) = &extra.ssd {
+        record_ssd(s);
     }
 }
 
@@ -680,6 +757,42 @@ mod tests {
         assert!(lines[1].contains("Stopped"), "{text}");
     }
 
+    /// The SSD tier's families in a node's scrape, with the names its own renderer had.
+    #[test]
+    fn renders_the_ssd_tier() {
+        let text = render(
+            &Stats::default(),
+            &Counters::default(),
+            Extra {
+                ssd: Some(crate::ssd::SsdStats {
+                    blocks: 5,
+                    capacity_blocks: 64,
+                    write_bytes: 4096,
+                    damaged: [0, 0, 1],
+                    hits_ssd: 3,
+                    ..Default::default()
+                }),
+                ..Extra::default()
+            },
+        );
+        for line in [
+            "kvferry_ssd_blocks 5\n",
+            "kvferry_ssd_capacity_blocks 64\n",
+            "kvferry_ssd_write_bytes_total 4096\n",
+            "kvferry_ssd_damaged_blocks_total{damage=\"checksum\"} 1\n",
+            "kvferry_ssd_damaged_blocks_total{damage=\"header\"} 0\n",
+            "kvferry_ssd_hit_blocks_total{tier=\"ssd\"} 3\n",
+            "kvferry_ssd_hit_blocks_total{tier=\"ram\"} 0\n",
+            "# TYPE kvferry_ssd_reads_total counter\n",
+        ] {
+            assert!(text.contains(line), "{line}{text}");
+        }
+        assert_declared_once(&text);
+        // A node without the tier shows none of it.
+        let text = render(&Stats::default(), &Counters::default(), Extra::default());
+        assert!(!text.contains("kvferry_ssd_"), "{text}");
+    }
+
     /// Two nodes in one process (the in-process cluster) keep their own numbers.
     #[test]
     fn each_node_renders_its_own_numbers() {
@@ -828,6 +941,12 @@ mod tests {
                         completions_dropped: 3,
                         ..Default::default()
                     }),
+                    ssd: Some(crate::ssd::SsdStats {
+                        blocks: 5,
+                        damaged: [0, 0, 1],
+                        hits_ssd: 3,
+                        ..Default::default()
+                    }),
                 },
             );
         });
@@ -898,6 +1017,20 @@ mod tests {
             (ENGINE_LOADS_PENDING, (MetricKind::Gauge, &[][..])),
             (ENGINE_COMPLETIONS_RETAINED, (MetricKind::Gauge, &[][..])),
             (ENGINE_COMPLETIONS_DROPPED, (MetricKind::Counter, &[][..])),
+            (SSD_BLOCKS, (MetricKind::Gauge, &[][..])),
+            (SSD_CAPACITY_BLOCKS, (MetricKind::Gauge, &[][..])),
+            (SSD_EVICTIONS, (MetricKind::Counter, &[][..])),
+            (SSD_WRITES, (MetricKind::Counter, &[][..])),
+            (SSD_WRITE_BYTES, (MetricKind::Counter, &[][..])),
+            (SSD_WRITE_ERRORS, (MetricKind::Counter, &[][..])),
+            (SSD_DISK_FULL, (MetricKind::Counter, &[][..])),
+            (SSD_WRITES_SKIPPED, (MetricKind::Counter, &[][..])),
+            (SSD_READS, (MetricKind::Counter, &[][..])),
+            (SSD_READ_BYTES, (MetricKind::Counter, &[][..])),
+            (SSD_READ_ERRORS, (MetricKind::Counter, &[][..])),
+            (SSD_PROMOTE_NO_ROOM, (MetricKind::Counter, &[][..])),
+            (SSD_DAMAGED_BLOCKS, (MetricKind::Counter, &["damage"][..])),
+            (SSD_HIT_BLOCKS, (MetricKind::Counter, &["tier"][..])),
         ]
         .into_iter()
         .collect();

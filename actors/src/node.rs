@@ -438,6 +438,7 @@ impl Node {
                 .ok()
                 .and_then(|e| e.as_ref().and_then(std::sync::Weak::upgrade))
                 .map(|p| p.engine_gauges()),
+            ssd: self.ssd_stats().await?,
         };
         Ok(crate::metrics::render(&stats, &self.inner.counters, extra))
     }
