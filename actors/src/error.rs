@@ -55,8 +55,12 @@ pub enum NodeError {
         #[source]
         source: DeviceError,
     },
-    #[error("peer {peer}: {reason}")]
-    Remote { peer: String, reason: String },
+    #[error("peer {peer}: {source}")]
+    Remote {
+        peer: String,
+        #[source]
+        source: crate::remote::RemoteError,
+    },
     #[error("the node is shutting down ({what})")]
     Stopped { what: &'static str },
 }
@@ -65,6 +69,14 @@ impl NodeError {
     pub(crate) fn bad(reason: impl Into<String>) -> Self {
         NodeError::BadRequest {
             reason: reason.into(),
+        }
+    }
+
+    /// A remote failure with `peer`.
+    pub fn remote(peer: impl Into<String>, source: crate::remote::RemoteError) -> Self {
+        NodeError::Remote {
+            peer: peer.into(),
+            source,
         }
     }
 }

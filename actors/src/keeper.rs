@@ -307,9 +307,8 @@ impl Handler<Load> for LeaseKeeper {
         let route = match (&self.routing, share.direct) {
             (Some(r), true) if !share.remote.is_empty() => Some(
                 route_reads(r, share, handle.shape.rank_bytes(), handle.device.ordinal()).map_err(
-                    |reason| NodeError::Remote {
-                        peer: "verbs".into(),
-                        reason,
+                    |reason| {
+                        NodeError::remote("verbs", crate::remote::RemoteError::no_path(reason))
                     },
                 )?,
             ),

@@ -734,10 +734,10 @@ mod tests {
             .finish();
         let c = Counters::default();
         tracing::subscriber::with_default(subscriber, || {
-            let gone = crate::error::NodeError::Remote {
-                peer: "b".into(),
-                reason: "gone".into(),
-            };
+            let gone = crate::error::NodeError::remote(
+                "b",
+                crate::remote::RemoteError::lost("a read", "gone"),
+            );
             for _ in 0..5 {
                 c.log_failure("test-staged", &gone);
             }

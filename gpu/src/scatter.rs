@@ -138,7 +138,7 @@ mod tests {
 
     #[test]
     fn layer_major_order_puts_every_block_of_a_layer_before_the_next_layer() {
-        let (shape, layout) = split(4, 8, 32);
+        let (shape, layout) = split(4, 8, 64);
         let sc = Scatter::new(&shape, &layout, 0);
         let pairs = [(0x1000, 2), (0x9000, 7), (0x5000, 0)];
         let mut l = CopyList::default();

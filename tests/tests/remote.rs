@@ -242,8 +242,10 @@ fn owner_killed_after_pinning_fails_a_tcp_load_hard() {
                 })
                 .await
                 .unwrap_err();
+            // Typed: the link to the dead owner failed (rebuilt on its next use), not a
+            // refusal and not a local resource.
             assert!(
-                matches!(err, NodeError::Remote { ref peer, .. } if peer == "c"),
+                matches!(err, NodeError::Remote { ref peer, ref source } if peer == "c" && source.is_link_failure()),
                 "{err}"
             );
             // A hard error, never a fallback; nothing written outside the destinations.
@@ -315,7 +317,12 @@ fn transport_fault_matrix_end_to_end() {
                     })
                     .await;
                 match (fails, r) {
-                    (true, Err(NodeError::Remote { peer, .. })) => assert_eq!(peer, "a", "{name}"),
+                    (true, Err(NodeError::Remote { peer, source })) => {
+                        assert_eq!(peer, "a", "{name}");
+                        // Every injected fault is the link's: the caller rebuilds it.
+                        assert!(source.is_link_failure(), "{name}: {source}");
+                        assert_eq!(source.kind(), "remote", "{name}");
+                    }
                     (false, Ok(_)) => {
                         kv[0].verify(&expected(), 0).unwrap();
                     }

@@ -15,6 +15,7 @@ use kvferry_transport::tcp::TcpOwner;
 use kvferry_transport::{Access, HostRegion, MrHandle, MrTable, NicConfig, NodeId, ProviderKind};
 
 use super::directory::{Directory, EmbeddedDirectory};
+use super::error::RemoteError;
 use super::link::{Control, MappedLink, MappedView, PeerLink};
 use super::tcp::{TcpEndpoints, TcpLink};
 use crate::error::NodeError;
@@ -108,30 +109,43 @@ impl DataSide {
         let table = MrTable::new();
         let mr = table
             .register_host(Arc::clone(&memory), Access::REMOTE_READ)
-            .map_err(|e| remote(node, e.to_string()))?;
+            .map_err(|e| remote(node, RemoteError::local("registering the pool", e)))?;
         let shm = match provider {
             Provider::Shm => {
-                std::fs::create_dir_all(dir)
-                    .map_err(|e| remote(node, format!("creating {}: {e}", dir.display())))?;
+                std::fs::create_dir_all(dir).map_err(|e| {
+                    remote(
+                        node,
+                        RemoteError::local(format!("creating {}", dir.display()), e),
+                    )
+                })?;
                 let path = dir.join(format!("{node}.sock"));
                 let _ = std::fs::remove_file(&path);
-                let listener = UnixListener::bind(&path)
-                    .map_err(|e| remote(node, format!("binding {}: {e}", path.display())))?;
+                let listener = UnixListener::bind(&path).map_err(|e| {
+                    remote(
+                        node,
+                        RemoteError::local(format!("binding {}", path.display()), e),
+                    )
+                })?;
                 // Only this user may connect and receive the pool's descriptor.
                 use std::os::unix::fs::PermissionsExt;
                 let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600));
-                let owner = ShmOwner::spawn(listener, transport_id(node), table.clone())
-                    .map_err(|e| remote(node, e.to_string()))?;
+                let owner =
+                    ShmOwner::spawn(listener, transport_id(node), table.clone()).map_err(|e| {
+                        remote(node, RemoteError::local("serving the pool over shm", e))
+                    })?;
                 Some((path, owner))
             }
             _ => None,
         };
         let tcp = match provider {
             Provider::Tcp => {
-                let listener = std::net::TcpListener::bind(tcp_listen)
-                    .map_err(|e| remote(node, format!("binding {tcp_listen}: {e}")))?;
-                let owner = TcpOwner::spawn(listener, transport_id(node), table.clone())
-                    .map_err(|e| remote(node, e.to_string()))?;
+                let listener = std::net::TcpListener::bind(tcp_listen).map_err(|e| {
+                    remote(node, RemoteError::local(format!("binding {tcp_listen}"), e))
+                })?;
+                let owner =
+                    TcpOwner::spawn(listener, transport_id(node), table.clone()).map_err(|e| {
+                        remote(node, RemoteError::local("serving the pool over tcp", e))
+                    })?;
                 let addr = owner.local_addr();
                 let nic_cfg = NicConfig {
                     name: format!("{node}-tcp0"),
@@ -143,11 +157,11 @@ impl DataSide {
                     ..NicConfig::default()
                 };
                 let max_sge = nic_cfg.max_sge as usize;
-                let nic =
-                    NicRuntime::start(vec![nic_cfg]).map_err(|e| remote(node, e.to_string()))?;
+                let nic = NicRuntime::start(vec![nic_cfg])
+                    .map_err(|e| remote(node, RemoteError::local("starting the tcp nic", e)))?;
                 let pool_mr = nic.tables[0]
                     .register_host(Arc::clone(&memory), Access::LOCAL_WRITE)
-                    .map_err(|e| remote(node, e.to_string()))?;
+                    .map_err(|e| remote(node, RemoteError::local("registering the pool", e)))?;
                 Some(TcpSide {
                     owner: Some(owner),
                     addr,
@@ -215,11 +229,8 @@ impl std::fmt::Debug for LocalCluster {
     }
 }
 
-fn remote(peer: &str, reason: impl Into<String>) -> NodeError {
-    NodeError::Remote {
-        peer: peer.to_owned(),
-        reason: reason.into(),
-    }
+fn remote(peer: &str, e: RemoteError) -> NodeError {
+    NodeError::remote(peer, e)
 }
 
 impl LocalCluster {
@@ -303,13 +314,18 @@ impl LocalCluster {
                 .map_err(|_| NodeError::Stopped { what: "cluster" })?;
             let m = members
                 .get(to)
-                .ok_or_else(|| remote(to, "not a member of this cluster"))?;
+                .ok_or_else(|| remote(to, RemoteError::no_path("not a member of this cluster")))?;
             match (&self.provider, &m.side.shm, &m.side.tcp) {
                 (Provider::Tcp, _, Some(t)) => {
                     let me = members
                         .get(from)
                         .and_then(|f| f.side.tcp.as_ref())
-                        .ok_or_else(|| remote(to, format!("{from} has no tcp endpoint")))?;
+                        .ok_or_else(|| {
+                            remote(
+                                to,
+                                RemoteError::no_path(format!("{from} has no tcp endpoint")),
+                            )
+                        })?;
                     Arc::new(TcpLink::new(
                         to.to_owned(),
                         TcpEndpoints {
@@ -336,12 +352,14 @@ impl LocalCluster {
                 (Provider::Shm, Some((path, _)), _) => {
                     let mapping = ShmConnector::new(transport_id(from), transport_id(to), path)
                         .map_exports()
-                        .map_err(|e| remote(to, e.to_string()))?;
+                        .map_err(|e| {
+                            remote(to, RemoteError::connect("mapping the owner's pool", e))
+                        })?;
                     let r = mapping
                         .regions()
                         .into_iter()
                         .find(|r| r.remote_addr == m.side.memory.addr())
-                        .ok_or_else(|| remote(to, "owner exports no pool"))?;
+                        .ok_or_else(|| remote(to, RemoteError::refused("owner exports no pool")))?;
                     let view = MappedView {
                         holder: Arc::new(Mutex::new(mapping)),
                         remote_base: r.remote_addr,
@@ -369,7 +387,12 @@ impl LocalCluster {
                         view,
                     ))
                 }
-                _ => return Err(remote(to, "no server for this provider")),
+                _ => {
+                    return Err(remote(
+                        to,
+                        RemoteError::no_path("no server for this provider"),
+                    ))
+                }
             }
         };
         if let Ok(mut l) = self.links.lock() {

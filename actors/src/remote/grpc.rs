@@ -12,6 +12,7 @@ use kvferry_transport::{HostRegion, MrKey};
 
 use super::cluster::{transport_id, DataSide, Provider};
 use super::directory::Directory;
+use super::error::RemoteError;
 use super::link::{BoxFut, Control, MappedLink, MappedView, PeerLink};
 use super::tcp::{TcpEndpoints, TcpLink};
 use super::Peers;
@@ -69,11 +70,8 @@ const LINK_FAILURE_LOG_PERIOD: std::time::Duration = std::time::Duration::from_s
 static LINK_FAILURES: crate::log_limit::LogLimit =
     crate::log_limit::LogLimit::new(LINK_FAILURE_LOG_PERIOD);
 
-fn remote(peer: &str, reason: impl Into<String>) -> NodeError {
-    NodeError::Remote {
-        peer: peer.to_owned(),
-        reason: reason.into(),
-    }
+fn remote(peer: &str, e: RemoteError) -> NodeError {
+    NodeError::remote(peer, e)
 }
 
 impl GrpcPeers {
@@ -144,10 +142,10 @@ impl GrpcPeers {
         let addr = self
             .peers
             .get(to)
-            .ok_or_else(|| remote(to, "not in this node's peer list"))?;
+            .ok_or_else(|| remote(to, RemoteError::no_path("not in this node's peer list")))?;
         let client = PeerClient::connect(addr.clone(), self.token.clone())
             .await
-            .map_err(|e| remote(to, e.to_string()))?;
+            .map_err(|e| remote(to, RemoteError::connect("the Peer service", e)))?;
         if let Ok(mut c) = self.clients.lock() {
             c.insert(to.to_owned(), client.clone());
         }
@@ -157,7 +155,12 @@ impl GrpcPeers {
                 .lock()
                 .map_err(|_| NodeError::Stopped { what: "peers" })?
                 .clone()
-                .ok_or_else(|| remote(to, "this node has no usable RDMA nic to read with"))?;
+                .ok_or_else(|| {
+                    remote(
+                        to,
+                        RemoteError::no_path("this node has no usable RDMA nic to read with"),
+                    )
+                })?;
             let control = Control::Grpc {
                 client: client.clone(),
                 runtime: tokio::runtime::Handle::current(),
@@ -173,11 +176,11 @@ impl GrpcPeers {
         let hs = client
             .handshake(from, self.provider)
             .await
-            .map_err(|e| remote(to, e.to_string()))?;
+            .map_err(|e| remote(to, RemoteError::connect("the handshake", e)))?;
         let region = hs
             .regions
             .first()
-            .ok_or_else(|| remote(to, "owner exports no pool"))?
+            .ok_or_else(|| remote(to, RemoteError::refused("owner exports no pool")))?
             .clone();
         let control = Control::Grpc {
             client,
@@ -187,12 +190,17 @@ impl GrpcPeers {
             Provider::Shm => {
                 let mapping = ShmConnector::new(transport_id(from), transport_id(to), &hs.endpoint)
                     .map_exports()
-                    .map_err(|e| remote(to, e.to_string()))?;
+                    .map_err(|e| remote(to, RemoteError::connect("mapping the owner's pool", e)))?;
                 let r = mapping
                     .regions()
                     .into_iter()
                     .find(|r| r.remote_addr == region.addr)
-                    .ok_or_else(|| remote(to, "the shm socket exports another pool"))?;
+                    .ok_or_else(|| {
+                        remote(
+                            to,
+                            RemoteError::refused("the shm socket exports another pool"),
+                        )
+                    })?;
                 let view = MappedView {
                     holder: Arc::new(Mutex::new(mapping)),
                     remote_base: r.remote_addr,
@@ -206,14 +214,15 @@ impl GrpcPeers {
                     .side
                     .lock()
                     .map_err(|_| NodeError::Stopped { what: "peers" })?;
-                let tcp = side
-                    .as_ref()
-                    .and_then(|s| s.tcp.as_ref())
-                    .ok_or_else(|| remote(to, "this node has no tcp data side"))?;
-                let addr = hs
-                    .endpoint
-                    .parse()
-                    .map_err(|_| remote(to, format!("bad tcp endpoint {:?}", hs.endpoint)))?;
+                let tcp = side.as_ref().and_then(|s| s.tcp.as_ref()).ok_or_else(|| {
+                    remote(to, RemoteError::no_path("this node has no tcp data side"))
+                })?;
+                let addr = hs.endpoint.parse().map_err(|_| {
+                    remote(
+                        to,
+                        RemoteError::refused(format!("bad tcp endpoint {:?}", hs.endpoint)),
+                    )
+                })?;
                 Arc::new(TcpLink::new(
                     to.to_owned(),
                     TcpEndpoints {
@@ -232,8 +241,18 @@ impl GrpcPeers {
                     },
                 ))
             }
-            Provider::Loopback => return Err(remote(to, "loopback does not cross processes")),
-            Provider::Verbs => return Err(remote(to, "verbs links are made above")),
+            Provider::Loopback => {
+                return Err(remote(
+                    to,
+                    RemoteError::no_path("loopback does not cross processes"),
+                ))
+            }
+            Provider::Verbs => {
+                return Err(remote(
+                    to,
+                    RemoteError::no_path("verbs links are made above"),
+                ))
+            }
         };
         if let Ok(mut l) = self.links.lock() {
             l.insert(to.to_owned(), Arc::clone(&link));

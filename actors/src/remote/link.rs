@@ -13,6 +13,7 @@ use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, CopyOp, Device, HostRegist
 
 use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
+use crate::remote::RemoteError;
 use crate::store::{BlockStore, PinForPeer, UnpinForPeer};
 
 /// The futures links and directories return (object-safe traits); the name stays for the
@@ -114,9 +115,14 @@ impl Control {
                         hashes,
                     })
                     .await
-                    .map_err(|_| NodeError::Remote {
-                        peer,
-                        reason: "owner unreachable".into(),
+                    .map_err(|_| {
+                        NodeError::remote(
+                            peer,
+                            RemoteError::Connect {
+                                what: "the owner's block store is gone".into(),
+                                source: None,
+                            },
+                        )
                     })
             }),
             Control::Grpc { client, .. } => Box::pin(async move {
@@ -124,10 +130,7 @@ impl Control {
                     .pin_blocks(&ns, &hashes)
                     .await
                     .map(|p| p.to_remote())
-                    .map_err(|e| NodeError::Remote {
-                        peer,
-                        reason: e.to_string(),
-                    })
+                    .map_err(|e| NodeError::remote(peer, RemoteError::lost("a pin", e)))
             }),
         }
     }
@@ -182,10 +185,10 @@ impl MappedView {
         let off = addr.checked_sub(self.remote_base);
         match off {
             Some(o) if o.checked_add(len).is_some_and(|e| e <= self.len) => Ok(self.local_base + o),
-            _ => Err(NodeError::Remote {
-                peer: String::new(),
-                reason: format!("range {addr:#x}+{len} is outside the owner's pool"),
-            }),
+            _ => Err(NodeError::remote(
+                String::new(),
+                RemoteError::refused(format!("range {addr:#x}+{len} is outside the owner's pool")),
+            )),
         }
     }
 }
@@ -231,10 +234,7 @@ impl MappedLink {
 
     fn remote_err(&self, e: NodeError) -> NodeError {
         match e {
-            NodeError::Remote { reason, .. } => NodeError::Remote {
-                peer: self.node_id.clone(),
-                reason,
-            },
+            NodeError::Remote { source, .. } => NodeError::remote(self.node_id.clone(), source),
             other => other,
         }
     }

@@ -6,6 +6,7 @@ pub mod breaker;
 pub mod cluster;
 pub mod directory;
 pub mod endpoint;
+pub mod error;
 pub mod grpc;
 pub mod link;
 pub mod pins;
@@ -20,6 +21,7 @@ pub use directory::{
     Directory, DirectoryHealth, DirectoryStats, EmbeddedDirectory, Segment, StaticDirectory,
 };
 pub use endpoint::{EndpointError, VerbsPeerEndpoint, VerbsResponder};
+pub use error::RemoteError;
 pub use grpc::{GrpcPeers, GrpcPeersConfig};
 pub use link::{PeerLink, PinnedRemote, RemoteBlock, RemotePin};
 

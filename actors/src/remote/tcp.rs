@@ -21,6 +21,7 @@ use kvferry_transport::{
 use tokio::sync::oneshot;
 
 use super::bounce::{BounceSink, RingPool};
+use super::error::RemoteError;
 use super::link::{BoxFut, Control, Keep, PeerLink, PinnedRemote, ReadStats};
 use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
@@ -97,11 +98,8 @@ impl TcpLink {
         }
     }
 
-    fn err(&self, reason: impl Into<String>) -> NodeError {
-        NodeError::Remote {
-            peer: self.node_id.clone(),
-            reason: reason.into(),
-        }
+    fn err(&self, e: RemoteError) -> NodeError {
+        NodeError::remote(self.node_id.clone(), e)
     }
 
     fn wr(&self) -> u64 {
@@ -126,10 +124,8 @@ impl TcpLink {
         let faults = self.faults.clone();
         let given = self.connector.clone();
         Box::pin(async move {
-            let err = |reason: String| NodeError::Remote {
-                peer: name.clone(),
-                reason,
-            };
+            let err = |e: RemoteError| NodeError::remote(name.clone(), e);
+            let stopped = || NodeError::Stopped { what: "nic worker" };
             if !connected.load(Ordering::Acquire) {
                 let base: Arc<dyn Connector> = match given {
                     Some(c) => c,
@@ -151,8 +147,8 @@ impl TcpLink {
                         qps: None,
                     })
                     .await
-                    .map_err(|_| err("nic worker stopped".into()))?
-                    .map_err(|e| err(e.to_string()))?;
+                    .map_err(|_| stopped())?
+                    .map_err(|e| err(RemoteError::connect("the data connection", e)))?;
                 connected.store(true, Ordering::Release);
             }
             let t = std::time::Instant::now();
@@ -164,31 +160,34 @@ impl TcpLink {
                     reply: tx,
                 })
                 .await
-                .map_err(|_| err("nic worker stopped".into()))?;
+                .map_err(|_| stopped())?;
             let post = t.elapsed().as_secs_f64();
             let t = std::time::Instant::now();
-            let done = rx
-                .await
-                .map_err(|_| err("nic worker dropped the batch".into()));
+            let done = rx.await.map_err(|_| stopped());
             // Received device bytes may still be on their way from the bounce ring: they
             // land before the destinations are let go, whatever became of the reads.
             let drained = match drain {
                 Some(sink) => tokio::task::spawn_blocking(move || sink.drain())
                     .await
-                    .map_err(|_| err("waiting for the bounce ring's copies failed".into()))?
-                    .map_err(|e| err(format!("copying received bytes to the device: {e}"))),
+                    .map_err(|_| stopped())?
+                    .map_err(|e| {
+                        err(RemoteError::local(
+                            "copying received bytes to the device",
+                            e,
+                        ))
+                    }),
                 None => Ok(()),
             };
             let wire = t.elapsed().as_secs_f64();
             drop(keep);
-            let wcs = done?.map_err(|e| err(e.to_string()))?;
+            let wcs = done?.map_err(|e| err(RemoteError::lost("a read", e)))?;
             drained?;
             let mut bytes = 0;
             for wc in &wcs {
                 if wc.status != CompletionStatus::Success {
-                    return Err(err(format!(
-                        "read {} completed with {}",
-                        wc.wr_id, wc.status
+                    return Err(err(RemoteError::lost(
+                        "a read",
+                        format!("read {} completed with {}", wc.wr_id, wc.status),
                     )));
                 }
                 bytes += wc.bytes;
@@ -262,7 +261,7 @@ impl PeerLink for TcpLink {
         let bounce = match BounceSink::new(Arc::clone(&device), Arc::clone(&self.rings)) {
             Ok(s) => Arc::new(s),
             Err(e) => {
-                let e = self.err(format!("pinning the bounce ring: {e}"));
+                let e = self.err(RemoteError::local("pinning the bounce ring", e));
                 return Box::pin(async move { Err(e) });
             }
         };
@@ -297,9 +296,9 @@ impl PeerLink for TcpLink {
                         }
                     }
                     Err(reason) => {
-                        let e = self.err(format!(
-                            "registering device memory on nic {}: {reason}",
-                            nic.name()
+                        let e = self.err(RemoteError::local(
+                            format!("registering device memory on nic {}", nic.name()),
+                            reason,
                         ));
                         return Box::pin(async move { Err(e) });
                     }
@@ -310,7 +309,7 @@ impl PeerLink for TcpLink {
             match self.table.register_device(*base, *len, Arc::clone(&sink)) {
                 Ok(h) => mrs.push(h),
                 Err(e) => {
-                    let e = self.err(format!("registering device memory: {e}"));
+                    let e = self.err(RemoteError::local("registering device memory", e));
                     return Box::pin(async move { Err(e) });
                 }
             }
@@ -325,10 +324,13 @@ impl PeerLink for TcpLink {
         let mut reads: Vec<ReadRequest> = Vec::new();
         for op in list.ops() {
             let Some(key) = lkey(op.dst, op.len) else {
-                let e = self.err(format!(
-                    "destination {:#x}+{} is not in a registered plane",
-                    op.dst, op.len
-                ));
+                let e = self.err(RemoteError::Local {
+                    what: format!(
+                        "destination {:#x}+{} is not in a registered plane",
+                        op.dst, op.len
+                    ),
+                    source: None,
+                });
                 return Box::pin(async move { Err(e) });
             };
             let piece = LocalSegment {

@@ -292,10 +292,10 @@ impl VerbsLink {
     /// `links[i]` reads through NIC `nics[i]`; at least one.
     pub fn new(node_id: String, nics: Vec<String>, links: Vec<TcpLink>) -> Result<Self, NodeError> {
         if links.is_empty() || links.len() != nics.len() {
-            return Err(NodeError::Remote {
-                peer: node_id,
-                reason: "a verbs link needs one RC link per nic".into(),
-            });
+            return Err(NodeError::remote(
+                node_id,
+                super::RemoteError::no_path("a verbs link needs one RC link per nic"),
+            ));
         }
         Ok(VerbsLink {
             node_id,
@@ -330,9 +330,14 @@ pub fn connect_link(
         });
         let connector = Arc::clone(&n.nic)
             .connector(peer, exchange)
-            .ok_or_else(|| NodeError::Remote {
-                peer: to.to_string(),
-                reason: format!("nic {} has no verbs provider behind it", n.name),
+            .ok_or_else(|| {
+                NodeError::remote(
+                    to.to_string(),
+                    super::RemoteError::no_path(format!(
+                        "nic {} has no verbs provider behind it",
+                        n.name
+                    )),
+                )
             })?;
         links.push(TcpLink::new(
             to.to_string(),

@@ -287,6 +287,10 @@ pub(crate) fn status(method: &str, e: NodeError) -> Status {
         }
         NodeError::Cache(_) => Status::invalid_argument(msg),
         NodeError::Device(DeviceError::Unsupported { .. }) => Status::failed_precondition(msg),
+        // A link that failed may work again; a refusal or a missing data path will not.
+        NodeError::Remote { source, .. } if !source.is_link_failure() => {
+            Status::failed_precondition(msg)
+        }
         NodeError::Remote { .. } | NodeError::Stopped { .. } => Status::unavailable(msg),
         _ => Status::internal(msg),
     }
@@ -296,7 +300,7 @@ pub(crate) fn status(method: &str, e: NodeError) -> Status {
 pub(crate) fn error_kind(e: &NodeError) -> &'static str {
     match e {
         NodeError::Transfer { .. } => "transfer",
-        NodeError::Remote { .. } => "remote",
+        NodeError::Remote { source, .. } => source.kind(),
         NodeError::Stopped { .. } => "stopped",
         NodeError::Device(_) => "device",
         NodeError::Lease(_) => "lease",
