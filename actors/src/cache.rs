@@ -411,6 +411,14 @@ impl BlockCache {
         }
     }
 
+    /// Every sealed block with its slot and TP size (a stopping store writes them to SSD).
+    pub fn sealed_blocks(&self) -> impl Iterator<Item = (&BlockKey, usize, u32)> + '_ {
+        self.map
+            .iter()
+            .filter(|(_, e)| e.sealed())
+            .map(|(k, e)| (k, e.slot, e.tp))
+    }
+
     /// Whether a block is currently held (sealed or not).
     pub fn contains(&self, ns: &Namespace, hash: BlockHash) -> bool {
         self.map.contains_key(&Self::key(ns, hash))

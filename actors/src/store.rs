@@ -121,6 +121,40 @@ impl Actor for BlockStore {
     }
 }
 
+impl Drop for BlockStore {
+    /// A stopping node keeps what RAM holds: every sealed block not on SSD yet is queued
+    /// for writing, and the tier (dropped right after) finishes its queue before it goes.
+    /// Runs however the actor ends (a stopped System drops its actors).
+    fn drop(&mut self) {
+        let Some(ssd) = self.ssd.as_mut() else {
+            return;
+        };
+        let pool = self.cache.pool();
+        let mut queued = 0usize;
+        for (key, slot, tp) in self.cache.sealed_blocks() {
+            if ssd.contains(key) {
+                continue;
+            }
+            let len = self
+                .shapes
+                .get(&key.namespace)
+                .map_or(pool.slot_bytes(), |s| s.1);
+            if ssd
+                .write(key, tp, len, |dst| pool.read(slot, 0, dst))
+                .is_some()
+            {
+                queued += 1;
+            }
+        }
+        if queued > 0 {
+            tracing::info!(
+                blocks = queued,
+                "ssd: writing RAM's blocks before the node stops"
+            );
+        }
+    }
+}
+
 /// Pins on a prefix, released when the last holder (a lease, or a transfer using its share)
 /// drops it. Also keeps the pool memory mapped.
 pub struct PinGuard {
@@ -470,15 +504,12 @@ impl BlockStore {
                 hash: *hash,
                 armed: true,
             });
-            for layer in 0..shape.layers() {
-                for seg in 0..shape.segments() {
-                    list.push(
-                        h.layout.segment_addr(layer, seg, *src),
-                        slot.addr + shape.segment_offset(h.rank, layer, seg),
-                        shape.segment_bytes(),
-                    );
-                }
-            }
+            kvferry_gpu::Scatter::new(shape, &h.layout, h.rank).push_block(
+                &mut list,
+                kvferry_gpu::CopyDirection::DeviceToHost,
+                slot.addr,
+                *src,
+            );
         }
         Ok((guards, present, list))
     }
@@ -642,9 +673,8 @@ impl BlockStore {
     }
 
     fn learn_shape(&mut self, ns: &Namespace, tp: u32, block_bytes: u64) {
-        if !self.shapes.contains_key(ns) {
-            self.shapes.insert(ns.clone(), (tp, block_bytes));
-        }
+        // A namespace names its shape (the fingerprint has TP and sizes): the first wins.
+        self.shapes.entry(ns.clone()).or_insert((tp, block_bytes));
     }
 
     /// Finishes a queued SSD write when the disk is done with it.

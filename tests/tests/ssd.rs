@@ -138,6 +138,30 @@ fn restart_serves_what_was_written_through() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Without write-through, a stop writes what RAM holds: the restart finds all of it.
+#[test]
+fn a_stop_writes_ram_to_disk_and_the_restart_finds_it() {
+    let dir = fresh("/tmp", "stop");
+    rt().block_on(async {
+        let (node, dev) = start(ssd_config(8, &dir, 64, false));
+        let _kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 128).await;
+        // 0..4 evicted to disk while running, 4..12 in RAM at the stop.
+        put(&node, "eng", &shape(), 0, 0..12).await;
+        node.ssd_sync().await.unwrap();
+        assert_eq!(ssd(&node).await.blocks, 4);
+        node.shutdown();
+        drop(node);
+        let (node, dev) = start(ssd_config(8, &dir, 64, false));
+        assert_eq!(ssd(&node).await.recovered, 12);
+        let kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 128).await;
+        let q = query(&node, 4..10).await;
+        assert_eq!(q.local_blocks, 6);
+        load_and_verify(&node, &kv, &q, 4).await;
+        settled(&node).await;
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Write-behind: only what RAM evicts goes to disk; the prefix continues from RAM into SSD.
 #[test]
 fn evicted_blocks_come_back_from_ssd_after_the_ram_prefix() {
@@ -423,4 +447,67 @@ fn the_sample_config_has_an_ssd_section() {
         .replace("queue-depth", "queue-dept");
     let e = NodeConfig::from_toml(&text, "ssd.toml").unwrap_err();
     assert!(e.to_string().contains("queue-dept"), "{e}");
+}
+
+/// A warm restart publishes what the disk holds: a peer finds the blocks on the restarted
+/// owner and reads them.
+#[test]
+fn a_restarted_owner_publishes_its_disk_and_serves_peers() {
+    let dir = fresh("/tmp", "republish");
+    rt().block_on(async {
+        let cluster = LocalCluster::new(Provider::Loopback);
+        let start_in = |cfg: NodeConfig| {
+            let dev: Arc<dyn Device> = HostDevice::new(0);
+            let node = Node::start_in(
+                cfg,
+                vec![Arc::clone(&dev)],
+                Clock::system(),
+                Some(Arc::clone(&cluster)),
+            )
+            .unwrap();
+            (node, dev)
+        };
+        let owner_cfg = || {
+            let mut c = ssd_config(8, &dir, 64, true);
+            c.node_id = "a".into();
+            c
+        };
+        let (a, dev_a) = start_in(owner_cfg());
+        let _kv_a = register(&a, &dev_a, "eng", shape(), 0, KvKind::Split, 16, 128).await;
+        put(&a, "eng", &shape(), 0, 0..6).await;
+        a.ssd_sync().await.unwrap();
+        a.shutdown();
+        drop(a);
+
+        let mut cfg_b = config(SLOT, 32);
+        cfg_b.node_id = "b".into();
+        let (b, dev_b) = start_in(cfg_b);
+        let kv_b = register(&b, &dev_b, "eng", shape(), 0, KvKind::Split, 16, 128).await;
+        assert_eq!(query(&b, 0..6).await.hit_blocks(), 0, "A is gone");
+
+        let (a, _dev_a) = start_in(owner_cfg());
+        let mut q = query(&b, 0..6).await;
+        for _ in 0..200 {
+            if q.remote_blocks == 6 {
+                break;
+            }
+            // The directory takes A's announcement asynchronously.
+            if let Some(l) = q.lease {
+                b.release(l).await.unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            q = query(&b, 0..6).await;
+        }
+        assert_eq!((q.local_blocks, q.remote_blocks), (0, 6));
+        load_and_verify(&b, &kv_b, &q, 0).await;
+        settled(&b).await;
+        for _ in 0..200 {
+            if a.peer_pins().await.unwrap() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(a.peer_pins().await.unwrap(), 0);
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
 }
