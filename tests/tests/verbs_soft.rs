@@ -458,3 +458,60 @@ fn the_soft_verbs_sample_config_starts_a_serving_node() {
     assert!(nics.responder.is_some());
     node.shutdown();
 }
+
+const CHILD_ENV: &str = "KVFERRY_SOFT_VERBS_OWNER";
+
+/// The owner half of `two_processes_over_soft_verbs`: this binary re-executed.
+#[test]
+#[ignore = "runs only as the owner child process started by two_processes_over_soft_verbs"]
+fn child_soft_verbs_owner() {
+    if std::env::var(CHILD_ENV).is_err() {
+        return;
+    }
+    rt().block_on(async {
+        let owner = Owner::start("a", &["soft_mlx5_80"], VerbsSection::default(), 0..12).await;
+        println!("READY {}", owner.addr);
+        // Serves until the parent closes stdin, then checks its own gauges and stops.
+        tokio::task::spawn_blocking(|| {
+            let mut sink = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+        })
+        .await
+        .unwrap();
+        owner.settle().await;
+        owner.stop().await;
+        println!("OWNER DONE");
+    });
+}
+
+/// Two processes: the owner node in a child process, the requester here, each on its own
+/// software NIC. The requester's NIC reads the owner's pool out of the owner's memory (its
+/// memfd, mapped through the shared-memory fabric) after checking the owner's published QP
+/// and MR state; staged and direct loads byte for byte with canaries; both sides' gauges
+/// back to zero.
+#[test]
+fn two_processes_over_soft_verbs() {
+    let child = ChildTest::spawn("child_soft_verbs_owner", &[(CHILD_ENV, "1")]);
+    let addr: std::net::SocketAddr = child.wait_for("READY ").parse().unwrap();
+    let (node, dev) = requester(
+        "b",
+        &["soft_mlx5_81"],
+        VerbsSection::default(),
+        &[("a", addr)],
+    );
+    rt().block_on(async {
+        let kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 0).await;
+        let before = SoftOps::global().reads("soft_mlx5_81");
+        let d1 = [3, 1, 4, 15, 9, 2];
+        assert_eq!(load(&node, 0..6, false, &d1).await, "staged");
+        let d2 = [6, 5, 8, 7, 10, 11];
+        assert_eq!(load(&node, 6..12, true, &d2).await, "direct");
+        let mut both = expect(&d1, 0);
+        both.extend(expect(&d2, 6));
+        kv.verify(&both, 0).unwrap();
+        assert!(SoftOps::global().reads("soft_mlx5_81") > before);
+        settled(&node).await;
+    });
+    child.finish(Some("OWNER DONE"));
+    node.shutdown();
+}

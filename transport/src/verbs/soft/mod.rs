@@ -22,9 +22,12 @@
 //! Requests execute when the CQ they report to is polled, at most `max_rd_atomic` per QP per
 //! round; that is the device's progress engine (one poller thread per CQ in the provider).
 //! Bytes move between the requester's and the responder's registered memory; responders are
-//! found by (GID, QPN) in this process's fabric. Faults are injected per device name
+//! found by (GID, QPN): in this process, or in another one through the shared-memory fabric
+//! ([`fabric`]: each process publishes its QPs and remotely readable MRs, and a requester
+//! maps the owner's memfd read-only). Faults are injected per device name
 //! ([`SoftOps::inject`]): completion errors, a vanished peer, a port going down.
 
+mod fabric;
 pub mod profile;
 
 use std::collections::{HashMap, VecDeque};
@@ -123,6 +126,8 @@ struct Mr {
     host: u64,
     /// Keeps a DMA-BUF stand-in mapped while the MR lives.
     _map: Option<Mapping>,
+    /// Where other processes find the bytes (remotely readable memfd-backed MRs).
+    export: Option<fabric::Export>,
 }
 
 /// A DMA-BUF stand-in mapped into this process (a memfd or any mappable fd).
@@ -167,6 +172,25 @@ struct State {
     devices: HashMap<String, Device>,
     /// Reads executed, by device name (tests read it through [`SoftOps::reads`]).
     reads: HashMap<String, u64>,
+    /// Other processes' memory mapped here.
+    maps: fabric::Maps,
+}
+
+/// Where a read's bytes come from.
+enum Src {
+    /// No responder answers (gone, unconnected, port down).
+    None,
+    Local {
+        ctx: usize,
+        pd: usize,
+        access: u32,
+    },
+    Remote {
+        pid: u32,
+        pd: usize,
+        access: u32,
+        mrs: Vec<fabric::RemoteMr>,
+    },
 }
 
 /// The software device. One per process ([`SoftOps::global`]): every soft context of the
@@ -235,6 +259,7 @@ impl SoftOps {
             SoftFault::Stall => dev.stalled = true,
             SoftFault::Resume => dev.stalled = false,
         }
+        st.publish_name(name);
     }
 
     /// Clears every fault of `name` (port up, present, no pending completion errors).
@@ -249,6 +274,7 @@ impl SoftOps {
                 st.port_event(name, true);
             }
         }
+        st.publish_name(name);
     }
 
     /// Reads executed by the device `name` so far (successful or not).
@@ -274,6 +300,112 @@ impl SoftOps {
 }
 
 impl State {
+    /// Republishes every GID of the device `name` (after a port or presence change).
+    fn publish_name(&self, name: &str) {
+        let gids: Vec<Gid> = self
+            .objs
+            .values()
+            .filter_map(|o| match o {
+                Obj::Ctx(c) if c.name == name => Some(c.gid),
+                _ => None,
+            })
+            .collect();
+        for g in gids {
+            self.publish(g);
+        }
+        if let Some(p) = SoftProfile::for_name(name).map(|_| gid_of(name)) {
+            self.publish(p);
+        }
+    }
+
+    /// Republishes what other processes must check about `gid`: its ready QPs and its
+    /// exported MRs (nothing, once no context of it is open).
+    fn publish(&self, gid: Gid) {
+        let ctxs: Vec<(usize, &Ctx)> = self
+            .objs
+            .iter()
+            .filter_map(|(id, o)| match o {
+                Obj::Ctx(c) if c.gid == gid => Some((*id, c)),
+                _ => None,
+            })
+            .collect();
+        let Some((_, first)) = ctxs.first() else {
+            fabric::publish(&gid, None);
+            return;
+        };
+        let (up, vanished) = self.device(&first.name);
+        let mine = |ctx: usize| ctxs.iter().any(|(id, _)| *id == ctx);
+        let mut p = fabric::Published {
+            pid: std::process::id(),
+            up: up && !vanished,
+            ..fabric::Published::default()
+        };
+        for o in self.objs.values() {
+            match o {
+                Obj::Qp(q) if mine(q.ctx) => p.qps.push(fabric::RemoteQp {
+                    qpn: q.qpn,
+                    ready: matches!(
+                        q.state,
+                        VerbsQpState::ReadyToReceive | VerbsQpState::ReadyToSend
+                    ),
+                    access: q.access,
+                    dest_qpn: q.dest_qpn,
+                    dest_gid: q.dest_gid,
+                    depth: q.max_dest_rd_atomic,
+                    pd: q.pd,
+                }),
+                Obj::Mr(m) if mine(m.ctx) => {
+                    if let Some(export) = m.export {
+                        p.mrs.push(fabric::RemoteMr {
+                            key: m.key,
+                            pd: m.pd,
+                            addr: m.addr,
+                            len: m.len,
+                            access: m.access,
+                            export,
+                        });
+                    }
+                }
+                _ => {}
+            }
+        }
+        fabric::publish(&gid, Some(&p));
+    }
+
+    fn gid_of_ctx(&self, ctx: usize) -> Option<Gid> {
+        match self.objs.get(&ctx) {
+            Some(Obj::Ctx(c)) => Some(c.gid),
+            _ => None,
+        }
+    }
+
+    /// A responder in another process, through the fabric.
+    fn remote_responder(&self, gid: Gid, qpn: u32, from_gid: Gid, from_qpn: u32) -> (Src, usize) {
+        let Some(p) = fabric::lookup(&gid) else {
+            return (Src::None, 0);
+        };
+        if !p.up {
+            return (Src::None, 0);
+        }
+        let Some(q) = p
+            .qps
+            .iter()
+            .find(|q| q.qpn == qpn && q.ready && q.dest_qpn == from_qpn && q.dest_gid == from_gid)
+        else {
+            return (Src::None, 0);
+        };
+        let (pd, access, depth) = (q.pd, q.access, usize::from(q.depth));
+        (
+            Src::Remote {
+                pid: p.pid,
+                pd,
+                access,
+                mrs: p.mrs,
+            },
+            depth,
+        )
+    }
+
     fn insert(&mut self, o: Obj) -> Handle {
         self.next += 1;
         self.objs.insert(self.next, o);
@@ -473,15 +605,23 @@ impl State {
             return;
         }
         let (port_up, _) = self.device(&name);
-        let responder = if port_up {
+        let local = if port_up {
             self.responder(dest_gid, dest_qpn, gid, qpn)
         } else {
             None
         };
         // The responder sees the whole batch in flight at once.
-        let (r_ctx, r_pd, r_access, r_depth) = match responder.and_then(|r| self.objs.get(&r)) {
-            Some(Obj::Qp(r)) => (r.ctx, r.pd, r.access, usize::from(r.max_dest_rd_atomic)),
-            _ => (0, 0, 0, 0),
+        let (src, depth) = match local.and_then(|r| self.objs.get(&r)) {
+            Some(Obj::Qp(r)) => (
+                Src::Local {
+                    ctx: r.ctx,
+                    pd: r.pd,
+                    access: r.access,
+                },
+                usize::from(r.max_dest_rd_atomic),
+            ),
+            _ if port_up => self.remote_responder(dest_gid, dest_qpn, gid, qpn),
+            _ => (Src::None, 0),
         };
         for i in 0..batch {
             let Some(Obj::Qp(q)) = self.objs.get_mut(&id) else {
@@ -491,14 +631,7 @@ impl State {
                 return;
             };
             *self.reads.entry(name.clone()).or_default() += 1;
-            let status = self.execute(
-                &name,
-                (ctx, pd),
-                responder.map(|_| (r_ctx, r_pd, r_access)),
-                i >= r_depth,
-                max_msg,
-                &wr,
-            );
+            let status = self.execute(&name, (ctx, pd), &src, i >= depth, max_msg, &wr);
             let len: u64 = wr.sges.iter().map(|s| u64::from(s.len)).sum();
             self.push_cqe(
                 cq,
@@ -521,7 +654,7 @@ impl State {
         &mut self,
         name: &str,
         (ctx, pd): (usize, usize),
-        responder: Option<(usize, usize, u32)>,
+        src: &Src,
         over_depth: bool,
         max_msg: u64,
         wr: &ReadWr,
@@ -540,8 +673,9 @@ impl State {
                 return status;
             }
         }
-        let Some((r_ctx, r_pd, r_access)) = responder else {
-            return wc::RETRY_EXC_ERR;
+        let r_access = match src {
+            Src::None => return wc::RETRY_EXC_ERR,
+            Src::Local { access, .. } | Src::Remote { access, .. } => *access,
         };
         if over_depth {
             return wc::REM_INV_REQ_ERR;
@@ -553,11 +687,32 @@ impl State {
         if r_access & ACCESS_REMOTE_READ == 0 {
             return wc::REM_ACCESS_ERR;
         }
-        let Some(src) = self
-            .mr_covering(r_ctx, r_pd, wr.rkey, wr.remote_addr, len)
-            .filter(|m| m.access & ACCESS_REMOTE_READ != 0)
-            .map(|m| m.host + (wr.remote_addr - m.addr))
-        else {
+        let (addr, rkey) = (wr.remote_addr, wr.rkey);
+        let found = match src {
+            Src::None => None,
+            Src::Local { ctx, pd, .. } => self
+                .mr_covering(*ctx, *pd, rkey, addr, len)
+                .filter(|m| m.access & ACCESS_REMOTE_READ != 0)
+                .map(|m| m.host + (addr - m.addr)),
+            Src::Remote { pid, pd, mrs, .. } => mrs
+                .iter()
+                .find(|m| {
+                    m.key == rkey
+                        && m.pd == *pd
+                        && m.access & ACCESS_REMOTE_READ != 0
+                        && addr >= m.addr
+                        && addr
+                            .checked_add(len)
+                            .is_some_and(|e| e <= m.addr.saturating_add(m.len))
+                })
+                .and_then(|m| {
+                    let e = m.export;
+                    self.maps
+                        .get(*pid, &e)
+                        .and_then(|map| map.at(e.offset + (addr - m.addr), len))
+                }),
+        };
+        let Some(src) = found else {
             return wc::REM_ACCESS_ERR;
         };
         let mut dsts = Vec::with_capacity(wr.sges.len());
@@ -635,12 +790,14 @@ impl VerbsOps for SoftOps {
                 port_up: true,
                 ..Device::default()
             });
-        Ok(Some(st.insert(Obj::Ctx(Ctx {
+        let h = st.insert(Obj::Ctx(Ctx {
             name: name.to_string(),
             profile,
             gid: gid_of(name),
             events: VecDeque::new(),
-        }))))
+        }));
+        st.publish(gid_of(name));
+        Ok(Some(h))
     }
 
     fn close_device(&self, ctx: Handle) -> io::Result<()> {
@@ -656,7 +813,11 @@ impl VerbsOps for SoftOps {
         if used {
             return Err(errno(libc::EBUSY, "ibv_close_device: objects still alive"));
         }
+        let gid = st.gid_of_ctx(ctx.0);
         st.objs.remove(&ctx.0);
+        if let Some(g) = gid {
+            st.publish(g);
+        }
         Ok(())
     }
 
@@ -890,8 +1051,12 @@ impl VerbsOps for SoftOps {
                 ));
             }
         }
+        let gid = st.gid_of_ctx(ctx);
         if t.state == VerbsQpState::Error {
             st.fail_qp(qp.0);
+            if let Some(g) = gid {
+                st.publish(g);
+            }
             return Ok(());
         }
         let q = st.qp_mut(qp)?;
@@ -920,13 +1085,19 @@ impl VerbsOps for SoftOps {
             q.dest_gid = Gid::default();
         }
         q.state = t.state;
+        if let Some(g) = gid {
+            st.publish(g);
+        }
         Ok(())
     }
 
     fn destroy_qp(&self, qp: Handle) -> io::Result<()> {
         let mut st = self.lock();
-        st.qp_mut(qp)?;
+        let ctx = st.qp_mut(qp)?.ctx;
         st.objs.remove(&qp.0);
+        if let Some(g) = st.gid_of_ctx(ctx) {
+            st.publish(g);
+        }
         Ok(())
     }
 
@@ -974,7 +1145,14 @@ impl VerbsOps for SoftOps {
     fn dereg_mr(&self, mr: Handle) -> io::Result<()> {
         let mut st = self.lock();
         match st.objs.remove(&mr.0) {
-            Some(Obj::Mr(_)) => Ok(()),
+            Some(Obj::Mr(m)) => {
+                if m.export.is_some() {
+                    if let Some(g) = st.gid_of_ctx(m.ctx) {
+                        st.publish(g);
+                    }
+                }
+                Ok(())
+            }
             Some(other) => {
                 st.objs.insert(mr.0, other);
                 Err(einval("not a memory region"))
@@ -1091,6 +1269,10 @@ impl SoftOps {
         // Keys: an index in the high 24 bits and a varying low byte, as hardware keys look.
         st.next_key = st.next_key.wrapping_add(1);
         let key = (st.next_key << 8) | (st.next_key.wrapping_mul(37) & 0xff);
+        // Remotely readable host memory is offered to other processes where a memfd holds it.
+        let export = (access & ACCESS_REMOTE_READ != 0 && map.is_none())
+            .then(|| fabric::export_of(addr, len))
+            .flatten();
         let h = st.insert(Obj::Mr(Mr {
             ctx,
             pd: pd.0,
@@ -1100,7 +1282,13 @@ impl SoftOps {
             key,
             host,
             _map: map,
+            export,
         }));
+        if export.is_some() {
+            if let Some(g) = st.gid_of_ctx(ctx) {
+                st.publish(g);
+            }
+        }
         Ok((h, key, key))
     }
 }
