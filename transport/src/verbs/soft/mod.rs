@@ -23,7 +23,7 @@
 //! round; that is the device's progress engine (one poller thread per CQ in the provider).
 //! Bytes move between the requester's and the responder's registered memory; responders are
 //! found by (GID, QPN): in this process, or in another one through the shared-memory fabric
-//! ([`fabric`]: each process publishes its QPs and remotely readable MRs, and a requester
+//! (`fabric.rs`: each process publishes its QPs and remotely readable MRs, and a requester
 //! maps the owner's memfd read-only). Faults are injected per device name
 //! ([`SoftOps::inject`]): completion errors, a vanished peer, a port going down.
 
