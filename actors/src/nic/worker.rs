@@ -1,9 +1,9 @@
 //! `NicWorker`: one per NIC, on its own `Arbiter` of the node's actix `System`. A thin driver
 //! around [`PeerQueues`], which holds every QP to every peer and all of their bookkeeping:
 //! the worker feeds it requests, completion rounds from the NIC's [`CompletionPoller`] and the
-//! clock, sends the answers it produces, and runs the connects it asks for on tokio's
-//! blocking pool (a connect or handshake waits on the network; the worker's thread never
-//! does) and feeds each outcome back.
+//! clock, sends the answers it produces, and runs the connects it asks for on threads of
+//! their own (a connect or handshake waits on the network; the worker's thread never does,
+//! and neither does stopping it) and feeds each outcome back.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -73,11 +73,25 @@ impl NicWorker {
     fn drive(&mut self, ctx: &mut Context<Self>) {
         while let Some(job) = self.queues.poll_connect() {
             let key = job.key();
-            let connect = tokio::task::spawn_blocking(move || job.run());
-            ctx.spawn(wrap_future::<_, Self>(connect).map(move |done, w, ctx| {
+            // A thread per connect rather than tokio's blocking pool: a runtime waits for its
+            // blocking tasks when it shuts down, so a handshake hanging on a dead peer would
+            // hold up stopping the worker. Connects are rare (first use, rebuilds).
+            let (tx, rx) = oneshot::channel();
+            let spawned = std::thread::Builder::new()
+                .name(format!("kvf-connect-{}", key.qp.0))
+                .spawn(move || {
+                    let _ = tx.send(job.run());
+                });
+            if let Err(e) = spawned {
+                tracing::warn!(qp = %key, error = %e, "starting a connect thread failed");
+                self.queues.handle_connect_lost(key, Instant::now());
+                continue;
+            }
+            ctx.spawn(wrap_future::<_, Self>(rx).map(move |done, w, ctx| {
                 let now = Instant::now();
                 match done {
                     Ok(done) => w.queues.handle_connected(done, now),
+                    // The thread ended without an answer (it panicked): the QP went with it.
                     Err(_) => w.queues.handle_connect_lost(key, now),
                 }
                 w.drive(ctx);
@@ -280,6 +294,58 @@ mod tests {
             assert_eq!(keys.len(), 2);
             let g = worker.send(Gauges).await.unwrap();
             assert_eq!((g.ready, g.connecting), (2, 0), "{g:?}");
+        });
+    }
+
+    /// Stopping the NIC actors does not wait for handshakes hanging on a dead peer: the
+    /// pending connect is answered and the runtime is gone at once.
+    #[test]
+    fn stopping_does_not_wait_for_a_hanging_handshake() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let nics = NicRuntime::start(vec![NicConfig {
+                name: "lo0".into(),
+                provider: ProviderKind::Loopback,
+                ..NicConfig::default()
+            }])
+            .unwrap();
+            let worker = nics.workers[0].clone();
+            let (go, rx) = mpsc::channel();
+            let slow = Arc::new(Slow {
+                go: Mutex::new(rx),
+                inner: LoopbackConnector::new(NodeId(9), MrTable::new()),
+            });
+            let connect = tokio::spawn(worker.send(Connect {
+                peer: NodeId(9),
+                connector: slow,
+                qps: Some(1),
+            }));
+            for _ in 0..200 {
+                if worker.send(Gauges).await.unwrap().connecting == 1 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let t = Instant::now();
+            drop(nics);
+            let stopped = t.elapsed();
+            let answer = tokio::time::timeout(Duration::from_secs(5), connect)
+                .await
+                .expect("connect answered")
+                .unwrap();
+            assert!(
+                !matches!(answer, Ok(Ok(_))),
+                "connected after the stop: {answer:?}"
+            );
+            assert!(
+                stopped < Duration::from_secs(2),
+                "stopping waited {stopped:?} for the handshake"
+            );
+            // Let the connect thread end.
+            drop(go);
         });
     }
 }
