@@ -91,9 +91,24 @@ pub struct TransferReport {
     pub copies: usize,
     pub seconds: f64,
     pub stages: Vec<Stage>,
+    /// When the transfer's parts ran: `local` (the device batches) and `remote` (a load's
+    /// suffix), in seconds since the transfer started. They overlap: the parts run at once.
+    pub spans: Vec<Span>,
+}
+
+/// One part of a transfer on its timeline (seconds since the transfer started).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Span {
+    pub name: &'static str,
+    pub start: f64,
+    pub end: f64,
 }
 
 impl TransferReport {
+    pub fn span(&self, name: &str) -> Option<Span> {
+        self.spans.iter().find(|s| s.name == name).copied()
+    }
+
     pub fn stage(&self, name: &str) -> Option<f64> {
         self.stages
             .iter()

@@ -606,6 +606,7 @@ mod tests {
 
     fn report() -> TransferReport {
         TransferReport {
+            spans: Vec::new(),
             path: "direct",
             blocks: 2,
             bytes: 4096,

@@ -19,7 +19,7 @@ use actix::{Actor, ActorContext, ActorFuture, Addr, AsyncContext, Context};
 use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, CopyStats, Device, DeviceError};
 use tokio::sync::oneshot;
 
-use crate::api::{LoadObserver, Stage, TransferReport};
+use crate::api::{LoadObserver, Span, Stage, TransferReport};
 use crate::error::NodeError;
 use crate::keeper::LeasePlan;
 use crate::metrics::InFlight;
@@ -75,6 +75,8 @@ pub struct Transfer {
     layers: u32,
     landed: u32,
     observer: Option<Arc<dyn LoadObserver>>,
+    /// The parts' timeline, in seconds since `started`.
+    spans: Vec<Span>,
 }
 
 /// Everything a save (or put) transfer needs, built by whoever accepted the request.
@@ -130,6 +132,7 @@ impl Transfer {
             layers: 0,
             landed: 0,
             observer: None,
+            spans: Vec::new(),
         }
     }
 
@@ -183,6 +186,19 @@ impl Transfer {
             layers: plan.layers,
             landed: 0,
             observer,
+            spans: Vec::new(),
+        }
+    }
+
+    /// Seconds since the transfer started.
+    fn now(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    fn end_span(&mut self, name: &'static str) {
+        let end = self.now();
+        if let Some(s) = self.spans.iter_mut().find(|s| s.name == name) {
+            s.end = end;
         }
     }
 
@@ -234,6 +250,7 @@ impl Transfer {
                 .submitted
                 .map(|t| t.elapsed().as_secs_f64())
                 .unwrap_or(0.0);
+            self.end_span("local");
         } else {
             ctx.spawn(
                 AwaitFront.map(|(layers, r), act: &mut Self, ctx| act.batch_done(layers, r, ctx)),
@@ -247,6 +264,7 @@ impl Transfer {
 
     fn remote_done(&mut self, r: Result<(u64, Vec<Stage>), NodeError>, ctx: &mut Context<Self>) {
         self.remote = Remote::Done(r);
+        self.end_span("remote");
         self.report_layers();
         self.maybe_finish(ctx);
     }
@@ -298,6 +316,7 @@ impl Transfer {
                 copies: self.local.ops,
                 seconds: self.started.elapsed().as_secs_f64(),
                 stages: std::mem::take(&mut self.stages),
+                spans: std::mem::take(&mut self.spans),
             })
         };
         self.reply_with(out, ctx);
@@ -361,11 +380,23 @@ impl Actor for Transfer {
         // The remote part first: its reads start while the local batches are submitted.
         if let Some(then) = self.then.take() {
             self.remote = Remote::Running;
+            let start = self.now();
+            self.spans.push(Span {
+                name: "remote",
+                start,
+                end: start,
+            });
             ctx.spawn(
                 actix::fut::wrap_future(then).map(|r, act: &mut Self, ctx| act.remote_done(r, ctx)),
             );
         }
         self.submitted = Some(Instant::now());
+        let start = self.now();
+        self.spans.push(Span {
+            name: "local",
+            start,
+            end: start,
+        });
         while let Some((layers, list)) = self.batches.pop_front() {
             if list.is_empty() {
                 self.landed = self.landed.max(layers);
@@ -386,6 +417,7 @@ impl Actor for Transfer {
         }
         if self.pending.is_empty() {
             self.local_seconds = 0.0;
+            self.end_span("local");
             self.report_layers();
             self.maybe_finish(ctx);
         } else {

@@ -150,6 +150,15 @@ fn run_worked_example(provider: Provider) {
             for name in want {
                 assert!(r.stage(name).is_some(), "stage {name} missing: {r:?}");
             }
+            // The local prefix and the remote suffix ran at once (their destinations are
+            // disjoint): the suffix started before the prefix's copies ended, and the other
+            // way round; prefix order is the plan's order, not a reason to serialise.
+            let (local, remote) = (r.span("local").unwrap(), r.span("remote").unwrap());
+            assert!(
+                remote.start < local.end && local.start < remote.end,
+                "{provider:?} direct={direct}: parts did not overlap: {:?}",
+                r.spans
+            );
             kv[0]
                 .verify(&expected(), 0)
                 .unwrap_or_else(|e| panic!("{provider:?} direct={direct}: {e}"));
