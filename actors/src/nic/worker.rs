@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use actix::fut::wrap_future;
 use actix::{
-    Actor, ActorFutureExt, AsyncContext, Context, Handler, Message, MessageResult, ResponseFuture,
-    StreamHandler,
+    Actor, ActorContext, ActorFutureExt, AsyncContext, Context, Handler, Message, MessageResult,
+    ResponseFuture, StreamHandler,
 };
 use kvferry_transport::{
     CompletionQueue, Connector, MrTable, NicConfig, NicId, NodeId, QpKey, ReadRequest,
@@ -145,8 +145,11 @@ impl StreamHandler<Vec<WorkCompletion>> for NicWorker {
         self.drive(ctx);
     }
 
-    fn finished(&mut self, _: &mut Context<Self>) {
-        // The poller ended (only at shutdown): keep running; `stopped` answers what is left.
+    fn finished(&mut self, ctx: &mut Context<Self>) {
+        // The poller ends only once the worker drops it; ending earlier, no completion would
+        // ever arrive again and every drain would hang: stop, answering everything `Stopped`.
+        tracing::error!(nic = %self.queues.config().name, "completion poller ended: stopping the NIC worker");
+        ctx.stop();
     }
 }
 
