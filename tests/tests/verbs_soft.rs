@@ -58,6 +58,17 @@ impl Owner {
         verbs: VerbsSection,
         ids: std::ops::Range<u64>,
     ) -> Self {
+        Self::start_serving(id, nics, verbs, ids, |_, b| b).await
+    }
+
+    /// As [`Owner::start`], the Peer service's backend passed through `serve` first.
+    async fn start_serving(
+        id: &str,
+        nics: &[&str],
+        verbs: VerbsSection,
+        ids: std::ops::Range<u64>,
+        serve: impl FnOnce(&Node, rpc::PeerBackend) -> rpc::PeerBackend,
+    ) -> Self {
         let s = shape();
         let dev: Arc<dyn Device> = kvferry_gpu::HostDevice::new(0);
         let node = Node::start_with(
@@ -81,7 +92,7 @@ impl Owner {
         let (stop, stopped) = oneshot::channel::<()>();
         let server = tokio::spawn(rpc::serve(
             listener,
-            node.peer_backend(),
+            serve(&node, node.peer_backend()),
             TOKEN.into(),
             async move {
                 let _ = stopped.await;
@@ -514,4 +525,109 @@ fn two_processes_over_soft_verbs() {
     });
     child.finish(Some("OWNER DONE"));
     node.shutdown();
+}
+
+/// An owner whose Handshake answers contradict the port it announced in Hello (a deeper read
+/// depth, another MTU): the requester refuses the answer naming the field, brings no QP out of
+/// reset and posts nothing; its load fails typed and its gauges return to zero.
+#[test]
+fn answers_contradicting_the_announced_port_are_refused_before_posting() {
+    use kvferry_actors::remote::{VerbsPeerEndpoint, VerbsResponder};
+
+    #[derive(Debug)]
+    struct Tamper {
+        inner: Arc<dyn VerbsResponder>,
+        edit: fn(&mut VerbsPeerEndpoint),
+    }
+
+    impl VerbsResponder for Tamper {
+        fn ports(&self) -> Vec<VerbsPeerEndpoint> {
+            self.inner.ports()
+        }
+
+        fn accept(
+            &self,
+            peer: &str,
+            request: &[VerbsPeerEndpoint],
+        ) -> Result<Vec<VerbsPeerEndpoint>, String> {
+            let mut a = self.inner.accept(peer, request)?;
+            for e in &mut a {
+                (self.edit)(e);
+            }
+            Ok(a)
+        }
+    }
+
+    type Edit = fn(&mut VerbsPeerEndpoint);
+    let cases: [(Edit, &str, &str); 2] = [
+        (
+            |e| e.responder_depth = 64,
+            "responder depth 64",
+            "soft_mlx5_82",
+        ),
+        (
+            |e| e.mtu = kvferry_transport::verbs::gid::Mtu::M256,
+            "mtu 256",
+            "soft_mlx5_84",
+        ),
+    ];
+    for (edit, says, owner_nic) in cases {
+        rt().block_on(async {
+            // The owner's own responder, its answers tampered with.
+            let owner =
+                Owner::start_serving("a", &[owner_nic], VerbsSection::default(), 0..6, |n, b| {
+                    let inner: Arc<dyn VerbsResponder> =
+                        n.nics().unwrap().responder.clone().unwrap();
+                    b.with_verbs(Arc::new(Tamper { inner, edit }))
+                })
+                .await;
+            let (node, dev) = requester(
+                "b",
+                &["soft_mlx5_83"],
+                VerbsSection::default(),
+                &[("a", owner.addr)],
+            );
+            let _kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 0).await;
+            let before = SoftOps::global().reads("soft_mlx5_83");
+            let q = node
+                .query(QueryRequest {
+                    instance: id("eng"),
+                    hashes: hashes(0..6),
+                    direct_gpu: false,
+                })
+                .await
+                .unwrap();
+            assert_eq!(q.remote_blocks, 6, "{q:?}");
+            let e = node
+                .load(LoadRequest {
+                    lease: q.lease.unwrap(),
+                    instance: id("eng"),
+                    rank: 0,
+                    dest_blocks: vec![0, 1, 2, 3, 4, 5],
+                })
+                .await
+                .expect_err("the contradicting answer is refused");
+            // The reason travels in the error's sources.
+            let mut text = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(x) = src {
+                text.push_str(": ");
+                text.push_str(&x.to_string());
+                src = x.source();
+            }
+            assert!(
+                text.contains(says) && text.contains("contradicts"),
+                "{says}: {text}"
+            );
+            assert_eq!(
+                SoftOps::global().reads("soft_mlx5_83"),
+                before,
+                "nothing posted"
+            );
+            settled(&node).await;
+            owner.settle().await;
+            node.shutdown();
+            owner.stop().await;
+        });
+    }
 }
