@@ -1,5 +1,5 @@
-//! The SSD tier's counters and gauges, and their families on the node's recorder
-//! (`kvferry_ssd_*`, through the `metrics` facade like the rest of the node's).
+//! The SSD tier's counters and gauges. The node's scrape records an [`SsdStats`] snapshot
+//! as the `kvferry_ssd_*` families (`crate::metrics`).
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
@@ -94,128 +94,24 @@ impl SsdStats {
     }
 }
 
-// Family names (`kvferry_ssd_*`); hits by tier are the node's query family.
-pub const SSD_BLOCKS: &str = "kvferry_ssd_blocks";
-pub const SSD_CAPACITY: &str = "kvferry_ssd_capacity_blocks";
-pub const SSD_EVICTIONS: &str = "kvferry_ssd_evictions_total";
-pub const SSD_WRITES: &str = "kvferry_ssd_writes_total";
-pub const SSD_WRITE_BYTES: &str = "kvferry_ssd_write_bytes_total";
-pub const SSD_WRITE_ERRORS: &str = "kvferry_ssd_write_errors_total";
-pub const SSD_DISK_FULL: &str = "kvferry_ssd_disk_full_total";
-pub const SSD_WRITES_SKIPPED: &str = "kvferry_ssd_writes_skipped_total";
-pub const SSD_READS: &str = "kvferry_ssd_reads_total";
-pub const SSD_READ_BYTES: &str = "kvferry_ssd_read_bytes_total";
-pub const SSD_READ_ERRORS: &str = "kvferry_ssd_read_errors_total";
-pub const SSD_DAMAGED: &str = "kvferry_ssd_damaged_blocks_total";
-pub const SSD_PROMOTE_NO_ROOM: &str = "kvferry_ssd_promote_no_room_total";
-/// Local-prefix blocks by tier, label `tier` = `ram` | `ssd` (the store's part of the
-/// query's hits by tier; `remote` and `miss` are the keeper's).
-pub const HIT_BLOCKS: &str = "kvferry_hit_blocks_total";
-
-const COUNTERS: [(&str, &str); 11] = [
-    (SSD_EVICTIONS, "Blocks evicted from SSD by capacity."),
-    (SSD_WRITES, "Blocks written to SSD."),
-    (
-        SSD_WRITE_BYTES,
-        "Bytes written to SSD (block slots, headers included).",
-    ),
-    (
-        SSD_WRITE_ERRORS,
-        "SSD block writes that failed (disk full included); the block stays in RAM only.",
-    ),
-    (SSD_DISK_FULL, "SSD block writes refused for lack of space."),
-    (
-        SSD_WRITES_SKIPPED,
-        "Blocks evicted from RAM unwritten: every SSD slot was busy.",
-    ),
-    (SSD_READS, "Blocks read from SSD into RAM."),
-    (SSD_READ_BYTES, "Block bytes read from SSD."),
-    (
-        SSD_READ_ERRORS,
-        "SSD block reads that failed with an I/O error (a miss).",
-    ),
-    (
-        SSD_PROMOTE_NO_ROOM,
-        "SSD hits cut short: no RAM slot to promote into.",
-    ),
-    (
-        SSD_DAMAGED,
-        "Blocks read from SSD that were torn or corrupt, by damage (a miss, never served).",
-    ),
-];
-
-/// Describes the tier's families on the current recorder (once per recorder).
-pub fn describe() {
-    use ::metrics::{describe_counter, describe_gauge};
-    describe_gauge!(SSD_BLOCKS, "Blocks held on SSD.");
-    describe_gauge!(SSD_CAPACITY, "Block slots the SSD directories can use.");
-    for (name, help) in COUNTERS {
-        describe_counter!(name, help);
-    }
-    describe_counter!(
-        HIT_BLOCKS,
-        "Blocks of local prefixes by tier (ram, ssd); remote and miss come from the query."
-    );
-}
-
-/// Records a snapshot on the current recorder (at scrape time: totals go in with
-/// `absolute`, so they never go back).
-pub fn record(s: &SsdStats) {
-    use ::metrics::{counter, gauge};
-    gauge!(SSD_BLOCKS).set(s.blocks as f64);
-    gauge!(SSD_CAPACITY).set(s.capacity_blocks as f64);
-    for (name, v) in [
-        (SSD_EVICTIONS, s.evictions),
-        (SSD_WRITES, s.writes),
-        (SSD_WRITE_BYTES, s.write_bytes),
-        (SSD_WRITE_ERRORS, s.write_errors),
-        (SSD_DISK_FULL, s.disk_full),
-        (SSD_WRITES_SKIPPED, s.writes_skipped),
-        (SSD_READS, s.reads),
-        (SSD_READ_BYTES, s.read_bytes),
-        (SSD_READ_ERRORS, s.read_errors),
-        (SSD_PROMOTE_NO_ROOM, s.promote_no_room),
-    ] {
-        counter!(name).absolute(v);
-    }
-    for (damage, v) in ["header", "key", "checksum"].into_iter().zip(s.damaged) {
-        counter!(SSD_DAMAGED, "damage" => damage).absolute(v);
-    }
-    counter!(HIT_BLOCKS, "tier" => "ram").absolute(s.hits_ram);
-    counter!(HIT_BLOCKS, "tier" => "ssd").absolute(s.hits_ssd);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn records_every_family_on_a_prometheus_recorder() {
+    fn a_snapshot_reads_every_counter() {
         let m = SsdMetrics::default();
         m.damaged(Damage::Checksum);
+        m.damaged(Damage::Header);
         m.hits_ssd.fetch_add(3, Relaxed);
+        m.disk_full.fetch_add(1, Relaxed);
         let mut s = SsdStats {
             blocks: 5,
             ..Default::default()
         };
         s.fill(&m);
-        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
-        let handle = recorder.handle();
-        ::metrics::with_local_recorder(&recorder, || {
-            describe();
-            record(&s);
-        });
-        let o = handle.render();
-        assert!(o.contains("kvferry_ssd_blocks 5\n"), "{o}");
-        assert!(
-            o.contains("kvferry_ssd_damaged_blocks_total{damage=\"checksum\"} 1\n"),
-            "{o}"
-        );
-        assert!(
-            o.contains("kvferry_hit_blocks_total{tier=\"ssd\"} 3\n"),
-            "{o}"
-        );
-        assert!(o.contains("# HELP kvferry_ssd_writes_total"), "{o}");
-        assert_eq!(s.damaged_total(), 1);
+        assert_eq!(s.damaged, [1, 0, 1]);
+        assert_eq!(s.damaged_total(), 2);
+        assert_eq!((s.hits_ssd, s.disk_full, s.blocks), (3, 1, 5));
     }
 }
