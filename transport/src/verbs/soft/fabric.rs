@@ -224,6 +224,10 @@ fn sweep(d: &std::path::Path) {
         return;
     };
     for e in entries.flatten() {
+        // Files being written (`.<gid>.<pid>`) are another process's, mid-rename.
+        if e.file_name().to_string_lossy().starts_with('.') {
+            continue;
+        }
         let path = e.path();
         let dead = std::fs::read_to_string(&path)
             .ok()
