@@ -426,7 +426,7 @@ fn fault_matrix_over_soft_verbs() {
             ops.heal(dev_name);
             // Direct loads are not cached: the same blocks load again once healed.
             let mut ok = None;
-            for _ in 0..50 {
+            for _ in 0..250 {
                 match try_load(&node, base..base + 6, true, &dest).await {
                     Ok(p) => {
                         ok = Some(p);
