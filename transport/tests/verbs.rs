@@ -631,4 +631,44 @@ mod nic {
         assert_eq!(ops.live(rname).0, 0, "no QP left on the requester");
         assert_eq!(&d.region.to_vec()[..4096], &p.bytes[..4096]);
     }
+
+    /// A read naming memory outside every region the owner advertised is refused before
+    /// anything is posted (one READ names one advertised rkey): nothing lands anywhere.
+    #[test]
+    fn reads_outside_the_advertised_regions_are_refused_before_posting() {
+        let owner = open(
+            "soft_mlx5_30",
+            nic_cfg("soft_mlx5_30"),
+            VerbsConfig::default(),
+            4,
+        );
+        let req = open(
+            "soft_mlx5_31",
+            nic_cfg("soft_mlx5_31"),
+            VerbsConfig::default(),
+            4,
+        );
+        let p = pool(&owner, 64 << 10);
+        let d = dst(&req, 64 << 10);
+        let mut drv = Driver::new(&req, &p, &d, 1);
+        let before = SoftOps::global().reads("soft_mlx5_31");
+        let past_end = p.region.addr() + (64 << 10) - 100;
+        let r = drv
+            .qp
+            .post(&[read(&d, 1, past_end, &[(0, 200)])], Instant::now());
+        let reported = if r.is_ok() { drv.run(1) } else { Vec::new() };
+        assert!(
+            r.is_err() || reported.first().is_some_and(|w| !w.status.is_success()),
+            "{r:?} {reported:?}"
+        );
+        assert_eq!(
+            SoftOps::global().reads("soft_mlx5_31"),
+            before,
+            "nothing posted"
+        );
+        assert!(
+            d.region.to_vec().iter().all(|&b| b == 0xee),
+            "nothing written"
+        );
+    }
 }
