@@ -219,13 +219,16 @@ fn a_corrupted_byte_is_a_miss_never_wrong_bytes() {
         assert_eq!(s.blocks, 3, "the damaged block left the tier");
         load_and_verify(&node, &kv, &q, 0).await;
         // Block 3 is intact on disk and still served after block 2 is put again.
-        let _ = node.stats().await.unwrap();
         put(&node, "eng", &shape(), 0, 2..3).await;
         let q = query(&node, 0..4).await;
         assert_eq!(q.local_blocks, 4);
         load_and_verify(&node, &kv, &q, 0).await;
         let m = node.metrics_text().await.unwrap();
-        let _ = m; // rendering of kvferry_ssd_* is the metrics helper's (see the notes)
+        assert!(
+            m.contains("kvferry_ssd_damaged_blocks_total{damage=\"checksum\"} 1\n"),
+            "{m}"
+        );
+        assert!(m.contains("kvferry_ssd_blocks 4\n"), "{m}");
         settled(&node).await;
     });
     std::fs::remove_dir_all(&dir).unwrap();
