@@ -762,15 +762,15 @@ impl SeenLayers {
 #[test]
 fn a_load_reports_its_layers_in_order_as_they_land() {
     rt().block_on(async {
-        // 4 layers of K/V 64 KiB segments over 64 blocks: 8 MiB per layer, so the plan
+        // 4 layers of K/V 64 KiB segments over 256 blocks: 32 MiB per layer, so the plan
         // submits (and reports) a batch per layer.
         let shape = KvShape::new(4, 1, 2, 64 << 10).unwrap();
-        let (node, dev) = node(shape.block_bytes(), 80, Clock::system());
-        let kv = register(&node, &dev, "layers", shape, 0, KvKind::Split, 70, 0).await;
-        put(&node, "layers", &shape, 0, 0..64).await;
-        let q = query(&node, "layers", 64).await;
-        assert_eq!(q.local_blocks, 64);
-        let dest: Vec<u32> = (0..64).map(|i| 69 - i).collect();
+        let (node, dev) = node(shape.block_bytes(), 260, Clock::system());
+        let kv = register(&node, &dev, "layers", shape, 0, KvKind::Split, 260, 0).await;
+        put(&node, "layers", &shape, 0, 0..256).await;
+        let q = query(&node, "layers", 256).await;
+        assert_eq!(q.local_blocks, 256);
+        let dest: Vec<u32> = (0..256).map(|i| 259 - i).collect();
         let seen = std::sync::Arc::new(SeenLayers::default());
         let rx = node
             .start_load_observed(
