@@ -79,6 +79,15 @@ impl SsdTier {
             })?;
             let path = dir.path.join(format::FILE_NAME);
             let (file, direct) = open_file(&path, cfg.direct_io)?;
+            // One node per directory: a second one (a restart racing the old process, or
+            // two configs naming one disk) would overwrite the first's slots under it.
+            // The lock goes with the file, when the I/O thread ends or the process dies.
+            rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+                .map_err(|e| SsdError::Open {
+                    path: path.clone(),
+                    op: "locking the block file (another node uses this directory)",
+                    source: e.into(),
+                })?;
             let n = format::slots_for(dir.capacity.0, stride);
             let (mut io, uring) = DirIo::new(path.clone(), file, direct.is_ok(), cfg.queue_depth);
             let mode = IoMode { direct, uring };
@@ -676,6 +685,21 @@ mod tests {
         });
         std::fs::remove_dir_all(&a).unwrap();
         std::fs::remove_dir_all(&b).unwrap();
+    }
+
+    #[test]
+    fn a_directory_serves_one_node_at_a_time() {
+        let dir = fresh("/tmp", "lock");
+        let t = SsdTier::open(&cfg(&[&dir], 2), SLOT).unwrap();
+        let e = SsdTier::open(&cfg(&[&dir], 2), SLOT).unwrap_err();
+        assert!(e.to_string().contains(&dir.display().to_string()), "{e}");
+        assert!(
+            matches!(&e, SsdError::Open { op, .. } if op.contains("another node")),
+            "{e:?}"
+        );
+        drop(t);
+        SsdTier::open(&cfg(&[&dir], 2), SLOT).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
