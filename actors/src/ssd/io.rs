@@ -754,14 +754,29 @@ mod tests {
     }
 
     /// A block read queued behind a write of its slot sees the written bytes, on every
-    /// round, at any queue depth.
+    /// round, on io_uring.
     #[test]
     fn block_reads_wait_behind_a_write_of_their_slot() {
+        reads_after_writes(true);
+    }
+
+    /// The same without io_uring: the pread/pwrite fallback (what a kernel or seccomp
+    /// profile without io_uring gets).
+    #[test]
+    fn the_pread_pwrite_fallback_reads_and_writes_the_same() {
+        reads_after_writes(false);
+    }
+
+    fn reads_after_writes(uring: bool) {
         use crate::model::{BlockHash, Namespace};
-        let path = std::env::temp_dir().join(format!("kvferry-order-{}", std::process::id()));
+        let path =
+            std::env::temp_dir().join(format!("kvferry-order-{uring}-{}", std::process::id()));
         let (file, direct) = open_file(&path, true).unwrap();
         file.set_len(1 << 20).unwrap();
-        let (io, _) = DirIo::new(path.clone(), file, direct.is_ok(), 8);
+        let (mut io, _) = DirIo::new(path.clone(), file, direct.is_ok(), 8);
+        if !uring {
+            io.ring = None;
+        }
         let (tx, rx) = mpsc::channel();
         let t = std::thread::spawn(move || io.run(rx));
         let rt = tokio::runtime::Builder::new_current_thread()
