@@ -53,6 +53,8 @@ pub fn slot_offset(slot: u64, stride: u64) -> u64 {
 pub struct FileHeader {
     pub stride: u64,
     pub slots: u64,
+    /// Slots `[0, used)` may hold blocks; a restart scans no further.
+    pub used: u64,
 }
 
 impl FileHeader {
@@ -62,21 +64,23 @@ impl FileHeader {
         out[8..12].copy_from_slice(&VERSION.to_le_bytes());
         out[16..24].copy_from_slice(&self.stride.to_le_bytes());
         out[24..32].copy_from_slice(&self.slots.to_le_bytes());
-        let sum = xxh3_64(&out[..32]);
-        out[32..40].copy_from_slice(&sum.to_le_bytes());
+        out[32..40].copy_from_slice(&self.used.to_le_bytes());
+        let sum = xxh3_64(&out[..40]);
+        out[40..48].copy_from_slice(&sum.to_le_bytes());
     }
 
     /// None for anything that is not a valid header of this version.
     pub fn decode(b: &[u8]) -> Option<Self> {
-        if b.len() < 40 || &b[..8] != FILE_MAGIC || u32_at(b, 8) != VERSION {
+        if b.len() < 48 || &b[..8] != FILE_MAGIC || u32_at(b, 8) != VERSION {
             return None;
         }
-        if u64_at(b, 32) != xxh3_64(&b[..32]) {
+        if u64_at(b, 40) != xxh3_64(&b[..40]) {
             return None;
         }
         Some(Self {
             stride: u64_at(b, 16),
             slots: u64_at(b, 24),
+            used: u64_at(b, 32),
         })
     }
 }
@@ -255,6 +259,7 @@ mod tests {
         let f = FileHeader {
             stride: slot_stride(1 << 20),
             slots: 9,
+            used: 4,
         };
         assert_eq!(f.stride, (1 << 20) + 4096);
         assert_eq!(slot_stride(100), 8192, "bytes pad to 4 KiB");

@@ -28,11 +28,29 @@ pub struct Entry {
     writing: bool,
 }
 
+/// One directory's slots: `[0, fresh)` have been used (and are held or in `free`),
+/// `[fresh, slots)` never were. Memory is proportional to what was used, not to the
+/// configured capacity.
 #[derive(Debug)]
 struct Dir {
     free: Vec<u64>,
+    fresh: u64,
+    slots: u64,
     /// The disk said ENOSPC: no more slots of this file are taken, only reused.
     full: bool,
+}
+
+impl Dir {
+    fn take(&mut self) -> Option<u64> {
+        if let Some(s) = self.free.pop() {
+            return Some(s);
+        }
+        if self.full || self.fresh >= self.slots {
+            return None;
+        }
+        self.fresh += 1;
+        Some(self.fresh - 1)
+    }
 }
 
 /// A write the tier should issue.
@@ -74,8 +92,9 @@ impl SsdIndex {
             dirs: slots
                 .iter()
                 .map(|&n| Dir {
-                    // Popped from the end: slot 0 first, so a small set stays at the file's start.
-                    free: (0..n).rev().collect(),
+                    free: Vec::new(),
+                    fresh: 0,
+                    slots: n,
                     full: false,
                 })
                 .collect(),
@@ -115,8 +134,18 @@ impl SsdIndex {
             taken.insert(loc);
         }
         for (d, dir) in idx.dirs.iter_mut().enumerate() {
-            dir.free
-                .retain(|&s| !taken.contains(&Loc { dir: d, slot: s }));
+            let used = taken
+                .iter()
+                .filter(|l| l.dir == d)
+                .map(|l| l.slot + 1)
+                .max()
+                .unwrap_or(0);
+            dir.fresh = used;
+            // Popped from the end: low slots first, so the used part of the file stays small.
+            dir.free = (0..used)
+                .rev()
+                .filter(|&s| !taken.contains(&Loc { dir: d, slot: s }))
+                .collect();
         }
         idx
     }
@@ -148,8 +177,19 @@ impl SsdIndex {
 
     /// Slots that hold or may hold blocks now (a full directory counts only what it uses).
     pub fn capacity(&self) -> usize {
-        let free: usize = self.dirs.iter().map(|d| d.free.len()).sum();
-        self.map.len() + free + self.free_when_idle.len()
+        let free: u64 = self
+            .dirs
+            .iter()
+            .map(|d| d.free.len() as u64 + if d.full { 0 } else { d.slots - d.fresh })
+            .sum();
+        (self.map.len() as u64 + free + self.free_when_idle.len() as u64)
+            .try_into()
+            .unwrap_or(usize::MAX)
+    }
+
+    /// Slots of directory `dir` ever used: a restart scans no further.
+    pub fn high_water(&self, dir: usize) -> u64 {
+        self.dirs.get(dir).map_or(0, |d| d.fresh)
     }
 
     /// Takes a slot for `key`: a free one (directories in turn), else the least recently
@@ -162,7 +202,7 @@ impl SsdIndex {
         let mut loc = None;
         for i in 0..n {
             let d = (self.next_dir + i) % n;
-            if let Some(slot) = self.dirs[d].free.pop() {
+            if let Some(slot) = self.dirs[d].take() {
                 loc = Some(Loc { dir: d, slot });
                 self.next_dir = (d + 1) % n;
                 break;
