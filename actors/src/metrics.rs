@@ -754,7 +754,10 @@ mod tests {
             lines[0].contains("kind=\"Remote\"") || lines[0].contains("kind=Remote"),
             "{text}"
         );
-        assert!(lines[0].contains("peer b: the link broke during a read"), "{text}");
+        assert!(
+            lines[0].contains("peer b: the link broke during a read"),
+            "{text}"
+        );
         assert!(lines[1].contains("Stopped"), "{text}");
     }
 
