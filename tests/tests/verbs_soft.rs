@@ -321,6 +321,18 @@ fn three_nodes_over_soft_verbs() {
         settled(&node).await;
         a.settle().await;
         c.settle().await;
+        // The NIC worker admits reads against the CQ the device really made (defect 3): the
+        // small profile's 4096 entries, not the 64 windows of max-send-wr it was asked for.
+        let g = c.node.nics().unwrap().runtime.workers[0]
+            .send(kvferry_actors::nic::Gauges)
+            .await
+            .unwrap();
+        assert_eq!(g.cq_depth, 4096, "{g:?}");
+        let g = node.nics().unwrap().runtime.workers[0]
+            .send(kvferry_actors::nic::Gauges)
+            .await
+            .unwrap();
+        assert!(g.cq_depth > 4096, "the mlx5 profile's CQ is larger: {g:?}");
         node.shutdown();
         a.stop().await;
         c.stop().await;

@@ -180,7 +180,7 @@ impl PreparedRuntime {
             registry,
         } = self;
         if System::try_current().is_some() {
-            let started = start_actors(nics, tables.clone(), registry)?;
+            let started = start_actors(nics, tables.clone(), &rdma, registry)?;
             return Ok(NicRuntime {
                 registry: started.registry,
                 workers: started.workers,
@@ -192,13 +192,14 @@ impl PreparedRuntime {
             });
         }
         let tables_for_system = tables.clone();
+        let rdma_for_system = rdma.clone();
         let (tx, rx) = mpsc::channel::<Result<(Started, System), RuntimeError>>();
         let thread = std::thread::Builder::new()
             .name("kvf-nic-system".into())
             .spawn(move || {
                 let sys = System::new();
                 sys.block_on(async move {
-                    let started = start_actors(nics, tables_for_system, registry)
+                    let started = start_actors(nics, tables_for_system, &rdma_for_system, registry)
                         .map(|s| (s, System::current()));
                     let _ = tx.send(started);
                 });
@@ -278,6 +279,7 @@ impl NicRuntime {
 fn start_actors(
     nics: Vec<NicConfig>,
     tables: Vec<MrTable>,
+    rdma: &[RdmaSlot],
     registry: Registry,
 ) -> Result<Started, RuntimeError> {
     let mut workers = Vec::with_capacity(nics.len());
@@ -285,7 +287,7 @@ fn start_actors(
     for (i, (cfg, table)) in nics.into_iter().zip(tables).enumerate() {
         let nic = NicId(u16::try_from(i).unwrap_or(u16::MAX));
         let name = cfg.name.clone();
-        let cq_depth = cq_depth(&cfg);
+        let cq_depth = cq_depth(&cfg, rdma.get(i).unwrap_or(&RdmaSlot::None));
         let worker = match NicWorker::new(nic, cfg, table, cq_depth) {
             Ok(w) => w,
             Err(source) => {
@@ -364,11 +366,18 @@ impl std::fmt::Debug for NodeNics {
 /// QPs each verbs NIC's completion queue is sized for (times its `max-send-wr`).
 const CQ_QPS: u32 = 64;
 
-/// The entries of a NIC's completion queue: what `open_nic` creates a verbs CQ with, and the
-/// same for the other providers, whose queue is the worker's own. The worker admits reads so
-/// that the QPs never owe more completions than this.
-fn cq_depth(nic: &NicConfig) -> usize {
-    (nic.max_send_wr as usize).saturating_mul(CQ_QPS as usize)
+/// The entries of a NIC's completion queue: what a verbs NIC's CQ really has (the device
+/// clamps what `open_nic` asks for to its `max_cqe`), and `max-send-wr × 64` for the other
+/// providers, whose queue is the worker's own. The worker admits reads so that the QPs never
+/// owe more completions than this.
+fn cq_depth(nic: &NicConfig, rdma: &RdmaSlot) -> usize {
+    let asked = (nic.max_send_wr as usize).saturating_mul(CQ_QPS as usize);
+    match rdma {
+        RdmaSlot::Open(n) => n
+            .limits()
+            .map_or(asked, |l| asked.min(l.cq_entries as usize)),
+        _ => asked,
+    }
 }
 
 /// A node's NICs opened and its pool registered on them, the actors not started yet: what
