@@ -46,6 +46,9 @@ pub struct QueryResponse {
     pub lease: Option<LeaseId>,
     pub namespace: Namespace,
     pub local_blocks: usize,
+    /// How many of `local_blocks` (the last ones) came from this node's SSD tier; the others
+    /// were in RAM. RAM, SSD, remote and missed blocks sum to the queried hashes.
+    pub ssd_blocks: usize,
     pub remote_blocks: usize,
     pub direct: DirectGrant,
 }

@@ -147,6 +147,7 @@ impl Handler<Query> for LeaseKeeper {
         let (cluster, node_id) = (self.cluster.clone(), self.node_id.clone());
         let known = self.registry.instance(&q.instance);
         let hashes = q.hashes;
+        let queried = hashes.len();
         let lookup = async move {
             let (namespace, shape) = known?;
             let pinned = store
@@ -173,6 +174,7 @@ impl Handler<Query> for LeaseKeeper {
         Box::pin(wrap_future(lookup).map(move |r, act: &mut Self, _| {
             let (namespace, shape, pinned, remote, pin_seconds) = r?;
             let local_blocks = pinned.blocks.len();
+            let ssd_blocks = pinned.ssd_blocks.min(local_blocks);
             let remote_blocks: usize = remote.iter().map(|s| s.blocks.len()).sum();
             let direct = match (q.direct_gpu, &act.cluster, &act.direct_refusal) {
                 (false, _, _) => DirectGrant::NotRequested,
@@ -190,6 +192,12 @@ impl Handler<Query> for LeaseKeeper {
                 (_, 0) => "local",
                 _ => "remote",
             });
+            act.counters.query_blocks(
+                local_blocks - ssd_blocks,
+                ssd_blocks,
+                remote_blocks,
+                queried.saturating_sub(local_blocks + remote_blocks),
+            );
             let lease = (local_blocks + remote_blocks > 0).then(|| {
                 let plan = LeasePlan {
                     namespace: namespace.clone(),
@@ -206,6 +214,7 @@ impl Handler<Query> for LeaseKeeper {
                 lease,
                 namespace,
                 local_blocks,
+                ssd_blocks,
                 remote_blocks,
                 direct,
             })

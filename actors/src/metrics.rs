@@ -43,6 +43,7 @@ pub const PEER_PINS: &str = "kvferry_peer_pins";
 pub const LEASES_EXPIRED: &str = "kvferry_leases_expired_total";
 pub const EVICTIONS: &str = "kvferry_evictions_total";
 pub const QUERIES: &str = "kvferry_queries_total";
+pub const QUERY_BLOCKS: &str = "kvferry_query_blocks_total";
 pub const LOADS: &str = "kvferry_loads_total";
 pub const BYTES: &str = "kvferry_bytes_total";
 pub const STAGE_SECONDS: &str = "kvferry_stage_seconds";
@@ -144,6 +145,10 @@ pub fn describe() {
         (LEASES_EXPIRED, "Leases removed by expiry."),
         (EVICTIONS, "Blocks evicted from the host pool."),
         (QUERIES, "Queries by result (local, remote, miss)."),
+        (
+            QUERY_BLOCKS,
+            "Queried blocks by where they were found (ram, ssd, remote, miss); they sum to the hashes queried.",
+        ),
         (
             LOADS,
             "Transfers by path (local, direct, staged, save) and status.",
@@ -368,6 +373,12 @@ impl Counters {
     pub fn query(&self, result: &'static str) {
         self.registry.record(|| record_query(result));
     }
+
+    /// Records where a query's blocks were found: this node's RAM or SSD, a peer, nowhere.
+    pub fn query_blocks(&self, ram: usize, ssd: usize, remote: usize, miss: usize) {
+        self.registry
+            .record(|| record_query_blocks(ram, ssd, remote, miss));
+    }
 }
 
 /// Returns the stage samples recorded.
@@ -390,6 +401,17 @@ fn record_transfer(path: &'static str, out: Result<&TransferReport, ()>) -> usiz
 
 fn record_query(result: &'static str) {
     counter!(QUERIES, "result" => result).increment(1);
+}
+
+fn record_query_blocks(ram: usize, ssd: usize, remote: usize, miss: usize) {
+    for (tier, n) in [
+        ("ram", ram),
+        ("ssd", ssd),
+        ("remote", remote),
+        ("miss", miss),
+    ] {
+        counter!(QUERY_BLOCKS, "tier" => tier).increment(n as u64);
+    }
 }
 
 /// Counts one transfer in flight for as long as it lives.
@@ -929,6 +951,7 @@ mod tests {
             record_transfer("staged", Ok(&report()));
             record_transfer("staged", Err(()));
             record_query("miss");
+            record_query_blocks(3, 1, 0, 2);
             record_directory_call("write", 0.01);
             record_scrape(
                 &Stats {
@@ -988,6 +1011,7 @@ mod tests {
             (LEASES_EXPIRED, (MetricKind::Counter, &[][..])),
             (EVICTIONS, (MetricKind::Counter, &[][..])),
             (QUERIES, (MetricKind::Counter, &["result"][..])),
+            (QUERY_BLOCKS, (MetricKind::Counter, &["tier"][..])),
             (LOADS, (MetricKind::Counter, &["path", "status"][..])),
             (BYTES, (MetricKind::Counter, &["path"][..])),
             (

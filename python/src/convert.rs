@@ -182,6 +182,7 @@ pub fn query<'py>(py: Python<'py>, q: QueryAnswer) -> PyResult<Bound<'py, PyDict
     d.set_item("lease", q.lease.map(|l| l.to_hex()))?;
     d.set_item("namespace", q.namespace)?;
     d.set_item("local_blocks", q.local_blocks)?;
+    d.set_item("ssd_blocks", q.ssd_blocks)?;
     d.set_item("remote_blocks", q.remote_blocks)?;
     let (direct, reason) = match q.direct {
         DirectGrant::NotRequested => ("not_requested", None),

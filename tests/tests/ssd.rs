@@ -124,14 +124,22 @@ fn restart_serves_what_was_written_through() {
         let kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 128).await;
         let q = query(&node, 0..16).await;
         assert_eq!((q.local_blocks, q.remote_blocks), (12, 0));
+        // The answer says where they came from: all 12 from the SSD tier, 4 missed.
+        assert_eq!(q.ssd_blocks, 12);
         let s = ssd(&node).await;
         assert_eq!((s.hits_ram, s.hits_ssd, s.reads), (0, 12, 12));
         load_and_verify(&node, &kv, &q, 0).await;
         eprintln!("restart to bytes loaded: {:?}", t0.elapsed());
         // Promoted: the next query hits RAM.
         let q = query(&node, 0..12).await;
-        assert_eq!(q.local_blocks, 12);
+        assert_eq!((q.local_blocks, q.ssd_blocks), (12, 0));
         assert_eq!(ssd(&node).await.hits_ram, 12);
+        // By tier, over both queries: ram + ssd + remote + miss = 16 + 12 hashes.
+        let m = node.metrics_text().await.unwrap();
+        for (tier, n) in [("ram", 12), ("ssd", 12), ("remote", 0), ("miss", 4)] {
+            let line = format!("kvferry_query_blocks_total{{tier=\"{tier}\"}} {n}\n");
+            assert!(m.contains(&line), "{line} not in the scrape:\n{m}");
+        }
         node.release(q.lease.unwrap()).await.unwrap();
         settled(&node).await;
     });

@@ -91,6 +91,8 @@ pub struct QueryAnswer {
     pub lease: Option<LeaseId>,
     pub namespace: String,
     pub local_blocks: u32,
+    /// How many of `local_blocks` came from the node's SSD tier.
+    pub ssd_blocks: u32,
     pub remote_blocks: u32,
     pub direct: api::DirectGrant,
 }
@@ -460,10 +462,17 @@ impl EngineClient {
         if lease.is_none() && q.local_blocks + q.remote_blocks > 0 {
             return Err(malformed("blocks hit without a lease".into()));
         }
+        if q.ssd_blocks > q.local_blocks {
+            return Err(malformed(format!(
+                "{} SSD blocks of {} local ones",
+                q.ssd_blocks, q.local_blocks
+            )));
+        }
         Ok(QueryAnswer {
             lease,
             namespace: q.namespace,
             local_blocks: q.local_blocks,
+            ssd_blocks: q.ssd_blocks,
             remote_blocks: q.remote_blocks,
             direct,
         })

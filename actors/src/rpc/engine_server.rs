@@ -722,6 +722,7 @@ impl Engine for EngineService {
             remote_blocks: q.remote_blocks as u32,
             direct: direct as i32,
             direct_reason,
+            ssd_blocks: q.ssd_blocks as u32,
         }))
     }
 
