@@ -77,6 +77,9 @@ pub struct Transfer {
     observer: Option<Arc<dyn LoadObserver>>,
     /// The parts' timeline, in seconds since `started`.
     spans: Vec<Span>,
+    /// The load's (or save's) tracing span: what it logs carries its instance, rank, path
+    /// and blocks.
+    trace: tracing::Span,
 }
 
 /// Everything a save (or put) transfer needs, built by whoever accepted the request.
@@ -133,6 +136,7 @@ impl Transfer {
             landed: 0,
             observer: None,
             spans: Vec::new(),
+            trace: tracing::info_span!("transfer", path = spec.path, blocks = spec.blocks),
         }
     }
 
@@ -149,7 +153,16 @@ impl Transfer {
             started,
             in_flight,
         } = job;
+        let trace = tracing::info_span!(
+            "load",
+            instance = %handle.instance,
+            rank = handle.rank,
+            path = plan.path.as_str(),
+            blocks = plan.blocks,
+            remote_blocks = plan.remote_blocks(),
+        );
         let then = (!plan.remote.is_empty()).then(|| {
+            use tracing::Instrument;
             Suffix {
                 parts: plan.remote.clone(),
                 share: share.clone(),
@@ -158,7 +171,9 @@ impl Transfer {
                 route,
             }
             .run()
+            .instrument(trace.clone())
         });
+        let then: Option<Then> = then.map(|f| Box::pin(f) as Then);
         let batches = plan
             .local
             .into_iter()
@@ -187,6 +202,7 @@ impl Transfer {
             landed: 0,
             observer,
             spans: Vec::new(),
+            trace,
         }
     }
 
@@ -323,6 +339,11 @@ impl Transfer {
     }
 
     fn reply_with(&mut self, out: Result<TransferReport, NodeError>, ctx: &mut Context<Self>) {
+        let _in_span = self.trace.clone().entered();
+        match &out {
+            Ok(r) => tracing::debug!(bytes = r.bytes, seconds = r.seconds, "transfer done"),
+            Err(e) => tracing::debug!(error = %e, "transfer failed"),
+        }
         if let Some(f) = &self.in_flight {
             if self.dir == CopyDirection::HostToDevice {
                 f.0.load(out.is_ok(), out.as_ref().map(|r| r.bytes).unwrap_or(0));
