@@ -17,6 +17,7 @@ mod owner;
 mod pattern;
 mod stats;
 
+pub mod harness;
 pub mod transport_bench;
 
 pub use attached::{AttachError, Attached};

@@ -12,8 +12,8 @@ use kvferry_actors::remote::{
 use kvferry_actors::rpc;
 use kvferry_actors::{BlockHash, Clock, LoadRequest, Namespace, Node, QueryRequest};
 use kvferry_gpu::{Device, KvShape};
+use kvferry_testkit::harness::*;
 use kvferry_testkit::{DeviceKv, KvKind};
-use kvferry_tests::*;
 use kvferry_transport::verbs::work::wc;
 use kvferry_transport::verbs::{SoftFault, SoftOps};
 use tokio::sync::oneshot;
@@ -468,7 +468,7 @@ fn fault_matrix_over_soft_verbs() {
 /// the soft NIC (in 16 MiB MRs) and which grants direct loads over verbs.
 #[test]
 fn the_soft_verbs_sample_config_starts_a_serving_node() {
-    let text = include_str!("../../config/node-soft-verbs.toml");
+    let text = include_str!("../../../config/node-soft-verbs.toml");
     let cfg = kvferry_actors::NodeConfig::from_toml(text, "config/node-soft-verbs.toml").unwrap();
     let dev: Arc<dyn Device> = kvferry_gpu::HostDevice::new(0);
     let node = Node::start_with(cfg, vec![dev], Clock::system()).unwrap();
@@ -514,7 +514,10 @@ fn child_soft_verbs_owner() {
 /// back to zero.
 #[test]
 fn two_processes_over_soft_verbs() {
-    let child = ChildTest::spawn("child_soft_verbs_owner", &[(CHILD_ENV, "1")]);
+    let child = ChildTest::spawn(
+        concat!(module_path!(), "::child_soft_verbs_owner"),
+        &[(CHILD_ENV, "1")],
+    );
     let addr: std::net::SocketAddr = child.wait_for("READY ").parse().unwrap();
     let (node, dev) = requester(
         "b",

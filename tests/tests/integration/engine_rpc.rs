@@ -14,8 +14,8 @@ use std::time::Duration;
 use kvferry_actors::rpc::{self, proto, Code, EngineClient, EngineClientError, EngineOptions};
 use kvferry_actors::{Clock, DirectGrant, LeaseId, LoadRequest, Node, PutBlocks};
 use kvferry_gpu::{Device, HostDevice, KvShape, LayerLayout};
+use kvferry_testkit::harness::*;
 use kvferry_testkit::{rank_part, DeviceKv, KvKind, MemfdRegionsKv};
-use kvferry_tests::*;
 use tokio::sync::oneshot;
 
 const TOKEN: &str = "engine-secret";
@@ -1040,7 +1040,7 @@ async fn serve_as_child(srv: Server, loads_ok: u64, check: impl FnOnce(&Server))
 
 #[test]
 fn a_client_process_loads_into_its_memfd_through_a_node_process() {
-    let child = ChildTest::spawn("child_node", &[(CHILD_ENV, "1")]);
+    let child = ChildTest::spawn(concat!(module_path!(), "::child_node"), &[(CHILD_ENV, "1")]);
     let addr = child.wait_for("ENGINE_ADDR=");
     let fd_path = std::path::PathBuf::from(child.wait_for("ENGINE_FD="));
     rt().block_on(async {
@@ -1437,7 +1437,7 @@ fn child_cuda_node() {
 fn engine_layouts_in_per_layer_cuda_allocations_of_another_process() {
     use kvferry_actors::rpc::{MemoryRegion, RegisterRegions};
     let child = ChildTest::spawn(
-        "child_cuda_node",
+        concat!(module_path!(), "::child_cuda_node"),
         &[(CHILD_ENV, "1"), ("KVFERRY_ENGINE_RPC_LOADS", "10")],
     );
     let addr = child.wait_for("ENGINE_ADDR=");
@@ -1506,7 +1506,10 @@ fn engine_layouts_in_per_layer_cuda_allocations_of_another_process() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn an_engine_workers_cuda_kv_in_another_process_through_an_ipc_handle() {
-    let child = ChildTest::spawn("child_cuda_node", &[(CHILD_ENV, "1")]);
+    let child = ChildTest::spawn(
+        concat!(module_path!(), "::child_cuda_node"),
+        &[(CHILD_ENV, "1")],
+    );
     let addr = child.wait_for("ENGINE_ADDR=");
     let fd_path = std::path::PathBuf::from(child.wait_for("ENGINE_FD="));
     let cuda = kvferry_gpu::CudaDevice::open(0).expect("a CUDA GPU");

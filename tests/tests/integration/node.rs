@@ -9,8 +9,8 @@ use kvferry_actors::{
     SaveRequest,
 };
 use kvferry_gpu::{GroupKind, KvShape, LayerLayout, LayoutError};
+use kvferry_testkit::harness::*;
 use kvferry_testkit::KvKind;
-use kvferry_tests::*;
 
 fn shape(layers: u32, tp: u32, segs: u32) -> KvShape {
     KvShape::new(layers, tp, segs, 1024).unwrap()

@@ -10,8 +10,8 @@ use kvferry_actors::remote::{
 };
 use kvferry_actors::{Clock, DirectGrant, LoadRequest, ManualClock, Node, NodeError, QueryRequest};
 use kvferry_gpu::{Device, HostDevice, KvShape};
+use kvferry_testkit::harness::*;
 use kvferry_testkit::{DeviceKv, KvKind};
-use kvferry_tests::*;
 
 struct Cluster {
     cluster: Arc<LocalCluster>,
@@ -605,7 +605,7 @@ fn owner_process_and_requester(
     devices: Vec<Arc<dyn Device>>,
 ) -> (ChildTest, Node) {
     let child = ChildTest::spawn(
-        "child_owner_process",
+        concat!(module_path!(), "::child_owner_process"),
         &[
             (OWNER_ENV, provider.as_str()),
             (OWNER_TP_ENV, &tp.to_string()),

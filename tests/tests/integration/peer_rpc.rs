@@ -19,8 +19,8 @@ use kvferry_actors::rpc::{
 };
 use kvferry_actors::{BlockHash, Clock, Namespace, Node};
 use kvferry_gpu::{Device, KvShape};
+use kvferry_testkit::harness::*;
 use kvferry_testkit::{DeviceKv, KvKind};
-use kvferry_tests::*;
 use tokio::sync::oneshot;
 
 const TOKEN: &str = "cluster-secret";
@@ -536,7 +536,10 @@ fn child_owner() {
 
 #[test]
 fn cross_process_pin() {
-    let child = ChildTest::spawn("child_owner", &[(CHILD_ENV, "1")]);
+    let child = ChildTest::spawn(
+        concat!(module_path!(), "::child_owner"),
+        &[(CHILD_ENV, "1")],
+    );
     let addr = child.wait_for("PEER_ADDR=");
     let pool = child.wait_for("PEER_POOL=");
     let (base, len) = pool.split_once(' ').unwrap();

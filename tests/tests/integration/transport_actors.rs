@@ -8,7 +8,7 @@
 //! (registrations, QPs by state, completion errors) move under injected faults and the QP
 //! gauges return to zero after the drain.
 
-use kvferry_tests::rt;
+use kvferry_testkit::harness::rt;
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -905,7 +905,7 @@ fn fixture(name: &str) -> String {
 #[test]
 fn verbs_without_a_device_refuses_direct_gpu_with_the_reason() {
     rt().block_on(async {
-        let mut cfg = kvferry_tests::config(64 << 10, 4);
+        let mut cfg = kvferry_testkit::harness::config(64 << 10, 4);
         cfg.nic = vec![NicSection {
             name: "mlx5_0".into(),
             provider: "verbs".into(),
@@ -926,7 +926,7 @@ fn verbs_without_a_device_refuses_direct_gpu_with_the_reason() {
         let e = nics.pool.as_ref().unwrap_err();
         assert!(matches!(e, RegistryError::Rdma { kind: "nic_unavailable", .. }), "{e}");
         let shape = kvferry_gpu::KvShape::new(1, 1, 2, 1024).unwrap();
-        let _kv = kvferry_tests::register(
+        let _kv = kvferry_testkit::harness::register(
             &node,
             &dev,
             "d",
@@ -937,11 +937,11 @@ fn verbs_without_a_device_refuses_direct_gpu_with_the_reason() {
             0,
         )
         .await;
-        kvferry_tests::put(&node, "d", &shape, 0, 0..1).await;
+        kvferry_testkit::harness::put(&node, "d", &shape, 0, 0..1).await;
         let q = node
             .query(QueryRequest {
-                instance: kvferry_tests::id("d"),
-                hashes: kvferry_tests::hashes(0..1),
+                instance: kvferry_testkit::harness::id("d"),
+                hashes: kvferry_testkit::harness::hashes(0..1),
                 direct_gpu: true,
             })
             .await
@@ -961,8 +961,8 @@ fn verbs_without_a_device_refuses_direct_gpu_with_the_reason() {
         node.release(q.lease.unwrap()).await.unwrap();
         let q = node
             .query(QueryRequest {
-                instance: kvferry_tests::id("d"),
-                hashes: kvferry_tests::hashes(0..1),
+                instance: kvferry_testkit::harness::id("d"),
+                hashes: kvferry_testkit::harness::hashes(0..1),
                 direct_gpu: false,
             })
             .await
@@ -982,7 +982,7 @@ fn verbs_without_a_device_refuses_direct_gpu_with_the_reason() {
             metric(&text, "kvferry_qps{nic=\"mlx5_0\",state=\"rts\"}"),
             Some(0.0)
         );
-        kvferry_tests::settled(&node).await;
+        kvferry_testkit::harness::settled(&node).await;
         node.shutdown();
     });
 }
@@ -1193,7 +1193,7 @@ fn nic_metrics_pass_promtool() {
     use std::io::Write;
     use std::process::{Command, Stdio};
     rt().block_on(async {
-        let mut cfg = kvferry_tests::config(64 << 10, 4);
+        let mut cfg = kvferry_testkit::harness::config(64 << 10, 4);
         cfg.nic = vec![
             NicSection {
                 name: "mlx5_0".into(),

@@ -13,8 +13,8 @@ use kvferry_actors::ssd::format::{self, BlockHeader};
 use kvferry_actors::ssd::{SsdConfig, SsdDir, SsdStats};
 use kvferry_actors::{BlockHash, Clock, LoadRequest, Node, NodeConfig, QueryRequest};
 use kvferry_gpu::{Device, HostDevice, KvShape};
+use kvferry_testkit::harness::*;
 use kvferry_testkit::{DeviceKv, KvKind};
-use kvferry_tests::*;
 
 const SLOT: u64 = 64 << 10;
 

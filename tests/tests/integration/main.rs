@@ -1,0 +1,11 @@
+//! kvferry's cross-crate and multi-process integration tests, one test binary (one link on
+//! two cores instead of seven): each module is one area, named as its tests are filtered
+//! (`cargo test -p kvferry-tests --test integration engine_rpc::`).
+
+mod engine_rpc;
+mod node;
+mod peer_rpc;
+mod remote;
+mod ssd;
+mod transport_actors;
+mod verbs_soft;
