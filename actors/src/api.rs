@@ -76,18 +76,91 @@ pub trait LoadObserver: Send + Sync {
     fn layers_landed(&self, layers: u32, total: u32);
 }
 
+/// How a transfer moved its bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum TransferPath {
+    /// Host pool → device only.
+    Local,
+    /// A remote suffix read into local pool slots, then host → device.
+    Staged,
+    /// A remote suffix read straight into the device KV.
+    Direct,
+    /// Device → host pool.
+    Save,
+}
+
+impl TransferPath {
+    /// The name metrics, logs and load completions use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransferPath::Local => "local",
+            TransferPath::Staged => "staged",
+            TransferPath::Direct => "direct",
+            TransferPath::Save => "save",
+        }
+    }
+}
+
+/// One stage of a transfer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StageName {
+    Plan,
+    Pin,
+    Register,
+    Post,
+    Wire,
+    H2d,
+    D2h,
+    Fence,
+}
+
+impl StageName {
+    /// The name metrics, logs and load completions use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StageName::Plan => "plan",
+            StageName::Pin => "pin",
+            StageName::Register => "register",
+            StageName::Post => "post",
+            StageName::Wire => "wire",
+            StageName::H2d => "h2d",
+            StageName::D2h => "d2h",
+            StageName::Fence => "fence",
+        }
+    }
+}
+
+macro_rules! named {
+    ($t:ty) => {
+        impl std::fmt::Display for $t {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl PartialEq<&str> for $t {
+            fn eq(&self, other: &&str) -> bool {
+                self.as_str() == *other
+            }
+        }
+    };
+}
+named!(TransferPath);
+named!(StageName);
+
 /// Seconds spent in one stage of a transfer.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Stage {
-    pub name: &'static str,
+    pub name: StageName,
     pub seconds: f64,
 }
 
 /// What one transfer did.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TransferReport {
-    /// `local` (host pool → device) or `save` (device → host pool).
-    pub path: &'static str,
+    pub path: TransferPath,
     pub blocks: usize,
     pub bytes: u64,
     /// Copies after merging adjacent ranges.
@@ -115,7 +188,7 @@ impl TransferReport {
     pub fn stage(&self, name: &str) -> Option<f64> {
         self.stages
             .iter()
-            .find(|s| s.name == name)
+            .find(|s| s.name.as_str() == name)
             .map(|s| s.seconds)
     }
 }

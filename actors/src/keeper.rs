@@ -12,7 +12,8 @@ use actix::{
 use tokio::sync::oneshot;
 
 use crate::api::{
-    DirectGrant, LoadObserver, LoadRequest, QueryRequest, QueryResponse, Stage, TransferReport,
+    DirectGrant, LoadObserver, LoadRequest, QueryRequest, QueryResponse, Stage, StageName,
+    TransferReport,
 };
 use crate::cache::SlotRef;
 use crate::clock::Clock;
@@ -328,12 +329,12 @@ impl Handler<Load> for LeaseKeeper {
             .consume(req.lease, &req.instance, req.rank, now)?
             .share;
         let mut stages = vec![Stage {
-            name: "plan",
+            name: StageName::Plan,
             seconds: t0.elapsed().as_secs_f64(),
         }];
         if !share.remote.is_empty() {
             stages.push(Stage {
-                name: "pin",
+                name: StageName::Pin,
                 seconds: share.pin_seconds,
             });
         }

@@ -388,7 +388,8 @@ fn record_transfer(path: &'static str, out: Result<&TransferReport, ()>) -> usiz
             counter!(LOADS, "path" => path, "status" => "ok").increment(1);
             counter!(BYTES, "path" => path).increment(r.bytes);
             for s in &r.stages {
-                histogram!(STAGE_SECONDS, "path" => path, "stage" => s.name).record(s.seconds);
+                histogram!(STAGE_SECONDS, "path" => path, "stage" => s.name.as_str())
+                    .record(s.seconds);
             }
             r.stages.len()
         }
@@ -629,18 +630,18 @@ mod tests {
     fn report() -> TransferReport {
         TransferReport {
             spans: Vec::new(),
-            path: "direct",
+            path: crate::api::TransferPath::Direct,
             blocks: 2,
             bytes: 4096,
             copies: 2,
             seconds: 0.002,
             stages: vec![
                 Stage {
-                    name: "wire",
+                    name: crate::api::StageName::Wire,
                     seconds: 0.0015,
                 },
                 Stage {
-                    name: "plan",
+                    name: crate::api::StageName::Plan,
                     seconds: 2e-6,
                 },
             ],

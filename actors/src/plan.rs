@@ -18,26 +18,8 @@ pub const MIN_LAYER_GROUP_BYTES: u64 = 32 << 20;
 /// At most this many layer groups per load, whatever the layer count.
 pub const MAX_LAYER_GROUPS: usize = 64;
 
-/// How a load's remote suffix reaches the device; `Local` where there is none.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LoadPath {
-    /// Host pool → device only.
-    Local,
-    /// Remote reads land in local pool slots, then host → device.
-    Staged,
-    /// Remote reads land in the device KV itself.
-    Direct,
-}
-
-impl LoadPath {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            LoadPath::Local => "local",
-            LoadPath::Staged => "staged",
-            LoadPath::Direct => "direct",
-        }
-    }
-}
+/// How a load's remote suffix reaches the device: local, staged or direct.
+pub use crate::api::TransferPath as LoadPath;
 
 /// Copies of a contiguous run of layers, for every local block.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -13,7 +13,7 @@ use actix::{
 use kvferry_gpu::{CopyDirection, CopyList};
 use tokio::sync::oneshot;
 
-use crate::api::{Stage, StoreReport};
+use crate::api::{Stage, StageName, StoreReport, TransferPath};
 use crate::cache::{BlockCache, BlockClass, CacheStats, Reservation, SlotRef};
 use crate::clock::Clock;
 use crate::error::NodeError;
@@ -400,7 +400,7 @@ impl Handler<Save> for BlockStore {
         let plan = t0.elapsed().as_secs_f64();
         let (tx, rx) = oneshot::channel();
         let spec = TransferSpec {
-            path: "save",
+            path: TransferPath::Save,
             dir: CopyDirection::DeviceToHost,
             device: Arc::clone(&m.handle.device),
             list,
@@ -411,7 +411,7 @@ impl Handler<Save> for BlockStore {
             ],
             on_success: None,
             stages: vec![Stage {
-                name: "plan",
+                name: StageName::Plan,
                 seconds: plan,
             }],
             started: t0,

@@ -10,7 +10,7 @@ use std::time::Instant;
 use actix::Addr;
 use kvferry_gpu::{CopyDirection, CopyList, CopyOp, Scatter};
 
-use crate::api::Stage;
+use crate::api::{Stage, StageName};
 use crate::error::NodeError;
 use crate::keeper::LeasePlan;
 use crate::model::BlockHash;
@@ -95,9 +95,9 @@ impl Suffix {
             total.wire += r.wire;
         }
         let mut stages: Vec<Stage> = [
-            ("register", total.register),
-            ("post", total.post),
-            ("wire", total.wire),
+            (StageName::Register, total.register),
+            (StageName::Post, total.post),
+            (StageName::Wire, total.wire),
         ]
         .into_iter()
         .map(|(name, seconds)| Stage { name, seconds })
@@ -105,7 +105,7 @@ impl Suffix {
         let t = Instant::now();
         handle.device.flush_direct_writes()?;
         stages.push(Stage {
-            name: "fence",
+            name: StageName::Fence,
             seconds: t.elapsed().as_secs_f64(),
         });
         Ok((bytes, stages))
@@ -183,10 +183,14 @@ impl Suffix {
             h2d += th.elapsed().as_secs_f64();
             guard.finish();
         }
-        let stages = [("post", post), ("wire", wire), ("h2d", h2d)]
-            .into_iter()
-            .map(|(name, seconds)| Stage { name, seconds })
-            .collect();
+        let stages = [
+            (StageName::Post, post),
+            (StageName::Wire, wire),
+            (StageName::H2d, h2d),
+        ]
+        .into_iter()
+        .map(|(name, seconds)| Stage { name, seconds })
+        .collect();
         Ok((bytes, stages))
     }
 }

@@ -19,7 +19,7 @@ use actix::{Actor, ActorContext, ActorFuture, Addr, AsyncContext, Context};
 use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, CopyStats, Device, DeviceError};
 use tokio::sync::oneshot;
 
-use crate::api::{LoadObserver, Span, Stage, TransferReport};
+use crate::api::{LoadObserver, Span, Stage, StageName, TransferPath, TransferReport};
 use crate::error::NodeError;
 use crate::keeper::LeasePlan;
 use crate::metrics::InFlight;
@@ -50,7 +50,7 @@ enum Remote {
 }
 
 pub struct Transfer {
-    path: &'static str,
+    path: TransferPath,
     dir: CopyDirection,
     device: Arc<dyn Device>,
     /// Batches not yet submitted, each with the layer count that has landed once it has.
@@ -84,7 +84,7 @@ pub struct Transfer {
 
 /// Everything a save (or put) transfer needs, built by whoever accepted the request.
 pub struct TransferSpec {
-    pub path: &'static str,
+    pub path: TransferPath,
     pub dir: CopyDirection,
     pub device: Arc<dyn Device>,
     pub list: CopyList,
@@ -136,7 +136,7 @@ impl Transfer {
             landed: 0,
             observer: None,
             spans: Vec::new(),
-            trace: tracing::info_span!("transfer", path = spec.path, blocks = spec.blocks),
+            trace: tracing::info_span!("transfer", path = spec.path.as_str(), blocks = spec.blocks),
         }
     }
 
@@ -180,7 +180,7 @@ impl Transfer {
             .map(|b| (b.layers.end, b.list))
             .collect();
         Self {
-            path: plan.path.as_str(),
+            path: plan.path,
             dir: CopyDirection::HostToDevice,
             device: Arc::clone(&handle.device),
             batches,
@@ -218,10 +218,10 @@ impl Transfer {
         }
     }
 
-    fn copy_stage(&self) -> &'static str {
+    fn copy_stage(&self) -> StageName {
         match self.dir {
-            CopyDirection::HostToDevice => "h2d",
-            CopyDirection::DeviceToHost => "d2h",
+            CopyDirection::HostToDevice => StageName::H2d,
+            CopyDirection::DeviceToHost => StageName::D2h,
         }
     }
 
@@ -293,7 +293,7 @@ impl Transfer {
         let remote = std::mem::replace(&mut self.remote, Remote::None);
         let out = if let Some(source) = self.local_error.take() {
             Err(NodeError::Transfer {
-                path: self.path,
+                path: self.path.as_str(),
                 source,
             })
         } else {
@@ -348,9 +348,9 @@ impl Transfer {
             if self.dir == CopyDirection::HostToDevice {
                 f.0.load(out.is_ok(), out.as_ref().map(|r| r.bytes).unwrap_or(0));
             }
-            f.0.transfer(self.path, out.as_ref().map_err(|_| ()));
+            f.0.transfer(self.path.as_str(), out.as_ref().map_err(|_| ()));
             if let Err(e) = &out {
-                f.0.log_failure(self.path, e);
+                f.0.log_failure(self.path.as_str(), e);
             }
         }
         // Release before replying, so a caller that sees the reply sees the pins gone.

@@ -60,13 +60,13 @@ pub(crate) struct Report {
 impl From<TransferReport> for Report {
     fn from(r: TransferReport) -> Self {
         Self {
-            path: r.path.into(),
+            path: r.path.as_str().into(),
             bytes: r.bytes,
             seconds: r.seconds,
             stages: r
                 .stages
                 .iter()
-                .map(|s| (s.name.into(), s.seconds))
+                .map(|s| (s.name.as_str().into(), s.seconds))
                 .collect(),
         }
     }

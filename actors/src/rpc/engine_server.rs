@@ -493,13 +493,13 @@ fn completion(
             c.status = LoadStatus::LoadOk as i32;
             c.bytes = rep.bytes;
             c.blocks = rep.blocks as u32;
-            c.path = rep.path.to_owned();
+            c.path = rep.path.as_str().to_owned();
             c.seconds = rep.seconds;
             c.stages = rep
                 .stages
                 .iter()
                 .map(|s| StageSeconds {
-                    name: s.name.to_owned(),
+                    name: s.name.as_str().to_owned(),
                     seconds: s.seconds,
                 })
                 .collect();
