@@ -418,6 +418,75 @@ fn three_node_processes(provider: &str) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Three `kvferry node` processes reading each other's pools over the verbs provider on the
+/// software verbs device (each node a `[[nic]] soft_mlx5_N`; the software fabric carries the
+/// reads between the processes through shared memory): the worked example through B,
+/// direct and staged, byte for byte with canaries; then the demo against the three nodes.
+#[test]
+fn three_node_processes_over_soft_verbs() {
+    let dir = std::env::temp_dir().join(format!("kvferry-cluster-verbs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let ports = [("b", free_port()), ("a", free_port()), ("c", free_port())];
+    let mut nodes: Vec<NodeProc> = ["b", "a", "c"]
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let path = write_config(&dir, n, &ports, "verbs");
+            let mut text = std::fs::read_to_string(&path).unwrap();
+            // Small registration chunks: the owners' pools are several MRs, reads cross none.
+            text.push_str(&format!(
+                "[[nic]]\nname = \"soft_mlx5_{}\"\nprovider = \"verbs\"\n\
+                 [verbs]\nregistration-chunk = 16777216\n",
+                70 + i
+            ));
+            std::fs::write(&path, text).unwrap();
+            NodeProc::start(n, &path)
+        })
+        .collect();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut engines = Vec::new();
+        for n in &nodes {
+            engines.push(attach(n).await);
+        }
+        engines[0].put_pattern(0..4).await.unwrap();
+        engines[1].put_pattern(4..8).await.unwrap();
+        engines[2].put_pattern(8..12).await.unwrap();
+        let b = &engines[0];
+        for direct in [true, false] {
+            let (done, dest) = query_and_load(b, &worked_example(), direct, 12).await;
+            assert_eq!(done.status(), LoadStatus::LoadOk, "{done:?}");
+            assert_eq!(done.path, if direct { "direct" } else { "staged" });
+            assert_eq!(
+                verify(b, &worked_example(), &dest),
+                12 * shape().rank_bytes()
+            );
+            settled(b).await;
+        }
+        drop(engines);
+    });
+    let addrs: Vec<&str> = nodes.iter().map(|n| n.engine.as_str()).collect();
+    let demo = kvferry_json(&["demo", "--json", "--nodes", &addrs.join(",")]);
+    assert_eq!(demo["verified"], true, "{demo}");
+    assert_eq!(
+        (
+            demo["local_blocks"].as_u64(),
+            demo["remote_blocks"].as_u64()
+        ),
+        (Some(4), Some(8)),
+        "{demo}"
+    );
+    for n in &mut nodes {
+        n.stop();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Two hosts: owner A in a network namespace of its own, joined to requester B (in this
 /// namespace) by a veth pair; B reads A's blocks over tcp through the veth, never loopback.
 /// Removed (namespace and link) when dropped, whatever the test did.
