@@ -25,7 +25,7 @@ use super::error::RemoteError;
 use super::link::{BoxFut, Control, Keep, PeerLink, PinnedRemote, ReadStats};
 use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
-use crate::nic::worker::{Connect, NicWorker, PostReads};
+use crate::nic::worker::{Connect, FailureKind, NicWorker, PostReads};
 
 pub struct TcpLink {
     node_id: String,
@@ -180,15 +180,29 @@ impl TcpLink {
             };
             let wire = t.elapsed().as_secs_f64();
             drop(keep);
-            let wcs = done?.map_err(|e| err(RemoteError::lost("a read", e)))?;
+            // The worker says what kind of failure it was; each reaches the caller as such.
+            let wcs = done?.map_err(|e| match e.kind() {
+                FailureKind::Connection => err(RemoteError::lost("a read", e)),
+                FailureKind::Local => err(RemoteError::local("posting the reads", e)),
+                FailureKind::Remote => err(RemoteError::refused(format!(
+                    "the owner refused a read: {e}"
+                ))),
+                _ => stopped(),
+            })?;
             drained?;
             let mut bytes = 0;
             for wc in &wcs {
                 if wc.status != CompletionStatus::Success {
-                    return Err(err(RemoteError::lost(
-                        "a read",
-                        format!("read {} completed with {}", wc.wr_id, wc.status),
-                    )));
+                    let what = format!("read {} completed with {}", wc.wr_id, wc.status);
+                    return Err(err(match wc.status {
+                        CompletionStatus::RemoteAccessError => {
+                            RemoteError::refused(format!("the owner refused it: {what}"))
+                        }
+                        CompletionStatus::LocalWriteError | CompletionStatus::PostFailed => {
+                            RemoteError::local("a read", what)
+                        }
+                        _ => RemoteError::lost("a read", what),
+                    }));
                 }
                 bytes += wc.bytes;
             }
