@@ -81,20 +81,31 @@ pub enum PlanError {
     BlockCount { leased: usize, given: usize },
 }
 
-/// Splits `layers` into runs of at least `min_bytes` (each layer moving `bytes_per_layer`),
-/// at most [`MAX_LAYER_GROUPS`] of them, covering every layer once, in order.
+/// Splits `layers` into runs covering every layer once, in order, at most
+/// [`MAX_LAYER_GROUPS`] of them: one run where the whole load is smaller than `min_bytes`
+/// (each layer moving `bytes_per_layer`); otherwise layer 0 alone — an engine's first
+/// attention layer waits for it, and one batch more costs little — then runs of at least
+/// `min_bytes`.
 pub fn layer_groups(layers: u32, bytes_per_layer: u64, min_bytes: u64) -> Vec<Range<u32>> {
     if layers == 0 {
         return Vec::new();
     }
     let by_bytes = min_bytes.div_ceil(bytes_per_layer.max(1)).max(1);
-    let by_count = u64::from(layers).div_ceil(MAX_LAYER_GROUPS as u64);
+    let by_count = u64::from(layers).div_ceil(MAX_LAYER_GROUPS as u64 - 1);
     let per = u32::try_from(by_bytes.max(by_count))
         .unwrap_or(layers)
         .min(layers);
-    (0..layers.div_ceil(per))
-        .map(|g| g * per..((g + 1) * per).min(layers))
-        .collect()
+    if per >= layers {
+        return vec![0..layers];
+    }
+    let mut out = vec![0..1];
+    let mut start = 1;
+    while start < layers {
+        let end = start.saturating_add(per).min(layers);
+        out.push(start..end);
+        start = end;
+    }
+    out
 }
 
 impl LoadPlan {
@@ -250,14 +261,16 @@ mod tests {
             }
         }
         // A 28-layer model, 64 KiB per block and layer: one block or sixteen are one batch;
-        // 256 blocks (16 MiB a layer) two layers a batch; 1024 blocks a layer each.
+        // 256 blocks (16 MiB a layer): layer 0, then two layers a batch; 1024 blocks a layer
+        // each.
         assert_eq!(layer_groups(28, 64 << 10, MIN_LAYER_GROUP_BYTES).len(), 1);
         assert_eq!(layer_groups(28, 1 << 20, MIN_LAYER_GROUP_BYTES).len(), 1);
-        assert_eq!(layer_groups(28, 16 << 20, MIN_LAYER_GROUP_BYTES).len(), 14);
+        let g = layer_groups(28, 16 << 20, MIN_LAYER_GROUP_BYTES);
+        assert_eq!((g.len(), g[0].clone(), g[1].clone()), (15, 0..1, 1..3));
         assert_eq!(layer_groups(28, 64 << 20, MIN_LAYER_GROUP_BYTES).len(), 28);
         assert_eq!(
             layer_groups(28, 2 << 20, 8 << 20),
-            vec![0..4, 4..8, 8..12, 12..16, 16..20, 20..24, 24..28]
+            vec![0..1, 1..5, 5..9, 9..13, 13..17, 17..21, 21..25, 25..28]
         );
         assert!(layer_groups(0, 1, 1).is_empty());
     }
