@@ -96,9 +96,9 @@ pub fn layer_groups(layers: u32, bytes_per_layer: u64, min_bytes: u64) -> Vec<Ra
         .unwrap_or(layers)
         .min(layers);
     if per >= layers {
-        return vec![0..layers];
+        return std::iter::once(0..layers).collect();
     }
-    let mut out = vec![0..1];
+    let mut out: Vec<Range<u32>> = std::iter::once(0..1).collect();
     let mut start = 1;
     while start < layers {
         let end = start.saturating_add(per).min(layers);
