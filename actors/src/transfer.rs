@@ -143,7 +143,7 @@ impl Transfer {
     /// A load: the local layer batches and the remote suffix, started together.
     pub fn load(job: LoadJob, reply: ReportTx) -> Self {
         let LoadJob {
-            plan,
+            mut plan,
             share,
             handle,
             store,
@@ -161,10 +161,13 @@ impl Transfer {
             blocks = plan.blocks,
             remote_blocks = plan.remote_blocks(),
         );
-        let then = (!plan.remote.is_empty()).then(|| {
+        // The suffix takes the remote parts (their scatter lists can be long): nothing else
+        // reads them.
+        let remote = std::mem::take(&mut plan.remote);
+        let then = (!remote.is_empty()).then(|| {
             use tracing::Instrument;
             Suffix {
-                parts: plan.remote.clone(),
+                parts: remote,
                 share: share.clone(),
                 handle: Arc::clone(&handle),
                 store,
