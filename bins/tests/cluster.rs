@@ -252,21 +252,77 @@ fn three_node_processes_over_shm_and_an_owner_killed_mid_load() {
     three_node_processes("shm");
 }
 
-fn three_node_processes(provider: &str) {
-    let dir =
-        std::env::temp_dir().join(format!("kvferry-cluster-{provider}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let ports = [("b", free_port()), ("a", free_port()), ("c", free_port())];
-    let mut nodes: Vec<NodeProc> = ["b", "a", "c"]
-        .iter()
-        .map(|n| NodeProc::start(n, &write_config(&dir, n, &ports, provider)))
-        .collect();
-    let rt = tokio::runtime::Builder::new_multi_thread()
+/// The runtime a test drives its clients on.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+/// Nodes B, A and C as `kvferry node` processes over `provider`, in a fresh directory named
+/// for `tag`; node i's config ends with `extra(i)`.
+fn start_three(
+    tag: &str,
+    provider: &str,
+    extra: impl Fn(usize) -> String,
+) -> (PathBuf, Vec<NodeProc>) {
+    let dir = std::env::temp_dir().join(format!("kvferry-cluster-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let ports = [("b", free_port()), ("a", free_port()), ("c", free_port())];
+    let nodes = ["b", "a", "c"]
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let path = write_config(&dir, n, &ports, provider);
+            let mut text = std::fs::read_to_string(&path).unwrap();
+            text.push_str(&extra(i));
+            std::fs::write(&path, text).unwrap();
+            NodeProc::start(n, &path)
+        })
+        .collect();
+    (dir, nodes)
+}
+
+/// The worked example through B, direct then staged, byte for byte; `after_direct` runs
+/// between the two.
+async fn worked_example_direct_and_staged(b: &Attached, mut after_direct: impl FnMut()) {
+    for direct in [true, false] {
+        let (done, dest) = query_and_load(b, &worked_example(), direct, 12).await;
+        assert_eq!(done.status(), LoadStatus::LoadOk, "{done:?}");
+        assert_eq!(done.path, if direct { "direct" } else { "staged" });
+        assert_eq!(
+            verify(b, &worked_example(), &dest),
+            12 * shape().rank_bytes()
+        );
+        settled(b).await;
+        if direct {
+            after_direct();
+        }
+    }
+}
+
+/// `kvferry demo --nodes B,A,C` against the running nodes: 4 local and 8 remote blocks,
+/// verified.
+fn demo_against(nodes: &[NodeProc]) {
+    let addrs: Vec<&str> = nodes.iter().map(|n| n.engine.as_str()).collect();
+    let demo = kvferry_json(&["demo", "--json", "--nodes", &addrs.join(",")]);
+    assert_eq!(demo["verified"], true, "{demo}");
+    assert_eq!(
+        (
+            demo["local_blocks"].as_u64(),
+            demo["remote_blocks"].as_u64()
+        ),
+        (Some(4), Some(8)),
+        "{demo}"
+    );
+}
+
+fn three_node_processes(provider: &str) {
+    let (dir, mut nodes) = start_three(provider, provider, |_| String::new());
+    let rt = runtime();
     rt.block_on(async {
         let mut engines = Vec::new();
         for n in &nodes {
@@ -278,22 +334,10 @@ fn three_node_processes(provider: &str) {
         engines[2].put_pattern(8..12).await.unwrap();
         let b = &engines[0];
 
-        // The worked example through B, direct and staged.
-        for direct in [true, false] {
-            let (done, dest) = query_and_load(b, &worked_example(), direct, 12).await;
-            assert_eq!(done.status(), LoadStatus::LoadOk, "{done:?}");
-            assert_eq!(done.path, if direct { "direct" } else { "staged" });
-            assert_eq!(
-                verify(b, &worked_example(), &dest),
-                12 * shape().rank_bytes()
-            );
-            settled(b).await;
-            if direct {
-                // A Python grpcio client of its own against B (before the staged run makes
-                // copies at B): its memfd, its session, 4 local + 8 remote blocks direct.
-                python_client(&nodes[0], 12, 4, 8);
-            }
-        }
+        // The worked example through B, direct and staged; after the direct run (before the
+        // staged run makes copies at B), a Python grpcio client of its own against B: its
+        // memfd, its session, 4 local + 8 remote blocks direct.
+        worked_example_direct_and_staged(b, || python_client(&nodes[0], 12, 4, 8)).await;
 
         // SIGKILL A while B reads the long run from it, direct (so no staged copy of it
         // lands at B whatever the timing: afterwards only B's own prefix may hit).
@@ -383,17 +427,8 @@ fn three_node_processes(provider: &str) {
     });
     if provider == "tcp" {
         // The demo and the benchmark, pointed at the running nodes by address.
+        demo_against(&nodes);
         let addrs: Vec<&str> = nodes.iter().map(|n| n.engine.as_str()).collect();
-        let demo = kvferry_json(&["demo", "--json", "--nodes", &addrs.join(",")]);
-        assert_eq!(demo["verified"], true, "{demo}");
-        assert_eq!(
-            (
-                demo["local_blocks"].as_u64(),
-                demo["remote_blocks"].as_u64()
-            ),
-            (Some(4), Some(8)),
-            "{demo}"
-        );
         let bench = kvferry_json(&[
             "bench",
             "remote",
@@ -424,31 +459,15 @@ fn three_node_processes(provider: &str) {
 /// direct and staged, byte for byte with canaries; then the demo against the three nodes.
 #[test]
 fn three_node_processes_over_soft_verbs() {
-    let dir = std::env::temp_dir().join(format!("kvferry-cluster-verbs-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let ports = [("b", free_port()), ("a", free_port()), ("c", free_port())];
-    let mut nodes: Vec<NodeProc> = ["b", "a", "c"]
-        .iter()
-        .enumerate()
-        .map(|(i, n)| {
-            let path = write_config(&dir, n, &ports, "verbs");
-            let mut text = std::fs::read_to_string(&path).unwrap();
-            // Small registration chunks: the owners' pools are several MRs, reads cross none.
-            text.push_str(&format!(
-                "[[nic]]\nname = \"soft_mlx5_{}\"\nprovider = \"verbs\"\n\
-                 [verbs]\nregistration-chunk = 16777216\n",
-                70 + i
-            ));
-            std::fs::write(&path, text).unwrap();
-            NodeProc::start(n, &path)
-        })
-        .collect();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    // Small registration chunks: the owners' pools are several MRs, reads cross none.
+    let (dir, mut nodes) = start_three("verbs", "verbs", |i| {
+        format!(
+            "[[nic]]\nname = \"soft_mlx5_{}\"\nprovider = \"verbs\"\n\
+             [verbs]\nregistration-chunk = 16777216\n",
+            70 + i
+        )
+    });
+    let rt = runtime();
     rt.block_on(async {
         let mut engines = Vec::new();
         for n in &nodes {
@@ -457,30 +476,10 @@ fn three_node_processes_over_soft_verbs() {
         engines[0].put_pattern(0..4).await.unwrap();
         engines[1].put_pattern(4..8).await.unwrap();
         engines[2].put_pattern(8..12).await.unwrap();
-        let b = &engines[0];
-        for direct in [true, false] {
-            let (done, dest) = query_and_load(b, &worked_example(), direct, 12).await;
-            assert_eq!(done.status(), LoadStatus::LoadOk, "{done:?}");
-            assert_eq!(done.path, if direct { "direct" } else { "staged" });
-            assert_eq!(
-                verify(b, &worked_example(), &dest),
-                12 * shape().rank_bytes()
-            );
-            settled(b).await;
-        }
+        worked_example_direct_and_staged(&engines[0], || {}).await;
         drop(engines);
     });
-    let addrs: Vec<&str> = nodes.iter().map(|n| n.engine.as_str()).collect();
-    let demo = kvferry_json(&["demo", "--json", "--nodes", &addrs.join(",")]);
-    assert_eq!(demo["verified"], true, "{demo}");
-    assert_eq!(
-        (
-            demo["local_blocks"].as_u64(),
-            demo["remote_blocks"].as_u64()
-        ),
-        (Some(4), Some(8)),
-        "{demo}"
-    );
+    demo_against(&nodes);
     for n in &mut nodes {
         n.stop();
     }
@@ -587,11 +586,7 @@ fn two_hosts_in_network_namespaces_and_a_cut_link() {
         Some(&hosts.ns),
     );
     assert!(a.engine.starts_with(&hosts.a_ip), "{}", a.engine);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     rt.block_on(async {
         // This test reaches A's engine service through the veth too.
         let (eb, ea) = (attach(&b).await, attach(&a).await);
