@@ -41,10 +41,11 @@ use thiserror::Error;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum FailureKind {
-    /// The path to the peer is broken or could not be made: rebuild the link.
+    /// The path to the peer is broken or could not be made, or a QP went to error (a post
+    /// the provider refused included): rebuild the link.
     Connection,
-    /// A local resource failed (destination not registered, local write error, a provider
-    /// that refused to post, the poller): back off, the peer is fine.
+    /// A local resource failed (destination not registered, local write error, a batch
+    /// refused before posting, the poller): back off, the peer is fine.
     Local,
     /// The owner refused the read (unknown key, out of bounds): what the plan points at is
     /// gone there; report the blocks.
@@ -119,11 +120,13 @@ impl WorkerError {
             | WorkerError::Poller { .. }
             | WorkerError::CqTooSmall { .. } => FailureKind::Local,
             WorkerError::Stopped { .. } => FailureKind::Stopped,
+            // A post the provider refused puts the QP in error like a failed completion
+            // does: it is drained and rebuilt, and the reads flushed beside it report the
+            // link. Calling it the link here too gives one answer whichever batch reports
+            // first.
             WorkerError::ReadFailed { status, .. } => match status {
                 CompletionStatus::RemoteAccessError => FailureKind::Remote,
-                CompletionStatus::LocalWriteError | CompletionStatus::PostFailed => {
-                    FailureKind::Local
-                }
+                CompletionStatus::LocalWriteError => FailureKind::Local,
                 _ => FailureKind::Connection,
             },
         }

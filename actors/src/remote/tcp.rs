@@ -198,9 +198,7 @@ impl TcpLink {
                         CompletionStatus::RemoteAccessError => {
                             RemoteError::refused(format!("the owner refused it: {what}"))
                         }
-                        CompletionStatus::LocalWriteError | CompletionStatus::PostFailed => {
-                            RemoteError::local("a read", what)
-                        }
+                        CompletionStatus::LocalWriteError => RemoteError::local("a read", what),
                         _ => RemoteError::lost("a read", what),
                     }));
                 }
