@@ -6,6 +6,7 @@ mod engine_rpc;
 mod node;
 mod peer_rpc;
 mod remote;
+mod spans;
 mod ssd;
 mod transport_actors;
 mod verbs_soft;
