@@ -114,6 +114,8 @@ pub enum StageName {
     H2d,
     D2h,
     Fence,
+    /// Time a load waited on SSD reads that its copies did not hide.
+    Disk,
 }
 
 impl StageName {
@@ -128,6 +130,7 @@ impl StageName {
             StageName::H2d => "h2d",
             StageName::D2h => "d2h",
             StageName::Fence => "fence",
+            StageName::Disk => "disk",
         }
     }
 }

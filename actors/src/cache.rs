@@ -344,6 +344,18 @@ impl BlockCache {
         }
     }
 
+    /// A slot outside the map, evicting as needed: a load's staging slot for an SSD read
+    /// (its bytes are copied to the device and the slot goes back with [`Self::free_staging`]).
+    pub fn alloc_staging(&mut self) -> Result<SlotRef, CacheError> {
+        let slot = self.alloc_slot()?;
+        Ok(self.slot_ref(BlockHash::from_u64(0), slot))
+    }
+
+    /// Returns a slot from [`Self::alloc_staging`] to the pool.
+    pub fn free_staging(&mut self, slot: usize) {
+        self.pool.free(slot);
+    }
+
     /// Drops one pin on a block without marking anything written.
     pub fn unpin_one(&mut self, ns: &Namespace, hash: BlockHash) {
         self.unpin_entry(&Self::key(ns, hash));

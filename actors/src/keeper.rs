@@ -27,7 +27,7 @@ use crate::plan::{LoadPlan, PlanInput, MIN_LAYER_GROUP_BYTES};
 use crate::registry::InstanceRegistry;
 use crate::remote::directory::segments;
 use crate::remote::{PeerLink, Peers, RemoteBlock, RemotePin};
-use crate::store::{BlockStore, PinGuard, PinPrefix};
+use crate::store::{BlockStore, PinGuard, PinPrefix, SsdBlock};
 use crate::transfer::{LoadJob, Transfer};
 
 /// Why a direct-GPU request is refused on a node without peers.
@@ -42,12 +42,16 @@ pub struct RemoteSeg {
     pub pin: Option<RemotePin>,
 }
 
-/// What a lease holds: the pinned local prefix and the ordered remote plan. Each rank's
-/// share is a clone; the pins go when the lease and every share are gone.
+/// What a lease holds: the pinned local prefix (RAM blocks pinned, SSD blocks held on disk)
+/// and the ordered remote plan. Each rank's share is a clone; the pins and holds go when
+/// the lease and every share are gone.
 #[derive(Clone, Debug)]
 pub struct LeasePlan {
     pub namespace: Namespace,
+    /// The local prefix's RAM blocks.
     pub local: Arc<Vec<SlotRef>>,
+    /// The local prefix's SSD blocks (with their positions in it).
+    pub ssd: Arc<Vec<SsdBlock>>,
     pub pins: Option<Arc<PinGuard>>,
     pub remote: Arc<Vec<RemoteSeg>>,
     /// The query asked for direct loads and was granted them.
@@ -62,7 +66,7 @@ impl LeasePlan {
     }
 
     pub fn blocks(&self) -> usize {
-        self.local.len() + self.remote_blocks()
+        self.local.len() + self.ssd.len() + self.remote_blocks()
     }
 }
 
@@ -160,13 +164,7 @@ impl Handler<Query> for LeaseKeeper {
             let t = Instant::now();
             let remote = match &cluster {
                 Some(c) => {
-                    plan_remote(
-                        c.as_ref(),
-                        &node_id,
-                        &namespace,
-                        &hashes[pinned.blocks.len()..],
-                    )
-                    .await
+                    plan_remote(c.as_ref(), &node_id, &namespace, &hashes[pinned.len()..]).await
                 }
                 None => Vec::new(),
             };
@@ -174,7 +172,7 @@ impl Handler<Query> for LeaseKeeper {
         };
         Box::pin(wrap_future(lookup).map(move |r, act: &mut Self, _| {
             let (namespace, shape, pinned, remote, pin_seconds) = r?;
-            let local_blocks = pinned.blocks.len();
+            let local_blocks = pinned.len();
             let ssd_blocks = pinned.ssd_blocks.min(local_blocks);
             let remote_blocks: usize = remote.iter().map(|s| s.blocks.len()).sum();
             let direct = match (q.direct_gpu, &act.cluster, &act.direct_refusal) {
@@ -203,6 +201,7 @@ impl Handler<Query> for LeaseKeeper {
                 let plan = LeasePlan {
                     namespace: namespace.clone(),
                     local: pinned.blocks,
+                    ssd: pinned.ssd,
                     pins: pinned.guard,
                     remote: Arc::new(remote),
                     direct: direct.is_granted(),
@@ -297,6 +296,7 @@ impl Handler<Load> for LeaseKeeper {
         let share = self.table.check(req.lease, &req.instance, req.rank, now)?;
         handle.layout.check_blocks(&req.dest_blocks)?;
         let local: Vec<u64> = share.local.iter().map(|b| b.addr).collect();
+        let ssd_at: Vec<usize> = share.ssd.iter().map(|b| b.at).collect();
         let remote: Vec<Vec<u64>> = share
             .remote
             .iter()
@@ -307,6 +307,7 @@ impl Handler<Load> for LeaseKeeper {
             layout: &handle.layout,
             rank: req.rank,
             local: &local,
+            ssd_at: &ssd_at,
             remote: &remote,
             direct: share.direct,
             dest: &req.dest_blocks,

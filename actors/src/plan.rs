@@ -1,6 +1,8 @@
 //! `LoadPlan`: what one rank's load will do, decided once and without I/O — the local
-//! prefix's copies in layer groups, the remote suffix per owner in prefix order (with the
-//! direct reads' scatter lists), and the staging slots a staged load needs. The
+//! prefix's RAM copies in layer groups, its SSD blocks (read into staging slots chunk by
+//! chunk, each chunk copied to the device while the next is read), the remote suffix per
+//! owner in prefix order (with the direct reads' scatter lists), and the staging slots a
+//! staged load needs. The
 //! [`crate::transfer::Transfer`] executes it; nothing here touches actors, memory or devices.
 
 use std::ops::Range;
@@ -17,6 +19,14 @@ pub const MIN_LAYER_GROUP_BYTES: u64 = 32 << 20;
 
 /// At most this many layer groups per load, whatever the layer count.
 pub const MAX_LAYER_GROUPS: usize = 64;
+
+/// SSD blocks per pipeline step: one round trip to the store and one device submission per
+/// chunk; the disk reads of later chunks run while earlier ones copy to the device.
+pub const SSD_CHUNK: usize = 8;
+
+/// Chunks of staging slots a load's SSD part keeps (the disk has up to this many chunks of
+/// reads queued while one copies): 32 slots, enough for a queue depth of 32.
+pub const SSD_STAGING_CHUNKS: usize = 4;
 
 /// How a load's remote suffix reaches the device: local, staged or direct.
 pub use crate::api::TransferPath as LoadPath;
@@ -41,14 +51,27 @@ pub struct RemotePart {
     pub direct: Option<CopyList>,
 }
 
+/// The local prefix's blocks held on SSD: read into a ring of staging slots, `chunk` blocks
+/// at a time, each block's rank part scattered to the device once its chunk has landed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SsdPart {
+    /// Destination device blocks, in the lease's SSD block order.
+    pub dest: Vec<u32>,
+    /// Pool slots to borrow for the reads (fewer still work: a shorter pipeline).
+    pub staging_slots: usize,
+    pub chunk: usize,
+}
+
 /// One rank's load.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LoadPlan {
     pub path: LoadPath,
     /// Layers of the rank's KV (what per-layer progress counts to).
     pub layers: u32,
-    /// The local prefix, in layer order; empty where the lease has no local blocks.
+    /// The local prefix's RAM blocks, in layer order; empty where it has none.
     pub local: Vec<LayerBatch>,
+    /// The local prefix's SSD blocks, if any.
+    pub ssd: Option<SsdPart>,
     pub remote: Vec<RemotePart>,
     /// Pool slots a staged load reserves (one per remote block); 0 otherwise.
     pub staging_slots: usize,
@@ -58,14 +81,19 @@ pub struct LoadPlan {
 }
 
 /// What a plan is built from: the lease share's blocks (as addresses of whole host blocks:
-/// local pool slots, and each owner segment's blocks in the owner's memory), the rank's KV
-/// and the destination blocks the engine gave, in prefix order.
+/// local pool slots, and each owner segment's blocks in the owner's memory; SSD blocks by
+/// their positions in the local prefix), the rank's KV and the destination blocks the
+/// engine gave, in prefix order.
 #[derive(Clone, Copy, Debug)]
 pub struct PlanInput<'a> {
     pub shape: &'a KvShape,
     pub layout: &'a KvLayout,
     pub rank: u32,
+    /// The RAM blocks of the local prefix, in order.
     pub local: &'a [u64],
+    /// Positions in the local prefix (of `local.len() + ssd_at.len()` blocks) of its SSD
+    /// blocks, increasing; the RAM blocks fill the other positions in order.
+    pub ssd_at: &'a [usize],
     pub remote: &'a [Vec<u64>],
     pub direct: bool,
     pub dest: &'a [u32],
@@ -79,6 +107,8 @@ pub struct PlanInput<'a> {
 pub enum PlanError {
     #[error("the lease holds {leased} blocks, {given} destination blocks given")]
     BlockCount { leased: usize, given: usize },
+    #[error("SSD block position {at} is out of order or past the local prefix of {local} blocks")]
+    SsdPosition { at: usize, local: usize },
 }
 
 /// Splits `layers` into runs covering every layer once, in order, at most
@@ -111,24 +141,38 @@ pub fn layer_groups(layers: u32, bytes_per_layer: u64, min_bytes: u64) -> Vec<Ra
 impl LoadPlan {
     pub fn build(inp: PlanInput<'_>) -> Result<Self, PlanError> {
         let remote_blocks: usize = inp.remote.iter().map(Vec::len).sum();
-        let leased = inp.local.len() + remote_blocks;
+        let n_local = inp.local.len() + inp.ssd_at.len();
+        let leased = n_local + remote_blocks;
         if inp.dest.len() != leased {
             return Err(PlanError::BlockCount {
                 leased,
                 given: inp.dest.len(),
             });
         }
+        let mut prev = None;
+        for &at in inp.ssd_at {
+            if at >= n_local || prev.is_some_and(|p| at <= p) {
+                return Err(PlanError::SsdPosition { at, local: n_local });
+            }
+            prev = Some(at);
+        }
         let shape = inp.shape;
         let layers = shape.layers();
         let sc = Scatter::new(shape, inp.layout, inp.rank);
         let h2d = CopyDirection::HostToDevice;
-        let (local_dest, remote_dest) = inp.dest.split_at(inp.local.len());
-        let pairs: Vec<(u64, u32)> = inp
-            .local
-            .iter()
-            .copied()
-            .zip(local_dest.iter().copied())
-            .collect();
+        let (local_dest, remote_dest) = inp.dest.split_at(n_local);
+        // Split the local prefix's destinations between its RAM and SSD blocks.
+        let mut ram_dest = Vec::with_capacity(inp.local.len());
+        let mut ssd_dest = Vec::with_capacity(inp.ssd_at.len());
+        let mut next_ssd = inp.ssd_at.iter().peekable();
+        for (at, &d) in local_dest.iter().enumerate() {
+            if next_ssd.next_if_eq(&&at).is_some() {
+                ssd_dest.push(d);
+            } else {
+                ram_dest.push(d);
+            }
+        }
+        let pairs: Vec<(u64, u32)> = inp.local.iter().copied().zip(ram_dest).collect();
         let bytes_per_layer =
             shape.segment_bytes() * u64::from(shape.segments()) * pairs.len() as u64;
         let local = if pairs.is_empty() {
@@ -178,10 +222,16 @@ impl LoadPlan {
             (_, true) => LoadPath::Direct,
             (_, false) => LoadPath::Staged,
         };
+        let ssd = (!ssd_dest.is_empty()).then(|| SsdPart {
+            staging_slots: ssd_dest.len().min(SSD_CHUNK * SSD_STAGING_CHUNKS),
+            chunk: SSD_CHUNK,
+            dest: ssd_dest,
+        });
         Ok(Self {
             path,
             layers,
             local,
+            ssd,
             remote,
             staging_slots: if path == LoadPath::Staged {
                 remote_blocks
@@ -195,6 +245,10 @@ impl LoadPlan {
 
     pub fn remote_blocks(&self) -> usize {
         self.remote.iter().map(|r| r.dest.len()).sum()
+    }
+
+    pub fn ssd_blocks(&self) -> usize {
+        self.ssd.as_ref().map_or(0, |s| s.dest.len())
     }
 }
 
@@ -240,6 +294,7 @@ mod tests {
             layout,
             rank: 1,
             local,
+            ssd_at: &[],
             remote,
             direct,
             dest,
@@ -352,6 +407,70 @@ mod tests {
                 given: 1
             })
         );
+    }
+
+    /// RAM and SSD blocks alternate in the local prefix (RAM evicts a prompt's oldest
+    /// blocks first); each gets the destination of its position, then the remote suffix.
+    #[test]
+    fn ssd_blocks_take_their_prefix_positions_then_the_remote_suffix_follows() {
+        let (shape, layout) = kv(4, 32);
+        let local = [0x1000_0000, 0x2000_0000, 0x3000_0000];
+        let remote = vec![vec![0xa000]];
+        let dest = [10, 11, 12, 13, 14, 15, 16];
+        // Prefix of 6: SSD at 0, 1 and 4; RAM at 2, 3 and 5; then one remote block.
+        let p = LoadPlan::build(PlanInput {
+            ssd_at: &[0, 1, 4],
+            ..input(&shape, &layout, &local, &remote, false, &dest)
+        })
+        .unwrap();
+        assert_eq!(p.path, LoadPath::Staged);
+        assert_eq!((p.blocks, p.ssd_blocks(), p.remote_blocks()), (7, 3, 1));
+        assert_eq!(p.bytes, 7 * shape.rank_bytes());
+        let ssd = p.ssd.as_ref().unwrap();
+        assert_eq!(ssd.dest, vec![10, 11, 14]);
+        assert_eq!((ssd.chunk, ssd.staging_slots), (SSD_CHUNK, 3));
+        assert_eq!(p.remote[0].dest, vec![16]);
+        // RAM copies go to 12, 13 and 15, slot by slot in order.
+        let want = [12, 13, 15];
+        let mut ops = 0;
+        for op in p.local.iter().flat_map(|b| b.list.ops()) {
+            let slot = local
+                .iter()
+                .position(|&s| op.src >= s && op.src < s + 0x1000_0000)
+                .unwrap();
+            let seg = ((op.src - local[slot] - shape.rank_offset(1)) / SEG) as u32;
+            assert_eq!(op.dst, layout.segment_addr(seg / 2, seg % 2, want[slot]));
+            ops += 1;
+        }
+        assert_eq!(ops, 3 * 4 * 2);
+
+        // Only SSD blocks: a local load with no RAM batches; a long run borrows one ring.
+        let dest: Vec<u32> = (0..100).collect();
+        let at: Vec<usize> = (0..100).collect();
+        let p = LoadPlan::build(PlanInput {
+            ssd_at: &at,
+            ..input(&shape, &layout, &[], &[], false, &dest)
+        })
+        .unwrap();
+        assert_eq!(p.path, LoadPath::Local);
+        assert!(p.local.is_empty());
+        assert_eq!(
+            p.ssd.as_ref().unwrap().staging_slots,
+            SSD_CHUNK * SSD_STAGING_CHUNKS
+        );
+    }
+
+    #[test]
+    fn ssd_positions_out_of_order_or_past_the_prefix_are_refused() {
+        let (shape, layout) = kv(2, 16);
+        let local = [1 << 20];
+        for (at, bad) in [(&[1usize, 1][..], 1), (&[2, 1][..], 1), (&[0, 3][..], 3)] {
+            let e = LoadPlan::build(PlanInput {
+                ssd_at: at,
+                ..input(&shape, &layout, &local, &[], false, &[1, 2, 3])
+            });
+            assert_eq!(e, Err(PlanError::SsdPosition { at: bad, local: 3 }));
+        }
     }
 
     #[test]

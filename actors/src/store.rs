@@ -24,6 +24,8 @@ use crate::registry::RankHandle;
 use crate::remote::directory::Directory;
 use crate::remote::link::{PinnedRemote, RemoteBlock};
 use crate::remote::pins::PeerPins;
+use crate::ssd::error::ReadFailure;
+use crate::ssd::index::Entry as SsdEntry;
 use crate::ssd::io::{ReadInto, ReadOutcome};
 use crate::ssd::tier::{PendingRead, PendingWrite, ReadRx, WriteRx};
 use crate::ssd::{SsdError, SsdStats, SsdTier};
@@ -40,6 +42,10 @@ pub struct BlockStore {
     ssd: Option<SsdTier>,
     /// `(tp, block bytes)` of every namespace seen: what an evicted block's bytes are.
     shapes: HashMap<Namespace, (u32, u64)>,
+    /// SSD blocks held on disk for leases (released with the lease's pins).
+    ssd_held: usize,
+    /// Pool slots lent to loads as staging for their SSD reads.
+    staging: usize,
 }
 
 /// SSD blocks being read into RAM slots for one lookup, in prefix order. Each block's slot
@@ -67,6 +73,8 @@ impl BlockStore {
             clock,
             ssd: None,
             shapes: HashMap::new(),
+            ssd_held: 0,
+            staging: 0,
         }
     }
 
@@ -155,22 +163,26 @@ impl Drop for BlockStore {
     }
 }
 
-/// Pins on a prefix, released when the last holder (a lease, or a transfer using its share)
-/// drops it. Also keeps the pool memory mapped.
+/// Pins on a prefix (RAM blocks pinned, SSD blocks held on disk), released when the last
+/// holder (a lease, or a transfer using its share) drops it. Also keeps the pool memory
+/// mapped.
 pub struct PinGuard {
     store: Addr<BlockStore>,
     namespace: Namespace,
     hashes: Vec<BlockHash>,
+    ssd: Vec<(BlockKey, SsdEntry)>,
     _memory: Arc<PoolMemory>,
 }
 
 impl Drop for PinGuard {
     fn drop(&mut self) {
         let hashes = std::mem::take(&mut self.hashes);
-        if !hashes.is_empty() {
+        let ssd = std::mem::take(&mut self.ssd);
+        if !hashes.is_empty() || !ssd.is_empty() {
             self.store.do_send(Unpin {
                 namespace: self.namespace.clone(),
                 hashes,
+                ssd,
             });
         }
     }
@@ -180,18 +192,42 @@ impl std::fmt::Debug for PinGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PinGuard")
             .field("blocks", &self.hashes.len())
+            .field("ssd_blocks", &self.ssd.len())
             .finish()
     }
 }
 
-/// A pinned prefix.
+/// A block of a lease's local prefix that is held on the SSD tier (not read yet: the load
+/// reads it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SsdBlock {
+    pub hash: BlockHash,
+    /// Its position in the local prefix (RAM and SSD blocks may alternate: RAM evicts the
+    /// oldest blocks, often a prompt's first ones).
+    pub at: usize,
+}
+
+/// A pinned prefix: RAM blocks pinned, SSD blocks held on disk.
 #[derive(Debug, Clone)]
 pub struct PinnedPrefix {
+    /// The RAM blocks, in prefix order.
     pub blocks: Arc<Vec<SlotRef>>,
+    /// The SSD blocks, in prefix order.
+    pub ssd: Arc<Vec<SsdBlock>>,
     pub guard: Option<Arc<PinGuard>>,
-    /// How many of `blocks` (the last ones) were read from the SSD tier for this lookup;
-    /// the others were in RAM.
+    /// `ssd.len()`: how many of the prefix's blocks are on SSD.
     pub ssd_blocks: usize,
+}
+
+impl PinnedPrefix {
+    /// Blocks in the local prefix, both tiers.
+    pub fn len(&self) -> usize {
+        self.blocks.len() + self.ssd.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 #[derive(Message)]
@@ -201,44 +237,45 @@ pub struct PinPrefix {
     pub hashes: Vec<BlockHash>,
 }
 
-/// Pins the prefix of `hashes` held here: the RAM prefix, continued by blocks read from the
-/// SSD tier into RAM slots (the reply waits for those reads; they run off this thread).
+/// Pins the prefix of `hashes` held here: RAM blocks are pinned, SSD blocks are held on
+/// disk (not read: the load reads them, pipelined with its copies to the device). Nothing
+/// waits: the answer is immediate.
 impl Handler<PinPrefix> for BlockStore {
-    type Result = ResponseActFuture<Self, PinnedPrefix>;
+    type Result = actix::MessageResult<PinPrefix>;
 
     fn handle(&mut self, m: PinPrefix, ctx: &mut Context<Self>) -> Self::Result {
-        Box::pin(self.pin_local(m.namespace.clone(), &m.hashes, ctx).map(
-            move |(blocks, ssd_blocks), act: &mut Self, ctx| {
-                if let Some(ssd) = &act.ssd {
-                    let m = ssd.metrics();
-                    m.hits_ram
-                        .fetch_add((blocks.len() - ssd_blocks) as u64, Relaxed);
-                    m.hits_ssd.fetch_add(ssd_blocks as u64, Relaxed);
-                }
-                let guard = (!blocks.is_empty()).then(|| {
-                    Arc::new(PinGuard {
-                        store: ctx.address(),
-                        namespace: m.namespace,
-                        hashes: blocks.iter().map(|b| b.hash).collect(),
-                        _memory: Arc::clone(act.cache.pool().memory()),
-                    })
-                });
-                PinnedPrefix {
-                    blocks: Arc::new(blocks),
-                    guard,
-                    ssd_blocks,
-                }
-            },
-        ))
+        let (blocks, ssd, holds) = self.pin_for_lease(&m.namespace, &m.hashes);
+        if let Some(t) = &self.ssd {
+            let c = t.metrics();
+            c.hits_ram.fetch_add(blocks.len() as u64, Relaxed);
+            c.hits_ssd.fetch_add(ssd.len() as u64, Relaxed);
+        }
+        self.ssd_held += holds.len();
+        let guard = (!blocks.is_empty() || !holds.is_empty()).then(|| {
+            Arc::new(PinGuard {
+                store: ctx.address(),
+                namespace: m.namespace,
+                hashes: blocks.iter().map(|b| b.hash).collect(),
+                ssd: holds,
+                _memory: Arc::clone(self.cache.pool().memory()),
+            })
+        });
+        actix::MessageResult(PinnedPrefix {
+            blocks: Arc::new(blocks),
+            ssd_blocks: ssd.len(),
+            ssd: Arc::new(ssd),
+            guard,
+        })
     }
 }
 
-/// Control: drop one pin on each block.
+/// Control: drop one pin on each block, and the disk holds.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Unpin {
     pub namespace: Namespace,
     pub hashes: Vec<BlockHash>,
+    ssd: Vec<(BlockKey, SsdEntry)>,
 }
 
 impl Handler<Unpin> for BlockStore {
@@ -246,6 +283,12 @@ impl Handler<Unpin> for BlockStore {
 
     fn handle(&mut self, m: Unpin, _: &mut Context<Self>) {
         self.cache.unpin(&m.namespace, &m.hashes);
+        self.ssd_held = self.ssd_held.saturating_sub(m.ssd.len());
+        if let Some(t) = self.ssd.as_mut() {
+            for (key, e) in &m.ssd {
+                t.release(key, e);
+            }
+        }
     }
 }
 
@@ -728,6 +771,42 @@ impl BlockStore {
         self.withdraw(gone);
     }
 
+    /// The prefix of `hashes` held here for a lease: RAM blocks pinned, SSD blocks held on
+    /// disk (their slots cannot be evicted or reused until the holds are released). The
+    /// prefix ends at the first block that neither tier holds, or that RAM holds unsealed
+    /// (a writer has it). The RAM-only head is pinned in one pass (the common case).
+    fn pin_for_lease(
+        &mut self,
+        ns: &Namespace,
+        hashes: &[BlockHash],
+    ) -> (Vec<SlotRef>, Vec<SsdBlock>, Vec<(BlockKey, SsdEntry)>) {
+        let head = self.cache.prefix_len(ns, hashes);
+        let mut ram = self.cache.pin_prefix(ns, &hashes[..head]);
+        let mut ssd = Vec::new();
+        let mut holds = Vec::new();
+        let Some(tier) = self.ssd.as_mut() else {
+            return (ram, ssd, holds);
+        };
+        for (at, h) in hashes.iter().enumerate().skip(head) {
+            let one = std::slice::from_ref(h);
+            if self.cache.prefix_len(ns, one) == 1 {
+                ram.extend(self.cache.pin_prefix(ns, one));
+                continue;
+            }
+            if self.cache.contains(ns, *h) {
+                break;
+            }
+            let key = BlockKey {
+                namespace: ns.clone(),
+                hash: *h,
+            };
+            let Some(e) = tier.hold(&key) else { break };
+            ssd.push(SsdBlock { hash: *h, at });
+            holds.push((key, e));
+        }
+        (ram, ssd, holds)
+    }
+
     /// Pins the prefix of `hashes` held here, RAM and SSD blocks in any order: RAM blocks
     /// are pinned first (so promotions cannot evict them), then the SSD blocks get RAM
     /// slots (evicting as needed) and are read into them off this thread. Resolves to the
@@ -912,7 +991,7 @@ impl BlockStore {
         for ((r, tp), outcome) in p.reads.into_iter().zip(outcomes) {
             let h = r.key.hash;
             let (ok, removed) = match self.ssd.as_mut() {
-                Some(ssd) => ssd.read_done(&r, outcome),
+                Some(ssd) => ssd.read_done(&r, outcome.as_ref()),
                 None => (false, false),
             };
             if ok {
@@ -1084,6 +1163,190 @@ fn by_namespace(keys: impl IntoIterator<Item = BlockKey>) -> Vec<(Namespace, Vec
     by_ns
 }
 
+/// Pool slots a load reads SSD blocks into. They go back to the pool when the last holder
+/// drops this: the load, every disk read into them (the I/O thread holds it until the read
+/// is done) and every copy from them to the device (held until the copy drained).
+pub(crate) struct StagingGuard {
+    store: Addr<BlockStore>,
+    slots: Vec<usize>,
+    /// The slots' memory stays mapped while anything may still read or write them.
+    _memory: Arc<PoolMemory>,
+}
+
+impl Drop for StagingGuard {
+    fn drop(&mut self) {
+        let slots = std::mem::take(&mut self.slots);
+        if !slots.is_empty() {
+            self.store.do_send(FreeStaging(slots));
+        }
+    }
+}
+
+/// Lends up to `want` pool slots (at least one, evicting unpinned blocks as needed) for a
+/// load's SSD reads: their addresses and the guard that gives them back.
+#[derive(Message)]
+#[rtype(result = "Result<(Vec<u64>, Arc<StagingGuard>), NodeError>")]
+pub(crate) struct ReserveStaging {
+    pub(crate) want: usize,
+}
+
+impl Handler<ReserveStaging> for BlockStore {
+    type Result = actix::MessageResult<ReserveStaging>;
+
+    fn handle(&mut self, m: ReserveStaging, ctx: &mut Context<Self>) -> Self::Result {
+        let mut slots = Vec::with_capacity(m.want);
+        let mut addrs = Vec::with_capacity(m.want);
+        for _ in 0..m.want {
+            let r = self.cache.alloc_staging();
+            // Before the read lands: an evicted block's bytes are still in its slot.
+            self.advertise_evictions(ctx);
+            match r {
+                Ok(s) => {
+                    slots.push(s.slot);
+                    addrs.push(s.addr);
+                }
+                // Fewer slots make a shorter pipeline, not a failed load.
+                Err(_) if !slots.is_empty() => break,
+                Err(e) => return actix::MessageResult(Err(e.into())),
+            }
+        }
+        self.staging += slots.len();
+        actix::MessageResult(Ok((
+            addrs,
+            Arc::new(StagingGuard {
+                store: ctx.address(),
+                slots,
+                _memory: Arc::clone(self.cache.pool().memory()),
+            }),
+        )))
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct FreeStaging(Vec<usize>);
+
+impl Handler<FreeStaging> for BlockStore {
+    type Result = ();
+
+    fn handle(&mut self, m: FreeStaging, _: &mut Context<Self>) {
+        self.staging = self.staging.saturating_sub(m.0.len());
+        for s in m.0 {
+            self.cache.free_staging(s);
+        }
+    }
+}
+
+/// Why one SSD block of a load was not read (see [`ReadSsd`]).
+#[derive(Debug)]
+pub(crate) struct ReadFail {
+    pub(crate) failure: ReadFailure,
+    pub(crate) source: Option<SsdError>,
+}
+
+/// Reads SSD blocks of a lease into staging slots (`(block, slot address)`, in order) and
+/// replies once every one of them is done, with each block's outcome. The reads run on the
+/// tier's I/O threads; their bookkeeping (LRU, damage, metrics) happens here whatever the
+/// caller does meanwhile, so a load that stops waiting leaks nothing.
+#[derive(Message)]
+#[rtype(result = "Vec<Result<(), ReadFail>>")]
+pub(crate) struct ReadSsd {
+    pub(crate) namespace: Namespace,
+    pub(crate) reads: Vec<(BlockHash, u64)>,
+    pub(crate) staging: Arc<StagingGuard>,
+}
+
+impl Handler<ReadSsd> for BlockStore {
+    type Result = ResponseActFuture<Self, Vec<Result<(), ReadFail>>>;
+
+    fn handle(&mut self, m: ReadSsd, _: &mut Context<Self>) -> Self::Result {
+        let cap = self.cache.pool().slot_bytes();
+        let mut out: Vec<Option<Result<(), ReadFail>>> = Vec::with_capacity(m.reads.len());
+        let mut pending = Vec::new();
+        let mut rxs = Vec::new();
+        for (i, (hash, addr)) in m.reads.into_iter().enumerate() {
+            let key = BlockKey {
+                namespace: m.namespace.clone(),
+                hash,
+            };
+            let fail = |failure| {
+                Some(Err(ReadFail {
+                    failure,
+                    source: None,
+                }))
+            };
+            let Some(tier) = self.ssd.as_mut() else {
+                out.push(fail(ReadFailure::Vanished));
+                continue;
+            };
+            // The read's own hold: the lease's may be released while the read runs.
+            let Some(e) = tier.hold(&key) else {
+                out.push(fail(ReadFailure::Vanished));
+                continue;
+            };
+            let into = ReadInto {
+                addr,
+                cap,
+                keep: Arc::clone(&m.staging) as Arc<dyn Send + Sync>,
+            };
+            match tier.read_held(&key, e, into) {
+                Some((r, rx)) => {
+                    out.push(None);
+                    pending.push((i, r));
+                    rxs.push(rx);
+                }
+                None => out.push(fail(ReadFailure::Io)),
+            }
+        }
+        let wait = async move {
+            let mut got = Vec::with_capacity(rxs.len());
+            for rx in rxs {
+                got.push(rx.await.ok());
+            }
+            got
+        };
+        Box::pin(wrap_future(wait).map(move |got, act: &mut Self, _| {
+            let mut gone = Vec::new();
+            for ((i, r), outcome) in pending.into_iter().zip(got) {
+                let (ok, removed) = match act.ssd.as_mut() {
+                    Some(t) => t.read_done(&r, outcome.as_ref()),
+                    None => (false, false),
+                };
+                if removed {
+                    gone.push(r.key.clone());
+                }
+                out[i] = Some(if ok {
+                    Ok(())
+                } else {
+                    Err(match outcome {
+                        Some(ReadOutcome::Damaged(d)) => ReadFail {
+                            failure: ReadFailure::Damaged(d),
+                            source: None,
+                        },
+                        Some(ReadOutcome::Failed(e)) => ReadFail {
+                            failure: ReadFailure::Io,
+                            source: Some(e),
+                        },
+                        _ => ReadFail {
+                            failure: ReadFailure::Io,
+                            source: None,
+                        },
+                    })
+                });
+            }
+            act.withdraw(gone);
+            out.into_iter()
+                .map(|o| {
+                    o.unwrap_or(Err(ReadFail {
+                        failure: ReadFailure::Io,
+                        source: None,
+                    }))
+                })
+                .collect()
+        }))
+    }
+}
+
 /// The SSD tier's counters and gauges; None without one.
 #[derive(Message)]
 #[rtype(result = "Option<SsdStats>")]
@@ -1093,7 +1356,11 @@ impl Handler<GetSsdStats> for BlockStore {
     type Result = actix::MessageResult<GetSsdStats>;
 
     fn handle(&mut self, _: GetSsdStats, _: &mut Context<Self>) -> Self::Result {
-        actix::MessageResult(self.ssd.as_ref().map(SsdTier::stats))
+        actix::MessageResult(self.ssd.as_ref().map(|t| SsdStats {
+            held_blocks: self.ssd_held,
+            staging_slots: self.staging,
+            ..t.stats()
+        }))
     }
 }
 

@@ -19,6 +19,7 @@ use crate::plan::RemotePart;
 use crate::registry::RankHandle;
 use crate::remote::link::{BoxFut, Drained, Keep, ReadStats};
 use crate::store::{BlockStore, ReserveFetch};
+use crate::transfer::PartDone;
 
 /// Blocks per pipeline step of a staged load: reads of later chunks overlap the device copy
 /// of earlier ones.
@@ -35,13 +36,18 @@ pub struct Suffix {
 
 impl Suffix {
     /// Bytes moved and stages spent.
-    pub fn run(self) -> BoxFut<Result<(u64, Vec<Stage>), NodeError>> {
+    pub fn run(self) -> BoxFut<Result<PartDone, NodeError>> {
         Box::pin(async move {
-            if self.share.direct {
-                self.direct().await
+            let (bytes, stages) = if self.share.direct {
+                self.direct().await?
             } else {
-                self.staged().await
-            }
+                self.staged().await?
+            };
+            Ok(PartDone {
+                bytes,
+                stages,
+                spans: Vec::new(),
+            })
         })
     }
 

@@ -2,9 +2,10 @@
 //! share, rank handle, pool memory, writer pins) until every batch it submitted has been
 //! reported, and only then releases them and replies, once.
 //!
-//! A load runs its [`LoadPlan`]: the local prefix as layer batches submitted back to back
-//! (each reported as it lands, so an engine can start on early layers), and the remote
-//! suffix at the same time (its destinations are other blocks); it replies when both are done.
+//! A load runs its [`LoadPlan`]: the local prefix's RAM blocks as layer batches submitted
+//! back to back (each reported as it lands, so an engine can start on early layers), and
+//! beside them its parts: the SSD blocks ([`SsdLoad`]) and the remote suffix ([`Suffix`])
+//! (their destinations are other blocks); it replies when all are done.
 
 use std::any::Any;
 use std::collections::VecDeque;
@@ -27,6 +28,7 @@ use crate::nic::stripe::StripePlan;
 use crate::plan::LoadPlan;
 use crate::registry::RankHandle;
 use crate::remote::link::BoxFut;
+use crate::ssd::load::SsdLoad;
 use crate::store::BlockStore;
 use crate::suffix::Suffix;
 
@@ -38,15 +40,16 @@ pub type OnSuccess = Box<dyn FnOnce() + Send>;
 
 pub type ReportTx = oneshot::Sender<Result<TransferReport, NodeError>>;
 
-/// Work that runs beside the device batches (the remote suffix of a load): bytes it moved
-/// and the stages it spent.
-pub type Then = BoxFut<Result<(u64, Vec<Stage>), NodeError>>;
+/// Work that runs beside the device batches (a load's SSD part and remote suffix).
+pub type Then = BoxFut<Result<PartDone, NodeError>>;
 
-/// The remote part's state.
-enum Remote {
-    None,
-    Running,
-    Done(Result<(u64, Vec<Stage>), NodeError>),
+/// What a part that ran beside the device batches did: bytes it moved, the stages it
+/// spent, and its own timeline (seconds since the transfer started).
+#[derive(Debug, Default)]
+pub struct PartDone {
+    pub bytes: u64,
+    pub stages: Vec<Stage>,
+    pub spans: Vec<Span>,
 }
 
 pub struct Transfer {
@@ -66,8 +69,13 @@ pub struct Transfer {
     started: Instant,
     submitted: Option<Instant>,
     in_flight: Option<InFlight>,
-    then: Option<Then>,
-    remote: Remote,
+    /// Parts not started yet, each with the span name it runs under.
+    then: Vec<(&'static str, Then)>,
+    /// Parts started and not finished.
+    parts_running: usize,
+    /// What the finished parts did together, and their first error.
+    parts: PartDone,
+    part_error: Option<NodeError>,
     /// What the device batches did so far, and their first error.
     local: CopyStats,
     local_error: Option<DeviceError>,
@@ -127,8 +135,10 @@ impl Transfer {
             started: spec.started,
             submitted: None,
             in_flight: Some(spec.in_flight),
-            then: spec.then,
-            remote: Remote::None,
+            then: spec.then.map(|t| ("remote", t)).into_iter().collect(),
+            parts_running: 0,
+            parts: PartDone::default(),
+            part_error: None,
             local: CopyStats::default(),
             local_error: None,
             local_seconds: 0.0,
@@ -140,7 +150,7 @@ impl Transfer {
         }
     }
 
-    /// A load: the local layer batches and the remote suffix, started together.
+    /// A load: the local layer batches, the SSD part and the remote suffix, started together.
     pub fn load(job: LoadJob, reply: ReportTx) -> Self {
         let LoadJob {
             mut plan,
@@ -160,13 +170,29 @@ impl Transfer {
             path = plan.path.as_str(),
             blocks = plan.blocks,
             remote_blocks = plan.remote_blocks(),
+            ssd_blocks = plan.ssd_blocks(),
         );
+        use tracing::Instrument;
+        let mut then: Vec<(&'static str, Then)> = Vec::new();
+        // The SSD part first: its disk reads start while the rest is set up.
+        if let Some(part) = plan.ssd.take() {
+            let f = SsdLoad {
+                namespace: share.namespace.clone(),
+                hashes: share.ssd.iter().map(|b| b.hash).collect(),
+                part,
+                handle: Arc::clone(&handle),
+                store: store.clone(),
+                started,
+            }
+            .run()
+            .instrument(trace.clone());
+            then.push(("ssd", Box::pin(f)));
+        }
         // The suffix takes the remote parts (their scatter lists can be long): nothing else
         // reads them.
         let remote = std::mem::take(&mut plan.remote);
-        let then = (!remote.is_empty()).then(|| {
-            use tracing::Instrument;
-            Suffix {
+        if !remote.is_empty() {
+            let f = Suffix {
                 parts: remote,
                 share: share.clone(),
                 handle: Arc::clone(&handle),
@@ -174,9 +200,9 @@ impl Transfer {
                 route,
             }
             .run()
-            .instrument(trace.clone())
-        });
-        let then: Option<Then> = then.map(|f| Box::pin(f) as Then);
+            .instrument(trace.clone());
+            then.push(("remote", Box::pin(f)));
+        }
         let batches = plan
             .local
             .into_iter()
@@ -197,7 +223,9 @@ impl Transfer {
             submitted: None,
             in_flight: Some(in_flight),
             then,
-            remote: Remote::None,
+            parts_running: 0,
+            parts: PartDone::default(),
+            part_error: None,
             local: CopyStats::default(),
             local_error: None,
             local_seconds: 0.0,
@@ -228,21 +256,21 @@ impl Transfer {
         }
     }
 
-    /// Layers that have landed in every destination: the local batches' count while the
-    /// remote part runs, all of them once it is done too. Reported when it grows.
+    /// Layers that have landed in every destination: none while a part (SSD, remote) runs
+    /// (its blocks hold every layer), the local batches' count once they are done. Reported
+    /// when it grows.
     fn report_layers(&mut self) {
         let Some(obs) = &self.observer else {
             return;
         };
-        let remote_done = !matches!(self.remote, Remote::Running);
+        let remote_done = self.parts_running == 0;
         let local = if self.pending.is_empty() && self.batches.is_empty() {
             self.layers
         } else {
             self.landed
         };
         let visible = if remote_done { local } else { 0 };
-        if visible > 0 && self.local_error.is_none() && !matches!(self.remote, Remote::Done(Err(_)))
-        {
+        if visible > 0 && self.local_error.is_none() && self.part_error.is_none() {
             obs.layers_landed(visible, self.layers);
         }
     }
@@ -281,37 +309,45 @@ impl Transfer {
         self.maybe_finish(ctx);
     }
 
-    fn remote_done(&mut self, r: Result<(u64, Vec<Stage>), NodeError>, ctx: &mut Context<Self>) {
-        self.remote = Remote::Done(r);
-        self.end_span("remote");
+    fn part_done(
+        &mut self,
+        name: &'static str,
+        r: Result<PartDone, NodeError>,
+        ctx: &mut Context<Self>,
+    ) {
+        self.parts_running = self.parts_running.saturating_sub(1);
+        self.end_span(name);
+        match r {
+            Ok(p) => {
+                self.parts.bytes += p.bytes;
+                self.parts.stages.extend(p.stages);
+                self.spans.extend(p.spans);
+            }
+            Err(e) => {
+                self.part_error.get_or_insert(e);
+            }
+        }
         self.report_layers();
         self.maybe_finish(ctx);
     }
 
-    /// Replies once the device batches and the remote part have both finished.
+    /// Replies once the device batches and every part have finished.
     fn maybe_finish(&mut self, ctx: &mut Context<Self>) {
-        if !self.pending.is_empty() || matches!(self.remote, Remote::Running) {
+        if !self.pending.is_empty() || self.parts_running > 0 {
             return;
         }
-        let remote = std::mem::replace(&mut self.remote, Remote::None);
         let out = if let Some(source) = self.local_error.take() {
             Err(NodeError::Transfer {
                 path: self.path.as_str(),
                 source,
             })
         } else {
-            let mut bytes = self.local.bytes;
-            let remote_stages = match remote {
-                Remote::Done(Err(e)) => {
-                    self.reply_with(Err(e), ctx);
-                    return;
-                }
-                Remote::Done(Ok((b, stages))) => {
-                    bytes += b;
-                    stages
-                }
-                _ => Vec::new(),
-            };
+            if let Some(e) = self.part_error.take() {
+                self.reply_with(Err(e), ctx);
+                return;
+            }
+            let bytes = self.local.bytes + self.parts.bytes;
+            let remote_stages = std::mem::take(&mut self.parts.stages);
             if let Some(f) = self.on_success.take() {
                 f();
             }
@@ -321,7 +357,7 @@ impl Transfer {
                     seconds: self.local_seconds,
                 });
             }
-            // One entry per stage: the prefix's and the suffix's device copies add up.
+            // One entry per stage: the prefix's and the parts' device copies add up.
             for st in remote_stages {
                 match self.stages.iter_mut().find(|s| s.name == st.name) {
                     Some(s) => s.seconds += st.seconds,
@@ -401,17 +437,18 @@ impl Actor for Transfer {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
-        // The remote part first: its reads start while the local batches are submitted.
-        if let Some(then) = self.then.take() {
-            self.remote = Remote::Running;
+        // The parts first: their reads start while the local batches are submitted.
+        for (name, then) in std::mem::take(&mut self.then) {
+            self.parts_running += 1;
             let start = self.now();
             self.spans.push(Span {
-                name: "remote",
+                name,
                 start,
                 end: start,
             });
             ctx.spawn(
-                actix::fut::wrap_future(then).map(|r, act: &mut Self, ctx| act.remote_done(r, ctx)),
+                actix::fut::wrap_future(then)
+                    .map(move |r, act: &mut Self, ctx| act.part_done(name, r, ctx)),
             );
         }
         self.submitted = Some(Instant::now());

@@ -6,6 +6,9 @@ use std::path::PathBuf;
 
 use thiserror::Error;
 
+use super::format::Damage;
+use crate::model::BlockHash;
+
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum SsdError {
@@ -33,6 +36,52 @@ pub enum SsdError {
     },
     #[error("ssd directory {path}: its I/O thread has stopped")]
     Stopped { path: PathBuf },
+    /// A load's SSD blocks that did not come back intact: their destinations were not
+    /// written (never wrong bytes); the engine recomputes them.
+    #[error("ssd: {} block(s) of this load could not be read intact: {}", blocks.len(), list(blocks))]
+    Unreadable {
+        blocks: Vec<(BlockHash, ReadFailure)>,
+        /// The first I/O error among them, if any was one.
+        #[source]
+        source: Option<Box<SsdError>>,
+    },
+}
+
+/// Why one block of a load could not be read from disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReadFailure {
+    /// It left the tier since the query (found damaged by another read).
+    Vanished,
+    /// Its slot did not hold its bytes (torn, overwritten, checksum): dropped from the tier.
+    Damaged(Damage),
+    /// The read itself failed (an I/O error, or the directory's thread stopped).
+    Io,
+}
+
+impl ReadFailure {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReadFailure::Vanished => "vanished",
+            ReadFailure::Damaged(d) => d.as_str(),
+            ReadFailure::Io => "io",
+        }
+    }
+}
+
+fn list(blocks: &[(BlockHash, ReadFailure)]) -> String {
+    let mut s = String::new();
+    for (i, (h, f)) in blocks.iter().enumerate() {
+        if i == 8 {
+            s.push_str(&format!(", and {} more", blocks.len() - 8));
+            break;
+        }
+        if i > 0 {
+            s.push_str(", ");
+        }
+        s.push_str(&format!("{h:?} ({})", f.as_str()));
+    }
+    s
 }
 
 impl SsdError {

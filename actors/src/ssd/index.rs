@@ -175,6 +175,11 @@ impl SsdIndex {
         self.map.keys()
     }
 
+    /// Slots being read, written or held now (none of them can be evicted or reused).
+    pub fn busy_slots(&self) -> usize {
+        self.busy.len()
+    }
+
     /// Slots that hold or may hold blocks now (a full directory counts only what it uses).
     pub fn capacity(&self) -> usize {
         let free: u64 = self

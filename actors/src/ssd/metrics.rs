@@ -64,6 +64,12 @@ pub struct SsdStats {
     /// Blocks found damaged when read: by header, key and checksum.
     pub damaged: [u64; 3],
     pub promote_no_room: u64,
+    /// Blocks held on disk for leases (a query holds its SSD blocks, a load reads them).
+    pub held_blocks: usize,
+    /// Disk slots being read, written or held now: none of them can be evicted.
+    pub busy_slots: usize,
+    /// Pool slots staging SSD reads of loads now.
+    pub staging_slots: usize,
     /// Blocks a restart found on disk.
     pub recovered: usize,
     pub dirs: Vec<SsdDirStats>,

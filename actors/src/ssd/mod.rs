@@ -11,6 +11,7 @@ pub mod error;
 pub mod format;
 pub mod index;
 pub mod io;
+pub mod load;
 pub mod metrics;
 pub mod tier;
 

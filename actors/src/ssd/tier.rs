@@ -353,7 +353,7 @@ impl SsdTier {
 
     /// A queued read finished; true when its bytes are good. A damaged block leaves the
     /// tier (returns its key in `gone` when this removed it, to withdraw it).
-    pub fn read_done(&mut self, r: &PendingRead, out: Option<ReadOutcome>) -> (bool, bool) {
+    pub fn read_done(&mut self, r: &PendingRead, out: Option<&ReadOutcome>) -> (bool, bool) {
         use std::sync::atomic::Ordering::Relaxed;
         match out {
             Some(ReadOutcome::Ok) => {
@@ -363,7 +363,7 @@ impl SsdTier {
                 (true, false)
             }
             Some(ReadOutcome::Damaged(d)) => {
-                self.metrics.damaged(d);
+                self.metrics.damaged(*d);
                 tracing::warn!(dir = %self.dir_path(r.loc.dir), slot = r.loc.slot,
                     damage = d.as_str(), key = ?r.key,
                     "ssd: damaged block on disk: a miss, dropped from the tier");
@@ -409,6 +409,7 @@ impl SsdTier {
             blocks: self.index.len(),
             capacity_blocks: self.index.capacity(),
             evictions: self.index.evictions,
+            busy_slots: self.index.busy_slots(),
             recovered: self.recovered,
             dirs: self
                 .dirs
@@ -591,7 +592,7 @@ mod tests {
             return (false, Vec::new());
         };
         let out = rx.await.ok();
-        let (ok, _) = t.read_done(&r, out);
+        let (ok, _) = t.read_done(&r, out.as_ref());
         (ok, buf.as_slice()[..r.len as usize].to_vec())
     }
 

@@ -1,17 +1,23 @@
-//! The SSD tier at node level: blocks evicted from RAM (or written through) come back from
-//! disk into RAM on a hit, byte for byte with canaries; a restart on the same directories
-//! serves what it left; damage is a miss and a counter; a full disk leaves RAM working;
-//! leases pin promoted blocks; owners serve SSD-held blocks to peers.
+//! The SSD tier at node level: blocks evicted from RAM (or written through) are held on disk
+//! by a query and read by the load, pipelined with its copies to the device, byte for byte
+//! with canaries; a restart on the same directories serves what it left; damage found by a
+//! load fails it typed, naming the block, and the next query ends before it; a full disk
+//! leaves RAM working; leases hold SSD blocks; owners serve SSD-held blocks to peers; the
+//! fault matrix with SSD blocks in the plan leaves every gauge at zero.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvferry_actors::config::ByteSize;
+use kvferry_actors::lease::LeaseError;
 use kvferry_actors::remote::{LocalCluster, Provider};
-use kvferry_actors::ssd::format::{self, BlockHeader};
-use kvferry_actors::ssd::{SsdConfig, SsdDir, SsdStats};
-use kvferry_actors::{BlockHash, Clock, LoadRequest, Node, NodeConfig, QueryRequest};
+use kvferry_actors::ssd::error::ReadFailure;
+use kvferry_actors::ssd::format::{self, BlockHeader, Damage};
+use kvferry_actors::ssd::{SsdConfig, SsdDir, SsdError, SsdStats};
+use kvferry_actors::{
+    BlockHash, Clock, LoadRequest, Node, NodeConfig, NodeError, QueryRequest, TransferReport,
+};
 use kvferry_gpu::{Device, HostDevice, KvShape};
 use kvferry_testkit::harness::*;
 use kvferry_testkit::{DeviceKv, KvKind};
@@ -44,8 +50,12 @@ fn ssd_config(pool_slots: u64, dir: &Path, disk_blocks: u64, write_through: bool
 }
 
 fn start(cfg: NodeConfig) -> (Node, Arc<dyn Device>) {
+    start_clocked(cfg, Clock::system())
+}
+
+fn start_clocked(cfg: NodeConfig, clock: Clock) -> (Node, Arc<dyn Device>) {
     let dev: Arc<dyn Device> = HostDevice::new(0);
-    let node = Node::start_with(cfg, vec![Arc::clone(&dev)], Clock::system()).unwrap();
+    let node = Node::start_with(cfg, vec![Arc::clone(&dev)], clock).unwrap();
     (node, dev)
 }
 
@@ -54,13 +64,86 @@ async fn ssd(node: &Node) -> SsdStats {
 }
 
 async fn query(node: &Node, ids: std::ops::Range<u64>) -> kvferry_actors::QueryResponse {
+    query_hashes(node, hashes(ids)).await
+}
+
+async fn query_hashes(node: &Node, hashes: Vec<BlockHash>) -> kvferry_actors::QueryResponse {
     node.query(QueryRequest {
         instance: id("eng"),
-        hashes: hashes(ids),
+        hashes,
         direct_gpu: false,
     })
     .await
     .unwrap()
+}
+
+async fn load(
+    node: &Node,
+    q: &kvferry_actors::QueryResponse,
+    rank: u32,
+    dest: &[u32],
+) -> Result<TransferReport, NodeError> {
+    node.load(LoadRequest {
+        lease: q.lease.expect("a lease"),
+        instance: id("eng"),
+        rank,
+        dest_blocks: dest.to_vec(),
+    })
+    .await
+}
+
+/// Waits (briefly) until nothing is held on the SSD tier: no lease holds, no staging slots,
+/// no disk slot busy (reads, writes); also the node's own leak gauges ([`settled`]).
+async fn ssd_settled(node: &Node) -> SsdStats {
+    settled(node).await;
+    node.ssd_sync().await.unwrap();
+    for _ in 0..200 {
+        let s = ssd(node).await;
+        if s.held_blocks == 0 && s.staging_slots == 0 && s.busy_slots == 0 {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let s = ssd(node).await;
+    panic!("the SSD tier still holds something: {s:?}");
+}
+
+/// Flips one byte of block `hash`'s bytes in the block file, behind the node's back.
+fn corrupt(dir: &Path, hash: u64, at: u64) {
+    use std::os::unix::fs::FileExt;
+    let at = slot_of(dir, hash) + format::HEADER + at;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join(format::FILE_NAME))
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 1], at).unwrap();
+    f.sync_all().unwrap();
+}
+
+/// A node whose blocks `0..n` are all on disk and none in RAM (written through, then a
+/// restart), with instance `eng` rank 0 registered over 128 device blocks.
+async fn all_on_disk(
+    dir: &Path,
+    pool_slots: u64,
+    n: u64,
+    clock: Clock,
+) -> (Node, Arc<dyn Device>, kvferry_testkit::DeviceKv) {
+    let (node, dev) = start(ssd_config(pool_slots.max(n), dir, 2 * n + 8, true));
+    let _kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 128).await;
+    for first in (0..n).step_by(16) {
+        put(&node, "eng", &shape(), 0, first..(first + 16).min(n)).await;
+    }
+    node.ssd_sync().await.unwrap();
+    assert_eq!(ssd(&node).await.blocks, n as usize);
+    node.shutdown();
+    drop(node);
+    let (node, dev) = start_clocked(ssd_config(pool_slots, dir, 2 * n + 8, true), clock);
+    assert_eq!(ssd(&node).await.recovered, n as usize);
+    let kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 128, 128).await;
+    (node, dev, kv)
 }
 
 /// Loads a lease's `n` blocks into device blocks `0..n` and checks them against pattern
@@ -124,24 +207,28 @@ fn restart_serves_what_was_written_through() {
         let kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 128).await;
         let q = query(&node, 0..16).await;
         assert_eq!((q.local_blocks, q.remote_blocks), (12, 0));
-        // The answer says where they came from: all 12 from the SSD tier, 4 missed.
+        // The answer says where they came from: all 12 from the SSD tier, 4 missed. The
+        // query holds them on disk and reads nothing; the load reads them.
         assert_eq!(q.ssd_blocks, 12);
         let s = ssd(&node).await;
-        assert_eq!((s.hits_ram, s.hits_ssd, s.reads), (0, 12, 12));
+        assert_eq!((s.hits_ram, s.hits_ssd, s.reads), (0, 12, 0));
+        assert_eq!(s.held_blocks, 12);
         load_and_verify(&node, &kv, &q, 0).await;
         eprintln!("restart to bytes loaded: {:?}", t0.elapsed());
-        // Promoted: the next query hits RAM.
+        let s = ssd(&node).await;
+        assert_eq!((s.reads, s.held_blocks, s.staging_slots), (12, 0, 0));
+        // Read into staging slots, not promoted: the next query holds them on disk again.
         let q = query(&node, 0..12).await;
-        assert_eq!((q.local_blocks, q.ssd_blocks), (12, 0));
-        assert_eq!(ssd(&node).await.hits_ram, 12);
+        assert_eq!((q.local_blocks, q.ssd_blocks), (12, 12));
+        assert_eq!(node.stats().await.unwrap().blocks, 0, "nothing entered RAM");
         // By tier, over both queries: ram + ssd + remote + miss = 16 + 12 hashes.
         let m = node.metrics_text().await.unwrap();
-        for (tier, n) in [("ram", 12), ("ssd", 12), ("remote", 0), ("miss", 4)] {
+        for (tier, n) in [("ram", 0), ("ssd", 24), ("remote", 0), ("miss", 4)] {
             let line = format!("kvferry_query_blocks_total{{tier=\"{tier}\"}} {n}\n");
             assert!(m.contains(&line), "{line} not in the scrape:\n{m}");
         }
         node.release(q.lease.unwrap()).await.unwrap();
-        settled(&node).await;
+        ssd_settled(&node).await;
     });
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -182,20 +269,24 @@ fn evicted_blocks_come_back_from_ssd_after_the_ram_prefix() {
         node.ssd_sync().await.unwrap();
         let s = ssd(&node).await;
         assert_eq!((s.writes, s.blocks), (4, 4));
-        // The prompt's first 4 blocks are on disk, the next 12 in RAM: the RAM blocks are
-        // pinned before the promotions need slots, so only 16..19 make room for them.
+        // The prompt's first 4 blocks are on disk, the next 12 in RAM: 4 SSD blocks before
+        // the RAM ones in the prefix, each loaded into its own position.
         let q = query(&node, 0..16).await;
-        assert_eq!(q.local_blocks, 16);
+        assert_eq!((q.local_blocks, q.ssd_blocks), (16, 4));
         let s = ssd(&node).await;
-        assert_eq!((s.hits_ssd, s.hits_ram, s.reads), (4, 12, 4), "{s:?}");
+        assert_eq!((s.hits_ssd, s.hits_ram, s.reads), (4, 12, 0), "{s:?}");
         load_and_verify(&node, &kv, &q, 0).await;
-        settled(&node).await;
+        assert_eq!(ssd(&node).await.reads, 4);
+        ssd_settled(&node).await;
     });
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A flipped bit found by the load: the load fails naming the block (the engine recomputes
+/// it), nothing is written into its destination, the block leaves the tier, and the next
+/// query ends before it.
 #[test]
-fn a_corrupted_byte_is_a_miss_never_wrong_bytes() {
+fn a_corrupted_byte_fails_the_load_naming_the_block_never_wrong_bytes() {
     let dir = fresh("/tmp", "corrupt");
     rt().block_on(async {
         let (node, dev) = start(ssd_config(32, &dir, 64, true));
@@ -205,26 +296,23 @@ fn a_corrupted_byte_is_a_miss_never_wrong_bytes() {
         node.shutdown();
         drop(node);
         // One flipped bit in block 2's bytes, behind the node's back.
-        {
-            use std::os::unix::fs::FileExt;
-            let at = slot_of(&dir, 2) + format::HEADER + 777;
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(dir.join(format::FILE_NAME))
-                .unwrap();
-            let mut b = [0u8; 1];
-            f.read_exact_at(&mut b, at).unwrap();
-            f.write_all_at(&[b[0] ^ 1], at).unwrap();
-            f.sync_all().unwrap();
-        }
+        corrupt(&dir, 2, 777);
         let (node, dev) = start(ssd_config(32, &dir, 64, true));
         let kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 128).await;
+        // The header is intact: the restart's scan and the query find the block.
         let q = query(&node, 0..4).await;
-        assert_eq!(q.local_blocks, 2, "the prefix ends at the damaged block");
-        let s = ssd(&node).await;
+        assert_eq!((q.local_blocks, q.ssd_blocks), (4, 4));
+        kv.reset().unwrap();
+        let e = load(&node, &q, 0, &[0, 1, 2, 3]).await.unwrap_err();
+        assert_unreadable(&e, &[(2, ReadFailure::Damaged(Damage::Checksum))]);
+        // Two chunks of two (one reads while the other copies): the first landed, the
+        // second, with the damaged block, was not copied at all.
+        kv.verify(&expected(&[0, 1], 0), 0).unwrap();
+        let s = ssd_settled(&node).await;
         assert_eq!(s.damaged, [0, 0, 1], "{s:?}");
         assert_eq!(s.blocks, 3, "the damaged block left the tier");
+        let q = query(&node, 0..4).await;
+        assert_eq!(q.local_blocks, 2, "the prefix ends at the damaged block");
         load_and_verify(&node, &kv, &q, 0).await;
         // Block 3 is intact on disk and still served after block 2 is put again.
         put(&node, "eng", &shape(), 0, 2..3).await;
@@ -237,7 +325,7 @@ fn a_corrupted_byte_is_a_miss_never_wrong_bytes() {
             "{m}"
         );
         assert!(m.contains("kvferry_ssd_blocks 4\n"), "{m}");
-        settled(&node).await;
+        ssd_settled(&node).await;
     });
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -270,30 +358,40 @@ fn capacity_evicts_the_least_recently_used_on_disk() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A lease holds its SSD blocks on disk: a storm of writes through a small disk evicts
+/// everything else there, never them.
 #[test]
-fn a_lease_pins_ssd_blocks_across_an_eviction_storm() {
+fn a_lease_holds_ssd_blocks_across_an_eviction_storm() {
     let dir = fresh("/tmp", "storm");
     rt().block_on(async {
-        let (node, dev) = start(ssd_config(8, &dir, 256, false));
+        let (node, dev) = start(ssd_config(8, &dir, 24, false));
         let kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 128).await;
         put(&node, "eng", &shape(), 0, 0..16).await;
         node.ssd_sync().await.unwrap();
         let q = query(&node, 0..4).await;
-        assert_eq!(q.local_blocks, 4);
-        assert_eq!(ssd(&node).await.hits_ssd, 4);
-        // The storm: 100 more blocks through an 8-slot pool (and onto the disk).
+        assert_eq!((q.local_blocks, q.ssd_blocks), (4, 4));
+        let s = ssd(&node).await;
+        assert_eq!((s.hits_ssd, s.held_blocks), (4, 4));
+        // The storm: 100 more blocks through an 8-slot pool onto a 24-slot disk.
         for first in (100..200).step_by(10) {
             put(&node, "eng", &shape(), 0, first..first + 10).await;
+            node.ssd_sync().await.unwrap();
         }
-        node.ssd_sync().await.unwrap();
-        let stats = node.stats().await.unwrap();
+        let s = ssd(&node).await;
+        assert!(s.writes >= 100 && s.evictions >= 80, "{s:?}");
         assert_eq!(
-            stats.pinned_blocks, 4,
-            "the lease's blocks stayed pinned in RAM"
+            node.stats().await.unwrap().pinned_blocks,
+            0,
+            "nothing in RAM"
         );
         load_and_verify(&node, &kv, &q, 0).await;
-        settled(&node).await;
-        assert!(ssd(&node).await.writes >= 100);
+        ssd_settled(&node).await;
+        // Released, they are evicted like any other block.
+        for first in (200..240).step_by(10) {
+            put(&node, "eng", &shape(), 0, first..first + 10).await;
+            node.ssd_sync().await.unwrap();
+        }
+        assert_eq!(query(&node, 0..4).await.local_blocks, 0);
     });
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -430,14 +528,18 @@ fn ten_thousand_blocks_serve_again_within_five_seconds() {
         let kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 128).await;
         let q = query(&node, 0..N).await;
         let took = t0.elapsed();
-        assert_eq!(q.local_blocks, N as usize, "every block findable");
-        eprintln!("10,000 blocks: start, scan, query and promotion of all in {took:?}");
+        assert_eq!(
+            (q.local_blocks, q.ssd_blocks),
+            (N as usize, N as usize),
+            "every block findable"
+        );
+        eprintln!("10,000 blocks: start, scan and a query holding all of them in {took:?}");
         assert!(took < Duration::from_secs(5), "{took:?}");
         node.release(q.lease.unwrap()).await.unwrap();
         // And the bytes are right: load a sample.
         let q = query(&node, 5000..5016).await;
         load_and_verify(&node, &kv, &q, 5000).await;
-        settled(&node).await;
+        ssd_settled(&node).await;
     });
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -519,6 +621,335 @@ fn a_restarted_owner_publishes_its_disk_and_serves_peers() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert_eq!(a.peer_pins().await.unwrap(), 0);
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Block `first + i` in device block `dest[i]`, as [`kvferry_testkit::DeviceKv::verify`]
+/// takes it.
+fn expected(dest: &[u32], first: u64) -> Vec<(u32, u64)> {
+    dest.iter().zip(first..).map(|(&d, b)| (d, b)).collect()
+}
+
+/// `e` is the typed SSD error of a load naming exactly `want` (pattern block, failure).
+fn assert_unreadable(e: &NodeError, want: &[(u64, ReadFailure)]) {
+    let NodeError::Ssd(SsdError::Unreadable { blocks, .. }) = e else {
+        panic!("not an SSD read failure: {e:?}");
+    };
+    let want: Vec<(BlockHash, ReadFailure)> = want
+        .iter()
+        .map(|&(b, f)| (BlockHash::from_u64(b), f))
+        .collect();
+    assert_eq!(blocks, &want, "{e}");
+    assert!(e.to_string().contains("could not be read intact"), "{e}");
+}
+
+/// One load whose plan has all three parts: SSD blocks (evicted by RAM, the prompt's first),
+/// RAM blocks, and a remote suffix staged from another node; bytes and canaries checked, the
+/// parts ran at once, and every gauge on both nodes returns to zero.
+#[test]
+fn a_load_of_ssd_ram_and_remote_blocks_lands_every_byte() {
+    let dir = fresh("/tmp", "three-tiers");
+    rt().block_on(async {
+        let cluster = LocalCluster::new(Provider::Loopback);
+        let mut cfg_a = config(SLOT, 16);
+        cfg_a.node_id = "a".into();
+        let mut cfg_b = ssd_config(16, &dir, 64, false);
+        cfg_b.node_id = "b".into();
+        let start_in = |cfg| {
+            let dev: Arc<dyn Device> = HostDevice::new(0);
+            let n = Node::start_in(
+                cfg,
+                vec![Arc::clone(&dev)],
+                Clock::system(),
+                Some(Arc::clone(&cluster)),
+            )
+            .unwrap();
+            (n, dev)
+        };
+        let (a, dev_a) = start_in(cfg_a);
+        let (b, dev_b) = start_in(cfg_b);
+        let _kv_a = register(&a, &dev_a, "eng", shape(), 0, KvKind::Split, 16, 128).await;
+        let kv = register(&b, &dev_b, "eng", shape(), 0, KvKind::Split, 64, 128).await;
+        // B: 0..3 evicted to its disk, 4..19 in RAM. A: 100..105.
+        put(&b, "eng", &shape(), 0, 0..20).await;
+        b.ssd_sync().await.unwrap();
+        put(&a, "eng", &shape(), 0, 100..105).await;
+        let mut ids: Vec<u64> = (0..8).collect();
+        ids.extend(100..105);
+        let q = query_hashes(&b, ids.iter().map(|&i| BlockHash::from_u64(i)).collect()).await;
+        assert_eq!(
+            (q.local_blocks, q.ssd_blocks, q.remote_blocks),
+            (8, 4, 5),
+            "{q:?}"
+        );
+        kv.reset().unwrap();
+        // Scattered destinations, not in block order.
+        let dest: Vec<u32> = (0..13).map(|i| (i * 7 + 3) % 64).collect();
+        let r = load(&b, &q, 0, &dest).await.unwrap();
+        let want: Vec<(u32, u64)> = dest.iter().copied().zip(ids.iter().copied()).collect();
+        kv.verify(&want, 0).unwrap();
+        assert_eq!(r.blocks, 13);
+        assert_eq!(r.bytes, 13 * shape().rank_bytes());
+        let (ssd_part, remote) = (r.span("ssd").unwrap(), r.span("remote").unwrap());
+        assert!(
+            ssd_part.start < remote.end && remote.start < ssd_part.end,
+            "the SSD part and the remote suffix did not overlap: {:?}",
+            r.spans
+        );
+        assert!(r.stage("disk").is_some(), "{:?}", r.stages);
+        let s = ssd_settled(&b).await;
+        assert_eq!((s.reads, s.hits_ssd, s.hits_ram), (4, 4, 4));
+        settled(&b).await;
+        for _ in 0..200 {
+            if a.peer_pins().await.unwrap() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(a.peer_pins().await.unwrap(), 0);
+        settled(&a).await;
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The pipeline: 48 SSD blocks through a ring of 32 staging slots in chunks of 8. The disk
+/// read of the second chunk starts before the copy of the first ends, and a slot is read
+/// into again only after the copy out of it is done.
+#[test]
+fn ssd_reads_of_later_chunks_overlap_the_copies_of_earlier_ones() {
+    let dir = fresh("/tmp", "pipeline");
+    rt().block_on(async {
+        let (node, _dev, kv) = all_on_disk(&dir, 40, 48, Clock::system()).await;
+        let q = query(&node, 0..48).await;
+        assert_eq!((q.local_blocks, q.ssd_blocks), (48, 48));
+        kv.reset().unwrap();
+        let dest: Vec<u32> = (0..48).map(|i| 127 - i).collect();
+        let r = load(&node, &q, 0, &dest).await.unwrap();
+        kv.verify(&expected(&dest, 0), 0).unwrap();
+        let reads: Vec<_> = r.spans.iter().filter(|s| s.name == "ssd_read").collect();
+        let copies: Vec<_> = r.spans.iter().filter(|s| s.name == "ssd_h2d").collect();
+        assert_eq!((reads.len(), copies.len()), (6, 6), "{:?}", r.spans);
+        assert!(
+            reads[1].start < copies[0].end,
+            "chunk 2's read waited for chunk 1's copy: {:?}",
+            r.spans
+        );
+        // The ring holds 4 chunks: chunk 5 reuses chunk 1's slots once their copy is done.
+        assert!(reads[4].start >= copies[0].end, "{:?}", r.spans);
+        let s = ssd_settled(&node).await;
+        assert_eq!(s.reads, 48);
+        assert_eq!(
+            node.stats().await.unwrap().blocks,
+            0,
+            "staging slots went back"
+        );
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A node with blocks 0..4 in RAM and 4..8 on disk only (after the RAM ones in the
+/// prefix), and the query of 0..8 (4 RAM + 4 SSD blocks, one chunk).
+async fn ram_then_disk(dir: &Path, clock: Clock) -> (Node, kvferry_testkit::DeviceKv) {
+    let (node, _dev, kv) = all_on_disk(dir, 16, 8, clock).await;
+    put(&node, "eng", &shape(), 0, 0..4).await;
+    (node, kv)
+}
+
+/// After a fault: the gauges are back to zero and a new query and load of the same blocks
+/// (what the engine does next) lands every byte.
+async fn next_load_works(node: &Node, kv: &kvferry_testkit::DeviceKv, n: u64) {
+    ssd_settled(node).await;
+    let q = query(node, 0..n).await;
+    assert_eq!(q.local_blocks, n as usize);
+    load_and_verify(node, kv, &q, 0).await;
+    ssd_settled(node).await;
+}
+
+/// Fault matrix: a block corrupted on disk after the query held it.
+#[test]
+fn ssd_fault_block_corrupted_after_the_query() {
+    let dir = fresh("/tmp", "fault-corrupt");
+    rt().block_on(async {
+        let (node, kv) = ram_then_disk(&dir, Clock::system()).await;
+        let q = query(&node, 0..8).await;
+        assert_eq!((q.local_blocks, q.ssd_blocks), (8, 4));
+        corrupt(&dir, 6, 100);
+        kv.reset().unwrap();
+        let dest: Vec<u32> = (0..8).collect();
+        let e = load(&node, &q, 0, &dest).await.unwrap_err();
+        assert_unreadable(&e, &[(6, ReadFailure::Damaged(Damage::Checksum))]);
+        // The RAM part and the first SSD chunk (4, 5) landed; the chunk with the damaged
+        // block (6, 7) was not copied at all.
+        kv.verify(&expected(&dest[..6], 0), 0).unwrap();
+        let s = ssd_settled(&node).await;
+        assert_eq!(s.damaged, [0, 0, 1]);
+        let stats = settled(&node).await;
+        assert_eq!((stats.loads_ok, stats.loads_failed), (0, 1));
+        let q = query(&node, 0..8).await;
+        assert_eq!(
+            q.local_blocks, 6,
+            "block 6 left the tier: the prefix ends there"
+        );
+        node.release(q.lease.unwrap()).await.unwrap();
+        put(&node, "eng", &shape(), 0, 6..7).await;
+        next_load_works(&node, &kv, 8).await;
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Fault matrix: the block file cut short under the node (a disk that lost its tail): the
+/// blocks past the cut fail the load, named, as torn.
+#[test]
+fn ssd_fault_block_file_truncated_under_the_node() {
+    let dir = fresh("/tmp", "fault-truncate");
+    rt().block_on(async {
+        let (node, kv) = ram_then_disk(&dir, Clock::system()).await;
+        let q = query(&node, 0..8).await;
+        assert_eq!(q.ssd_blocks, 4);
+        // Cut the file just after block 5's header: 5 is torn, and whatever lies past the
+        // cut too.
+        let cut = slot_of(&dir, 5) + format::HEADER;
+        let past: Vec<u64> = (4..8)
+            .filter(|&b| slot_of(&dir, b) >= slot_of(&dir, 5))
+            .collect();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join(format::FILE_NAME))
+            .unwrap()
+            .set_len(cut)
+            .unwrap();
+        kv.reset().unwrap();
+        let dest: Vec<u32> = (0..8).collect();
+        let e = load(&node, &q, 0, &dest).await.unwrap_err();
+        let NodeError::Ssd(SsdError::Unreadable { blocks, .. }) = &e else {
+            panic!("{e:?}");
+        };
+        let named: Vec<BlockHash> = blocks.iter().map(|b| b.0).collect();
+        let want: Vec<BlockHash> = past.iter().map(|&b| BlockHash::from_u64(b)).collect();
+        assert_eq!(named, want, "{e}");
+        kv.verify(&expected(&dest[..4], 0), 0).unwrap();
+        let s = ssd_settled(&node).await;
+        assert_eq!(s.damaged_total(), past.len() as u64, "{s:?}");
+        // Put them again: written anew, the disk serves all of them.
+        put(&node, "eng", &shape(), 0, 4..8).await;
+        next_load_works(&node, &kv, 8).await;
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Fault matrix: the lease expires while rank 0 loads (TP 2): rank 0's load holds its share
+/// and lands every byte; rank 1 finds the lease gone; nothing stays held.
+#[test]
+fn ssd_fault_lease_expiry_mid_load() {
+    let dir = fresh("/tmp", "fault-expiry");
+    rt().block_on(async {
+        let (clock, hand) = Clock::manual();
+        let tp2 = KvShape::new(3, 2, 2, 1024).unwrap();
+        let cfg = ssd_config(32, &dir, 64, true);
+        let (node, dev) = start_clocked(cfg.clone(), clock.clone());
+        let _k0 = register(&node, &dev, "eng", tp2, 0, KvKind::Split, 64, 128).await;
+        let _k1 = register(&node, &dev, "eng", tp2, 1, KvKind::Split, 64, 128).await;
+        put(&node, "eng", &tp2, 0, 0..12).await;
+        put(&node, "eng", &tp2, 1, 0..12).await;
+        node.ssd_sync().await.unwrap();
+        node.shutdown();
+        drop(node);
+        let (node, dev) = start_clocked(cfg, clock);
+        let k0 = register(&node, &dev, "eng", tp2, 0, KvKind::Split, 64, 128).await;
+        let k1 = register(&node, &dev, "eng", tp2, 1, KvKind::Split, 64, 128).await;
+        let q = query(&node, 0..12).await;
+        assert_eq!((q.local_blocks, q.ssd_blocks), (12, 12));
+        k0.reset().unwrap();
+        k1.reset().unwrap();
+        let dest: Vec<u32> = (0..12).map(|i| i * 3).collect();
+        let rx = node
+            .start_load(LoadRequest {
+                lease: q.lease.unwrap(),
+                instance: id("eng"),
+                rank: 0,
+                dest_blocks: dest.clone(),
+            })
+            .await
+            .unwrap();
+        hand.advance(Duration::from_secs(601));
+        assert_eq!(node.sweep().await.unwrap(), 1);
+        rx.await.unwrap().unwrap();
+        k0.verify(&expected(&dest, 0), 0).unwrap();
+        let e = load(&node, &q, 1, &dest).await.unwrap_err();
+        assert!(
+            matches!(e, NodeError::Lease(LeaseError::UnknownOrExpired { .. })),
+            "{e:?}"
+        );
+        k1.untouched_outside(&[]).unwrap();
+        ssd_settled(&node).await;
+        // Both ranks of a new lease load.
+        let q = query(&node, 0..12).await;
+        for (rank, k) in [(0, &k0), (1, &k1)] {
+            k.reset().unwrap();
+            load(&node, &q, rank, &dest).await.unwrap();
+            k.verify(&expected(&dest, 0), rank).unwrap();
+        }
+        ssd_settled(&node).await;
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Fault matrix: the instance unregisters while its load reads SSD blocks: unregister waits
+/// for the load, which lands every byte; the holds go; re-registered, the next load works.
+#[test]
+fn ssd_fault_instance_unregistered_during_the_load() {
+    let dir = fresh("/tmp", "fault-unregister");
+    rt().block_on(async {
+        let (node, dev, kv) = all_on_disk(&dir, 40, 40, Clock::system()).await;
+        let q = query(&node, 0..40).await;
+        // A second lease, never loaded: the unregister releases it and its holds.
+        let other = query(&node, 0..40).await;
+        assert_eq!(ssd(&node).await.held_blocks, 80);
+        kv.reset().unwrap();
+        let dest: Vec<u32> = (0..40).collect();
+        let rx = node
+            .start_load(LoadRequest {
+                lease: q.lease.unwrap(),
+                instance: id("eng"),
+                rank: 0,
+                dest_blocks: dest.clone(),
+            })
+            .await
+            .unwrap();
+        node.unregister_instance(id("eng")).await.unwrap();
+        assert_eq!(node.stats().await.unwrap().transfers_in_flight, 0);
+        rx.await.unwrap().unwrap();
+        kv.verify(&expected(&dest, 0), 0).unwrap();
+        assert!(load(&node, &other, 0, &dest).await.is_err());
+        ssd_settled(&node).await;
+        let kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 128, 128).await;
+        next_load_works(&node, &kv, 40).await;
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Fault matrix: the lease is released before its load: the holds go at once, the load is
+/// refused typed and writes nothing.
+#[test]
+fn ssd_fault_lease_released_before_the_load() {
+    let dir = fresh("/tmp", "fault-release");
+    rt().block_on(async {
+        let (node, kv) = ram_then_disk(&dir, Clock::system()).await;
+        let q = query(&node, 0..8).await;
+        assert_eq!(ssd(&node).await.held_blocks, 4);
+        node.release(q.lease.unwrap()).await.unwrap();
+        assert_eq!(ssd(&node).await.held_blocks, 0);
+        kv.reset().unwrap();
+        let e = load(&node, &q, 0, &(0..8).collect::<Vec<_>>())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, NodeError::Lease(LeaseError::UnknownOrExpired { .. })),
+            "{e:?}"
+        );
+        kv.untouched_outside(&[]).unwrap();
+        next_load_works(&node, &kv, 8).await;
     });
     std::fs::remove_dir_all(&dir).unwrap();
 }
