@@ -5,6 +5,8 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use kvferry_testkit::harness::{free_port, promtool_check, wait_listening, RedisServer};
+
 fn kvferry() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvferry"))
 }
@@ -49,29 +51,8 @@ fn start_node_serving(cfg: &std::path::Path, whats: &[&str]) -> (NodeChild, Vec<
             .unwrap(),
     );
     let out = child.0.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if let Some((what, addr)) = line
-                .strip_prefix("listening ")
-                .and_then(|l| l.split_once('='))
-            {
-                let _ = tx.send((what.to_owned(), addr.to_owned()));
-            }
-        }
-    });
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let mut seen = std::collections::HashMap::new();
-    while whats.iter().any(|w| !seen.contains_key(*w)) {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        match rx.recv_timeout(left) {
-            Ok((what, addr)) => {
-                seen.insert(what, addr);
-            }
-            Err(_) => panic!("the node did not start serving all of {whats:?}: {seen:?}"),
-        }
-    }
-    let addrs = whats.iter().map(|w| seen[*w].clone()).collect();
+    let addrs = wait_listening(out, whats, Duration::from_secs(30))
+        .unwrap_or_else(|seen| panic!("the node did not start serving all of {whats:?}: {seen}"));
     (child, addrs)
 }
 
@@ -333,86 +314,6 @@ fn sigterm_right_after_the_first_listening_line_stops_cleanly() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// promtool validates the exposition format of a real scrape.
-fn promtool_check(body: &str) {
-    let mut check = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect(
-            "promtool is not installed: run ./scripts/test, which installs the prometheus package",
-        );
-    {
-        use std::io::Write;
-        check
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(body.as_bytes())
-            .unwrap();
-    }
-    let res = check.wait_with_output().unwrap();
-    assert!(
-        res.status.success(),
-        "promtool: {}{}",
-        String::from_utf8_lossy(&res.stdout),
-        String::from_utf8_lossy(&res.stderr)
-    );
-}
-
-/// A `redis-server` on a loopback port, killed (and continued first) on drop.
-struct Redis {
-    child: std::process::Child,
-    port: u16,
-}
-
-impl Redis {
-    fn start_on(port: u16) -> Self {
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is not installed: run ./scripts/test, which installs it");
-        let r = Redis { child, port };
-        let t = std::time::Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                t.elapsed() < Duration::from_secs(10),
-                "redis-server did not come up"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        r
-    }
-
-    fn signal(&mut self, sig: libc::c_int) {
-        if let Ok(None) = self.child.try_wait() {
-            // SAFETY: signalling our own child, not yet reaped, by its pid.
-            unsafe { libc::kill(self.child.id() as i32, sig) };
-        }
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        self.signal(libc::SIGCONT);
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port()
-}
-
 /// A cluster node (shm, no peers) over the Redis directory on `port`, with short directory
 /// deadlines, metrics and an engine service.
 fn redis_node_config(dir: &std::path::Path, id: &str, port: u16) -> std::path::PathBuf {
@@ -464,8 +365,8 @@ fn scrape_until(addr: &str, line: &str, within: Duration) -> String {
 fn a_hung_redis_directory_does_not_stall_a_node_process() {
     let dir = std::env::temp_dir().join(format!("kvferry-cli-redis-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let mut redis = Redis::start_on(free_port());
-    let cfg = redis_node_config(&dir, "r", redis.port);
+    let mut redis = RedisServer::start();
+    let cfg = redis_node_config(&dir, "r", redis.port());
     let (mut child, addrs) = start_node_serving(&cfg, &["metrics", "engine", "peer"]);
     let (metrics, engine) = (&addrs[0], &addrs[1]);
     let body = scrape_until(
@@ -475,7 +376,7 @@ fn a_hung_redis_directory_does_not_stall_a_node_process() {
     );
     promtool_check(&body);
 
-    redis.signal(libc::SIGSTOP);
+    redis.hang();
     let body = scrape_until(
         metrics,
         "kvferry_directory_breaker_open 1",
@@ -512,7 +413,7 @@ fn a_hung_redis_directory_does_not_stall_a_node_process() {
     let (status, _) = http_get(metrics, "/health");
     assert!(status.contains("200"), "{status}");
 
-    redis.signal(libc::SIGCONT);
+    redis.resume();
     scrape_until(
         metrics,
         "kvferry_directory_breaker_open 0",
@@ -540,7 +441,7 @@ fn a_node_starts_while_its_redis_directory_is_down() {
         "kvferry_directory_breaker_open 1",
         Duration::from_secs(5),
     );
-    let _redis = Redis::start_on(port);
+    let _redis = RedisServer::start_on(port).expect("redis-server on the node's port");
     scrape_until(
         &addrs[0],
         "kvferry_directory_breaker_open 0",

@@ -5,8 +5,6 @@
 //! restarted from the same file. Two hosts in network namespaces joined by a veth pair, with
 //! the link cut under a load (where this machine can make namespaces: root and iproute2).
 
-use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -14,6 +12,7 @@ use std::time::{Duration, Instant};
 use kvferry_actors::rpc::proto::{LoadCompletion, LoadStatus};
 use kvferry_actors::BlockHash;
 use kvferry_gpu::KvShape;
+use kvferry_testkit::harness::{free_port, wait_listening};
 use kvferry_testkit::Attached;
 
 /// 4 layers x split K/V x 16 KiB: 128 KiB per block.
@@ -27,14 +26,6 @@ const KV_BLOCKS: u32 = 80;
 /// The blocks an owner killed mid-load holds beyond the worked example's: a prompt of
 /// B's 0..4 then these 64 (8 MiB) is what the kill lands in.
 const LONG: std::ops::Range<u64> = 100..164;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// One `kvferry node` process.
 struct NodeProc {
@@ -70,39 +61,22 @@ impl NodeProc {
             .spawn()
             .unwrap();
         let out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if let Some((what, addr)) = line
-                    .strip_prefix("listening ")
-                    .and_then(|l| l.split_once('='))
-                {
-                    let _ = tx.send((what.to_owned(), addr.to_owned()));
-                }
+        let addrs = match wait_listening(
+            out,
+            &["engine", "engine-fd", "peer"],
+            Duration::from_secs(60),
+        ) {
+            Ok(addrs) => addrs,
+            Err(seen) => {
+                let _ = child.kill();
+                panic!("node {name} did not start serving: {seen}");
             }
-        });
-        let mut seen = HashMap::new();
-        let end = Instant::now() + Duration::from_secs(60);
-        while !["engine", "engine-fd", "peer"]
-            .iter()
-            .all(|k| seen.contains_key(*k))
-        {
-            let left = end.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
-                Ok((k, v)) => {
-                    seen.insert(k, v);
-                }
-                Err(_) => {
-                    let _ = child.kill();
-                    panic!("node {name} did not start serving: {seen:?}");
-                }
-            }
-        }
+        };
         Self {
             name: name.into(),
             config: config.into(),
             child: Some(child),
-            engine: seen["engine"].clone(),
+            engine: addrs[0].clone(),
         }
     }
 

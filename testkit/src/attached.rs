@@ -36,6 +36,33 @@ pub enum AttachError {
     },
 }
 
+/// Puts pattern blocks `ids` of `shape` (hash and pattern block = id) for `rank` of
+/// `instance` through `client` (`kvferry.v1.Engine`), 16 per call; the blocks written.
+pub async fn put_pattern_over(
+    client: &EngineClient,
+    instance: &InstanceId,
+    shape: &KvShape,
+    rank: u32,
+    ids: impl IntoIterator<Item = u64>,
+) -> Result<u32, EngineClientError> {
+    let ids: Vec<u64> = ids.into_iter().collect();
+    let mut written = 0;
+    for chunk in ids.chunks(16) {
+        let r = client
+            .put_blocks(&PutBlocks {
+                instance: instance.clone(),
+                rank,
+                blocks: chunk
+                    .iter()
+                    .map(|&i| (BlockHash::from_u64(i), rank_part(shape, i, rank)))
+                    .collect(),
+            })
+            .await?;
+        written += r.written;
+    }
+    Ok(written)
+}
+
 /// One node as an engine process sees it: the client, this process's KV registered there
 /// as rank 0 of `instance`, and the session that unregisters it when dropped.
 pub struct Attached {
@@ -84,20 +111,7 @@ impl Attached {
         &self,
         ids: impl IntoIterator<Item = u64>,
     ) -> Result<(), EngineClientError> {
-        let shape = self.kv.shape;
-        let ids: Vec<u64> = ids.into_iter().collect();
-        for chunk in ids.chunks(16) {
-            self.client
-                .put_blocks(&PutBlocks {
-                    instance: self.instance.clone(),
-                    rank: 0,
-                    blocks: chunk
-                        .iter()
-                        .map(|&i| (BlockHash::from_u64(i), rank_part(&shape, i, 0)))
-                        .collect(),
-                })
-                .await?;
-        }
+        put_pattern_over(&self.client, &self.instance, &self.kv.shape, 0, ids).await?;
         Ok(())
     }
 

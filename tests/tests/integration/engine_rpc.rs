@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvferry_actors::rpc::{self, proto, Code, EngineClient, EngineClientError, EngineOptions};
-use kvferry_actors::{Clock, DirectGrant, LeaseId, LoadRequest, Node, PutBlocks};
+use kvferry_actors::{Clock, DirectGrant, LeaseId, Node, PutBlocks};
 use kvferry_gpu::{Device, HostDevice, KvShape, LayerLayout};
 use kvferry_testkit::harness::*;
-use kvferry_testkit::{rank_part, DeviceKv, KvKind, MemfdRegionsKv};
+use kvferry_testkit::{DeviceKv, KvKind, MemfdRegionsKv};
 use tokio::sync::oneshot;
 
 const TOKEN: &str = "engine-secret";
@@ -120,32 +120,18 @@ impl Server {
     }
 }
 
-/// Sends `kv`'s memfd and registers it as rank 0 of `instance`.
-async fn register_memfd(c: &EngineClient, kv: &MemfdKv, instance: &str) -> String {
-    let handle = c
-        .send_memfd(&id(instance), 0, 0, kv.fd(), kv.len())
+/// Puts pattern blocks `ids` of `shape` for rank 0 of `instance` over gRPC; something is
+/// written.
+async fn put_over_grpc(
+    c: &EngineClient,
+    shape: KvShape,
+    instance: &str,
+    ids: impl IntoIterator<Item = u64>,
+) {
+    let written = put_pattern_over(c, &id(instance), &shape, 0, ids)
         .await
         .unwrap();
-    c.register(&kv.register_request(&id(instance), "m", 0), handle)
-        .await
-        .unwrap()
-}
-
-/// Puts pattern blocks `ids` for rank 0 of `instance` over gRPC.
-async fn put_over_grpc(c: &EngineClient, instance: &str, ids: std::ops::Range<u64>) {
-    let s = shape();
-    let blocks = ids
-        .map(|i| (kvferry_actors::BlockHash::from_u64(i), rank_part(&s, i, 0)))
-        .collect();
-    let r = c
-        .put_blocks(&PutBlocks {
-            instance: id(instance),
-            rank: 0,
-            blocks,
-        })
-        .await
-        .unwrap();
-    assert!(r.written > 0);
+    assert!(written > 0);
 }
 
 async fn lease_for(c: &EngineClient, instance: &str, ids: std::ops::Range<u64>) -> LeaseId {
@@ -153,15 +139,6 @@ async fn lease_for(c: &EngineClient, instance: &str, ids: std::ops::Range<u64>) 
     let q = c.query(&id(instance), &hashes(ids), false).await.unwrap();
     assert_eq!(q.local_blocks, n);
     q.lease.unwrap()
-}
-
-fn load(lease: LeaseId, instance: &str, dest: &[u32]) -> LoadRequest {
-    LoadRequest {
-        lease,
-        instance: id(instance),
-        rank: 0,
-        dest_blocks: dest.to_vec(),
-    }
 }
 
 fn ok(c: &proto::LoadCompletion, blocks: u32) {
@@ -205,7 +182,7 @@ fn memfd_kv_loads_with_completions_on_the_stream_and_by_poll() {
         assert!(c.health().await.unwrap().serving);
 
         let kv = MemfdKv::create(shape(), 16, 128).unwrap();
-        let ns = register_memfd(&c, &kv, "eng").await;
+        let ns = kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
         assert_eq!(ns, format!("m/bf16/{}", shape().fingerprint()));
         assert_eq!(
             srv.dev.live_allocations(),
@@ -213,12 +190,15 @@ fn memfd_kv_loads_with_completions_on_the_stream_and_by_poll() {
             "the memfd is device memory now"
         );
         let _session = c.open_session(&[id("eng")]).await.unwrap();
-        put_over_grpc(&c, "eng", 0..6).await;
+        put_over_grpc(&c, shape(), "eng", 0..6).await;
 
         // Completion on the stream; the load call itself returned at once with an id.
         let mut stream = c.completions(&id("eng"), 0).await.unwrap();
         let lease = lease_for(&c, "eng", 0..3).await;
-        let first = c.load(&load(lease, "eng", &[3, 5, 7])).await.unwrap();
+        let first = c
+            .load(&load_request(lease, "eng", 0, &[3, 5, 7]))
+            .await
+            .unwrap();
         let done = stream.wait_for(first, WAIT).await.unwrap();
         ok(&done, 3);
         assert_eq!((done.instance.as_str(), done.rank), ("eng", 0));
@@ -238,7 +218,12 @@ fn memfd_kv_loads_with_completions_on_the_stream_and_by_poll() {
             }
         );
         let second = c
-            .load(&load(q.lease.unwrap(), "eng", &[10, 11, 12, 13, 14, 15]))
+            .load(&load_request(
+                q.lease.unwrap(),
+                "eng",
+                0,
+                &[10, 11, 12, 13, 14, 15],
+            ))
             .await
             .unwrap();
         let done = c
@@ -278,35 +263,13 @@ fn memfd_kv_loads_with_completions_on_the_stream_and_by_poll() {
     });
 }
 
-/// Puts pattern blocks `ids` of `shape` for rank 0 of `instance` over gRPC.
-async fn put_shape(c: &EngineClient, shape: KvShape, instance: &str, ids: Vec<u64>) {
-    let blocks = ids
-        .into_iter()
-        .map(|i| {
-            (
-                kvferry_actors::BlockHash::from_u64(i),
-                rank_part(&shape, i, 0),
-            )
-        })
-        .collect();
-    let r = c
-        .put_blocks(&PutBlocks {
-            instance: id(instance),
-            rank: 0,
-            blocks,
-        })
-        .await
-        .unwrap();
-    assert!(r.written > 0);
-}
-
 /// Puts pattern blocks 0..4 and loads them into scattered blocks, then saves two blocks the
 /// engine wrote and loads them elsewhere: every byte of `kv` checked after each load.
 async fn round_trip(c: &EngineClient, kv: &DeviceKv, instance: &str, what: &str) {
     let shape = kv.shape;
-    put_shape(c, shape, instance, (0..4).collect()).await;
+    put_over_grpc(c, shape, instance, 0..4).await;
     let load_ok = |lease: Option<LeaseId>, dest: &[u32]| {
-        let req = load(lease.expect("a lease"), instance, dest);
+        let req = load_request(lease.expect("a lease"), instance, 0, dest);
         async move {
             let l = c.load(&req).await.unwrap();
             let done = c
@@ -517,9 +480,12 @@ fn bad_region_registrations_are_refused_and_change_nothing() {
             (1, 1),
             "the foreign handle waits"
         );
-        put_shape(&c, shape, "eng", vec![1]).await;
+        put_over_grpc(&c, shape, "eng", vec![1]).await;
         let q = c.query(&id("eng"), &hashes(1..2), false).await.unwrap();
-        let l = c.load(&load(q.lease.unwrap(), "eng", &[6])).await.unwrap();
+        let l = c
+            .load(&load_request(q.lease.unwrap(), "eng", 0, &[6]))
+            .await
+            .unwrap();
         let done = c
             .wait_polling(l, Duration::from_millis(2), WAIT)
             .await
@@ -537,9 +503,9 @@ fn closing_the_session_unregisters_and_releases_leases() {
         let srv = Server::with_token().await;
         let c = srv.client(TOKEN).await;
         let kv = MemfdKv::create(shape(), 16, 0).unwrap();
-        register_memfd(&c, &kv, "eng").await;
+        kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
         let session = c.open_session(&[id("eng")]).await.unwrap();
-        put_over_grpc(&c, "eng", 0..4).await;
+        put_over_grpc(&c, shape(), "eng", 0..4).await;
         let _lease = lease_for(&c, "eng", 0..4).await;
         // A second memfd sent for the instance and never registered.
         let spare = MemfdKv::create(shape(), 4, 0).unwrap();
@@ -576,10 +542,13 @@ fn closing_the_session_unregisters_and_releases_leases() {
         assert_eq!(err.code(), Some(Code::NotFound));
 
         // The blocks stayed; a new registration and session work as before.
-        register_memfd(&c, &kv, "eng").await;
+        kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
         let _session = c.open_session(&[id("eng")]).await.unwrap();
         let lease = lease_for(&c, "eng", 0..4).await;
-        let l = c.load(&load(lease, "eng", &[8, 9, 10, 11])).await.unwrap();
+        let l = c
+            .load(&load_request(lease, "eng", 0, &[8, 9, 10, 11]))
+            .await
+            .unwrap();
         ok(
             &c.wait_polling(l, Duration::from_millis(5), WAIT)
                 .await
@@ -612,10 +581,10 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         .await;
         let c = srv.client(TOKEN).await;
         let kv = MemfdKv::create(shape(), 16, 0).unwrap();
-        register_memfd(&c, &kv, "eng").await;
+        kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
         let other = MemfdKv::create(shape(), 16, 0).unwrap();
-        register_memfd(&c, &other, "other").await;
-        put_over_grpc(&c, "eng", 0..6).await;
+        other.register_with(&c, &id("other"), "m", 0).await.unwrap();
+        put_over_grpc(&c, shape(), "eng", 0..6).await;
         let lease = lease_for(&c, "eng", 0..3).await;
         // A handle waiting for its registration.
         let spare = MemfdKv::create(shape(), 16, 0).unwrap();
@@ -638,31 +607,31 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         // Loads.
         let unknown = LeaseId::random();
         assert_eq!(
-            code(c.load(&load(unknown, "eng", &[0, 1, 2])).await),
+            code(c.load(&load_request(unknown, "eng", 0, &[0, 1, 2])).await),
             Code::NotFound
         );
         unchanged("unknown lease").await;
         assert_eq!(
-            code(c.load(&load(lease, "other", &[0, 1, 2])).await),
+            code(c.load(&load_request(lease, "other", 0, &[0, 1, 2])).await),
             Code::PermissionDenied
         );
         unchanged("wrong instance").await;
-        let mut rank = load(lease, "eng", &[0, 1, 2]);
+        let mut rank = load_request(lease, "eng", 0, &[0, 1, 2]);
         rank.rank = 5;
         assert_eq!(code(c.load(&rank).await), Code::NotFound);
         unchanged("rank out of range").await;
         assert_eq!(
-            code(c.load(&load(lease, "eng", &[0, 1, 99])).await),
+            code(c.load(&load_request(lease, "eng", 0, &[0, 1, 99])).await),
             Code::InvalidArgument
         );
         unchanged("out-of-range destination block").await;
         assert_eq!(
-            code(c.load(&load(lease, "eng", &[0, 1])).await),
+            code(c.load(&load_request(lease, "eng", 0, &[0, 1])).await),
             Code::InvalidArgument
         );
         unchanged("too few destination blocks").await;
         assert_eq!(
-            code(c.load(&load(lease, "eng", &[])).await),
+            code(c.load(&load_request(lease, "eng", 0, &[])).await),
             Code::InvalidArgument
         );
         unchanged("no destination blocks").await;
@@ -692,7 +661,7 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         unchanged("too many hashes").await;
         let dest: Vec<u32> = (0..rpc::MAX_ENGINE_BLOCKS as u32 + 1).collect();
         assert_eq!(
-            code(c.load(&load(lease, "eng", &dest)).await),
+            code(c.load(&load_request(lease, "eng", 0, &dest)).await),
             Code::ResourceExhausted
         );
         unchanged("too many destination blocks").await;
@@ -934,7 +903,10 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         unchanged("too many descriptors").await;
 
         // After all that, the lease loads and the spare handle registers.
-        let l = c.load(&load(lease, "eng", &[0, 1, 2])).await.unwrap();
+        let l = c
+            .load(&load_request(lease, "eng", 0, &[0, 1, 2]))
+            .await
+            .unwrap();
         ok(
             &c.wait_polling(l, Duration::from_millis(5), WAIT)
                 .await
@@ -1048,18 +1020,15 @@ fn a_client_process_loads_into_its_memfd_through_a_node_process() {
             .await
             .unwrap();
         let kv = MemfdKv::create(shape(), 16, 256).unwrap();
-        let handle = c
-            .send_memfd(&id("far"), 0, 0, kv.fd(), kv.len())
-            .await
-            .unwrap();
-        c.register(&kv.register_request(&id("far"), "m", 0), handle)
-            .await
-            .unwrap();
+        kv.register_with(&c, &id("far"), "m", 0).await.unwrap();
         let session = c.open_session(&[id("far")]).await.unwrap();
-        put_over_grpc(&c, "far", 0..4).await;
+        put_over_grpc(&c, shape(), "far", 0..4).await;
         let mut stream = c.completions(&id("far"), 0).await.unwrap();
         let lease = lease_for(&c, "far", 0..4).await;
-        let l = c.load(&load(lease, "far", &[15, 0, 7, 8])).await.unwrap();
+        let l = c
+            .load(&load_request(lease, "far", 0, &[15, 0, 7, 8]))
+            .await
+            .unwrap();
         ok(&stream.wait_for(l, WAIT).await.unwrap(), 4);
         // The node process wrote into this process's memfd through its own mapping.
         kv.verify(&[(15, 0), (0, 1), (7, 2), (8, 3)], 0).unwrap();
@@ -1159,13 +1128,16 @@ fn a_failed_load_completes_failed_with_its_blocks_and_the_next_one_works() {
         .await;
         let c = srv.client("").await;
         let kv = MemfdKv::create(shape(), 16, 0).unwrap();
-        register_memfd(&c, &kv, "eng").await;
-        put_over_grpc(&c, "eng", 0..4).await;
+        kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
+        put_over_grpc(&c, shape(), "eng", 0..4).await;
         let mut stream = c.completions(&id("eng"), 0).await.unwrap();
 
         failing.fail.store(true, Ordering::Relaxed);
         let lease = lease_for(&c, "eng", 0..4).await;
-        let l = c.load(&load(lease, "eng", &[9, 3, 4, 12])).await.unwrap();
+        let l = c
+            .load(&load_request(lease, "eng", 0, &[9, 3, 4, 12]))
+            .await
+            .unwrap();
         let done = stream.wait_for(l, WAIT).await.unwrap();
         assert_eq!(
             done.status,
@@ -1188,7 +1160,10 @@ fn a_failed_load_completes_failed_with_its_blocks_and_the_next_one_works() {
 
         failing.fail.store(false, Ordering::Relaxed);
         let lease = lease_for(&c, "eng", 0..4).await;
-        let l = c.load(&load(lease, "eng", &[9, 3, 4, 12])).await.unwrap();
+        let l = c
+            .load(&load_request(lease, "eng", 0, &[9, 3, 4, 12]))
+            .await
+            .unwrap();
         ok(&stream.wait_for(l, WAIT).await.unwrap(), 4);
         kv.verify(&[(9, 0), (3, 1), (4, 2), (12, 3)], 0).unwrap();
         drop((stream, c));
@@ -1202,7 +1177,7 @@ fn save_stores_the_clients_blocks_from_its_memfd() {
         let srv = Server::start(EngineOptions::default()).await;
         let c = srv.client("").await;
         let kv = MemfdKv::create(shape(), 16, 64).unwrap();
-        register_memfd(&c, &kv, "eng").await;
+        kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
         // The engine computed blocks 20..23 into its KV blocks 5..8 and saves them.
         for (dst, block) in [(5, 20), (6, 21), (7, 22)] {
             kv.write_block(dst, block, 0).unwrap();
@@ -1228,7 +1203,10 @@ fn save_stores_the_clients_blocks_from_its_memfd() {
             .await;
         assert_eq!(code(mismatched), Code::InvalidArgument);
         let lease = lease_for(&c, "eng", 20..23).await;
-        let l = c.load(&load(lease, "eng", &[0, 1, 2])).await.unwrap();
+        let l = c
+            .load(&load_request(lease, "eng", 0, &[0, 1, 2]))
+            .await
+            .unwrap();
         ok(
             &c.wait_polling(l, Duration::from_millis(5), WAIT)
                 .await
@@ -1253,7 +1231,7 @@ fn unused_handles_expire_and_a_session_outlives_the_call_deadline() {
         .await;
         let c = srv.client("").await;
         let kv = MemfdKv::create(shape(), 16, 0).unwrap();
-        register_memfd(&c, &kv, "eng").await;
+        kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
         let mut session = c.open_session(&[id("eng")]).await.unwrap();
         let spare = MemfdKv::create(shape(), 16, 0).unwrap();
         let handle = c
@@ -1290,38 +1268,19 @@ fn unused_handles_expire_and_a_session_outlives_the_call_deadline() {
 
 #[test]
 fn a_remote_suffix_loads_direct_when_granted_and_staged_otherwise() {
-    use kvferry_actors::remote::{LocalCluster, Provider};
+    use kvferry_actors::remote::Provider;
     rt().block_on(async {
-        let cluster = LocalCluster::new(Provider::Tcp);
-        let start = |name: &str, dev: Arc<HostDevice>| {
-            let mut cfg = config(SLOT, SLOTS);
-            cfg.node_id = name.into();
-            Node::start_in(
-                cfg,
-                vec![dev as Arc<dyn Device>],
-                Clock::system(),
-                Some(Arc::clone(&cluster)),
-            )
-            .unwrap()
-        };
         // The owner holds blocks 4..8; the engine's node serves the engine API.
-        let owner_dev = HostDevice::new(0);
-        let owner = start("owner", Arc::clone(&owner_dev));
-        let owner_kv = register(
-            &owner,
-            &(Arc::clone(&owner_dev) as Arc<dyn Device>),
-            "eng",
-            shape(),
-            0,
-            kvferry_testkit::KvKind::Split,
-            16,
-            0,
+        let nodes = Cluster::new(Provider::Tcp, &["owner", "near"]);
+        let (owner, near) = (nodes.node(0), nodes.node(1));
+        let owner_kv = register(owner, nodes.dev(0), "eng", shape(), 0, KvKind::Split, 16, 0).await;
+        put(owner, "eng", &shape(), 0, 4..8).await;
+        let srv = Server::serve(
+            EngineOptions::default(),
+            near.clone(),
+            nodes.host(1).clone(),
         )
         .await;
-        put(&owner, "eng", &shape(), 0, 4..8).await;
-        let dev = HostDevice::new(0);
-        let node = start("near", Arc::clone(&dev));
-        let srv = Server::serve(EngineOptions::default(), node, dev).await;
         let c = srv.client("").await;
         let caps = c.capabilities().await.unwrap();
         assert!(
@@ -1329,14 +1288,9 @@ fn a_remote_suffix_loads_direct_when_granted_and_staged_otherwise() {
             "{caps:?}"
         );
         let kv = MemfdKv::create(shape(), 16, 0).unwrap();
-        register_memfd(&c, &kv, "eng").await;
-        put_over_grpc(&c, "eng", 0..4).await;
+        kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
+        put_over_grpc(&c, shape(), "eng", 0..4).await;
         let dest = [15, 0, 3, 4, 9, 1, 2, 12];
-        let expected: Vec<(u32, u64)> = dest
-            .iter()
-            .enumerate()
-            .map(|(i, d)| (*d, i as u64))
-            .collect();
 
         for (direct_gpu, path) in [(true, "direct"), (false, "staged")] {
             let q = c
@@ -1350,7 +1304,10 @@ fn a_remote_suffix_loads_direct_when_granted_and_staged_otherwise() {
                 DirectGrant::NotRequested
             };
             assert_eq!(q.direct, grant);
-            let l = c.load(&load(q.lease.unwrap(), "eng", &dest)).await.unwrap();
+            let l = c
+                .load(&load_request(q.lease.unwrap(), "eng", 0, &dest))
+                .await
+                .unwrap();
             let done = c
                 .wait_polling(l, Duration::from_millis(5), WAIT)
                 .await
@@ -1360,7 +1317,7 @@ fn a_remote_suffix_loads_direct_when_granted_and_staged_otherwise() {
             assert_eq!(done.bytes, 8 * shape().rank_bytes());
             let stages: Vec<&str> = done.stages.iter().map(|s| s.name.as_str()).collect();
             assert!(stages.contains(&"pin"), "{stages:?}");
-            kv.verify(&expected, 0).unwrap();
+            kv.verify(&expected(&dest, 0), 0).unwrap();
         }
         let s = stats_until(&c, "loads drain", |s| s.transfers_in_flight == 0).await;
         assert_eq!((s.loads_ok, s.leases_live, s.pinned_blocks), (2, 0, 0));
@@ -1537,16 +1494,22 @@ fn an_engine_workers_cuda_kv_in_another_process_through_an_ipc_handle() {
         };
         c.register_cuda_ipc(&req, &ipc.bytes).await.unwrap();
         let _session = c.open_session(&[id("gpu-eng")]).await.unwrap();
-        put_over_grpc(&c, "gpu-eng", 0..4).await;
+        put_over_grpc(&c, shape(), "gpu-eng", 0..4).await;
         let dest = [9u32, 3, 4, 12];
         for by_stream in [true, false] {
             let lease = lease_for(&c, "gpu-eng", 0..4).await;
             let done = if by_stream {
                 let mut stream = c.completions(&id("gpu-eng"), 0).await.unwrap();
-                let l = c.load(&load(lease, "gpu-eng", &dest)).await.unwrap();
+                let l = c
+                    .load(&load_request(lease, "gpu-eng", 0, &dest))
+                    .await
+                    .unwrap();
                 stream.wait_for(l, WAIT).await.unwrap()
             } else {
-                let l = c.load(&load(lease, "gpu-eng", &dest)).await.unwrap();
+                let l = c
+                    .load(&load_request(lease, "gpu-eng", 0, &dest))
+                    .await
+                    .unwrap();
                 c.wait_polling(l, Duration::from_millis(1), WAIT)
                     .await
                     .unwrap()
@@ -1589,12 +1552,12 @@ fn a_completion_board_shows_loads_landing_without_an_rpc() {
             Code::InvalidArgument
         );
         c.register_with_board(&req, handle, b).await.unwrap();
-        put_over_grpc(&c, "eng", 0..6).await;
+        put_over_grpc(&c, shape(), "eng", 0..6).await;
 
         let lease = lease_for(&c, "eng", 0..4).await;
         let dest = [9, 2, 14, 5];
         let first = c
-            .load_on_board(&load(lease, "eng", &dest), Some((3, 41)))
+            .load_on_board(&load_request(lease, "eng", 0, &dest), Some((3, 41)))
             .await
             .unwrap();
         // Every layer, then the end, without an RPC; the result is then in PollLoad.
@@ -1609,21 +1572,20 @@ fn a_completion_board_shows_loads_landing_without_an_rpc() {
             .unwrap()
             .expect("done on the board: done here");
         ok(&done, 4);
-        let want: Vec<(u32, u64)> = dest.iter().zip(0..).map(|(&d, i)| (d, i)).collect();
-        kv.verify(&want, 0).unwrap();
+        kv.verify(&expected(&dest, 0), 0).unwrap();
 
         // Refused before anything moves: a slot past the board, a slot still running, and
         // a board slot for a rank that registered no board. The lease survives each.
         let lease = lease_for(&c, "eng", 0..2).await;
         let r = c
-            .load_on_board(&load(lease, "eng", &[0, 1]), Some((8, 1)))
+            .load_on_board(&load_request(lease, "eng", 0, &[0, 1]), Some((8, 1)))
             .await;
         assert_eq!(code(r), Code::InvalidArgument);
         // A running slot: what the node writes is what it checks, so fake one.
         let fake = Board::create(8).unwrap();
         let _ = fake;
         let second = c
-            .load_on_board(&load(lease, "eng", &[0, 1]), Some((3, 42)))
+            .load_on_board(&load_request(lease, "eng", 0, &[0, 1]), Some((3, 42)))
             .await
             .unwrap();
         assert_eq!(
@@ -1633,19 +1595,16 @@ fn a_completion_board_shows_loads_landing_without_an_rpc() {
         ok(&c.poll_load(second).await.unwrap().unwrap(), 2);
 
         let kv2 = MemfdKv::create(shape(), 16, 0).unwrap();
-        let h2 = c
-            .send_memfd(&id("plain"), 0, 0, kv2.fd(), kv2.len())
-            .await
-            .unwrap();
-        c.register(&kv2.register_request(&id("plain"), "m", 0), h2)
-            .await
-            .unwrap();
+        kv2.register_with(&c, &id("plain"), "m", 0).await.unwrap();
         let lease = lease_for(&c, "plain", 0..2).await;
         let r = c
-            .load_on_board(&load(lease, "plain", &[0, 1]), Some((0, 1)))
+            .load_on_board(&load_request(lease, "plain", 0, &[0, 1]), Some((0, 1)))
             .await;
         assert_eq!(code(r), Code::FailedPrecondition);
-        let third = c.load(&load(lease, "plain", &[0, 1])).await.unwrap();
+        let third = c
+            .load(&load_request(lease, "plain", 0, &[0, 1]))
+            .await
+            .unwrap();
         ok(
             &c.wait_polling(third, Duration::from_millis(2), WAIT)
                 .await

@@ -5,8 +5,7 @@ use std::time::Duration;
 
 use kvferry_actors::lease::LeaseError;
 use kvferry_actors::{
-    Clock, DirectGrant, LoadRequest, NodeConfig, NodeError, QueryRequest, RegisterInstance,
-    SaveRequest,
+    Clock, DirectGrant, LoadRequest, NodeConfig, NodeError, RegisterInstance, SaveRequest,
 };
 use kvferry_gpu::{GroupKind, KvShape, LayerLayout, LayoutError};
 use kvferry_testkit::harness::*;
@@ -14,39 +13,6 @@ use kvferry_testkit::KvKind;
 
 fn shape(layers: u32, tp: u32, segs: u32) -> KvShape {
     KvShape::new(layers, tp, segs, 1024).unwrap()
-}
-
-async fn query(node: &kvferry_actors::Node, inst: &str, n: u64) -> kvferry_actors::QueryResponse {
-    node.query(QueryRequest {
-        instance: id(inst),
-        hashes: hashes(0..n),
-        direct_gpu: false,
-    })
-    .await
-    .unwrap()
-}
-
-async fn load(
-    node: &kvferry_actors::Node,
-    lease: kvferry_actors::LeaseId,
-    inst: &str,
-    rank: u32,
-    dest: &[u32],
-) -> Result<kvferry_actors::TransferReport, NodeError> {
-    node.load(LoadRequest {
-        lease,
-        instance: id(inst),
-        rank,
-        dest_blocks: dest.to_vec(),
-    })
-    .await
-}
-
-fn expected(dest: &[u32]) -> Vec<(u32, u64)> {
-    dest.iter()
-        .enumerate()
-        .map(|(i, d)| (*d, i as u64))
-        .collect()
 }
 
 #[test]
@@ -93,7 +59,7 @@ fn layouts_split_contiguous_views_and_fragmented_destinations() {
         for (name, shape, kind, view, dest) in cases {
             let kv = register(&node, &dev, name, shape, 0, kind, 16, view).await;
             put(&node, name, &shape, 0, 0..6).await;
-            let q = query(&node, name, 8).await;
+            let q = query(&node, name, 0..8, false).await;
             assert_eq!(
                 (q.local_blocks, q.remote_blocks),
                 (6, 0),
@@ -106,7 +72,7 @@ fn layouts_split_contiguous_views_and_fragmented_destinations() {
                 "{name}: {r:?}"
             );
             let checked = kv
-                .verify(&expected(&dest), 0)
+                .verify(&expected(&dest, 0), 0)
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(checked, r.bytes);
             // Contiguous destinations in a contiguous one-segment layout merge into one copy.
@@ -129,7 +95,7 @@ fn adjacent_ranges_merge_into_fewer_copies() {
         let shape = KvShape::new(1, 1, 1, 4096).unwrap();
         let kv = register(&node, &dev, "merge", shape, 0, KvKind::Contiguous, 16, 0).await;
         put(&node, "merge", &shape, 0, 0..4).await;
-        let q = query(&node, "merge", 4).await;
+        let q = query(&node, "merge", 0..4, false).await;
         let dest = [4, 5, 6, 7];
         let r = load(&node, q.lease.unwrap(), "merge", 0, &dest)
             .await
@@ -137,7 +103,7 @@ fn adjacent_ranges_merge_into_fewer_copies() {
         // Slots are 16 KiB apart, so the host side is not contiguous: 4 copies. The merge
         // itself is covered by the copy-list unit test; here the bytes must still be exact.
         assert!(r.copies <= 4);
-        kv.verify(&expected(&dest), 0).unwrap();
+        kv.verify(&expected(&dest, 0), 0).unwrap();
         settled(&node).await;
     });
 }
@@ -151,9 +117,9 @@ fn tp2_each_rank_loads_its_own_part_once() {
         let kv1 = register(&node, &dev, "tp", shape, 1, KvKind::Split, 8, 0).await;
         put(&node, "tp", &shape, 0, 0..4).await;
         // Only rank 0 written: nothing is sealed, nothing hits.
-        assert_eq!(query(&node, "tp", 4).await.local_blocks, 0);
+        assert_eq!(query(&node, "tp", 0..4, false).await.local_blocks, 0);
         put(&node, "tp", &shape, 1, 0..4).await;
-        let q = query(&node, "tp", 4).await;
+        let q = query(&node, "tp", 0..4, false).await;
         assert_eq!(q.local_blocks, 4);
         let lease = q.lease.unwrap();
         load(&node, lease, "tp", 1, &[7, 5, 3, 1]).await.unwrap();
@@ -175,8 +141,8 @@ fn tp2_each_rank_loads_its_own_part_once() {
             matches!(third, NodeError::Lease(LeaseError::UnknownOrExpired { .. })),
             "{third}"
         );
-        kv0.verify(&expected(&[0, 2, 4, 6]), 0).unwrap();
-        kv1.verify(&expected(&[7, 5, 3, 1]), 1).unwrap();
+        kv0.verify(&expected(&[0, 2, 4, 6], 0), 0).unwrap();
+        kv1.verify(&expected(&[7, 5, 3, 1], 0), 1).unwrap();
         settled(&node).await;
     });
 }
@@ -214,12 +180,12 @@ fn save_then_load_round_trip() {
         assert_eq!((r2.written, r2.present), (0, 3));
         // Another instance of the same model and shape loads them into a split layout.
         let dst = register(&node, &dev, "loader", shape, 0, KvKind::Split, 8, 0).await;
-        let q = query(&node, "loader", 3).await;
+        let q = query(&node, "loader", 0..3, false).await;
         assert_eq!(q.local_blocks, 3);
         load(&node, q.lease.unwrap(), "loader", 0, &[1, 3, 0])
             .await
             .unwrap();
-        dst.verify(&expected(&[1, 3, 0]), 0).unwrap();
+        dst.verify(&expected(&[1, 3, 0], 0), 0).unwrap();
         settled(&node).await;
     });
 }
@@ -231,7 +197,7 @@ fn pool_exhaustion_is_typed_and_pinned_blocks_survive_eviction() {
         let (node, dev) = node(shape.block_bytes(), 4, Clock::system());
         let kv = register(&node, &dev, "e", shape, 0, KvKind::Split, 16, 0).await;
         put(&node, "e", &shape, 0, 0..2).await;
-        let q = query(&node, "e", 2).await;
+        let q = query(&node, "e", 0..2, false).await;
         let lease = q.lease.unwrap();
         // Churn six more blocks through the two free slots: blocks 0 and 1 are pinned.
         put(&node, "e", &shape, 0, 10..16).await;
@@ -240,24 +206,10 @@ fn pool_exhaustion_is_typed_and_pinned_blocks_survive_eviction() {
         assert!(s.evictions >= 4);
         // The leased blocks are intact.
         load(&node, lease, "e", 0, &[9, 4]).await.unwrap();
-        kv.verify(&expected(&[9, 4]), 0).unwrap();
+        kv.verify(&expected(&[9, 4], 0), 0).unwrap();
         // Pin all four; a fifth block has nowhere to go: a typed error, no state change.
-        let hold = node
-            .query(QueryRequest {
-                instance: id("e"),
-                hashes: hashes(0..2),
-                direct_gpu: false,
-            })
-            .await
-            .unwrap();
-        let hold2 = node
-            .query(QueryRequest {
-                instance: id("e"),
-                hashes: hashes(14..16),
-                direct_gpu: false,
-            })
-            .await
-            .unwrap();
+        let hold = query(&node, "e", 0..2, false).await;
+        let hold2 = query(&node, "e", 14..16, false).await;
         assert_eq!(hold.local_blocks + hold2.local_blocks, 4);
         let before = node.stats().await.unwrap();
         let err = node
@@ -294,8 +246,8 @@ fn lease_expiry_on_simulated_time_releases_pins() {
         let shape = shape(1, 1, 2);
         let kv = register(&node, &dev, "x", shape, 0, KvKind::Split, 8, 0).await;
         put(&node, "x", &shape, 0, 0..3).await;
-        let a = query(&node, "x", 3).await.lease.unwrap();
-        let b = query(&node, "x", 3).await.lease.unwrap();
+        let a = query(&node, "x", 0..3, false).await.lease.unwrap();
+        let b = query(&node, "x", 0..3, false).await.lease.unwrap();
         assert_eq!(node.stats().await.unwrap().pins, 6);
         hand.advance(Duration::from_secs(600) - Duration::from_millis(1));
         assert_eq!(
@@ -317,9 +269,9 @@ fn lease_expiry_on_simulated_time_releases_pins() {
         );
         let s = settled(&node).await;
         assert_eq!(s.leases_expired, 1);
-        kv.verify(&expected(&[0, 1, 2]), 0).unwrap();
+        kv.verify(&expected(&[0, 1, 2], 0), 0).unwrap();
         // Expiry through the sweeper.
-        let _c = query(&node, "x", 3).await.lease.unwrap();
+        let _c = query(&node, "x", 0..3, false).await.lease.unwrap();
         hand.advance(Duration::from_secs(601));
         assert_eq!(node.sweep().await.unwrap(), 1);
         settled(&node).await;
@@ -342,24 +294,20 @@ fn release_paths_and_unregister() {
             Err(NodeError::Lease(LeaseError::UnknownOrExpired { .. }))
         ));
         // Release while rank 0 still owes its consume.
-        let l = query(&node, "r", 2).await.lease.unwrap();
+        let l = query(&node, "r", 0..2, false).await.lease.unwrap();
         load(&node, l, "r", 1, &[6, 7]).await.unwrap();
         node.release(l).await.unwrap();
         assert!(load(&node, l, "r", 0, &[6, 7]).await.is_err());
-        kv1.verify(&expected(&[6, 7]), 1).unwrap();
+        kv1.verify(&expected(&[6, 7], 0), 1).unwrap();
         settled(&node).await;
         // Unregister releases the instance's leases.
-        let _l1 = query(&node, "r", 2).await.lease.unwrap();
-        let _l2 = query(&node, "r", 2).await.lease.unwrap();
+        let _l1 = query(&node, "r", 0..2, false).await.lease.unwrap();
+        let _l2 = query(&node, "r", 0..2, false).await.lease.unwrap();
         assert_eq!(node.unregister_instance(id("r")).await.unwrap(), 2);
         let s = settled(&node).await;
         assert_eq!(s.instances, 0);
         let err = node
-            .query(QueryRequest {
-                instance: id("r"),
-                hashes: hashes(0..2),
-                direct_gpu: false,
-            })
+            .query(query_request("r", 0..2, false))
             .await
             .unwrap_err();
         assert!(matches!(err, NodeError::UnknownInstance { .. }), "{err}");
@@ -375,15 +323,10 @@ fn unregister_waits_for_in_flight_loads() {
         put(&node, "u", &shape, 0, 0..8).await;
         let mut pending = Vec::new();
         for i in 0..20u32 {
-            let q = query(&node, "u", 8).await;
+            let q = query(&node, "u", 0..8, false).await;
             let dest: Vec<u32> = (0..8).map(|b| (b * 8 + i) % 64).collect();
             let rx = node
-                .start_load(LoadRequest {
-                    lease: q.lease.unwrap(),
-                    instance: id("u"),
-                    rank: 0,
-                    dest_blocks: dest,
-                })
+                .start_load(load_request(q.lease.unwrap(), "u", 0, &dest))
                 .await
                 .unwrap();
             pending.push(rx);
@@ -417,7 +360,7 @@ fn thousand_lease_churn_ends_with_nothing_held() {
             x ^= x >> 7;
             x ^= x << 17;
             let n = 1 + x % 16;
-            let q = query(&node, "c", n).await;
+            let q = query(&node, "c", 0..n, false).await;
             let lease = q.lease.unwrap();
             let dest: Vec<u32> = (0..n as u32).map(|b| b * 2).collect();
             match x % 5 {
@@ -463,14 +406,7 @@ fn direct_gpu_is_refused_with_a_reason() {
         let shape = shape(1, 1, 2);
         let _kv = register(&node, &dev, "d", shape, 0, KvKind::Split, 4, 0).await;
         put(&node, "d", &shape, 0, 0..1).await;
-        let q = node
-            .query(QueryRequest {
-                instance: id("d"),
-                hashes: hashes(0..1),
-                direct_gpu: true,
-            })
-            .await
-            .unwrap();
+        let q = query(&node, "d", 0..1, true).await;
         assert!(!q.direct.is_granted());
         assert_eq!(
             q.direct,
@@ -479,7 +415,7 @@ fn direct_gpu_is_refused_with_a_reason() {
             }
         );
         node.release(q.lease.unwrap()).await.unwrap();
-        let q = query(&node, "d", 1).await;
+        let q = query(&node, "d", 0..1, false).await;
         assert_eq!(q.direct, DirectGrant::NotRequested);
         node.release(q.lease.unwrap()).await.unwrap();
         settled(&node).await;
@@ -494,63 +430,18 @@ fn bad_input_matrix() {
         let shape = shape(2, 1, 2);
         let kv = register(&node, &dev, "b", shape, 0, KvKind::Split, 8, 0).await;
         put(&node, "b", &shape, 0, 0..2).await;
-        let lease = query(&node, "b", 2).await.lease.unwrap();
+        let lease = query(&node, "b", 0..2, false).await.lease.unwrap();
         let before = node.stats().await.unwrap();
 
         let bad_loads: Vec<(&str, LoadRequest)> = vec![
-            (
-                "out of range",
-                LoadRequest {
-                    lease,
-                    instance: id("b"),
-                    rank: 0,
-                    dest_blocks: vec![0, 8],
-                },
-            ),
-            (
-                "duplicate",
-                LoadRequest {
-                    lease,
-                    instance: id("b"),
-                    rank: 0,
-                    dest_blocks: vec![3, 3],
-                },
-            ),
-            (
-                "count",
-                LoadRequest {
-                    lease,
-                    instance: id("b"),
-                    rank: 0,
-                    dest_blocks: vec![3],
-                },
-            ),
-            (
-                "rank",
-                LoadRequest {
-                    lease,
-                    instance: id("b"),
-                    rank: 1,
-                    dest_blocks: vec![3, 4],
-                },
-            ),
-            (
-                "instance",
-                LoadRequest {
-                    lease,
-                    instance: id("nobody"),
-                    rank: 0,
-                    dest_blocks: vec![3, 4],
-                },
-            ),
+            ("out of range", load_request(lease, "b", 0, &[0, 8])),
+            ("duplicate", load_request(lease, "b", 0, &[3, 3])),
+            ("count", load_request(lease, "b", 0, &[3])),
+            ("rank", load_request(lease, "b", 1, &[3, 4])),
+            ("instance", load_request(lease, "nobody", 0, &[3, 4])),
             (
                 "lease",
-                LoadRequest {
-                    lease: kvferry_actors::LeaseId::random(),
-                    instance: id("b"),
-                    rank: 0,
-                    dest_blocks: vec![3, 4],
-                },
+                load_request(kvferry_actors::LeaseId::random(), "b", 0, &[3, 4]),
             ),
         ];
         for (what, req) in bad_loads {
@@ -680,7 +571,7 @@ fn bad_input_matrix() {
 
         // The good load still works.
         load(&node, lease, "b", 0, &[3, 4]).await.unwrap();
-        kv.verify(&expected(&[3, 4]), 0).unwrap();
+        kv.verify(&expected(&[3, 4], 0), 0).unwrap();
         settled(&node).await;
     });
 }
@@ -707,7 +598,7 @@ fn kv_freed_under_a_registered_instance_fails_the_load_cleanly() {
         let shape = shape(2, 1, 2);
         let kv = register(&node, &dev, "f", shape, 0, KvKind::Split, 8, 0).await;
         put(&node, "f", &shape, 0, 0..2).await;
-        let lease = query(&node, "f", 2).await.lease.unwrap();
+        let lease = query(&node, "f", 0..2, false).await.lease.unwrap();
         drop(kv); // the engine frees its KV without unregistering
         let err = load(&node, lease, "f", 0, &[0, 1]).await.unwrap_err();
         assert!(
@@ -724,9 +615,9 @@ fn kv_freed_under_a_registered_instance_fails_the_load_cleanly() {
         assert_eq!((s.loads_failed, s.loads_ok), (1, 0));
         node.unregister_instance(id("f")).await.unwrap();
         let kv = register(&node, &dev, "f", shape, 0, KvKind::Split, 8, 0).await;
-        let lease = query(&node, "f", 2).await.lease.unwrap();
+        let lease = query(&node, "f", 0..2, false).await.lease.unwrap();
         load(&node, lease, "f", 0, &[5, 2]).await.unwrap();
-        kv.verify(&expected(&[5, 2]), 0).unwrap();
+        kv.verify(&expected(&[5, 2], 0), 0).unwrap();
         settled(&node).await;
     });
 }
@@ -768,46 +659,36 @@ fn a_load_reports_its_layers_in_order_as_they_land() {
         let (node, dev) = node(shape.block_bytes(), 260, Clock::system());
         let kv = register(&node, &dev, "layers", shape, 0, KvKind::Split, 260, 0).await;
         put(&node, "layers", &shape, 0, 0..256).await;
-        let q = query(&node, "layers", 256).await;
+        let q = query(&node, "layers", 0..256, false).await;
         assert_eq!(q.local_blocks, 256);
         let dest: Vec<u32> = (0..256).map(|i| 259 - i).collect();
         let seen = std::sync::Arc::new(SeenLayers::default());
         let rx = node
             .start_load_observed(
-                LoadRequest {
-                    lease: q.lease.unwrap(),
-                    instance: id("layers"),
-                    rank: 0,
-                    dest_blocks: dest.clone(),
-                },
+                load_request(q.lease.unwrap(), "layers", 0, &dest),
                 seen.clone(),
             )
             .await
             .unwrap();
         let r = rx.await.unwrap().unwrap();
-        assert_eq!(kv.verify(&expected(&dest), 0).unwrap(), r.bytes);
+        assert_eq!(kv.verify(&expected(&dest, 0), 0).unwrap(), r.bytes);
         kv.untouched_outside(&dest).unwrap();
         assert_eq!(seen.counts(), vec![1, 2, 3, 4]);
         assert!(seen.0.lock().unwrap().iter().all(|&(_, total)| total == 4));
 
         // A small load is one batch: every layer lands at once.
         kv.reset().unwrap();
-        let q = query(&node, "layers", 1).await;
+        let q = query(&node, "layers", 0..1, false).await;
         let seen = std::sync::Arc::new(SeenLayers::default());
         let rx = node
             .start_load_observed(
-                LoadRequest {
-                    lease: q.lease.unwrap(),
-                    instance: id("layers"),
-                    rank: 0,
-                    dest_blocks: vec![3],
-                },
+                load_request(q.lease.unwrap(), "layers", 0, &[3]),
                 seen.clone(),
             )
             .await
             .unwrap();
         let r = rx.await.unwrap().unwrap();
-        assert_eq!(kv.verify(&expected(&[3]), 0).unwrap(), r.bytes);
+        assert_eq!(kv.verify(&expected(&[3], 0), 0).unwrap(), r.bytes);
         assert_eq!(seen.counts(), vec![4]);
         let s = settled(&node).await;
         assert_eq!(

@@ -21,7 +21,6 @@ use kvferry_actors::{BlockHash, Clock, Namespace, Node};
 use kvferry_gpu::{Device, KvShape};
 use kvferry_testkit::harness::*;
 use kvferry_testkit::{DeviceKv, KvKind};
-use tokio::sync::oneshot;
 
 const TOKEN: &str = "cluster-secret";
 const SLOT: u64 = 64 << 10;
@@ -40,8 +39,7 @@ struct Owner {
     ns: Namespace,
     addr: SocketAddr,
     pool: (u64, u64),
-    stop: Option<oneshot::Sender<()>>,
-    server: tokio::task::JoinHandle<Result<(), rpc::PeerServeError>>,
+    server: PeerServer,
 }
 
 impl Owner {
@@ -63,22 +61,16 @@ impl Owner {
         let kv = register(&node, &dev, "eng", s, 0, KvKind::Split, 16, 128).await;
         put(&node, "eng", &s, 0, 0..6).await;
         let ns = Namespace::new("m", "bf16", &s.fingerprint()).unwrap();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let backend = backend(node.peer_backend());
         let pool = backend.pool();
-        let (stop, stopped) = oneshot::channel::<()>();
-        let server = tokio::spawn(rpc::serve(listener, backend, token.into(), async move {
-            let _ = stopped.await;
-        }));
+        let server = PeerServer::start(backend, token).await;
         Self {
             node,
             _dev: dev,
             _kv: kv,
             ns,
-            addr,
+            addr: server.addr,
             pool,
-            stop: Some(stop),
             server,
         }
     }
@@ -96,15 +88,8 @@ impl Owner {
     }
 
     /// Stops the server gracefully (clients must be dropped first) and the node.
-    async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        tokio::time::timeout(Duration::from_secs(10), &mut self.server)
-            .await
-            .expect("the server stops after its shutdown signal")
-            .unwrap()
-            .unwrap();
+    async fn stop(self) {
+        self.server.stop().await;
         self.node.shutdown();
     }
 }
@@ -997,8 +982,7 @@ fn grpc_exchange_trades_one_qp_with_the_owner_responder() {
 #[ignore = "needs an RDMA NIC"]
 fn remote_suffix_over_verbs() {
     use kvferry_actors::nic::{NicSection, VerbsSection};
-    use kvferry_actors::remote::{GrpcPeers, GrpcPeersConfig, StaticDirectory};
-    use kvferry_actors::{LoadRequest, QueryRequest};
+    use kvferry_actors::remote::LocalCluster;
     use kvferry_transport::verbs::{probe, Sysfs, VerbsCapability};
     use std::sync::Arc;
 
@@ -1019,73 +1003,31 @@ fn remote_suffix_over_verbs() {
     };
     rt().block_on(async {
         let s = shape();
-        let owner_dev: Arc<dyn Device> = kvferry_gpu::HostDevice::new(0);
-        let owner =
-            Node::start_with(with_nic("a"), vec![Arc::clone(&owner_dev)], Clock::system()).unwrap();
+        let (owner, owner_dev) = start(with_nic("a"), Clock::system(), None::<Arc<LocalCluster>>);
         assert!(
             owner.nics().unwrap().pool.is_ok(),
             "pool registered on {nic}"
         );
         let _okv = register(&owner, &owner_dev, "eng", s, 0, KvKind::Split, 16, 0).await;
         put(&owner, "eng", &s, 0, 0..6).await;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop, stopped) = oneshot::channel::<()>();
-        let server = tokio::spawn(rpc::serve(
-            listener,
-            owner.peer_backend(),
-            TOKEN.into(),
-            async move {
-                let _ = stopped.await;
-            },
-        ));
-
-        let peers = GrpcPeers::new(
-            GrpcPeersConfig {
-                node_id: "b".into(),
-                provider: Provider::Verbs,
-                token: TOKEN.into(),
-                peers: vec![("a".into(), addr.to_string())],
-                shm_dir: std::env::temp_dir(),
-                data_listen: "127.0.0.1:0".into(),
-            },
-            Arc::new(StaticDirectory::new(vec!["a".into()])),
+        let server = PeerServer::start(owner.peer_backend(), TOKEN).await;
+        let peers = grpc_peers(
+            "b",
+            Provider::Verbs,
+            TOKEN,
+            &[("a", server.addr.to_string())],
+            None,
         );
-        let dev: Arc<dyn Device> = kvferry_gpu::HostDevice::new(0);
-        let node = Node::start_in(
-            with_nic("b"),
-            vec![Arc::clone(&dev)],
-            Clock::system(),
-            Some(peers),
-        )
-        .unwrap();
+        let (node, dev) = start(with_nic("b"), Clock::system(), Some(peers));
         let kv = register(&node, &dev, "eng", s, 0, KvKind::Split, 16, 0).await;
-        let q = node
-            .query(QueryRequest {
-                instance: id("eng"),
-                hashes: hashes(0..6),
-                direct_gpu: false,
-            })
-            .await
-            .unwrap();
+        let q = query(&node, "eng", 0..6, false).await;
         assert_eq!((q.local_blocks, q.remote_blocks), (0, 6));
         let dest: Vec<u32> = vec![5, 0, 3, 9, 1, 12];
-        let r = node
-            .load(LoadRequest {
-                lease: q.lease.unwrap(),
-                instance: id("eng"),
-                rank: 0,
-                dest_blocks: dest.clone(),
-            })
+        let r = load(&node, q.lease.unwrap(), "eng", 0, &dest)
             .await
             .unwrap();
         assert_eq!(r.path, "staged");
-        let want: Vec<(u32, u64)> = dest
-            .iter()
-            .enumerate()
-            .map(|(i, d)| (*d, i as u64))
-            .collect();
-        kv.verify(&want, 0).unwrap();
+        kv.verify(&expected(&dest, 0), 0).unwrap();
         let text = node.metrics_text().await.unwrap();
         assert!(
             text.contains(&format!("kvferry_qps{{nic=\"{nic}\",state=\"rts\"}}")),
@@ -1093,8 +1035,7 @@ fn remote_suffix_over_verbs() {
         );
         settled(&node).await;
         node.shutdown();
-        let _ = stop.send(());
-        let _ = server.await;
+        server.stop().await;
         owner.shutdown();
     });
 }

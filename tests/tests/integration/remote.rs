@@ -8,55 +8,10 @@ use std::time::{Duration, Instant};
 use kvferry_actors::remote::{
     BreakerState, Directory, LocalCluster, Peers, Provider, RedisDirectory, RedisOptions,
 };
-use kvferry_actors::{Clock, DirectGrant, LoadRequest, ManualClock, Node, NodeError, QueryRequest};
+use kvferry_actors::{Clock, DirectGrant, Node, NodeError};
 use kvferry_gpu::{Device, HostDevice, KvShape};
 use kvferry_testkit::harness::*;
 use kvferry_testkit::{DeviceKv, KvKind};
-
-struct Cluster {
-    cluster: Arc<LocalCluster>,
-    nodes: Vec<(Node, Arc<dyn Device>)>,
-    hand: ManualClock,
-}
-
-impl Cluster {
-    fn new(provider: Provider, names: &[&str]) -> Self {
-        Self::with(LocalCluster::new(provider), names)
-    }
-
-    fn with(cluster: Arc<LocalCluster>, names: &[&str]) -> Self {
-        let (clock, hand) = Clock::manual();
-        let nodes = names
-            .iter()
-            .map(|n| {
-                let dev: Arc<dyn Device> = HostDevice::new(0);
-                let mut cfg = config(64 << 10, 32);
-                cfg.node_id = (*n).into();
-                let node = Node::start_in(
-                    cfg,
-                    vec![Arc::clone(&dev)],
-                    clock.clone(),
-                    Some(Arc::clone(&cluster)),
-                )
-                .unwrap();
-                (node, dev)
-            })
-            .collect();
-        Self {
-            cluster,
-            nodes,
-            hand,
-        }
-    }
-
-    fn node(&self, i: usize) -> &Node {
-        &self.nodes[i].0
-    }
-
-    fn dev(&self, i: usize) -> &Arc<dyn Device> {
-        &self.nodes[i].1
-    }
-}
 
 fn shape(tp: u32) -> KvShape {
     KvShape::new(3, tp, 2, 1024).unwrap()
@@ -83,61 +38,20 @@ async fn worked_example(c: &Cluster, tp: u32) -> Vec<DeviceKv> {
 
 const DEST: [u32; 12] = [15, 0, 3, 4, 9, 1, 2, 12, 11, 6, 7, 14];
 
-fn expected() -> Vec<(u32, u64)> {
-    DEST.iter()
-        .enumerate()
-        .map(|(i, d)| (*d, i as u64))
-        .collect()
-}
-
-async fn query(node: &Node, direct: bool) -> kvferry_actors::QueryResponse {
-    node.query(QueryRequest {
-        instance: id("eng"),
-        hashes: hashes(0..12),
-        direct_gpu: direct,
-    })
-    .await
-    .unwrap()
-}
-
-async fn all_settled(c: &Cluster) {
-    for (n, _) in &c.nodes {
-        settled(n).await;
-        for _ in 0..200 {
-            if n.peer_pins().await.unwrap() == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        assert_eq!(
-            n.peer_pins().await.unwrap(),
-            0,
-            "peer pins left on an owner"
-        );
-    }
-}
-
 fn run_worked_example(provider: Provider) {
     rt().block_on(async {
         let c = Cluster::new(provider, &["b", "a", "c"]);
         let kv = worked_example(&c, 1).await;
         for direct in [true, false] {
             kv[0].reset().unwrap();
-            let q = query(c.node(0), direct).await;
+            let q = query(c.node(0), "eng", 0..12, direct).await;
             assert_eq!(
                 (q.local_blocks, q.remote_blocks),
                 (4, 8),
                 "{provider:?} direct={direct}"
             );
             assert_eq!(q.direct.is_granted(), direct);
-            let r = c
-                .node(0)
-                .load(LoadRequest {
-                    lease: q.lease.unwrap(),
-                    instance: id("eng"),
-                    rank: 0,
-                    dest_blocks: DEST.to_vec(),
-                })
+            let r = load(c.node(0), q.lease.unwrap(), "eng", 0, &DEST)
                 .await
                 .unwrap();
             assert_eq!(r.path, if direct { "direct" } else { "staged" });
@@ -160,9 +74,9 @@ fn run_worked_example(provider: Provider) {
                 r.spans
             );
             kv[0]
-                .verify(&expected(), 0)
+                .verify(&expected(&DEST, 0), 0)
                 .unwrap_or_else(|e| panic!("{provider:?} direct={direct}: {e}"));
-            all_settled(&c).await;
+            c.settled().await;
             let stats = c.node(0).stats().await.unwrap();
             if direct {
                 // Direct destinations are never inserted into the host cache.
@@ -201,25 +115,19 @@ fn worked_example_with_the_redis_directory() {
         dir.flush().await;
         for direct in [true, false] {
             kv[0].reset().unwrap();
-            let q = query(c.node(0), direct).await;
+            let q = query(c.node(0), "eng", 0..12, direct).await;
             assert_eq!((q.local_blocks, q.remote_blocks), (4, 8));
-            c.node(0)
-                .load(LoadRequest {
-                    lease: q.lease.unwrap(),
-                    instance: id("eng"),
-                    rank: 0,
-                    dest_blocks: DEST.to_vec(),
-                })
+            load(c.node(0), q.lease.unwrap(), "eng", 0, &DEST)
                 .await
                 .unwrap();
-            kv[0].verify(&expected(), 0).unwrap();
-            all_settled(&c).await;
+            kv[0].verify(&expected(&DEST, 0), 0).unwrap();
+            c.settled().await;
             c.node(0).drop_reclaimable().await.unwrap();
         }
         // A node that leaves is withdrawn from the shared directory.
         c.node(2).shutdown();
         dir.flush().await;
-        let q = query(c.node(0), false).await;
+        let q = query(c.node(0), "eng", 0..12, false).await;
         assert_eq!((q.local_blocks, q.remote_blocks), (4, 4));
         c.node(0).release(q.lease.unwrap()).await.unwrap();
     });
@@ -237,19 +145,11 @@ fn owner_killed_after_pinning_fails_a_tcp_load_hard() {
         rt().block_on(async {
             let c = Cluster::new(Provider::Tcp, &["b", "a", "c"]);
             let kv = worked_example(&c, 1).await;
-            let q = query(c.node(0), direct).await;
+            let q = query(c.node(0), "eng", 0..12, direct).await;
             assert_eq!(q.remote_blocks, 8);
             // C's data path dies after the query pinned its blocks.
             c.cluster.kill_server("c");
-            let err = c
-                .node(0)
-                .load(LoadRequest {
-                    lease: q.lease.unwrap(),
-                    instance: id("eng"),
-                    rank: 0,
-                    dest_blocks: DEST.to_vec(),
-                })
-                .await
+            let err = load(c.node(0), q.lease.unwrap(), "eng", 0, &DEST).await
                 .unwrap_err();
             // Typed: the link to the dead owner failed (rebuilt on its next use), not a
             // refusal and not a local resource.
@@ -265,19 +165,12 @@ fn owner_killed_after_pinning_fails_a_tcp_load_hard() {
             // and the next load works.
             c.node(2).shutdown();
             c.node(0).drop_reclaimable().await.unwrap();
-            let q = query(c.node(0), direct).await;
+            let q = query(c.node(0), "eng", 0..12, direct).await;
             assert_eq!((q.local_blocks, q.remote_blocks), (4, 4));
             kv[0].reset().unwrap();
-            c.node(0)
-                .load(LoadRequest {
-                    lease: q.lease.unwrap(),
-                    instance: id("eng"),
-                    rank: 0,
-                    dest_blocks: DEST[..8].to_vec(),
-                })
-                .await
+            load(c.node(0), q.lease.unwrap(), "eng", 0, &DEST[..8]).await
                 .unwrap();
-            let want: Vec<(u32, u64)> = expected().into_iter().take(8).collect();
+            let want: Vec<(u32, u64)> = expected(&DEST, 0).into_iter().take(8).collect();
             kv[0].verify(&want, 0).unwrap();
             settled(c.node(0)).await;
             assert_eq!(c.node(1).peer_pins().await.unwrap(), 0);
@@ -320,16 +213,8 @@ fn transport_fault_matrix_end_to_end() {
                 cluster.inject_faults("a", vec![Fault { at: 3, kind }]);
                 let c = Cluster::with(cluster, &["b", "a", "c"]);
                 let kv = worked_example(&c, 1).await;
-                let q = query(c.node(0), direct).await;
-                let r = c
-                    .node(0)
-                    .load(LoadRequest {
-                        lease: q.lease.unwrap(),
-                        instance: id("eng"),
-                        rank: 0,
-                        dest_blocks: DEST.to_vec(),
-                    })
-                    .await;
+                let q = query(c.node(0), "eng", 0..12, direct).await;
+                let r = load(c.node(0), q.lease.unwrap(), "eng", 0, &DEST).await;
                 match (fails, r) {
                     (true, Err(NodeError::Remote { peer, source })) => {
                         assert_eq!(peer, "a", "{name}");
@@ -341,30 +226,24 @@ fn transport_fault_matrix_end_to_end() {
                         );
                     }
                     (false, Ok(_)) => {
-                        kv[0].verify(&expected(), 0).unwrap();
+                        kv[0].verify(&expected(&DEST, 0), 0).unwrap();
                     }
                     (_, other) => panic!("{name} direct={direct}: {other:?}"),
                 }
                 kv[0]
                     .untouched_outside(&DEST)
                     .unwrap_or_else(|e| panic!("{name}: {e}"));
-                all_settled(&c).await;
+                c.settled().await;
                 c.node(0).drop_reclaimable().await.unwrap();
                 // The next load works: the worker drained, reset and reconnected the QP.
                 kv[0].reset().unwrap();
-                let q = query(c.node(0), direct).await;
+                let q = query(c.node(0), "eng", 0..12, direct).await;
                 assert_eq!(q.remote_blocks, 8, "{name}");
-                c.node(0)
-                    .load(LoadRequest {
-                        lease: q.lease.unwrap(),
-                        instance: id("eng"),
-                        rank: 0,
-                        dest_blocks: DEST.to_vec(),
-                    })
+                load(c.node(0), q.lease.unwrap(), "eng", 0, &DEST)
                     .await
                     .unwrap_or_else(|e| panic!("{name} direct={direct}: next load: {e}"));
-                kv[0].verify(&expected(), 0).unwrap();
-                all_settled(&c).await;
+                kv[0].verify(&expected(&DEST, 0), 0).unwrap();
+                c.settled().await;
             });
         }
     }
@@ -375,19 +254,13 @@ fn staged_copies_are_advertised_and_then_hit_locally() {
     rt().block_on(async {
         let c = Cluster::new(Provider::Loopback, &["b", "a", "c", "d"]);
         let _kv = worked_example(&c, 1).await;
-        let q = query(c.node(0), false).await;
-        c.node(0)
-            .load(LoadRequest {
-                lease: q.lease.unwrap(),
-                instance: id("eng"),
-                rank: 0,
-                dest_blocks: DEST.to_vec(),
-            })
+        let q = query(c.node(0), "eng", 0..12, false).await;
+        load(c.node(0), q.lease.unwrap(), "eng", 0, &DEST)
             .await
             .unwrap();
-        all_settled(&c).await;
+        c.settled().await;
         // B now holds all 12 locally (fetched copies), so its next query is all local...
-        let q = query(c.node(0), false).await;
+        let q = query(c.node(0), "eng", 0..12, false).await;
         assert_eq!((q.local_blocks, q.remote_blocks), (12, 0));
         c.node(0).release(q.lease.unwrap()).await.unwrap();
         // ...and a fourth node finds B among the owners of 4–11.
@@ -405,27 +278,13 @@ fn staged_copies_are_advertised_and_then_hit_locally() {
         let dir = c.cluster.directory();
         let owners = dir.owners(&q.namespace, &hashes(4..5), "d").await;
         assert!(owners[0].contains(&"b".to_string()), "{owners:?}");
-        let q = c
-            .node(3)
-            .query(QueryRequest {
-                instance: id("eng"),
-                hashes: hashes(0..12),
-                direct_gpu: true,
-            })
-            .await
-            .unwrap();
+        let q = query(c.node(3), "eng", 0..12, true).await;
         assert_eq!((q.local_blocks, q.remote_blocks), (0, 12));
-        c.node(3)
-            .load(LoadRequest {
-                lease: q.lease.unwrap(),
-                instance: id("eng"),
-                rank: 0,
-                dest_blocks: DEST.to_vec(),
-            })
+        load(c.node(3), q.lease.unwrap(), "eng", 0, &DEST)
             .await
             .unwrap();
-        d_kv.verify(&expected(), 0).unwrap();
-        all_settled(&c).await;
+        d_kv.verify(&expected(&DEST, 0), 0).unwrap();
+        c.settled().await;
     });
 }
 
@@ -438,23 +297,17 @@ fn tp2_each_rank_reads_its_own_part() {
             for k in &kv {
                 k.reset().unwrap();
             }
-            let q = query(c.node(0), direct).await;
+            let q = query(c.node(0), "eng", 0..12, direct).await;
             assert_eq!((q.local_blocks, q.remote_blocks), (4, 8));
             for rank in [1, 0] {
-                c.node(0)
-                    .load(LoadRequest {
-                        lease: q.lease.unwrap(),
-                        instance: id("eng"),
-                        rank,
-                        dest_blocks: DEST.to_vec(),
-                    })
+                load(c.node(0), q.lease.unwrap(), "eng", rank, &DEST)
                     .await
                     .unwrap();
             }
             for rank in 0..2 {
-                kv[rank as usize].verify(&expected(), rank).unwrap();
+                kv[rank as usize].verify(&expected(&DEST, 0), rank).unwrap();
             }
-            all_settled(&c).await;
+            c.settled().await;
             c.node(0).drop_reclaimable().await.unwrap();
         }
     });
@@ -469,7 +322,7 @@ fn owner_eviction_between_lookup_and_pin_shortens_the_hit() {
         // lookup that happens before the eviction, then a pin after it.
         let s = shape(1);
         put(c.node(1), "eng", &s, 0, 100..132).await; // A's pool holds 32 slots
-        let q0 = query(c.node(0), false).await;
+        let q0 = query(c.node(0), "eng", 0..12, false).await;
         assert_eq!(
             (q0.local_blocks, q0.remote_blocks),
             (4, 0),
@@ -479,22 +332,16 @@ fn owner_eviction_between_lookup_and_pin_shortens_the_hit() {
         c.cluster
             .directory()
             .publish("a", &q0.namespace, &hashes(4..8));
-        let q = query(c.node(0), true).await;
+        let q = query(c.node(0), "eng", 0..12, true).await;
         // A answers its pin with nothing: the suffix stops after B's 4 local blocks.
         assert_eq!((q.local_blocks, q.remote_blocks), (4, 0), "{q:?}");
         kv[0].reset().unwrap();
-        c.node(0)
-            .load(LoadRequest {
-                lease: q.lease.unwrap(),
-                instance: id("eng"),
-                rank: 0,
-                dest_blocks: DEST[..4].to_vec(),
-            })
+        load(c.node(0), q.lease.unwrap(), "eng", 0, &DEST[..4])
             .await
             .unwrap();
-        let want: Vec<(u32, u64)> = expected().into_iter().take(4).collect();
+        let want: Vec<(u32, u64)> = expected(&DEST, 0).into_iter().take(4).collect();
         kv[0].verify(&want, 0).unwrap();
-        all_settled(&c).await;
+        c.settled().await;
     });
 }
 
@@ -503,35 +350,28 @@ fn lease_expiry_and_release_release_owner_pins() {
     rt().block_on(async {
         let c = Cluster::new(Provider::Shm, &["b", "a", "c"]);
         let _kv = worked_example(&c, 1).await;
-        let q = query(c.node(0), true).await;
+        let q = query(c.node(0), "eng", 0..12, true).await;
         assert_eq!(c.node(1).peer_pins().await.unwrap(), 1);
         assert_eq!(c.node(2).peer_pins().await.unwrap(), 1);
         c.node(0).release(q.lease.unwrap()).await.unwrap();
-        all_settled(&c).await;
+        c.settled().await;
         // Expiry of the requester's lease unpins on the owners.
-        let q = query(c.node(0), false).await;
+        let q = query(c.node(0), "eng", 0..12, false).await;
         assert_eq!(c.node(1).peer_pins().await.unwrap(), 1);
         c.hand.advance(Duration::from_secs(601));
         assert_eq!(c.node(0).sweep().await.unwrap(), 1);
-        all_settled(&c).await;
-        let err = c
-            .node(0)
-            .load(LoadRequest {
-                lease: q.lease.unwrap(),
-                instance: id("eng"),
-                rank: 0,
-                dest_blocks: DEST.to_vec(),
-            })
+        c.settled().await;
+        let err = load(c.node(0), q.lease.unwrap(), "eng", 0, &DEST)
             .await
             .unwrap_err();
         assert!(matches!(err, NodeError::Lease(_)), "{err}");
         // Owner-side expiry: a requester that never unpins loses its pins after 120 s.
-        let q = query(c.node(0), false).await;
+        let q = query(c.node(0), "eng", 0..12, false).await;
         c.hand.advance(Duration::from_secs(121));
         assert_eq!(c.node(1).sweep_peer_pins().await.unwrap(), 1);
         assert_eq!(c.node(1).peer_pins().await.unwrap(), 0);
         c.node(0).release(q.lease.unwrap()).await.unwrap();
-        all_settled(&c).await;
+        c.settled().await;
     });
 }
 
@@ -542,15 +382,10 @@ fn unregister_during_50_in_flight_remote_loads() {
         let _kv = worked_example(&c, 1).await;
         let mut pending = Vec::new();
         for i in 0..50 {
-            let q = query(c.node(0), i % 2 == 0).await;
+            let q = query(c.node(0), "eng", 0..12, i % 2 == 0).await;
             let rx = c
                 .node(0)
-                .start_load(LoadRequest {
-                    lease: q.lease.unwrap(),
-                    instance: id("eng"),
-                    rank: 0,
-                    dest_blocks: DEST.to_vec(),
-                })
+                .start_load(load_request(q.lease.unwrap(), "eng", 0, &DEST))
                 .await
                 .unwrap();
             pending.push(rx);
@@ -560,7 +395,7 @@ fn unregister_during_50_in_flight_remote_loads() {
         for rx in pending {
             rx.await.unwrap().unwrap();
         }
-        all_settled(&c).await;
+        c.settled().await;
     });
 }
 
@@ -570,14 +405,7 @@ fn direct_is_refused_without_peers_and_granted_with_them() {
         let (node, dev) = node(64 << 10, 8, Clock::system());
         let _kv = register(&node, &dev, "eng", shape(1), 0, KvKind::Split, 16, 0).await;
         put(&node, "eng", &shape(1), 0, 0..2).await;
-        let q = node
-            .query(QueryRequest {
-                instance: id("eng"),
-                hashes: hashes(0..2),
-                direct_gpu: true,
-            })
-            .await
-            .unwrap();
+        let q = query(&node, "eng", 0..2, true).await;
         assert!(
             matches!(q.direct, DirectGrant::Refused { ref reason } if reason.contains("no peers"))
         );
@@ -620,19 +448,7 @@ fn owner_process_and_requester(
         ],
     );
     let addr = child.wait_for("READY ");
-    let peers = kvferry_actors::remote::GrpcPeers::new(
-        kvferry_actors::remote::GrpcPeersConfig {
-            node_id: "b".into(),
-            provider,
-            token: "t0ken".into(),
-            peers: vec![("a".into(), addr)],
-            shm_dir: std::env::temp_dir().join(format!("kvferry-req-{}", std::process::id())),
-            data_listen: "127.0.0.1:0".into(),
-        },
-        Arc::new(kvferry_actors::remote::StaticDirectory::new(vec![
-            "a".into()
-        ])),
-    );
+    let peers = grpc_peers("b", provider, "t0ken", &[("a", addr)], None);
     let mut cfg = config(64 << 10, 32);
     cfg.node_id = "b".into();
     let node = Node::start_in(cfg, devices, Clock::system(), Some(peers)).unwrap();
@@ -649,23 +465,17 @@ fn two_processes(provider: Provider) {
         put(&node, "eng", &shape(1), 0, 0..4).await;
         for direct in [true, false] {
             kv.reset().unwrap();
-            let q = query(&node, direct).await;
+            let q = query(&node, "eng", 0..12, direct).await;
             assert_eq!(
                 (q.local_blocks, q.remote_blocks),
                 (4, 8),
                 "{provider:?} direct={direct}"
             );
-            let r = node
-                .load(LoadRequest {
-                    lease: q.lease.unwrap(),
-                    instance: id("eng"),
-                    rank: 0,
-                    dest_blocks: DEST.to_vec(),
-                })
+            let r = load(&node, q.lease.unwrap(), "eng", 0, &DEST)
                 .await
                 .unwrap();
             assert_eq!(r.path, if direct { "direct" } else { "staged" });
-            kv.verify(&expected(), 0)
+            kv.verify(&expected(&DEST, 0), 0)
                 .unwrap_or_else(|e| panic!("{provider:?} direct={direct}: {e}"));
             settled(&node).await;
             node.drop_reclaimable().await.unwrap();
@@ -731,24 +541,17 @@ fn two_gpus_tp2_two_processes_over_shm() {
             for kv in &kvs {
                 kv.reset().unwrap();
             }
-            let q = query(&node, direct).await;
+            let q = query(&node, "eng", 0..12, direct).await;
             assert_eq!((q.local_blocks, q.remote_blocks), (4, 8), "direct={direct}");
             assert_eq!(q.direct.is_granted(), direct, "{:?}", q.direct);
             let lease = q.lease.unwrap();
-            let load = |rank: u32| {
-                node.load(LoadRequest {
-                    lease,
-                    instance: id("eng"),
-                    rank,
-                    dest_blocks: DEST.to_vec(),
-                })
-            };
+            let load = |rank: u32| node.load(load_request(lease, "eng", rank, &DEST));
             let (r0, r1) = tokio::join!(load(0), load(1));
             for (rank, r) in [r0, r1].into_iter().enumerate() {
                 let r = r.unwrap_or_else(|e| panic!("rank {rank} direct={direct}: {e}"));
                 assert_eq!(r.path, if direct { "direct" } else { "staged" });
                 let checked = kvs[rank]
-                    .verify(&expected(), rank as u32)
+                    .verify(&expected(&DEST, 0), rank as u32)
                     .unwrap_or_else(|e| panic!("rank {rank} direct={direct}: {e}"));
                 assert_eq!(checked, 12 * s.rank_bytes());
                 eprintln!(
@@ -789,14 +592,7 @@ fn outage_options(reconcile: Duration) -> RedisOptions {
 }
 
 async fn query_range(node: &Node, ids: std::ops::Range<u64>) -> kvferry_actors::QueryResponse {
-    let q = node
-        .query(QueryRequest {
-            instance: id("eng"),
-            hashes: hashes(ids),
-            direct_gpu: false,
-        })
-        .await
-        .unwrap();
+    let q = query(node, "eng", ids, false).await;
     if let Some(l) = q.lease {
         node.release(l).await.unwrap();
     }
@@ -885,7 +681,7 @@ fn a_hung_redis_directory_never_stalls_a_node() {
         let q = query_range(c.node(0), 0..12).await;
         assert_eq!((q.local_blocks, q.remote_blocks), (4, 0));
         assert!(query_range(c.node(2), 100..132).await.remote_blocks == 0);
-        all_settled(&c).await;
+        c.settled().await;
     });
 }
 
@@ -924,7 +720,7 @@ fn a_restarted_redis_directory_is_told_everything_again() {
         let q = query_range(c.node(1), 8..16).await;
         assert_eq!(q.remote_blocks, 8, "after {took:?}");
         assert!(dir.stats().health.unwrap().reannounces >= 1);
-        all_settled(&c).await;
+        c.settled().await;
         drop(server);
     });
 }

@@ -8,7 +8,8 @@
 //! (registrations, QPs by state, completion errors) move under injected faults and the QP
 //! gauges return to zero after the drain.
 
-use kvferry_testkit::harness::rt;
+use kvferry_testkit::harness::{self, rt};
+use kvferry_testkit::CANARY;
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,7 +19,7 @@ use kvferry_actors::nic::{
     RdmaSlot, RegionHandles, RegionSpec, RegisterRegion, RegistryError, RegistryGauges,
     VerbsSection, WorkerError, WorkerGaugeValues,
 };
-use kvferry_actors::{metrics, DirectGrant, QueryRequest};
+use kvferry_actors::{metrics, DirectGrant};
 use kvferry_transport::fault::{Fault, FaultKind, FaultyConnector};
 use kvferry_transport::loopback::LoopbackConnector;
 use kvferry_transport::tcp::{TcpConnector, TcpOwner};
@@ -31,7 +32,6 @@ use kvferry_transport::{
 };
 use tokio::sync::oneshot;
 
-const CANARY: u8 = 0xA5;
 const OWNER: NodeId = NodeId(100);
 const ME: NodeId = NodeId(1);
 const NIC: NicId = NicId(0);
@@ -199,6 +199,33 @@ async fn settled(rt: &NicRuntime) -> WorkerGaugeValues {
     }
 }
 
+/// An owner of 1 MiB of pattern `seed` behind a fault-injecting loopback connector, and a
+/// NIC runtime (one loopback NIC, a window of 4, completions timing out after `timeout`)
+/// with one QP connected to it.
+async fn faulty_owner(
+    seed: u8,
+    timeout: Duration,
+) -> (Owner, Arc<FaultyConnector<LoopbackConnector>>, NicRuntime) {
+    let src = owner(seed, 1 << 20);
+    let faulty = Arc::new(FaultyConnector::new(
+        LoopbackConnector::new(OWNER, src.table.clone()),
+        OWNER,
+    ));
+    let mut cfg = nic("lo0", ProviderKind::Loopback, 4);
+    cfg.completion_timeout = timeout;
+    let rt = NicRuntime::start(vec![cfg]).unwrap();
+    rt.workers[0]
+        .send(Connect {
+            peer: OWNER,
+            connector: faulty.clone(),
+            qps: Some(1),
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    (src, faulty, rt)
+}
+
 async fn reads_through_worker(provider: ProviderKind) {
     let src = owner(0x31, 1 << 20);
     let _tcp_owner;
@@ -269,21 +296,7 @@ fn tcp_reads_byte_for_byte_past_the_window() {
 #[test]
 fn completion_error_drains_then_recovers() {
     rt().block_on(async {
-        let src = owner(0x47, 1 << 20);
-        let faulty = Arc::new(FaultyConnector::new(
-            LoopbackConnector::new(OWNER, src.table.clone()),
-            OWNER,
-        ));
-        let rt = NicRuntime::start(vec![nic("lo0", ProviderKind::Loopback, 4)]).unwrap();
-        rt.workers[0]
-            .send(Connect {
-                peer: OWNER,
-                connector: faulty.clone(),
-                qps: Some(1),
-            })
-            .await
-            .unwrap()
-            .unwrap();
+        let (src, faulty, rt) = faulty_owner(0x47, Duration::from_secs(5)).await;
         let (dst, h) = register_dst(&rt, 4 << 20).await;
         faulty.inject(Fault {
             at: 3,
@@ -456,21 +469,7 @@ impl DeviceSink for NullSink {
 #[test]
 fn deregistration_waits_for_reads_in_flight() {
     rt().block_on(async {
-        let src = owner(0x58, 1 << 20);
-        let faulty = Arc::new(FaultyConnector::new(
-            LoopbackConnector::new(OWNER, src.table.clone()),
-            OWNER,
-        ));
-        let rt = NicRuntime::start(vec![nic("lo0", ProviderKind::Loopback, 4)]).unwrap();
-        rt.workers[0]
-            .send(Connect {
-                peer: OWNER,
-                connector: faulty.clone(),
-                qps: Some(1),
-            })
-            .await
-            .unwrap()
-            .unwrap();
+        let (src, faulty, rt) = faulty_owner(0x58, Duration::from_secs(5)).await;
         let (dst, h) = register_dst(&rt, 1 << 20).await;
         let key = h.key(NIC).unwrap();
         faulty.inject(Fault {
@@ -579,23 +578,7 @@ fn fault_matrix_drains_then_recovers() {
     ];
     for kind in kinds {
         rt().block_on(async {
-            let src = owner(0x63, 1 << 20);
-            let faulty = Arc::new(FaultyConnector::new(
-                LoopbackConnector::new(OWNER, src.table.clone()),
-                OWNER,
-            ));
-            let mut cfg = nic("lo0", ProviderKind::Loopback, 4);
-            cfg.completion_timeout = Duration::from_millis(60);
-            let rt = NicRuntime::start(vec![cfg]).unwrap();
-            rt.workers[0]
-                .send(Connect {
-                    peer: OWNER,
-                    connector: faulty.clone(),
-                    qps: Some(1),
-                })
-                .await
-                .unwrap()
-                .unwrap();
+            let (src, faulty, rt) = faulty_owner(0x63, Duration::from_millis(60)).await;
             let (dst, h) = register_dst(&rt, 4 << 20).await;
             faulty.inject(Fault { at: 3, kind });
             let (reads, pieces) = plan(&src, &dst, h.key(NIC).unwrap(), 12, 10_000);
@@ -654,21 +637,7 @@ fn fault_matrix_drains_then_recovers() {
 #[test]
 fn peer_death_then_revival() {
     rt().block_on(async {
-        let src = owner(0x71, 1 << 20);
-        let faulty = Arc::new(FaultyConnector::new(
-            LoopbackConnector::new(OWNER, src.table.clone()),
-            OWNER,
-        ));
-        let rt = NicRuntime::start(vec![nic("lo0", ProviderKind::Loopback, 4)]).unwrap();
-        rt.workers[0]
-            .send(Connect {
-                peer: OWNER,
-                connector: faulty.clone(),
-                qps: Some(1),
-            })
-            .await
-            .unwrap()
-            .unwrap();
+        let (src, faulty, rt) = faulty_owner(0x71, Duration::from_secs(5)).await;
         let (dst, h) = register_dst(&rt, 4 << 20).await;
         faulty.inject(Fault {
             at: 2,
@@ -905,7 +874,7 @@ fn fixture(name: &str) -> String {
 #[test]
 fn verbs_without_a_device_refuses_direct_gpu_with_the_reason() {
     rt().block_on(async {
-        let mut cfg = kvferry_testkit::harness::config(64 << 10, 4);
+        let mut cfg = harness::config(64 << 10, 4);
         cfg.nic = vec![NicSection {
             name: "mlx5_0".into(),
             provider: "verbs".into(),
@@ -915,18 +884,16 @@ fn verbs_without_a_device_refuses_direct_gpu_with_the_reason() {
             sysfs_root: fixture("sysfs-no-rdma"),
             ..VerbsSection::default()
         });
-        let dev: Arc<dyn kvferry_gpu::Device> = kvferry_gpu::HostDevice::new(0);
-        let node = kvferry_actors::Node::start_with(
+        let (node, dev) = harness::start(
             cfg,
-            vec![Arc::clone(&dev)],
             kvferry_actors::Clock::system(),
-        )
-        .unwrap();
+            None::<Arc<kvferry_actors::remote::LocalCluster>>,
+        );
         let nics = node.nics().expect("the [[nic]] actors run");
         let e = nics.pool.as_ref().unwrap_err();
         assert!(matches!(e, RegistryError::Rdma { kind: "nic_unavailable", .. }), "{e}");
         let shape = kvferry_gpu::KvShape::new(1, 1, 2, 1024).unwrap();
-        let _kv = kvferry_testkit::harness::register(
+        let _kv = harness::register(
             &node,
             &dev,
             "d",
@@ -937,15 +904,8 @@ fn verbs_without_a_device_refuses_direct_gpu_with_the_reason() {
             0,
         )
         .await;
-        kvferry_testkit::harness::put(&node, "d", &shape, 0, 0..1).await;
-        let q = node
-            .query(QueryRequest {
-                instance: kvferry_testkit::harness::id("d"),
-                hashes: kvferry_testkit::harness::hashes(0..1),
-                direct_gpu: true,
-            })
-            .await
-            .unwrap();
+        harness::put(&node, "d", &shape, 0, 0..1).await;
+        let q = harness::query(&node, "d", 0..1, true).await;
         let DirectGrant::Refused { reason } = &q.direct else {
             panic!("direct granted without a usable RDMA device: {:?}", q.direct);
         };
@@ -959,14 +919,7 @@ fn verbs_without_a_device_refuses_direct_gpu_with_the_reason() {
             "{reason}"
         );
         node.release(q.lease.unwrap()).await.unwrap();
-        let q = node
-            .query(QueryRequest {
-                instance: kvferry_testkit::harness::id("d"),
-                hashes: kvferry_testkit::harness::hashes(0..1),
-                direct_gpu: false,
-            })
-            .await
-            .unwrap();
+        let q = harness::query(&node, "d", 0..1, false).await;
         assert_eq!(q.direct, DirectGrant::NotRequested);
         node.release(q.lease.unwrap()).await.unwrap();
         let text = node.metrics_text().await.unwrap();
@@ -982,7 +935,7 @@ fn verbs_without_a_device_refuses_direct_gpu_with_the_reason() {
             metric(&text, "kvferry_qps{nic=\"mlx5_0\",state=\"rts\"}"),
             Some(0.0)
         );
-        kvferry_testkit::harness::settled(&node).await;
+        harness::settled(&node).await;
         node.shutdown();
     });
 }
@@ -994,23 +947,7 @@ fn verbs_without_a_device_refuses_direct_gpu_with_the_reason() {
 #[test]
 fn nic_metrics_move_under_faults_and_qp_gauges_return_after_drain() {
     rt().block_on(async {
-        let src = owner(0x5a, 1 << 20);
-        let faulty = Arc::new(FaultyConnector::new(
-            LoopbackConnector::new(OWNER, src.table.clone()),
-            OWNER,
-        ));
-        let mut cfg = nic("lo0", ProviderKind::Loopback, 4);
-        cfg.completion_timeout = Duration::from_millis(60);
-        let rt = NicRuntime::start(vec![cfg]).unwrap();
-        rt.workers[0]
-            .send(Connect {
-                peer: OWNER,
-                connector: faulty.clone(),
-                qps: Some(1),
-            })
-            .await
-            .unwrap()
-            .unwrap();
+        let (src, faulty, rt) = faulty_owner(0x5a, Duration::from_millis(60)).await;
         let scrape = |m| {
             metrics::render(
                 &Default::default(),
@@ -1190,10 +1127,8 @@ fn node_config_takes_nic_and_verbs_sections_and_names_bad_keys() {
 /// could not be opened and a worker that saw faults.
 #[test]
 fn nic_metrics_pass_promtool() {
-    use std::io::Write;
-    use std::process::{Command, Stdio};
     rt().block_on(async {
-        let mut cfg = kvferry_testkit::harness::config(64 << 10, 4);
+        let mut cfg = harness::config(64 << 10, 4);
         cfg.nic = vec![
             NicSection {
                 name: "mlx5_0".into(),
@@ -1210,10 +1145,11 @@ fn nic_metrics_pass_promtool() {
             sysfs_root: fixture("sysfs-no-rdma"),
             ..VerbsSection::default()
         });
-        let dev: Arc<dyn kvferry_gpu::Device> = kvferry_gpu::HostDevice::new(0);
-        let node =
-            kvferry_actors::Node::start_with(cfg, vec![dev], kvferry_actors::Clock::system())
-                .unwrap();
+        let (node, _dev) = harness::start(
+            cfg,
+            kvferry_actors::Clock::system(),
+            None::<Arc<kvferry_actors::remote::LocalCluster>>,
+        );
         let text = node.metrics_text().await.unwrap();
         for family in [
             metrics::MR_REGISTRATIONS,
@@ -1227,26 +1163,7 @@ fn nic_metrics_pass_promtool() {
                 "{family}:\n{text}"
             );
         }
-        let mut check = Command::new("promtool")
-            .args(["check", "metrics"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("promtool is not installed: run ./scripts/test, which installs it");
-        check
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(text.as_bytes())
-            .unwrap();
-        let res = check.wait_with_output().unwrap();
-        assert!(
-            res.status.success(),
-            "promtool: {}{}\n{text}",
-            String::from_utf8_lossy(&res.stdout),
-            String::from_utf8_lossy(&res.stderr)
-        );
+        harness::promtool_check(&text);
         node.shutdown();
     });
 }

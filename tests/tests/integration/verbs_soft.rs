@@ -6,17 +6,14 @@
 use std::sync::Arc;
 
 use kvferry_actors::nic::{NicSection, VerbsSection};
-use kvferry_actors::remote::{
-    Directory, DirectoryStats, GrpcPeers, GrpcPeersConfig, Provider, StaticDirectory,
-};
+use kvferry_actors::remote::{Directory, DirectoryStats, LocalCluster, Provider};
 use kvferry_actors::rpc;
-use kvferry_actors::{BlockHash, Clock, LoadRequest, Namespace, Node, QueryRequest};
+use kvferry_actors::{BlockHash, Clock, Namespace, Node};
 use kvferry_gpu::{Device, KvShape};
 use kvferry_testkit::harness::*;
 use kvferry_testkit::{DeviceKv, KvKind};
 use kvferry_transport::verbs::work::wc;
 use kvferry_transport::verbs::{SoftFault, SoftOps};
-use tokio::sync::oneshot;
 
 const TOKEN: &str = "soft-verbs";
 const SLOT: u64 = 64 << 10;
@@ -44,9 +41,8 @@ fn with_nics(node_id: &str, nics: &[&str], verbs: VerbsSection) -> kvferry_actor
 /// An owner node over soft NICs, serving Peer on 127.0.0.1:0, holding blocks `ids`.
 struct Owner {
     node: Node,
+    server: PeerServer,
     addr: std::net::SocketAddr,
-    stop: Option<oneshot::Sender<()>>,
-    server: Option<tokio::task::JoinHandle<Result<(), rpc::PeerServeError>>>,
     _dev: Arc<dyn Device>,
     _kv: DeviceKv,
 }
@@ -70,13 +66,11 @@ impl Owner {
         serve: impl FnOnce(&Node, rpc::PeerBackend) -> rpc::PeerBackend,
     ) -> Self {
         let s = shape();
-        let dev: Arc<dyn Device> = kvferry_gpu::HostDevice::new(0);
-        let node = Node::start_with(
+        let (node, dev) = start(
             with_nics(id, nics, verbs),
-            vec![Arc::clone(&dev)],
             Clock::system(),
-        )
-        .unwrap();
+            None::<Arc<LocalCluster>>,
+        );
         assert!(
             node.nics().unwrap().pool.is_ok(),
             "pool registered on {nics:?}"
@@ -87,22 +81,11 @@ impl Owner {
         );
         let kv = register(&node, &dev, "eng", s, 0, KvKind::Split, 16, 0).await;
         put(&node, "eng", &s, 0, ids).await;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop, stopped) = oneshot::channel::<()>();
-        let server = tokio::spawn(rpc::serve(
-            listener,
-            serve(&node, node.peer_backend()),
-            TOKEN.into(),
-            async move {
-                let _ = stopped.await;
-            },
-        ));
+        let server = PeerServer::start(serve(&node, node.peer_backend()), TOKEN).await;
         Owner {
+            addr: server.addr,
             node,
-            addr,
-            stop: Some(stop),
-            server: Some(server),
+            server,
             _dev: dev,
             _kv: kv,
         }
@@ -111,23 +94,11 @@ impl Owner {
     /// Waits until the requester's unpins have arrived (fire-and-forget RPCs, sent as its
     /// transfers finish): call while the requester still runs.
     async fn settle(&self) {
-        for _ in 0..500 {
-            let s = self.node.stats().await.unwrap();
-            if s.pins == 0 && s.pinned_blocks == 0 {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-        settled(&self.node).await;
+        settled_with_peers(&self.node).await;
     }
 
-    async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(s) = self.server.take() {
-            let _ = s.await;
-        }
+    async fn stop(self) {
+        self.server.stop().await;
         self.node.shutdown();
     }
 }
@@ -174,10 +145,7 @@ fn requester(
     verbs: VerbsSection,
     owners: &[(&str, std::net::SocketAddr)],
 ) -> (Node, Arc<dyn Device>) {
-    let directory = Arc::new(StaticDirectory::new(
-        owners.iter().map(|(n, _)| (*n).to_string()).collect(),
-    ));
-    requester_with(id, nics, verbs, owners, directory)
+    requester_with(id, nics, verbs, owners, None)
 }
 
 fn requester_with(
@@ -185,71 +153,37 @@ fn requester_with(
     nics: &[&str],
     verbs: VerbsSection,
     owners: &[(&str, std::net::SocketAddr)],
-    directory: Arc<dyn Directory>,
+    directory: Option<Arc<dyn Directory>>,
 ) -> (Node, Arc<dyn Device>) {
-    let peers = GrpcPeers::new(
-        GrpcPeersConfig {
-            node_id: id.into(),
-            provider: Provider::Verbs,
-            token: TOKEN.into(),
-            peers: owners
-                .iter()
-                .map(|(n, a)| ((*n).to_string(), a.to_string()))
-                .collect(),
-            shm_dir: std::env::temp_dir(),
-            data_listen: "127.0.0.1:0".into(),
-        },
-        directory,
-    );
-    let dev: Arc<dyn Device> = kvferry_gpu::HostDevice::new(0);
-    let node = Node::start_in(
-        with_nics(id, nics, verbs),
-        vec![Arc::clone(&dev)],
-        Clock::system(),
-        Some(peers),
-    )
-    .unwrap();
-    (node, dev)
+    let owners: Vec<(&str, String)> = owners.iter().map(|(n, a)| (*n, a.to_string())).collect();
+    let peers = grpc_peers(id, Provider::Verbs, TOKEN, &owners, directory);
+    start(with_nics(id, nics, verbs), Clock::system(), Some(peers))
 }
 
-async fn load(node: &Node, ids: std::ops::Range<u64>, direct: bool, dest: &[u32]) -> String {
-    try_load(node, ids, direct, dest).await.unwrap()
+/// Queries `ids` for "eng" (all of them remote, and direct granted where asked), loads them
+/// into `dest`; the load's path.
+async fn query_and_load(
+    node: &Node,
+    ids: std::ops::Range<u64>,
+    direct: bool,
+    dest: &[u32],
+) -> String {
+    try_query_and_load(node, ids, direct, dest).await.unwrap()
 }
 
-async fn try_load(
+async fn try_query_and_load(
     node: &Node,
     ids: std::ops::Range<u64>,
     direct: bool,
     dest: &[u32],
 ) -> Result<String, kvferry_actors::NodeError> {
-    let q = node
-        .query(QueryRequest {
-            instance: id("eng"),
-            hashes: hashes(ids.clone()),
-            direct_gpu: direct,
-        })
-        .await
-        .unwrap();
+    let q = query(node, "eng", ids.clone(), direct).await;
     assert_eq!(q.remote_blocks, ids.clone().count(), "{q:?}");
     if direct {
         assert!(q.direct.is_granted(), "{:?}", q.direct);
     }
-    let r = node
-        .load(LoadRequest {
-            lease: q.lease.unwrap(),
-            instance: id("eng"),
-            rank: 0,
-            dest_blocks: dest.to_vec(),
-        })
-        .await?;
+    let r = load(node, q.lease.unwrap(), "eng", 0, dest).await?;
     Ok(r.path.to_string())
-}
-
-fn expect(dest: &[u32], first: u64) -> Vec<(u32, u64)> {
-    dest.iter()
-        .enumerate()
-        .map(|(i, d)| (*d, first + i as u64))
-        .collect()
 }
 
 /// Two nodes over two soft NICs: the requester reads the owner's blocks staged (into its
@@ -270,17 +204,17 @@ fn remote_suffix_over_soft_verbs_staged_and_direct() {
         let kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 0).await;
         let before = SoftOps::global().reads("soft_mlx5_41");
         let dest = [5, 0, 3, 9, 1, 12];
-        assert_eq!(load(&node, 0..6, false, &dest).await, "staged");
-        kv.verify(&expect(&dest, 0), 0).unwrap();
+        assert_eq!(query_and_load(&node, 0..6, false, &dest).await, "staged");
+        kv.verify(&expected(&dest, 0), 0).unwrap();
         assert!(
             SoftOps::global().reads("soft_mlx5_41") > before,
             "read over the soft NIC"
         );
         // Blocks the requester does not hold yet (a staged load caches what it read).
         let dest2 = [2, 4, 6, 8, 10, 11];
-        assert_eq!(load(&node, 6..12, true, &dest2).await, "direct");
-        let mut both = expect(&dest, 0);
-        both.extend(expect(&dest2, 6));
+        assert_eq!(query_and_load(&node, 6..12, true, &dest2).await, "direct");
+        let mut both = expected(&dest, 0);
+        both.extend(expected(&dest2, 6));
         kv.verify(&both, 0).unwrap();
         let text = node.metrics_text().await.unwrap();
         assert!(
@@ -303,7 +237,7 @@ fn three_nodes_over_soft_verbs() {
         let v = VerbsSection::default();
         let a = Owner::start("a", &["soft_mlx5_60"], v.clone(), 0..6).await;
         let c = Owner::start("c", &["soft_small_61"], v.clone(), 6..12).await;
-        let dir = Arc::new(SplitDirectory {
+        let dir: Arc<dyn Directory> = Arc::new(SplitDirectory {
             owners: vec!["a".into(), "c".into()],
             first: hashes(0..6),
         });
@@ -312,12 +246,12 @@ fn three_nodes_over_soft_verbs() {
             &["soft_mlx5_62"],
             v,
             &[("a", a.addr), ("c", c.addr)],
-            dir,
+            Some(dir),
         );
         let kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 32, 0).await;
         let dest: Vec<u32> = (0..12).map(|i| 31 - 2 * i).collect();
-        assert_eq!(load(&node, 0..12, true, &dest).await, "direct");
-        kv.verify(&expect(&dest, 0), 0).unwrap();
+        assert_eq!(query_and_load(&node, 0..12, true, &dest).await, "direct");
+        kv.verify(&expected(&dest, 0), 0).unwrap();
         settled(&node).await;
         a.settle().await;
         c.settle().await;
@@ -350,10 +284,13 @@ fn concurrent_direct_loads_into_one_rank() {
         let (node, dev) = requester("b", &["soft_mlx5_64"], v, &[("a", owner.addr)]);
         let kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 0).await;
         let (d1, d2) = ([1, 3, 5, 7, 9, 11], [0, 2, 4, 6, 8, 10]);
-        let (r1, r2) = tokio::join!(load(&node, 0..6, true, &d1), load(&node, 6..12, true, &d2));
+        let (r1, r2) = tokio::join!(
+            query_and_load(&node, 0..6, true, &d1),
+            query_and_load(&node, 6..12, true, &d2)
+        );
         assert_eq!((r1.as_str(), r2.as_str()), ("direct", "direct"));
-        let mut both = expect(&d1, 0);
-        both.extend(expect(&d2, 6));
+        let mut both = expected(&d1, 0);
+        both.extend(expected(&d2, 6));
         kv.verify(&both, 0).unwrap();
         settled(&node).await;
         owner.settle().await;
@@ -383,8 +320,8 @@ fn a_small_direct_load_uses_the_routed_nic() {
         let ops = SoftOps::global();
         let (first, chosen) = (ops.reads("soft_mlx5_66"), ops.reads("soft_mlx5_67"));
         let dest = [4, 5, 6, 7, 8, 9];
-        assert_eq!(load(&node, 0..6, true, &dest).await, "direct");
-        kv.verify(&expect(&dest, 0), 0).unwrap();
+        assert_eq!(query_and_load(&node, 0..6, true, &dest).await, "direct");
+        kv.verify(&expected(&dest, 0), 0).unwrap();
         assert!(
             ops.reads("soft_mlx5_67") > chosen,
             "read through the routed nic"
@@ -430,7 +367,7 @@ fn fault_matrix_over_soft_verbs() {
             let base = 6 * i as u64;
             let dest: Vec<u32> = (0..6).map(|k| (i as u32 * 5 + k) % 16).collect();
             ops.inject(dev_name, fault);
-            let e = try_load(&node, base..base + 6, true, &dest)
+            let e = try_query_and_load(&node, base..base + 6, true, &dest)
                 .await
                 .expect_err("the load fails under the fault");
             assert!(!e.to_string().is_empty());
@@ -439,7 +376,7 @@ fn fault_matrix_over_soft_verbs() {
             // Direct loads are not cached: the same blocks load again once healed.
             let mut ok = None;
             for _ in 0..250 {
-                match try_load(&node, base..base + 6, true, &dest).await {
+                match try_query_and_load(&node, base..base + 6, true, &dest).await {
                     Ok(p) => {
                         ok = Some(p);
                         break;
@@ -454,7 +391,7 @@ fn fault_matrix_over_soft_verbs() {
                 "{fault:?}: the next load works"
             );
             landed.retain(|(d, _)| !dest.contains(d));
-            landed.extend(expect(&dest, base));
+            landed.extend(expected(&dest, base));
             kv.verify(&landed, 0).unwrap();
             settled(&node).await;
             owner.settle().await;
@@ -529,11 +466,11 @@ fn two_processes_over_soft_verbs() {
         let kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 0).await;
         let before = SoftOps::global().reads("soft_mlx5_81");
         let d1 = [3, 1, 4, 15, 9, 2];
-        assert_eq!(load(&node, 0..6, false, &d1).await, "staged");
+        assert_eq!(query_and_load(&node, 0..6, false, &d1).await, "staged");
         let d2 = [6, 5, 8, 7, 10, 11];
-        assert_eq!(load(&node, 6..12, true, &d2).await, "direct");
-        let mut both = expect(&d1, 0);
-        both.extend(expect(&d2, 6));
+        assert_eq!(query_and_load(&node, 6..12, true, &d2).await, "direct");
+        let mut both = expected(&d1, 0);
+        both.extend(expected(&d2, 6));
         kv.verify(&both, 0).unwrap();
         assert!(SoftOps::global().reads("soft_mlx5_81") > before);
         settled(&node).await;
@@ -604,22 +541,9 @@ fn answers_contradicting_the_announced_port_are_refused_before_posting() {
             );
             let _kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 0).await;
             let before = SoftOps::global().reads("soft_mlx5_83");
-            let q = node
-                .query(QueryRequest {
-                    instance: id("eng"),
-                    hashes: hashes(0..6),
-                    direct_gpu: false,
-                })
-                .await
-                .unwrap();
+            let q = query(&node, "eng", 0..6, false).await;
             assert_eq!(q.remote_blocks, 6, "{q:?}");
-            let e = node
-                .load(LoadRequest {
-                    lease: q.lease.unwrap(),
-                    instance: id("eng"),
-                    rank: 0,
-                    dest_blocks: vec![0, 1, 2, 3, 4, 5],
-                })
+            let e = load(&node, q.lease.unwrap(), "eng", 0, &[0, 1, 2, 3, 4, 5])
                 .await
                 .expect_err("the contradicting answer is refused");
             // The reason travels in the error's sources.
