@@ -98,11 +98,7 @@ pub fn run_owner_process(spec: OwnerSpec) -> Result<(), NodeError> {
         use std::io::Write;
         let _ = std::io::stdout().flush();
         // Serve until the parent closes our stdin.
-        let _ = tokio::task::spawn_blocking(|| {
-            let mut sink = Vec::new();
-            let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
-        })
-        .await;
+        crate::harness::stdin_closed().await;
         let _ = stop.send(());
         let _ = server.await;
         drop(kvs);

@@ -14,7 +14,9 @@ pub mod raw;
 pub use crate::attached::put_pattern_over;
 pub use cluster::Cluster;
 pub use peer_server::{grpc_peers, PeerServer};
-pub use process::{free_port, promtool_check, wait_listening, ChildTest, RedisServer};
+pub use process::{
+    free_port, promtool_check, stdin_closed, wait_listening, ChildTest, RedisServer,
+};
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -93,6 +95,42 @@ pub async fn register(
     .unwrap();
     kv.register(node, instance, "m", rank).await.unwrap();
     kv
+}
+
+/// Registers every rank of `instance` (the TP size of `shape`) over freshly allocated device
+/// KV ([`register`]), then puts pattern blocks `ids` for each; the KV by rank.
+// As `register`: every argument is one knob a test turns.
+#[allow(clippy::too_many_arguments)]
+pub async fn register_ranks(
+    node: &Node,
+    dev: &Arc<dyn Device>,
+    instance: &str,
+    shape: KvShape,
+    kind: KvKind,
+    num_blocks: u32,
+    view_offset: u64,
+    ids: Range<u64>,
+) -> Vec<DeviceKv> {
+    let mut kvs = Vec::new();
+    for rank in 0..shape.tp_size() {
+        kvs.push(
+            register(
+                node,
+                dev,
+                instance,
+                shape,
+                rank,
+                kind,
+                num_blocks,
+                view_offset,
+            )
+            .await,
+        );
+    }
+    for rank in 0..shape.tp_size() {
+        put(node, instance, &shape, rank, ids.clone()).await;
+    }
+    kvs
 }
 
 /// Puts pattern blocks `ids` (pattern block = hash value) for one rank.

@@ -142,6 +142,16 @@ impl Drop for RedisServer {
     }
 }
 
+/// Waits until this process's stdin closes: how a parent ([`ChildTest::finish`]) tells a
+/// child process that it may check itself and stop.
+pub async fn stdin_closed() {
+    let _ = tokio::task::spawn_blocking(|| {
+        let mut sink = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+    })
+    .await;
+}
+
 /// Reads `out` (a `kvferry node`'s stdout) on a thread of its own and waits, at most
 /// `within`, for a `listening <what>=ADDR` line of each of `whats`; their addresses in that
 /// order, or (the error) what it had seen by then.

@@ -996,12 +996,7 @@ async fn serve_as_child(srv: Server, loads_ok: u64, check: impl FnOnce(&Server))
     println!("ENGINE_ADDR={}", srv.addr);
     println!("ENGINE_FD={}", srv.fd_path.display());
     std::io::stdout().flush().unwrap();
-    tokio::task::spawn_blocking(|| {
-        let mut line = String::new();
-        let _ = std::io::stdin().read_line(&mut line);
-    })
-    .await
-    .unwrap();
+    stdin_closed().await;
     let s = settled(&srv.node).await;
     assert_eq!((s.instances, s.loads_ok), (0, loads_ok), "{s:?}");
     check(&srv);

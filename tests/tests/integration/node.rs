@@ -283,10 +283,8 @@ fn release_paths_and_unregister() {
     rt().block_on(async {
         let (node, dev) = node(64 << 10, 8, Clock::system());
         let shape = shape(1, 2, 2);
-        let _kv0 = register(&node, &dev, "r", shape, 0, KvKind::Split, 8, 0).await;
-        let kv1 = register(&node, &dev, "r", shape, 1, KvKind::Split, 8, 0).await;
-        put(&node, "r", &shape, 0, 0..2).await;
-        put(&node, "r", &shape, 1, 0..2).await;
+        let kv = register_ranks(&node, &dev, "r", shape, KvKind::Split, 8, 0, 0..2).await;
+        let kv1 = &kv[1];
         // Unknown lease.
         let unknown = kvferry_actors::LeaseId::random();
         assert!(matches!(
@@ -348,10 +346,8 @@ fn thousand_lease_churn_ends_with_nothing_held() {
         let (clock, hand) = Clock::manual();
         let (node, dev) = node(16 << 10, 32, clock);
         let shape = KvShape::new(1, 2, 2, 1024).unwrap();
-        let kv0 = register(&node, &dev, "c", shape, 0, KvKind::Split, 32, 0).await;
-        let _kv1 = register(&node, &dev, "c", shape, 1, KvKind::Split, 32, 0).await;
-        put(&node, "c", &shape, 0, 0..16).await;
-        put(&node, "c", &shape, 1, 0..16).await;
+        let kv = register_ranks(&node, &dev, "c", shape, KvKind::Split, 32, 0, 0..16).await;
+        let kv0 = &kv[0];
         let mut x: u64 = 0x1234_5678;
         let mut open = Vec::new();
         let mut max_rank0 = 0u64;

@@ -506,12 +506,7 @@ fn child_owner() {
         println!("PEER_ADDR={}", o.addr);
         println!("PEER_POOL={} {}", o.pool.0, o.pool.1);
         std::io::stdout().flush().unwrap();
-        tokio::task::spawn_blocking(|| {
-            let mut line = String::new();
-            let _ = std::io::stdin().read_line(&mut line);
-        })
-        .await
-        .unwrap();
+        stdin_closed().await;
         o.unchanged().await;
         println!("PEER_CHILD_OK");
         std::io::stdout().flush().unwrap();

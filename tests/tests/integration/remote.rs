@@ -23,14 +23,11 @@ async fn worked_example(c: &Cluster, tp: u32) -> Vec<DeviceKv> {
     let s = shape(tp);
     let mut b_kv = Vec::new();
     for (i, range) in [(0usize, 0u64..4), (1, 4..8), (2, 8..12)] {
-        for rank in 0..tp {
-            let kv = register(c.node(i), c.dev(i), "eng", s, rank, KvKind::Split, 16, 128).await;
-            put(c.node(i), "eng", &s, rank, range.clone()).await;
-            if i == 0 {
-                b_kv.push(kv);
-            } else {
-                std::mem::forget(kv); // owners' KV stays allocated for the test's life
-            }
+        let kv = register_ranks(c.node(i), c.dev(i), "eng", s, KvKind::Split, 16, 128, range).await;
+        if i == 0 {
+            b_kv = kv;
+        } else {
+            std::mem::forget(kv); // owners' KV stays allocated for the test's life
         }
     }
     b_kv

@@ -432,12 +432,7 @@ fn child_soft_verbs_owner() {
         let owner = Owner::start("a", &["soft_mlx5_80"], VerbsSection::default(), 0..12).await;
         println!("READY {}", owner.addr);
         // Serves until the parent closes stdin, then checks its own gauges and stops.
-        tokio::task::spawn_blocking(|| {
-            let mut sink = Vec::new();
-            let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
-        })
-        .await
-        .unwrap();
+        stdin_closed().await;
         owner.settle().await;
         owner.stop().await;
         println!("OWNER DONE");
