@@ -1,5 +1,6 @@
-//! The `host` backend: device memory emulated in host RAM, with its own copy thread and
-//! completion events, so every path above it runs without a GPU.
+//! The `host` backend: device memory emulated in host RAM, with a copy thread per direction
+//! (as a GPU has a copy engine and stream per direction) and completion events, so every path
+//! above it runs without a GPU.
 
 use std::alloc::{self, Layout};
 use std::collections::BTreeMap;
@@ -21,7 +22,9 @@ const ALIGN: usize = 4096;
 /// Emulated device memory: allocations in host RAM, addressed by their host address.
 pub struct HostDevice {
     inner: Arc<Inner>,
-    jobs: Mutex<mpsc::Sender<Job>>,
+    /// Host→device and device→host jobs, each to its own thread: a save and a load run at
+    /// once, as on a GPU, instead of one waiting behind the other.
+    jobs: [Mutex<mpsc::Sender<Job>>; 2],
 }
 
 struct Inner {
@@ -39,28 +42,29 @@ struct Job {
 }
 
 impl HostDevice {
-    /// Starts an emulated device with its copy thread.
+    /// Starts an emulated device with its copy threads.
     pub fn new(ordinal: u32) -> Arc<Self> {
         let inner = Arc::new(Inner {
             ordinal,
             allocs: RwLock::new(BTreeMap::new()),
         });
-        let (tx, rx) = mpsc::channel::<Job>();
-        let worker = Arc::clone(&inner);
-        std::thread::Builder::new()
-            .name(format!("kvferry-hostdev-{ordinal}"))
-            .spawn(move || {
-                while let Ok(job) = rx.recv() {
-                    let r = worker.run(job.dir, &job.list, job.submitted);
-                    // The waiter may have gone away (a cancelled load); nothing to report then.
-                    let _ = job.done.send(r);
-                }
-            })
-            .expect("spawning the host device copy thread");
-        Arc::new(Self {
-            inner,
-            jobs: Mutex::new(tx),
-        })
+        let lane = |dir: &str| {
+            let (tx, rx) = mpsc::channel::<Job>();
+            let worker = Arc::clone(&inner);
+            std::thread::Builder::new()
+                .name(format!("kvferry-hostdev-{ordinal}-{dir}"))
+                .spawn(move || {
+                    while let Ok(job) = rx.recv() {
+                        let r = worker.run(job.dir, &job.list, job.submitted);
+                        // The waiter may have gone away (a cancelled load); nothing to report.
+                        let _ = job.done.send(r);
+                    }
+                })
+                .expect("spawning a host device copy thread");
+            Mutex::new(tx)
+        };
+        let jobs = [lane("h2d"), lane("d2h")];
+        Arc::new(Self { inner, jobs })
     }
 
     /// Number of live allocations (a gauge for tests: leaks show up here).
@@ -335,7 +339,11 @@ impl Device for HostDevice {
             submitted: Instant::now(),
             done,
         };
-        self.jobs
+        let lane = match dir {
+            CopyDirection::HostToDevice => 0,
+            CopyDirection::DeviceToHost => 1,
+        };
+        self.jobs[lane]
             .lock()
             .map_err(|_| DeviceError::Stopped { ordinal })?
             .send(job)
