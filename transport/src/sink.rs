@@ -27,7 +27,10 @@ pub trait DeviceSink: Send + Sync {
     /// Host memory of the sink's own, up to `max` bytes, that the calling provider thread
     /// may receive into directly and then hand over, in order, with [`DeviceSink::commit`]
     /// (saving the copy `write` makes). `None`: use `write`. A new call replaces what is
-    /// left of the previous area; one provider thread at a time.
+    /// left of the calling thread's previous area. Several provider threads may receive for
+    /// one sink at once (one load's reads spread over several connections): a sink that
+    /// lends to more than one keeps an area per thread and matches each `commit` to the
+    /// calling thread's.
     fn staging(&self, _max: usize) -> Option<StagingArea> {
         None
     }

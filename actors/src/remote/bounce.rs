@@ -1,12 +1,17 @@
 //! The device side of a tcp read: received bytes for device destinations are copied into a
-//! ring of pinned host slots and go to the device as one asynchronous copy batch per slot
-//! (or per read, whichever ends first), so the socket keeps draining while earlier slots are
-//! in flight, instead of one synchronous device write per piece. The link drains the sink
-//! once the load's reads are done, before it lets the destinations go. Rings are kept per
-//! device by the link and reused by later loads.
+//! ring of pinned host slots and go to the device as one asynchronous copy batch per full
+//! slot, so the socket keeps draining while earlier slots are in flight, instead of one
+//! synchronous device write per piece. The link drains the sink once the load's reads are
+//! done, before it lets the destinations go. Rings are kept per device by the link and reused
+//! by later loads.
+//!
+//! One load's reads may arrive on several connections at once (the link spreads them over
+//! its QPs, one receive thread each): every provider thread gets a ring of its own, so the
+//! receives run side by side and never share a slot.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::thread::ThreadId;
 
 use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, Device, DeviceError, HostRegistration};
 use kvferry_transport::{DeviceSink, SinkError, StagingArea};
@@ -38,7 +43,8 @@ impl Ring {
 /// Idle rings by device ordinal, owned by a link.
 pub type RingPool = Arc<Mutex<HashMap<u32, Vec<Ring>>>>;
 
-struct State {
+/// One provider thread's ring and where it is in it.
+struct Lane {
     ring: Option<Ring>,
     /// The slot being filled and how far.
     cur: usize,
@@ -46,49 +52,96 @@ struct State {
     list: CopyList,
     /// Submitted slots, oldest first.
     pending: VecDeque<(usize, CopyEvent)>,
-    /// The first failure; every later call reports it.
-    failed: Option<SinkError>,
-    /// Bytes of the current slot lent to a provider thread (from `fill`), and which thread.
-    lent: Option<(std::thread::ThreadId, usize)>,
+    /// Bytes of the current slot lent to this lane's thread (from `fill`).
+    lent: Option<usize>,
 }
 
 /// A [`DeviceSink`] for one load's device destinations.
 pub struct BounceSink {
     device: Arc<dyn Device>,
     pool: RingPool,
-    state: Mutex<State>,
+    /// A lane per provider thread that wrote; a ring taken at creation waits for the first.
+    lanes: Mutex<Vec<(ThreadId, Arc<Mutex<Lane>>)>>,
+    spare: Mutex<Option<Ring>>,
+    /// The first failure; every later call reports it.
+    failed: OnceLock<SinkError>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A lane left half-updated by a panic is not used again: its thread is gone, and drain
+    // and drop only wait for what it submitted.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl BounceSink {
-    /// A sink over a ring from `pool` (or a new one) for `device`.
+    /// A sink over a ring from `pool` (or a new one) for `device`; threads after the first
+    /// to write take theirs when they start.
     pub fn new(device: Arc<dyn Device>, pool: RingPool) -> Result<Self, DeviceError> {
-        let reused = pool
-            .lock()
-            .ok()
-            .and_then(|mut p| p.get_mut(&device.ordinal()).and_then(Vec::pop));
-        let ring = match reused {
-            Some(r) => r,
-            None => Ring::new(device.as_ref())?,
-        };
+        let ring = take_ring(&device, &pool)?;
         Ok(Self {
             device,
             pool,
-            state: Mutex::new(State {
-                ring: Some(ring),
-                cur: 0,
-                fill: 0,
-                list: CopyList::default(),
-                pending: VecDeque::new(),
-                failed: None,
-                lent: None,
-            }),
+            lanes: Mutex::new(Vec::new()),
+            spare: Mutex::new(Some(ring)),
+            failed: OnceLock::new(),
         })
     }
 
-    fn lock(&self) -> Result<std::sync::MutexGuard<'_, State>, SinkError> {
-        self.state.lock().map_err(|_| SinkError::Flush {
-            reason: "bounce ring lock poisoned".into(),
-        })
+    fn fail(&self, e: SinkError) -> SinkError {
+        let _ = self.failed.set(e);
+        self.failed
+            .get()
+            .cloned()
+            .unwrap_or_else(|| SinkError::Flush {
+                reason: "bounce sink failed".into(),
+            })
+    }
+
+    fn check(&self) -> Result<(), SinkError> {
+        match self.failed.get() {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// The calling thread's lane, made (with a ring) on its first call.
+    fn lane(&self) -> Result<Arc<Mutex<Lane>>, SinkError> {
+        let me = std::thread::current().id();
+        let mut lanes = lock(&self.lanes);
+        if let Some((_, l)) = lanes.iter().find(|(t, _)| *t == me) {
+            return Ok(Arc::clone(l));
+        }
+        let ring = match lock(&self.spare).take() {
+            Some(r) => r,
+            None => take_ring(&self.device, &self.pool).map_err(|e| {
+                self.fail(SinkError::Write {
+                    dst: 0,
+                    len: 0,
+                    reason: format!("pinning another bounce ring: {e}"),
+                })
+            })?,
+        };
+        let lane = Arc::new(Mutex::new(Lane {
+            ring: Some(ring),
+            cur: 0,
+            fill: 0,
+            list: CopyList::default(),
+            pending: VecDeque::new(),
+            lent: None,
+        }));
+        lanes.push((me, Arc::clone(&lane)));
+        Ok(lane)
+    }
+}
+
+fn take_ring(device: &Arc<dyn Device>, pool: &RingPool) -> Result<Ring, DeviceError> {
+    let reused = pool
+        .lock()
+        .ok()
+        .and_then(|mut p| p.get_mut(&device.ordinal()).and_then(Vec::pop));
+    match reused {
+        Some(r) => Ok(r),
+        None => Ring::new(device.as_ref()),
     }
 }
 
@@ -107,15 +160,11 @@ fn wait(ev: CopyEvent) -> Result<(), DeviceError> {
     }
 }
 
-impl State {
-    fn fail(&mut self, e: SinkError) -> SinkError {
-        self.failed.get_or_insert(e).clone()
-    }
-
-    fn wait_oldest(&mut self) -> Result<(), SinkError> {
+impl Lane {
+    fn wait_oldest(&mut self, sink: &BounceSink) -> Result<(), SinkError> {
         if let Some((_, ev)) = self.pending.pop_front() {
             wait(ev).map_err(|e| {
-                self.fail(SinkError::Flush {
+                sink.fail(SinkError::Flush {
                     reason: e.to_string(),
                 })
             })?;
@@ -124,18 +173,18 @@ impl State {
     }
 
     /// Submits the filled part of the current slot and moves to the next free slot.
-    fn submit(&mut self, device: &dyn Device) -> Result<(), SinkError> {
+    fn submit(&mut self, sink: &BounceSink) -> Result<(), SinkError> {
         self.lent = None;
         if self.list.is_empty() {
             return Ok(());
         }
         let list = std::mem::take(&mut self.list);
         let (ops, bytes) = (list.len(), list.bytes());
-        // SAFETY: every source lies in the ring's current slot, which is not written again
+        // SAFETY: every source lies in the lane's current slot, which is not written again
         // until this event has completed (the slot cycles back only after `wait_oldest`),
-        // and the ring outlives the event: flush and drop wait for every pending one.
-        let ev = unsafe { device.submit(CopyDirection::HostToDevice, list) }.map_err(|e| {
-            self.fail(SinkError::Write {
+        // and the ring outlives the event: drain and drop wait for every pending one.
+        let ev = unsafe { sink.device.submit(CopyDirection::HostToDevice, list) }.map_err(|e| {
+            sink.fail(SinkError::Write {
                 dst: 0,
                 len: bytes,
                 reason: format!("submitting {ops} copies: {e}"),
@@ -145,68 +194,68 @@ impl State {
         self.cur = (self.cur + 1) % SLOTS;
         self.fill = 0;
         if self.pending.len() == SLOTS {
-            self.wait_oldest()?;
+            self.wait_oldest(sink)?;
         }
         Ok(())
+    }
+
+    fn ring(&mut self) -> Result<&mut Ring, SinkError> {
+        self.ring.as_mut().ok_or_else(|| SinkError::Flush {
+            reason: "bounce ring gone".into(),
+        })
     }
 }
 
 impl DeviceSink for BounceSink {
     fn write(&self, dst: u64, data: &[u8]) -> Result<(), SinkError> {
-        let mut st = self.lock()?;
-        if let Some(e) = &st.failed {
-            return Err(e.clone());
-        }
+        self.check()?;
+        let lane = self.lane()?;
+        let mut st = lock(&lane);
         // Bytes copied in now would land where a provider is receiving.
         st.lent = None;
         let mut done = 0;
         while done < data.len() {
             let n = (data.len() - done).min(SLOT_BYTES - st.fill);
             let (cur, fill) = (st.cur, st.fill);
-            let Some(ring) = st.ring.as_mut() else {
-                return Err(SinkError::Flush {
-                    reason: "bounce ring gone".into(),
-                });
-            };
-            let slot = ring.slot(cur);
+            let slot = st.ring()?.slot(cur);
             slot[fill..fill + n].copy_from_slice(&data[done..done + n]);
             let src = slot[fill..].as_ptr() as u64;
             st.list.push(src, dst + done as u64, n as u64);
             st.fill += n;
             done += n;
             if st.fill == SLOT_BYTES {
-                st.submit(self.device.as_ref())?;
+                st.submit(self)?;
             }
         }
         Ok(())
     }
 
-    /// Lends the free rest of the current slot (a full slot goes to the device first).
+    /// Lends the free rest of the calling thread's current slot (a full slot goes to the
+    /// device first).
     fn staging(&self, max: usize) -> Option<StagingArea> {
-        let mut st = self.lock().ok()?;
-        if st.failed.is_some() {
+        if self.failed.get().is_some() {
             return None;
         }
-        if st.fill == SLOT_BYTES && st.submit(self.device.as_ref()).is_err() {
+        let lane = self.lane().ok()?;
+        let mut st = lock(&lane);
+        if st.fill == SLOT_BYTES && st.submit(self).is_err() {
             return None;
         }
         let (cur, fill) = (st.cur, st.fill);
         let len = max.min(SLOT_BYTES - fill);
         let ptr = st.ring.as_mut()?.slot(cur)[fill..].as_mut_ptr();
-        st.lent = Some((std::thread::current().id(), len));
+        st.lent = Some(len);
         Some(StagingArea { ptr, len })
     }
 
     fn commit(&self, dst: u64, len: usize) -> Result<(), SinkError> {
-        let mut st = self.lock()?;
-        if let Some(e) = &st.failed {
-            return Err(e.clone());
-        }
-        let me = std::thread::current().id();
+        self.check()?;
+        let lane = self.lane()?;
+        let mut st = lock(&lane);
         let left = match st.lent {
-            Some((who, left)) if who == me && len <= left => left,
+            Some(left) if len <= left => left,
             _ => {
-                return Err(st.fail(SinkError::Write {
+                return Err(self.fail(SinkError::Write {
                     dst,
                     len: len as u64,
                     reason: "committing bytes that were not lent".into(),
@@ -214,31 +263,28 @@ impl DeviceSink for BounceSink {
             }
         };
         let (cur, fill) = (st.cur, st.fill);
-        let Some(ring) = st.ring.as_mut() else {
-            return Err(SinkError::Flush {
-                reason: "bounce ring gone".into(),
-            });
-        };
-        let src = ring.slot(cur)[fill..].as_ptr() as u64;
+        let src = st.ring()?.slot(cur)[fill..].as_ptr() as u64;
         st.list.push(src, dst, len as u64);
         st.fill += len;
-        st.lent = Some((me, left - len));
+        st.lent = Some(left - len);
         if st.fill == SLOT_BYTES {
-            st.lent = None;
-            st.submit(self.device.as_ref())?;
+            st.submit(self)?;
         }
         Ok(())
     }
 
-    /// The end of a read: its bytes go to the device now, without waiting for them (the
-    /// receive goes on with the next read; [`BounceSink::drain`] waits at the end).
+    /// The end of a read. Its bytes are in the ring, the sink's: a slot at least half full
+    /// goes to the device now, without waiting (the receive goes on with the next read);
+    /// a fuller batch is cheaper than one per read where reads are small, and
+    /// [`BounceSink::drain`] sends what is left at the end.
     fn flush(&self) -> Result<(), SinkError> {
-        let mut st = self.lock()?;
-        st.submit(self.device.as_ref())?;
-        match &st.failed {
-            Some(e) => Err(e.clone()),
-            None => Ok(()),
+        self.check()?;
+        let lane = self.lane()?;
+        let mut st = lock(&lane);
+        if st.fill >= SLOT_BYTES / 2 {
+            st.submit(self)?;
         }
+        self.check()
     }
 }
 
@@ -247,17 +293,26 @@ impl BounceSink {
     /// submitted afterwards. The link calls it once all reads of a load have completed,
     /// before it lets the destinations go; a copy that failed fails the load.
     pub fn drain(&self) -> Result<(), SinkError> {
-        let mut st = self.lock()?;
-        let submitted = st.submit(self.device.as_ref());
-        // Every pending copy is waited for, failed or not: they write into the
-        // destinations, which may be freed once this returns.
-        while !st.pending.is_empty() {
-            let _ = st.wait_oldest();
+        let lanes: Vec<Arc<Mutex<Lane>>> = lock(&self.lanes)
+            .iter()
+            .map(|(_, l)| Arc::clone(l))
+            .collect();
+        let mut submitted = Ok(());
+        for lane in &lanes {
+            let mut st = lock(lane);
+            if self.failed.get().is_none() {
+                if let Err(e) = st.submit(self) {
+                    submitted = Err(e);
+                }
+            }
+            // Every pending copy is waited for, failed or not: they write into the
+            // destinations, which may be freed once this returns.
+            while !st.pending.is_empty() {
+                let _ = st.wait_oldest(self);
+            }
         }
         submitted?;
-        if let Some(e) = &st.failed {
-            return Err(e.clone());
-        }
+        self.check()?;
         self.device
             .flush_direct_writes()
             .map_err(|e| SinkError::Flush {
@@ -268,30 +323,37 @@ impl BounceSink {
 
 impl Drop for BounceSink {
     fn drop(&mut self) {
-        let st = match self.state.get_mut() {
-            Ok(s) => s,
-            Err(p) => p.into_inner(),
-        };
-        let Some(ring) = st.ring.take() else { return };
-        let pending: Vec<CopyEvent> = st.pending.drain(..).map(|(_, ev)| ev).collect();
-        if pending.is_empty() {
-            if let Ok(mut p) = self.pool.lock() {
-                p.entry(self.device.ordinal()).or_default().push(ring);
+        let spare = lock(&self.spare).take();
+        let lanes = std::mem::take(&mut *lock(&self.lanes));
+        let mut idle: Vec<Ring> = spare.into_iter().collect();
+        let mut busy: Vec<(Ring, Vec<CopyEvent>)> = Vec::new();
+        for (_, lane) in lanes {
+            let mut st = lock(&lane);
+            let Some(ring) = st.ring.take() else { continue };
+            let pending: Vec<CopyEvent> = st.pending.drain(..).map(|(_, ev)| ev).collect();
+            if pending.is_empty() {
+                idle.push(ring);
+            } else {
+                busy.push((ring, pending));
             }
-            return;
         }
-        // A read that failed mid-way: copies from the ring may still run. The ring goes
-        // (unregistered and freed) only after they have, on a thread that may block; if no
-        // thread can be started, it is leaked rather than freed under a copy.
-        let ring = std::mem::ManuallyDrop::new(ring);
-        let _ = std::thread::Builder::new()
-            .name("kvferry-bounce-drain".into())
-            .spawn(move || {
-                for ev in pending {
-                    let _ = ev.wait_blocking();
-                }
-                drop(std::mem::ManuallyDrop::into_inner(ring));
-            });
+        if let Ok(mut p) = self.pool.lock() {
+            p.entry(self.device.ordinal()).or_default().extend(idle);
+        }
+        for (ring, pending) in busy {
+            // A read that failed mid-way: copies from the ring may still run. The ring goes
+            // (unregistered and freed) only after they have, on a thread that may block; if
+            // no thread can be started, it is leaked rather than freed under a copy.
+            let ring = std::mem::ManuallyDrop::new(ring);
+            let _ = std::thread::Builder::new()
+                .name("kvferry-bounce-drain".into())
+                .spawn(move || {
+                    for ev in pending {
+                        let _ = ev.wait_blocking();
+                    }
+                    drop(std::mem::ManuallyDrop::into_inner(ring));
+                });
+        }
     }
 }
 
@@ -363,6 +425,52 @@ mod tests {
         assert!(sink.flush().is_err());
         assert!(sink.drain().is_err());
         assert!(host.iter().all(|&b| b == 0), "a refused batch wrote");
+    }
+
+    #[test]
+    fn threads_receiving_at_once_each_get_a_ring_and_their_bytes_land() {
+        let dev: Arc<dyn Device> = HostDevice::new(0);
+        let pool = RingPool::default();
+        // Each thread receives 1.5 rings' worth into its own half of the buffer, in pieces
+        // of 100 000 bytes, all through one sink at once.
+        let per = 3 * SLOTS * SLOT_BYTES / 2;
+        let buf = dev.alloc(2 * per as u64 + 4096).unwrap();
+        dev.write(buf.ptr(), &vec![CANARY; buf.len() as usize])
+            .unwrap();
+        let src: Vec<u8> = (0..2 * per).map(pattern).collect();
+        let sink = Arc::new(BounceSink::new(Arc::clone(&dev), Arc::clone(&pool)).unwrap());
+        let start = Arc::new(std::sync::Barrier::new(2));
+        std::thread::scope(|s| {
+            for t in 0..2 {
+                let (sink, start, src, base) =
+                    (Arc::clone(&sink), Arc::clone(&start), &src, buf.ptr());
+                s.spawn(move || {
+                    start.wait();
+                    let mut got = 0;
+                    while got < per {
+                        let area = sink.staging((per - got).min(100_000)).unwrap();
+                        // SAFETY: the sink lent `area.len` writable bytes to this thread.
+                        let lent = unsafe { std::slice::from_raw_parts_mut(area.ptr, area.len) };
+                        let from = t * per + got;
+                        lent.copy_from_slice(&src[from..from + area.len]);
+                        sink.commit(base + from as u64, area.len).unwrap();
+                        got += area.len;
+                        sink.flush().unwrap();
+                    }
+                });
+            }
+        });
+        sink.drain().unwrap();
+        drop(sink);
+        let mut back = vec![0u8; buf.len() as usize];
+        dev.read(buf.ptr(), &mut back).unwrap();
+        assert!(
+            back[..2 * per] == src[..],
+            "a thread's bytes were lost or mixed"
+        );
+        assert!(back[2 * per..].iter().all(|&b| b == CANARY));
+        // One ring per receiving thread, both back in the pool.
+        assert_eq!(pool.lock().unwrap().get(&0).map(Vec::len), Some(2));
     }
 
     #[test]

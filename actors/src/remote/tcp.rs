@@ -27,6 +27,10 @@ use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
 use crate::nic::worker::{Connect, FailureKind, NicWorker, PostReads};
 
+/// Reads per batch of a direct load (a read is one block's rank part): the staged path's
+/// chunk, for the same spread over QPs.
+const DIRECT_BATCH: usize = crate::suffix::STAGED_CHUNK;
+
 pub struct TcpLink {
     node_id: String,
     control: Control,
@@ -106,13 +110,14 @@ impl TcpLink {
         self.next_wr.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Posts one ordered batch and waits until every request was reported (successful,
-    /// failed or flushed): nothing it touches is released before that.
-    /// Posts `reads` and waits for them; with `drain`, also for the device copies of what
-    /// they received, before `keep` (the destinations' guards) is let go.
+    /// Posts `batches` (each an ordered batch of reads; the worker puts each on the least
+    /// busy QP, so several run side by side) and waits until every request was reported
+    /// (successful, failed or flushed): nothing they touch is released before that. With
+    /// `drain`, also waits for the device copies of what they received, before `keep` (the
+    /// destinations' guards) is let go.
     fn post(
         &self,
-        reads: Vec<ReadRequest>,
+        batches: Vec<Vec<ReadRequest>>,
         keep: Vec<Keep>,
         register: f64,
         drain: Option<Arc<BounceSink>>,
@@ -152,18 +157,31 @@ impl TcpLink {
                 connected.store(true, Ordering::Release);
             }
             let t = std::time::Instant::now();
-            let (tx, rx) = oneshot::channel();
-            worker
-                .send(PostReads {
-                    peer,
-                    reads,
-                    reply: tx,
-                })
-                .await
-                .map_err(|_| stopped())?;
+            let mut replies = Vec::with_capacity(batches.len());
+            let mut posted = Ok(());
+            for reads in batches {
+                let (tx, rx) = oneshot::channel();
+                if worker
+                    .send(PostReads {
+                        peer,
+                        reads,
+                        reply: tx,
+                    })
+                    .await
+                    .is_err()
+                {
+                    // Batches already posted are still waited for below.
+                    posted = Err(stopped());
+                    break;
+                }
+                replies.push(rx);
+            }
             let post = t.elapsed().as_secs_f64();
             let t = std::time::Instant::now();
-            let done = rx.await.map_err(|_| stopped());
+            let mut done = Vec::with_capacity(replies.len());
+            for rx in replies {
+                done.push(rx.await.map_err(|_| stopped()));
+            }
             // Received device bytes may still be on their way from the bounce ring: they
             // land before the destinations are let go, whatever became of the reads.
             let drained = match drain {
@@ -180,32 +198,63 @@ impl TcpLink {
             };
             let wire = t.elapsed().as_secs_f64();
             drop(keep);
+            posted?;
             // The worker says what kind of failure it was; each reaches the caller as such.
-            let wcs = done?.map_err(|e| match e.kind() {
-                FailureKind::Connection => err(RemoteError::lost("a read", e)),
-                FailureKind::Local => err(RemoteError::local("posting the reads", e)),
-                FailureKind::Remote => err(RemoteError::refused(format!(
-                    "the owner refused a read: {e}"
-                ))),
-                _ => stopped(),
-            })?;
-            drained?;
-            let mut bytes = 0;
-            for wc in &wcs {
-                if wc.status != CompletionStatus::Success {
-                    let what = format!("read {} completed with {}", wc.wr_id, wc.status);
-                    return Err(err(match wc.status {
-                        CompletionStatus::RemoteAccessError => {
-                            RemoteError::refused(format!("the owner refused it: {what}"))
+            // Of several failed batches, the one that says most: a refusal or a local failure
+            // can flush the reads queued behind it, which then report a broken link.
+            let rank = |k: &FailureKind| match k {
+                FailureKind::Remote => 0,
+                FailureKind::Local => 1,
+                FailureKind::Connection => 2,
+                _ => 3,
+            };
+            let mut wcs = Vec::new();
+            let mut failed = None;
+            for d in done {
+                match d? {
+                    Ok(w) => wcs.extend(w),
+                    Err(e) => {
+                        if failed
+                            .as_ref()
+                            .is_none_or(|f: &crate::nic::worker::WorkerError| {
+                                rank(&e.kind()) < rank(&f.kind())
+                            })
+                        {
+                            failed = Some(e);
                         }
-                        CompletionStatus::LocalWriteError => RemoteError::local("a read", what),
-                        _ => RemoteError::lost("a read", what),
-                    }));
+                    }
                 }
-                bytes += wc.bytes;
+            }
+            if let Some(e) = failed {
+                return Err(match e.kind() {
+                    FailureKind::Connection => err(RemoteError::lost("a read", e)),
+                    FailureKind::Local => err(RemoteError::local("posting the reads", e)),
+                    FailureKind::Remote => err(RemoteError::refused(format!(
+                        "the owner refused a read: {e}"
+                    ))),
+                    _ => stopped(),
+                });
+            }
+            drained?;
+            // A flushed read only reports that another one failed first: name that one.
+            let bad = wcs
+                .iter()
+                .find(|wc| {
+                    wc.status != CompletionStatus::Success && wc.status != CompletionStatus::Flushed
+                })
+                .or_else(|| wcs.iter().find(|wc| wc.status != CompletionStatus::Success));
+            if let Some(wc) = bad {
+                let what = format!("read {} completed with {}", wc.wr_id, wc.status);
+                return Err(err(match wc.status {
+                    CompletionStatus::RemoteAccessError => {
+                        RemoteError::refused(format!("the owner refused it: {what}"))
+                    }
+                    CompletionStatus::LocalWriteError => RemoteError::local("a read", what),
+                    _ => RemoteError::lost("a read", what),
+                }));
             }
             Ok(ReadStats {
-                bytes,
+                bytes: wcs.iter().map(|wc| wc.bytes).sum(),
                 register,
                 post,
                 wire,
@@ -256,7 +305,7 @@ impl PeerLink for TcpLink {
                 }],
             })
             .collect();
-        self.post(reads, vec![keep], 0.0, None)
+        self.post(vec![reads], vec![keep], 0.0, None)
     }
 
     fn read_device(
@@ -368,9 +417,21 @@ impl PeerLink for TcpLink {
                 }),
             }
         }
+        // Batches of a few blocks each, so that a large load runs on every QP of the link
+        // (one connection and receive thread each over tcp) as a staged load does with its
+        // chunks; a single batch kept a direct load on one connection, at about half the
+        // rate of a staged one.
+        let batches: Vec<Vec<ReadRequest>> = {
+            let mut it = reads.into_iter().peekable();
+            let mut out = Vec::new();
+            while it.peek().is_some() {
+                out.push(it.by_ref().take(DIRECT_BATCH).collect());
+            }
+            out
+        };
         // The NIC registrations drop after the table's (the batch has drained by then).
         self.post(
-            reads,
+            batches,
             vec![keep, Box::new(mrs), Box::new(nic_mrs)],
             t.elapsed().as_secs_f64(),
             Some(bounce),
