@@ -3,8 +3,13 @@
 //! (one allocation per layer: memfds on a host node, CUDA allocations by IPC handle on a
 //! GPU), saves N blocks, then times the query of their hashes, the load of the lease into
 //! every third block (Load RPC until the completion board shows the first layer, and the
-//! end), and the save — each against a raw copy of the same bytes in the same run. Every
-//! load is checked byte for byte, canaries included.
+//! end), and the save — each against a raw copy of the same bytes in the same run. Then the
+//! duplex: a save of N new blocks and a load of N others issued at once (what an engine does
+//! while it serves: saving new blocks while loading others' prefixes), timed until both
+//! are done, against the same bytes copied host→device and device→host at once (two
+//! streams from pinned memory on a GPU; two memcpys on two threads on the host device).
+//! Every load is checked byte for byte, canaries included, and so are the duplex's saved
+//! blocks (loaded back).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -37,10 +42,15 @@ pub struct EngineArgs {
     /// Timed repetitions of each figure (after one warm-up); medians are reported.
     #[arg(long, default_value_t = 9)]
     iters: usize,
+    /// Leave out the duplex figure (a save and a load at once).
+    #[arg(long)]
+    no_duplex: bool,
 }
 
 const INSTANCE: &str = "bench-engine";
 const WAIT: Duration = Duration::from_secs(60);
+/// Hash tags of the duplex's saves, apart from the sweep's own.
+const DUPLEX_TAG: u64 = 1 << 24;
 
 /// A `kvferry node` child process; killed on drop.
 struct NodeProcess {
@@ -209,6 +219,207 @@ struct Row {
     save: f64,
     raw: f64,
     verified: bool,
+    duplex: Option<Duplex>,
+}
+
+/// A save and a load of N blocks each at once, against the raw copies of the same bytes in
+/// both directions at once.
+struct Duplex {
+    /// Issue of both until both are done.
+    both: f64,
+    /// Issue until each is done (the client's view).
+    save: f64,
+    load: f64,
+    raw: f64,
+    verified: bool,
+}
+
+/// What a duplex round needs of the sweep's state.
+struct DuplexCtx<'a> {
+    c: &'a EngineClient,
+    board: &'a Board,
+    id: &'a InstanceId,
+    kv: &'a DeviceKv,
+    n: u32,
+    src: &'a [u32],
+    dest: &'a [u32],
+}
+
+/// Pattern blocks of the duplex's saved sources: apart from the loaded blocks' (0..n), so
+/// a save that wrote the loaded bytes (or the reverse) fails the check.
+const DUPLEX_PATTERN: u64 = 1 << 20;
+
+impl DuplexCtx<'_> {
+    /// Leases `hashes` (all must hit).
+    async fn lease(&self, hashes: &[BlockHash]) -> anyhow::Result<kvferry_actors::LeaseId> {
+        let q = self.c.query(self.id, hashes, false).await?;
+        match q.lease.filter(|_| q.local_blocks == self.n) {
+            Some(l) => Ok(l),
+            None => bail!("a query of {} saved blocks hit {}", self.n, q.local_blocks),
+        }
+    }
+
+    /// Loads `lease` into the destinations and waits for the board to say done.
+    async fn load(&self, lease: kvferry_actors::LeaseId, tag: u32) -> anyhow::Result<()> {
+        let load_id = self
+            .c
+            .load_on_board(
+                &LoadRequest {
+                    lease,
+                    instance: self.id.clone(),
+                    rank: 0,
+                    dest_blocks: self.dest.to_vec(),
+                },
+                Some((0, tag)),
+            )
+            .await?;
+        let v = self.board.wait(0, tag, u32::MAX, WAIT)?;
+        if v.state != SlotState::Ok {
+            let done = self.c.poll_load(load_id).await?;
+            bail!("the load of {} blocks failed: {done:?}", self.n);
+        }
+        match self.c.poll_load(load_id).await? {
+            Some(done) if done.status == 1 => Ok(()),
+            other => bail!("the board says done, PollLoad says {other:?}"),
+        }
+    }
+
+    /// One round: saves the sources under `fresh` while `prev` (saved earlier) loads into
+    /// the destinations. Seconds from issuing both until both are done, and until each is.
+    async fn round(
+        &self,
+        prev: &[BlockHash],
+        fresh: &[BlockHash],
+        tag: u32,
+    ) -> anyhow::Result<(f64, f64, f64)> {
+        let lease = self.lease(prev).await?;
+        let c = self.c.clone();
+        let req = SaveRequest {
+            instance: self.id.clone(),
+            rank: 0,
+            hashes: fresh.to_vec(),
+            src_blocks: self.src.to_vec(),
+        };
+        let t = Instant::now();
+        // The save runs on the runtime's workers while this thread waits on the board.
+        let save = tokio::spawn(async move {
+            let r = c.save(&req).await;
+            (r, t.elapsed().as_secs_f64())
+        });
+        let loaded = self.load(lease, tag).await;
+        let load_s = t.elapsed().as_secs_f64();
+        let (saved, save_s) = save.await?;
+        let both = t.elapsed().as_secs_f64();
+        loaded?;
+        let saved = saved?;
+        if saved.written != self.n {
+            bail!("a save of {} blocks wrote {}", self.n, saved.written);
+        }
+        Ok((both.min(load_s.max(save_s)), save_s, load_s))
+    }
+
+    /// Warm-up round, checked: the loaded blocks and, loaded back, the saved ones.
+    async fn checked_round(
+        &self,
+        prev: &[BlockHash],
+        fresh: &[BlockHash],
+        tag: &mut u32,
+    ) -> anyhow::Result<bool> {
+        // Destinations back to canaries (so the load must write them), sources given a
+        // pattern of their own (so the saved blocks differ from the loaded ones).
+        self.kv.reset()?;
+        for (&b, i) in self.src.iter().zip(0u64..) {
+            self.kv.write_block(b, DUPLEX_PATTERN + i, 0)?;
+        }
+        *tag = tag.wrapping_add(1);
+        self.round(prev, fresh, *tag).await?;
+        let sources = self
+            .src
+            .iter()
+            .zip(0u64..)
+            .map(|(&b, i)| (b, DUPLEX_PATTERN + i));
+        let loaded: Vec<(u32, u64)> = sources
+            .clone()
+            .chain(self.dest.iter().zip(0u64..).map(|(&d, i)| (d, i)))
+            .collect();
+        let mut ok = true;
+        if let Err(e) = self.kv.verify(&loaded, 0) {
+            eprintln!(
+                "kvferry bench engine: duplex of {} blocks, loaded: {e}",
+                self.n
+            );
+            ok = false;
+        }
+        // The saved blocks, loaded into the destinations: they hold the sources' pattern.
+        let lease = self.lease(fresh).await?;
+        *tag = tag.wrapping_add(1);
+        self.load(lease, *tag).await?;
+        let saved: Vec<(u32, u64)> = sources
+            .chain(
+                self.dest
+                    .iter()
+                    .zip(0u64..)
+                    .map(|(&d, i)| (d, DUPLEX_PATTERN + i)),
+            )
+            .collect();
+        if let Err(e) = self.kv.verify(&saved, 0) {
+            eprintln!(
+                "kvferry bench engine: duplex of {} blocks, saved: {e}",
+                self.n
+            );
+            ok = false;
+        }
+        Ok(ok)
+    }
+}
+
+/// Seconds of `bytes` copied host→device and device→host at once, as the hardware does it
+/// without kvferry: median of `iters` after a warm-up.
+fn raw_duplex(device: &str, bytes: u64, iters: usize) -> anyhow::Result<f64> {
+    let len = usize::try_from(bytes)?;
+    if device == "host" {
+        // Two memcpys on two threads: what the host device's two copy threads could do.
+        let (up_src, down_src) = (vec![1u8; len], vec![2u8; len]);
+        let (mut up_dst, mut down_dst) = (vec![0u8; len], vec![0u8; len]);
+        let mut times = Vec::with_capacity(iters);
+        for i in 0..=iters {
+            let go = std::sync::Barrier::new(2);
+            let copy = |dst: &mut [u8], src: &[u8]| {
+                go.wait();
+                let t = Instant::now();
+                dst.copy_from_slice(src);
+                std::hint::black_box(&dst);
+                (t, Instant::now())
+            };
+            let (copy, up_dst, up_src) = (&copy, &mut up_dst, &up_src);
+            let ((a0, a1), (b0, b1)) = std::thread::scope(|s| {
+                let up = s.spawn(move || copy(up_dst, up_src));
+                let down = copy(&mut down_dst, &down_src);
+                (up.join().unwrap_or(down), down)
+            });
+            if i > 0 {
+                times.push((a1.max(b1) - a0.min(b0)).as_secs_f64());
+            }
+        }
+        return Ok(median(&mut times));
+    }
+    let dev = kvferry_gpu::open_device(device, 0)?;
+    let up_src = vec![1u8; len];
+    let mut down_dst = vec![0u8; len];
+    // Field order of the guards does not matter here: all are dropped after the copies.
+    let _pin_up = dev.register_host(up_src.as_ptr() as u64, bytes, true)?;
+    let _pin_down = dev.register_host(down_dst.as_mut_ptr() as u64, bytes, false)?;
+    let (up_dst, down_src) = (dev.alloc(bytes)?, dev.alloc(bytes)?);
+    let ranges = kvferry_testkit::DuplexRanges {
+        h2d_src: up_src.as_ptr() as u64,
+        h2d_dst: up_dst.ptr(),
+        d2h_src: down_src.ptr(),
+        d2h_dst: down_dst.as_mut_ptr() as u64,
+        bytes,
+    };
+    // SAFETY: both host buffers are live, pinned, and untouched until the call returns.
+    let s = unsafe { kvferry_testkit::bench_raw_duplex(dev.as_ref(), ranges, iters as u32) }?;
+    Ok(s)
 }
 
 pub fn run(a: EngineArgs) -> anyhow::Result<()> {
@@ -257,9 +468,11 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                 .collect();
             let (mut query, mut load, mut first, mut save) = (vec![], vec![], vec![], vec![]);
             let mut verified = true;
+            let mut last = Vec::new();
             for it in 0..=a.iters {
                 // Save: fresh hashes each time, so every block is copied.
                 let hs = hashes(u64::from(n) << 8 | it as u64, n);
+                last.clone_from(&hs);
                 let t = Instant::now();
                 let saved = c
                     .save(&SaveRequest {
@@ -324,6 +537,42 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                 first.push(first_s);
                 save.push(save_s);
             }
+            let duplex = if a.no_duplex {
+                None
+            } else {
+                let ctx = DuplexCtx {
+                    c: &c,
+                    board: &board,
+                    id: &id,
+                    kv: device_kv,
+                    n,
+                    src: &src,
+                    dest: &dest,
+                };
+                // Each round loads what the previous one saved and saves under new hashes.
+                let mut prev = last;
+                let mut fresh = hashes(DUPLEX_TAG | u64::from(n) << 8, n);
+                let ok = ctx.checked_round(&prev, &fresh, &mut tag).await?;
+                let (mut both, mut save, mut load) = (vec![], vec![], vec![]);
+                for it in 1..=a.iters {
+                    prev = std::mem::replace(
+                        &mut fresh,
+                        hashes(DUPLEX_TAG | u64::from(n) << 8 | it as u64, n),
+                    );
+                    tag = tag.wrapping_add(1);
+                    let (b, s, l) = ctx.round(&prev, &fresh, tag).await?;
+                    both.push(b);
+                    save.push(s);
+                    load.push(l);
+                }
+                Some(Duplex {
+                    both: median(&mut both),
+                    save: median(&mut save),
+                    load: median(&mut load),
+                    raw: raw_duplex(&a.device, bytes, a.iters)?,
+                    verified: ok,
+                })
+            };
             let device = kvferry_gpu::open_device(&a.device, 0)?;
             let mut base = Baseline::new(&device, bytes)?;
             base.run()?;
@@ -336,7 +585,8 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                 first_layer: median(&mut first),
                 save: median(&mut save),
                 raw: median(&mut raw),
-                verified,
+                verified: verified && duplex.as_ref().is_none_or(|d| d.verified),
+                duplex,
             });
         }
         c.unregister(&id).await?;
@@ -358,6 +608,13 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                     "raw_ms": r.raw * 1e3,
                     "load_vs_raw": r.raw / r.load,
                     "save_vs_raw": r.raw / r.save,
+                    "duplex_ms": r.duplex.as_ref().map(|d| d.both * 1e3),
+                    "duplex_save_ms": r.duplex.as_ref().map(|d| d.save * 1e3),
+                    "duplex_load_ms": r.duplex.as_ref().map(|d| d.load * 1e3),
+                    "duplex_raw_ms": r.duplex.as_ref().map(|d| d.raw * 1e3),
+                    "duplex_vs_raw": r.duplex.as_ref().map(|d| d.raw / d.both),
+                    "duplex_gbps": r.duplex.as_ref().map(|d| 2.0 * r.bytes as f64 / d.both / 1e9),
+                    "duplex_raw_gbps": r.duplex.as_ref().map(|d| 2.0 * r.bytes as f64 / d.raw / 1e9),
                     "verified": r.verified,
                 })
             })
@@ -372,6 +629,7 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                 "block_bytes": shape.rank_bytes(),
                 "iters": a.iters,
                 "baseline": if a.device == "cuda" { "raw cuMemcpyHtoDAsync from pinned memory" } else { "memcpy (one contiguous copy)" },
+                "duplex_baseline": if a.device == "cuda" { "raw cuMemcpyHtoDAsync and cuMemcpyDtoHAsync at once on two streams, pinned memory" } else { "two memcpys at once on two threads" },
                 "sweep": sweep,
                 "verified": ok,
             })
@@ -382,7 +640,7 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
             a.layers, a.segment_kib, a.device, a.iters
         );
         println!(
-            "{:>6} {:>10} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9} {:>9}  bytes",
+            "{:>6} {:>10} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>8} {:>9}  bytes",
             "blocks",
             "MiB",
             "query ms",
@@ -391,11 +649,25 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
             "save ms",
             "raw ms",
             "load/raw",
-            "save/raw"
+            "save/raw",
+            "duplex ms",
+            "dx raw ms",
+            "dx/raw",
+            "dx GB/s"
         );
         for r in &rows {
+            let dx = match &r.duplex {
+                Some(d) => format!(
+                    "{:>10.3} {:>10.3} {:>8.2} {:>9.1}",
+                    d.both * 1e3,
+                    d.raw * 1e3,
+                    d.raw / d.both,
+                    2.0 * r.bytes as f64 / d.both / 1e9
+                ),
+                None => format!("{:>10} {:>10} {:>8} {:>9}", "-", "-", "-", "-"),
+            };
             println!(
-                "{:>6} {:>10.1} {:>9.3} {:>9.3} {:>11.3} {:>9.3} {:>9.3} {:>9.2} {:>9.2}  {}",
+                "{:>6} {:>10.1} {:>9.3} {:>9.3} {:>11.3} {:>9.3} {:>9.3} {:>9.2} {:>9.2} {dx}  {}",
                 r.blocks,
                 r.bytes as f64 / (1 << 20) as f64,
                 r.query * 1e3,

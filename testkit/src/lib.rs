@@ -6,11 +6,12 @@
 //! engines allocate, canaries everywhere, [`DeviceKv::verify`]); [`MemfdKv`] and
 //! [`MemfdRegionsKv`] (host KV in memfds, as an engine without a GPU passes it); an owner
 //! node in its own process ([`run_owner_process`]); [`Attached`], an engine process attached
-//! to a running node. Benchmarks: [`transport_bench`] and the raw-driver baseline
-//! [`bench_raw_h2d`].
+//! to a running node. Benchmarks: [`transport_bench`] and the raw-driver baselines
+//! [`bench_raw_h2d`] and [`bench_raw_duplex`].
 
 mod attached;
 mod cuda_bench;
+mod cuda_duplex;
 mod device_kv;
 mod memfd_kv;
 mod owner;
@@ -22,6 +23,7 @@ pub mod transport_bench;
 
 pub use attached::{AttachError, Attached};
 pub use cuda_bench::bench_raw_h2d;
+pub use cuda_duplex::{bench_raw_duplex, DuplexRanges};
 pub use device_kv::{DeviceKv, KvKind};
 pub use memfd_kv::{MemfdKv, MemfdRegionsKv};
 pub use owner::{run_owner_process, OwnerSpec};
