@@ -4,12 +4,14 @@
 //! instance it failed for. The node runs in a child process (this binary re-executed) with a
 //! global subscriber that captures every span and event: the node's actors log from their
 //! own thread, and the failure line is rate-limited per process, so other tests of this
-//! binary must not share either.
+//! binary must not share either. Likewise a peer link: it is made once, in a `peer_link`
+//! span naming both ends, and what the handshake logs is inside it.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use kvferry_actors::{Clock, LoadRequest, NodeError, QueryRequest};
+
 use kvferry_gpu::KvShape;
 use kvferry_testkit::harness::*;
 use kvferry_testkit::KvKind;
@@ -65,9 +67,10 @@ impl EventSeen {
     }
 }
 
-/// A layer that keeps every event, with the fields of the spans around it.
+/// A layer that keeps every event, with the fields of the spans around it, and every span
+/// made.
 #[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<EventSeen>>>);
+struct Capture(Arc<Mutex<Vec<EventSeen>>>, Arc<Mutex<Vec<SpanSeen>>>);
 
 impl<S> Layer<S> for Capture
 where
@@ -77,6 +80,10 @@ where
         let mut f = Fields::default();
         attrs.record(&mut f);
         if let Some(span) = ctx.span(id) {
+            self.1.lock().unwrap().push(SpanSeen {
+                name: span.name(),
+                fields: f.clone(),
+            });
             span.extensions_mut().insert(f);
         }
     }
@@ -231,4 +238,124 @@ fn a_load_and_its_failure_line_are_inside_a_span_naming_the_load() {
         &[(CHILD_ENV, "1")],
     );
     child.finish(Some("LOAD SPANS OK"));
+}
+
+const LINK_CHILD_ENV: &str = "KVFERRY_SPANS_LINK_CHILD";
+
+/// The child half of `a_peer_link_is_made_once_in_a_span_naming_both_ends`.
+#[test]
+#[ignore = "runs only as the child process started by a_peer_link_is_made_once_in_a_span_naming_both_ends"]
+fn child_peer_link_spans() {
+    use kvferry_actors::remote::Provider;
+    if std::env::var_os(LINK_CHILD_ENV).is_none() {
+        return;
+    }
+    let seen = Capture::default();
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(seen.clone()))
+        .expect("the only subscriber of this process");
+    rt().block_on(async {
+        let shape = KvShape::new(2, 1, 2, 1024).unwrap();
+        // Owner "a" holds 0..6 and serves its pool over tcp.
+        let owner_peers = grpc_peers("a", Provider::Tcp, "t", &[], None);
+        let mut cfg = config(64 << 10, 16);
+        cfg.node_id = "a".into();
+        let (owner, owner_dev) = start(cfg, Clock::system(), Some(Arc::clone(&owner_peers)));
+        let _okv =
+            register_ranks(&owner, &owner_dev, "eng", shape, KvKind::Split, 8, 0, 0..6).await;
+        let backend = owner
+            .peer_backend()
+            .with_endpoint(owner_peers.data_endpoint().expect("a tcp data side"));
+        let server = PeerServer::start(backend, "t").await;
+        // Requester "b" reads the remote suffix from it.
+        let peers = grpc_peers(
+            "b",
+            Provider::Tcp,
+            "t",
+            &[("a", server.addr.to_string())],
+            None,
+        );
+        let mut cfg = config(64 << 10, 16);
+        cfg.node_id = "b".into();
+        let (node, dev) = start(cfg, Clock::system(), Some(peers));
+        let kv = register(&node, &dev, "eng", shape, 0, KvKind::Split, 16, 0).await;
+        let q = query(&node, "eng", 0..4, false).await;
+        assert_eq!((q.local_blocks, q.remote_blocks), (0, 4));
+        load(&node, q.lease.unwrap(), "eng", 0, &[9, 2, 5, 0])
+            .await
+            .unwrap();
+        kv.verify(&expected(&[9, 2, 5, 0], 0), 0).unwrap();
+        let q = query(&node, "eng", 0..6, false).await;
+        assert_eq!((q.local_blocks, q.remote_blocks), (4, 2));
+        load(&node, q.lease.unwrap(), "eng", 0, &[9, 2, 5, 0, 7, 8])
+            .await
+            .unwrap();
+        kv.verify(&expected(&[9, 2, 5, 0, 7, 8], 0), 0).unwrap();
+        settled(&node).await;
+        settled_with_peers(&owner).await;
+
+        // One link, made once in a span naming both ends: the second load reused it.
+        let links: Vec<Fields> = seen
+            .1
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.name == "peer_link")
+            .map(|s| s.fields.clone())
+            .collect();
+        assert_eq!(links.len(), 1, "{links:?}");
+        let ends = |f: &Fields| (f.0.get("node").cloned(), f.0.get("peer").cloned());
+        let b_to_a = (Some("b".to_string()), Some("a".to_string()));
+        assert_eq!(ends(&links[0]), b_to_a, "{links:?}");
+        // What the link logs while it is made (the owner's incarnation) is inside it.
+        let hs = events(&seen, "peer handshake");
+        assert_eq!(hs.len(), 1, "{hs:?}");
+        assert_eq!(hs[0].field("provider"), Some("tcp"), "{hs:?}");
+        assert!(hs[0].field("incarnation").is_some(), "{hs:?}");
+        let around: Vec<_> = hs[0]
+            .scope
+            .iter()
+            .filter(|s| s.name == "peer_link")
+            .collect();
+        assert_eq!(around.len(), 1, "{hs:?}");
+        assert_eq!(ends(&around[0].fields), b_to_a);
+        // The line that says it is up names both ends too.
+        let up = events(&seen, "peer linked");
+        assert_eq!(up.len(), 1, "{up:?}");
+        assert_eq!(
+            (
+                up[0].field("node"),
+                up[0].field("peer"),
+                up[0].field("provider")
+            ),
+            (Some("b"), Some("a"), Some("tcp"))
+        );
+        // Each remote load ends in its own span, which counts its remote blocks.
+        let done = events(&seen, "transfer done");
+        let remote: Vec<Option<&str>> = done
+            .iter()
+            .map(|e| {
+                let loads = e.loads();
+                assert_eq!(loads.len(), 1, "{e:?}");
+                assert_eq!(loads[0].0.get("path").map(String::as_str), Some("staged"));
+                loads[0].0.get("remote_blocks").map(String::as_str)
+            })
+            .collect();
+        assert_eq!(remote, [Some("4"), Some("2")], "{done:?}");
+        node.shutdown();
+        server.stop().await;
+        owner.shutdown();
+    });
+    println!("PEER LINK SPANS OK");
+}
+
+/// A peer link is made once per owner, in a `peer_link` span naming both ends; the
+/// handshake's line (the owner's incarnation) is inside it, and the remote loads that use it
+/// each run in their own load span.
+#[test]
+fn a_peer_link_is_made_once_in_a_span_naming_both_ends() {
+    let child = ChildTest::spawn(
+        concat!(module_path!(), "::child_peer_link_spans"),
+        &[(LINK_CHILD_ENV, "1")],
+    );
+    child.finish(Some("PEER LINK SPANS OK"));
 }
