@@ -69,6 +69,8 @@ pub const ENGINE_COMPLETIONS_DROPPED: &str = "kvferry_engine_completions_dropped
 /// The SSD tier's families (`ssd::SsdStats`).
 pub const SSD_BLOCKS: &str = "kvferry_ssd_blocks";
 pub const SSD_CAPACITY_BLOCKS: &str = "kvferry_ssd_capacity_blocks";
+pub const SSD_HELD_BLOCKS: &str = "kvferry_ssd_held_blocks";
+pub const SSD_STAGING_SLOTS: &str = "kvferry_ssd_staging_slots";
 pub const SSD_EVICTIONS: &str = "kvferry_ssd_evictions_total";
 pub const SSD_WRITES: &str = "kvferry_ssd_writes_total";
 pub const SSD_WRITE_BYTES: &str = "kvferry_ssd_write_bytes_total";
@@ -138,6 +140,14 @@ pub fn describe() {
         ),
         (SSD_BLOCKS, "Blocks held on SSD."),
         (SSD_CAPACITY_BLOCKS, "Block slots of the SSD directories."),
+        (
+            SSD_HELD_BLOCKS,
+            "SSD blocks held for leases (not evictable until the lease is gone).",
+        ),
+        (
+            SSD_STAGING_SLOTS,
+            "Pool slots lent to loads for their SSD reads.",
+        ),
     ] {
         describe_gauge!(name, help);
     }
@@ -197,7 +207,10 @@ pub fn describe() {
             SSD_WRITES_SKIPPED,
             "Blocks evicted from RAM unwritten: every SSD slot was busy.",
         ),
-        (SSD_READS, "Blocks read from SSD into RAM."),
+        (
+            SSD_READS,
+            "Blocks read from SSD (into staging slots for loads, into RAM for peers).",
+        ),
         (
             SSD_READ_ERRORS,
             "SSD block reads that failed with an I/O error.",
@@ -566,6 +579,8 @@ fn record_engine(g: &EngineGauges) {
 fn record_ssd(s: &crate::ssd::SsdStats) {
     gauge!(SSD_BLOCKS).set(s.blocks as f64);
     gauge!(SSD_CAPACITY_BLOCKS).set(s.capacity_blocks as f64);
+    gauge!(SSD_HELD_BLOCKS).set(s.held_blocks as f64);
+    gauge!(SSD_STAGING_SLOTS).set(s.staging_slots as f64);
     for (name, v) in [
         (SSD_EVICTIONS, s.evictions),
         (SSD_WRITES, s.writes),
@@ -1048,6 +1063,8 @@ mod tests {
             (ENGINE_COMPLETIONS_DROPPED, (MetricKind::Counter, &[][..])),
             (SSD_BLOCKS, (MetricKind::Gauge, &[][..])),
             (SSD_CAPACITY_BLOCKS, (MetricKind::Gauge, &[][..])),
+            (SSD_HELD_BLOCKS, (MetricKind::Gauge, &[][..])),
+            (SSD_STAGING_SLOTS, (MetricKind::Gauge, &[][..])),
             (SSD_EVICTIONS, (MetricKind::Counter, &[][..])),
             (SSD_WRITES, (MetricKind::Counter, &[][..])),
             (SSD_WRITE_BYTES, (MetricKind::Counter, &[][..])),

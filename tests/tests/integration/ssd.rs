@@ -227,6 +227,13 @@ fn restart_serves_what_was_written_through() {
             let line = format!("kvferry_query_blocks_total{{tier=\"{tier}\"}} {n}\n");
             assert!(m.contains(&line), "{line} not in the scrape:\n{m}");
         }
+        // The second query's lease holds its 12 blocks on disk; no load borrows slots now.
+        for line in [
+            "kvferry_ssd_held_blocks 12\n",
+            "kvferry_ssd_staging_slots 0\n",
+        ] {
+            assert!(m.contains(line), "{line} not in the scrape:\n{m}");
+        }
         node.release(q.lease.unwrap()).await.unwrap();
         ssd_settled(&node).await;
     });
@@ -950,6 +957,59 @@ fn ssd_fault_lease_released_before_the_load() {
         );
         kv.untouched_outside(&[]).unwrap();
         next_load_works(&node, &kv, 8).await;
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A load observer sees the layers only once the SSD blocks landed too: when it is told
+/// every layer has landed, every destination (RAM and SSD blocks) holds its bytes.
+#[test]
+fn layers_are_reported_once_the_ssd_blocks_landed_too() {
+    struct Seen {
+        kv: Arc<kvferry_testkit::DeviceKv>,
+        want: Vec<(u32, u64)>,
+        calls: std::sync::Mutex<Vec<(u32, u32, bool)>>,
+    }
+    impl kvferry_actors::LoadObserver for Seen {
+        fn layers_landed(&self, layers: u32, total: u32) {
+            let ok = layers < total || self.kv.verify(&self.want, 0).is_ok();
+            self.calls.lock().unwrap().push((layers, total, ok));
+        }
+    }
+    let dir = fresh("/tmp", "observed");
+    rt().block_on(async {
+        let (node, kv) = ram_then_disk(&dir, Clock::system()).await;
+        let kv = Arc::new(kv);
+        let q = query(&node, 0..8).await;
+        assert_eq!(q.ssd_blocks, 4);
+        kv.reset().unwrap();
+        let dest: Vec<u32> = (0..8).map(|i| 2 * i + 1).collect();
+        let seen = Arc::new(Seen {
+            kv: Arc::clone(&kv),
+            want: expected(&dest, 0),
+            calls: Default::default(),
+        });
+        let rx = node
+            .start_load_observed(
+                LoadRequest {
+                    lease: q.lease.unwrap(),
+                    instance: id("eng"),
+                    rank: 0,
+                    dest_blocks: dest.clone(),
+                },
+                Arc::clone(&seen) as Arc<dyn kvferry_actors::LoadObserver>,
+            )
+            .await
+            .unwrap();
+        rx.await.unwrap().unwrap();
+        kv.verify(&expected(&dest, 0), 0).unwrap();
+        let calls = seen.calls.lock().unwrap().clone();
+        assert_eq!(calls.last().map(|c| (c.0, c.1)), Some((3, 3)), "{calls:?}");
+        assert!(
+            calls.iter().all(|c| c.2),
+            "told before every block landed: {calls:?}"
+        );
+        ssd_settled(&node).await;
     });
     std::fs::remove_dir_all(&dir).unwrap();
 }
