@@ -123,6 +123,8 @@ fn blocks_survive_sigterm_and_a_restart_on_the_same_directory() {
         let c = connect(&addr, &sock, &kv).await;
         let q = c.query(&id("eng"), &hashes, false).await.unwrap();
         assert_eq!((q.local_blocks, q.remote_blocks), (12, 0));
+        // All 12 on disk only: the query held them, the load reads them.
+        assert_eq!(q.ssd_blocks, 12);
         let dest: Vec<u32> = (0..12).map(|i| 15 - i).collect();
         let load = c
             .load(&LoadRequest {
