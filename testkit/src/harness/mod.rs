@@ -3,7 +3,7 @@
 //! them ([`Cluster`]) and their Peer service ([`PeerServer`], [`grpc_peers`]), instances with
 //! canaried device KV (allocated by the node's device, or held by the test in a memfd as a
 //! client without a GPU does: [`MemfdKv`]), the requests every test makes ([`query`],
-//! [`load`], [`expected`]), gauge checks ([`settled`], [`Cluster::settled`]), and real
+//! [`load`], [`load_and_verify`], [`expected`]), gauge checks ([`settled`], [`Cluster::settled`]), and real
 //! processes the tests start (`redis-server`, `promtool`, this test binary as a child).
 
 mod cluster;
@@ -191,6 +191,28 @@ pub async fn load(
     dest: &[u32],
 ) -> Result<TransferReport, NodeError> {
     node.load(load_request(lease, instance, rank, dest)).await
+}
+
+/// Runs `req` on `node` and checks every byte of `kv` (the KV of `req`'s instance and rank):
+/// pattern blocks `first..` in `req`'s destinations, canaries everywhere else (so `kv` must
+/// hold nothing else: fresh or reset). Panics naming `what` where the load or a byte is
+/// wrong; the load's report.
+pub async fn load_and_verify(
+    node: &Node,
+    kv: &DeviceKv,
+    req: LoadRequest,
+    first: u64,
+    what: &str,
+) -> TransferReport {
+    let want = expected(&req.dest_blocks, first);
+    let rank = req.rank;
+    let r = node
+        .load(req)
+        .await
+        .unwrap_or_else(|e| panic!("{what}: the load failed: {e}"));
+    kv.verify(&want, rank)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    r
 }
 
 /// What a load of pattern blocks `first..` into `dest` leaves, as [`DeviceKv::verify`] takes

@@ -182,10 +182,14 @@ fn save_then_load_round_trip() {
         let dst = register(&node, &dev, "loader", shape, 0, KvKind::Split, 8, 0).await;
         let q = query(&node, "loader", 0..3, false).await;
         assert_eq!(q.local_blocks, 3);
-        load(&node, q.lease.unwrap(), "loader", 0, &[1, 3, 0])
-            .await
-            .unwrap();
-        dst.verify(&expected(&[1, 3, 0], 0), 0).unwrap();
+        load_and_verify(
+            &node,
+            &dst,
+            load_request(q.lease.unwrap(), "loader", 0, &[1, 3, 0]),
+            0,
+            "saved blocks into a split layout",
+        )
+        .await;
         settled(&node).await;
     });
 }
@@ -205,8 +209,14 @@ fn pool_exhaustion_is_typed_and_pinned_blocks_survive_eviction() {
         assert_eq!((s.blocks, s.pinned_blocks), (4, 2));
         assert!(s.evictions >= 4);
         // The leased blocks are intact.
-        load(&node, lease, "e", 0, &[9, 4]).await.unwrap();
-        kv.verify(&expected(&[9, 4], 0), 0).unwrap();
+        load_and_verify(
+            &node,
+            &kv,
+            load_request(lease, "e", 0, &[9, 4]),
+            0,
+            "pinned blocks after the churn",
+        )
+        .await;
         // Pin all four; a fifth block has nowhere to go: a typed error, no state change.
         let hold = query(&node, "e", 0..2, false).await;
         let hold2 = query(&node, "e", 14..16, false).await;
@@ -566,8 +576,14 @@ fn bad_input_matrix() {
         assert!(kvferry_actors::BlockHash::parse_all(&[Vec::<u8>::new()]).is_err());
 
         // The good load still works.
-        load(&node, lease, "b", 0, &[3, 4]).await.unwrap();
-        kv.verify(&expected(&[3, 4], 0), 0).unwrap();
+        load_and_verify(
+            &node,
+            &kv,
+            load_request(lease, "b", 0, &[3, 4]),
+            0,
+            "the good load after the bad ones",
+        )
+        .await;
         settled(&node).await;
     });
 }
@@ -612,8 +628,14 @@ fn kv_freed_under_a_registered_instance_fails_the_load_cleanly() {
         node.unregister_instance(id("f")).await.unwrap();
         let kv = register(&node, &dev, "f", shape, 0, KvKind::Split, 8, 0).await;
         let lease = query(&node, "f", 0..2, false).await.lease.unwrap();
-        load(&node, lease, "f", 0, &[5, 2]).await.unwrap();
-        kv.verify(&expected(&[5, 2], 0), 0).unwrap();
+        load_and_verify(
+            &node,
+            &kv,
+            load_request(lease, "f", 0, &[5, 2]),
+            0,
+            "the load after registering again",
+        )
+        .await;
         settled(&node).await;
     });
 }

@@ -1018,11 +1018,9 @@ fn remote_suffix_over_verbs() {
         let q = query(&node, "eng", 0..6, false).await;
         assert_eq!((q.local_blocks, q.remote_blocks), (0, 6));
         let dest: Vec<u32> = vec![5, 0, 3, 9, 1, 12];
-        let r = load(&node, q.lease.unwrap(), "eng", 0, &dest)
-            .await
-            .unwrap();
+        let req = load_request(q.lease.unwrap(), "eng", 0, &dest);
+        let r = load_and_verify(&node, &kv, req, 0, "over verbs").await;
         assert_eq!(r.path, "staged");
-        kv.verify(&expected(&dest, 0), 0).unwrap();
         let text = node.metrics_text().await.unwrap();
         assert!(
             text.contains(&format!("kvferry_qps{{nic=\"{nic}\",state=\"rts\"}}")),

@@ -48,9 +48,9 @@ fn run_worked_example(provider: Provider) {
                 "{provider:?} direct={direct}"
             );
             assert_eq!(q.direct.is_granted(), direct);
-            let r = load(c.node(0), q.lease.unwrap(), "eng", 0, &DEST)
-                .await
-                .unwrap();
+            let req = load_request(q.lease.unwrap(), "eng", 0, &DEST);
+            let what = format!("{provider:?} direct={direct}");
+            let r = load_and_verify(c.node(0), &kv[0], req, 0, &what).await;
             assert_eq!(r.path, if direct { "direct" } else { "staged" });
             assert_eq!(r.bytes, 12 * shape(1).rank_bytes());
             let want: &[&str] = if direct {
@@ -70,9 +70,6 @@ fn run_worked_example(provider: Provider) {
                 "{provider:?} direct={direct}: parts did not overlap: {:?}",
                 r.spans
             );
-            kv[0]
-                .verify(&expected(&DEST, 0), 0)
-                .unwrap_or_else(|e| panic!("{provider:?} direct={direct}: {e}"));
             c.settled().await;
             let stats = c.node(0).stats().await.unwrap();
             if direct {
@@ -114,10 +111,8 @@ fn worked_example_with_the_redis_directory() {
             kv[0].reset().unwrap();
             let q = query(c.node(0), "eng", 0..12, direct).await;
             assert_eq!((q.local_blocks, q.remote_blocks), (4, 8));
-            load(c.node(0), q.lease.unwrap(), "eng", 0, &DEST)
-                .await
-                .unwrap();
-            kv[0].verify(&expected(&DEST, 0), 0).unwrap();
+            let req = load_request(q.lease.unwrap(), "eng", 0, &DEST);
+            load_and_verify(c.node(0), &kv[0], req, 0, &format!("direct={direct}")).await;
             c.settled().await;
             c.node(0).drop_reclaimable().await.unwrap();
         }
@@ -165,10 +160,8 @@ fn owner_killed_after_pinning_fails_a_tcp_load_hard() {
             let q = query(c.node(0), "eng", 0..12, direct).await;
             assert_eq!((q.local_blocks, q.remote_blocks), (4, 4));
             kv[0].reset().unwrap();
-            load(c.node(0), q.lease.unwrap(), "eng", 0, &DEST[..8]).await
-                .unwrap();
-            let want: Vec<(u32, u64)> = expected(&DEST, 0).into_iter().take(8).collect();
-            kv[0].verify(&want, 0).unwrap();
+            let req = load_request(q.lease.unwrap(), "eng", 0, &DEST[..8]);
+            load_and_verify(c.node(0), &kv[0], req, 0, "the next load").await;
             settled(c.node(0)).await;
             assert_eq!(c.node(1).peer_pins().await.unwrap(), 0);
         });
@@ -236,10 +229,9 @@ fn transport_fault_matrix_end_to_end() {
                 kv[0].reset().unwrap();
                 let q = query(c.node(0), "eng", 0..12, direct).await;
                 assert_eq!(q.remote_blocks, 8, "{name}");
-                load(c.node(0), q.lease.unwrap(), "eng", 0, &DEST)
-                    .await
-                    .unwrap_or_else(|e| panic!("{name} direct={direct}: next load: {e}"));
-                kv[0].verify(&expected(&DEST, 0), 0).unwrap();
+                let req = load_request(q.lease.unwrap(), "eng", 0, &DEST);
+                let what = format!("{name} direct={direct}: next load");
+                load_and_verify(c.node(0), &kv[0], req, 0, &what).await;
                 c.settled().await;
             });
         }
@@ -277,10 +269,8 @@ fn staged_copies_are_advertised_and_then_hit_locally() {
         assert!(owners[0].contains(&"b".to_string()), "{owners:?}");
         let q = query(c.node(3), "eng", 0..12, true).await;
         assert_eq!((q.local_blocks, q.remote_blocks), (0, 12));
-        load(c.node(3), q.lease.unwrap(), "eng", 0, &DEST)
-            .await
-            .unwrap();
-        d_kv.verify(&expected(&DEST, 0), 0).unwrap();
+        let req = load_request(q.lease.unwrap(), "eng", 0, &DEST);
+        load_and_verify(c.node(3), &d_kv, req, 0, "D reading B's copies").await;
         c.settled().await;
     });
 }
@@ -333,11 +323,8 @@ fn owner_eviction_between_lookup_and_pin_shortens_the_hit() {
         // A answers its pin with nothing: the suffix stops after B's 4 local blocks.
         assert_eq!((q.local_blocks, q.remote_blocks), (4, 0), "{q:?}");
         kv[0].reset().unwrap();
-        load(c.node(0), q.lease.unwrap(), "eng", 0, &DEST[..4])
-            .await
-            .unwrap();
-        let want: Vec<(u32, u64)> = expected(&DEST, 0).into_iter().take(4).collect();
-        kv[0].verify(&want, 0).unwrap();
+        let req = load_request(q.lease.unwrap(), "eng", 0, &DEST[..4]);
+        load_and_verify(c.node(0), &kv[0], req, 0, "B's own blocks").await;
         c.settled().await;
     });
 }
@@ -468,12 +455,10 @@ fn two_processes(provider: Provider) {
                 (4, 8),
                 "{provider:?} direct={direct}"
             );
-            let r = load(&node, q.lease.unwrap(), "eng", 0, &DEST)
-                .await
-                .unwrap();
+            let req = load_request(q.lease.unwrap(), "eng", 0, &DEST);
+            let what = format!("{provider:?} direct={direct}");
+            let r = load_and_verify(&node, &kv, req, 0, &what).await;
             assert_eq!(r.path, if direct { "direct" } else { "staged" });
-            kv.verify(&expected(&DEST, 0), 0)
-                .unwrap_or_else(|e| panic!("{provider:?} direct={direct}: {e}"));
             settled(&node).await;
             node.drop_reclaimable().await.unwrap();
         }
