@@ -217,7 +217,7 @@ pub fn describe() {
         ),
         (
             SSD_PROMOTE_NO_ROOM,
-            "SSD hits cut short: no RAM slot to promote into.",
+            "Peer pins of SSD-held blocks cut short: no RAM slot to read them into.",
         ),
         (
             SSD_DAMAGED_BLOCKS,

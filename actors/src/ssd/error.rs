@@ -95,3 +95,39 @@ impl SsdError {
 pub(crate) fn is_no_space(errno: i32) -> bool {
     errno == libc::ENOSPC || errno == libc::EDQUOT || errno == libc::EFBIG
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unreadable_names_its_blocks_and_how_they_failed() {
+        let blocks: Vec<(BlockHash, ReadFailure)> = (0..10u64)
+            .map(|i| {
+                let f = match i {
+                    0 => ReadFailure::Damaged(Damage::Checksum),
+                    1 => ReadFailure::Vanished,
+                    _ => ReadFailure::Io,
+                };
+                (BlockHash::from_u64(i), f)
+            })
+            .collect();
+        let e = SsdError::Unreadable {
+            blocks,
+            source: None,
+        };
+        let s = e.to_string();
+        assert!(s.starts_with("ssd: 10 block(s) of this load"), "{s}");
+        assert!(
+            s.contains(&format!("{:?} (checksum)", BlockHash::from_u64(0))),
+            "{s}"
+        );
+        assert!(
+            s.contains(&format!("{:?} (vanished)", BlockHash::from_u64(1))),
+            "{s}"
+        );
+        // A long list is cut: the message stays bounded whatever a load held.
+        assert!(s.ends_with(", and 2 more"), "{s}");
+        assert!(!s.contains(&format!("{:?}", BlockHash::from_u64(9))), "{s}");
+    }
+}

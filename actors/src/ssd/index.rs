@@ -2,10 +2,10 @@
 //! I/O: the [`super::SsdTier`] drives it on the store's actor thread, and only the reads and
 //! writes it plans go to the I/O threads.
 //!
-//! A slot being read is busy: it leaves the LRU (a lease's promotion or a peer's read cannot
-//! have its bytes overwritten) and is freed only once idle, even if its block is removed
-//! meanwhile. A block being written is visible at once: reads of its slot wait behind the
-//! write on the I/O thread.
+//! A slot being read or held is busy: it leaves the LRU (a lease's hold, a load's read or a
+//! peer's promotion cannot have its bytes overwritten) and is freed only once idle, even if
+//! its block is removed meanwhile. A block being written is visible at once: reads of its
+//! slot wait behind the write on the I/O thread.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 

@@ -22,7 +22,7 @@ pub struct SsdMetrics {
     pub damaged_header: AtomicU64,
     pub damaged_key: AtomicU64,
     pub damaged_checksum: AtomicU64,
-    /// Promotions that found no free RAM slot (the prefix ends there).
+    /// Promotions for peers that found no free RAM slot (the pinned prefix ends there).
     pub promote_no_room: AtomicU64,
 }
 
