@@ -1,18 +1,21 @@
 //! The integration tests' harness (`tests/tests/integration`, and the `kvferry` binary's
 //! tests): a node over a host-emulated device ([`node`], [`start`]), in-process clusters of
-//! them ([`Cluster`]) and their Peer service ([`PeerServer`], [`grpc_peers`]), instances with
-//! canaried device KV (allocated by the node's device, or held by the test in a memfd as a
-//! client without a GPU does: [`MemfdKv`]), the requests every test makes ([`query`],
-//! [`load`], [`load_and_verify`], [`expected`]), gauge checks ([`settled`], [`Cluster::settled`]), and real
-//! processes the tests start (`redis-server`, `promtool`, this test binary as a child).
+//! them ([`Cluster`]), their Peer service ([`PeerServer`], [`grpc_peers`]) and engine service
+//! with its fd socket ([`EngineServer`]); instances with canaried device KV (allocated by the
+//! node's device, or held by the test in a memfd as a client without a GPU does:
+//! [`MemfdKv`]); the requests every test makes ([`query`], [`load`], [`load_and_verify`],
+//! [`expected`]); gauge checks ([`settled`], [`Cluster::settled`]); and real processes the
+//! tests start (`redis-server`, `promtool`, this test binary as a child).
 
 mod cluster;
+mod engine_server;
 mod peer_server;
 mod process;
 pub mod raw;
 
 pub use crate::attached::put_pattern_over;
 pub use cluster::Cluster;
+pub use engine_server::EngineServer;
 pub use peer_server::{grpc_peers, PeerServer};
 pub use process::{
     free_port, promtool_check, stdin_closed, wait_listening, ChildTest, RedisServer,

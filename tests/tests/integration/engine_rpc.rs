@@ -7,7 +7,7 @@
 //! runs the node in a child process (this binary re-executed), so the memfd really crosses
 //! processes and the node's writes are seen through the client's own mapping.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +16,6 @@ use kvferry_actors::{Clock, DirectGrant, LeaseId, Node, PutBlocks};
 use kvferry_gpu::{Device, HostDevice, KvShape, LayerLayout};
 use kvferry_testkit::harness::*;
 use kvferry_testkit::{DeviceKv, KvKind, MemfdRegionsKv};
-use tokio::sync::oneshot;
 
 const TOKEN: &str = "engine-secret";
 const SLOT: u64 = 64 << 10;
@@ -28,96 +27,13 @@ fn shape() -> KvShape {
     KvShape::new(3, 1, 2, 1024).unwrap()
 }
 
-/// A node over one host device serving the engine API on 127.0.0.1:0 and an fd socket in
-/// a fresh directory.
-struct Server {
-    node: Node,
-    dev: Arc<HostDevice>,
-    addr: String,
-    fd_path: std::path::PathBuf,
-    dir: std::path::PathBuf,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), rpc::EngineServeError>>,
-}
-
-impl Server {
-    async fn start(options: EngineOptions) -> Self {
-        let dev = HostDevice::new(0);
-        Self::start_on(options, Arc::clone(&dev) as Arc<dyn Device>, dev).await
-    }
-
-    /// Serves a node over `device` (`dev` is the host device under it, for its gauges).
-    async fn start_on(
-        options: EngineOptions,
-        device: Arc<dyn Device>,
-        dev: Arc<HostDevice>,
-    ) -> Self {
-        let node = Node::start_with(config(SLOT, SLOTS), vec![device], Clock::system()).unwrap();
-        Self::serve(options, node, dev).await
-    }
-
-    /// Serves `node` (whose device 0 is `dev`).
-    async fn serve(options: EngineOptions, node: Node, dev: Arc<HostDevice>) -> Self {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "kvferry-engine-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let fd = rpc::FdSocket::bind(&dir, "test").unwrap();
-        let fd_path = fd.path().to_owned();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(rpc::serve_engine(
-            listener,
-            Some(fd),
-            node.clone(),
-            options,
-            async move {
-                let _ = stopped.await;
-            },
-        ));
-        Self {
-            node,
-            dev,
-            addr,
-            fd_path,
-            dir,
-            stop: Some(stop),
-            task,
-        }
-    }
-
-    async fn with_token() -> Self {
-        Self::start(EngineOptions {
-            token: TOKEN.into(),
-            ..Default::default()
-        })
-        .await
-    }
-
-    async fn client(&self, token: &str) -> EngineClient {
-        EngineClient::connect(self.addr.clone(), Some(self.fd_path.clone()), token)
-            .await
-            .unwrap()
-    }
-
-    /// Stops the service (it ends sessions and streams itself) and the node; the fd
-    /// socket is gone afterwards.
-    async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        tokio::time::timeout(WAIT, &mut self.task)
-            .await
-            .expect("the engine service stops after its shutdown signal")
-            .unwrap()
-            .unwrap();
-        assert!(!self.fd_path.exists(), "fd socket left behind");
-        self.node.shutdown();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// The engine service of a node, as most tests here want it: `TOKEN` required.
+async fn with_token() -> EngineServer {
+    EngineServer::start(EngineOptions {
+        token: TOKEN.into(),
+        ..Default::default()
+    })
+    .await
 }
 
 /// Puts pattern blocks `ids` of `shape` for rank 0 of `instance` over gRPC; something is
@@ -170,7 +86,7 @@ async fn stats_until(
 #[test]
 fn memfd_kv_loads_with_completions_on_the_stream_and_by_poll() {
     rt().block_on(async {
-        let srv = Server::with_token().await;
+        let srv = with_token().await;
         let c = srv.client(TOKEN).await;
         let caps = c.capabilities().await.unwrap();
         assert_eq!(caps.protocol, rpc::ENGINE_PROTOCOL);
@@ -335,7 +251,7 @@ fn engine_layouts_spread_over_many_memfds_load_and_save_byte_for_byte() {
         for (kind, layers, segments, seg, stride, view) in cases {
             let what = format!("{kind:?} {layers}x{segments}x{seg}");
             let shape = KvShape::new(layers, 1, segments, seg).unwrap();
-            let srv = Server::with_token().await;
+            let srv = with_token().await;
             let c = srv.client(TOKEN).await;
             let kv = MemfdRegionsKv::create(shape, kind, 16, stride, view).unwrap();
             let buffers = kv.buffer_lens().len();
@@ -366,7 +282,7 @@ fn engine_layouts_spread_over_many_memfds_load_and_save_byte_for_byte() {
 fn bad_region_registrations_are_refused_and_change_nothing() {
     use kvferry_actors::rpc::{MemoryRegion, PlanePlacement};
     rt().block_on(async {
-        let srv = Server::with_token().await;
+        let srv = with_token().await;
         let c = srv.client(TOKEN).await;
         let shape = KvShape::new(2, 1, 2, 256).unwrap();
         let kv = MemfdRegionsKv::create(shape, KvKind::Contiguous, 8, 256, 0).unwrap();
@@ -500,7 +416,7 @@ fn bad_region_registrations_are_refused_and_change_nothing() {
 #[test]
 fn closing_the_session_unregisters_and_releases_leases() {
     rt().block_on(async {
-        let srv = Server::with_token().await;
+        let srv = with_token().await;
         let c = srv.client(TOKEN).await;
         let kv = MemfdKv::create(shape(), 16, 0).unwrap();
         kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
@@ -573,7 +489,7 @@ fn raw_code<T: std::fmt::Debug>(r: Result<T, rpc::Status>) -> Code {
 fn bad_input_is_refused_with_its_status_and_changes_nothing() {
     use std::os::fd::AsFd;
     rt().block_on(async {
-        let srv = Server::start(EngineOptions {
+        let srv = EngineServer::start(EngineOptions {
             token: TOKEN.into(),
             max_message_bytes: 256 << 10,
             ..Default::default()
@@ -931,7 +847,7 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
 #[test]
 fn the_largest_registration_answers_quickly_and_the_limits_are_advertised() {
     rt().block_on(async {
-        let srv = Server::with_token().await;
+        let srv = with_token().await;
         let c = srv.client(TOKEN).await;
         let caps = c.capabilities().await.unwrap();
         assert_eq!(caps.max_hashes as usize, rpc::MAX_ENGINE_HASHES);
@@ -977,7 +893,7 @@ fn child_node() {
         "started by a_client_process_loads_into_its_memfd_through_a_node_process"
     );
     rt().block_on(async {
-        let srv = Server::with_token().await;
+        let srv = with_token().await;
         serve_as_child(srv, 1, |srv| {
             assert_eq!(
                 srv.dev.live_allocations(),
@@ -991,7 +907,7 @@ fn child_node() {
 
 /// A child node's life: prints its addresses, serves until stdin closes, then checks that
 /// its clients left nothing behind after `loads_ok` loads (and `check`), and stops.
-async fn serve_as_child(srv: Server, loads_ok: u64, check: impl FnOnce(&Server)) {
+async fn serve_as_child(srv: EngineServer, loads_ok: u64, check: impl FnOnce(&EngineServer)) {
     use std::io::Write;
     println!("ENGINE_ADDR={}", srv.addr);
     println!("ENGINE_FD={}", srv.fd_path.display());
@@ -1115,7 +1031,7 @@ fn a_failed_load_completes_failed_with_its_blocks_and_the_next_one_works() {
             inner: Arc::clone(&host),
             fail: std::sync::atomic::AtomicBool::new(false),
         });
-        let srv = Server::start_on(
+        let srv = EngineServer::start_on(
             EngineOptions::default(),
             Arc::clone(&failing) as Arc<dyn Device>,
             host,
@@ -1169,7 +1085,7 @@ fn a_failed_load_completes_failed_with_its_blocks_and_the_next_one_works() {
 #[test]
 fn save_stores_the_clients_blocks_from_its_memfd() {
     rt().block_on(async {
-        let srv = Server::start(EngineOptions::default()).await;
+        let srv = EngineServer::start(EngineOptions::default()).await;
         let c = srv.client("").await;
         let kv = MemfdKv::create(shape(), 16, 64).unwrap();
         kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
@@ -1218,7 +1134,7 @@ fn save_stores_the_clients_blocks_from_its_memfd() {
 #[test]
 fn unused_handles_expire_and_a_session_outlives_the_call_deadline() {
     rt().block_on(async {
-        let srv = Server::start(EngineOptions {
+        let srv = EngineServer::start(EngineOptions {
             handle_ttl: Duration::from_secs(1),
             call_timeout: Duration::from_millis(500),
             ..Default::default()
@@ -1270,7 +1186,7 @@ fn a_remote_suffix_loads_direct_when_granted_and_staged_otherwise() {
         let (owner, near) = (nodes.node(0), nodes.node(1));
         let owner_kv = register(owner, nodes.dev(0), "eng", shape(), 0, KvKind::Split, 16, 0).await;
         put(owner, "eng", &shape(), 0, 4..8).await;
-        let srv = Server::serve(
+        let srv = EngineServer::serve(
             EngineOptions::default(),
             near.clone(),
             nodes.host(1).clone(),
@@ -1326,7 +1242,7 @@ fn a_remote_suffix_loads_direct_when_granted_and_staged_otherwise() {
 #[test]
 fn cuda_ipc_registration_is_refused_clearly_where_it_cannot_work() {
     rt().block_on(async {
-        let srv = Server::with_token().await;
+        let srv = with_token().await;
         let c = srv.client(TOKEN).await;
         let kv = MemfdKv::create(shape(), 16, 0).unwrap();
         let before = c.stats().await.unwrap();
@@ -1371,7 +1287,7 @@ fn child_cuda_node() {
             token: TOKEN.into(),
             ..Default::default()
         };
-        let srv = Server::serve(options, node, HostDevice::new(0)).await;
+        let srv = EngineServer::serve(options, node, HostDevice::new(0)).await;
         // The parent says how many loads it makes (two unless told).
         let loads = std::env::var("KVFERRY_ENGINE_RPC_LOADS")
             .ok()
@@ -1530,7 +1446,7 @@ fn an_engine_workers_cuda_kv_in_another_process_through_an_ipc_handle() {
 fn a_completion_board_shows_loads_landing_without_an_rpc() {
     use kvferry_actors::rpc::board::{Board, SlotState};
     rt().block_on(async {
-        let srv = Server::with_token().await;
+        let srv = with_token().await;
         let c = srv.client(TOKEN).await;
         let kv = MemfdKv::create(shape(), 16, 0).unwrap();
         let board = Board::create(8).unwrap();
