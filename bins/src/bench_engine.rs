@@ -407,7 +407,7 @@ fn raw_duplex(device: &str, bytes: u64, iters: usize) -> anyhow::Result<f64> {
     let dev = kvferry_gpu::open_device(device, 0)?;
     let up_src = vec![1u8; len];
     let mut down_dst = vec![0u8; len];
-    // Field order of the guards does not matter here: all are dropped after the copies.
+    // Locals drop in reverse order: the device buffers, the registrations, then the memory.
     let _pin_up = dev.register_host(up_src.as_ptr() as u64, bytes, true)?;
     let _pin_down = dev.register_host(down_dst.as_mut_ptr() as u64, bytes, false)?;
     let (up_dst, down_src) = (dev.alloc(bytes)?, dev.alloc(bytes)?);
