@@ -2,12 +2,12 @@
 //!
 //! Plain state, no actor: [`crate::store::BlockStore`] drives it.
 
-use std::collections::{BTreeMap, HashMap};
-
+use hashbrown::{Equivalent, HashMap};
 use thiserror::Error;
 
 use crate::model::{BlockHash, BlockKey, Namespace};
 use crate::pool::{HostPool, PoolError};
+use crate::slot_lru::SlotLru;
 
 /// Eviction class: fetched copies go before blocks this node saved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,8 +53,6 @@ struct Entry {
     written: u64,
     pins: u32,
     class: BlockClass,
-    /// LRU position while unpinned (0 = not in an LRU list).
-    tick: u64,
 }
 
 impl Entry {
@@ -108,11 +106,29 @@ pub struct CacheStats {
     pub evictions: u64,
 }
 
+/// A borrowed [`BlockKey`]: looks an entry up without cloning the namespace. It hashes as
+/// the key does (the derived `Hash` of both writes the namespace, then the hash).
+#[derive(Hash)]
+struct KeyRef<'a> {
+    namespace: &'a Namespace,
+    hash: &'a BlockHash,
+}
+
+impl Equivalent<BlockKey> for KeyRef<'_> {
+    fn equivalent(&self, key: &BlockKey) -> bool {
+        *self.hash == key.hash && *self.namespace == key.namespace
+    }
+}
+
+// A query of 1,024 hashes looks each up once: SipHash over namespace and hash was the
+// largest part of its cost, so the map uses hashbrown's default (foldhash). The keys are
+// the engine's prefix hashes, not chosen by an attacker who could flood one bucket.
 pub struct BlockCache {
     pool: HostPool,
     map: HashMap<BlockKey, Entry>,
-    lru: [BTreeMap<u64, BlockKey>; 2],
-    tick: u64,
+    /// Unpinned blocks by class, oldest first; an entry is listed exactly while it has
+    /// no pins.
+    lru: SlotLru<BlockKey, 2>,
     pinned_blocks: usize,
     pins: u64,
     evictions: u64,
@@ -125,8 +141,7 @@ impl BlockCache {
         Self {
             pool,
             map: HashMap::new(),
-            lru: [BTreeMap::new(), BTreeMap::new()],
-            tick: 0,
+            lru: SlotLru::default(),
             pinned_blocks: 0,
             pins: 0,
             evictions: 0,
@@ -143,16 +158,18 @@ impl BlockCache {
         &self.pool
     }
 
-    fn next_tick(&mut self) -> u64 {
-        self.tick += 1;
-        self.tick
-    }
-
     fn key(ns: &Namespace, hash: BlockHash) -> BlockKey {
         BlockKey {
             namespace: ns.clone(),
             hash,
         }
+    }
+
+    fn get(&self, ns: &Namespace, hash: &BlockHash) -> Option<&Entry> {
+        self.map.get(&KeyRef {
+            namespace: ns,
+            hash,
+        })
     }
 
     fn slot_ref(&self, hash: BlockHash, slot: usize) -> SlotRef {
@@ -169,8 +186,7 @@ impl BlockCache {
             return;
         };
         if e.pins == 0 {
-            self.lru[e.class.idx()].remove(&e.tick);
-            e.tick = 0;
+            self.lru.remove(e.slot);
             self.pinned_blocks += 1;
         }
         e.pins += 1;
@@ -179,7 +195,6 @@ impl BlockCache {
 
     /// Drops one pin; the last one puts the entry back at the young end of its LRU.
     fn unpin_entry(&mut self, key: &BlockKey) {
-        let tick = self.next_tick();
         let Some(e) = self.map.get_mut(key) else {
             return;
         };
@@ -190,8 +205,7 @@ impl BlockCache {
         self.pins -= 1;
         if e.pins == 0 {
             self.pinned_blocks -= 1;
-            e.tick = tick;
-            self.lru[e.class.idx()].insert(tick, key.clone());
+            self.lru.push_young(e.class.idx(), e.slot, key.clone());
         }
     }
 
@@ -199,33 +213,69 @@ impl BlockCache {
     pub fn prefix_len(&self, ns: &Namespace, hashes: &[BlockHash]) -> usize {
         hashes
             .iter()
-            .take_while(|h| self.map.get(&Self::key(ns, **h)).is_some_and(Entry::sealed))
+            .take_while(|h| self.get(ns, h).is_some_and(Entry::sealed))
             .count()
     }
 
     /// Pins the sealed prefix of `hashes` and returns its slots, in order.
     pub fn pin_prefix(&mut self, ns: &Namespace, hashes: &[BlockHash]) -> Vec<SlotRef> {
-        let n = self.prefix_len(ns, hashes);
-        let mut out = Vec::with_capacity(n);
-        for h in &hashes[..n] {
-            let key = Self::key(ns, *h);
-            self.pin_entry(&key);
-            let slot = self.map[&key].slot;
-            out.push(self.slot_ref(*h, slot));
+        let mut out = Vec::new();
+        for h in hashes {
+            match self.pin_sealed(ns, h) {
+                Some(s) => out.push(s),
+                None => break,
+            }
         }
         out
+    }
+
+    /// Pins one block if it is held here and sealed: one lookup, no allocation.
+    pub fn pin_sealed(&mut self, ns: &Namespace, hash: &BlockHash) -> Option<SlotRef> {
+        let e = self.map.get_mut(&KeyRef {
+            namespace: ns,
+            hash,
+        })?;
+        if !e.sealed() {
+            return None;
+        }
+        if e.pins == 0 {
+            self.lru.remove(e.slot);
+            self.pinned_blocks += 1;
+        }
+        e.pins += 1;
+        self.pins += 1;
+        let slot = e.slot;
+        Some(self.slot_ref(*hash, slot))
     }
 
     /// Releases one pin on each block (blocks evicted meanwhile are skipped).
     pub fn unpin(&mut self, ns: &Namespace, hashes: &[BlockHash]) {
         for h in hashes {
-            self.unpin_entry(&Self::key(ns, *h));
+            self.unpin_ref(ns, h);
+        }
+    }
+
+    fn unpin_ref(&mut self, ns: &Namespace, hash: &BlockHash) {
+        let Some((key, e)) = self.map.get_key_value_mut(&KeyRef {
+            namespace: ns,
+            hash,
+        }) else {
+            return;
+        };
+        if e.pins == 0 {
+            return;
+        }
+        e.pins -= 1;
+        self.pins -= 1;
+        if e.pins == 0 {
+            self.pinned_blocks -= 1;
+            self.lru.push_young(e.class.idx(), e.slot, key.clone());
         }
     }
 
     fn evict_one(&mut self) -> bool {
         for class in 0..2 {
-            if let Some((_, key)) = self.lru[class].pop_first() {
+            if let Some((_, key)) = self.lru.pop_oldest(class) {
                 if let Some(e) = self.map.remove(&key) {
                     debug_assert_eq!(e.pins, 0);
                     self.pool.free(e.slot);
@@ -282,7 +332,6 @@ impl BlockCache {
             });
         }
         let key = Self::key(ns, hash);
-        let tick = self.next_tick();
         if let Some(e) = self.map.get_mut(&key) {
             if e.tp != tp {
                 return Err(CacheError::TpMismatch {
@@ -294,9 +343,8 @@ impl BlockCache {
             if class == BlockClass::Retained && e.class == BlockClass::Reclaimable {
                 // Saved here now: it joins the retained class as its youngest member.
                 if e.pins == 0 {
-                    self.lru[0].remove(&e.tick);
-                    e.tick = tick;
-                    self.lru[1].insert(tick, key.clone());
+                    self.lru
+                        .push_young(BlockClass::Retained.idx(), e.slot, key.clone());
                 }
                 e.class = BlockClass::Retained;
             }
@@ -316,7 +364,6 @@ impl BlockCache {
                 written: 0,
                 pins: 0,
                 class,
-                tick: 0,
             },
         );
         self.pin_entry(&key);
@@ -358,13 +405,16 @@ impl BlockCache {
 
     /// Drops one pin on a block without marking anything written.
     pub fn unpin_one(&mut self, ns: &Namespace, hash: BlockHash) {
-        self.unpin_entry(&Self::key(ns, hash));
+        self.unpin_ref(ns, &hash);
     }
 
     /// Evicts every unpinned reclaimable block (fetched copies); returns how many.
     pub fn drop_reclaimable(&mut self) -> usize {
-        let keys: Vec<BlockKey> = self.lru[0].values().cloned().collect();
-        self.lru[0].clear();
+        let class = BlockClass::Reclaimable.idx();
+        let mut keys = Vec::with_capacity(self.lru.len(class));
+        while let Some((_, key)) = self.lru.pop_oldest(class) {
+            keys.push(key);
+        }
         for key in &keys {
             if let Some(e) = self.map.remove(key) {
                 self.pool.free(e.slot);
@@ -404,8 +454,8 @@ impl BlockCache {
         self.unpin_entry(&key);
         if let Some(e) = self.map.get(&key) {
             if e.written == 0 && e.pins == 0 {
-                let (slot, tick, class) = (e.slot, e.tick, e.class);
-                self.lru[class.idx()].remove(&tick);
+                let slot = e.slot;
+                self.lru.remove(slot);
                 self.map.remove(&key);
                 self.pool.free(slot);
             }
@@ -433,7 +483,7 @@ impl BlockCache {
 
     /// Whether a block is currently held (sealed or not).
     pub fn contains(&self, ns: &Namespace, hash: BlockHash) -> bool {
-        self.map.contains_key(&Self::key(ns, hash))
+        self.get(ns, &hash).is_some()
     }
 }
 

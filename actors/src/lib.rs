@@ -22,6 +22,7 @@ pub mod pool;
 pub mod registry;
 pub mod remote;
 pub mod rpc;
+mod slot_lru;
 pub mod ssd;
 pub mod store;
 pub mod suffix;

@@ -821,9 +821,8 @@ impl BlockStore {
         let mut parts: Vec<Option<SlotRef>> = Vec::new();
         let mut on_ssd = Vec::new();
         for h in hashes {
-            let one = std::slice::from_ref(h);
-            if self.cache.prefix_len(&namespace, one) == 1 {
-                parts.extend(self.cache.pin_prefix(&namespace, one).into_iter().map(Some));
+            if let Some(s) = self.cache.pin_sealed(&namespace, h) {
+                parts.push(Some(s));
                 continue;
             }
             let key = BlockKey {
