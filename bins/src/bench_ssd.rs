@@ -123,9 +123,10 @@ pub fn run(a: SsdArgs) -> anyhow::Result<()> {
         anyhow::Ok(())
     })?;
 
-    // The raw read: the same bytes, the same file, the same queue depth, without the tier:
-    // one read per slot (its header and padding included), in file order. Interleaved with
-    // the tier's runs so both meet the disk in the same state.
+    // The raw runs: the same bytes, the same file, the same queue depth, without the tier:
+    // one read per slot (its header and padding included), in file order, copied to the
+    // device ([`RawH2d`]) and read alone. Each run of the node does the tier's load and the
+    // raw runs, in alternating order, so they meet the disk in the same state.
     let stride = format::slot_stride(format::round_up(block));
     let file = a.dir.join(format::FILE_NAME);
     let mut raw = Vec::new();
@@ -144,6 +145,38 @@ pub fn run(a: SsdArgs) -> anyhow::Result<()> {
             let dev = node.device(0).context("device 0")?;
             let kv = DeviceKv::alloc(dev, shape, KvKind::Split, a.blocks, SEGMENT, 0)?;
             kv.register(&node, "bench", "bench", 0).await?;
+            // The raw read + copy to the same device, while the node (and its device) lives;
+            // every other run goes first, so neither meets the disk (and whatever caches sit
+            // under it) in a better state by its place in the run.
+            let dev = node.device(0).context("device 0")?;
+            let name = dev.name();
+            let raw = RawH2d {
+                path: file.clone(),
+                blocks: n,
+                stride,
+                block,
+                qd: a.queue_depth,
+                verify: (i == 0).then_some(shape),
+            };
+            let (path, qd) = (file.clone(), a.queue_depth);
+            // Raw read + copy, then the raw read alone (the same bytes into plain buffers).
+            let mut raw_run = Some(move || async move {
+                tokio::task::spawn_blocking(move || {
+                    let h2d = raw.run(dev)?;
+                    let (bytes, took, mode) =
+                        io::raw_read(&path, true, format::HEADER, n * stride, stride, qd)?;
+                    if bytes < n * stride {
+                        bail!("raw read returned {bytes} of {} bytes", n * stride);
+                    }
+                    anyhow::Ok((h2d, took, mode))
+                })
+                .await
+                .context("the raw read thread")?
+            });
+            let mut raw_s = None;
+            if let Some(run) = raw_run.take_if(|_| i % 2 == 1) {
+                raw_s = Some(run().await?);
+            }
             let t0 = Instant::now();
             let q = node
                 .query(QueryRequest {
@@ -179,23 +212,14 @@ pub fn run(a: SsdArgs) -> anyhow::Result<()> {
                 bail!("{} of {n} blocks came from SSD", s.hits_ssd);
             }
             let mode = s.dirs.first().map(|d| (d.direct, d.uring));
-            // The raw read + copy to the same device, while the node (and its device) lives.
-            let dev = node.device(0).context("device 0")?;
-            let name = dev.name();
-            let raw = RawH2d {
-                path: file.clone(),
-                blocks: n,
-                stride,
-                block,
-                qd: a.queue_depth,
-                verify: (i == 0).then_some(shape),
-            };
-            let raw_s = tokio::task::spawn_blocking(move || raw.run(dev))
-                .await
-                .context("the raw read + copy thread")??;
+            if let Some(run) = raw_run.take() {
+                raw_s = Some(run().await?);
+            }
+            let raw_s = raw_s.context("the raw run")?;
             node.shutdown();
             anyhow::Ok((q_s, l_s, waits, raw_s, mode, name))
         })?;
+        let (raw_s, raw_read_s, raw_read_mode) = raw_s;
         queries.push(q_s);
         loads.push(l_s);
         total.push(q_s + l_s);
@@ -204,25 +228,8 @@ pub fn run(a: SsdArgs) -> anyhow::Result<()> {
         raw_h2d.push(raw_s.as_secs_f64());
         modes = mode;
         device_name = name;
-        let (bytes, took, mode) = std::thread::scope(|s| {
-            s.spawn(|| {
-                io::raw_read(
-                    &file,
-                    true,
-                    format::HEADER,
-                    n * stride,
-                    stride,
-                    a.queue_depth,
-                )
-            })
-            .join()
-            .map_err(|_| anyhow::anyhow!("the raw read thread panicked"))
-        })??;
-        if bytes < n * stride {
-            bail!("raw read returned {bytes} of {} bytes", n * stride);
-        }
-        raw.push(took.as_secs_f64());
-        raw_mode = Some(mode);
+        raw.push(raw_read_s.as_secs_f64());
+        raw_mode = Some(raw_read_mode);
     }
 
     let _ = std::fs::remove_file(&file);
@@ -342,7 +349,12 @@ impl RawH2d {
         let chunk = SSD_CHUNK as u64;
         let ring = SSD_STAGING_CHUNKS;
         let mut bufs: Vec<Option<AlignedBuf>> = (0..ring * SSD_CHUNK)
-            .map(|_| Some(AlignedBuf::new(self.stride as usize)))
+            .map(|_| {
+                // Touched now, as the node's pool is mapped before its loads.
+                let mut b = AlignedBuf::new(self.stride as usize);
+                b.as_mut_slice().fill(0);
+                Some(b)
+            })
             .collect();
         let addrs: Vec<u64> = bufs
             .iter()

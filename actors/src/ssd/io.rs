@@ -691,8 +691,16 @@ pub fn raw_read(
         })?;
     let chunk = round_up(chunk.max(1));
     let qd = qd.max(1) as usize;
+    // Allocated and touched before the clock starts: the tier reads into pool memory that
+    // is mapped (and pinned where a GPU is) at start, so the raw read gets the same.
+    let mut free: Vec<AlignedBuf> = (0..qd)
+        .map(|_| {
+            let mut b = AlignedBuf::new(chunk as usize);
+            b.as_mut_slice().fill(0);
+            b
+        })
+        .collect();
     let t0 = Instant::now();
-    let mut free: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::new(chunk as usize)).collect();
     let mut inflight: VecDeque<oneshot::Receiver<Result<AlignedBuf, SsdError>>> = VecDeque::new();
     let mut at = offset;
     let end = offset + len;
