@@ -157,25 +157,21 @@ impl TcpLink {
                 connected.store(true, Ordering::Release);
             }
             let t = std::time::Instant::now();
-            let mut replies = Vec::with_capacity(batches.len());
-            let mut posted = Ok(());
-            for reads in batches {
-                let (tx, rx) = oneshot::channel();
-                if worker
-                    .send(PostReads {
+            // All batches go to the worker at once (in order: each send is queued on its
+            // first poll); a batch the worker never got answers as stopped below.
+            let (sends, replies): (Vec<_>, Vec<_>) = batches
+                .into_iter()
+                .map(|reads| {
+                    let (tx, rx) = oneshot::channel();
+                    let send = worker.send(PostReads {
                         peer,
                         reads,
                         reply: tx,
-                    })
-                    .await
-                    .is_err()
-                {
-                    // Batches already posted are still waited for below.
-                    posted = Err(stopped());
-                    break;
-                }
-                replies.push(rx);
-            }
+                    });
+                    (send, rx)
+                })
+                .unzip();
+            futures::future::join_all(sends).await;
             let post = t.elapsed().as_secs_f64();
             let t = std::time::Instant::now();
             let mut done = Vec::with_capacity(replies.len());
@@ -198,7 +194,6 @@ impl TcpLink {
             };
             let wire = t.elapsed().as_secs_f64();
             drop(keep);
-            posted?;
             // The worker says what kind of failure it was; each reaches the caller as such.
             // Of several failed batches, the one that says most: a refusal or a local failure
             // can flush the reads queued behind it, which then report a broken link.
