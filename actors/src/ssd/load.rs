@@ -15,10 +15,12 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
 use actix::Addr;
+use futures::future::{select, Either};
 use kvferry_gpu::{CopyDirection, CopyList, Scatter};
 
 use super::error::{ReadFailure, SsdError};
@@ -28,7 +30,7 @@ use crate::model::{BlockHash, Namespace};
 use crate::plan::SsdPart;
 use crate::registry::RankHandle;
 use crate::remote::link::{BoxFut, Drained, Keep};
-use crate::store::{BlockStore, ReadSsd, ReserveStaging};
+use crate::store::{BlockStore, ReadFail, ReadSsd, ReserveStaging, StagingGuard};
 use crate::transfer::PartDone;
 
 /// Everything the SSD part needs, owned (it runs as a future of the transfer).
@@ -47,7 +49,8 @@ pub struct SsdLoad {
 struct Reading {
     blocks: Range<usize>,
     slots: Vec<u64>,
-    reply: actix::dev::Request<BlockStore, ReadSsd>,
+    /// Boxed: a request is not `Unpin`, and it is raced against the oldest copy.
+    reply: Pin<Box<actix::dev::Request<BlockStore, ReadSsd>>>,
     start: f64,
 }
 
@@ -56,6 +59,34 @@ struct Copying {
     slots: Vec<u64>,
     copy: Drained,
     start: f64,
+}
+
+/// What happened first: the oldest chunk's reads landed, or the oldest copy drained.
+enum Event {
+    Landed(Result<Vec<Result<(), ReadFail>>, actix::MailboxError>),
+    Copied(Result<u64, NodeError>),
+}
+
+/// The pipeline's state between events.
+#[derive(Default)]
+struct Pipe {
+    free: VecDeque<u64>,
+    reading: VecDeque<Reading>,
+    copying: VecDeque<Copying>,
+    next: usize,
+    spans: Vec<Span>,
+    failed: Vec<(BlockHash, ReadFailure)>,
+    io_error: Option<SsdError>,
+    error: Option<NodeError>,
+    bytes: u64,
+    disk: f64,
+    h2d: f64,
+}
+
+impl Pipe {
+    fn stopping(&self) -> bool {
+        self.error.is_some() || !self.failed.is_empty()
+    }
 }
 
 impl SsdLoad {
@@ -67,9 +98,11 @@ impl SsdLoad {
         self.started.elapsed().as_secs_f64()
     }
 
-    /// Keeps up to the ring's chunks of reads queued on the disk; as each chunk lands (in
-    /// order) its copy is submitted, and a copy's slots take the next chunk's read once the
-    /// copy is done. On the first failure nothing more is queued, and the part returns only
+    /// Keeps the ring's chunks of reads queued on the disk; whichever comes first — the
+    /// oldest chunk's reads landing (its copy is submitted at once, behind the copies
+    /// already queued on the device) or the oldest copy draining (its slots take the next
+    /// chunk's reads) — is handled first, so neither the disk nor the copy engine waits for
+    /// the other. On the first failure nothing more is queued, and the part returns only
     /// after every read and copy already started has finished (errors drain first).
     async fn pipeline(self) -> Result<PartDone, NodeError> {
         let n = self.hashes.len().min(self.part.dest.len());
@@ -82,165 +115,156 @@ impl SsdLoad {
         // Two chunks at least, so one reads while the other copies.
         let chunk = self.part.chunk.min(addrs.len() / 2).max(1);
         let sc = Scatter::new(&self.handle.shape, &self.handle.layout, self.handle.rank);
-        let mut free: VecDeque<u64> = addrs.into();
-        let mut reading: VecDeque<Reading> = VecDeque::new();
-        let mut copying: VecDeque<Copying> = VecDeque::new();
-        let mut spans = Vec::new();
-        let mut failed: Vec<(BlockHash, ReadFailure)> = Vec::new();
-        let mut io_error: Option<SsdError> = None;
-        let mut error: Option<NodeError> = None;
-        let (mut bytes, mut disk, mut h2d) = (0u64, 0.0f64, 0.0f64);
-        let mut next = 0;
+        let mut p = Pipe {
+            free: addrs.into(),
+            ..Default::default()
+        };
         loop {
-            while error.is_none() && failed.is_empty() && next < n {
-                let k = chunk.min(n - next);
-                if free.len() < k {
+            while !p.stopping() && p.next < n {
+                let k = chunk.min(n - p.next);
+                if p.free.len() < k {
                     break;
                 }
-                let slots: Vec<u64> = free.drain(..k).collect();
-                let reads = self.hashes[next..next + k]
+                let slots: Vec<u64> = p.free.drain(..k).collect();
+                let blocks = p.next..p.next + k;
+                let reads = self.hashes[blocks.clone()]
                     .iter()
                     .copied()
                     .zip(slots.iter().copied())
                     .collect();
-                let reply = self.store.send(ReadSsd {
+                let reply = Box::pin(self.store.send(ReadSsd {
                     namespace: self.namespace.clone(),
                     reads,
                     staging: Arc::clone(&staging),
-                });
-                reading.push_back(Reading {
-                    blocks: next..next + k,
+                }));
+                p.reading.push_back(Reading {
+                    blocks,
                     slots,
                     reply,
                     start: self.now(),
                 });
-                next += k;
+                p.next += k;
             }
-            if let Some(r) = reading.pop_front() {
-                // Time spent waiting here is the part of the disk the pipeline did not hide.
-                let t = Instant::now();
-                let outcomes = r.reply.await;
-                disk += t.elapsed().as_secs_f64();
-                spans.push(Span {
-                    name: "ssd_read",
-                    start: r.start,
-                    end: self.now(),
-                });
-                let outcomes = match outcomes {
-                    Ok(o) => o,
-                    Err(e) => {
-                        // The store is gone: its reads may still land in these slots, so
-                        // they are not reused (the staging guard keeps them until then).
-                        error.get_or_insert(e.into());
-                        continue;
+            let t = Instant::now();
+            let event = match (p.reading.front_mut(), p.copying.front_mut()) {
+                (None, None) => break,
+                (Some(r), None) => Event::Landed((&mut r.reply).await),
+                (None, Some(c)) => Event::Copied((&mut c.copy).await),
+                (Some(r), Some(c)) => match select(&mut r.reply, &mut c.copy).await {
+                    Either::Left((o, _)) => Event::Landed(o),
+                    Either::Right((o, _)) => Event::Copied(o),
+                },
+            };
+            let waited = t.elapsed().as_secs_f64();
+            match event {
+                Event::Landed(outcomes) => {
+                    p.disk += waited;
+                    if let Some(r) = p.reading.pop_front() {
+                        self.landed(&mut p, r, outcomes, &sc, &staging);
                     }
-                };
-                let mut good = true;
-                for (i, o) in r.blocks.clone().zip(outcomes) {
-                    if let Err(f) = o {
-                        good = false;
-                        failed.push((self.hashes[i], f.failure));
-                        if let Some(src) = f.source {
-                            io_error.get_or_insert(src);
+                }
+                Event::Copied(out) => {
+                    p.h2d += waited;
+                    if let Some(c) = p.copying.pop_front() {
+                        p.spans.push(Span {
+                            name: "ssd_h2d",
+                            start: c.start,
+                            end: self.now(),
+                        });
+                        match out {
+                            Ok(_) => p.free.extend(c.slots),
+                            Err(e) => {
+                                p.error.get_or_insert(e);
+                            }
                         }
                     }
                 }
-                // The chunk's reads are all done (the store replied after the last one).
-                if !good || error.is_some() || !failed.is_empty() {
-                    free.extend(r.slots);
-                    continue;
-                }
-                let mut list = CopyList::with_capacity(r.slots.len() * sc.copies_per_block());
-                for (&slot, &dst) in r.slots.iter().zip(&self.part.dest[r.blocks.clone()]) {
-                    sc.push_block(&mut list, CopyDirection::HostToDevice, slot, dst);
-                }
-                let chunk_bytes = list.bytes();
-                let start = self.now();
-                // SAFETY: sources are staging slots whose reads are done, lent to this load
-                // by `staging` (held by the copy below until it drained) in pool memory it
-                // keeps mapped; destinations are device KV held by `handle`.
-                match unsafe { self.handle.device.submit(CopyDirection::HostToDevice, list) } {
-                    Ok(ev) => {
-                        let keep: Keep = Box::new(Arc::clone(&staging));
-                        copying.push_back(Copying {
-                            slots: r.slots,
-                            copy: Drained::new(ev, vec![keep, Box::new(Arc::clone(&self.handle))]),
-                            start,
-                        });
-                        bytes += chunk_bytes;
-                    }
-                    Err(e) => {
-                        error.get_or_insert(e.into());
-                        free.extend(r.slots);
-                    }
-                }
-                // Slots for the next chunk's read: wait for the oldest copy if none are free.
-                while error.is_none()
-                    && failed.is_empty()
-                    && next < n
-                    && free.len() < chunk.min(n - next)
-                {
-                    let Some(c) = copying.pop_front() else { break };
-                    self.finish_copy(c, &mut free, &mut spans, &mut h2d, &mut error)
-                        .await;
-                }
-                continue;
-            }
-            match copying.pop_front() {
-                Some(c) => {
-                    self.finish_copy(c, &mut free, &mut spans, &mut h2d, &mut error)
-                        .await
-                }
-                None if error.is_none() && failed.is_empty() && next < n => continue,
-                None => break,
             }
         }
-        if let Some(e) = error {
+        if let Some(e) = p.error {
             return Err(e);
         }
-        if !failed.is_empty() {
+        if !p.failed.is_empty() {
             return Err(SsdError::Unreadable {
-                blocks: failed,
-                source: io_error.map(Box::new),
+                blocks: p.failed,
+                source: p.io_error.map(Box::new),
             }
             .into());
         }
         Ok(PartDone {
-            bytes,
+            bytes: p.bytes,
             stages: vec![
                 Stage {
                     name: StageName::Disk,
-                    seconds: disk,
+                    seconds: p.disk,
                 },
                 Stage {
                     name: StageName::H2d,
-                    seconds: h2d,
+                    seconds: p.h2d,
                 },
             ],
-            spans,
+            spans: p.spans,
         })
     }
 
-    async fn finish_copy(
+    /// A chunk's reads are all done (the store replied after the last one): its copy is
+    /// submitted, unless a block of it (or of an earlier chunk) failed.
+    fn landed(
         &self,
-        c: Copying,
-        free: &mut VecDeque<u64>,
-        spans: &mut Vec<Span>,
-        h2d: &mut f64,
-        error: &mut Option<NodeError>,
+        p: &mut Pipe,
+        r: Reading,
+        outcomes: Result<Vec<Result<(), ReadFail>>, actix::MailboxError>,
+        sc: &Scatter<'_>,
+        staging: &Arc<StagingGuard>,
     ) {
-        let t = Instant::now();
-        let r = c.copy.await;
-        *h2d += t.elapsed().as_secs_f64();
-        spans.push(Span {
-            name: "ssd_h2d",
-            start: c.start,
+        p.spans.push(Span {
+            name: "ssd_read",
+            start: r.start,
             end: self.now(),
         });
-        match r {
-            Ok(_) => free.extend(c.slots),
+        let outcomes = match outcomes {
+            Ok(o) => o,
             Err(e) => {
-                error.get_or_insert(e);
+                // The store is gone: its reads may still land in these slots, so they are
+                // not reused (the staging guard keeps them until then).
+                p.error.get_or_insert(e.into());
+                return;
+            }
+        };
+        for (i, o) in r.blocks.clone().zip(outcomes) {
+            if let Err(f) = o {
+                p.failed.push((self.hashes[i], f.failure));
+                if let Some(src) = f.source {
+                    p.io_error.get_or_insert(src);
+                }
+            }
+        }
+        if p.stopping() {
+            p.free.extend(r.slots);
+            return;
+        }
+        let mut list = CopyList::with_capacity(r.slots.len() * sc.copies_per_block());
+        for (&slot, &dst) in r.slots.iter().zip(&self.part.dest[r.blocks.clone()]) {
+            sc.push_block(&mut list, CopyDirection::HostToDevice, slot, dst);
+        }
+        let chunk_bytes = list.bytes();
+        let start = self.now();
+        // SAFETY: sources are staging slots whose reads are done, lent to this load by
+        // `staging` (held by the copy below until it drained) in pool memory it keeps
+        // mapped; destinations are device KV held by `handle`.
+        match unsafe { self.handle.device.submit(CopyDirection::HostToDevice, list) } {
+            Ok(ev) => {
+                let keep: Keep = Box::new(Arc::clone(staging));
+                p.copying.push_back(Copying {
+                    slots: r.slots,
+                    copy: Drained::new(ev, vec![keep, Box::new(Arc::clone(&self.handle))]),
+                    start,
+                });
+                p.bytes += chunk_bytes;
+            }
+            Err(e) => {
+                p.error.get_or_insert(e.into());
+                p.free.extend(r.slots);
             }
         }
     }
