@@ -107,10 +107,12 @@ impl BounceSink {
     /// The calling thread's lane, made (with a ring) on its first call.
     fn lane(&self) -> Result<Arc<Mutex<Lane>>, SinkError> {
         let me = std::thread::current().id();
-        let mut lanes = lock(&self.lanes);
-        if let Some((_, l)) = lanes.iter().find(|(t, _)| *t == me) {
+        if let Some((_, l)) = lock(&self.lanes).iter().find(|(t, _)| *t == me) {
             return Ok(Arc::clone(l));
         }
+        // Only this thread makes its lane, so nobody else can add it meanwhile; the lock is
+        // not held while a new ring is pinned (milliseconds on a GPU), so the other lanes
+        // keep receiving.
         let ring = match lock(&self.spare).take() {
             Some(r) => r,
             None => take_ring(&self.device, &self.pool).map_err(|e| {
@@ -129,7 +131,7 @@ impl BounceSink {
             pending: VecDeque::new(),
             lent: None,
         }));
-        lanes.push((me, Arc::clone(&lane)));
+        lock(&self.lanes).push((me, Arc::clone(&lane)));
         Ok(lane)
     }
 }
