@@ -11,6 +11,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     // prost-build reads PROTOC; the build script is single-threaded, so setting it is sound.
     std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?);
-    tonic_prost_build::configure().compile_protos(&protos, &["proto"])?;
+    // A query's hashes decode as slices of the received buffer (`Bytes`), not one
+    // allocation each: a query of 1,024 hashes spent more in malloc than in the cache.
+    tonic_prost_build::configure()
+        .bytes(".kvferry.v1.QueryRequest.hashes")
+        .compile_protos(&protos, &["proto"])?;
     Ok(())
 }

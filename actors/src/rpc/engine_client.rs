@@ -435,9 +435,26 @@ impl EngineClient {
         hashes: &[BlockHash],
         direct_gpu: bool,
     ) -> Result<QueryAnswer, EngineClientError> {
+        // One buffer for every hash, each field a slice of it.
+        let mut all = Vec::with_capacity(hashes.iter().map(|h| h.as_bytes().len()).sum());
+        let mut ends = Vec::with_capacity(hashes.len());
+        for h in hashes {
+            all.extend_from_slice(h.as_bytes());
+            ends.push(all.len());
+        }
+        let all = prost::bytes::Bytes::from(all);
+        let mut start = 0;
+        let hashes = ends
+            .into_iter()
+            .map(|end| {
+                let h = all.slice(start..end);
+                start = end;
+                h
+            })
+            .collect();
         let r = self.request(QueryRequest {
             instance: instance.as_str().to_owned(),
-            hashes: hashes.iter().map(|h| h.as_bytes().to_vec()).collect(),
+            hashes,
             direct_gpu,
         });
         let q = self.call("Query", self.raw.clone().query(r)).await?;

@@ -30,7 +30,7 @@ pub(crate) fn lease(method: &str, s: &str) -> Result<LeaseId, Status> {
 }
 
 /// 1 to [`MAX_ENGINE_HASHES`] hashes of 1 to 32 bytes.
-pub(crate) fn hashes(method: &str, hashes: &[Vec<u8>]) -> Result<Vec<BlockHash>, Status> {
+pub(crate) fn hashes<T: AsRef<[u8]>>(method: &str, hashes: &[T]) -> Result<Vec<BlockHash>, Status> {
     if hashes.is_empty() {
         return Err(bad(method, "no block hashes given"));
     }
@@ -461,7 +461,10 @@ mod tests {
         fn code<T>(r: Result<T, Status>) -> tonic::Code {
             r.map(|_| ()).unwrap_err().code()
         }
-        assert_eq!(code(hashes("Q", &[])), tonic::Code::InvalidArgument);
+        assert_eq!(
+            code(hashes::<Vec<u8>>("Q", &[])),
+            tonic::Code::InvalidArgument
+        );
         assert_eq!(code(hashes("Q", &[vec![]])), tonic::Code::InvalidArgument);
         assert_eq!(
             code(hashes("Q", &vec![vec![1u8]; MAX_ENGINE_HASHES + 1])),

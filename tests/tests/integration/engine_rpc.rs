@@ -607,7 +607,7 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         let r = raw
             .query(c.request(proto::QueryRequest {
                 instance: "eng".into(),
-                hashes: vec![vec![1u8; 33]],
+                hashes: vec![vec![1u8; 33].into()],
                 direct_gpu: false,
             }))
             .await;
