@@ -774,25 +774,21 @@ impl BlockStore {
     /// The prefix of `hashes` held here for a lease: RAM blocks pinned, SSD blocks held on
     /// disk (their slots cannot be evicted or reused until the holds are released). The
     /// prefix ends at the first block that neither tier holds, or that RAM holds unsealed
-    /// (a writer has it). The RAM-only head is pinned in one pass (the common case).
+    /// (a writer has it). One cache lookup per RAM block (the common case).
     fn pin_for_lease(
         &mut self,
         ns: &Namespace,
         hashes: &[BlockHash],
     ) -> (Vec<SlotRef>, Vec<SsdBlock>, Vec<(BlockKey, SsdEntry)>) {
-        let head = self.cache.prefix_len(ns, hashes);
-        let mut ram = self.cache.pin_prefix(ns, &hashes[..head]);
+        let mut ram = Vec::with_capacity(hashes.len());
         let mut ssd = Vec::new();
         let mut holds = Vec::new();
-        let Some(tier) = self.ssd.as_mut() else {
-            return (ram, ssd, holds);
-        };
-        for (at, h) in hashes.iter().enumerate().skip(head) {
-            let one = std::slice::from_ref(h);
-            if self.cache.prefix_len(ns, one) == 1 {
-                ram.extend(self.cache.pin_prefix(ns, one));
+        for (at, h) in hashes.iter().enumerate() {
+            if let Some(s) = self.cache.pin_sealed(ns, h) {
+                ram.push(s);
                 continue;
             }
+            let Some(tier) = self.ssd.as_mut() else { break };
             if self.cache.contains(ns, *h) {
                 break;
             }
