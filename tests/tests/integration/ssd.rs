@@ -16,7 +16,8 @@ use kvferry_actors::ssd::error::ReadFailure;
 use kvferry_actors::ssd::format::{self, BlockHeader, Damage};
 use kvferry_actors::ssd::{SsdConfig, SsdDir, SsdError, SsdStats};
 use kvferry_actors::{
-    BlockHash, Clock, LoadRequest, Node, NodeConfig, NodeError, QueryRequest, TransferReport,
+    BlockHash, Clock, LoadRequest, Node, NodeConfig, NodeError, QueryRequest, TransferPath,
+    TransferReport,
 };
 use kvferry_gpu::{Device, HostDevice, KvShape};
 use kvferry_testkit::harness::*;
@@ -64,14 +65,18 @@ async fn ssd(node: &Node) -> SsdStats {
 }
 
 async fn query(node: &Node, ids: std::ops::Range<u64>) -> kvferry_actors::QueryResponse {
-    query_hashes(node, hashes(ids)).await
+    query_hashes(node, hashes(ids), false).await
 }
 
-async fn query_hashes(node: &Node, hashes: Vec<BlockHash>) -> kvferry_actors::QueryResponse {
+async fn query_hashes(
+    node: &Node,
+    hashes: Vec<BlockHash>,
+    direct_gpu: bool,
+) -> kvferry_actors::QueryResponse {
     node.query(QueryRequest {
         instance: id("eng"),
         hashes,
-        direct_gpu: false,
+        direct_gpu,
     })
     .await
     .unwrap()
@@ -652,11 +657,18 @@ fn assert_unreadable(e: &NodeError, want: &[(u64, ReadFailure)]) {
 }
 
 /// One load whose plan has all three parts: SSD blocks (evicted by RAM, the prompt's first),
-/// RAM blocks, and a remote suffix staged from another node; bytes and canaries checked, the
-/// parts ran at once, and every gauge on both nodes returns to zero.
+/// RAM blocks, and a remote suffix from another node, staged and direct (the SSD part is
+/// local either way); bytes and canaries checked, the parts ran at once, and every gauge on
+/// both nodes returns to zero.
 #[test]
 fn a_load_of_ssd_ram_and_remote_blocks_lands_every_byte() {
-    let dir = fresh("/tmp", "three-tiers");
+    for direct in [false, true] {
+        three_tiers(direct);
+    }
+}
+
+fn three_tiers(direct: bool) {
+    let dir = fresh("/tmp", &format!("three-tiers-{direct}"));
     rt().block_on(async {
         let cluster = LocalCluster::new(Provider::Loopback);
         let mut cfg_a = config(SLOT, 16);
@@ -684,12 +696,14 @@ fn a_load_of_ssd_ram_and_remote_blocks_lands_every_byte() {
         put(&a, "eng", &shape(), 0, 100..105).await;
         let mut ids: Vec<u64> = (0..8).collect();
         ids.extend(100..105);
-        let q = query_hashes(&b, ids.iter().map(|&i| BlockHash::from_u64(i)).collect()).await;
+        let hashes = ids.iter().map(|&i| BlockHash::from_u64(i)).collect();
+        let q = query_hashes(&b, hashes, direct).await;
         assert_eq!(
             (q.local_blocks, q.ssd_blocks, q.remote_blocks),
             (8, 4, 5),
             "{q:?}"
         );
+        assert_eq!(q.direct.is_granted(), direct, "{q:?}");
         kv.reset().unwrap();
         // Scattered destinations, not in block order.
         let dest: Vec<u32> = (0..13).map(|i| (i * 7 + 3) % 64).collect();
@@ -698,6 +712,12 @@ fn a_load_of_ssd_ram_and_remote_blocks_lands_every_byte() {
         kv.verify(&want, 0).unwrap();
         assert_eq!(r.blocks, 13);
         assert_eq!(r.bytes, 13 * shape().rank_bytes());
+        let path = if direct {
+            TransferPath::Direct
+        } else {
+            TransferPath::Staged
+        };
+        assert_eq!(r.path, path);
         let (ssd_part, remote) = (r.span("ssd").unwrap(), r.span("remote").unwrap());
         assert!(
             ssd_part.start < remote.end && remote.start < ssd_part.end,
