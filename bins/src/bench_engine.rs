@@ -11,6 +11,7 @@
 //! Every load is checked byte for byte, canaries included, and so are the duplex's saved
 //! blocks (loaded back).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -218,6 +219,10 @@ struct Row {
     first_layer: f64,
     save: f64,
     raw: f64,
+    /// The load as the node itself timed it (from its start to its reply), and its stages:
+    /// what the load costs beyond these is the RPC and the completion's way to the client.
+    node_load: f64,
+    stages: BTreeMap<String, f64>,
     verified: bool,
     duplex: Option<Duplex>,
 }
@@ -468,6 +473,8 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                 .chain(dest.iter().zip(0u64..).map(|(&d, i)| (d, i)))
                 .collect();
             let (mut query, mut load, mut first, mut save) = (vec![], vec![], vec![], vec![]);
+            let mut node_load = vec![];
+            let mut stages: BTreeMap<String, Vec<f64>> = BTreeMap::new();
             let mut verified = true;
             let mut last = Vec::new();
             for it in 0..=a.iters {
@@ -518,10 +525,10 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                     let done = c.poll_load(load_id).await?;
                     bail!("the load of {n} blocks failed: {done:?}");
                 }
-                match c.poll_load(load_id).await? {
-                    Some(done) if done.status == 1 => {}
+                let done = match c.poll_load(load_id).await? {
+                    Some(done) if done.status == 1 => done,
                     other => bail!("the board says done, PollLoad says {other:?}"),
-                }
+                };
                 if it == 0 {
                     // The warm-up's bytes are checked; later loads write the same.
                     let checked = device_kv.verify(&expected, 0);
@@ -535,6 +542,10 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                 }
                 query.push(query_s);
                 load.push(load_s);
+                node_load.push(done.seconds);
+                for st in &done.stages {
+                    stages.entry(st.name.clone()).or_default().push(st.seconds);
+                }
                 first.push(first_s);
                 save.push(save_s);
             }
@@ -586,6 +597,11 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                 first_layer: median(&mut first),
                 save: median(&mut save),
                 raw: median(&mut raw),
+                node_load: median(&mut node_load),
+                stages: stages
+                    .into_iter()
+                    .map(|(k, mut v)| (k, median(&mut v)))
+                    .collect(),
                 verified: verified && duplex.as_ref().is_none_or(|d| d.verified),
                 duplex,
             });
@@ -604,6 +620,8 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                     "bytes": r.bytes,
                     "query_ms": r.query * 1e3,
                     "load_ms": r.load * 1e3,
+                    "load_node_ms": r.node_load * 1e3,
+                    "load_stages_ms": r.stages.iter().map(|(k, v)| (k.clone(), json!(v * 1e3))).collect::<serde_json::Map<_, _>>(),
                     "first_layer_ms": r.first_layer * 1e3,
                     "save_ms": r.save * 1e3,
                     "raw_ms": r.raw * 1e3,
