@@ -475,6 +475,22 @@ pub struct DeviceConfig {
     pub kind: String,
     /// How many devices to open (ordinals 0..count).
     pub count: u32,
+    /// How a GPU issues a batch of copies: `auto` (chosen per batch), `staged`, `kernel`,
+    /// `batch` or `per-op` (see `kvferry_gpu::cuda::CopyPath`); the host device ignores it.
+    pub copy_path: String,
+    /// Bytes of one staging chunk of the staged path (0: no staging).
+    pub staging_chunk: ByteSize,
+    /// Staging chunks per direction (at least 2).
+    pub staging_chunks: u32,
+}
+
+impl DeviceConfig {
+    /// The GPU options this section names (after [`NodeConfig::validate`]).
+    pub fn cuda_options(&self) -> kvferry_gpu::cuda::CudaOptions {
+        let path = kvferry_gpu::cuda::CopyPath::from_name(&self.copy_path).unwrap_or_default();
+        kvferry_gpu::cuda::CudaOptions::with_copy_path(path)
+            .with_staging(self.staging_chunk.0, self.staging_chunks)
+    }
 }
 
 impl Default for NodeConfig {
@@ -521,6 +537,9 @@ impl Default for DeviceConfig {
         Self {
             kind: "auto".into(),
             count: 1,
+            copy_path: "auto".into(),
+            staging_chunk: ByteSize(kvferry_gpu::cuda::DEFAULT_STAGING_CHUNK_BYTES),
+            staging_chunks: kvferry_gpu::cuda::DEFAULT_STAGING_CHUNKS,
         }
     }
 }
@@ -689,6 +708,33 @@ impl NodeConfig {
             return invalid(
                 "device.kind",
                 format!("{:?} is not one of host, cuda, auto", self.device.kind),
+            );
+        }
+        if kvferry_gpu::cuda::CopyPath::from_name(&self.device.copy_path).is_none() {
+            let names: Vec<&str> = kvferry_gpu::cuda::CopyPath::NAMES
+                .iter()
+                .map(|(n, _)| *n)
+                .collect();
+            return invalid(
+                "device.copy-path",
+                format!(
+                    "{:?} is not one of {}",
+                    self.device.copy_path,
+                    names.join(", ")
+                ),
+            );
+        }
+        if !(2..=64).contains(&self.device.staging_chunks) {
+            return invalid(
+                "device.staging-chunks",
+                format!("{} is not between 2 and 64", self.device.staging_chunks),
+            );
+        }
+        let chunk = self.device.staging_chunk.0;
+        if chunk != 0 && !(4 << 10..=1 << 30).contains(&chunk) {
+            return invalid(
+                "device.staging-chunk",
+                format!("{chunk} bytes is not 0 (off) or between 4 KiB and 1 GiB"),
             );
         }
         if !self.metrics.listen.is_empty()
@@ -907,6 +953,23 @@ mod tests {
     }
 
     #[test]
+    fn the_device_section_names_the_gpu_copy_options() {
+        use kvferry_gpu::cuda::{CopyPath, DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES};
+        let o = NodeConfig::default().device.cuda_options();
+        assert_eq!(o.copy_path, CopyPath::Auto);
+        assert_eq!(o.staging_chunk_bytes, DEFAULT_STAGING_CHUNK_BYTES);
+        assert_eq!(o.staging_chunks, DEFAULT_STAGING_CHUNKS);
+        let cfg = NodeConfig::from_toml(
+            "[device]\ncopy-path = \"per-op\"\nstaging-chunk = \"8MiB\"\nstaging-chunks = 4\n",
+            "d.toml",
+        )
+        .unwrap();
+        let o = cfg.device.cuda_options();
+        assert_eq!(o.copy_path, CopyPath::PerOp);
+        assert_eq!((o.staging_chunk_bytes, o.staging_chunks), (8 << 20, 4));
+    }
+
+    #[test]
     fn cross_field_rules_name_the_key() {
         let cases = [
             (
@@ -919,6 +982,12 @@ mod tests {
                 "lease.sweep-interval-secs",
             ),
             ("[device]\nkind = \"tpu\"\n", "device.kind"),
+            ("[device]\ncopy-path = \"dma\"\n", "device.copy-path"),
+            ("[device]\nstaging-chunks = 1\n", "device.staging-chunks"),
+            (
+                "[device]\nstaging-chunk = \"1KiB\"\n",
+                "device.staging-chunk",
+            ),
             ("[cluster]\nprovider = \"verbs\"\n", "cluster.provider"),
             ("[cluster]\nprovider = \"udp\"\n", "cluster.provider"),
             (

@@ -62,7 +62,13 @@ impl std::fmt::Debug for Node {
 /// (emulated), or `auto` (the GPU where a driver and device are present, else emulated).
 pub fn open_devices(config: &NodeConfig) -> Result<Vec<Arc<dyn Device>>, NodeError> {
     (0..config.device.count)
-        .map(|i| Ok(kvferry_gpu::open_device(&config.device.kind, i)?))
+        .map(|i| {
+            Ok(kvferry_gpu::open_device_with(
+                &config.device.kind,
+                i,
+                config.device.cuda_options(),
+            )?)
+        })
         .collect()
 }
 

@@ -46,6 +46,10 @@ pub struct EngineArgs {
     /// Leave out the duplex figure (a save and a load at once).
     #[arg(long)]
     no_duplex: bool,
+    /// The node's `[device] copy-path` (auto, staged, kernel, batch, per-op): measure one
+    /// way of issuing copies against another.
+    #[arg(long, default_value = "auto")]
+    copy_path: String,
 }
 
 const INSTANCE: &str = "bench-engine";
@@ -73,7 +77,12 @@ fn free_port() -> anyhow::Result<u16> {
         .port())
 }
 
-fn spawn_node(device: &str, slot: u64, slots: u64) -> anyhow::Result<(NodeProcess, String)> {
+fn spawn_node(
+    device: &str,
+    copy_path: &str,
+    slot: u64,
+    slots: u64,
+) -> anyhow::Result<(NodeProcess, String)> {
     let dir = std::env::temp_dir().join(format!("kvferry-bench-engine-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let addr = format!("127.0.0.1:{}", free_port()?);
@@ -82,7 +91,8 @@ fn spawn_node(device: &str, slot: u64, slots: u64) -> anyhow::Result<(NodeProces
         &cfg,
         format!(
             "node-id = \"bench-engine\"\n[pool]\nsize = \"{}B\"\nslot-bytes = \"{slot}B\"\n\
-             [device]\nkind = \"{device}\"\ncount = 1\n[metrics]\nlisten = \"\"\n\
+             [device]\nkind = \"{device}\"\ncount = 1\ncopy-path = \"{copy_path}\"\n\
+             [metrics]\nlisten = \"\"\n\
              [engine]\nlisten = \"{addr}\"\nfd-dir = \"{}\"\n",
             slot * slots,
             dir.display()
@@ -441,7 +451,7 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
     let num_blocks = 4 * max + 4;
     // Each save uses fresh hashes; the pool evicts the oldest (unpinned) ones.
     let slots = 2 * u64::from(max) + 64;
-    let (mut node, addr) = spawn_node(&a.device, shape.block_bytes(), slots)?;
+    let (mut node, addr) = spawn_node(&a.device, &a.copy_path, shape.block_bytes(), slots)?;
     let kv = alloc_kv(&a.device, shape, num_blocks)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -642,6 +652,7 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
             "{}",
             json!({
                 "device": a.device,
+                "copy_path": a.copy_path,
                 "node_device": caps.device_kind,
                 "layers": a.layers,
                 "segment_bytes": shape.segment_bytes(),

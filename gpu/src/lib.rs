@@ -13,7 +13,7 @@ mod scatter;
 mod shape;
 
 pub use copy::{CopyList, CopyOp};
-pub use cuda::{open_device, CudaDevice};
+pub use cuda::{open_device, open_device_with, CudaDevice};
 pub use device::{
     CopyDirection, CopyEvent, CopyStats, Device, DeviceBuffer, DeviceCaps, DeviceError, DeviceKind,
     DmaBuf, HostRegistration,

@@ -25,5 +25,5 @@ pub use device::{
     DEFAULT_STAGING_CHUNK_BYTES,
 };
 pub use error::CudaError;
-pub use open::open_device;
+pub use open::{open_device, open_device_with};
 pub use plan::CopyPath;

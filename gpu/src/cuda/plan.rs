@@ -28,6 +28,25 @@ pub enum CopyPath {
     Staged,
 }
 
+impl CopyPath {
+    /// Every path by its config name, in declaration order.
+    pub const NAMES: [(&'static str, CopyPath); 5] = [
+        ("auto", CopyPath::Auto),
+        ("kernel", CopyPath::Kernel),
+        ("batch", CopyPath::Batch),
+        ("per-op", CopyPath::PerOp),
+        ("staged", CopyPath::Staged),
+    ];
+
+    /// The path a config names (`auto`, `kernel`, `batch`, `per-op`, `staged`).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::NAMES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, p)| *p)
+    }
+}
+
 /// Below this many ranges, or at this average size and above, copy engines win: each call is
 /// long enough that its launch cost vanishes, and they run at full link speed.
 pub const ENGINE_MAX_OPS: usize = 4;
@@ -323,6 +342,15 @@ pub fn plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copy_paths_by_name_round_trip_and_unknown_names_are_none() {
+        for (name, path) in CopyPath::NAMES {
+            assert_eq!(CopyPath::from_name(name), Some(path));
+        }
+        assert_eq!(CopyPath::from_name("Auto"), None);
+        assert_eq!(CopyPath::from_name("dma"), None);
+    }
 
     fn paths(kernel: bool, batch: bool, stage_chunk: u64) -> Paths {
         Paths {
