@@ -129,6 +129,8 @@ pub struct BlockCache {
     /// Unpinned blocks by class, oldest first; an entry is listed exactly while it has
     /// no pins.
     lru: SlotLru<BlockKey, 2>,
+    /// Entries with every rank written (kept here: `stats` is asked on every Health call).
+    sealed: usize,
     pinned_blocks: usize,
     pins: u64,
     evictions: u64,
@@ -142,6 +144,7 @@ impl BlockCache {
             pool,
             map: HashMap::new(),
             lru: SlotLru::default(),
+            sealed: 0,
             pinned_blocks: 0,
             pins: 0,
             evictions: 0,
@@ -281,6 +284,7 @@ impl BlockCache {
                     self.pool.free(e.slot);
                     self.evictions += 1;
                     if e.sealed() {
+                        self.sealed -= 1;
                         self.evicted.push(Evicted {
                             key,
                             slot: e.slot,
@@ -420,6 +424,7 @@ impl BlockCache {
                 self.pool.free(e.slot);
                 self.evictions += 1;
                 if e.sealed() {
+                    self.sealed -= 1;
                     self.evicted.push(Evicted {
                         key: key.clone(),
                         slot: e.slot,
@@ -443,6 +448,9 @@ impl BlockCache {
             }
             None => false,
         };
+        if sealed_now {
+            self.sealed += 1;
+        }
         self.unpin_entry(&key);
         sealed_now
     }
@@ -465,7 +473,7 @@ impl BlockCache {
     pub fn stats(&self) -> CacheStats {
         CacheStats {
             blocks: self.map.len(),
-            sealed: self.map.values().filter(|e| e.sealed()).count(),
+            sealed: self.sealed,
             pinned_blocks: self.pinned_blocks,
             pins: self.pins,
             capacity: self.pool.capacity(),
@@ -617,6 +625,35 @@ mod tests {
             "block 0 was unpinned first, so it is oldest"
         );
         assert_eq!(c.stats().evictions, 3);
+    }
+
+    #[test]
+    fn the_sealed_count_follows_seals_evictions_and_drops() {
+        let walk = |c: &BlockCache| c.sealed_blocks().count();
+        let mut c = cache(3);
+        put(&mut c, 0, BlockClass::Retained);
+        put(&mut c, 1, BlockClass::Reclaimable);
+        // Half of a TP-2 block: held, not sealed.
+        c.reserve(&ns(), h(2), 2, 0, 4096, BlockClass::Retained)
+            .unwrap();
+        c.commit(&ns(), h(2), 0);
+        assert_eq!((c.stats().sealed, walk(&c)), (2, 2));
+        // Committing a rank again seals nothing new.
+        c.reserve(&ns(), h(2), 2, 1, 4096, BlockClass::Retained)
+            .unwrap();
+        c.commit(&ns(), h(2), 1);
+        c.commit(&ns(), h(2), 1);
+        assert_eq!((c.stats().sealed, walk(&c)), (3, 3));
+        put(&mut c, 3, BlockClass::Retained); // evicts the reclaimable block 1
+        assert_eq!((c.stats().sealed, walk(&c)), (3, 3));
+        put(&mut c, 4, BlockClass::Reclaimable);
+        assert_eq!(c.drop_reclaimable(), 1);
+        assert_eq!((c.stats().sealed, walk(&c)), (2, 2));
+        // An aborted reservation (in the slot block 4 left) seals nothing.
+        c.reserve(&ns(), h(5), 1, 0, 4096, BlockClass::Retained)
+            .unwrap();
+        c.abort(&ns(), h(5));
+        assert_eq!((c.stats().sealed, walk(&c)), (2, 2));
     }
 
     #[test]
