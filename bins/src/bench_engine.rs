@@ -615,6 +615,24 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                 verified: verified && duplex.as_ref().is_none_or(|d| d.verified),
                 duplex,
             });
+            // Progress on stderr, one line per size as it finishes: a run cut short still
+            // says what it measured (the table and the JSON come at the end).
+            if let Some(r) = rows.last() {
+                eprintln!(
+                    "kvferry bench engine: {n} blocks: query {:.3} ms, load {:.3} ms ({:.2} of raw), \
+                     save {:.3} ms ({:.2} of raw){}{}",
+                    r.query * 1e3,
+                    r.load * 1e3,
+                    r.raw / r.load,
+                    r.save * 1e3,
+                    r.raw / r.save,
+                    r.duplex
+                        .as_ref()
+                        .map(|d| format!(", duplex {:.2} of raw", d.raw / d.both))
+                        .unwrap_or_default(),
+                    if r.verified { "" } else { ", NOT VERIFIED" },
+                );
+            }
         }
         c.unregister(&id).await?;
         Ok::<_, anyhow::Error>((rows, caps))

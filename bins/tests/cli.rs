@@ -730,3 +730,71 @@ fn a_peer_that_is_down_is_logged_once_not_once_per_query() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `kvferry bench engine` end to end on the host device with a small KV: the node in its own
+/// process, every figure present, the bytes checked, one progress line per size; a copy path
+/// the node does not know ends the run with the key named.
+#[test]
+fn bench_engine_measures_verifies_and_reports_progress() {
+    let out = kvferry()
+        .args(["bench", "engine", "--device", "host", "--blocks", "1,4"])
+        .args([
+            "--iters",
+            "1",
+            "--layers",
+            "2",
+            "--segment-kib",
+            "4",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["verified"], true, "{v}");
+    assert_eq!(v["copy_path"], "auto", "{v}");
+    let sweep = v["sweep"].as_array().unwrap();
+    assert_eq!(sweep.len(), 2, "{v}");
+    for (row, n) in sweep.iter().zip([1, 4]) {
+        assert_eq!(row["blocks"], n, "{row}");
+        assert_eq!(row["bytes"], n * 2 * 2 * 4096, "{row}");
+        for key in [
+            "query_ms",
+            "load_ms",
+            "load_node_ms",
+            "save_ms",
+            "raw_ms",
+            "duplex_ms",
+        ] {
+            assert!(row[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {row}");
+        }
+        // The node's own time is part of what the client waited for.
+        assert!(
+            row["load_node_ms"].as_f64() <= row["load_ms"].as_f64(),
+            "{row}"
+        );
+        assert!(row["load_stages_ms"]["h2d"].as_f64().is_some(), "{row}");
+        assert_eq!(row["verified"], true, "{row}");
+    }
+    for n in [1, 4] {
+        let line = format!("kvferry bench engine: {n} blocks: query ");
+        assert!(
+            err.contains(&line),
+            "no progress line for {n} blocks: {err}"
+        );
+    }
+
+    let out = kvferry()
+        .args(["bench", "engine", "--device", "host", "--blocks", "1"])
+        .args(["--iters", "1", "--layers", "2", "--segment-kib", "4"])
+        .args(["--copy-path", "dma"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("device.copy-path") && err.contains("\"dma\""),
+        "{err}"
+    );
+}
