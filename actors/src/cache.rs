@@ -196,20 +196,9 @@ impl BlockCache {
         self.pins += 1;
     }
 
-    /// Drops one pin; the last one puts the entry back at the young end of its LRU.
+    /// [`Self::unpin_ref`] by an owned key.
     fn unpin_entry(&mut self, key: &BlockKey) {
-        let Some(e) = self.map.get_mut(key) else {
-            return;
-        };
-        if e.pins == 0 {
-            return;
-        }
-        e.pins -= 1;
-        self.pins -= 1;
-        if e.pins == 0 {
-            self.pinned_blocks -= 1;
-            self.lru.push_young(e.class.idx(), e.slot, key.clone());
-        }
+        self.unpin_ref(&key.namespace, &key.hash);
     }
 
     /// Length of the sealed prefix of `hashes` held here.
@@ -258,6 +247,7 @@ impl BlockCache {
         }
     }
 
+    /// Drops one pin; the last one puts the entry back at the young end of its LRU.
     fn unpin_ref(&mut self, ns: &Namespace, hash: &BlockHash) {
         let Some((key, e)) = self.map.get_key_value_mut(&KeyRef {
             namespace: ns,
