@@ -9,6 +9,76 @@ use kvferry_gpu::{Device, DeviceError, DeviceKind};
 
 use crate::stats::median;
 
+/// The raw driver's side of a baseline: `device`'s primary context, retained and current on
+/// this thread, released on drop. Opened only for a CUDA device (whose open loaded the
+/// driver library: cudarc panics on a missing library or symbol, so both are checked first).
+pub(crate) struct RawContext {
+    ordinal: u32,
+    dev: sys::CUdevice,
+}
+
+impl RawContext {
+    /// `what` names the baseline in the errors.
+    pub(crate) fn open(device: &dyn Device, what: &'static str) -> Result<Self, DeviceError> {
+        let ordinal = device.ordinal();
+        let unsupported = |reason: String| DeviceError::Unsupported { what, reason };
+        if device.kind() != DeviceKind::Cuda {
+            return Err(unsupported(format!("{} device", device.kind().as_str())));
+        }
+        // CUDA 13 renamed cuEventElapsedTime to `_v2`, the name cudarc calls; an older
+        // driver is refused here instead of reaching cudarc's panic.
+        // SAFETY: a CUDA device is open, so the library is loaded; a lookup has no side
+        // effects and the pointer is not used.
+        let timing =
+            unsafe { sys::culib().get::<*const std::ffi::c_void>(b"cuEventElapsedTime_v2") };
+        if timing.is_err() {
+            return Err(unsupported(
+                "the driver has no cuEventElapsedTime_v2 (CUDA 13 or newer needed)".into(),
+            ));
+        }
+        let drv = |call| driver_error(ordinal, call);
+        cu::init().map_err(drv("cuInit"))?;
+        let dev = cu::device::get(ordinal as i32).map_err(drv("cuDeviceGet"))?;
+        // SAFETY: `dev` is a device handle just returned by the driver.
+        let ctx =
+            unsafe { cu::primary_ctx::retain(dev) }.map_err(drv("cuDevicePrimaryCtxRetain"))?;
+        // From here on the drop balances the retain.
+        let raw = Self { ordinal, dev };
+        // SAFETY: retained just above.
+        unsafe { cu::ctx::set_current(ctx) }.map_err(drv("cuCtxSetCurrent"))?;
+        Ok(raw)
+    }
+
+    /// Turns a driver error of `call` into the device's error.
+    pub(crate) fn drv(&self, call: &'static str) -> impl Fn(DriverError) -> DeviceError {
+        driver_error(self.ordinal, call)
+    }
+}
+
+impl Drop for RawContext {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `open`; whoever used the context waited for its
+        // work before dropping this.
+        let _ = unsafe { cu::primary_ctx::release(self.dev) };
+    }
+}
+
+fn driver_error(ordinal: u32, call: &'static str) -> impl Fn(DriverError) -> DeviceError {
+    move |e: DriverError| DeviceError::Driver {
+        ordinal,
+        call,
+        reason: e.to_string(),
+    }
+}
+
+/// Host bytes of a baseline as a `usize`, or why they do not fit.
+pub(crate) fn host_len(bytes: u64, what: &'static str) -> Result<usize, DeviceError> {
+    usize::try_from(bytes).map_err(|_| DeviceError::Unsupported {
+        what,
+        reason: format!("{bytes} bytes do not fit this host's address space"),
+    })
+}
+
 /// Median seconds of one plain `cuMemcpyHtoDAsync` of `bytes` from `host_ptr` to `dev_ptr`,
 /// timed with device events over `iters` runs after one warm-up. The baseline that batched
 /// loads are compared with; pass pinned host memory for a meaningful number.
@@ -23,47 +93,14 @@ pub unsafe fn bench_raw_h2d(
     bytes: u64,
     iters: u32,
 ) -> Result<f64, DeviceError> {
-    let ordinal = device.ordinal();
-    // A CUDA device was opened, so the driver library is loaded: cudarc's calls below do not
-    // reach its panic for a missing library.
-    if device.kind() != DeviceKind::Cuda {
-        return Err(DeviceError::Unsupported {
-            what: "raw H2D benchmark",
-            reason: format!("{} device", device.kind().as_str()),
-        });
-    }
+    const WHAT: &str = "raw H2D benchmark";
+    let raw = RawContext::open(device, WHAT)?;
     device.check_range(dev_ptr, bytes)?;
-    let len = usize::try_from(bytes).map_err(|_| DeviceError::Unsupported {
-        what: "raw H2D benchmark",
-        reason: format!("{bytes} bytes do not fit this host's address space"),
-    })?;
-    let drv = |call: &'static str| {
-        move |e: DriverError| DeviceError::Driver {
-            ordinal,
-            call,
-            reason: e.to_string(),
-        }
-    };
-    // CUDA 13 renamed cuEventElapsedTime to `_v2`, the name cudarc calls; cudarc panics on a
-    // symbol the driver lacks, so an older driver is refused here instead.
-    // SAFETY: a CUDA device is open, so the library is loaded; a lookup has no side effects
-    // and the pointer is not used.
-    let timing = unsafe { sys::culib().get::<*const std::ffi::c_void>(b"cuEventElapsedTime_v2") };
-    if timing.is_err() {
-        return Err(DeviceError::Unsupported {
-            what: "raw H2D benchmark",
-            reason: "the driver has no cuEventElapsedTime_v2 (CUDA 13 or newer needed)".into(),
-        });
-    }
-    cu::init().map_err(drv("cuInit"))?;
-    let dev = cu::device::get(ordinal as i32).map_err(drv("cuDeviceGet"))?;
-    // SAFETY: `dev` is a device handle just returned by the driver.
-    let ctx = unsafe { cu::primary_ctx::retain(dev) }.map_err(drv("cuDevicePrimaryCtxRetain"))?;
+    let len = host_len(bytes, WHAT)?;
+    let drv = |call| raw.drv(call);
     // SAFETY: the caller guarantees `[host_ptr, host_ptr + len)` is readable for the call.
     let src = unsafe { std::slice::from_raw_parts(host_ptr as *const u8, len) };
     let r = (|| {
-        // SAFETY: retained just above.
-        unsafe { cu::ctx::set_current(ctx) }.map_err(drv("cuCtxSetCurrent"))?;
         let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
             .map_err(drv("cuStreamCreate"))?;
         let r = (|| {
@@ -109,8 +146,7 @@ pub unsafe fn bench_raw_h2d(
         let _ = unsafe { cu::stream::destroy(stream) };
         r
     })();
-    // SAFETY: balances the retain above; nothing of this context is used afterwards.
-    let _ = unsafe { cu::primary_ctx::release(dev) };
+    // `raw` releases the context: every run on it was waited for.
     r
 }
 

@@ -4,9 +4,11 @@
 //! direction alone). Like [`crate::bench_raw_h2d`], it goes straight through cudarc's
 //! `result` layer and shares no code with the backend it is compared with.
 
-use cudarc::driver::result::{self as cu, DriverError};
+use cudarc::driver::result as cu;
 use cudarc::driver::sys;
-use kvferry_gpu::{Device, DeviceError, DeviceKind};
+use kvferry_gpu::{Device, DeviceError};
+
+use crate::cuda_bench::{host_len, RawContext};
 
 use crate::stats::median;
 
@@ -32,44 +34,12 @@ pub unsafe fn bench_raw_duplex(
     r: DuplexRanges,
     iters: u32,
 ) -> Result<f64, DeviceError> {
-    let ordinal = device.ordinal();
-    let unsupported = |reason: String| DeviceError::Unsupported {
-        what: "raw duplex benchmark",
-        reason,
-    };
-    // A CUDA device was opened, so the driver library is loaded: cudarc's calls below do not
-    // reach its panic for a missing library.
-    if device.kind() != DeviceKind::Cuda {
-        return Err(unsupported(format!("{} device", device.kind().as_str())));
-    }
+    const WHAT: &str = "raw duplex benchmark";
+    let raw = RawContext::open(device, WHAT)?;
     device.check_range(r.h2d_dst, r.bytes)?;
     device.check_range(r.d2h_src, r.bytes)?;
-    let len = usize::try_from(r.bytes).map_err(|_| {
-        unsupported(format!(
-            "{} bytes do not fit this host's address space",
-            r.bytes
-        ))
-    })?;
-    let drv = |call: &'static str| {
-        move |e: DriverError| DeviceError::Driver {
-            ordinal,
-            call,
-            reason: e.to_string(),
-        }
-    };
-    // cudarc calls cuEventElapsedTime_v2 (CUDA 13) and panics on a symbol the driver lacks.
-    // SAFETY: a CUDA device is open, so the library is loaded; a lookup has no side effects
-    // and the pointer is not used.
-    let timing = unsafe { sys::culib().get::<*const std::ffi::c_void>(b"cuEventElapsedTime_v2") };
-    if timing.is_err() {
-        return Err(unsupported(
-            "the driver has no cuEventElapsedTime_v2 (CUDA 13 or newer needed)".into(),
-        ));
-    }
-    cu::init().map_err(drv("cuInit"))?;
-    let dev = cu::device::get(ordinal as i32).map_err(drv("cuDeviceGet"))?;
-    // SAFETY: `dev` is a device handle just returned by the driver.
-    let ctx = unsafe { cu::primary_ctx::retain(dev) }.map_err(drv("cuDevicePrimaryCtxRetain"))?;
+    let len = host_len(r.bytes, WHAT)?;
+    let drv = |call| raw.drv(call);
     // SAFETY: the caller guarantees both host ranges for the call, and that nobody else
     // uses them meanwhile (so the mutable one is not aliased).
     let (src, dst) = unsafe {
@@ -81,8 +51,6 @@ pub unsafe fn bench_raw_duplex(
     let mut streams = Vec::new();
     let mut events = Vec::new();
     let run = (|| {
-        // SAFETY: retained just above.
-        unsafe { cu::ctx::set_current(ctx) }.map_err(drv("cuCtxSetCurrent"))?;
         for _ in 0..2 {
             streams.push(
                 cu::stream::create(cu::stream::StreamKind::NonBlocking)
@@ -134,9 +102,8 @@ pub unsafe fn bench_raw_duplex(
         for &s in &streams {
             let _ = cu::stream::destroy(s);
         }
-        // Balances the retain above; nothing of this context is used afterwards.
-        let _ = cu::primary_ctx::release(dev);
     }
+    // `raw` releases the context.
     run
 }
 
