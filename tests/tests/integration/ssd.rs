@@ -492,14 +492,7 @@ fn an_owner_serves_an_ssd_held_block_to_a_peer() {
         assert_eq!(ssd(&a).await.reads, 6, "A promoted them to serve them");
         load_and_verify(&b, &kv_b, &q, 0).await;
         settled(&b).await;
-        for _ in 0..200 {
-            if a.peer_pins().await.unwrap() == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        assert_eq!(a.peer_pins().await.unwrap(), 0);
-        settled(&a).await;
+        settled_with_peers(&a).await;
     });
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -728,14 +721,7 @@ fn three_tiers(direct: bool) {
         let s = ssd_settled(&b).await;
         assert_eq!((s.reads, s.hits_ssd, s.hits_ram), (4, 4, 4));
         settled(&b).await;
-        for _ in 0..200 {
-            if a.peer_pins().await.unwrap() == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        assert_eq!(a.peer_pins().await.unwrap(), 0);
-        settled(&a).await;
+        settled_with_peers(&a).await;
     });
     std::fs::remove_dir_all(&dir).unwrap();
 }
