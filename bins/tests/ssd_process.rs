@@ -2,13 +2,13 @@
 //! node is stopped with SIGTERM, a new process on the same directory serves them from SSD,
 //! and a load lands the right bytes (with canaries) in the client's memfd KV.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use kvferry_actors::rpc::EngineClient;
-use kvferry_actors::{BlockHash, InstanceId, LoadRequest, PutBlocks};
+use kvferry_actors::{BlockHash, LoadRequest, PutBlocks};
 use kvferry_gpu::KvShape;
+use kvferry_testkit::harness::{id, wait_listening};
 use kvferry_testkit::{rank_part, MemfdKv};
 
 /// A node process, killed if the test fails before it stops it.
@@ -35,18 +35,9 @@ impl NodeChild {
                 .unwrap(),
         );
         let out = child.0.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if let Some(addr) = line.strip_prefix("listening engine=") {
-                    let _ = tx.send(addr.to_owned());
-                }
-            }
-        });
-        let addr = rx
-            .recv_timeout(Duration::from_secs(30))
-            .expect("the node did not start serving engines");
-        (child, addr)
+        let mut addrs = wait_listening(out, &["engine"], Duration::from_secs(30))
+            .unwrap_or_else(|seen| panic!("the node did not start serving engines: {seen}"));
+        (child, addrs.remove(0))
     }
 
     /// SIGTERM, and the clean exit it must lead to.
@@ -60,10 +51,6 @@ impl NodeChild {
 
 fn shape() -> KvShape {
     KvShape::new(3, 1, 2, 1024).unwrap()
-}
-
-fn id(s: &str) -> InstanceId {
-    InstanceId::new(s).unwrap()
 }
 
 async fn connect(addr: &str, sock: &std::path::Path, kv: &MemfdKv) -> EngineClient {
