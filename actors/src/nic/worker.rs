@@ -245,6 +245,38 @@ mod tests {
         }
     }
 
+    /// A loopback NIC runtime and its worker, asked to connect `qps` QPs to peer 9 through
+    /// handshakes that hang until released (one `go` each); the Connect's answer is
+    /// `connect`. Call inside a runtime.
+    #[allow(clippy::type_complexity)]
+    fn hanging_connect(
+        qps: u32,
+    ) -> (
+        NicRuntime,
+        actix::Addr<NicWorker>,
+        mpsc::Sender<()>,
+        tokio::task::JoinHandle<Result<ConnectResult, actix::MailboxError>>,
+    ) {
+        let nics = NicRuntime::start(vec![NicConfig {
+            name: "lo0".into(),
+            provider: ProviderKind::Loopback,
+            ..NicConfig::default()
+        }])
+        .unwrap();
+        let worker = nics.workers[0].clone();
+        let (go, rx) = mpsc::channel();
+        let slow = Arc::new(Slow {
+            go: Mutex::new(rx),
+            inner: LoopbackConnector::new(NodeId(9), MrTable::new()),
+        });
+        let connect = tokio::spawn(worker.send(Connect {
+            peer: NodeId(9),
+            connector: slow,
+            qps: Some(qps),
+        }));
+        (nics, worker, go, connect)
+    }
+
     /// Connects wait on the network off the worker's thread: while two handshakes hang, the
     /// worker still answers (it would be stuck in the Connect handler if it connected there),
     /// shows both QPs connecting, and answers the Connect once they are through.
@@ -255,23 +287,7 @@ mod tests {
             .build()
             .unwrap();
         rt.block_on(async {
-            let nics = NicRuntime::start(vec![NicConfig {
-                name: "lo0".into(),
-                provider: ProviderKind::Loopback,
-                ..NicConfig::default()
-            }])
-            .unwrap();
-            let worker = nics.workers[0].clone();
-            let (go, rx) = mpsc::channel();
-            let slow = Arc::new(Slow {
-                go: Mutex::new(rx),
-                inner: LoopbackConnector::new(NodeId(9), MrTable::new()),
-            });
-            let connect = tokio::spawn(worker.send(Connect {
-                peer: NodeId(9),
-                connector: slow,
-                qps: Some(2),
-            }));
+            let (_nics, worker, go, connect) = hanging_connect(2);
             let mut connecting = 0;
             for _ in 0..200 {
                 let g = tokio::time::timeout(Duration::from_secs(1), worker.send(Gauges))
@@ -309,23 +325,7 @@ mod tests {
             .build()
             .unwrap();
         rt.block_on(async {
-            let nics = NicRuntime::start(vec![NicConfig {
-                name: "lo0".into(),
-                provider: ProviderKind::Loopback,
-                ..NicConfig::default()
-            }])
-            .unwrap();
-            let worker = nics.workers[0].clone();
-            let (go, rx) = mpsc::channel();
-            let slow = Arc::new(Slow {
-                go: Mutex::new(rx),
-                inner: LoopbackConnector::new(NodeId(9), MrTable::new()),
-            });
-            let connect = tokio::spawn(worker.send(Connect {
-                peer: NodeId(9),
-                connector: slow,
-                qps: Some(1),
-            }));
+            let (nics, worker, go, connect) = hanging_connect(1);
             for _ in 0..200 {
                 if worker.send(Gauges).await.unwrap().connecting == 1 {
                     break;
