@@ -120,15 +120,22 @@ impl WorkerError {
             | WorkerError::Poller { .. }
             | WorkerError::CqTooSmall { .. } => FailureKind::Local,
             WorkerError::Stopped { .. } => FailureKind::Stopped,
-            // A post the provider refused puts the QP in error like a failed completion
-            // does: it is drained and rebuilt, and the reads flushed beside it report the
-            // link. Calling it the link here too gives one answer whichever batch reports
-            // first.
-            WorkerError::ReadFailed { status, .. } => match status {
-                CompletionStatus::RemoteAccessError => FailureKind::Remote,
-                CompletionStatus::LocalWriteError => FailureKind::Local,
-                _ => FailureKind::Connection,
-            },
+            WorkerError::ReadFailed { status, .. } => FailureKind::of_status(*status),
+        }
+    }
+}
+
+impl FailureKind {
+    /// How a caller reacts to a read that completed with `status` (not `Success`).
+    ///
+    /// A post the provider refused puts the QP in error like a failed completion does: it
+    /// is drained and rebuilt, and the reads flushed beside it report the link. Calling it
+    /// the link too gives one answer whichever batch reports first.
+    pub fn of_status(status: CompletionStatus) -> Self {
+        match status {
+            CompletionStatus::RemoteAccessError => FailureKind::Remote,
+            CompletionStatus::LocalWriteError => FailureKind::Local,
+            _ => FailureKind::Connection,
         }
     }
 }

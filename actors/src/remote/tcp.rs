@@ -240,11 +240,11 @@ impl TcpLink {
                 .or_else(|| wcs.iter().find(|wc| wc.status != CompletionStatus::Success));
             if let Some(wc) = bad {
                 let what = format!("read {} completed with {}", wc.wr_id, wc.status);
-                return Err(err(match wc.status {
-                    CompletionStatus::RemoteAccessError => {
+                return Err(err(match FailureKind::of_status(wc.status) {
+                    FailureKind::Remote => {
                         RemoteError::refused(format!("the owner refused it: {what}"))
                     }
-                    CompletionStatus::LocalWriteError => RemoteError::local("a read", what),
+                    FailureKind::Local => RemoteError::local("a read", what),
                     _ => RemoteError::lost("a read", what),
                 }));
             }
