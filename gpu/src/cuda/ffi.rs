@@ -241,6 +241,20 @@ pub unsafe fn event_record(e: CUevent, s: CUstream) -> Result<(), CudaError> {
     unsafe { cu::event::record(e, s) }.map_err(cu_err("cuEventRecord"))
 }
 
+/// Whether the work before `e` has completed: `Ok(false)` while it runs.
+///
+/// # Safety
+/// `e` is a live event.
+pub unsafe fn event_query(e: CUevent) -> Result<bool, CudaError> {
+    // SAFETY: the caller guarantees `e` is live; the query has no side effects.
+    let r = unsafe { sys::cuEventQuery(e) };
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        r => Err(driver_error("cuEventQuery", r)),
+    }
+}
+
 /// # Safety
 /// `e` is a live event.
 pub unsafe fn event_synchronize(e: CUevent) -> Result<(), CudaError> {
