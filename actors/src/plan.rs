@@ -9,16 +9,23 @@ use std::ops::Range;
 
 use kvferry_gpu::{CopyDirection, CopyList, KvLayout, KvShape, Scatter};
 
-/// Smallest batch of layers submitted (and reported) on its own. Each batch costs one
-/// submission and one completion event, so small loads go as one batch (one layer group)
-/// and large ones report layer by layer. Measured on the H200: with 8 MiB batches a 64-block
-/// load of 28 layers (28 batches) reached 0.86 of a raw copy against 0.89 as one batch; 32
-/// MiB (about 0.6 ms at 55 GB/s) hides a submission, and a 256-block load of 32 KiB
-/// segments still shows its first layers after a fourteenth of the load.
+/// Smallest load that is split into layer batches. A larger load is submitted as layer 0
+/// alone (an engine's first attention layer waits for it), then the other layers in at most
+/// [`REST_GROUPS`] batches of at least this many bytes; a smaller one goes as one batch.
+///
+/// Few, long batches are what the copy path wants. A batch's host runs are each block's
+/// layers of that batch: long runs go through the copy engines at link speed (staged),
+/// short ones through the gather kernel, which reads host memory over PCIe with every SM and
+/// so holds up a save's device-side gather running at the same time. Measured on the H200
+/// (a 256-block load of 28 layers × 64 KiB and a 256-block save at once, both directions'
+/// bytes over the time): 28 one-layer batches 54 GB/s, 15 batches 54, 8 batches 70, 3
+/// batches 82, one batch 87, of about 100 the link gives; the load alone 49–53 GB/s in every
+/// case.
 pub const MIN_LAYER_GROUP_BYTES: u64 = 32 << 20;
 
-/// At most this many layer groups per load, whatever the layer count.
-pub const MAX_LAYER_GROUPS: usize = 64;
+/// Batches after layer 0's: the other layers in at most this many, so an engine can start
+/// on the first half while the second still copies.
+pub const REST_GROUPS: u32 = 2;
 
 /// SSD blocks per pipeline step: one round trip to the store and one device submission per
 /// chunk; the disk reads of later chunks run while earlier ones copy to the device.
@@ -111,29 +118,29 @@ pub enum PlanError {
     SsdPosition { at: usize, local: usize },
 }
 
-/// Splits `layers` into runs covering every layer once, in order, at most
-/// [`MAX_LAYER_GROUPS`] of them: one run where the whole load is smaller than `min_bytes`
-/// (each layer moving `bytes_per_layer`); otherwise layer 0 alone — an engine's first
-/// attention layer waits for it, and one batch more costs little — then runs of at least
-/// `min_bytes`.
+/// Splits `layers` into runs covering every layer once, in order: one run where the whole
+/// load (each layer moving `bytes_per_layer`) is smaller than `min_bytes`; otherwise layer 0
+/// alone, then the other layers in at most [`REST_GROUPS`] near-equal runs of at least
+/// `min_bytes` (one where they are fewer bytes than that).
 pub fn layer_groups(layers: u32, bytes_per_layer: u64, min_bytes: u64) -> Vec<Range<u32>> {
     if layers == 0 {
         return Vec::new();
     }
-    let by_bytes = min_bytes.div_ceil(bytes_per_layer.max(1)).max(1);
-    let by_count = u64::from(layers).div_ceil(MAX_LAYER_GROUPS as u64 - 1);
-    let per = u32::try_from(by_bytes.max(by_count))
-        .unwrap_or(layers)
-        .min(layers);
-    if per >= layers {
+    let total = u64::from(layers).saturating_mul(bytes_per_layer);
+    if layers == 1 || total < min_bytes {
         return std::iter::once(0..layers).collect();
     }
+    let rest = layers - 1;
+    let rest_bytes = u64::from(rest).saturating_mul(bytes_per_layer);
+    let parts = (rest_bytes / min_bytes.max(1)).clamp(1, u64::from(REST_GROUPS));
+    // At most REST_GROUPS and at most `rest`: fits u32.
+    let parts = u32::try_from(parts).unwrap_or(1).min(rest);
     let mut out: Vec<Range<u32>> = std::iter::once(0..1).collect();
     let mut start = 1;
-    while start < layers {
-        let end = start.saturating_add(per).min(layers);
-        out.push(start..end);
-        start = end;
+    for i in 0..parts {
+        let len = rest / parts + u32::from(i < rest % parts);
+        out.push(start..start + len);
+        start += len;
     }
     out
 }
@@ -304,29 +311,46 @@ mod tests {
 
     #[test]
     fn layer_groups_cover_every_layer_once_in_order() {
-        for layers in [1u32, 2, 7, 28, 61, 512] {
+        for layers in [1u32, 2, 3, 7, 28, 61, 512] {
             for (per_layer, min) in [(1u64, 1u64), (64 << 10, 8 << 20), (16 << 20, 8 << 20)] {
                 let g = layer_groups(layers, per_layer, min);
-                assert!(g.len() <= MAX_LAYER_GROUPS);
+                assert!(g.len() <= 1 + REST_GROUPS as usize);
                 assert_eq!(g.first().unwrap().start, 0);
                 assert_eq!(g.last().unwrap().end, layers);
                 for w in g.windows(2) {
                     assert_eq!(w[0].end, w[1].start);
+                    assert!(w[1].start < w[1].end);
                 }
             }
         }
         // A 28-layer model, 64 KiB per block and layer: one block or sixteen are one batch;
-        // 256 blocks (16 MiB a layer): layer 0, then two layers a batch; 1024 blocks a layer
-        // each.
-        assert_eq!(layer_groups(28, 64 << 10, MIN_LAYER_GROUP_BYTES).len(), 1);
-        assert_eq!(layer_groups(28, 1 << 20, MIN_LAYER_GROUP_BYTES).len(), 1);
-        let g = layer_groups(28, 16 << 20, MIN_LAYER_GROUP_BYTES);
-        assert_eq!((g.len(), g[0].clone(), g[1].clone()), (15, 0..1, 1..3));
-        assert_eq!(layer_groups(28, 64 << 20, MIN_LAYER_GROUP_BYTES).len(), 28);
+        // 64 blocks and more: layer 0, then two halves.
         assert_eq!(
-            layer_groups(28, 2 << 20, 8 << 20),
-            vec![0..1, 1..5, 5..9, 9..13, 13..17, 17..21, 21..25, 25..28]
+            layer_groups(28, 64 << 10, MIN_LAYER_GROUP_BYTES),
+            vec![0..28]
         );
+        assert_eq!(
+            layer_groups(28, 1 << 20, MIN_LAYER_GROUP_BYTES),
+            vec![0..28]
+        );
+        for per_layer in [4u64 << 20, 16 << 20, 64 << 20] {
+            assert_eq!(
+                layer_groups(28, per_layer, MIN_LAYER_GROUP_BYTES),
+                vec![0..1, 1..15, 15..28]
+            );
+        }
+        // Just above the minimum: the other layers in one batch, not two below it.
+        assert_eq!(
+            layer_groups(28, 5 << 20 >> 2, MIN_LAYER_GROUP_BYTES),
+            vec![0..1, 1..28]
+        );
+        // Two layers: each its own.
+        assert_eq!(
+            layer_groups(2, 64 << 20, MIN_LAYER_GROUP_BYTES),
+            vec![0..1, 1..2]
+        );
+        // Overflowing sizes do not panic.
+        assert_eq!(layer_groups(3, u64::MAX, 1).len(), 3);
         assert!(layer_groups(0, 1, 1).is_empty());
     }
 
@@ -340,13 +364,13 @@ mod tests {
         assert_eq!(p.blocks, 3);
         assert_eq!(p.bytes, 3 * shape.rank_bytes());
         assert_eq!(p.staging_slots, 0);
-        // 3 blocks × 2 segments × 1 KiB = 6 KiB per layer, groups of at least 4 KiB: one
-        // layer each.
-        assert_eq!(p.local.len(), 6);
+        // 3 blocks × 2 segments × 1 KiB = 6 KiB per layer, groups of at least 4 KiB: layer
+        // 0, then the other five in two batches.
+        let groups: Vec<_> = p.local.iter().map(|b| b.layers.clone()).collect();
+        assert_eq!(groups, vec![0..1, 1..4, 4..6]);
         let mut seen = std::collections::BTreeSet::new();
-        for (i, b) in p.local.iter().enumerate() {
-            assert_eq!(b.layers, i as u32..i as u32 + 1);
-            assert_eq!(b.list.len(), 6);
+        for b in &p.local {
+            assert_eq!(b.list.len(), 6 * b.layers.len());
             for op in b.list.ops() {
                 // Host side: rank 1's part of one of the slots; device side: this layer.
                 let slot = local
@@ -355,7 +379,7 @@ mod tests {
                 let slot = slot.unwrap();
                 let within = op.src - local[slot] - shape.rank_offset(1);
                 let (layer, seg) = ((within / SEG) as u32 / 2, (within / SEG) as u32 % 2);
-                assert_eq!(layer, i as u32);
+                assert!(b.layers.contains(&layer));
                 assert_eq!(op.dst, layout.segment_addr(layer, seg, dest[slot]));
                 assert!(seen.insert(op.dst));
             }

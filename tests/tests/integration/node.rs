@@ -640,13 +640,25 @@ fn kv_freed_under_a_registered_instance_fails_the_load_cleanly() {
     });
 }
 
-/// What a load's observer was told, in order.
+/// What a load's observer was told, in order: the layer counts, and each end with the
+/// bytes it reported (`None`: failed) and the transfers still in flight when it was told.
 #[derive(Default)]
-struct SeenLayers(std::sync::Mutex<Vec<(u32, u32)>>);
+struct SeenLayers(
+    std::sync::Mutex<Vec<(u32, u32)>>,
+    std::sync::Mutex<Vec<Option<u64>>>,
+);
 
 impl kvferry_actors::LoadObserver for SeenLayers {
     fn layers_landed(&self, layers: u32, total: u32) {
+        assert!(self.1.lock().unwrap().is_empty(), "layers after the end");
         self.0.lock().unwrap().push((layers, total));
+    }
+
+    fn finished(&self, result: &Result<kvferry_actors::TransferReport, kvferry_actors::NodeError>) {
+        self.1
+            .lock()
+            .unwrap()
+            .push(result.as_ref().ok().map(|r| r.bytes));
     }
 }
 
@@ -672,7 +684,7 @@ impl SeenLayers {
 fn a_load_reports_its_layers_in_order_as_they_land() {
     rt().block_on(async {
         // 4 layers of K/V 64 KiB segments over 256 blocks: 32 MiB per layer, so the plan
-        // submits (and reports) a batch per layer.
+        // submits (and reports) layer 0, then layers 1–2, then layer 3.
         let shape = KvShape::new(4, 1, 2, 64 << 10).unwrap();
         let (node, dev) = node(shape.block_bytes(), 260, Clock::system());
         let kv = register(&node, &dev, "layers", shape, 0, KvKind::Split, 260, 0).await;
@@ -691,8 +703,10 @@ fn a_load_reports_its_layers_in_order_as_they_land() {
         let r = rx.await.unwrap().unwrap();
         assert_eq!(kv.verify(&expected(&dest, 0), 0).unwrap(), r.bytes);
         kv.untouched_outside(&dest).unwrap();
-        assert_eq!(seen.counts(), vec![1, 2, 3, 4]);
+        assert_eq!(seen.counts(), vec![1, 3, 4]);
         assert!(seen.0.lock().unwrap().iter().all(|&(_, total)| total == 4));
+        // Told the end once, before the report, with the report's bytes.
+        assert_eq!(*seen.1.lock().unwrap(), vec![Some(r.bytes)]);
 
         // A small load is one batch: every layer lands at once.
         kv.reset().unwrap();
@@ -708,6 +722,7 @@ fn a_load_reports_its_layers_in_order_as_they_land() {
         let r = rx.await.unwrap().unwrap();
         assert_eq!(kv.verify(&expected(&[3], 0), 0).unwrap(), r.bytes);
         assert_eq!(seen.counts(), vec![4]);
+        assert_eq!(*seen.1.lock().unwrap(), vec![Some(r.bytes)]);
         let s = settled(&node).await;
         assert_eq!(
             (s.loads_ok, s.transfers_in_flight, s.leases_live),
