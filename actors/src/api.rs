@@ -74,6 +74,15 @@ pub trait LoadObserver: Send + Sync {
     /// load. Called with growing counts, possibly repeated, from the node's actor thread:
     /// implementations must return at once.
     fn layers_landed(&self, layers: u32, total: u32);
+
+    /// The load ended with `result`, after its pins and guards were released and just
+    /// before the caller's report is sent: a client that learns the end here learns it one
+    /// thread hop sooner. Called at most once, from the node's actor thread; must return at
+    /// once. Not called for a load that never started or whose transfer was dropped
+    /// unfinished (the node stopping): the report says so.
+    fn finished(&self, result: &Result<TransferReport, crate::NodeError>) {
+        let _ = result;
+    }
 }
 
 /// How a transfer moved its bytes.

@@ -396,6 +396,9 @@ impl Transfer {
         self.on_success = None;
         self.holds.clear();
         self.in_flight = None;
+        if let Some(obs) = &self.observer {
+            obs.finished(&out);
+        }
         if let Some(tx) = self.reply.take() {
             let _ = tx.send(out);
         }

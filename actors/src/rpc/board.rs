@@ -34,6 +34,10 @@ pub const SLOT_BYTES: u64 = 16;
 pub const MAX_SLOTS: u32 = 4096;
 
 const WAKE_OFFSET: usize = 16;
+/// How long [`Board::wait`] polls the slot before sleeping on the futex: a woken sleeper
+/// runs some microseconds after the node's write, a poller at once, and most small loads
+/// end within this.
+pub const WAIT_SPIN: Duration = Duration::from_micros(200);
 
 /// A slot's state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -349,7 +353,9 @@ impl Board {
         timeout: Duration,
     ) -> Result<SlotView, BoardError> {
         self.check(slot)?;
-        let deadline = Instant::now() + timeout;
+        let now = Instant::now();
+        let deadline = now + timeout;
+        let spin_until = now + WAIT_SPIN.min(timeout);
         let wake = self.word32(WAKE_OFFSET);
         loop {
             let seen = wake.load(Ordering::Acquire);
@@ -357,7 +363,12 @@ impl Board {
             if v.tag == tag && (v.state.is_done() || v.layers >= layers) {
                 return Ok(v);
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            let now = Instant::now();
+            if now < spin_until {
+                std::hint::spin_loop();
+                continue;
+            }
+            let left = deadline.saturating_duration_since(now);
             if left.is_zero() {
                 return Ok(v);
             }

@@ -71,6 +71,11 @@ impl CompletionBook {
     }
 
     /// Loads accepted for `key` that have not completed.
+    /// Forgets a load that was never started (refused after [`Self::begin`]).
+    pub fn abandon(&mut self, id: u64) {
+        self.running.remove(&id);
+    }
+
     pub fn running_for(&self, key: &RankKey) -> usize {
         self.running.values().filter(|k| *k == key).count()
     }

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -455,16 +455,42 @@ impl EngineService {
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
-/// Writes a load's landed layers into its completion board slot.
-struct BoardObserver {
-    board: Arc<Board>,
-    slot: u32,
-    tag: u32,
+/// Reports one load of the Engine API as it lands: its layers into its completion board
+/// slot, and its end into the completion book (for PollLoad and the stream) and then the
+/// board, from the node's thread as the transfer ends.
+struct LoadWatch {
+    shared: Arc<Shared>,
+    load_id: u64,
+    req: api::LoadRequest,
+    board: Option<(Arc<Board>, u32, u32)>,
+    reported: AtomicBool,
 }
 
-impl api::LoadObserver for BoardObserver {
+impl LoadWatch {
+    /// Books the result, then shows it on the board; once, whoever comes first.
+    fn report(&self, r: Result<&Result<api::TransferReport, crate::NodeError>, ()>) {
+        if self.reported.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let c = completion(self.load_id, &self.req, r);
+        let ok = c.status == LoadStatus::LoadOk as i32;
+        self.shared.book().finish(c);
+        // After the book: a client woken by the board finds the result in PollLoad.
+        if let Some((b, slot, tag)) = &self.board {
+            b.finish(*slot, *tag, ok);
+        }
+    }
+}
+
+impl api::LoadObserver for LoadWatch {
     fn layers_landed(&self, layers: u32, _total: u32) {
-        self.board.layers(self.slot, self.tag, layers);
+        if let Some((b, slot, tag)) = &self.board {
+            b.layers(*slot, *tag, layers);
+        }
+    }
+
+    fn finished(&self, result: &Result<api::TransferReport, crate::NodeError>) {
+        self.report(Ok(result));
     }
 }
 
@@ -480,7 +506,7 @@ fn direct_refusal(node: &Node) -> Option<String> {
 fn completion(
     load_id: u64,
     req: &api::LoadRequest,
-    r: Result<Result<api::TransferReport, crate::NodeError>, ()>,
+    r: Result<&Result<api::TransferReport, crate::NodeError>, ()>,
 ) -> LoadCompletion {
     let mut c = LoadCompletion {
         load_id,
@@ -766,41 +792,32 @@ impl Engine for EngineService {
             rank: r.rank,
             dest_blocks: r.dest_blocks,
         };
-        let started = match &board {
-            Some((b, slot, tag)) => {
-                let observer = Arc::new(BoardObserver {
-                    board: Arc::clone(b),
-                    slot: *slot,
-                    tag: *tag,
-                });
-                self.shared
-                    .node
-                    .start_load_observed(load.clone(), observer)
-                    .await
-            }
-            None => self.shared.node.start_load(load.clone()).await,
-        };
-        let rx = match started {
+        // The id first: the watch reports into the book from the node's thread, and a small
+        // load may end before `start_load_observed` returns.
+        let load_id = self.shared.book().begin(key);
+        let watch = Arc::new(LoadWatch {
+            shared: Arc::clone(&self.shared),
+            load_id,
+            req: load.clone(),
+            board,
+            reported: AtomicBool::new(false),
+        });
+        let observer: Arc<dyn api::LoadObserver> = watch.clone();
+        let rx = match self.shared.node.start_load_observed(load, observer).await {
             Ok(rx) => rx,
             Err(e) => {
-                // Refused: the slot must not stay "running".
-                if let Some((b, slot, tag)) = &board {
+                // Refused: no result to keep, and the slot must not stay "running".
+                self.shared.book().abandon(load_id);
+                if let Some((b, slot, tag)) = &watch.board {
                     b.finish(*slot, *tag, false);
                 }
                 return Err(status(M, e));
             }
         };
-        let load_id = self.shared.book().begin(key);
-        let shared = Arc::clone(&self.shared);
         tokio::spawn(async move {
+            // The watch has reported unless the transfer ended without a report.
             let r = rx.await.map_err(|_| ());
-            let c = completion(load_id, &load, r);
-            let ok = c.status == LoadStatus::LoadOk as i32;
-            shared.book().finish(c);
-            // After the book: a client woken by the board finds the result in PollLoad.
-            if let Some((b, slot, tag)) = board {
-                b.finish(slot, tag, ok);
-            }
+            watch.report(r.as_ref().map_err(|_| ()));
         });
         Ok(Response::new(LoadResponse { load_id }))
     }
