@@ -532,7 +532,7 @@ fn completion(
         }
         Ok(Err(e)) => {
             c.status = LoadStatus::LoadFailed as i32;
-            c.error_kind = check::error_kind(&e).to_owned();
+            c.error_kind = check::error_kind(e).to_owned();
             c.error = e.to_string();
             c.failed_blocks = req.dest_blocks.clone();
         }
