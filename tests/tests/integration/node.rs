@@ -1,6 +1,7 @@
 //! Node-level tests over the host-emulated device: every load checks bytes and canaries,
 //! every fault checks the aftermath (typed error, gauges back to zero, next load works).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvferry_actors::lease::LeaseError;
@@ -692,7 +693,7 @@ fn a_load_reports_its_layers_in_order_as_they_land() {
         let q = query(&node, "layers", 0..256, false).await;
         assert_eq!(q.local_blocks, 256);
         let dest: Vec<u32> = (0..256).map(|i| 259 - i).collect();
-        let seen = std::sync::Arc::new(SeenLayers::default());
+        let seen = Arc::new(SeenLayers::default());
         let rx = node
             .start_load_observed(
                 load_request(q.lease.unwrap(), "layers", 0, &dest),
@@ -711,7 +712,7 @@ fn a_load_reports_its_layers_in_order_as_they_land() {
         // A small load is one batch: every layer lands at once.
         kv.reset().unwrap();
         let q = query(&node, "layers", 0..1, false).await;
-        let seen = std::sync::Arc::new(SeenLayers::default());
+        let seen = Arc::new(SeenLayers::default());
         let rx = node
             .start_load_observed(
                 load_request(q.lease.unwrap(), "layers", 0, &[3]),
@@ -727,6 +728,143 @@ fn a_load_reports_its_layers_in_order_as_they_land() {
         assert_eq!(
             (s.loads_ok, s.transfers_in_flight, s.leases_live),
             (2, 0, 0)
+        );
+        node.shutdown();
+    });
+}
+
+/// The host device, recording each batch's submission and end in a log it shares with a
+/// load observer, so a test sees how far submission runs ahead of the copies.
+#[derive(Debug)]
+struct Recording {
+    inner: Arc<kvferry_gpu::HostDevice>,
+    log: Arc<std::sync::Mutex<Vec<String>>>,
+    queued: Arc<std::sync::atomic::AtomicUsize>,
+    most: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl kvferry_gpu::Device for Recording {
+    fn kind(&self) -> kvferry_gpu::DeviceKind {
+        self.inner.kind()
+    }
+
+    fn ordinal(&self) -> u32 {
+        self.inner.ordinal()
+    }
+
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+
+    fn check_range(&self, ptr: u64, len: u64) -> Result<(), kvferry_gpu::DeviceError> {
+        self.inner.check_range(ptr, len)
+    }
+
+    fn alloc(&self, bytes: u64) -> Result<kvferry_gpu::DeviceBuffer, kvferry_gpu::DeviceError> {
+        self.inner.alloc(bytes)
+    }
+
+    fn register_host(
+        &self,
+        addr: u64,
+        len: u64,
+        read_only: bool,
+    ) -> Result<kvferry_gpu::HostRegistration, kvferry_gpu::DeviceError> {
+        self.inner.register_host(addr, len, read_only)
+    }
+
+    unsafe fn submit(
+        &self,
+        dir: kvferry_gpu::CopyDirection,
+        list: kvferry_gpu::CopyList,
+    ) -> Result<kvferry_gpu::CopyEvent, kvferry_gpu::DeviceError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let n = self.queued.fetch_add(1, SeqCst) + 1;
+        self.most.fetch_max(n, SeqCst);
+        self.log
+            .lock()
+            .unwrap()
+            .push(format!("submit {}", list.len()));
+        // SAFETY: the caller's contract is passed on unchanged.
+        let inner = unsafe { self.inner.submit(dir, list) }?;
+        let (tx, ev) = kvferry_gpu::CopyEvent::channel(0);
+        let queued = Arc::clone(&self.queued);
+        std::thread::spawn(move || {
+            let r = inner.wait_blocking();
+            queued.fetch_sub(1, SeqCst);
+            let _ = tx.send(r);
+        });
+        Ok(ev)
+    }
+
+    fn write(&self, dst: u64, data: &[u8]) -> Result<(), kvferry_gpu::DeviceError> {
+        self.inner.write(dst, data)
+    }
+
+    fn read(&self, src: u64, out: &mut [u8]) -> Result<(), kvferry_gpu::DeviceError> {
+        self.inner.read(src, out)
+    }
+}
+
+/// Logs the layers an observer is told into the recording device's log.
+struct LogLayers(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl kvferry_actors::LoadObserver for LogLayers {
+    fn layers_landed(&self, layers: u32, _total: u32) {
+        self.0.lock().unwrap().push(format!("layers {layers}"));
+    }
+}
+
+#[test]
+fn a_load_keeps_two_batches_queued_and_reports_each_before_submitting_the_next() {
+    rt().block_on(async {
+        // 4 layers of 32 MiB each over 256 blocks: layer 0, layers 1-2, layer 3.
+        let shape = KvShape::new(4, 1, 2, 64 << 10).unwrap();
+        let rec = Recording {
+            inner: kvferry_gpu::HostDevice::new(0),
+            log: Arc::default(),
+            queued: Arc::default(),
+            most: Arc::default(),
+        };
+        let (log, most) = (Arc::clone(&rec.log), Arc::clone(&rec.most));
+        let dev: Arc<dyn kvferry_gpu::Device> = Arc::new(rec);
+        let node = kvferry_actors::Node::start_in(
+            config(shape.block_bytes(), 260),
+            vec![Arc::clone(&dev)],
+            Clock::system(),
+            None::<Arc<kvferry_actors::remote::LocalCluster>>,
+        )
+        .unwrap();
+        let kv = register(&node, &dev, "window", shape, 0, KvKind::Split, 260, 0).await;
+        put(&node, "window", &shape, 0, 0..256).await;
+        let q = query(&node, "window", 0..256, false).await;
+        let dest: Vec<u32> = (0..256).map(|i| 259 - i).collect();
+        log.lock().unwrap().clear();
+        let rx = node
+            .start_load_observed(
+                load_request(q.lease.unwrap(), "window", 0, &dest),
+                Arc::new(LogLayers(Arc::clone(&log))),
+            )
+            .await
+            .unwrap();
+        let r = rx.await.unwrap().unwrap();
+        assert_eq!(kv.verify(&expected(&dest, 0), 0).unwrap(), r.bytes);
+        kv.untouched_outside(&dest).unwrap();
+        // Two batches up front; the third only after the first landed and was reported.
+        let log = log.lock().unwrap().clone();
+        let at = |e: &str| log.iter().position(|l| l.starts_with(e));
+        let submits: Vec<usize> = (0..log.len())
+            .filter(|&i| log[i].starts_with("submit"))
+            .collect();
+        assert_eq!(submits.len(), 3, "{log:?}");
+        assert_eq!(&submits[..2], &[0, 1], "{log:?}");
+        assert!(at("layers 1").unwrap() < submits[2], "{log:?}");
+        assert_eq!(log.last().map(String::as_str), Some("layers 4"), "{log:?}");
+        assert_eq!(most.load(std::sync::atomic::Ordering::SeqCst), 2);
+        let s = settled(&node).await;
+        assert_eq!(
+            (s.loads_ok, s.transfers_in_flight, s.leases_live),
+            (1, 0, 0)
         );
         node.shutdown();
     });
