@@ -67,6 +67,24 @@ impl<'a> Scatter<'a> {
         }
     }
 
+    /// `(host offset in a slot, device address in block 0)` of every segment of `layers`,
+    /// in host order: a batch's copies are these plus a slot and a block offset each, so
+    /// the layout is asked once per segment rather than once per copy (a 1024-block load of
+    /// 28 layers is 57344 copies).
+    fn segment_table(&self, layers: Range<u32>) -> Vec<(u64, u64)> {
+        let segs = self.shape.segments();
+        let mut out = Vec::with_capacity(layers.len() * segs as usize);
+        for l in layers {
+            for s in 0..segs {
+                out.push((
+                    self.shape.segment_offset(self.rank, l, s),
+                    self.layout.segment_addr(l, s, 0),
+                ));
+            }
+        }
+        out
+    }
+
     /// `layers` of every `(slot, block)` pair, block by block: one block's layers of the
     /// range are one contiguous host run (a rank's part of a slot is laid out layer by
     /// layer), so the copy path sees runs of `layers × segments` segments instead of single
@@ -82,10 +100,14 @@ impl<'a> Scatter<'a> {
         layers: Range<u32>,
         pairs: &[(u64, u32)],
     ) {
+        let table = self.segment_table(layers);
+        let (len, stride) = (self.shape.segment_bytes(), self.layout.block_stride());
         for &(slot, block) in pairs {
-            for l in layers.clone() {
-                for s in 0..self.shape.segments() {
-                    self.push(list, dir, slot, block, l, s);
+            let at = u64::from(block) * stride;
+            for &(host, dev) in &table {
+                match dir {
+                    CopyDirection::HostToDevice => list.push(slot + host, dev + at, len),
+                    CopyDirection::DeviceToHost => list.push(dev + at, slot + host, len),
                 }
             }
         }
