@@ -375,7 +375,9 @@ pub(crate) enum Baseline {
         device: Arc<dyn Device>,
         // Field order matters: the registration is undone before the memory is freed.
         _pin: kvferry_gpu::HostRegistration,
-        src: Vec<u8>,
+        // Its own pages: a heap buffer can share a page with memory registered elsewhere in
+        // the process, which the driver refuses to register twice.
+        src: kvferry_transport::HostRegion,
         dst: kvferry_gpu::DeviceBuffer,
     },
 }
@@ -389,7 +391,10 @@ impl Baseline {
                 dst: vec![1u8; bytes as usize],
             }),
             DeviceKind::Cuda => {
-                let pin = device.register_host(src.as_ptr() as u64, bytes, true)?;
+                let region = kvferry_transport::HostRegion::anonymous(usize::try_from(bytes)?)?;
+                region.write_at(0, &src)?;
+                let src = region;
+                let pin = device.register_host(src.addr(), bytes, true)?;
                 let dst = device.alloc(bytes)?;
                 Ok(Baseline::RawH2d {
                     device: Arc::clone(device),
@@ -419,11 +424,11 @@ impl Baseline {
             Baseline::RawH2d {
                 device, src, dst, ..
             } => {
-                // SAFETY: `src` is a live, pinned Vec that outlives the call.
+                // SAFETY: `src` is a live, pinned mapping that outlives the call.
                 let s = unsafe {
                     kvferry_testkit::bench_raw_h2d(
                         device.as_ref(),
-                        src.as_ptr() as u64,
+                        src.addr(),
                         dst.ptr(),
                         src.len() as u64,
                         1,

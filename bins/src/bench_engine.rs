@@ -12,11 +12,12 @@
 //! blocks (loaded back).
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use kvferry_actors::rpc::board::{Board, SlotState};
+use kvferry_actors::rpc::board::{Board, SlotState, SlotView};
 use kvferry_actors::rpc::{EngineClient, MemoryRegion, RegisterRegions};
 use kvferry_actors::{BlockHash, InstanceId, LoadRequest, SaveRequest};
 use kvferry_gpu::{Device, KvShape};
@@ -249,6 +250,70 @@ struct Duplex {
     verified: bool,
 }
 
+/// A load as an engine watches it: when its first layer and its end showed on the board.
+struct Watched {
+    load_id: u64,
+    first_s: f64,
+    done_s: f64,
+    view: SlotView,
+}
+
+/// Sends `req` naming board slot 0 and `tag`, and watches the board while the RPC's answer
+/// is on its way: the board shows the landed layers and the end without waiting for it, as
+/// it would for an engine. Times are from the send. The answer (the load id) is awaited
+/// last; an RPC refused before the board was touched ends the wait with its error.
+async fn load_watched(
+    c: &EngineClient,
+    board: &Board,
+    req: LoadRequest,
+    tag: u32,
+) -> anyhow::Result<Watched> {
+    let refused = Arc::new(AtomicBool::new(false));
+    let t = Instant::now();
+    let rpc = {
+        let (c, refused) = (c.clone(), Arc::clone(&refused));
+        tokio::spawn(async move {
+            let r = c.load_on_board(&req, Some((0, tag))).await;
+            if r.is_err() {
+                refused.store(true, Ordering::Release);
+            }
+            r
+        })
+    };
+    let wait = |layers: u32| -> anyhow::Result<Option<SlotView>> {
+        loop {
+            let v = board.wait(0, tag, layers, Duration::from_millis(2))?;
+            if v.tag == tag && (v.state.is_done() || v.layers >= layers) {
+                return Ok(Some(v));
+            }
+            if refused.load(Ordering::Acquire) {
+                return Ok(None);
+            }
+            if t.elapsed() > WAIT {
+                bail!("no end on the board after {WAIT:?}");
+            }
+        }
+    };
+    let first = wait(1)?;
+    let first_s = t.elapsed().as_secs_f64();
+    let view = match first {
+        Some(v) if v.state.is_done() => Some(v),
+        Some(_) => wait(u32::MAX)?,
+        None => None,
+    };
+    let done_s = t.elapsed().as_secs_f64();
+    let load_id = rpc.await??;
+    let Some(view) = view else {
+        bail!("the load RPC failed but the board did not say so");
+    };
+    Ok(Watched {
+        load_id,
+        first_s,
+        done_s,
+        view,
+    })
+}
+
 /// What a duplex round needs of the sweep's state.
 struct DuplexCtx<'a> {
     c: &'a EngineClient,
@@ -276,20 +341,15 @@ impl DuplexCtx<'_> {
 
     /// Loads `lease` into the destinations and waits for the board to say done.
     async fn load(&self, lease: kvferry_actors::LeaseId, tag: u32) -> anyhow::Result<()> {
-        let load_id = self
-            .c
-            .load_on_board(
-                &LoadRequest {
-                    lease,
-                    instance: self.id.clone(),
-                    rank: 0,
-                    dest_blocks: self.dest.to_vec(),
-                },
-                Some((0, tag)),
-            )
-            .await?;
-        let v = self.board.wait(0, tag, u32::MAX, WAIT)?;
-        if v.state != SlotState::Ok {
+        let req = LoadRequest {
+            lease,
+            instance: self.id.clone(),
+            rank: 0,
+            dest_blocks: self.dest.to_vec(),
+        };
+        let w = load_watched(self.c, self.board, req, tag).await?;
+        let load_id = w.load_id;
+        if w.view.state != SlotState::Ok {
             let done = self.c.poll_load(load_id).await?;
             bail!("the load of {} blocks failed: {done:?}", self.n);
         }
@@ -420,17 +480,20 @@ fn raw_duplex(device: &str, bytes: u64, iters: usize) -> anyhow::Result<f64> {
         return Ok(median(&mut times));
     }
     let dev = kvferry_gpu::open_device(device, 0)?;
-    let up_src = vec![1u8; len];
-    let mut down_dst = vec![0u8; len];
+    // Mappings of their own: heap buffers can share a page with memory registered elsewhere
+    // in this process, which the driver refuses to register twice.
+    let up_src = kvferry_transport::HostRegion::anonymous(len)?;
+    up_src.fill(1)?;
+    let down_dst = kvferry_transport::HostRegion::anonymous(len)?;
     // Locals drop in reverse order: the device buffers, the registrations, then the memory.
-    let _pin_up = dev.register_host(up_src.as_ptr() as u64, bytes, true)?;
-    let _pin_down = dev.register_host(down_dst.as_mut_ptr() as u64, bytes, false)?;
+    let _pin_up = dev.register_host(up_src.addr(), bytes, true)?;
+    let _pin_down = dev.register_host(down_dst.addr(), bytes, false)?;
     let (up_dst, down_src) = (dev.alloc(bytes)?, dev.alloc(bytes)?);
     let ranges = kvferry_testkit::DuplexRanges {
-        h2d_src: up_src.as_ptr() as u64,
+        h2d_src: up_src.addr(),
         h2d_dst: up_dst.ptr(),
         d2h_src: down_src.ptr(),
-        d2h_dst: down_dst.as_mut_ptr() as u64,
+        d2h_dst: down_dst.addr(),
         bytes,
     };
     // SAFETY: both host buffers are live, pinned, and untouched until the call returns.
@@ -511,27 +574,15 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                     bail!("a query of {n} saved blocks hit {}", q.local_blocks);
                 };
                 tag = tag.wrapping_add(1);
-                let t = Instant::now();
-                let load_id = c
-                    .load_on_board(
-                        &LoadRequest {
-                            lease,
-                            instance: id.clone(),
-                            rank: 0,
-                            dest_blocks: dest.clone(),
-                        },
-                        Some((0, tag)),
-                    )
-                    .await?;
-                let v = board.wait(0, tag, 1, WAIT)?;
-                let first_s = t.elapsed().as_secs_f64();
-                let v = if v.state.is_done() {
-                    v
-                } else {
-                    board.wait(0, tag, u32::MAX, WAIT)?
+                let req = LoadRequest {
+                    lease,
+                    instance: id.clone(),
+                    rank: 0,
+                    dest_blocks: dest.clone(),
                 };
-                let load_s = t.elapsed().as_secs_f64();
-                if v.state != SlotState::Ok {
+                let w = load_watched(&c, &board, req, tag).await?;
+                let (load_id, first_s, load_s) = (w.load_id, w.first_s, w.done_s);
+                if w.view.state != SlotState::Ok {
                     let done = c.poll_load(load_id).await?;
                     bail!("the load of {n} blocks failed: {done:?}");
                 }
