@@ -21,8 +21,8 @@ mod plan;
 mod shared;
 
 pub use device::{
-    driver_present, CudaDevice, CudaOptions, IpcHandle, DEFAULT_STAGING_CHUNKS,
-    DEFAULT_STAGING_CHUNK_BYTES,
+    driver_present, CudaDevice, CudaOptions, IpcHandle, DEFAULT_COMPLETION_SPIN,
+    DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES,
 };
 pub use error::CudaError;
 pub use open::{open_device, open_device_with};
