@@ -9,6 +9,7 @@
 
 mod cluster;
 mod engine_server;
+mod hooked;
 mod peer_server;
 mod process;
 pub mod raw;
@@ -16,6 +17,7 @@ pub mod raw;
 pub use crate::attached::put_pattern_over;
 pub use cluster::Cluster;
 pub use engine_server::EngineServer;
+pub use hooked::{HookedDevice, SubmitHook};
 pub use peer_server::{grpc_peers, PeerServer};
 pub use process::{
     free_port, promtool_check, stdin_closed, wait_listening, ChildTest, RedisServer,

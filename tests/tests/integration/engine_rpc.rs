@@ -953,49 +953,18 @@ fn a_client_process_loads_into_its_memfd_through_a_node_process() {
     child.finish(Some("ENGINE_CHILD_OK"));
 }
 
-/// The host device whose copy batches fail while `fail` is set, for failed loads.
-#[derive(Debug)]
-struct FailingDevice {
-    inner: Arc<HostDevice>,
-    fail: std::sync::atomic::AtomicBool,
-}
+/// Fails every copy batch while set, for failed loads.
+#[derive(Default)]
+struct FailWhileSet(std::sync::atomic::AtomicBool);
 
-impl Device for FailingDevice {
-    fn kind(&self) -> kvferry_gpu::DeviceKind {
-        self.inner.kind()
-    }
-
-    fn ordinal(&self) -> u32 {
-        self.inner.ordinal()
-    }
-
-    fn name(&self) -> String {
-        self.inner.name()
-    }
-
-    fn check_range(&self, ptr: u64, len: u64) -> Result<(), kvferry_gpu::DeviceError> {
-        self.inner.check_range(ptr, len)
-    }
-
-    fn alloc(&self, bytes: u64) -> Result<kvferry_gpu::DeviceBuffer, kvferry_gpu::DeviceError> {
-        self.inner.alloc(bytes)
-    }
-
-    fn register_host(
-        &self,
-        addr: u64,
-        len: u64,
-        read_only: bool,
-    ) -> Result<kvferry_gpu::HostRegistration, kvferry_gpu::DeviceError> {
-        self.inner.register_host(addr, len, read_only)
-    }
-
+impl SubmitHook for FailWhileSet {
     unsafe fn submit(
         &self,
+        inner: &HostDevice,
         dir: kvferry_gpu::CopyDirection,
         list: kvferry_gpu::CopyList,
     ) -> Result<kvferry_gpu::CopyEvent, kvferry_gpu::DeviceError> {
-        if self.fail.load(Ordering::Relaxed) {
+        if self.0.load(Ordering::Relaxed) {
             return Err(kvferry_gpu::DeviceError::Copy {
                 ordinal: 0,
                 ops: list.len(),
@@ -1003,38 +972,18 @@ impl Device for FailingDevice {
             });
         }
         // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { self.inner.submit(dir, list) }
-    }
-
-    fn write(&self, dst: u64, data: &[u8]) -> Result<(), kvferry_gpu::DeviceError> {
-        self.inner.write(dst, data)
-    }
-
-    fn read(&self, src: u64, out: &mut [u8]) -> Result<(), kvferry_gpu::DeviceError> {
-        self.inner.read(src, out)
-    }
-
-    fn import_memfd(
-        &self,
-        fd: std::os::fd::OwnedFd,
-        len: u64,
-    ) -> Result<kvferry_gpu::DeviceBuffer, kvferry_gpu::DeviceError> {
-        self.inner.import_memfd(fd, len)
+        unsafe { inner.submit(dir, list) }
     }
 }
 
 #[test]
 fn a_failed_load_completes_failed_with_its_blocks_and_the_next_one_works() {
     rt().block_on(async {
-        let host = HostDevice::new(0);
-        let failing = Arc::new(FailingDevice {
-            inner: Arc::clone(&host),
-            fail: std::sync::atomic::AtomicBool::new(false),
-        });
+        let failing = HookedDevice::new(FailWhileSet::default());
         let srv = EngineServer::start_on(
             EngineOptions::default(),
             Arc::clone(&failing) as Arc<dyn Device>,
-            host,
+            Arc::clone(&failing.inner),
         )
         .await;
         let c = srv.client("").await;
@@ -1043,7 +992,7 @@ fn a_failed_load_completes_failed_with_its_blocks_and_the_next_one_works() {
         put_over_grpc(&c, shape(), "eng", 0..4).await;
         let mut stream = c.completions(&id("eng"), 0).await.unwrap();
 
-        failing.fail.store(true, Ordering::Relaxed);
+        failing.hook.0.store(true, Ordering::Relaxed);
         let lease = lease_for(&c, "eng", 0..4).await;
         let l = c
             .load(&load_request(lease, "eng", 0, &[9, 3, 4, 12]))
@@ -1069,7 +1018,7 @@ fn a_failed_load_completes_failed_with_its_blocks_and_the_next_one_works() {
             (1, 0, 0, 0)
         );
 
-        failing.fail.store(false, Ordering::Relaxed);
+        failing.hook.0.store(false, Ordering::Relaxed);
         let lease = lease_for(&c, "eng", 0..4).await;
         let l = c
             .load(&load_request(lease, "eng", 0, &[9, 3, 4, 12]))

@@ -733,48 +733,19 @@ fn a_load_reports_its_layers_in_order_as_they_land() {
     });
 }
 
-/// The host device, recording each batch's submission and end in a log it shares with a
-/// load observer, so a test sees how far submission runs ahead of the copies.
-#[derive(Debug)]
+/// Records each batch's submission in a log it shares with a load observer, and how many
+/// batches were queued at most, so a test sees how far submission runs ahead of the copies.
+#[derive(Default)]
 struct Recording {
-    inner: Arc<kvferry_gpu::HostDevice>,
     log: Arc<std::sync::Mutex<Vec<String>>>,
     queued: Arc<std::sync::atomic::AtomicUsize>,
-    most: Arc<std::sync::atomic::AtomicUsize>,
+    most: std::sync::atomic::AtomicUsize,
 }
 
-impl kvferry_gpu::Device for Recording {
-    fn kind(&self) -> kvferry_gpu::DeviceKind {
-        self.inner.kind()
-    }
-
-    fn ordinal(&self) -> u32 {
-        self.inner.ordinal()
-    }
-
-    fn name(&self) -> String {
-        self.inner.name()
-    }
-
-    fn check_range(&self, ptr: u64, len: u64) -> Result<(), kvferry_gpu::DeviceError> {
-        self.inner.check_range(ptr, len)
-    }
-
-    fn alloc(&self, bytes: u64) -> Result<kvferry_gpu::DeviceBuffer, kvferry_gpu::DeviceError> {
-        self.inner.alloc(bytes)
-    }
-
-    fn register_host(
-        &self,
-        addr: u64,
-        len: u64,
-        read_only: bool,
-    ) -> Result<kvferry_gpu::HostRegistration, kvferry_gpu::DeviceError> {
-        self.inner.register_host(addr, len, read_only)
-    }
-
+impl SubmitHook for Recording {
     unsafe fn submit(
         &self,
+        inner: &kvferry_gpu::HostDevice,
         dir: kvferry_gpu::CopyDirection,
         list: kvferry_gpu::CopyList,
     ) -> Result<kvferry_gpu::CopyEvent, kvferry_gpu::DeviceError> {
@@ -786,7 +757,7 @@ impl kvferry_gpu::Device for Recording {
             .unwrap()
             .push(format!("submit {}", list.len()));
         // SAFETY: the caller's contract is passed on unchanged.
-        let inner = unsafe { self.inner.submit(dir, list) }?;
+        let inner = unsafe { kvferry_gpu::Device::submit(inner, dir, list) }?;
         let (tx, ev) = kvferry_gpu::CopyEvent::channel(0);
         let queued = Arc::clone(&self.queued);
         std::thread::spawn(move || {
@@ -795,14 +766,6 @@ impl kvferry_gpu::Device for Recording {
             let _ = tx.send(r);
         });
         Ok(ev)
-    }
-
-    fn write(&self, dst: u64, data: &[u8]) -> Result<(), kvferry_gpu::DeviceError> {
-        self.inner.write(dst, data)
-    }
-
-    fn read(&self, src: u64, out: &mut [u8]) -> Result<(), kvferry_gpu::DeviceError> {
-        self.inner.read(src, out)
     }
 }
 
@@ -820,14 +783,9 @@ fn a_load_keeps_two_batches_queued_and_reports_each_before_submitting_the_next()
     rt().block_on(async {
         // 4 layers of 32 MiB each over 256 blocks: layer 0, layers 1-2, layer 3.
         let shape = KvShape::new(4, 1, 2, 64 << 10).unwrap();
-        let rec = Recording {
-            inner: kvferry_gpu::HostDevice::new(0),
-            log: Arc::default(),
-            queued: Arc::default(),
-            most: Arc::default(),
-        };
-        let (log, most) = (Arc::clone(&rec.log), Arc::clone(&rec.most));
-        let dev: Arc<dyn kvferry_gpu::Device> = Arc::new(rec);
+        let rec = HookedDevice::new(Recording::default());
+        let log = Arc::clone(&rec.hook.log);
+        let dev: Arc<dyn kvferry_gpu::Device> = rec.clone();
         let node = kvferry_actors::Node::start_in(
             config(shape.block_bytes(), 260),
             vec![Arc::clone(&dev)],
@@ -860,7 +818,7 @@ fn a_load_keeps_two_batches_queued_and_reports_each_before_submitting_the_next()
         assert_eq!(&submits[..2], &[0, 1], "{log:?}");
         assert!(at("layers 1").unwrap() < submits[2], "{log:?}");
         assert_eq!(log.last().map(String::as_str), Some("layers 4"), "{log:?}");
-        assert_eq!(most.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(rec.hook.most.load(std::sync::atomic::Ordering::SeqCst), 2);
         let s = settled(&node).await;
         assert_eq!(
             (s.loads_ok, s.transfers_in_flight, s.leases_live),
