@@ -514,6 +514,7 @@ impl BlockStore {
         let mut present = 0;
         let mut list =
             CopyList::with_capacity(m.hashes.len() * (shape.layers() * shape.segments()) as usize);
+        let scatter = kvferry_gpu::Scatter::new(shape, &h.layout, h.rank);
         for (hash, src) in m.hashes.iter().zip(&m.src_blocks) {
             let r = self.cache.reserve(
                 &h.namespace,
@@ -547,7 +548,7 @@ impl BlockStore {
                 hash: *hash,
                 armed: true,
             });
-            kvferry_gpu::Scatter::new(shape, &h.layout, h.rank).push_block(
+            scatter.push_block(
                 &mut list,
                 kvferry_gpu::CopyDirection::DeviceToHost,
                 slot.addr,

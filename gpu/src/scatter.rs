@@ -10,49 +10,69 @@ use std::ops::Range;
 use crate::{CopyDirection, CopyList, KvLayout, KvShape};
 
 /// One rank's scatter between host block slots and its device KV.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Scatter<'a> {
     shape: &'a KvShape,
     layout: &'a KvLayout,
-    rank: u32,
+    /// `(host offset in a slot, device address in block 0)` of every segment, in host order
+    /// (layer by layer): a copy is an entry plus a slot and a block offset, so the layout is
+    /// asked once per segment here rather than once per copy (a 1024-block load of 28
+    /// layers is 57344 copies).
+    table: Vec<(u64, u64)>,
 }
 
 impl<'a> Scatter<'a> {
     pub fn new(shape: &'a KvShape, layout: &'a KvLayout, rank: u32) -> Self {
+        let segs = shape.segments();
+        let mut table = Vec::with_capacity((shape.layers() * segs) as usize);
+        for l in 0..shape.layers() {
+            for s in 0..segs {
+                table.push((
+                    shape.segment_offset(rank, l, s),
+                    layout.segment_addr(l, s, 0),
+                ));
+            }
+        }
         Self {
             shape,
             layout,
-            rank,
+            table,
         }
     }
 
     /// Copies per block before merging (`layers × segments`).
     pub fn copies_per_block(&self) -> usize {
-        (self.shape.layers() * self.shape.segments()) as usize
+        self.table.len()
     }
 
     /// Whether one block's rank part maps onto one contiguous device range in host order
     /// (vLLM's cross-layer blocks): then a block is one copy, and only block-major order
     /// keeps it so.
     pub fn block_contiguous(&self) -> bool {
-        let (layers, segs) = (self.shape.layers(), self.shape.segments());
-        let first = self.layout.segment_addr(0, 0, 0);
-        (0..layers).all(|l| {
-            (0..segs).all(|s| {
-                let i = u64::from(l * segs + s);
-                self.layout.segment_addr(l, s, 0) == first + i * self.shape.segment_bytes()
-            })
-        })
+        let first = self.table.first().map_or(0, |&(_, dev)| dev);
+        let seg = self.shape.segment_bytes();
+        (0u64..)
+            .zip(&self.table)
+            .all(|(i, &(_, dev))| dev == first + i * seg)
     }
 
-    /// Appends one segment's copy in `dir` between host block `slot` and device block `block`.
-    fn push(&self, list: &mut CopyList, dir: CopyDirection, slot: u64, block: u32, l: u32, s: u32) {
-        let host = slot + self.shape.segment_offset(self.rank, l, s);
-        let dev = self.layout.segment_addr(l, s, block);
+    /// Appends the copies of `segments` (a range of [`Self::table`]) between host block
+    /// `slot` and device block `block`, in `dir`.
+    fn push(
+        &self,
+        list: &mut CopyList,
+        dir: CopyDirection,
+        segments: Range<usize>,
+        slot: u64,
+        block: u32,
+    ) {
         let len = self.shape.segment_bytes();
-        match dir {
-            CopyDirection::HostToDevice => list.push(host, dev, len),
-            CopyDirection::DeviceToHost => list.push(dev, host, len),
+        let at = u64::from(block) * self.layout.block_stride();
+        for &(host, dev) in &self.table[segments] {
+            match dir {
+                CopyDirection::HostToDevice => list.push(slot + host, dev + at, len),
+                CopyDirection::DeviceToHost => list.push(dev + at, slot + host, len),
+            }
         }
     }
 
@@ -60,29 +80,7 @@ impl<'a> Scatter<'a> {
     /// ranks) ↔ device block `block`. Addresses on the host side may be an owner's (a remote
     /// read's source), since nothing here dereferences them.
     pub fn push_block(&self, list: &mut CopyList, dir: CopyDirection, slot: u64, block: u32) {
-        for l in 0..self.shape.layers() {
-            for s in 0..self.shape.segments() {
-                self.push(list, dir, slot, block, l, s);
-            }
-        }
-    }
-
-    /// `(host offset in a slot, device address in block 0)` of every segment of `layers`,
-    /// in host order: a batch's copies are these plus a slot and a block offset each, so
-    /// the layout is asked once per segment rather than once per copy (a 1024-block load of
-    /// 28 layers is 57344 copies).
-    fn segment_table(&self, layers: Range<u32>) -> Vec<(u64, u64)> {
-        let segs = self.shape.segments();
-        let mut out = Vec::with_capacity(layers.len() * segs as usize);
-        for l in layers {
-            for s in 0..segs {
-                out.push((
-                    self.shape.segment_offset(self.rank, l, s),
-                    self.layout.segment_addr(l, s, 0),
-                ));
-            }
-        }
-        out
+        self.push(list, dir, 0..self.table.len(), slot, block);
     }
 
     /// `layers` of every `(slot, block)` pair, block by block: one block's layers of the
@@ -100,16 +98,12 @@ impl<'a> Scatter<'a> {
         layers: Range<u32>,
         pairs: &[(u64, u32)],
     ) {
-        let table = self.segment_table(layers);
-        let (len, stride) = (self.shape.segment_bytes(), self.layout.block_stride());
+        let segs = self.shape.segments() as usize;
+        let layers = layers.start.min(layers.end) as usize..layers.end as usize;
+        let segments =
+            (layers.start * segs).min(self.table.len())..(layers.end * segs).min(self.table.len());
         for &(slot, block) in pairs {
-            let at = u64::from(block) * stride;
-            for &(host, dev) in &table {
-                match dir {
-                    CopyDirection::HostToDevice => list.push(slot + host, dev + at, len),
-                    CopyDirection::DeviceToHost => list.push(dev + at, slot + host, len),
-                }
-            }
+            self.push(list, dir, segments.clone(), slot, block);
         }
     }
 }
