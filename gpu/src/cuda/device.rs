@@ -551,20 +551,45 @@ impl Inner {
         if plan.engine.is_empty() {
             return Ok(());
         }
-        if plan.engine_batched {
-            let mut dsts: Vec<u64> = plan.engine.iter().map(|o| o.dst).collect();
-            let mut srcs: Vec<u64> = plan.engine.iter().map(|o| o.src).collect();
-            let mut sizes: Vec<usize> = plan.engine.iter().map(|o| o.len as usize).collect();
-            // SAFETY: device sides validated, host sides kept valid by the caller of `submit`
-            // until the batch completes; the symbol was checked at open (`batch_copy`).
-            unsafe { ffi::memcpy_batch_async(&mut dsts, &mut srcs, &mut sizes, stream) }
-                .map_err(|e| self.driver("cuMemcpyBatchAsync", e))?;
-        } else {
-            for op in &plan.engine {
-                // SAFETY: as above, one range at a time.
-                unsafe { ffi::memcpy_async(op.dst, op.src, op.len as usize, stream) }
-                    .map_err(|e| self.driver("cuMemcpyAsync", e))?;
+        let ops = plan.engine.iter().map(|o| (o.dst, o.src, o.len));
+        // SAFETY: device sides validated, host sides kept valid by the caller of `submit`
+        // until the batch completes; `engine_batched` only where the driver has the call.
+        unsafe { self.copy_ranges(stream, plan.engine_batched, ops) }?;
+        Ok(())
+    }
+
+    /// Queues `(dst, src, len)` copies on `stream`: one `cuMemcpyBatchAsync` where
+    /// `batched`, otherwise one `cuMemcpyAsync` each.
+    ///
+    /// # Safety
+    /// Every range stays valid until the work on `stream` completes; `stream` is live in the
+    /// bound context; `batched` only where the driver has the batched call.
+    unsafe fn copy_ranges(
+        &self,
+        stream: ffi::CUstream,
+        batched: bool,
+        ops: impl ExactSizeIterator<Item = (u64, u64, u64)>,
+    ) -> Result<(), DeviceError> {
+        if batched {
+            let n = ops.len();
+            let (mut dsts, mut srcs, mut sizes) = (
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+            );
+            for (dst, src, len) in ops {
+                dsts.push(dst);
+                srcs.push(src);
+                sizes.push(len as usize);
             }
+            // SAFETY: as the caller guarantees.
+            return unsafe { ffi::memcpy_batch_async(&mut dsts, &mut srcs, &mut sizes, stream) }
+                .map_err(|e| self.driver("cuMemcpyBatchAsync", e));
+        }
+        for (dst, src, len) in ops {
+            // SAFETY: as the caller guarantees, one range at a time.
+            unsafe { ffi::memcpy_async(dst, src, len as usize, stream) }
+                .map_err(|e| self.driver("cuMemcpyAsync", e))?;
         }
         Ok(())
     }
@@ -626,40 +651,15 @@ impl Inner {
         // 128 KiB runs, went from 22.5 to 48 GB/s).
         let batched = self.caps.batch_copy;
         let copies = |chunk: &super::plan::StageChunk, base: u64| {
-            if batched && chunk.spans.len() > 1 {
-                let n = chunk.spans.len();
-                let (mut dsts, mut srcs, mut sizes) = (
-                    Vec::with_capacity(n),
-                    Vec::with_capacity(n),
-                    Vec::with_capacity(n),
-                );
-                for sp in &chunk.spans {
-                    let (dst, src) = match dir {
-                        CopyDirection::HostToDevice => (base + sp.offset, sp.host),
-                        CopyDirection::DeviceToHost => (sp.host, base + sp.offset),
-                    };
-                    dsts.push(dst);
-                    srcs.push(src);
-                    sizes.push(sp.len as usize);
-                }
-                // SAFETY: as for one range below, for every range of the chunk; the symbol
-                // was checked at open (`batch_copy`).
-                return unsafe { ffi::memcpy_batch_async(&mut dsts, &mut srcs, &mut sizes, lane) }
-                    .map_err(|e| self.driver("cuMemcpyBatchAsync", e));
-            }
-            for sp in &chunk.spans {
-                let (dst, src) = match dir {
-                    CopyDirection::HostToDevice => (base + sp.offset, sp.host),
-                    CopyDirection::DeviceToHost => (sp.host, base + sp.offset),
-                };
-                // SAFETY: the staging side lies inside one of this lane's buffers (offsets
-                // below the chunk size), which no other batch touches until this one's
-                // `free` event; the host side is the caller's, kept valid until the batch
-                // completes as `submit` requires.
-                unsafe { ffi::memcpy_async(dst, src, sp.len as usize, lane) }
-                    .map_err(|e| self.driver("cuMemcpyAsync", e))?;
-            }
-            Ok::<(), DeviceError>(())
+            let ops = chunk.spans.iter().map(|sp| match dir {
+                CopyDirection::HostToDevice => (base + sp.offset, sp.host, sp.len),
+                CopyDirection::DeviceToHost => (sp.host, base + sp.offset, sp.len),
+            });
+            // SAFETY: the staging side lies inside one of this lane's buffers (offsets below
+            // the chunk size), which no other batch touches until this one's `free` event;
+            // the host side is the caller's, kept valid until the batch completes as
+            // `submit` requires; `batched` only where the driver has the call.
+            unsafe { self.copy_ranges(lane, batched && chunk.spans.len() > 1, ops) }
         };
         let scatter = |chunk: &super::plan::StageChunk, s: ffi::CUstream| {
             let n = chunk.descs.len();
