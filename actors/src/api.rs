@@ -71,8 +71,8 @@ pub struct LoadRequest {
 /// Watches one load land layer by layer (what an engine's per-layer wait needs).
 pub trait LoadObserver: Send + Sync {
     /// The first `layers` of `total` layers have landed in every destination block of the
-    /// load. Called with growing counts, possibly repeated, from the node's actor thread:
-    /// implementations must return at once.
+    /// load. Called with growing counts, each once, from the device's completion thread as a
+    /// batch lands or from the node's actor thread: implementations must return at once.
     fn layers_landed(&self, layers: u32, total: u32);
 
     /// The load ended with `result`, after its pins and guards were released and just

@@ -11,13 +11,14 @@ use std::any::Any;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{self, Poll};
 use std::time::Instant;
 
 use actix::fut::ActorFutureExt;
 use actix::{Actor, ActorContext, ActorFuture, Addr, AsyncContext, Context};
-use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, CopyStats, Device, DeviceError};
+use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, CopyStats, Device, DeviceError, Landed};
 use tokio::sync::oneshot;
 
 use crate::api::{LoadObserver, Span, Stage, StageName, TransferPath, TransferReport};
@@ -34,6 +35,54 @@ use crate::suffix::Suffix;
 
 /// Batches a transfer keeps queued on the device (see `Transfer::submit_ahead`).
 const SUBMIT_AHEAD: usize = 2;
+
+/// Tells a load's observer the layers that have landed, from whichever thread learns it
+/// first: the device's completion thread as a batch lands (the actor thread may be busy
+/// submitting the next batch, hundreds of microseconds for a large one), or the actor as a
+/// part ends. Counts reach the observer growing, never repeated.
+struct LayerGate {
+    observer: Arc<dyn LoadObserver>,
+    total: u32,
+    /// Parts (SSD, remote) still running: their blocks hold every layer, so no layer is
+    /// visible before they end.
+    parts_running: AtomicUsize,
+    /// A batch or a part failed: nothing more is reported as landed.
+    failed: AtomicBool,
+    /// The count the observer was told last; the lock orders concurrent reports.
+    told: Mutex<u32>,
+}
+
+impl LayerGate {
+    fn report(&self, layers: u32) {
+        if layers == 0
+            || self.failed.load(Ordering::Acquire)
+            || self.parts_running.load(Ordering::Acquire) > 0
+        {
+            return;
+        }
+        let mut told = match self.told.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        if layers > *told {
+            *told = layers;
+            self.observer.layers_landed(layers, self.total);
+        }
+    }
+
+    fn fail(&self) {
+        self.failed.store(true, Ordering::Release);
+    }
+
+    /// What runs on the completion thread when a batch ending at `layers` resolves.
+    fn on_batch(self: &Arc<Self>, layers: u32) -> Landed {
+        let gate = Arc::clone(self);
+        Box::new(move |r| match r {
+            Ok(_) => gate.report(layers),
+            Err(_) => gate.fail(),
+        })
+    }
+}
 
 /// Something a transfer keeps alive until its copies have drained.
 pub type Hold = Box<dyn Any + Send>;
@@ -86,6 +135,8 @@ pub struct Transfer {
     layers: u32,
     landed: u32,
     observer: Option<Arc<dyn LoadObserver>>,
+    /// Reports landed layers to `observer` (loads with an observer).
+    gate: Option<Arc<LayerGate>>,
     /// The parts' timeline, in seconds since `started`.
     spans: Vec<Span>,
     /// The load's (or save's) tracing span: what it logs carries its instance, rank, path
@@ -148,6 +199,7 @@ impl Transfer {
             layers: 0,
             landed: 0,
             observer: None,
+            gate: None,
             spans: Vec::new(),
             trace: tracing::info_span!("transfer", path = spec.path.as_str(), blocks = spec.blocks),
         }
@@ -211,6 +263,15 @@ impl Transfer {
             .into_iter()
             .map(|b| (b.layers.end, b.list))
             .collect();
+        let gate = observer.as_ref().map(|o| {
+            Arc::new(LayerGate {
+                observer: Arc::clone(o),
+                total: plan.layers,
+                parts_running: AtomicUsize::new(then.len()),
+                failed: AtomicBool::new(false),
+                told: Mutex::new(0),
+            })
+        });
         Self {
             path: plan.path,
             dir: CopyDirection::HostToDevice,
@@ -235,6 +296,7 @@ impl Transfer {
             layers: plan.layers,
             landed: 0,
             observer,
+            gate,
             spans: Vec::new(),
             trace,
         }
@@ -260,22 +322,23 @@ impl Transfer {
     }
 
     /// Layers that have landed in every destination: none while a part (SSD, remote) runs
-    /// (its blocks hold every layer), the local batches' count once they are done. Reported
-    /// when it grows.
+    /// (its blocks hold every layer), the local batches' count once they are done. The
+    /// completion thread reports each batch as it lands; this covers what only the actor
+    /// learns (a part ended, empty batches skipped).
     fn report_layers(&mut self) {
-        let Some(obs) = &self.observer else {
+        let Some(gate) = &self.gate else {
             return;
         };
-        let remote_done = self.parts_running == 0;
+        if self.local_error.is_some() || self.part_error.is_some() {
+            gate.fail();
+            return;
+        }
         let local = if self.pending.is_empty() && self.batches.is_empty() {
             self.layers
         } else {
             self.landed
         };
-        let visible = if remote_done { local } else { 0 };
-        if visible > 0 && self.local_error.is_none() && self.part_error.is_none() {
-            obs.layers_landed(visible, self.layers);
-        }
+        gate.report(local);
     }
 
     /// One batch resolved.
@@ -297,11 +360,8 @@ impl Transfer {
                 self.batches.clear();
             }
         }
-        // The landed layers first, then the next batch's submission (it costs the actor
-        // thread a few hundred microseconds for a large batch).
-        if self.local_error.is_none() {
-            self.report_layers();
-        }
+        // Usually told already by the completion thread; not while a part was running then.
+        self.report_layers();
         self.submit_ahead();
         if self.pending.is_empty() {
             self.local_seconds = self
@@ -309,9 +369,7 @@ impl Transfer {
                 .map(|t| t.elapsed().as_secs_f64())
                 .unwrap_or(0.0);
             self.end_span("local");
-            if self.local_error.is_none() {
-                self.report_layers();
-            }
+            self.report_layers();
         } else {
             ctx.spawn(
                 AwaitFront.map(|(layers, r), act: &mut Self, ctx| act.batch_done(layers, r, ctx)),
@@ -322,10 +380,11 @@ impl Transfer {
 
     /// Submits batches in order until [`SUBMIT_AHEAD`] are queued on the device. A window
     /// rather than all at once: submitting a large batch takes the actor thread hundreds of
-    /// microseconds, and the first layer's completion cannot be reported meanwhile (on the
-    /// H200 a 256-block load showed layer 0 at 1.0 ms with every batch submitted up front,
-    /// its copy having ended at 0.48 ms). Two queued batches keep the device busy: the next
-    /// is submitted while the second still copies.
+    /// microseconds, during which no completion is handled (on the H200 a 256-block load
+    /// showed layer 0 at 1.0 ms with every batch submitted up front, its copy having ended at
+    /// 0.48 ms; the layers are now reported from the completion thread, but the window still
+    /// bounds what a failed batch leaves queued). Two queued batches keep the device busy: the
+    /// next is submitted while the second still copies.
     fn submit_ahead(&mut self) {
         while self.pending.len() < SUBMIT_AHEAD {
             let Some((layers, list)) = self.batches.pop_front() else {
@@ -335,14 +394,18 @@ impl Transfer {
                 self.landed = self.landed.max(layers);
                 continue;
             }
+            let landed = self.gate.as_ref().map(|g| g.on_batch(layers));
             // SAFETY: every host range in `list` lies in pool slots kept alive by
             // `self.holds` (the pool memory `Arc` and the pins on those slots), and the holds
             // are released only after every submitted event has resolved: in `maybe_finish`,
             // or by the drain thread in `Drop`.
-            match unsafe { self.device.submit(self.dir, list) } {
+            match unsafe { self.device.submit_then(self.dir, list, landed) } {
                 Ok(ev) => self.pending.push_back((layers, ev)),
                 Err(e) => {
                     // Nothing more is submitted; what was is still awaited.
+                    if let Some(g) = &self.gate {
+                        g.fail();
+                    }
                     self.local_error = Some(e);
                     self.batches.clear();
                 }
@@ -367,6 +430,12 @@ impl Transfer {
             Err(e) => {
                 self.part_error.get_or_insert(e);
             }
+        }
+        if let Some(g) = &self.gate {
+            if self.part_error.is_some() {
+                g.fail();
+            }
+            g.parts_running.fetch_sub(1, Ordering::AcqRel);
         }
         self.report_layers();
         self.maybe_finish(ctx);

@@ -92,6 +92,43 @@ pub struct CopyStats {
     pub seconds: f64,
 }
 
+/// Runs once a batch resolves, on the thread that resolves it (the backend's completion
+/// thread, or the submitting one for a batch refused before it was queued), before the
+/// batch's [`CopyEvent`] does. For reporting progress without waiting for the event's owner
+/// to be scheduled; it must return at once.
+pub type Landed = Box<dyn FnOnce(&Result<CopyStats, DeviceError>) + Send>;
+
+/// The backend's side of a [`CopyEvent`]: resolves it, running the submitter's [`Landed`]
+/// first.
+pub struct CopyDone {
+    tx: oneshot::Sender<Result<CopyStats, DeviceError>>,
+    landed: Option<Landed>,
+}
+
+impl CopyDone {
+    /// Attaches what runs when the batch resolves (see [`Landed`]).
+    pub fn then(mut self, landed: Option<Landed>) -> Self {
+        self.landed = landed;
+        self
+    }
+
+    /// Resolves the event; false where its waiter has gone away (the hook ran anyway).
+    pub fn send(self, r: Result<CopyStats, DeviceError>) -> bool {
+        if let Some(f) = self.landed {
+            f(&r);
+        }
+        self.tx.send(r).is_ok()
+    }
+}
+
+impl fmt::Debug for CopyDone {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CopyDone")
+            .field("landed", &self.landed.is_some())
+            .finish()
+    }
+}
+
 /// Completion of one submitted batch: a future that resolves when every copy of the batch has
 /// landed (or failed). Backends complete it from their own thread; awaiting never blocks a
 /// thread.
@@ -102,9 +139,9 @@ pub struct CopyEvent {
 
 impl CopyEvent {
     /// A pair: the sender the backend completes, and the event the caller awaits.
-    pub fn channel(ordinal: u32) -> (oneshot::Sender<Result<CopyStats, DeviceError>>, Self) {
+    pub fn channel(ordinal: u32) -> (CopyDone, Self) {
         let (tx, rx) = oneshot::channel();
-        (tx, Self { rx, ordinal })
+        (CopyDone { tx, landed: None }, Self { rx, ordinal })
     }
 
     /// Non-blocking check; `None` while the batch is still running.
@@ -339,7 +376,22 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// # Safety
     /// Every host-side range in `list` must stay valid (mapped, and not written by anyone else
     /// for a device-to-host batch) until the returned event has resolved.
-    unsafe fn submit(&self, dir: CopyDirection, list: CopyList) -> Result<CopyEvent, DeviceError>;
+    unsafe fn submit(&self, dir: CopyDirection, list: CopyList) -> Result<CopyEvent, DeviceError> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.submit_then(dir, list, None) }
+    }
+
+    /// [`Device::submit`], with `landed` run when the batch resolves, before the returned
+    /// event does, on the thread that resolves it (not run where this returns an error).
+    ///
+    /// # Safety
+    /// As for [`Device::submit`].
+    unsafe fn submit_then(
+        &self,
+        dir: CopyDirection,
+        list: CopyList,
+        landed: Option<Landed>,
+    ) -> Result<CopyEvent, DeviceError>;
 
     /// Synchronous write into device memory (setup and verification, not the data path).
     fn write(&self, dst: u64, data: &[u8]) -> Result<(), DeviceError>;

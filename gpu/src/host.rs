@@ -9,12 +9,10 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::time::Instant;
 
-use tokio::sync::oneshot;
-
 use crate::device::Release;
 use crate::{
-    CopyDirection, CopyEvent, CopyList, CopyStats, Device, DeviceBuffer, DeviceError, DeviceKind,
-    HostRegistration,
+    CopyDirection, CopyDone, CopyEvent, CopyList, CopyStats, Device, DeviceBuffer, DeviceError,
+    DeviceKind, HostRegistration, Landed,
 };
 
 const ALIGN: usize = 4096;
@@ -38,7 +36,7 @@ struct Job {
     dir: CopyDirection,
     list: CopyList,
     submitted: Instant,
-    done: oneshot::Sender<Result<CopyStats, DeviceError>>,
+    done: CopyDone,
 }
 
 impl HostDevice {
@@ -330,14 +328,19 @@ impl Device for HostDevice {
         self.map_memfd(fd, len)
     }
 
-    unsafe fn submit(&self, dir: CopyDirection, list: CopyList) -> Result<CopyEvent, DeviceError> {
+    unsafe fn submit_then(
+        &self,
+        dir: CopyDirection,
+        list: CopyList,
+        landed: Option<Landed>,
+    ) -> Result<CopyEvent, DeviceError> {
         let ordinal = self.inner.ordinal;
         let (done, event) = CopyEvent::channel(ordinal);
         let job = Job {
             dir,
             list,
             submitted: Instant::now(),
-            done,
+            done: done.then(landed),
         };
         let lane = match dir {
             CopyDirection::HostToDevice => 0,
@@ -387,6 +390,38 @@ mod tests {
             .build()
             .unwrap()
             .block_on(f)
+    }
+
+    #[test]
+    fn landed_runs_on_the_copy_thread_with_the_result_before_the_event_resolves() {
+        let dev = HostDevice::new(0);
+        let buf = dev.alloc(4096).unwrap();
+        let src = vec![7u8; 4096];
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let tell = |seen: &Arc<Mutex<Vec<_>>>| -> Option<Landed> {
+            let seen = Arc::clone(seen);
+            Some(Box::new(move |r: &Result<CopyStats, DeviceError>| {
+                let thread = std::thread::current().name().map(str::to_owned);
+                seen.lock()
+                    .unwrap()
+                    .push((r.as_ref().map(|s| s.bytes).ok(), thread));
+            }))
+        };
+        let mut list = CopyList::default();
+        list.push(src.as_ptr() as u64, buf.ptr(), 4096);
+        // SAFETY: `src` outlives the awaited event.
+        let ev = unsafe { dev.submit_then(CopyDirection::HostToDevice, list, tell(&seen)) };
+        // Resolved only after the hook ran: it is there when the event is.
+        assert_eq!(block_on(ev.unwrap()).unwrap().bytes, 4096);
+        let thread = Some("kvferry-hostdev-0-h2d".to_owned());
+        assert_eq!(*seen.lock().unwrap(), vec![(Some(4096), thread.clone())]);
+        // A failed batch tells the hook its error.
+        let mut list = CopyList::default();
+        list.push(src.as_ptr() as u64, buf.ptr() + 1, 4096);
+        // SAFETY: as above.
+        let ev = unsafe { dev.submit_then(CopyDirection::HostToDevice, list, tell(&seen)) };
+        assert!(block_on(ev.unwrap()).is_err());
+        assert_eq!(seen.lock().unwrap()[1], (None, thread));
     }
 
     #[test]

@@ -15,8 +15,8 @@ mod shape;
 pub use copy::{CopyList, CopyOp};
 pub use cuda::{open_device, open_device_with, CudaDevice};
 pub use device::{
-    CopyDirection, CopyEvent, CopyStats, Device, DeviceBuffer, DeviceCaps, DeviceError, DeviceKind,
-    DmaBuf, HostRegistration,
+    CopyDirection, CopyDone, CopyEvent, CopyStats, Device, DeviceBuffer, DeviceCaps, DeviceError,
+    DeviceKind, DmaBuf, HostRegistration, Landed,
 };
 pub use host::HostDevice;
 pub use layout::{GroupKind, KvLayout, KvLayoutSpec, LayerLayout, LayoutError};

@@ -286,6 +286,10 @@ impl Board {
     fn publish(&self, slot: u32, v: SlotView) {
         self.slot_word(slot)
             .store(pack(v.tag, v.state, v.layers), Ordering::Release);
+        self.wake();
+    }
+
+    fn wake(&self) {
         self.word32(WAKE_OFFSET).fetch_add(1, Ordering::Release);
         // Waiters of any process: a shared (not private) futex.
         let _ = futex::wake(self.word32(WAKE_OFFSET), futex::Flags::empty(), u32::MAX);
@@ -311,19 +315,26 @@ impl Board {
     }
 
     /// Node side: `layers` have landed (ignored if the slot moved on or already shows more).
+    /// Reports may come from two threads (the device's completion thread and the node's), so
+    /// the count only grows and never overwrites an end.
     pub fn layers(&self, slot: u32, tag: u32, layers: u32) {
-        let Ok(v) = self.view(slot) else { return };
-        if v.tag != tag || v.state != SlotState::Running || v.layers >= layers {
+        if self.check(slot).is_err() {
             return;
         }
-        self.publish(
-            slot,
-            SlotView {
-                tag,
-                state: SlotState::Running,
-                layers,
-            },
-        );
+        let word = self.slot_word(slot);
+        let mut cur = word.load(Ordering::Acquire);
+        loop {
+            let v = unpack(cur);
+            if v.tag != tag || v.state != SlotState::Running || v.layers >= layers {
+                return;
+            }
+            let next = pack(tag, SlotState::Running, layers);
+            match word.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(now) => cur = now,
+            }
+        }
+        self.wake();
     }
 
     /// Node side: the load ended (its result is already available to `PollLoad`).

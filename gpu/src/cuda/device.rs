@@ -11,12 +11,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUdevice_attribute as Attr;
-use tokio::sync::oneshot;
 
 use crate::device::Release;
 use crate::{
-    CopyDirection, CopyEvent, CopyList, CopyStats, Device, DeviceBuffer, DeviceCaps, DeviceError,
-    DeviceKind, DmaBuf, HostRegistration,
+    CopyDirection, CopyDone, CopyEvent, CopyList, CopyStats, Device, DeviceBuffer, DeviceCaps,
+    DeviceError, DeviceKind, DmaBuf, HostRegistration, Landed,
 };
 
 use super::error::CudaError;
@@ -243,7 +242,7 @@ unsafe impl Send for PinnedDescs {}
 
 struct Pending {
     event: Option<ffi::CUevent>,
-    done: oneshot::Sender<Result<CopyStats, DeviceError>>,
+    done: CopyDone,
     submitted: Instant,
     bytes: u64,
     ops: usize,
@@ -1050,10 +1049,16 @@ impl Device for CudaDevice {
         Ok(HostRegistration::new(Box::new(owner)))
     }
 
-    unsafe fn submit(&self, dir: CopyDirection, list: CopyList) -> Result<CopyEvent, DeviceError> {
+    unsafe fn submit_then(
+        &self,
+        dir: CopyDirection,
+        list: CopyList,
+        landed: Option<Landed>,
+    ) -> Result<CopyEvent, DeviceError> {
         let inner = &self.inner;
         let ordinal = inner.ordinal;
         let (done, event) = CopyEvent::channel(ordinal);
+        let done = done.then(landed);
         let submitted = Instant::now();
         if list.is_empty() {
             let _ = done.send(Ok(CopyStats {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use kvferry_gpu::{
     CopyDirection, CopyEvent, CopyList, Device, DeviceBuffer, DeviceError, DeviceKind, HostDevice,
-    HostRegistration,
+    HostRegistration, Landed,
 };
 
 /// What a test does with each batch: refuse it, or submit it to `inner` and watch it.
@@ -22,6 +22,7 @@ pub trait SubmitHook: Send + Sync + 'static {
         inner: &HostDevice,
         dir: CopyDirection,
         list: CopyList,
+        landed: Option<Landed>,
     ) -> Result<CopyEvent, DeviceError>;
 }
 
@@ -78,9 +79,14 @@ impl<H: SubmitHook> Device for HookedDevice<H> {
         self.inner.register_host(addr, len, read_only)
     }
 
-    unsafe fn submit(&self, dir: CopyDirection, list: CopyList) -> Result<CopyEvent, DeviceError> {
+    unsafe fn submit_then(
+        &self,
+        dir: CopyDirection,
+        list: CopyList,
+        landed: Option<Landed>,
+    ) -> Result<CopyEvent, DeviceError> {
         // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { self.hook.submit(&self.inner, dir, list) }
+        unsafe { self.hook.submit(&self.inner, dir, list, landed) }
     }
 
     fn write(&self, dst: u64, data: &[u8]) -> Result<(), DeviceError> {

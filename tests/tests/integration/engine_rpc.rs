@@ -963,6 +963,7 @@ impl SubmitHook for FailWhileSet {
         inner: &HostDevice,
         dir: kvferry_gpu::CopyDirection,
         list: kvferry_gpu::CopyList,
+        landed: Option<kvferry_gpu::Landed>,
     ) -> Result<kvferry_gpu::CopyEvent, kvferry_gpu::DeviceError> {
         if self.0.load(Ordering::Relaxed) {
             return Err(kvferry_gpu::DeviceError::Copy {
@@ -972,7 +973,7 @@ impl SubmitHook for FailWhileSet {
             });
         }
         // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { inner.submit(dir, list) }
+        unsafe { inner.submit_then(dir, list, landed) }
     }
 }
 

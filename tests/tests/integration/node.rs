@@ -740,6 +740,9 @@ struct Recording {
     log: Arc<std::sync::Mutex<Vec<String>>>,
     queued: Arc<std::sync::atomic::AtomicUsize>,
     most: std::sync::atomic::AtomicUsize,
+    /// Holds the second submission (and so the thread submitting it) until the first
+    /// batch's layers were reported, or 10 s; logs "held" when they were.
+    hold_second: bool,
 }
 
 impl SubmitHook for Recording {
@@ -748,17 +751,32 @@ impl SubmitHook for Recording {
         inner: &kvferry_gpu::HostDevice,
         dir: kvferry_gpu::CopyDirection,
         list: kvferry_gpu::CopyList,
+        landed: Option<kvferry_gpu::Landed>,
     ) -> Result<kvferry_gpu::CopyEvent, kvferry_gpu::DeviceError> {
         use std::sync::atomic::Ordering::SeqCst;
         let n = self.queued.fetch_add(1, SeqCst) + 1;
         self.most.fetch_max(n, SeqCst);
-        self.log
-            .lock()
-            .unwrap()
-            .push(format!("submit {}", list.len()));
+        let nth = {
+            let mut log = self.log.lock().unwrap();
+            log.push(format!("submit {}", list.len()));
+            log.iter().filter(|l| l.starts_with("submit")).count()
+        };
+        if self.hold_second && nth == 2 {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while std::time::Instant::now() < deadline {
+                let mut log = self.log.lock().unwrap();
+                if log.iter().any(|l| l == "layers 1") {
+                    log.push("held".into());
+                    break;
+                }
+                drop(log);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
         // SAFETY: the caller's contract is passed on unchanged.
         let inner = unsafe { kvferry_gpu::Device::submit(inner, dir, list) }?;
         let (tx, ev) = kvferry_gpu::CopyEvent::channel(0);
+        let tx = tx.then(landed);
         let queued = Arc::clone(&self.queued);
         std::thread::spawn(move || {
             let r = inner.wait_blocking();
@@ -776,6 +794,57 @@ impl kvferry_actors::LoadObserver for LogLayers {
     fn layers_landed(&self, layers: u32, _total: u32) {
         self.0.lock().unwrap().push(format!("layers {layers}"));
     }
+}
+
+#[test]
+fn a_landed_layer_is_reported_while_the_actor_thread_is_still_submitting() {
+    rt().block_on(async {
+        // 4 layers of 32 MiB each over 256 blocks: layer 0, layers 1-2, layer 3. The second
+        // submission holds the thread that submits (the node's actor thread) until layer 1
+        // is reported: only the device's completion thread can tell it then.
+        let shape = KvShape::new(4, 1, 2, 64 << 10).unwrap();
+        let rec = HookedDevice::new(Recording {
+            hold_second: true,
+            ..Recording::default()
+        });
+        let log = Arc::clone(&rec.hook.log);
+        let dev: Arc<dyn kvferry_gpu::Device> = rec.clone();
+        let node = kvferry_actors::Node::start_in(
+            config(shape.block_bytes(), 260),
+            vec![Arc::clone(&dev)],
+            Clock::system(),
+            None::<Arc<kvferry_actors::remote::LocalCluster>>,
+        )
+        .unwrap();
+        let kv = register(&node, &dev, "busy", shape, 0, KvKind::Split, 260, 0).await;
+        put(&node, "busy", &shape, 0, 0..256).await;
+        let q = query(&node, "busy", 0..256, false).await;
+        let dest: Vec<u32> = (0..256).map(|i| 259 - i).collect();
+        log.lock().unwrap().clear();
+        let rx = node
+            .start_load_observed(
+                load_request(q.lease.unwrap(), "busy", 0, &dest),
+                Arc::new(LogLayers(Arc::clone(&log))),
+            )
+            .await
+            .unwrap();
+        let r = rx.await.unwrap().unwrap();
+        assert_eq!(kv.verify(&expected(&dest, 0), 0).unwrap(), r.bytes);
+        kv.untouched_outside(&dest).unwrap();
+        let log = log.lock().unwrap().clone();
+        let at = |e: &str| log.iter().position(|l| l == e);
+        assert!(at("held").is_some(), "{log:?}");
+        assert!(at("layers 1").unwrap() < at("held").unwrap(), "{log:?}");
+        // Each count once, growing.
+        let told: Vec<&String> = log.iter().filter(|l| l.starts_with("layers")).collect();
+        assert_eq!(told, ["layers 1", "layers 3", "layers 4"], "{log:?}");
+        let s = settled(&node).await;
+        assert_eq!(
+            (s.loads_ok, s.transfers_in_flight, s.leases_live),
+            (1, 0, 0)
+        );
+        node.shutdown();
+    });
 }
 
 #[test]
