@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use kvferry_actors::rpc::board::{Board, SlotState, SlotView};
+use kvferry_actors::rpc::board::{self, Board, SlotState, SlotView};
 use kvferry_actors::rpc::{EngineClient, MemoryRegion, RegisterRegions};
 use kvferry_actors::{BlockHash, InstanceId, LoadRequest, SaveRequest};
 use kvferry_gpu::{Device, KvShape};
@@ -51,6 +51,10 @@ pub struct EngineArgs {
     /// way of issuing copies against another.
     #[arg(long, default_value = "auto")]
     copy_path: String,
+    /// How long the client polls the completion board before sleeping on it, in
+    /// microseconds (what `Board::wait_spinning` takes; the default is `Board::wait`'s).
+    #[arg(long, default_value_t = board::WAIT_SPIN.as_micros() as u64)]
+    board_spin_us: u64,
 }
 
 const INSTANCE: &str = "bench-engine";
@@ -228,6 +232,9 @@ struct Row {
     query: f64,
     load: f64,
     first_layer: f64,
+    /// Until the board showed every layer landed (before the end, which comes once the
+    /// node has released what the load held).
+    last_layer: f64,
     save: f64,
     raw: f64,
     /// The load as the node itself timed it (from its start to its reply), and its stages:
@@ -254,6 +261,7 @@ struct Duplex {
 struct Watched {
     load_id: u64,
     first_s: f64,
+    last_s: f64,
     done_s: f64,
     view: SlotView,
 }
@@ -265,6 +273,7 @@ struct Watched {
 async fn load_watched(
     c: &EngineClient,
     board: &Board,
+    spin: Duration,
     req: LoadRequest,
     tag: u32,
 ) -> anyhow::Result<Watched> {
@@ -282,7 +291,7 @@ async fn load_watched(
     };
     let wait = |layers: u32| -> anyhow::Result<Option<SlotView>> {
         loop {
-            let v = board.wait(0, tag, layers, Duration::from_millis(2))?;
+            let v = board.wait_spinning(0, tag, layers, Duration::from_millis(2), spin)?;
             if v.tag == tag && (v.state.is_done() || v.layers >= layers) {
                 return Ok(Some(v));
             }
@@ -296,7 +305,14 @@ async fn load_watched(
     };
     let first = wait(1)?;
     let first_s = t.elapsed().as_secs_f64();
-    let view = match first {
+    let total = board.total(0).unwrap_or(u32::MAX);
+    let last = match first {
+        Some(v) if v.state.is_done() || v.layers >= total => Some(v),
+        Some(_) => wait(total)?,
+        None => None,
+    };
+    let last_s = t.elapsed().as_secs_f64();
+    let view = match last {
         Some(v) if v.state.is_done() => Some(v),
         Some(_) => wait(u32::MAX)?,
         None => None,
@@ -309,6 +325,7 @@ async fn load_watched(
     Ok(Watched {
         load_id,
         first_s,
+        last_s,
         done_s,
         view,
     })
@@ -323,6 +340,7 @@ struct DuplexCtx<'a> {
     n: u32,
     src: &'a [u32],
     dest: &'a [u32],
+    spin: Duration,
 }
 
 /// Pattern blocks of the duplex's saved sources: apart from the loaded blocks' (0..n), so
@@ -347,7 +365,7 @@ impl DuplexCtx<'_> {
             rank: 0,
             dest_blocks: self.dest.to_vec(),
         };
-        let w = load_watched(self.c, self.board, req, tag).await?;
+        let w = load_watched(self.c, self.board, self.spin, req, tag).await?;
         let load_id = w.load_id;
         if w.view.state != SlotState::Ok {
             let done = self.c.poll_load(load_id).await?;
@@ -515,6 +533,7 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
     // Each save uses fresh hashes; the pool evicts the oldest (unpinned) ones.
     let slots = 2 * u64::from(max) + 64;
     let (mut node, addr) = spawn_node(&a.device, &a.copy_path, shape.block_bytes(), slots)?;
+    let spin = Duration::from_micros(a.board_spin_us);
     let kv = alloc_kv(&a.device, shape, num_blocks)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -546,6 +565,7 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                 .chain(dest.iter().zip(0u64..).map(|(&d, i)| (d, i)))
                 .collect();
             let (mut query, mut load, mut first, mut save) = (vec![], vec![], vec![], vec![]);
+            let mut last_layer = vec![];
             let mut node_load = vec![];
             let mut stages: BTreeMap<String, Vec<f64>> = BTreeMap::new();
             let mut verified = true;
@@ -580,8 +600,9 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                     rank: 0,
                     dest_blocks: dest.clone(),
                 };
-                let w = load_watched(&c, &board, req, tag).await?;
+                let w = load_watched(&c, &board, spin, req, tag).await?;
                 let (load_id, first_s, load_s) = (w.load_id, w.first_s, w.done_s);
+                let last_s = w.last_s;
                 if w.view.state != SlotState::Ok {
                     let done = c.poll_load(load_id).await?;
                     bail!("the load of {n} blocks failed: {done:?}");
@@ -608,6 +629,7 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                     stages.entry(st.name.clone()).or_default().push(st.seconds);
                 }
                 first.push(first_s);
+                last_layer.push(last_s);
                 save.push(save_s);
             }
             let duplex = if a.no_duplex {
@@ -621,6 +643,7 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                     n,
                     src: &src,
                     dest: &dest,
+                    spin,
                 };
                 // Each round loads what the previous one saved and saves under new hashes.
                 let mut prev = last;
@@ -656,6 +679,7 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                 query: median(&mut query),
                 load: median(&mut load),
                 first_layer: median(&mut first),
+                last_layer: median(&mut last_layer),
                 save: median(&mut save),
                 raw: median(&mut raw),
                 node_load: median(&mut node_load),
@@ -702,6 +726,7 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                     "load_node_ms": r.node_load * 1e3,
                     "load_stages_ms": r.stages.iter().map(|(k, v)| (k.clone(), json!(v * 1e3))).collect::<serde_json::Map<_, _>>(),
                     "first_layer_ms": r.first_layer * 1e3,
+                    "last_layer_ms": r.last_layer * 1e3,
                     "save_ms": r.save * 1e3,
                     "raw_ms": r.raw * 1e3,
                     "load_vs_raw": r.raw / r.load,
@@ -722,6 +747,7 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
             json!({
                 "device": a.device,
                 "copy_path": a.copy_path,
+                "board_spin_us": a.board_spin_us,
                 "node_device": caps.device_kind,
                 "layers": a.layers,
                 "segment_bytes": shape.segment_bytes(),

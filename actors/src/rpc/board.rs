@@ -283,6 +283,12 @@ impl Board {
         Ok(unpack(self.slot_word(slot).load(Ordering::Acquire)))
     }
 
+    /// The layer count of the load that slot `slot` shows (what its `begin` said).
+    pub fn total(&self, slot: u32) -> Result<u32, BoardError> {
+        self.check(slot)?;
+        Ok(self.slot_total(slot).load(Ordering::Relaxed))
+    }
+
     fn publish(&self, slot: u32, v: SlotView) {
         self.slot_word(slot)
             .store(pack(v.tag, v.state, v.layers), Ordering::Release);
@@ -363,10 +369,23 @@ impl Board {
         layers: u32,
         timeout: Duration,
     ) -> Result<SlotView, BoardError> {
+        self.wait_spinning(slot, tag, layers, timeout, WAIT_SPIN)
+    }
+
+    /// [`Board::wait`], polling for `spin` (at most `timeout`) before sleeping: a waiter
+    /// that expects a longer load and can spare a core sees its end sooner.
+    pub fn wait_spinning(
+        &self,
+        slot: u32,
+        tag: u32,
+        layers: u32,
+        timeout: Duration,
+        spin: Duration,
+    ) -> Result<SlotView, BoardError> {
         self.check(slot)?;
         let now = Instant::now();
         let deadline = now + timeout;
-        let spin_until = now + WAIT_SPIN.min(timeout);
+        let spin_until = now + spin.min(timeout);
         let wake = self.word32(WAKE_OFFSET);
         loop {
             let seen = wake.load(Ordering::Acquire);
