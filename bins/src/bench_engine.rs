@@ -268,27 +268,58 @@ struct Watched {
 
 /// Sends `req` naming board slot 0 and `tag`, and watches the board while the RPC's answer
 /// is on its way: the board shows the landed layers and the end without waiting for it, as
-/// it would for an engine. Times are from the send. The answer (the load id) is awaited
-/// last; an RPC refused before the board was touched ends the wait with its error.
+/// it would for an engine. Times are from the send. The watch runs on a blocking thread and
+/// the RPC in this task: a watch blocking a runtime worker would leave the RPC's tasks to
+/// whichever worker steals them (on the H200 that delayed the request's arrival by up to
+/// 0.2 ms). An RPC refused before the board was touched ends the watch with its error.
 async fn load_watched(
     c: &EngineClient,
-    board: &Board,
+    board: &Arc<Board>,
     spin: Duration,
     req: LoadRequest,
     tag: u32,
 ) -> anyhow::Result<Watched> {
     let refused = Arc::new(AtomicBool::new(false));
     let t = Instant::now();
-    let rpc = {
-        let (c, refused) = (c.clone(), Arc::clone(&refused));
-        tokio::spawn(async move {
-            let r = c.load_on_board(&req, Some((0, tag))).await;
-            if r.is_err() {
-                refused.store(true, Ordering::Release);
-            }
-            r
-        })
+    let watch = {
+        let (board, refused) = (Arc::clone(board), Arc::clone(&refused));
+        tokio::task::spawn_blocking(move || watch_board(&board, spin, tag, t, &refused))
     };
+    let r = c.load_on_board(&req, Some((0, tag))).await;
+    if r.is_err() {
+        refused.store(true, Ordering::Release);
+    }
+    let w = watch.await??;
+    let load_id = r?;
+    let Some(view) = w.view else {
+        bail!("the load RPC failed but the board did not say so");
+    };
+    Ok(Watched {
+        load_id,
+        first_s: w.first_s,
+        last_s: w.last_s,
+        done_s: w.done_s,
+        view,
+    })
+}
+
+/// What [`watch_board`] saw, in seconds from the send.
+struct Watch {
+    first_s: f64,
+    last_s: f64,
+    done_s: f64,
+    /// None where the RPC was refused.
+    view: Option<SlotView>,
+}
+
+/// Waits for slot 0 to show `tag` with its first layer, every layer, and its end.
+fn watch_board(
+    board: &Board,
+    spin: Duration,
+    tag: u32,
+    t: Instant,
+    refused: &AtomicBool,
+) -> anyhow::Result<Watch> {
     let wait = |layers: u32| -> anyhow::Result<Option<SlotView>> {
         loop {
             let v = board.wait_spinning(0, tag, layers, Duration::from_millis(2), spin)?;
@@ -317,16 +348,10 @@ async fn load_watched(
         Some(_) => wait(u32::MAX)?,
         None => None,
     };
-    let done_s = t.elapsed().as_secs_f64();
-    let load_id = rpc.await??;
-    let Some(view) = view else {
-        bail!("the load RPC failed but the board did not say so");
-    };
-    Ok(Watched {
-        load_id,
+    Ok(Watch {
         first_s,
         last_s,
-        done_s,
+        done_s: t.elapsed().as_secs_f64(),
         view,
     })
 }
@@ -334,7 +359,7 @@ async fn load_watched(
 /// What a duplex round needs of the sweep's state.
 struct DuplexCtx<'a> {
     c: &'a EngineClient,
-    board: &'a Board,
+    board: &'a Arc<Board>,
     id: &'a InstanceId,
     kv: &'a DeviceKv,
     n: u32,
@@ -543,7 +568,7 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
         let c = connect(&mut node, &addr).await?;
         let caps = c.capabilities().await?;
         let id = InstanceId::new(INSTANCE)?;
-        let board = Board::create(8)?;
+        let board = Arc::new(Board::create(8)?);
         let board_handle = c.send_board(&id, 0, &board).await?;
         register(&c, &kv, board_handle).await?;
         let _session = c.open_session(std::slice::from_ref(&id)).await?;

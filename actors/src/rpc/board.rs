@@ -35,9 +35,10 @@ pub const MAX_SLOTS: u32 = 4096;
 
 const WAKE_OFFSET: usize = 16;
 /// How long [`Board::wait`] polls the slot before sleeping on the futex: a woken sleeper
-/// runs some microseconds after the node's write, a poller at once, and most small loads
-/// end within this.
-pub const WAIT_SPIN: Duration = Duration::from_micros(200);
+/// runs tens of microseconds after the node's write (about 50 us on the H200, as much as a
+/// one-block copy takes), a poller at once, and loads of up to ~16 blocks end within this.
+/// A waiter stands between the engine and its next step anyway; it spins for at most this.
+pub const WAIT_SPIN: Duration = Duration::from_millis(1);
 
 /// A slot's state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
