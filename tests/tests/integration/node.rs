@@ -743,6 +743,7 @@ struct Recording {
     /// Holds the second submission (and so the thread submitting it) until the first
     /// batch's layers were reported, or 10 s; logs "held" when they were.
     hold_second: bool,
+    forward: std::sync::OnceLock<std::sync::Mutex<std::sync::mpsc::Sender<Forward>>>,
 }
 
 impl SubmitHook for Recording {
@@ -776,16 +777,29 @@ impl SubmitHook for Recording {
         // SAFETY: the caller's contract is passed on unchanged.
         let inner = unsafe { kvferry_gpu::Device::submit(inner, dir, list) }?;
         let (tx, ev) = kvferry_gpu::CopyEvent::channel(0);
-        let tx = tx.then(landed);
-        let queued = Arc::clone(&self.queued);
-        std::thread::spawn(move || {
-            let r = inner.wait_blocking();
-            queued.fetch_sub(1, SeqCst);
-            let _ = tx.send(r);
+        // One thread resolves them all, in submission order, as a device's lane does.
+        let forward = self.forward.get_or_init(|| {
+            let (fwd, rx) = std::sync::mpsc::channel::<Forward>();
+            let queued = Arc::clone(&self.queued);
+            std::thread::spawn(move || {
+                for (inner, tx) in rx {
+                    let r = inner.wait_blocking();
+                    queued.fetch_sub(1, SeqCst);
+                    tx.send(r);
+                }
+            });
+            std::sync::Mutex::new(fwd)
         });
+        forward
+            .lock()
+            .unwrap()
+            .send((inner, tx.then(landed)))
+            .unwrap();
         Ok(ev)
     }
 }
+
+type Forward = (kvferry_gpu::CopyEvent, kvferry_gpu::CopyDone);
 
 /// Logs the layers an observer is told into the recording device's log.
 struct LogLayers(Arc<std::sync::Mutex<Vec<String>>>);
