@@ -142,6 +142,8 @@ impl Node {
                 sys.block_on(async move {
                     // The NIC workers run on Arbiters of this System: the node runs one.
                     let nics = nics.map(crate::nic::PreparedNics::start).transpose();
+                    // Stops with the System; its transfers drain as any stopped transfer.
+                    let saves = actix::Arbiter::new();
                     let store = BlockStore::new(
                         pool,
                         Arc::clone(&ctrs),
@@ -151,6 +153,7 @@ impl Node {
                         cfg.lease.peer_pin_ttl(),
                     )
                     .with_ssd(ssd)
+                    .with_save_arbiter(Some(saves.handle()))
                     .start();
                     let keeper = LeaseKeeper::new(
                         cfg.lease.ttl(),

@@ -46,6 +46,10 @@ pub struct BlockStore {
     ssd_held: usize,
     /// Pool slots lent to loads as staging for their SSD reads.
     staging: usize,
+    /// Where save transfers run: not on this actor's thread, which the keeper and the load
+    /// transfers share. Submitting a save of 256 blocks (14,336 copies) takes a thread about
+    /// a millisecond, which a load issued beside it would otherwise wait out.
+    saves: Option<actix::ArbiterHandle>,
 }
 
 /// SSD blocks being read into RAM slots for one lookup, in prefix order. Each block's slot
@@ -75,7 +79,14 @@ impl BlockStore {
             shapes: HashMap::new(),
             ssd_held: 0,
             staging: 0,
+            saves: None,
         }
+    }
+
+    /// Runs save transfers on `arbiter` (see the field); without one they run here.
+    pub fn with_save_arbiter(mut self, arbiter: Option<actix::ArbiterHandle>) -> Self {
+        self.saves = arbiter;
+        self
     }
 
     /// Puts an SSD tier behind the pool: evicted sealed blocks are written to it (and every
@@ -461,7 +472,14 @@ impl Handler<Save> for BlockStore {
             in_flight: InFlight::new(Arc::clone(&self.counters)),
             then: None,
         };
-        Transfer::new(spec, tx).start();
+        match &self.saves {
+            Some(a) => {
+                Transfer::start_in_arbiter(a, move |_| Transfer::new(spec, tx));
+            }
+            None => {
+                Transfer::new(spec, tx).start();
+            }
+        }
         let store = ctx.address();
         let (namespace, rank) = (m.handle.namespace.clone(), m.handle.rank);
         Box::pin(async move {

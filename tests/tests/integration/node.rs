@@ -801,6 +801,113 @@ impl SubmitHook for Recording {
 
 type Forward = (kvferry_gpu::CopyEvent, kvferry_gpu::CopyDone);
 
+/// Holds every device→host batch (a save's) in its submission, on the thread that submits
+/// it, until `loaded` is set or 10 s pass; logs which it was.
+#[derive(Default)]
+struct HoldSaves {
+    loaded: Arc<std::sync::atomic::AtomicBool>,
+    log: Arc<std::sync::Mutex<Vec<&'static str>>>,
+}
+
+impl SubmitHook for HoldSaves {
+    unsafe fn submit(
+        &self,
+        inner: &kvferry_gpu::HostDevice,
+        dir: kvferry_gpu::CopyDirection,
+        list: kvferry_gpu::CopyList,
+        landed: Option<kvferry_gpu::Landed>,
+    ) -> Result<kvferry_gpu::CopyEvent, kvferry_gpu::DeviceError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if dir == kvferry_gpu::CopyDirection::DeviceToHost {
+            self.log.lock().unwrap().push("save submitting");
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            let why = loop {
+                if self.loaded.load(SeqCst) {
+                    break "save released by the load";
+                }
+                if std::time::Instant::now() > deadline {
+                    break "save released by the timeout";
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            };
+            self.log.lock().unwrap().push(why);
+        }
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { kvferry_gpu::Device::submit_then(inner, dir, list, landed) }
+    }
+}
+
+#[test]
+fn a_load_runs_while_a_save_beside_it_is_still_being_submitted() {
+    rt().block_on(async {
+        let shape = KvShape::new(4, 1, 2, 4096).unwrap();
+        let hold = HookedDevice::new(HoldSaves::default());
+        let (loaded, log) = (Arc::clone(&hold.hook.loaded), Arc::clone(&hold.hook.log));
+        let dev: Arc<dyn kvferry_gpu::Device> = hold.clone();
+        let node = kvferry_actors::Node::start_in(
+            config(shape.block_bytes(), 64),
+            vec![Arc::clone(&dev)],
+            Clock::system(),
+            None::<Arc<kvferry_actors::remote::LocalCluster>>,
+        )
+        .unwrap();
+        let kv = register(&node, &dev, "beside", shape, 0, KvKind::Split, 16, 0).await;
+        put(&node, "beside", &shape, 0, 0..4).await;
+        for b in 8..10u32 {
+            kv.write_block(b, 100 + u64::from(b), 0).unwrap();
+        }
+        // The save's submission holds whichever thread submits it until the load is done.
+        let save = {
+            let node = node.clone();
+            tokio::spawn(async move {
+                node.save(SaveRequest {
+                    instance: id("beside"),
+                    rank: 0,
+                    hashes: hashes(100..102),
+                    src_blocks: vec![8, 9],
+                })
+                .await
+            })
+        };
+        while !log.lock().unwrap().contains(&"save submitting") {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let q = query(&node, "beside", 0..4, false).await;
+        let dest = [3u32, 1, 5, 7];
+        let r = node
+            .load(load_request(q.lease.unwrap(), "beside", 0, &dest))
+            .await
+            .unwrap();
+        loaded.store(true, std::sync::atomic::Ordering::SeqCst);
+        // The loaded blocks, the save's sources; canaries everywhere else.
+        let mut want = expected(&dest, 0);
+        want.extend([(8u32, 108u64), (9, 109)]);
+        assert_eq!(
+            kv.verify(&want, 0).unwrap(),
+            r.bytes + 2 * shape.rank_bytes()
+        );
+        let saved = save.await.unwrap().unwrap();
+        assert_eq!(saved.written, 2);
+        assert_eq!(
+            *log.lock().unwrap(),
+            ["save submitting", "save released by the load"]
+        );
+        // What the save wrote loads back.
+        let q = query(&node, "beside", 100..102, false).await;
+        node.load(load_request(q.lease.unwrap(), "beside", 0, &[12, 13]))
+            .await
+            .unwrap();
+        want.extend([(12u32, 108u64), (13, 109)]);
+        kv.verify(&want, 0).unwrap();
+        let s = settled(&node).await;
+        assert_eq!(
+            (s.loads_ok, s.transfers_in_flight, s.leases_live),
+            (2, 0, 0)
+        );
+        node.shutdown();
+    });
+}
+
 /// Logs the layers an observer is told into the recording device's log.
 struct LogLayers(Arc<std::sync::Mutex<Vec<String>>>);
 
