@@ -36,6 +36,12 @@ use crate::suffix::Suffix;
 /// Batches a transfer keeps queued on the device (see `Transfer::submit_ahead`).
 const SUBMIT_AHEAD: usize = 2;
 
+/// Size of one batch of a save (or put) transfer. Planning and submitting a batch costs the
+/// submitting thread ~65 us per 1,000 copies on the H200 before the device starts on it: a
+/// 256-block save in one batch (14,336 copies, 448 MiB) started ~1 ms late. Two staging
+/// chunks' worth: each batch's device time (~1.2 ms) covers the next one's submission.
+const SAVE_BATCH_BYTES: u64 = 64 << 20;
+
 /// Tells a load's observer the layers that have landed, from whichever thread learns it
 /// first: the device's completion thread as a batch lands (the actor thread may be busy
 /// submitting the next batch, hundreds of microseconds for a large one), or the actor as a
@@ -179,7 +185,13 @@ impl Transfer {
             path: spec.path,
             dir: spec.dir,
             device: spec.device,
-            batches: VecDeque::from([(0, spec.list)]),
+            // In parts, so the device starts on the first while the rest are planned.
+            batches: spec
+                .list
+                .split_by_bytes(SAVE_BATCH_BYTES)
+                .into_iter()
+                .map(|l| (0, l))
+                .collect(),
             pending: VecDeque::new(),
             blocks: spec.blocks,
             holds: spec.holds,

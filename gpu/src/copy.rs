@@ -57,6 +57,27 @@ impl CopyList {
     pub fn is_empty(&self) -> bool {
         self.ops.is_empty()
     }
+
+    /// Splits the list, in order, into lists of at least `bytes` each (the last one may be
+    /// smaller), cutting only between copies. An empty list gives one empty list.
+    pub fn split_by_bytes(self, bytes: u64) -> Vec<CopyList> {
+        if self.bytes <= bytes {
+            return vec![self];
+        }
+        let mut out = Vec::new();
+        let mut cur = CopyList::default();
+        for op in self.ops {
+            cur.bytes += op.len;
+            cur.ops.push(op);
+            if cur.bytes >= bytes {
+                out.push(std::mem::take(&mut cur));
+            }
+        }
+        if !cur.is_empty() {
+            out.push(cur);
+        }
+        out
+    }
 }
 
 #[cfg(test)]
@@ -93,5 +114,40 @@ mod tests {
         );
         assert_eq!(l.bytes(), 25);
         assert_eq!(l.len(), 3);
+    }
+
+    #[test]
+    fn splits_in_order_between_copies() {
+        let mut l = CopyList::default();
+        for i in 0..10u64 {
+            l.push(i * 100, i * 1000, 10 + i);
+        }
+        let whole = l.clone();
+        let parts = l.split_by_bytes(40);
+        // 10+11+12+13 = 46, 14+15+16 = 45, 17+18+19 = 54.
+        assert_eq!(
+            parts.iter().map(CopyList::len).collect::<Vec<_>>(),
+            [4, 3, 3]
+        );
+        assert_eq!(
+            parts.iter().map(CopyList::bytes).collect::<Vec<_>>(),
+            [46, 45, 54]
+        );
+        let joined: Vec<CopyOp> = parts.iter().flat_map(|p| p.ops().to_vec()).collect();
+        assert_eq!(joined, whole.ops());
+        // Small enough, or empty: one list.
+        assert_eq!(whole.clone().split_by_bytes(1 << 20), vec![whole]);
+        assert_eq!(CopyList::default().split_by_bytes(1).len(), 1);
+        // A trailing remainder is kept.
+        let mut l = CopyList::default();
+        l.push(0, 0, 50);
+        l.push(500, 500, 5);
+        assert_eq!(
+            l.split_by_bytes(40)
+                .iter()
+                .map(CopyList::bytes)
+                .collect::<Vec<_>>(),
+            [50, 5]
+        );
     }
 }

@@ -603,6 +603,42 @@ fn staged_batches_in_flight_together() {
         );
     }
     assert_eq!(dev.staged_batches(), rounds);
+    // And back, device → host, the batches again all in flight at once: a batch's first
+    // gather may start while the previous batch's last copy drains, never into a buffer
+    // that copy still reads.
+    let mut back = HostMem::new(host_len + 2 * SEG as usize);
+    back.bytes().fill(CANARY);
+    let _reg_back = dev
+        .register_host(back.addr(), back.bytes().len() as u64, false)
+        .unwrap();
+    let mut events = Vec::new();
+    for r in 0..rounds {
+        let mut l = CopyList::default();
+        for i in 0..per {
+            let k = r * per + i;
+            let slot = (rounds * per - 1 - k) * 2;
+            l.push(buf.ptr() + slot * SEG, back.addr() + SEG + k * SEG, SEG);
+        }
+        // SAFETY: `back` outlives every awaited event and nothing else writes it.
+        events.push(unsafe { dev.submit(CopyDirection::DeviceToHost, l) }.unwrap());
+    }
+    for ev in events {
+        wait(ev).unwrap();
+    }
+    let seg = SEG as usize;
+    assert!(back.bytes()[..seg].iter().all(|&b| b == CANARY), "before");
+    assert!(
+        back.bytes()[seg + host_len..].iter().all(|&b| b == CANARY),
+        "after"
+    );
+    for k in 0..(rounds * per) as usize {
+        assert!(
+            back.bytes()[seg + k * seg..seg + (k + 1) * seg]
+                == host.bytes()[k * seg..(k + 1) * seg],
+            "segment {k} back"
+        );
+    }
+    assert_eq!(dev.staged_batches(), 2 * rounds);
 }
 
 #[test]

@@ -137,9 +137,9 @@ struct Inner {
 ///
 /// Ordering, per chunk `i` in buffer `b = i % n`: the filling stream waits `free[b]`, fills
 /// and records `filled[b]`; the draining stream waits `filled[b]`, drains and records
-/// `free[b]`. `entry` (lane → aux) keeps batches of a lane in order; `join` (aux → lane)
-/// makes the batch's completion event, recorded on the lane stream, come after the last
-/// scatter.
+/// `free[b]`. `entry` (lane → aux, host→device batches) orders a batch's scatters after
+/// what the lane queued before it; `join` (aux → lane) makes the batch's completion event,
+/// recorded on the lane stream, come after the last scatter or gather.
 struct Staging {
     aux: ffi::CUstream,
     bufs: Vec<u64>,
@@ -675,8 +675,14 @@ impl Inner {
                 .map_err(|e| self.driver("cuLaunchKernel", e))
         };
         let queued = (|| {
-            record(st.entry, lane)?;
-            wait(st.aux, st.entry)?;
+            // Host→device: the scatters wait for what the lane queued before (they follow
+            // their own chunk's copy anyway). Device→host: the gathers start at once, each
+            // only on its buffer's `free` event, so a batch's first gather overlaps the
+            // previous batch's last copy (a save runs as several batches back to back).
+            if dir == CopyDirection::HostToDevice {
+                record(st.entry, lane)?;
+                wait(st.aux, st.entry)?;
+            }
             for (i, chunk) in staged.chunks.iter().enumerate() {
                 let b = i % st.bufs.len();
                 match dir {
