@@ -15,6 +15,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // allocation each: a query of 1,024 hashes spent more in malloc than in the cache.
     tonic_prost_build::configure()
         .bytes(".kvferry.v1.QueryRequest.hashes")
+        .bytes(".kvferry.v1.QueryRequest.packed_hashes")
         .compile_protos(&protos, &["proto"])?;
     Ok(())
 }

@@ -4,12 +4,13 @@
 
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvferry_transport::fd_passing;
 use thiserror::Error;
 use tokio::io::{AsyncBufReadExt, Interest};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OnceCell};
 use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataValue;
 use tonic::transport::{Channel, Endpoint};
@@ -111,6 +112,9 @@ pub struct EngineClient {
     fd_socket: Option<PathBuf>,
     token: String,
     deadline: Duration,
+    /// Whether the node takes packed query hashes (protocol 4): learnt from Capabilities on
+    /// the first query of this handle (and its clones).
+    packed: Arc<OnceCell<bool>>,
 }
 
 impl EngineClient {
@@ -149,6 +153,7 @@ impl EngineClient {
             fd_socket,
             token: token.into(),
             deadline,
+            packed: Arc::new(OnceCell::new()),
         })
     }
 
@@ -435,6 +440,23 @@ impl EngineClient {
         hashes: &[BlockHash],
         direct_gpu: bool,
     ) -> Result<QueryAnswer, EngineClientError> {
+        let len = hashes.first().map_or(0, |h| h.as_bytes().len());
+        let same_len = hashes.iter().all(|h| h.as_bytes().len() == len);
+        if same_len && len > 0 && self.takes_packed().await? {
+            let mut packed = Vec::with_capacity(len * hashes.len());
+            for h in hashes {
+                packed.extend_from_slice(h.as_bytes());
+            }
+            let r = self.request(QueryRequest {
+                instance: instance.as_str().to_owned(),
+                hashes: Vec::new(),
+                direct_gpu,
+                packed_hashes: packed.into(),
+                hash_len: len as u32,
+            });
+            let q = self.call("Query", self.raw.clone().query(r)).await?;
+            return self.query_answer(q);
+        }
         // One buffer for every hash, each field a slice of it.
         let mut all = Vec::with_capacity(hashes.iter().map(|h| h.as_bytes().len()).sum());
         let mut ends = Vec::with_capacity(hashes.len());
@@ -456,8 +478,25 @@ impl EngineClient {
             instance: instance.as_str().to_owned(),
             hashes,
             direct_gpu,
+            ..Default::default()
         });
         let q = self.call("Query", self.raw.clone().query(r)).await?;
+        self.query_answer(q)
+    }
+
+    /// Whether the node takes packed query hashes; asked once per handle (a node of an
+    /// older protocol would read a packed query as one without hashes).
+    async fn takes_packed(&self) -> Result<bool, EngineClientError> {
+        self.packed
+            .get_or_try_init(|| async {
+                let caps = self.capabilities().await?;
+                Ok(caps.protocol >= 4)
+            })
+            .await
+            .copied()
+    }
+
+    fn query_answer(&self, q: QueryResponse) -> Result<QueryAnswer, EngineClientError> {
         let malformed = |reason: String| EngineClientError::Malformed {
             addr: self.addr.clone(),
             method: "Query",

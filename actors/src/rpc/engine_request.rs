@@ -46,6 +46,44 @@ pub(crate) fn hashes<T: AsRef<[u8]>>(method: &str, hashes: &[T]) -> Result<Vec<B
     BlockHash::parse_all(hashes).map_err(|e| bad(method, e))
 }
 
+/// A query's hashes in either form: repeated, or packed (`hash_len` bytes each, back to
+/// back). Both given, a length out of 1..=32, or bytes that are not a whole number of hashes
+/// are refused.
+pub(crate) fn query_hashes<T: AsRef<[u8]>>(
+    method: &str,
+    repeated: &[T],
+    packed: &[u8],
+    hash_len: u32,
+) -> Result<Vec<BlockHash>, Status> {
+    if packed.is_empty() {
+        return hashes(method, repeated);
+    }
+    if !repeated.is_empty() {
+        return Err(bad(method, "hashes given both repeated and packed"));
+    }
+    let len = hash_len as usize;
+    if !(1..=crate::model::MAX_HASH_LEN).contains(&len) {
+        return Err(bad(
+            method,
+            format!(
+                "hash_len {hash_len} is not 1 to {}",
+                crate::model::MAX_HASH_LEN
+            ),
+        ));
+    }
+    if !packed.len().is_multiple_of(len) {
+        return Err(bad(
+            method,
+            format!(
+                "{} packed bytes are not a whole number of {len}-byte hashes",
+                packed.len()
+            ),
+        ));
+    }
+    let parts: Vec<&[u8]> = packed.chunks_exact(len).collect();
+    hashes(method, &parts)
+}
+
 /// 1 to [`MAX_ENGINE_BLOCKS`] block indices.
 pub(crate) fn blocks(method: &str, field: &str, blocks: &[u32]) -> Result<(), Status> {
     if blocks.is_empty() {
@@ -314,6 +352,28 @@ pub(crate) fn error_kind(e: &NodeError) -> &'static str {
 mod tests {
     use super::*;
     use kvferry_gpu::KvLayout;
+
+    #[test]
+    fn packed_hashes_read_as_the_repeated_ones() {
+        let repeated: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i, 7, i, 9]).collect();
+        let packed: Vec<u8> = repeated.concat();
+        let none: &[Vec<u8>] = &[];
+        let a = query_hashes("Query", &repeated, &[], 0).unwrap();
+        let b = query_hashes("Query", none, &packed, 4).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(b.len(), 5);
+        assert_eq!(b[3].as_bytes(), &[3, 7, 3, 9]);
+        // Cut another way, other hashes.
+        let c = query_hashes("Query", none, &packed, 2).unwrap();
+        assert_eq!(c.len(), 10);
+        for (packed, len) in [(&packed[..], 0), (&packed[..], 33), (&packed[..19], 4)] {
+            let e = query_hashes("Query", none, packed, len).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{len}: {e:?}");
+        }
+        let e = query_hashes("Query", &repeated, &packed, 4).unwrap_err();
+        assert!(e.message().contains("both"), "{e:?}");
+        assert!(query_hashes("Query", none, &[], 4).is_err());
+    }
 
     fn split(k: u64, v: u64) -> proto::LayerLayout {
         split_in(k, 0, v, 0)

@@ -725,7 +725,7 @@ impl Engine for EngineService {
         const M: &str = "Query";
         let r = req.into_inner();
         let instance = check::instance(M, &r.instance)?;
-        let hashes = check::hashes(M, &r.hashes)?;
+        let hashes = check::query_hashes(M, &r.hashes, &r.packed_hashes, r.hash_len)?;
         let q = self
             .shared
             .node

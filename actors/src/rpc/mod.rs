@@ -53,7 +53,9 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// accepted. Protocol 1 requests (one memory handle or CUDA IPC handle) are still served.
 /// 3: completion boards (`RegisterInstanceRequest.completion_board`, `LoadRequest.board_slot`):
 /// a load's layers and end visible in shared memory; older requests are served unchanged.
-pub const ENGINE_PROTOCOL: u32 = 3;
+/// 4: `QueryRequest.packed_hashes`: a query's hashes in one field; the repeated form is still
+/// served.
+pub const ENGINE_PROTOCOL: u32 = 4;
 
 // Limits on what one engine request carries, advertised in `Capabilities`; a request over
 // one is refused with RESOURCE_EXHAUSTED before it reaches the node, so the work one request

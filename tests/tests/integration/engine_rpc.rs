@@ -609,10 +609,50 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
                 instance: "eng".into(),
                 hashes: vec![vec![1u8; 33].into()],
                 direct_gpu: false,
+                ..Default::default()
             }))
             .await;
         assert_eq!(raw_code(r), Code::InvalidArgument);
         unchanged("a 33-byte hash").await;
+        // Packed hashes (protocol 4): each malformed form refused, nothing held after.
+        let packed = |hashes: Vec<Vec<u8>>, packed: Vec<u8>, hash_len: u32| proto::QueryRequest {
+            instance: "eng".into(),
+            hashes: hashes.into_iter().map(Into::into).collect(),
+            direct_gpu: false,
+            packed_hashes: packed.into(),
+            hash_len,
+        };
+        for (what, req, want) in [
+            (
+                "both forms",
+                packed(vec![vec![1]], vec![1, 2], 1),
+                Code::InvalidArgument,
+            ),
+            (
+                "hash_len 0",
+                packed(vec![], vec![1, 2], 0),
+                Code::InvalidArgument,
+            ),
+            (
+                "hash_len 33",
+                packed(vec![], vec![1; 66], 33),
+                Code::InvalidArgument,
+            ),
+            (
+                "a partial hash",
+                packed(vec![], vec![1; 10], 4),
+                Code::InvalidArgument,
+            ),
+            (
+                "too many packed hashes",
+                packed(vec![], vec![1; rpc::MAX_ENGINE_HASHES + 1], 1),
+                Code::ResourceExhausted,
+            ),
+        ] {
+            let r = raw.query(c.request(req)).await;
+            assert_eq!(raw_code(r), want, "{what}");
+            unchanged(what).await;
+        }
         assert_eq!(
             code(c.query(&id("nobody"), &hashes(0..3), false).await),
             Code::NotFound
