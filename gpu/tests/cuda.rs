@@ -571,21 +571,31 @@ fn staged_batches_in_flight_together() {
         .unwrap();
     let buf = dev.alloc(rounds * per * SEG * 2).unwrap();
     canary(dev.as_ref(), &buf);
-    let mut events = Vec::new();
-    for r in 0..rounds {
-        let mut l = CopyList::default();
-        for i in 0..per {
-            let k = r * per + i;
-            // Reverse order inside a batch: device side descending.
-            let slot = (rounds * per - 1 - k) * 2;
-            l.push(host.addr() + k * SEG, buf.ptr() + slot * SEG, SEG);
+    // Segment k of the host side at device slot `2 * (n - 1 - k)`: device side descending
+    // inside a batch, a canary gap after each. Every batch is submitted before any is
+    // awaited.
+    let in_flight = |dir: CopyDirection, host: u64| {
+        let events: Vec<CopyEvent> = (0..rounds)
+            .map(|r| {
+                let mut l = CopyList::default();
+                for k in r * per..(r + 1) * per {
+                    let dev_side = buf.ptr() + (rounds * per - 1 - k) * 2 * SEG;
+                    let host_side = host + k * SEG;
+                    match dir {
+                        CopyDirection::HostToDevice => l.push(host_side, dev_side, SEG),
+                        CopyDirection::DeviceToHost => l.push(dev_side, host_side, SEG),
+                    }
+                }
+                // SAFETY: both host buffers outlive every awaited event, and nothing else
+                // writes the device-to-host one meanwhile.
+                unsafe { dev.submit(dir, l) }.unwrap()
+            })
+            .collect();
+        for ev in events {
+            wait(ev).unwrap();
         }
-        // SAFETY: `host` outlives every awaited event.
-        events.push(unsafe { dev.submit(CopyDirection::HostToDevice, l) }.unwrap());
-    }
-    for ev in events {
-        wait(ev).unwrap();
-    }
+    };
+    in_flight(CopyDirection::HostToDevice, host.addr());
     let mut got = vec![0u8; (rounds * per * SEG * 2) as usize];
     dev.read(buf.ptr(), &mut got).unwrap();
     for k in 0..rounds * per {
@@ -611,20 +621,7 @@ fn staged_batches_in_flight_together() {
     let _reg_back = dev
         .register_host(back.addr(), back.bytes().len() as u64, false)
         .unwrap();
-    let mut events = Vec::new();
-    for r in 0..rounds {
-        let mut l = CopyList::default();
-        for i in 0..per {
-            let k = r * per + i;
-            let slot = (rounds * per - 1 - k) * 2;
-            l.push(buf.ptr() + slot * SEG, back.addr() + SEG + k * SEG, SEG);
-        }
-        // SAFETY: `back` outlives every awaited event and nothing else writes it.
-        events.push(unsafe { dev.submit(CopyDirection::DeviceToHost, l) }.unwrap());
-    }
-    for ev in events {
-        wait(ev).unwrap();
-    }
+    in_flight(CopyDirection::DeviceToHost, back.addr() + SEG);
     let seg = SEG as usize;
     assert!(back.bytes()[..seg].iter().all(|&b| b == CANARY), "before");
     assert!(

@@ -917,89 +917,71 @@ impl kvferry_actors::LoadObserver for LogLayers {
     }
 }
 
+/// A 256-block load of 4 layers of 32 MiB each (layer 0, layers 1-2, layer 3) through a
+/// recording device, bytes and canaries checked and the gauges back to zero after it; what
+/// the device logged, and how many batches were queued at most.
+async fn recorded_load(recording: Recording, name: &str) -> (Vec<String>, usize) {
+    let shape = KvShape::new(4, 1, 2, 64 << 10).unwrap();
+    let rec = HookedDevice::new(recording);
+    let log = Arc::clone(&rec.hook.log);
+    let dev: Arc<dyn kvferry_gpu::Device> = rec.clone();
+    let node = kvferry_actors::Node::start_in(
+        config(shape.block_bytes(), 260),
+        vec![Arc::clone(&dev)],
+        Clock::system(),
+        None::<Arc<kvferry_actors::remote::LocalCluster>>,
+    )
+    .unwrap();
+    let kv = register(&node, &dev, name, shape, 0, KvKind::Split, 260, 0).await;
+    put(&node, name, &shape, 0, 0..256).await;
+    let q = query(&node, name, 0..256, false).await;
+    let dest: Vec<u32> = (0..256).map(|i| 259 - i).collect();
+    log.lock().unwrap().clear();
+    let rx = node
+        .start_load_observed(
+            load_request(q.lease.unwrap(), name, 0, &dest),
+            Arc::new(LogLayers(Arc::clone(&log))),
+        )
+        .await
+        .unwrap();
+    let r = rx.await.unwrap().unwrap();
+    assert_eq!(kv.verify(&expected(&dest, 0), 0).unwrap(), r.bytes);
+    kv.untouched_outside(&dest).unwrap();
+    let s = settled(&node).await;
+    assert_eq!(
+        (s.loads_ok, s.transfers_in_flight, s.leases_live),
+        (1, 0, 0)
+    );
+    node.shutdown();
+    let most = rec.hook.most.load(std::sync::atomic::Ordering::SeqCst);
+    let log = log.lock().unwrap().clone();
+    (log, most)
+}
+
 #[test]
 fn a_landed_layer_is_reported_while_the_actor_thread_is_still_submitting() {
     rt().block_on(async {
-        // 4 layers of 32 MiB each over 256 blocks: layer 0, layers 1-2, layer 3. The second
-        // submission holds the thread that submits (the node's actor thread) until layer 1
-        // is reported: only the device's completion thread can tell it then.
-        let shape = KvShape::new(4, 1, 2, 64 << 10).unwrap();
-        let rec = HookedDevice::new(Recording {
+        // The second submission holds the thread that submits (the node's actor thread)
+        // until layer 1 is reported: only the device's completion thread can tell it then.
+        let hold = Recording {
             hold_second: true,
             ..Recording::default()
-        });
-        let log = Arc::clone(&rec.hook.log);
-        let dev: Arc<dyn kvferry_gpu::Device> = rec.clone();
-        let node = kvferry_actors::Node::start_in(
-            config(shape.block_bytes(), 260),
-            vec![Arc::clone(&dev)],
-            Clock::system(),
-            None::<Arc<kvferry_actors::remote::LocalCluster>>,
-        )
-        .unwrap();
-        let kv = register(&node, &dev, "busy", shape, 0, KvKind::Split, 260, 0).await;
-        put(&node, "busy", &shape, 0, 0..256).await;
-        let q = query(&node, "busy", 0..256, false).await;
-        let dest: Vec<u32> = (0..256).map(|i| 259 - i).collect();
-        log.lock().unwrap().clear();
-        let rx = node
-            .start_load_observed(
-                load_request(q.lease.unwrap(), "busy", 0, &dest),
-                Arc::new(LogLayers(Arc::clone(&log))),
-            )
-            .await
-            .unwrap();
-        let r = rx.await.unwrap().unwrap();
-        assert_eq!(kv.verify(&expected(&dest, 0), 0).unwrap(), r.bytes);
-        kv.untouched_outside(&dest).unwrap();
-        let log = log.lock().unwrap().clone();
+        };
+        let (log, _) = recorded_load(hold, "busy").await;
         let at = |e: &str| log.iter().position(|l| l == e);
         assert!(at("held").is_some(), "{log:?}");
         assert!(at("layers 1").unwrap() < at("held").unwrap(), "{log:?}");
         // Each count once, growing.
         let told: Vec<&String> = log.iter().filter(|l| l.starts_with("layers")).collect();
         assert_eq!(told, ["layers 1", "layers 3", "layers 4"], "{log:?}");
-        let s = settled(&node).await;
-        assert_eq!(
-            (s.loads_ok, s.transfers_in_flight, s.leases_live),
-            (1, 0, 0)
-        );
-        node.shutdown();
     });
 }
 
 #[test]
 fn a_load_keeps_two_batches_queued_and_reports_each_before_submitting_the_next() {
     rt().block_on(async {
-        // 4 layers of 32 MiB each over 256 blocks: layer 0, layers 1-2, layer 3.
-        let shape = KvShape::new(4, 1, 2, 64 << 10).unwrap();
-        let rec = HookedDevice::new(Recording::default());
-        let log = Arc::clone(&rec.hook.log);
-        let dev: Arc<dyn kvferry_gpu::Device> = rec.clone();
-        let node = kvferry_actors::Node::start_in(
-            config(shape.block_bytes(), 260),
-            vec![Arc::clone(&dev)],
-            Clock::system(),
-            None::<Arc<kvferry_actors::remote::LocalCluster>>,
-        )
-        .unwrap();
-        let kv = register(&node, &dev, "window", shape, 0, KvKind::Split, 260, 0).await;
-        put(&node, "window", &shape, 0, 0..256).await;
-        let q = query(&node, "window", 0..256, false).await;
-        let dest: Vec<u32> = (0..256).map(|i| 259 - i).collect();
-        log.lock().unwrap().clear();
-        let rx = node
-            .start_load_observed(
-                load_request(q.lease.unwrap(), "window", 0, &dest),
-                Arc::new(LogLayers(Arc::clone(&log))),
-            )
-            .await
-            .unwrap();
-        let r = rx.await.unwrap().unwrap();
-        assert_eq!(kv.verify(&expected(&dest, 0), 0).unwrap(), r.bytes);
-        kv.untouched_outside(&dest).unwrap();
+        let (log, most) = recorded_load(Recording::default(), "window").await;
         // Two batches up front; the third only after the first landed and was reported.
-        let log = log.lock().unwrap().clone();
         let at = |e: &str| log.iter().position(|l| l.starts_with(e));
         let submits: Vec<usize> = (0..log.len())
             .filter(|&i| log[i].starts_with("submit"))
@@ -1008,12 +990,6 @@ fn a_load_keeps_two_batches_queued_and_reports_each_before_submitting_the_next()
         assert_eq!(&submits[..2], &[0, 1], "{log:?}");
         assert!(at("layers 1").unwrap() < submits[2], "{log:?}");
         assert_eq!(log.last().map(String::as_str), Some("layers 4"), "{log:?}");
-        assert_eq!(rec.hook.most.load(std::sync::atomic::Ordering::SeqCst), 2);
-        let s = settled(&node).await;
-        assert_eq!(
-            (s.loads_ok, s.transfers_in_flight, s.leases_live),
-            (1, 0, 0)
-        );
-        node.shutdown();
+        assert_eq!(most, 2);
     });
 }
