@@ -733,6 +733,19 @@ fn a_load_reports_its_layers_in_order_as_they_land() {
     });
 }
 
+/// Holds the calling thread (a submitting one, in the hooks below) until `done` says so, or
+/// 10 s; whether it did.
+fn hold_until(done: impl Fn() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::time::Instant::now() < deadline {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    false
+}
+
 /// Records each batch's submission in a log it shares with a load observer, and how many
 /// batches were queued at most, so a test sees how far submission runs ahead of the copies.
 #[derive(Default)]
@@ -762,17 +775,11 @@ impl SubmitHook for Recording {
             log.push(format!("submit {}", list.len()));
             log.iter().filter(|l| l.starts_with("submit")).count()
         };
-        if self.hold_second && nth == 2 {
-            let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            while std::time::Instant::now() < deadline {
-                let mut log = self.log.lock().unwrap();
-                if log.iter().any(|l| l == "layers 1") {
-                    log.push("held".into());
-                    break;
-                }
-                drop(log);
-                std::thread::sleep(Duration::from_millis(1));
-            }
+        if self.hold_second
+            && nth == 2
+            && hold_until(|| self.log.lock().unwrap().iter().any(|l| l == "layers 1"))
+        {
+            self.log.lock().unwrap().push("held".into());
         }
         // SAFETY: the caller's contract is passed on unchanged.
         let inner = unsafe { kvferry_gpu::Device::submit(inner, dir, list) }?;
@@ -820,15 +827,10 @@ impl SubmitHook for HoldSaves {
         use std::sync::atomic::Ordering::SeqCst;
         if dir == kvferry_gpu::CopyDirection::DeviceToHost {
             self.log.lock().unwrap().push("save submitting");
-            let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            let why = loop {
-                if self.loaded.load(SeqCst) {
-                    break "save released by the load";
-                }
-                if std::time::Instant::now() > deadline {
-                    break "save released by the timeout";
-                }
-                std::thread::sleep(Duration::from_millis(1));
+            let why = if hold_until(|| self.loaded.load(SeqCst)) {
+                "save released by the load"
+            } else {
+                "save released by the timeout"
             };
             self.log.lock().unwrap().push(why);
         }
