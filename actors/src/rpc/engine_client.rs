@@ -440,24 +440,8 @@ impl EngineClient {
         hashes: &[BlockHash],
         direct_gpu: bool,
     ) -> Result<QueryAnswer, EngineClientError> {
-        let len = hashes.first().map_or(0, |h| h.as_bytes().len());
-        let same_len = hashes.iter().all(|h| h.as_bytes().len() == len);
-        if same_len && len > 0 && self.takes_packed().await? {
-            let mut packed = Vec::with_capacity(len * hashes.len());
-            for h in hashes {
-                packed.extend_from_slice(h.as_bytes());
-            }
-            let r = self.request(QueryRequest {
-                instance: instance.as_str().to_owned(),
-                hashes: Vec::new(),
-                direct_gpu,
-                packed_hashes: packed.into(),
-                hash_len: len as u32,
-            });
-            let q = self.call("Query", self.raw.clone().query(r)).await?;
-            return self.query_answer(q);
-        }
-        // One buffer for every hash, each field a slice of it.
+        // One buffer for every hash: sent as it is where the node takes packed hashes and
+        // they are all one length, otherwise each repeated field a slice of it.
         let mut all = Vec::with_capacity(hashes.iter().map(|h| h.as_bytes().len()).sum());
         let mut ends = Vec::with_capacity(hashes.len());
         for h in hashes {
@@ -465,38 +449,29 @@ impl EngineClient {
             ends.push(all.len());
         }
         let all = prost::bytes::Bytes::from(all);
-        let mut start = 0;
-        let hashes = ends
-            .into_iter()
-            .map(|end| {
-                let h = all.slice(start..end);
-                start = end;
-                h
-            })
-            .collect();
-        let r = self.request(QueryRequest {
+        let len = ends.first().copied().unwrap_or(0);
+        let same_len = ends.iter().zip(0..).all(|(&end, i)| end == (i + 1) * len);
+        let mut req = QueryRequest {
             instance: instance.as_str().to_owned(),
-            hashes,
             direct_gpu,
             ..Default::default()
-        });
+        };
+        if same_len && len > 0 && self.takes_packed().await? {
+            req.packed_hashes = all;
+            req.hash_len = len as u32;
+        } else {
+            let mut start = 0;
+            req.hashes = ends
+                .into_iter()
+                .map(|end| {
+                    let h = all.slice(start..end);
+                    start = end;
+                    h
+                })
+                .collect();
+        }
+        let r = self.request(req);
         let q = self.call("Query", self.raw.clone().query(r)).await?;
-        self.query_answer(q)
-    }
-
-    /// Whether the node takes packed query hashes; asked once per handle (a node of an
-    /// older protocol would read a packed query as one without hashes).
-    async fn takes_packed(&self) -> Result<bool, EngineClientError> {
-        self.packed
-            .get_or_try_init(|| async {
-                let caps = self.capabilities().await?;
-                Ok(caps.protocol >= 4)
-            })
-            .await
-            .copied()
-    }
-
-    fn query_answer(&self, q: QueryResponse) -> Result<QueryAnswer, EngineClientError> {
         let malformed = |reason: String| EngineClientError::Malformed {
             addr: self.addr.clone(),
             method: "Query",
@@ -532,6 +507,18 @@ impl EngineClient {
             remote_blocks: q.remote_blocks,
             direct,
         })
+    }
+
+    /// Whether the node takes packed query hashes; asked once per handle (a node of an
+    /// older protocol would read a packed query as one without hashes).
+    async fn takes_packed(&self) -> Result<bool, EngineClientError> {
+        self.packed
+            .get_or_try_init(|| async {
+                let caps = self.capabilities().await?;
+                Ok(caps.protocol >= 4)
+            })
+            .await
+            .copied()
     }
 
     /// Starts a load; returns its load id as soon as the node accepted it.
