@@ -18,13 +18,12 @@
 //! never pairs one load's tag with another's state. States: 0 idle, 1 running, 2 ok, 3 failed.
 
 use std::os::fd::OwnedFd;
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use rustix::mm::{MapFlags, ProtFlags};
-use rustix::thread::futex;
 use thiserror::Error;
+
+use super::shared_map::{futex_wait, futex_wake, OsError, SharedMap};
 
 pub const MAGIC: u32 = 0x4246_564b;
 pub const VERSION: u32 = 1;
@@ -114,10 +113,12 @@ pub enum BoardError {
     },
 }
 
-fn os(call: &'static str) -> impl FnOnce(rustix::io::Errno) -> BoardError {
-    move |e| BoardError::Os {
-        call,
-        source: e.into(),
+impl From<OsError> for BoardError {
+    fn from(e: OsError) -> Self {
+        BoardError::Os {
+            call: e.call,
+            source: e.source,
+        }
     }
 }
 
@@ -126,21 +127,12 @@ pub fn board_bytes(slots: u32) -> u64 {
     HEADER_BYTES + SLOT_BYTES * u64::from(slots)
 }
 
-/// A mapped board (either side). Unmapped on drop.
+/// A mapped board (either side).
 #[derive(Debug)]
 pub struct Board {
-    base: NonNull<u8>,
-    len: usize,
+    map: SharedMap,
     slots: u32,
-    _fd: OwnedFd,
 }
-
-// SAFETY: the mapping is only accessed through atomics (`AtomicU32`/`AtomicU64` views of
-// naturally aligned fields), so sharing it between threads is sound; it stays mapped until
-// drop, and `&self` methods never hand out plain references into it.
-unsafe impl Send for Board {}
-// SAFETY: as above.
-unsafe impl Sync for Board {}
 
 impl Board {
     /// Creates a board of `slots` slots in a new memfd (the client side): the fd to send,
@@ -149,14 +141,10 @@ impl Board {
         if slots == 0 || slots > MAX_SLOTS {
             return Err(BoardError::Slots { slots });
         }
-        let fd = rustix::fs::memfd_create(
-            "kvferry-board",
-            rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
-        )
-        .map_err(os("memfd_create"))?;
-        let len = board_bytes(slots);
-        rustix::fs::ftruncate(&fd, len).map_err(os("ftruncate"))?;
-        let b = Self::map(fd, len, slots)?;
+        let b = Self {
+            map: SharedMap::create("kvferry-board", board_bytes(slots))?,
+            slots,
+        };
         b.word32(4).store(VERSION, Ordering::Relaxed);
         b.word32(8).store(slots, Ordering::Relaxed);
         b.word32(0).store(MAGIC, Ordering::Release);
@@ -165,8 +153,7 @@ impl Board {
 
     /// Maps a board a client sent (the node side), checking its header and size.
     pub fn open(fd: OwnedFd, len: u64) -> Result<Self, BoardError> {
-        let st = rustix::fs::fstat(&fd).map_err(os("fstat"))?;
-        let actual = u64::try_from(st.st_size).unwrap_or(0);
+        let actual = SharedMap::file_len(&fd)?;
         if len < HEADER_BYTES || actual < len {
             return Err(BoardError::Size {
                 slots: 0,
@@ -175,7 +162,10 @@ impl Board {
             });
         }
         // Mapped first; the header's slot count is checked against the stated length below.
-        let mut b = Self::map(fd, len, 0)?;
+        let mut b = Self {
+            map: SharedMap::map(fd, len)?,
+            slots: 0,
+        };
         let (magic, version) = (
             b.word32(0).load(Ordering::Acquire),
             b.word32(4).load(Ordering::Relaxed),
@@ -198,42 +188,9 @@ impl Board {
         Ok(b)
     }
 
-    fn map(fd: OwnedFd, len: u64, slots: u32) -> Result<Self, BoardError> {
-        let n = usize::try_from(len).map_err(|_| BoardError::Size {
-            slots,
-            want: len,
-            len,
-        })?;
-        // SAFETY: a fresh shared mapping of `n` bytes of the memfd; nothing else in this
-        // process aliases it, and every access goes through atomics.
-        let p = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                n,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                &fd,
-                0,
-            )
-        }
-        .map_err(os("mmap"))?;
-        let base = NonNull::new(p.cast::<u8>()).ok_or(BoardError::Size {
-            slots,
-            want: len,
-            len: 0,
-        })?;
-        Ok(Self {
-            base,
-            len: n,
-            slots,
-            _fd: fd,
-        })
-    }
-
     /// The fd to send to the node.
     pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        use std::os::fd::AsFd;
-        self._fd.as_fd()
+        self.map.fd()
     }
 
     pub fn slots(&self) -> u32 {
@@ -241,31 +198,26 @@ impl Board {
     }
 
     pub fn len(&self) -> u64 {
-        self.len as u64
+        self.map.len() as u64
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.map.len() == 0
     }
 
     fn word32(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off + 4 <= self.len && off.is_multiple_of(4));
-        // SAFETY: `off` is a 4-aligned offset inside the mapping (header fields), which is
-        // page-aligned and lives as long as `self`.
-        unsafe { &*self.base.as_ptr().add(off).cast::<AtomicU32>() }
+        self.map.word32(off)
     }
 
     fn slot_word(&self, slot: u32) -> &AtomicU64 {
-        let off = (HEADER_BYTES + SLOT_BYTES * u64::from(slot)) as usize;
-        // SAFETY: callers check `slot < self.slots`, so the 8-aligned word lies inside the
-        // mapping, which lives as long as `self`.
-        unsafe { &*self.base.as_ptr().add(off).cast::<AtomicU64>() }
+        // Callers check `slot < self.slots`, which `open` checked against the length.
+        self.map
+            .word64((HEADER_BYTES + SLOT_BYTES * u64::from(slot)) as usize)
     }
 
     fn slot_total(&self, slot: u32) -> &AtomicU32 {
-        let off = (HEADER_BYTES + SLOT_BYTES * u64::from(slot)) as usize + 8;
-        // SAFETY: as in `slot_word`.
-        unsafe { &*self.base.as_ptr().add(off).cast::<AtomicU32>() }
+        self.map
+            .word32((HEADER_BYTES + SLOT_BYTES * u64::from(slot)) as usize + 8)
     }
 
     fn check(&self, slot: u32) -> Result<(), BoardError> {
@@ -298,8 +250,7 @@ impl Board {
 
     fn wake(&self) {
         self.word32(WAKE_OFFSET).fetch_add(1, Ordering::Release);
-        // Waiters of any process: a shared (not private) futex.
-        let _ = futex::wake(self.word32(WAKE_OFFSET), futex::Flags::empty(), u32::MAX);
+        futex_wake(self.word32(WAKE_OFFSET));
     }
 
     /// Node side: a load starts in `slot` under `tag` with `total` layers. Refused while the
@@ -403,22 +354,10 @@ impl Board {
             if left.is_zero() {
                 return Ok(v);
             }
-            let ts = futex::Timespec {
-                tv_sec: left.as_secs() as i64,
-                tv_nsec: i64::from(left.subsec_nanos()),
-            };
             // Sleeps only while nothing was written since `seen` was read; any write bumps
-            // the word first. EAGAIN, EINTR and ETIMEDOUT all mean: look again.
-            let _ = futex::wait(wake, futex::Flags::empty(), seen, Some(&ts));
+            // the word first.
+            futex_wait(wake, seen, left);
         }
-    }
-}
-
-impl Drop for Board {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, unmapped once; nothing refers into it after
-        // drop (accessors borrow `self`).
-        let _ = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.len) };
     }
 }
 

@@ -11,9 +11,11 @@ pub mod engine_client;
 mod engine_request;
 pub mod engine_server;
 pub mod fd_socket;
+pub mod mailbox;
 pub mod memory_handles;
 pub mod peer_client;
 pub mod peer_server;
+mod shared_map;
 mod statuses;
 
 /// The generated `kvferry.v1` messages, client and server.

@@ -1,0 +1,165 @@
+//! A memfd mapped shared between a client process and the node: what completion boards and
+//! request mailboxes are made of. Either side maps the same pages; every field is read and
+//! written through atomics or through bounds-checked copies, never through references that
+//! another process could write under.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::time::Duration;
+
+use rustix::mm::{MapFlags, ProtFlags};
+use rustix::thread::futex;
+
+/// A failed system call, with its name.
+#[derive(Debug)]
+pub(crate) struct OsError {
+    pub call: &'static str,
+    pub source: std::io::Error,
+}
+
+fn os(call: &'static str) -> impl FnOnce(rustix::io::Errno) -> OsError {
+    move |e| OsError {
+        call,
+        source: e.into(),
+    }
+}
+
+/// A shared mapping of a whole memfd. Unmapped on drop.
+#[derive(Debug)]
+pub(crate) struct SharedMap {
+    base: NonNull<u8>,
+    len: usize,
+    fd: OwnedFd,
+}
+
+// SAFETY: the mapping is only accessed through atomics and through copies bounded by `len`
+// (`read`/`write`), so sharing it between threads is sound; it stays mapped until drop, and
+// `&self` methods never hand out plain references into it.
+unsafe impl Send for SharedMap {}
+// SAFETY: as above.
+unsafe impl Sync for SharedMap {}
+
+impl SharedMap {
+    /// A new zeroed memfd of `len` bytes, mapped (the client side).
+    pub(crate) fn create(name: &str, len: u64) -> Result<Self, OsError> {
+        let fd = rustix::fs::memfd_create(
+            name,
+            rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
+        )
+        .map_err(os("memfd_create"))?;
+        rustix::fs::ftruncate(&fd, len).map_err(os("ftruncate"))?;
+        Self::map(fd, len)
+    }
+
+    /// The size of the file behind `fd` (the node side checks it before mapping).
+    pub(crate) fn file_len(fd: &OwnedFd) -> Result<u64, OsError> {
+        let st = rustix::fs::fstat(fd).map_err(os("fstat"))?;
+        Ok(u64::try_from(st.st_size).unwrap_or(0))
+    }
+
+    /// Maps the first `len` bytes of `fd`, which the caller checked the file holds.
+    pub(crate) fn map(fd: OwnedFd, len: u64) -> Result<Self, OsError> {
+        let n = usize::try_from(len)
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| OsError {
+                call: "mmap",
+                source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+            })?;
+        // SAFETY: a fresh shared mapping of `n` bytes of the memfd; nothing else in this
+        // process aliases it, and every access goes through atomics or bounded copies.
+        let p = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                n,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &fd,
+                0,
+            )
+        }
+        .map_err(os("mmap"))?;
+        let base = NonNull::new(p.cast::<u8>()).ok_or_else(|| OsError {
+            call: "mmap",
+            source: std::io::Error::from(std::io::ErrorKind::AddrNotAvailable),
+        })?;
+        Ok(Self { base, len: n, fd })
+    }
+
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The 32-bit word at `off`. Panics (a bug of the caller, never of input) when `off` is
+    /// not a 4-aligned offset inside the mapping: callers pass offsets of their layout.
+    pub(crate) fn word32(&self, off: usize) -> &AtomicU32 {
+        assert!(off + 4 <= self.len && off.is_multiple_of(4), "word {off}");
+        // SAFETY: checked above: a 4-aligned offset inside the page-aligned mapping, which
+        // lives as long as `self`.
+        unsafe { &*self.base.as_ptr().add(off).cast::<AtomicU32>() }
+    }
+
+    /// The 64-bit word at `off` (8-aligned, inside), as [`Self::word32`].
+    pub(crate) fn word64(&self, off: usize) -> &AtomicU64 {
+        assert!(off + 8 <= self.len && off.is_multiple_of(8), "word {off}");
+        // SAFETY: as in `word32`.
+        unsafe { &*self.base.as_ptr().add(off).cast::<AtomicU64>() }
+    }
+
+    /// Copies `src` to `off`; false (nothing written) when it would not fit.
+    pub(crate) fn write(&self, off: usize, src: &[u8]) -> bool {
+        if off.checked_add(src.len()).is_none_or(|end| end > self.len) {
+            return false;
+        }
+        // SAFETY: the range lies inside the mapping (checked above) and `src` is memory of
+        // this process, so they do not overlap. The other side may read the range at the
+        // same time; the protocol orders that with the atomics around it, and a racing
+        // reader only ever sees bytes, never a reference.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.base.as_ptr().add(off), src.len())
+        };
+        true
+    }
+
+    /// Copies `len` bytes at `off` into a new buffer; `None` when the range is outside.
+    pub(crate) fn read(&self, off: usize, len: usize) -> Option<Vec<u8>> {
+        if off.checked_add(len).is_none_or(|end| end > self.len) {
+            return None;
+        }
+        let mut out = vec![0u8; len];
+        // SAFETY: as in `write`, with the roles swapped.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.base.as_ptr().add(off), out.as_mut_ptr(), len)
+        };
+        Some(out)
+    }
+}
+
+impl Drop for SharedMap {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, unmapped once; nothing refers into it after
+        // drop (accessors borrow `self`).
+        let _ = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
+
+/// Sleeps while `word` still holds `seen`, at most `timeout`. EAGAIN, EINTR and ETIMEDOUT
+/// all mean the same to a caller: look again. Shared (not private) futexes, so waiters and
+/// wakers may be in different processes.
+pub(crate) fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
+    let ts = futex::Timespec {
+        tv_sec: i64::try_from(timeout.as_secs()).unwrap_or(i64::MAX),
+        tv_nsec: i64::from(timeout.subsec_nanos()),
+    };
+    let _ = futex::wait(word, futex::Flags::empty(), seen, Some(&ts));
+}
+
+/// Wakes every waiter on `word`.
+pub(crate) fn futex_wake(word: &AtomicU32) {
+    let _ = futex::wake(word, futex::Flags::empty(), u32::MAX);
+}
