@@ -3,7 +3,7 @@
 //! [`SsdTier`] is what the block store drives: an [`index::SsdIndex`] of which disk slot
 //! holds which block (LRU by capacity), and one I/O thread per directory ([`io::DirIo`],
 //! `O_DIRECT` on an io_uring where the filesystem and kernel allow, a logged fallback where
-//! not). Every block on disk carries its key and an xxh3 checksum ([`format`]): a torn or
+//! not). Every block on disk carries its key and an xxh3 checksum ([`format`](mod@format)): a torn or
 //! corrupt block is a miss, never wrong bytes. [`SsdConfig`] is the `[ssd]` config section.
 
 pub mod config;
