@@ -339,6 +339,10 @@ pub struct EngineConfig {
     pub completion_retention: u32,
     /// Memory handles no RegisterInstance used within this long are closed.
     pub handle_ttl_secs: u64,
+    /// How long a request mailbox's node thread keeps polling after a request before it
+    /// sleeps on the doorbell (a woken thread answers tens of microseconds later; a polling
+    /// one at once, for a core's time while it polls). 0: sleep at once. At most 1 s.
+    pub mailbox_spin_us: u64,
 }
 
 impl Default for EngineConfig {
@@ -350,6 +354,7 @@ impl Default for EngineConfig {
             max_message_bytes: ByteSize(64 << 20),
             completion_retention: 1024,
             handle_ttl_secs: 30,
+            mailbox_spin_us: 2000,
         }
     }
 }
@@ -357,6 +362,10 @@ impl Default for EngineConfig {
 impl EngineConfig {
     pub fn handle_ttl(&self) -> Duration {
         Duration::from_secs(self.handle_ttl_secs)
+    }
+
+    pub fn mailbox_spin(&self) -> Duration {
+        Duration::from_micros(self.mailbox_spin_us)
     }
 
     fn validate(&self, node_id: &str) -> Result<(), ConfigError> {
@@ -395,6 +404,12 @@ impl EngineConfig {
             );
         }
         check_ttl("engine.handle-ttl-secs", self.handle_ttl_secs)?;
+        if self.mailbox_spin_us > 1_000_000 {
+            return invalid(
+                "engine.mailbox-spin-us",
+                format!("{} must be 0 to 1000000", self.mailbox_spin_us),
+            );
+        }
         Ok(())
     }
 }
@@ -1040,6 +1055,10 @@ mod tests {
                 "engine.completion-retention",
             ),
             ("[engine]\nhandle-ttl-secs = 0\n", "engine.handle-ttl-secs"),
+            (
+                "[engine]\nmailbox-spin-us = 1000001\n",
+                "engine.mailbox-spin-us",
+            ),
             (
                 "[directory]\nlookup-timeout-ms = 0\n",
                 "directory.lookup-timeout-ms",

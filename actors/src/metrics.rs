@@ -66,6 +66,8 @@ pub const ENGINE_MEMORY_HANDLES: &str = "kvferry_engine_memory_handles";
 pub const ENGINE_LOADS_PENDING: &str = "kvferry_engine_loads_pending";
 pub const ENGINE_COMPLETIONS_RETAINED: &str = "kvferry_engine_completions_retained";
 pub const ENGINE_COMPLETIONS_DROPPED: &str = "kvferry_engine_completions_dropped_total";
+pub const ENGINE_MAILBOXES: &str = "kvferry_engine_mailboxes";
+pub const ENGINE_MAILBOX_REQUESTS: &str = "kvferry_engine_mailbox_requests_total";
 /// The SSD tier's families (`ssd::SsdStats`).
 pub const SSD_BLOCKS: &str = "kvferry_ssd_blocks";
 pub const SSD_CAPACITY_BLOCKS: &str = "kvferry_ssd_capacity_blocks";
@@ -138,6 +140,10 @@ pub fn describe() {
             ENGINE_COMPLETIONS_RETAINED,
             "Load completions waiting for a stream or poll.",
         ),
+        (
+            ENGINE_MAILBOXES,
+            "Request mailboxes attached to engine sessions (a node thread each).",
+        ),
         (SSD_BLOCKS, "Blocks held on SSD."),
         (SSD_CAPACITY_BLOCKS, "Block slots of the SSD directories."),
         (
@@ -195,6 +201,10 @@ pub fn describe() {
         (
             ENGINE_COMPLETIONS_DROPPED,
             "Load completions dropped uncollected, over the retention bound.",
+        ),
+        (
+            ENGINE_MAILBOX_REQUESTS,
+            "Query and Load requests served from request mailboxes.",
         ),
         (SSD_EVICTIONS, "Blocks evicted from SSD by capacity."),
         (SSD_WRITES, "Blocks written to SSD."),
@@ -469,6 +479,10 @@ pub struct EngineGauges {
     pub completions_retained: u64,
     /// Completions dropped uncollected (over the retention bound).
     pub completions_dropped: u64,
+    /// Request mailboxes attached (a node thread each).
+    pub mailboxes: u64,
+    /// Requests served from mailboxes.
+    pub mailbox_requests: u64,
 }
 
 /// Where a node's scrape reads the engine service's gauges from.
@@ -570,10 +584,12 @@ fn record_engine(g: &EngineGauges) {
         (ENGINE_MEMORY_HANDLES, g.memory_handles),
         (ENGINE_LOADS_PENDING, g.loads_pending),
         (ENGINE_COMPLETIONS_RETAINED, g.completions_retained),
+        (ENGINE_MAILBOXES, g.mailboxes),
     ] {
         gauge!(name).set(v as f64);
     }
     counter!(ENGINE_COMPLETIONS_DROPPED).absolute(g.completions_dropped);
+    counter!(ENGINE_MAILBOX_REQUESTS).absolute(g.mailbox_requests);
 }
 
 fn record_ssd(s: &crate::ssd::SsdStats) {
@@ -1061,6 +1077,8 @@ mod tests {
             (ENGINE_LOADS_PENDING, (MetricKind::Gauge, &[][..])),
             (ENGINE_COMPLETIONS_RETAINED, (MetricKind::Gauge, &[][..])),
             (ENGINE_COMPLETIONS_DROPPED, (MetricKind::Counter, &[][..])),
+            (ENGINE_MAILBOXES, (MetricKind::Gauge, &[][..])),
+            (ENGINE_MAILBOX_REQUESTS, (MetricKind::Counter, &[][..])),
             (SSD_BLOCKS, (MetricKind::Gauge, &[][..])),
             (SSD_CAPACITY_BLOCKS, (MetricKind::Gauge, &[][..])),
             (SSD_HELD_BLOCKS, (MetricKind::Gauge, &[][..])),

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvferry_transport::fd_passing;
+use prost::Message;
 use thiserror::Error;
 use tokio::io::{AsyncBufReadExt, Interest};
 use tokio::sync::{mpsc, OnceCell};
@@ -17,6 +18,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Status, Streaming};
 
 use super::fd_socket;
+use super::mailbox::{self, Mailbox, MailboxError, Op};
 use super::proto::engine_client::EngineClient as RawClient;
 use super::proto::*;
 use crate::api;
@@ -71,6 +73,13 @@ pub enum EngineClientError {
     WaitTimeout { load_id: u64, after: Duration },
     #[error("no fd socket: connect with its path (Capabilities.fd_socket)")]
     NoFdSocket,
+    /// The request mailbox failed (creating it, or waiting for an answer).
+    #[error("engine service at {addr}: request mailbox")]
+    Mailbox {
+        addr: String,
+        #[source]
+        source: MailboxError,
+    },
 }
 
 impl EngineClientError {
@@ -115,6 +124,30 @@ pub struct EngineClient {
     /// Whether the node takes packed query hashes (protocol 4): learnt from Capabilities on
     /// the first query of this handle (and its clones).
     packed: Arc<OnceCell<bool>>,
+    /// The request mailbox Query and Load go through once attached (this handle and its
+    /// clones); detached when the last of them drops.
+    mailbox: Arc<OnceCell<MailboxLink>>,
+}
+
+/// An attached mailbox and the session that holds it on the node.
+struct MailboxLink {
+    mailbox: Arc<Mailbox>,
+    _session: std::sync::Mutex<EngineSession>,
+}
+
+impl std::fmt::Debug for MailboxLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MailboxLink")
+            .field("slots", &self.mailbox.slots())
+            .finish()
+    }
+}
+
+impl Drop for MailboxLink {
+    fn drop(&mut self) {
+        // The node's thread ends now, not when it notices the session's end.
+        self.mailbox.close();
+    }
 }
 
 impl EngineClient {
@@ -154,6 +187,7 @@ impl EngineClient {
             token: token.into(),
             deadline,
             packed: Arc::new(OnceCell::new()),
+            mailbox: Arc::new(OnceCell::new()),
         })
     }
 
@@ -268,6 +302,17 @@ impl EngineClient {
     ) -> Result<u64, EngineClientError> {
         let line = format!("board {instance} {rank} 0 {}", board.len());
         self.send_fd(line, board.fd()).await
+    }
+
+    /// Sends a request mailbox (see [`super::mailbox`]); returns the handle a session
+    /// attaches ([`EngineSession::attach`]). [`Self::attach_mailbox`] does both.
+    pub async fn send_mailbox(
+        &self,
+        instance: &InstanceId,
+        mailbox: &Mailbox,
+    ) -> Result<u64, EngineClientError> {
+        let line = format!("mailbox {instance} 0 0 {}", mailbox.len());
+        self.send_fd(line, mailbox.fd()).await
     }
 
     async fn send_fd(
@@ -470,8 +515,13 @@ impl EngineClient {
                 })
                 .collect();
         }
-        let r = self.request(req);
-        let q = self.call("Query", self.raw.clone().query(r)).await?;
+        let q = match self.through_mailbox(Op::Query, "Query", &req).await {
+            Some(answer) => answer?,
+            None => {
+                let r = self.request(req);
+                self.call("Query", self.raw.clone().query(r)).await?
+            }
+        };
         let malformed = |reason: String| EngineClientError::Malformed {
             addr: self.addr.clone(),
             method: "Query",
@@ -534,15 +584,119 @@ impl EngineClient {
         req: &api::LoadRequest,
         board: Option<(u32, u32)>,
     ) -> Result<u64, EngineClientError> {
-        let r = self.request(LoadRequest {
+        let req = LoadRequest {
             lease: req.lease.to_hex(),
             instance: req.instance.as_str().to_owned(),
             rank: req.rank,
             dest_blocks: req.dest_blocks.clone(),
             board_slot: board.map(|b| b.0),
             board_tag: board.map(|b| b.1).unwrap_or(0),
-        });
+        };
+        if let Some(answer) = self
+            .through_mailbox::<_, LoadResponse>(Op::Load, "Load", &req)
+            .await
+        {
+            return Ok(answer?.load_id);
+        }
+        let r = self.request(req);
         Ok(self.call("Load", self.raw.clone().load(r)).await?.load_id)
+    }
+
+    /// Attaches a request mailbox (see [`super::mailbox`]): from then on Query and Load of
+    /// this handle and its clones go through it, and fall back to the gRPC call only where a
+    /// request does not fit a slot or every slot is in flight. `instance` names the client
+    /// on the fd socket. False (nothing attached) where the node's protocol is older than 5.
+    pub async fn attach_mailbox(&self, instance: &InstanceId) -> Result<bool, EngineClientError> {
+        if self.mailbox.initialized() {
+            return Ok(true);
+        }
+        if self.capabilities().await?.protocol < 5 {
+            return Ok(false);
+        }
+        let failed = |source| EngineClientError::Mailbox {
+            addr: self.addr.clone(),
+            source,
+        };
+        let mailbox = Arc::new(
+            Mailbox::create(mailbox::DEFAULT_SLOTS, mailbox::DEFAULT_SLOT_BYTES).map_err(failed)?,
+        );
+        let handle = self.send_mailbox(instance, &mailbox).await?;
+        let mut session = self.open_session(&[]).await?;
+        session.attach(handle).await?;
+        let link = MailboxLink {
+            mailbox,
+            _session: std::sync::Mutex::new(session),
+        };
+        // Two attaching at once: the second link drops, closing its own mailbox.
+        let _ = self.mailbox.set(link);
+        Ok(true)
+    }
+
+    /// Whether Query and Load go through a mailbox.
+    pub fn has_mailbox(&self) -> bool {
+        self.mailbox.initialized()
+    }
+
+    /// Sends `req` through the attached mailbox and decodes the answer; `None` where there
+    /// is none, the request does not fit a slot, or every slot is in flight (the caller
+    /// makes the gRPC call). The answer is polled for on this thread for a moment (a query
+    /// or a load's start is answered within it), then waited for on a blocking thread.
+    async fn through_mailbox<Req: Message, Resp: Message + Default>(
+        &self,
+        op: Op,
+        method: &'static str,
+        req: &Req,
+    ) -> Option<Result<Resp, EngineClientError>> {
+        let link = self.mailbox.get()?;
+        let ticket = match link.mailbox.post(op, &req.encode_to_vec()) {
+            Ok(t) => t,
+            Err(MailboxError::TooLarge { .. } | MailboxError::Full { .. }) => return None,
+            Err(source) => {
+                return Some(Err(EngineClientError::Mailbox {
+                    addr: self.addr.clone(),
+                    source,
+                }))
+            }
+        };
+        let (spin, deadline) = (mailbox::ANSWER_SPIN.min(self.deadline), self.deadline);
+        let answer = match ticket.wait(spin, spin) {
+            Err(MailboxError::TimedOut { .. }) if deadline > spin => {
+                let left = deadline - spin;
+                tokio::task::spawn_blocking(move || ticket.wait(Duration::ZERO, left))
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(MailboxError::TimedOut {
+                            op: op.as_str(),
+                            waited: deadline,
+                        })
+                    })
+            }
+            other => other,
+        };
+        Some(match answer {
+            Ok(a) if a.code == 0 => {
+                Resp::decode(&a.payload[..]).map_err(|e| EngineClientError::Malformed {
+                    addr: self.addr.clone(),
+                    method,
+                    reason: format!("the mailbox answer does not decode: {e}"),
+                })
+            }
+            Ok(a) => Err(self.failed(
+                method,
+                Status::new(
+                    Code::from(a.code as i32),
+                    String::from_utf8_lossy(&a.payload).into_owned(),
+                ),
+            )),
+            Err(MailboxError::TimedOut { .. }) => Err(self.failed(
+                method,
+                Status::deadline_exceeded(format!("no answer within {deadline:?}")),
+            )),
+            Err(source) => Err(EngineClientError::Mailbox {
+                addr: self.addr.clone(),
+                source,
+            }),
+        })
     }
 
     /// The result of a load if it completed (consuming it), `None` while it runs.
@@ -929,32 +1083,53 @@ impl std::fmt::Debug for EngineSession {
 impl EngineSession {
     /// Binds a registered instance to this session.
     pub async fn bind(&mut self, instance: &InstanceId) -> Result<(), EngineClientError> {
+        let req = SessionRequest {
+            bind: instance.as_str().to_owned(),
+            mailbox: 0,
+        };
+        self.exchange(req, |e| e.bound == instance.as_str()).await
+    }
+
+    /// Attaches the mailbox of fd-socket handle `handle` (what
+    /// [`EngineClient::attach_mailbox`] does); the node serves it until the session ends.
+    pub async fn attach(&mut self, handle: u64) -> Result<(), EngineClientError> {
+        let req = SessionRequest {
+            bind: String::new(),
+            mailbox: handle,
+        };
+        self.exchange(req, |e| e.mailbox == handle).await
+    }
+
+    async fn exchange(
+        &mut self,
+        req: SessionRequest,
+        answers: impl Fn(&SessionEvent) -> bool,
+    ) -> Result<(), EngineClientError> {
         let failed = |code, message: String| EngineClientError::Call {
             addr: self.addr.clone(),
             method: "Session",
             code,
             message,
         };
-        let bind = async {
+        let asked = format!("{req:?}");
+        let exchange = async {
             self.tx
-                .send(SessionRequest {
-                    bind: instance.as_str().to_owned(),
-                })
+                .send(req)
                 .await
                 .map_err(|_| failed(Code::Unavailable, "the session has ended".into()))?;
             match self.events.message().await {
-                Ok(Some(e)) if e.bound == instance.as_str() => Ok(()),
+                Ok(Some(e)) if answers(&e) => Ok(()),
                 Ok(Some(e)) => Err(failed(
                     Code::Internal,
-                    format!("bound {:?}, asked for {instance}", e.bound),
+                    format!("answered {e:?}, asked {asked}"),
                 )),
                 Ok(None) => Err(failed(Code::Unavailable, "the session has ended".into())),
                 Err(s) => Err(failed(s.code(), s.message().to_owned())),
             }
         };
-        tokio::time::timeout(self.deadline, bind)
+        tokio::time::timeout(self.deadline, exchange)
             .await
-            .map_err(|_| failed(Code::DeadlineExceeded, "no answer to bind".into()))?
+            .map_err(|_| failed(Code::DeadlineExceeded, format!("no answer to {asked}")))?
     }
 
     /// Ends the session (the node unregisters its instances).

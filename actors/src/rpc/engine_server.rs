@@ -23,6 +23,8 @@ use super::board::{Board, BoardError};
 use super::completions::{CompletionBook, LoadState, RankKey};
 use super::engine_request::{self as check, status};
 use super::fd_socket::{self, FdSocket};
+use super::mailbox::Mailbox;
+use super::mailbox_server::{self, MailboxThread};
 use super::memory_handles::{MemoryHandles, MemoryKind};
 use super::peer_server::same_token;
 use super::proto::engine_server::{Engine, EngineServer};
@@ -83,6 +85,8 @@ pub struct EngineOptions {
     /// Longest a unary call may take on the server (the client's `grpc-timeout` may be
     /// shorter).
     pub call_timeout: Duration,
+    /// How long a mailbox thread polls after a request (`engine.mailbox-spin-us`).
+    pub mailbox_spin: Duration,
 }
 
 impl Default for EngineOptions {
@@ -99,6 +103,7 @@ impl EngineOptions {
             completion_retention: c.completion_retention as usize,
             handle_ttl: c.handle_ttl(),
             call_timeout: Duration::from_secs(30),
+            mailbox_spin: c.mailbox_spin(),
         }
     }
 }
@@ -106,12 +111,15 @@ impl EngineOptions {
 /// What the gRPC service and the fd socket share.
 pub(crate) struct Shared {
     node: Node,
-    options: EngineOptions,
+    pub(crate) options: EngineOptions,
     handles: Mutex<MemoryHandles>,
     book: Mutex<CompletionBook>,
     /// Completion boards of registered ranks, with the rank's layer count.
     boards: Mutex<HashMap<RankKey, (Arc<Board>, u32)>>,
     sessions: AtomicUsize,
+    /// Request mailboxes attached, and the requests they served.
+    pub(crate) mailboxes: AtomicUsize,
+    pub(crate) mailbox_requests: std::sync::atomic::AtomicU64,
     fd_path: Option<String>,
     stop: watch::Receiver<bool>,
 }
@@ -175,6 +183,8 @@ impl crate::metrics::EngineProbe for Shared {
             loads_pending: b.running() as u64,
             completions_retained: b.retained() as u64,
             completions_dropped: b.dropped(),
+            mailboxes: self.mailboxes.load(Ordering::Relaxed) as u64,
+            mailbox_requests: self.mailbox_requests.load(Ordering::Relaxed),
         }
     }
 }
@@ -202,6 +212,8 @@ pub async fn serve(
         book: Mutex::new(CompletionBook::new(options.completion_retention)),
         boards: Mutex::new(HashMap::new()),
         sessions: AtomicUsize::new(0),
+        mailboxes: AtomicUsize::new(0),
+        mailbox_requests: std::sync::atomic::AtomicU64::new(0),
         fd_path: fd_socket.as_ref().map(|s| s.path.display().to_string()),
         stop: stop.clone(),
         node,
@@ -273,8 +285,9 @@ async fn sweep_handles(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     }
 }
 
-struct EngineService {
-    shared: Arc<Shared>,
+#[derive(Clone)]
+pub(crate) struct EngineService {
+    pub(crate) shared: Arc<Shared>,
 }
 
 impl EngineService {
@@ -321,6 +334,31 @@ impl EngineService {
             )));
         }
         Ok((h.base, h.len, Arc::clone(&h.memory)))
+    }
+
+    /// Takes the mailbox of fd-socket handle `id` and starts its thread.
+    fn attach_mailbox(&self, id: u64) -> Result<MailboxThread, Status> {
+        const M: &str = "Session";
+        let h = self
+            .shared
+            .handles()
+            .get(id, Instant::now())
+            .cloned()
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "{M}: mailbox {id} is unknown, expired or already attached"
+                ))
+            })?;
+        let kind = h.kind;
+        let mailbox = Arc::downcast::<Mailbox>(h.memory).map_err(|_| {
+            Status::invalid_argument(format!(
+                "{M}: handle {id} is {} memory, not a mailbox",
+                kind.as_str()
+            ))
+        })?;
+        let thread = mailbox_server::attach(self.clone(), mailbox)?;
+        self.shared.handles().take(id);
+        Ok(thread)
     }
 
     /// The completion board a registration names (0: none), checked against the request.
@@ -890,8 +928,11 @@ impl Engine for EngineService {
         let shared = Arc::clone(&self.shared);
         let mut stop = self.shared.stop.clone();
         shared.sessions.fetch_add(1, Ordering::Relaxed);
+        let service = self.clone();
         tokio::spawn(async move {
             let mut bound: Vec<InstanceId> = Vec::new();
+            // Their threads end when this task does: the session's end detaches them.
+            let mut mailboxes = Vec::new();
             loop {
                 let msg = tokio::select! {
                     m = inbound.message() => m,
@@ -909,6 +950,13 @@ impl Engine for EngineService {
                     }
                 };
                 let answer = match check::instance(M, &m.bind) {
+                    _ if m.mailbox != 0 => service.attach_mailbox(m.mailbox).map(|t| {
+                        mailboxes.push(t);
+                        SessionEvent {
+                            bound: String::new(),
+                            mailbox: m.mailbox,
+                        }
+                    }),
                     Ok(instance) => match shared.node.check_registered(&instance, None).await {
                         Ok(()) => {
                             if !bound.contains(&instance) {
@@ -916,6 +964,7 @@ impl Engine for EngineService {
                             }
                             Ok(SessionEvent {
                                 bound: instance.as_str().to_owned(),
+                                mailbox: 0,
                             })
                         }
                         Err(e) => Err(status(M, e)),

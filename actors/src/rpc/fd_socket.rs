@@ -3,8 +3,10 @@
 //! memory handle id that `RegisterInstance` names.
 //!
 //! One request is one line, sent together with its descriptor:
-//! `memfd <instance> <rank> <device> <len> [<token>]` or
-//! `dmabuf <instance> <rank> <device> <len> <base> [<token>]`; the answer is one line,
+//! `memfd <instance> <rank> <device> <len> [<token>]`,
+//! `dmabuf <instance> <rank> <device> <len> <base> [<token>]`, or `board` / `mailbox` with
+//! the memfd's fields (a completion board a registration names, a request mailbox a session
+//! attaches); the answer is one line,
 //! `ok <handle>` or `err <code> <message>` (code: the gRPC code name, e.g.
 //! `invalid-argument`). Every refusal is an `err` line and leaves the connection usable (a
 //! message with too many descriptors included), except a line longer than 1024 bytes, which
@@ -106,15 +108,16 @@ pub(crate) fn parse(line: &str) -> Result<FdRequest, Status> {
     let kind = words
         .first()
         .and_then(|k| MemoryKind::parse(k))
-        .ok_or_else(|| invalid("a request starts with memfd, dmabuf or board"))?;
+        .ok_or_else(|| invalid("a request starts with memfd, dmabuf, board or mailbox"))?;
     let fixed = match kind {
-        MemoryKind::Memfd | MemoryKind::Board => 5,
+        MemoryKind::Memfd | MemoryKind::Board | MemoryKind::Mailbox => 5,
         MemoryKind::Dmabuf => 6,
     };
     if words.len() != fixed && words.len() != fixed + 1 {
         return Err(invalid(match kind {
             MemoryKind::Memfd => "expected: memfd <instance> <rank> <device> <len> [<token>]",
             MemoryKind::Board => "expected: board <instance> <rank> <device> <len> [<token>]",
+            MemoryKind::Mailbox => "expected: mailbox <instance> <rank> <device> <len> [<token>]",
             MemoryKind::Dmabuf => {
                 "expected: dmabuf <instance> <rank> <device> <len> <base> [<token>]"
             }
@@ -142,7 +145,7 @@ pub(crate) fn parse(line: &str) -> Result<FdRequest, Status> {
         return Err(invalid(format!("len {len} must be 1 byte to 1 TiB")));
     }
     let base = match kind {
-        MemoryKind::Memfd | MemoryKind::Board => 0,
+        MemoryKind::Memfd | MemoryKind::Board | MemoryKind::Mailbox => 0,
         MemoryKind::Dmabuf => num(5, "base")?,
     };
     Ok(FdRequest {
@@ -203,9 +206,14 @@ fn handle(shared: &Shared, line: &str, mut fds: Vec<OwnedFd>) -> Result<u64, Sta
         )));
     }
     let fd = fds.remove(0);
-    if req.kind == MemoryKind::Board {
-        // Not device memory: mapped here, checked, and kept until a registration takes it.
-        let board = super::board::Board::open(fd, req.len).map_err(invalid)?;
+    if matches!(req.kind, MemoryKind::Board | MemoryKind::Mailbox) {
+        // Not device memory: mapped here, checked, and kept until a registration (a board)
+        // or a session (a mailbox) takes it.
+        let memory: crate::registry::Memory = if req.kind == MemoryKind::Board {
+            Arc::new(super::board::Board::open(fd, req.len).map_err(invalid)?)
+        } else {
+            Arc::new(super::mailbox::Mailbox::open(fd, req.len).map_err(invalid)?)
+        };
         let h = MemoryHandle {
             instance: req.instance,
             rank: req.rank,
@@ -213,7 +221,7 @@ fn handle(shared: &Shared, line: &str, mut fds: Vec<OwnedFd>) -> Result<u64, Sta
             kind: req.kind,
             base: 0,
             len: req.len,
-            memory: Arc::new(board),
+            memory,
         };
         return shared
             .handles()
@@ -246,7 +254,11 @@ fn handle(shared: &Shared, line: &str, mut fds: Vec<OwnedFd>) -> Result<u64, Sta
             (buf.base(), Arc::new(buf))
         }
         // Taken above; kept total so no request can reach a panic.
-        MemoryKind::Board => return Err(invalid("a completion board is not device memory")),
+        MemoryKind::Board | MemoryKind::Mailbox => {
+            return Err(invalid(
+                "a completion board or mailbox is not device memory",
+            ))
+        }
     };
     let h = MemoryHandle {
         instance: req.instance,

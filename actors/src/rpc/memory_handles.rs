@@ -24,6 +24,8 @@ pub enum MemoryKind {
     Dmabuf,
     /// A completion board (see [`super::board`]).
     Board,
+    /// A request mailbox (see [`super::mailbox`]), attached to a session.
+    Mailbox,
 }
 
 impl MemoryKind {
@@ -32,6 +34,7 @@ impl MemoryKind {
             MemoryKind::Memfd => "memfd",
             MemoryKind::Dmabuf => "dmabuf",
             MemoryKind::Board => "board",
+            MemoryKind::Mailbox => "mailbox",
         }
     }
 
@@ -40,6 +43,7 @@ impl MemoryKind {
             "memfd" => Some(MemoryKind::Memfd),
             "dmabuf" => Some(MemoryKind::Dmabuf),
             "board" => Some(MemoryKind::Board),
+            "mailbox" => Some(MemoryKind::Mailbox),
             _ => None,
         }
     }

@@ -2,8 +2,9 @@
 //! `kvferry.v1.Peer` over a [`peer_server::PeerBackend`]; [`peer_client::PeerClient`] is
 //! the requester's client, with a deadline on every call. [`engine_server::serve`] runs
 //! `kvferry.v1.Engine` over a `Node`, with client memory arriving on an
-//! [`fd_socket::FdSocket`]; [`engine_client::EngineClient`] is the engine's client, and a
-//! [`board::Board`] shows it its loads landing without an RPC.
+//! [`fd_socket::FdSocket`]; [`engine_client::EngineClient`] is the engine's client, a
+//! [`board::Board`] shows it its loads landing without an RPC, and a [`mailbox::Mailbox`]
+//! carries its queries and loads without the gRPC stack.
 
 pub mod board;
 pub mod completions;
@@ -12,6 +13,7 @@ mod engine_request;
 pub mod engine_server;
 pub mod fd_socket;
 pub mod mailbox;
+pub(crate) mod mailbox_server;
 pub mod memory_handles;
 pub mod peer_client;
 pub mod peer_server;
@@ -56,8 +58,9 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// 3: completion boards (`RegisterInstanceRequest.completion_board`, `LoadRequest.board_slot`):
 /// a load's layers and end visible in shared memory; older requests are served unchanged.
 /// 4: `QueryRequest.packed_hashes`: a query's hashes in one field; the repeated form is still
-/// served.
-pub const ENGINE_PROTOCOL: u32 = 4;
+/// served. 5: request mailboxes (`SessionRequest.mailbox`): Query and Load through shared
+/// memory beside the calls.
+pub const ENGINE_PROTOCOL: u32 = 5;
 
 // Limits on what one engine request carries, advertised in `Capabilities`; a request over
 // one is refused with RESOURCE_EXHAUSTED before it reaches the node, so the work one request

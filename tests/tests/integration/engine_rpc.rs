@@ -1522,3 +1522,141 @@ fn a_completion_board_shows_loads_landing_without_an_rpc() {
         srv.stop().await;
     });
 }
+
+/// The value of a sample line `name value` in the node's scrape.
+async fn scraped(srv: &EngineServer, name: &str) -> f64 {
+    let text = srv.node.metrics_text().await.unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
+}
+
+/// Query and Load through a request mailbox: the same answers, bytes and refusals as the
+/// calls, each request served from shared memory (the node's counter says so), garbage in a
+/// slot refused without harm, and the node's thread gone with the client.
+#[test]
+fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
+    use kvferry_actors::rpc::mailbox::{self, Mailbox, Op};
+    use prost::Message;
+    rt().block_on(async {
+        let srv = with_token().await;
+        let plain = srv.client(TOKEN).await;
+        let c = srv.client(TOKEN).await;
+        let kv = MemfdKv::create(shape(), 16, 0).unwrap();
+        kv.register_with(&plain, &id("eng"), "m", 0).await.unwrap();
+        put_over_grpc(&plain, shape(), "eng", 0..6).await;
+        assert!(!c.has_mailbox());
+        assert!(c.attach_mailbox(&id("eng")).await.unwrap());
+        assert!(c.has_mailbox() && c.clone().has_mailbox());
+        assert_eq!(scraped(&srv, "kvferry_engine_mailboxes").await, 1.0);
+
+        let q = c.query(&id("eng"), &hashes(0..4), false).await.unwrap();
+        assert_eq!((q.local_blocks, q.remote_blocks), (4, 0));
+        let dest = [9, 2, 14, 5];
+        let l = c
+            .load(&load_request(q.lease.unwrap(), "eng", 0, &dest))
+            .await
+            .unwrap();
+        ok(
+            &c.wait_polling(l, Duration::from_millis(1), WAIT)
+                .await
+                .unwrap(),
+            4,
+        );
+        kv.verify(&expected(&dest, 0), 0).unwrap();
+        // A miss, then refusals with the codes the calls give for the same requests.
+        let miss = c.query(&id("eng"), &hashes(50..52), false).await.unwrap();
+        assert_eq!((miss.lease, miss.local_blocks), (None, 0));
+        let gone = LeaseId::from_hex("00112233445566778899aabbccddeeff").unwrap();
+        for (who, client) in [("mailbox", &c), ("call", &plain)] {
+            let r = client.load(&load_request(gone, "eng", 0, &[1])).await;
+            assert_eq!(code(r), Code::NotFound, "{who}");
+            let r = client.query(&id("nobody"), &hashes(0..1), false).await;
+            assert_eq!(code(r), Code::NotFound, "{who}");
+        }
+        assert_eq!(
+            scraped(&srv, "kvferry_engine_mailbox_requests_total").await,
+            5.0,
+            "the query, the load, the miss and two refusals came through the mailbox"
+        );
+
+        // A mailbox of our own, attached by hand: garbage and a bad handle change nothing.
+        let before = plain.stats().await.unwrap();
+        let own = Arc::new(Mailbox::create(2, mailbox::MIN_SLOT_BYTES).unwrap());
+        let handle = plain.send_mailbox(&id("eng"), &own).await.unwrap();
+        // A refused attach ends its session, as a refused bind does.
+        let mut refused = plain.open_session(&[]).await.unwrap();
+        assert_eq!(code(refused.attach(handle + 1000).await), Code::NotFound);
+        let mut refused = plain.open_session(&[]).await.unwrap();
+        let memfd = plain
+            .send_memfd(&id("eng"), 0, 0, kv.fd(), kv.len())
+            .await
+            .unwrap();
+        assert_eq!(code(refused.attach(memfd).await), Code::InvalidArgument);
+        let mut session = plain.open_session(&[]).await.unwrap();
+        session.attach(handle).await.unwrap();
+        let ask = |op, bytes: Vec<u8>| {
+            let t = own.post(op, &bytes).unwrap();
+            t.wait(Duration::from_millis(1), WAIT).unwrap()
+        };
+        let a = ask(Op::Query, vec![0xff; 64]);
+        assert_eq!(a.code, Code::InvalidArgument as u32, "{a:?}");
+        let a = ask(
+            Op::Load,
+            proto::LoadRequest {
+                lease: "not hex".into(),
+                instance: "eng".into(),
+                dest_blocks: vec![1],
+                ..Default::default()
+            }
+            .encode_to_vec(),
+        );
+        assert_eq!(a.code, Code::InvalidArgument as u32, "{a:?}");
+        let a = ask(
+            Op::Query,
+            proto::QueryRequest {
+                instance: "eng".into(),
+                hashes: vec![vec![7u8; 16].into()],
+                ..Default::default()
+            }
+            .encode_to_vec(),
+        );
+        assert_eq!(a.code, 0);
+        let answer = proto::QueryResponse::decode(&a.payload[..]).unwrap();
+        assert!(answer.lease.is_empty(), "{answer:?}");
+        let after = plain.stats().await.unwrap();
+        assert_eq!(
+            (after.leases_live, after.pinned_blocks, after.loads_ok),
+            (before.leases_live, before.pinned_blocks, before.loads_ok)
+        );
+        assert_eq!(scraped(&srv, "kvferry_engine_mailboxes").await, 2.0);
+
+        // The client's handles gone: its thread ends; the session's end ends the other.
+        drop(c);
+        drop(session);
+        for _ in 0..500 {
+            if scraped(&srv, "kvferry_engine_mailboxes").await == 0.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(scraped(&srv, "kvferry_engine_mailboxes").await, 0.0);
+        let lease = lease_for(&plain, "eng", 0..2).await;
+        let l = plain
+            .load(&load_request(lease, "eng", 0, &[3, 4]))
+            .await
+            .unwrap();
+        ok(
+            &plain
+                .wait_polling(l, Duration::from_millis(1), WAIT)
+                .await
+                .unwrap(),
+            2,
+        );
+        let s = plain.stats().await.unwrap();
+        assert_eq!((s.leases_live, s.loads_failed), (0, 0));
+        plain.unregister(&id("eng")).await.unwrap();
+        drop(plain);
+        srv.stop().await;
+    });
+}
