@@ -314,6 +314,21 @@ impl EngineClient {
         Ok(Session::new(self.rt.clone(), s, instances))
     }
 
+    /// Sends `query` and `load` through a request mailbox (shared memory beside the gRPC
+    /// connection, engine protocol 5) from now on, this client and its clones; False (and
+    /// nothing changed) where the node is older. `instance` names this client on the fd
+    /// socket.
+    fn attach_mailbox(&self, py: Python<'_>, instance: &str) -> PyResult<bool> {
+        let id = convert::instance(py, "attach_mailbox", instance)?;
+        self.wait(py, "attach_mailbox", self.inner.attach_mailbox(&id))
+    }
+
+    /// Whether `query` and `load` go through a mailbox.
+    #[getter]
+    fn has_mailbox(&self) -> bool {
+        self.inner.has_mailbox()
+    }
+
     /// Leases the longest prefix of `hashes` the node and its peers hold.
     #[pyo3(signature = (instance, hashes, direct_gpu=false))]
     fn query<'py>(

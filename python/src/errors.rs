@@ -4,6 +4,7 @@
 
 use std::error::Error as _;
 
+use kvferry_actors::rpc::mailbox::MailboxError;
 use kvferry_actors::rpc::{Code, EngineClientError};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -23,6 +24,13 @@ pub fn client(py: Python<'_>, method: &str, e: &EngineClientError) -> PyErr {
         EngineClientError::Malformed { .. } => ("call", "INTERNAL"),
         EngineClientError::WaitTimeout { .. } => ("call", "DEADLINE_EXCEEDED"),
         EngineClientError::NoFdSocket => ("call", "FAILED_PRECONDITION"),
+        // This process could not make its mailbox (memory, descriptors); anything else the
+        // mailbox says is a broken answer.
+        EngineClientError::Mailbox {
+            source: MailboxError::Os { .. },
+            ..
+        } => ("call", "RESOURCE_EXHAUSTED"),
+        EngineClientError::Mailbox { .. } => ("call", "INTERNAL"),
         _ => ("call", "UNKNOWN"),
     };
     raise(py, kind, code, method, &chain(e))

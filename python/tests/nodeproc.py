@@ -5,7 +5,7 @@ The binary is ``$KVFERRY_BIN``, else ``target/debug/kvferry`` (or ``target/relea
 the repository root. Each node gets its own config file and fd directory, a host device
 unless told (``device="cuda"`` on a GPU machine), an engine listener on a loopback port
 chosen up front (so :meth:`Node.start` after :meth:`Node.kill` restarts it on the same
-address) and no metrics listener.
+address) and a metrics listener on a loopback port the node picks (:meth:`Node.metrics`).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Node:
             f'node-id = "{self.name}"\n'
             f'[pool]\nsize = "{self.pool}"\nslot-bytes = "{self.slot}"\n'
             f'[device]\nkind = "{self.device}"\n'
-            '[metrics]\nlisten = ""\n'
+            '[metrics]\nlisten = "127.0.0.1:0"\n'
             f'[engine]\nlisten = "{self.addr}"\nfd-dir = "{fd_dir}"\ntoken = "{self.token}"\n'
             + self.extra
         )
@@ -87,7 +87,7 @@ class Node:
         threading.Thread(target=pump, daemon=True).start()
         seen: Dict[str, str] = {}
         end = time.monotonic() + 60
-        while not {"engine", "engine-fd"} <= seen.keys():
+        while not {"engine", "engine-fd", "metrics"} <= seen.keys():
             try:
                 line = lines.get(timeout=max(0.0, end - time.monotonic()))
             except queue.Empty:
@@ -100,6 +100,14 @@ class Node:
                 seen[what] = addr
         self.addr = seen["engine"]
         self.fd_socket = seen["engine-fd"]
+        self.metrics_addr = seen["metrics"]
+
+    def metrics(self) -> str:
+        """The node's Prometheus scrape."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{self.metrics_addr}/metrics", timeout=10) as r:
+            return r.read().decode()
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

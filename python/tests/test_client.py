@@ -114,6 +114,50 @@ def test_put_query_load_wait_and_poll(client):
     settle(client, before)
 
 
+def test_query_and_load_through_a_request_mailbox(client, node):
+    """The same answers, bytes and refusals as the calls; the node counts the requests its
+    mailbox served, and its thread goes when the client does."""
+    before = client.stats()
+    mailboxed = kvferry.EngineClient(node.addr, deadline_s=10.0)
+    assert mailboxed.has_mailbox is False
+    assert mailboxed.attach_mailbox("py-mbox") is True
+    assert mailboxed.has_mailbox is True
+    kv = HostKv.allocate("flash_attn", layers=3)
+    with client.open_session() as session:
+        kv.register(client, "py-mbox")
+        session.bind("py-mbox")
+        # Blocks of their own: the node is shared by the module's tests.
+        put_pattern(client, kv, "py-mbox", range(700, 704))
+        hashes = [block_hash(i) for i in range(700, 706)]
+        q = mailboxed.query("py-mbox", hashes)
+        plain = client.query("py-mbox", hashes)
+        assert (q["local_blocks"], q["remote_blocks"]) == (4, 0) == (
+            plain["local_blocks"],
+            plain["remote_blocks"],
+        )
+        client.release(plain["lease"])
+        dests = scattered(4, kv.num_blocks)
+        done = mailboxed.wait_load(mailboxed.load(q["lease"], "py-mbox", 0, dests), 10)
+        assert done["ok"] and done["blocks"] == 4, done
+        assert kv.verify(zip(dests, range(700, 704))) == 4 * kv.layers * kv.segments * kv.seg_bytes
+        # Refused as the call is: the lease was consumed by its one rank.
+        for c in (mailboxed, client):
+            with pytest.raises(kvferry.NotFound) as e:
+                c.load(q["lease"], "py-mbox", 0, dests)
+            assert e.value.method == "load"
+        served = [
+            line for line in node.metrics().splitlines()
+            if line.startswith("kvferry_engine_mailbox_requests_total ")
+        ]
+        assert served and float(served[0].split()[1]) >= 3, served
+    del mailboxed
+    end = time.monotonic() + 10
+    while "kvferry_engine_mailboxes 0" not in node.metrics().splitlines():
+        assert time.monotonic() < end, "the mailbox's thread outlived its client"
+        time.sleep(0.02)
+    settle(client, before)
+
+
 def test_a_completion_board_shows_the_load_without_an_rpc(client):
     before = client.stats()
     kv = HostKv.allocate("flash_attn", layers=3)

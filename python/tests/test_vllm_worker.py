@@ -64,7 +64,8 @@ def test_importable_without_vllm():
 
 def test_config_is_checked():
     cfg = parse_extra_config({"address": "127.0.0.1:7200", "direct_gpu": True, "deadline_ms": 250})
-    assert cfg.direct_gpu and cfg.deadline_s == 0.25 and cfg.async_load
+    assert cfg.direct_gpu and cfg.deadline_s == 0.25 and cfg.async_load and cfg.mailbox
+    assert not parse_extra_config({"address": "h:1", "mailbox": False}).mailbox
     with pytest.raises(ConfigError, match=r"unknown keys 'adress', 'timeout'"):
         parse_extra_config({"address": "h:1", "adress": "x", "timeout": 3})
     with pytest.raises(ConfigError, match="required"):
@@ -283,6 +284,9 @@ def test_tp2_one_lease_each_rank_its_share(tmp_path, layout, device):
                 torch.equal(x, y) for r, a in zip(rest, around[rank]) for x, y in zip(r, a)
             ), f"rank {rank}: a byte outside the destination blocks changed"
         assert sched.request_finished(b) == (False, None)
+        # The query and the loads went through request mailboxes (the config's default).
+        assert sched.link.client().has_mailbox
+        assert all(w.link.client().has_mailbox for w in workers)
         s = workers[0].take_stats()
         assert s["loaded_tokens"] == 4 * BS and s["loaded_blocks"] == 4, s
     finally:

@@ -33,6 +33,9 @@ KEYS: Dict[str, str] = {
     "load_mode": '"async" (default: loads run between steps) or "sync" (loads finish before '
     "the forward that needs them)",
     "fd_socket": "the node's fd socket path where it differs from what the node announces",
+    "mailbox": "send queries and loads through a request mailbox in shared memory (default "
+    "true; needs the node's fd socket, so the same host; the calls are used where the node "
+    "or the host cannot)",
     "kv_layout": '"auto" (default: vLLM picks its KV cache layout) or "cross_layer" (ask vLLM '
     "for block-outermost KV, BLHNC, so a load is one copy per block; vLLM falls back with a "
     "warning where the attention backend cannot use it)",
@@ -53,6 +56,7 @@ class KvferryConfig:
     load_mode: str = "async"
     fd_socket: Optional[str] = None
     kv_layout: str = "auto"
+    mailbox: bool = True
 
     @property
     def deadline_s(self) -> float:
@@ -76,7 +80,7 @@ class KvferryConfig:
 
 
 _STR = ("address", "token", "instance", "model", "fd_socket")
-_BOOL = ("direct_gpu",)
+_BOOL = ("direct_gpu", "mailbox")
 _POSITIVE_INT = ("deadline_ms", "connect_timeout_ms", "load_timeout_ms", "retry_ms")
 
 

@@ -64,9 +64,13 @@ class NodeLink:
         factory: Optional[Callable[[], Any]] = None,
         clock: Callable[[], float] = time.monotonic,
         on_failure: Optional[Callable[[str], None]] = None,
+        mailbox_for: Optional[str] = None,
     ):
         self.cfg = cfg
         self.who = who
+        #: The instance a request mailbox is attached for on each new connection (None:
+        #: calls only).
+        self._mailbox_for = mailbox_for
         self._factory = factory or default_factory(cfg)
         self._clock = clock
         self._lock = threading.Lock()
@@ -96,10 +100,25 @@ class NodeLink:
                 try:
                     self._client = self._factory()
                     self.generation += 1
+                    self._attach_mailbox(self._client)
                 except Exception as e:  # noqa: BLE001 - any failure to connect is the node's
                     self._failed_locked("connect", e, drop=True)
                     raise NodeDown(str(e)) from e
             return self._client
+
+    def _attach_mailbox(self, client: Any) -> None:
+        """Queries and loads through a request mailbox where the config asks for one (the
+        default) and the node takes it; the calls otherwise, which work the same."""
+        if self._mailbox_for is None or not getattr(self.cfg, "mailbox", False):
+            return
+        attach = getattr(client, "attach_mailbox", None)
+        if attach is None:
+            return
+        try:
+            if not attach(self._mailbox_for):
+                log.info("kvferry (%s): the node takes no request mailbox; calls only", self.who)
+        except Exception as e:  # noqa: BLE001 - the calls still serve without one
+            log.warning("kvferry (%s): no request mailbox (%s); calls only", self.who, e)
 
     def call(self, what: str, fn: Callable[[Any], Any]) -> Any:
         """``fn(client)``; a node failure becomes NodeDown (logged, counted, backed off);

@@ -94,7 +94,7 @@ class SchedulerSide:
         self.load_enabled = load
         self.save_enabled = save
         self.counters = Counters()
-        self.link = NodeLink(cfg, "scheduler", client_factory, clock)
+        self.link = NodeLink(cfg, "scheduler", client_factory, clock, mailbox_for=instance)
         self._clock = clock
         self._salt = engine_salt(model, f"{kv_dtype};{layout_tag}", block_size, tp_size)
         self._reqs: Dict[str, _Req] = {}

@@ -87,7 +87,9 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.backend = backend
         self.counters = Counters()
-        self.link = NodeLink(cfg, f"worker rank {tp_rank}", client_factory, clock)
+        self.link = NodeLink(
+            cfg, f"worker rank {tp_rank}", client_factory, clock, mailbox_for=instance
+        )
         self._clock = clock
         self.layout: Optional[RankLayout] = None
         self.namespace: Optional[str] = None
