@@ -9,7 +9,8 @@
 //! are done, against the same bytes copied host→device and device→host at once (two
 //! streams from pinned memory on a GPU; two memcpys on two threads on the host device).
 //! Every load is checked byte for byte, canaries included, and so are the duplex's saved
-//! blocks (loaded back).
+//! blocks (loaded back). Query and Load go through a request mailbox (shared memory
+//! beside the gRPC connection) unless `--no-mailbox` asks for the calls alone.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -55,6 +56,10 @@ pub struct EngineArgs {
     /// microseconds (what `Board::wait_spinning` takes; the default is `Board::wait`'s).
     #[arg(long, default_value_t = board::WAIT_SPIN.as_micros() as u64)]
     board_spin_us: u64,
+    /// Query and Load over gRPC calls only, without a request mailbox (what a client of
+    /// engine protocol 4 does).
+    #[arg(long)]
+    no_mailbox: bool,
 }
 
 const INSTANCE: &str = "bench-engine";
@@ -572,6 +577,9 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
         let board_handle = c.send_board(&id, 0, &board).await?;
         register(&c, &kv, board_handle).await?;
         let _session = c.open_session(std::slice::from_ref(&id)).await?;
+        if !a.no_mailbox && !c.attach_mailbox(&id).await? {
+            bail!("the node (protocol {}) takes no request mailbox", caps.protocol);
+        }
         let device_kv = kv.kv();
         let mut rows = Vec::new();
         let mut tag = 0u32;
@@ -773,6 +781,7 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                 "device": a.device,
                 "copy_path": a.copy_path,
                 "board_spin_us": a.board_spin_us,
+                "mailbox": !a.no_mailbox,
                 "node_device": caps.device_kind,
                 "layers": a.layers,
                 "segment_bytes": shape.segment_bytes(),
@@ -786,8 +795,12 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
         );
     } else {
         println!(
-            "kvferry bench engine: {} layers x K/V x {} KiB on {} (node in its own process), medians of {}",
-            a.layers, a.segment_kib, a.device, a.iters
+            "kvferry bench engine: {} layers x K/V x {} KiB on {} (node in its own process, {}), medians of {}",
+            a.layers,
+            a.segment_kib,
+            a.device,
+            if a.no_mailbox { "gRPC calls" } else { "request mailbox" },
+            a.iters
         );
         println!(
             "{:>6} {:>10} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>8} {:>9}  bytes",
