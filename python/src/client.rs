@@ -314,7 +314,7 @@ impl EngineClient {
         Ok(Session::new(self.rt.clone(), s, instances))
     }
 
-    /// Sends `query` and `load` through a request mailbox (shared memory beside the gRPC
+    /// Sends `query`, `load` and `save` through a request mailbox (shared memory beside the gRPC
     /// connection, engine protocol 5) from now on, this client and its clones; False (and
     /// nothing changed) where the node is older. `instance` names this client on the fd
     /// socket.
@@ -323,7 +323,7 @@ impl EngineClient {
         self.wait(py, "attach_mailbox", self.inner.attach_mailbox(&id))
     }
 
-    /// Whether `query` and `load` go through a mailbox.
+    /// Whether `query`, `load` and `save` go through a mailbox.
     #[getter]
     fn has_mailbox(&self) -> bool {
         self.inner.has_mailbox()

@@ -124,7 +124,7 @@ pub struct EngineClient {
     /// Whether the node takes packed query hashes (protocol 4): learnt from Capabilities on
     /// the first query of this handle (and its clones).
     packed: Arc<OnceCell<bool>>,
-    /// The request mailbox Query and Load go through once attached (this handle and its
+    /// The request mailbox Query, Load and Save go through once attached (this handle and its
     /// clones); detached when the last of them drops.
     mailbox: Arc<OnceCell<MailboxLink>>,
 }
@@ -468,12 +468,16 @@ impl EngineClient {
     }
 
     pub async fn save(&self, req: &api::SaveRequest) -> Result<StoreResponse, EngineClientError> {
-        let r = self.request(SaveRequest {
+        let req = SaveRequest {
             instance: req.instance.as_str().to_owned(),
             rank: req.rank,
             hashes: req.hashes.iter().map(|h| h.as_bytes().to_vec()).collect(),
             src_blocks: req.src_blocks.clone(),
-        });
+        };
+        if let Some(answer) = self.through_mailbox(Op::Save, "Save", &req).await {
+            return answer;
+        }
+        let r = self.request(req);
         self.call("Save", self.raw.clone().save(r)).await
     }
 
@@ -602,7 +606,7 @@ impl EngineClient {
         Ok(self.call("Load", self.raw.clone().load(r)).await?.load_id)
     }
 
-    /// Attaches a request mailbox (see [`super::mailbox`]): from then on Query and Load of
+    /// Attaches a request mailbox (see [`super::mailbox`]): from then on Query, Load and Save of
     /// this handle and its clones go through it, and fall back to the gRPC call only where a
     /// request does not fit a slot or every slot is in flight. `instance` names the client
     /// on the fd socket. False (nothing attached) where the node's protocol is older than 5.
@@ -632,7 +636,7 @@ impl EngineClient {
         Ok(true)
     }
 
-    /// Whether Query and Load go through a mailbox.
+    /// Whether Query, Load and Save go through a mailbox.
     pub fn has_mailbox(&self) -> bool {
         self.mailbox.initialized()
     }

@@ -1,4 +1,4 @@
-//! Request mailboxes: `Query` and `Load` without the gRPC stack. A gRPC call crosses the
+//! Request mailboxes: `Query`, `Load` and `Save` without the gRPC stack. A gRPC call crosses the
 //! client's runtime, HTTP/2 on both sides and a wake-up of a parked node thread each way
 //! (70–170 us on the H200, more than a one-block copy); a mailbox is a small memfd the
 //! client sends on the fd socket (`mailbox <instance> <rank> 0 <len>`) and attaches to its
@@ -19,7 +19,8 @@
 //!
 //! A slot's state goes free (0) → posted (1, client) → taken (2, node) → answered (3, node)
 //! → free (client, once it read the answer). Ops: 1 `Query` (a `QueryRequest`, answered with
-//! a `QueryResponse`), 2 `Load` (`LoadRequest` → `LoadResponse`). An answer's code is 0 with
+//! a `QueryResponse`), 2 `Load` (`LoadRequest` → `LoadResponse`), 3 `Save` (`SaveRequest` →
+//! `StoreResponse`). An answer's code is 0 with
 //! the response message, or a gRPC status code with its message in UTF-8. The node trusts
 //! nothing it reads: lengths are bounded by the slot, payloads are copied out before they are
 //! decoded, and it writes only into the slot it answers.
@@ -63,6 +64,7 @@ const ANSWERED: u32 = 3;
 pub enum Op {
     Query,
     Load,
+    Save,
 }
 
 impl Op {
@@ -70,6 +72,7 @@ impl Op {
         match self {
             Op::Query => 1,
             Op::Load => 2,
+            Op::Save => 3,
         }
     }
 
@@ -77,6 +80,7 @@ impl Op {
         match c {
             1 => Some(Op::Query),
             2 => Some(Op::Load),
+            3 => Some(Op::Save),
             _ => None,
         }
     }
@@ -85,6 +89,7 @@ impl Op {
         match self {
             Op::Query => "query",
             Op::Load => "load",
+            Op::Save => "save",
         }
     }
 }
@@ -493,6 +498,10 @@ mod tests {
 
     #[test]
     fn a_request_and_its_answer_cross_and_the_slot_is_reused() {
+        for op in [Op::Query, Op::Load, Op::Save] {
+            assert_eq!(Op::from_code(op.code()), Some(op));
+        }
+        assert_eq!(Op::from_code(0), None);
         let (client, node) = pair(2);
         assert!(node.take().is_none());
         let t = client.post(Op::Query, b"hello").unwrap();

@@ -19,7 +19,7 @@ use tonic::{Request, Status};
 use super::engine_server::EngineService;
 use super::mailbox::{Mailbox, Op};
 use super::proto::engine_server::Engine;
-use super::proto::{LoadRequest, QueryRequest};
+use super::proto::{LoadRequest, QueryRequest, SaveRequest};
 
 /// Most mailboxes attached on one node at once (a thread each).
 pub const MAX_MAILBOXES: usize = 64;
@@ -129,7 +129,7 @@ fn serve(
 ) -> (u32, Vec<u8>) {
     let answered: Result<Vec<u8>, Status> = match (Op::from_code(op), request) {
         (None, _) => Err(Status::unimplemented(format!(
-            "mailbox: op {op} is not a request this node serves (1 query, 2 load)"
+            "mailbox: op {op} is not a request this node serves (1 query, 2 load, 3 save)"
         ))),
         (Some(op), None) => Err(Status::invalid_argument(format!(
             "mailbox: the {} request's length lies past its slot",
@@ -144,6 +144,11 @@ fn serve(
             Ok(l) => block_spinning(deadline(timeout, service.load(Request::new(l))))
                 .map(|r| r.into_inner().encode_to_vec()),
             Err(e) => Err(undecodable("Load", e)),
+        },
+        (Some(Op::Save), Some(b)) => match SaveRequest::decode(&b[..]) {
+            Ok(s) => block_spinning(deadline(timeout, service.save(Request::new(s))))
+                .map(|r| r.into_inner().encode_to_vec()),
+            Err(e) => Err(undecodable("Save", e)),
         },
     };
     match answered {

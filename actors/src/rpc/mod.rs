@@ -58,7 +58,7 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// 3: completion boards (`RegisterInstanceRequest.completion_board`, `LoadRequest.board_slot`):
 /// a load's layers and end visible in shared memory; older requests are served unchanged.
 /// 4: `QueryRequest.packed_hashes`: a query's hashes in one field; the repeated form is still
-/// served. 5: request mailboxes (`SessionRequest.mailbox`): Query and Load through shared
+/// served. 5: request mailboxes (`SessionRequest.mailbox`): Query, Load and Save through shared
 /// memory beside the calls.
 pub const ENGINE_PROTOCOL: u32 = 5;
 

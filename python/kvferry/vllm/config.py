@@ -33,7 +33,7 @@ KEYS: Dict[str, str] = {
     "load_mode": '"async" (default: loads run between steps) or "sync" (loads finish before '
     "the forward that needs them)",
     "fd_socket": "the node's fd socket path where it differs from what the node announces",
-    "mailbox": "send queries and loads through a request mailbox in shared memory (default "
+    "mailbox": "send queries, loads and saves through a request mailbox in shared memory (default "
     "true; needs the node's fd socket, so the same host; the calls are used where the node "
     "or the host cannot)",
     "kv_layout": '"auto" (default: vLLM picks its KV cache layout) or "cross_layer" (ask vLLM '

@@ -1564,6 +1564,28 @@ fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
             4,
         );
         kv.verify(&expected(&dest, 0), 0).unwrap();
+        // A save through it: destination 9 (pattern block 0) under a new hash, loaded back
+        // into block 11.
+        let saved = c
+            .save(&kvferry_actors::SaveRequest {
+                instance: id("eng"),
+                rank: 0,
+                hashes: hashes(900..901),
+                src_blocks: vec![9],
+            })
+            .await
+            .unwrap();
+        assert_eq!(saved.written, 1);
+        let lease = lease_for(&c, "eng", 900..901).await;
+        let l = c.load(&load_request(lease, "eng", 0, &[11])).await.unwrap();
+        ok(
+            &c.wait_polling(l, Duration::from_millis(1), WAIT)
+                .await
+                .unwrap(),
+            1,
+        );
+        kv.verify(&[(9, 0), (2, 1), (14, 2), (5, 3), (11, 0)], 0)
+            .unwrap();
         // A miss, then refusals with the codes the calls give for the same requests.
         let miss = c.query(&id("eng"), &hashes(50..52), false).await.unwrap();
         assert_eq!((miss.lease, miss.local_blocks), (None, 0));
@@ -1576,8 +1598,9 @@ fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
         }
         assert_eq!(
             scraped(&srv, "kvferry_engine_mailbox_requests_total").await,
-            5.0,
-            "the query, the load, the miss and two refusals came through the mailbox"
+            8.0,
+            "the query, the load, the save, its query and load, the miss and two refusals \
+             came through the mailbox"
         );
 
         // A mailbox of our own, attached by hand: garbage and a bad handle change nothing.
