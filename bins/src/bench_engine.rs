@@ -9,7 +9,7 @@
 //! are done, against the same bytes copied host→device and device→host at once (two
 //! streams from pinned memory on a GPU; two memcpys on two threads on the host device).
 //! Every load is checked byte for byte, canaries included, and so are the duplex's saved
-//! blocks (loaded back). Query and Load go through a request mailbox (shared memory
+//! blocks (loaded back). Query, Load and Save go through a request mailbox (shared memory
 //! beside the gRPC connection) unless `--no-mailbox` asks for the calls alone.
 
 use std::collections::BTreeMap;
@@ -56,10 +56,14 @@ pub struct EngineArgs {
     /// microseconds (what `Board::wait_spinning` takes; the default is `Board::wait`'s).
     #[arg(long, default_value_t = board::WAIT_SPIN.as_micros() as u64)]
     board_spin_us: u64,
-    /// Query and Load over gRPC calls only, without a request mailbox (what a client of
+    /// Query, Load and Save over gRPC calls only, without a request mailbox (what a client of
     /// engine protocol 4 does).
     #[arg(long)]
     no_mailbox: bool,
+    /// More keys of the node's `[device]` table, `KEY=VALUE` in TOML (e.g.
+    /// `staging-chunks=4`): measure one device setting against another. Repeatable.
+    #[arg(long = "device-set", value_name = "KEY=VALUE")]
+    device_set: Vec<String>,
 }
 
 const INSTANCE: &str = "bench-engine";
@@ -87,12 +91,15 @@ fn free_port() -> anyhow::Result<u16> {
         .port())
 }
 
-fn spawn_node(
-    device: &str,
-    copy_path: &str,
-    slot: u64,
-    slots: u64,
-) -> anyhow::Result<(NodeProcess, String)> {
+fn spawn_node(a: &EngineArgs, slot: u64, slots: u64) -> anyhow::Result<(NodeProcess, String)> {
+    let (device, copy_path) = (&a.device, &a.copy_path);
+    let mut device_keys = String::new();
+    for kv in &a.device_set {
+        let Some((k, v)) = kv.split_once('=') else {
+            bail!("--device-set takes KEY=VALUE, not {kv:?}");
+        };
+        device_keys.push_str(&format!("{} = {}\n", k.trim(), v.trim()));
+    }
     let dir = std::env::temp_dir().join(format!("kvferry-bench-engine-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let addr = format!("127.0.0.1:{}", free_port()?);
@@ -101,7 +108,7 @@ fn spawn_node(
         &cfg,
         format!(
             "node-id = \"bench-engine\"\n[pool]\nsize = \"{}B\"\nslot-bytes = \"{slot}B\"\n\
-             [device]\nkind = \"{device}\"\ncount = 1\ncopy-path = \"{copy_path}\"\n\
+             [device]\nkind = \"{device}\"\ncount = 1\ncopy-path = \"{copy_path}\"\n{device_keys}\
              [metrics]\nlisten = \"\"\n\
              [engine]\nlisten = \"{addr}\"\nfd-dir = \"{}\"\n",
             slot * slots,
@@ -562,7 +569,7 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
     let num_blocks = 4 * max + 4;
     // Each save uses fresh hashes; the pool evicts the oldest (unpinned) ones.
     let slots = 2 * u64::from(max) + 64;
-    let (mut node, addr) = spawn_node(&a.device, &a.copy_path, shape.block_bytes(), slots)?;
+    let (mut node, addr) = spawn_node(&a, shape.block_bytes(), slots)?;
     let spin = Duration::from_micros(a.board_spin_us);
     let kv = alloc_kv(&a.device, shape, num_blocks)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -780,6 +787,7 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
             json!({
                 "device": a.device,
                 "copy_path": a.copy_path,
+                "device_set": a.device_set,
                 "board_spin_us": a.board_spin_us,
                 "mailbox": !a.no_mailbox,
                 "node_device": caps.device_kind,
