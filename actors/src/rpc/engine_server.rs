@@ -25,7 +25,7 @@ use super::engine_request::{self as check, status};
 use super::fd_socket::{self, FdSocket};
 use super::mailbox::Mailbox;
 use super::mailbox_server::{self, MailboxThread};
-use super::memory_handles::{MemoryHandles, MemoryKind};
+use super::memory_handles::{MemoryHandle, MemoryHandles, MemoryKind};
 use super::peer_server::same_token;
 use super::proto::engine_server::{Engine, EngineServer};
 use super::proto::*;
@@ -305,16 +305,9 @@ impl EngineService {
                  CUDA IPC handle)"
             )));
         }
-        let h = self
-            .shared
-            .handles()
-            .get(handle, Instant::now())
-            .cloned()
-            .ok_or_else(|| {
-                Status::not_found(format!(
-                    "{m}: memory handle {handle} is unknown, expired or already registered"
-                ))
-            })?;
+        let h = self.handle(handle, || {
+            format!("{m}: memory handle {handle} is unknown, expired or already registered")
+        })?;
         if h.instance != *instance || h.rank != r.rank {
             return Err(Status::permission_denied(format!(
                 "{m}: memory handle {handle} was sent for instance {} rank {}, not {instance} \
@@ -322,9 +315,10 @@ impl EngineService {
                 h.instance, h.rank, r.rank
             )));
         }
-        if h.kind == MemoryKind::Board {
+        if matches!(h.kind, MemoryKind::Board | MemoryKind::Mailbox) {
             return Err(Status::invalid_argument(format!(
-                "{m}: memory handle {handle} is a completion board, not KV memory"
+                "{m}: memory handle {handle} is a {}, not KV memory",
+                h.kind.as_str()
             )));
         }
         if h.device != r.device {
@@ -336,19 +330,21 @@ impl EngineService {
         Ok((h.base, h.len, Arc::clone(&h.memory)))
     }
 
-    /// Takes the mailbox of fd-socket handle `id` and starts its thread.
-    fn attach_mailbox(&self, id: u64) -> Result<MailboxThread, Status> {
-        const M: &str = "Session";
-        let h = self
-            .shared
+    /// The fd-socket handle `id`, or NOT_FOUND saying `missing`.
+    fn handle(&self, id: u64, missing: impl FnOnce() -> String) -> Result<MemoryHandle, Status> {
+        self.shared
             .handles()
             .get(id, Instant::now())
             .cloned()
-            .ok_or_else(|| {
-                Status::not_found(format!(
-                    "{M}: mailbox {id} is unknown, expired or already attached"
-                ))
-            })?;
+            .ok_or_else(|| Status::not_found(missing()))
+    }
+
+    /// Takes the mailbox of fd-socket handle `id` and starts its thread.
+    fn attach_mailbox(&self, id: u64) -> Result<MailboxThread, Status> {
+        const M: &str = "Session";
+        let h = self.handle(id, || {
+            format!("{M}: mailbox {id} is unknown, expired or already attached")
+        })?;
         let kind = h.kind;
         let mailbox = Arc::downcast::<Mailbox>(h.memory).map_err(|_| {
             Status::invalid_argument(format!(
@@ -372,16 +368,9 @@ impl EngineService {
             return Ok(None);
         }
         let id = r.completion_board;
-        let h = self
-            .shared
-            .handles()
-            .get(id, Instant::now())
-            .cloned()
-            .ok_or_else(|| {
-                Status::not_found(format!(
-                    "{m}: completion board {id} is unknown, expired or already registered"
-                ))
-            })?;
+        let h = self.handle(id, || {
+            format!("{m}: completion board {id} is unknown, expired or already registered")
+        })?;
         if h.instance != *instance || h.rank != r.rank {
             return Err(Status::permission_denied(format!(
                 "{m}: completion board {id} was sent for instance {} rank {}, not {instance} \

@@ -1616,6 +1616,11 @@ fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
             .await
             .unwrap();
         assert_eq!(code(refused.attach(memfd).await), Code::InvalidArgument);
+        // A mailbox is not KV memory.
+        let req = kv.register_request(&id("eng"), "m", 0);
+        let e = plain.register(&req, handle).await.unwrap_err();
+        assert_eq!(e.code(), Some(Code::InvalidArgument), "{e}");
+        assert!(e.to_string().contains("is a mailbox, not KV memory"), "{e}");
         let mut session = plain.open_session(&[]).await.unwrap();
         session.attach(handle).await.unwrap();
         let ask = |op, bytes: Vec<u8>| {
