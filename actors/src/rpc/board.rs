@@ -19,11 +19,11 @@
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use thiserror::Error;
 
-use super::shared_map::{futex_wait, futex_wake, OsError, SharedMap};
+use super::shared_map::{futex_wake, poll_then_sleep, OsError, SharedMap};
 
 pub const MAGIC: u32 = 0x4246_564b;
 pub const VERSION: u32 = 1;
@@ -335,28 +335,14 @@ impl Board {
         spin: Duration,
     ) -> Result<SlotView, BoardError> {
         self.check(slot)?;
-        let now = Instant::now();
-        let deadline = now + timeout;
-        let spin_until = now + spin.min(timeout);
-        let wake = self.word32(WAKE_OFFSET);
-        loop {
-            let seen = wake.load(Ordering::Acquire);
-            let v = self.view(slot)?;
-            if v.tag == tag && (v.state.is_done() || v.layers >= layers) {
-                return Ok(v);
-            }
-            let now = Instant::now();
-            if now < spin_until {
-                std::hint::spin_loop();
-                continue;
-            }
-            let left = deadline.saturating_duration_since(now);
-            if left.is_zero() {
-                return Ok(v);
-            }
-            // Sleeps only while nothing was written since `seen` was read; any write bumps
-            // the word first.
-            futex_wait(wake, seen, left);
+        // Every write bumps the wake word after the slot.
+        let seen = poll_then_sleep(self.word32(WAKE_OFFSET), spin, timeout, || {
+            let v = unpack(self.slot_word(slot).load(Ordering::Acquire));
+            (v.tag == tag && (v.state.is_done() || v.layers >= layers)).then_some(v)
+        });
+        match seen {
+            Some(v) => Ok(v),
+            None => self.view(slot),
         }
     }
 }
@@ -365,6 +351,7 @@ impl Board {
 mod tests {
     use super::*;
     use std::sync::Arc;
+    use std::time::Instant;
 
     fn pair(slots: u32) -> (Board, Board) {
         let client = Board::create(slots).unwrap();

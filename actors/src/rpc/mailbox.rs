@@ -28,11 +28,11 @@
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use thiserror::Error;
 
-use super::shared_map::{futex_wait, futex_wake, OsError, SharedMap};
+use super::shared_map::{futex_wait, futex_wake, poll_then_sleep, OsError, SharedMap};
 
 pub const MAGIC: u32 = 0x4d46_564b;
 pub const VERSION: u32 = 1;
@@ -447,28 +447,14 @@ impl Ticket {
     /// Waits for the answer: polls for `spin`, then sleeps on the slot, for `timeout` in
     /// all.
     pub fn wait(&self, spin: Duration, timeout: Duration) -> Result<Answer, MailboxError> {
-        let now = Instant::now();
-        let (spin_until, deadline) = (now + spin.min(timeout), now + timeout);
-        loop {
-            let seen = self.mailbox.state(self.slot).load(Ordering::Acquire);
-            if let Some(a) = self.try_answer()? {
-                return Ok(a);
-            }
-            let now = Instant::now();
-            if now < spin_until {
-                // Polls, yielding the core to whatever else may run on it (the node may share it).
-                std::thread::yield_now();
-                continue;
-            }
-            let left = deadline.saturating_duration_since(now);
-            if left.is_zero() {
-                return Err(MailboxError::TimedOut {
-                    op: self.op.as_str(),
-                    waited: timeout,
-                });
-            }
-            futex_wait(self.mailbox.state(self.slot), seen, left);
-        }
+        // The node stores the slot's state last, then wakes it.
+        poll_then_sleep(self.mailbox.state(self.slot), spin, timeout, || {
+            self.try_answer().transpose()
+        })
+        .unwrap_or(Err(MailboxError::TimedOut {
+            op: self.op.as_str(),
+            waited: timeout,
+        }))
     }
 }
 
@@ -488,6 +474,7 @@ impl Drop for Ticket {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Instant;
 
     fn pair(slots: u32) -> (Arc<Mailbox>, Mailbox) {
         let client = Arc::new(Mailbox::create(slots, MIN_SLOT_BYTES).unwrap());

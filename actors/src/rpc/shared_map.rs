@@ -5,8 +5,8 @@
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use rustix::mm::{MapFlags, ProtFlags};
 use rustix::thread::futex;
@@ -157,6 +157,36 @@ pub(crate) fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
         tv_nsec: i64::from(timeout.subsec_nanos()),
     };
     let _ = futex::wait(word, futex::Flags::empty(), seen, Some(&ts));
+}
+
+/// Asks `ready` until it answers or `timeout` passes (`None`): for `spin` between looks it
+/// yields the core (to whatever else may run on it, the other side included), then it sleeps
+/// on `word`. Writers change `word` after what `ready` reads, then wake it; a look reads the
+/// word first, so a write between the look and the sleep ends the sleep at once.
+pub(crate) fn poll_then_sleep<T>(
+    word: &AtomicU32,
+    spin: Duration,
+    timeout: Duration,
+    mut ready: impl FnMut() -> Option<T>,
+) -> Option<T> {
+    let now = Instant::now();
+    let (spin_until, deadline) = (now + spin.min(timeout), now + timeout);
+    loop {
+        let seen = word.load(Ordering::Acquire);
+        if let Some(v) = ready() {
+            return Some(v);
+        }
+        let now = Instant::now();
+        if now < spin_until {
+            std::thread::yield_now();
+            continue;
+        }
+        let left = deadline.saturating_duration_since(now);
+        if left.is_zero() {
+            return None;
+        }
+        futex_wait(word, seen, left);
+    }
 }
 
 /// Wakes every waiter on `word`.
