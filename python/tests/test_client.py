@@ -18,6 +18,7 @@ CAPABILITY_KEYS = {
     "providers", "direct_possible", "direct_reason", "fd_socket", "memory_kinds",
     "max_message_bytes", "completion_retention", "handle_ttl_ms", "max_hashes",
     "max_layers", "max_regions", "max_blocks", "max_hash_bytes", "slot_bytes",
+    "max_mailboxes",
 }
 COMPLETION_KEYS = {
     "load_id", "instance", "rank", "ok", "error_kind", "error", "bytes", "blocks", "path",
@@ -468,11 +469,19 @@ def test_a_client_outlives_a_node_restart(tmp_path):
 
     first = NodeProc(tmp_path, name="py-restart")
     c = kvferry.EngineClient(first.addr, deadline_s=2)
+    assert c.attach_mailbox("py-restart")
     kv = HostKv.allocate("mla", layers=1)
     kv.register(c, "py-restart")
     first.stop()
     with pytest.raises(kvferry.Unavailable):
         c.stats()
+    # The mailbox's session went with the node: queries go as calls, and fail as they do.
+    end = time.monotonic() + 5
+    while c.has_mailbox:
+        assert time.monotonic() < end, "the client still counts on a dead node's mailbox"
+        time.sleep(0.01)
+    with pytest.raises(kvferry.Unavailable):
+        c.query("py-restart", [block_hash(1)])
     # The same config again: same engine address, same fd socket path.
     second = NodeProc(tmp_path, name="py-restart", listen=first.addr)
     try:

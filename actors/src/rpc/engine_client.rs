@@ -24,6 +24,9 @@ use super::proto::*;
 use crate::api;
 use crate::model::{BlockHash, InstanceId, LeaseId};
 
+/// How often a mailbox wait looks whether the session holding the mailbox ended.
+const ENDED_CHECK: Duration = Duration::from_millis(20);
+
 /// Deadline of every unary call unless [`EngineClient::with_deadline`] says otherwise.
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(10);
 
@@ -129,10 +132,20 @@ pub struct EngineClient {
     mailbox: Arc<OnceCell<MailboxLink>>,
 }
 
-/// An attached mailbox and the session that holds it on the node.
+/// An attached mailbox, held on the node by a session that a task of its own watches.
 struct MailboxLink {
     mailbox: Arc<Mailbox>,
-    _session: std::sync::Mutex<EngineSession>,
+    /// The session ended (the node stopped, restarted or dropped it): its thread no longer
+    /// serves the mailbox, so requests go as calls from then on.
+    ended: Arc<std::sync::atomic::AtomicBool>,
+    /// Dropped with the link: the watcher then ends the session.
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl MailboxLink {
+    fn ended(&self) -> bool {
+        self.ended.load(std::sync::atomic::Ordering::Acquire)
+    }
 }
 
 impl std::fmt::Debug for MailboxLink {
@@ -627,18 +640,31 @@ impl EngineClient {
         let handle = self.send_mailbox(instance, &mailbox).await?;
         let mut session = self.open_session(&[]).await?;
         session.attach(handle).await?;
+        let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let flag = Arc::clone(&ended);
+        tokio::spawn(async move {
+            tokio::select! {
+                () = session.ended() => {}
+                _ = stopped => {}
+            }
+            flag.store(true, std::sync::atomic::Ordering::Release);
+        });
         let link = MailboxLink {
             mailbox,
-            _session: std::sync::Mutex::new(session),
+            ended,
+            _stop: stop,
         };
         // Two attaching at once: the second link drops, closing its own mailbox.
         let _ = self.mailbox.set(link);
         Ok(true)
     }
 
-    /// Whether Query, Load and Save go through a mailbox.
+    /// Whether Query, Load and Save go through a mailbox: one is attached and the session
+    /// holding it has not ended (a node that stopped or restarted ends it; a new client
+    /// attaches a new one).
     pub fn has_mailbox(&self) -> bool {
-        self.mailbox.initialized()
+        self.mailbox.get().is_some_and(|l| !l.ended())
     }
 
     /// Sends `req` through the attached mailbox and decodes the answer; `None` where there
@@ -651,7 +677,7 @@ impl EngineClient {
         method: &'static str,
         req: &Req,
     ) -> Option<Result<Resp, EngineClientError>> {
-        let link = self.mailbox.get()?;
+        let link = self.mailbox.get().filter(|l| !l.ended())?;
         let ticket = match link.mailbox.post(op, &req.encode_to_vec()) {
             Ok(t) => t,
             Err(MailboxError::TooLarge { .. } | MailboxError::Full { .. }) => return None,
@@ -665,18 +691,35 @@ impl EngineClient {
         let (spin, deadline) = (mailbox::ANSWER_SPIN.min(self.deadline), self.deadline);
         let answer = match ticket.wait(spin, spin) {
             Err(MailboxError::TimedOut { .. }) if deadline > spin => {
-                let left = deadline - spin;
-                tokio::task::spawn_blocking(move || ticket.wait(Duration::ZERO, left))
-                    .await
-                    .unwrap_or_else(|_| {
-                        Err(MailboxError::TimedOut {
-                            op: op.as_str(),
-                            waited: deadline,
-                        })
-                    })
+                let end = Instant::now() + (deadline - spin);
+                let ended = Arc::clone(&link.ended);
+                // In slices, so a session that ends meanwhile (the node died) ends the wait.
+                let waited = tokio::task::spawn_blocking(move || loop {
+                    let left = end.saturating_duration_since(Instant::now());
+                    match ticket.wait(Duration::ZERO, left.min(ENDED_CHECK)) {
+                        Err(MailboxError::TimedOut { .. })
+                            if !left.is_zero()
+                                && !ended.load(std::sync::atomic::Ordering::Acquire) => {}
+                        other => return other,
+                    }
+                })
+                .await;
+                waited.unwrap_or(Err(MailboxError::TimedOut {
+                    op: op.as_str(),
+                    waited: deadline,
+                }))
             }
             other => other,
         };
+        if link.ended() && answer.is_err() {
+            return Some(Err(self.failed(
+                method,
+                Status::unavailable(
+                    "the session holding the request mailbox ended (the node stopped or \
+                     restarted)",
+                ),
+            )));
+        }
         Some(match answer {
             Ok(a) if a.code == 0 => {
                 Resp::decode(&a.payload[..]).map_err(|e| EngineClientError::Malformed {
@@ -1102,6 +1145,12 @@ impl EngineSession {
             mailbox: handle,
         };
         self.exchange(req, |e| e.mailbox == handle).await
+    }
+
+    /// Resolves when the session ends: the node ended it (stopping, or refusing a message) or
+    /// the connection broke.
+    pub async fn ended(&mut self) {
+        while let Ok(Some(_)) = self.events.message().await {}
     }
 
     async fn exchange(

@@ -31,8 +31,8 @@ use super::proto::engine_server::{Engine, EngineServer};
 use super::proto::*;
 use super::statuses::{self, AsPromised};
 use super::{
-    ENGINE_PROTOCOL, MAX_ENGINE_BLOCKS, MAX_ENGINE_HASHES, MAX_ENGINE_LAYERS, MAX_ENGINE_REGIONS,
-    MAX_HASH_BYTES, VERSION,
+    ENGINE_PROTOCOL, MAX_ENGINE_BLOCKS, MAX_ENGINE_HASHES, MAX_ENGINE_LAYERS, MAX_ENGINE_MAILBOXES,
+    MAX_ENGINE_REGIONS, MAX_HASH_BYTES, VERSION,
 };
 use crate::api;
 use crate::config::EngineConfig;
@@ -617,6 +617,7 @@ impl Engine for EngineService {
             max_blocks: MAX_ENGINE_BLOCKS as u32,
             max_hash_bytes: MAX_HASH_BYTES as u32,
             slot_bytes: node.config().pool.slot_bytes.0,
+            max_mailboxes: MAX_ENGINE_MAILBOXES as u32,
         }))
     }
 

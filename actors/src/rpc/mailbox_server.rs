@@ -21,8 +21,7 @@ use super::mailbox::{Mailbox, Op};
 use super::proto::engine_server::Engine;
 use super::proto::{LoadRequest, QueryRequest, SaveRequest};
 
-/// Most mailboxes attached on one node at once (a thread each).
-pub const MAX_MAILBOXES: usize = 64;
+use super::MAX_ENGINE_MAILBOXES as MAX_MAILBOXES;
 
 /// How long a sleeping thread waits before it looks at its stop flag again (a stop also
 /// rings the doorbell; this bounds a missed ring).

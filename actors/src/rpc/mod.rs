@@ -78,5 +78,8 @@ pub const MAX_ENGINE_HASHES: usize = 4096;
 /// Most block indices in one engine request (Load's destinations, Save's sources).
 pub const MAX_ENGINE_BLOCKS: usize = MAX_ENGINE_HASHES;
 
+/// Most request mailboxes attached on one node at once (a node thread each).
+pub const MAX_ENGINE_MAILBOXES: usize = 64;
+
 /// Longest block hash, in bytes (and 1 at least).
 pub const MAX_HASH_BYTES: usize = crate::model::MAX_HASH_LEN;

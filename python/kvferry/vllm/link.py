@@ -71,6 +71,8 @@ class NodeLink:
         #: The instance a request mailbox is attached for on each new connection (None:
         #: calls only).
         self._mailbox_for = mailbox_for
+        #: The current client had a mailbox attached.
+        self._had_mailbox = False
         self._factory = factory or default_factory(cfg)
         self._clock = clock
         self._lock = threading.Lock()
@@ -96,7 +98,13 @@ class NodeLink:
         with self._lock:
             if self._clock() < self._retry_at:
                 raise NodeDown(f"kvferry node {self.cfg.address}: retrying later", skipped=True)
+            if self._had_mailbox and not getattr(self._client, "has_mailbox", True):
+                # Its mailbox's session ended (the node stopped or restarted): the client
+                # still works through calls, but a new connection attaches a new mailbox.
+                log.info("kvferry (%s): the request mailbox is gone; reconnecting", self.who)
+                self._client = None
             if self._client is None:
+                self._had_mailbox = False
                 try:
                     self._client = self._factory()
                     self.generation += 1
@@ -115,7 +123,8 @@ class NodeLink:
         if attach is None:
             return
         try:
-            if not attach(self._mailbox_for):
+            self._had_mailbox = bool(attach(self._mailbox_for))
+            if not self._had_mailbox:
                 log.info("kvferry (%s): the node takes no request mailbox; calls only", self.who)
         except Exception as e:  # noqa: BLE001 - the calls still serve without one
             log.warning("kvferry (%s): no request mailbox (%s); calls only", self.who, e)

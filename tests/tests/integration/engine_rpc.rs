@@ -896,6 +896,7 @@ fn the_largest_registration_answers_quickly_and_the_limits_are_advertised() {
         assert_eq!(caps.max_regions as usize, rpc::MAX_ENGINE_REGIONS);
         assert_eq!(caps.max_hash_bytes, 32);
         assert_eq!(caps.slot_bytes, SLOT);
+        assert_eq!(caps.max_mailboxes as usize, rpc::MAX_ENGINE_MAILBOXES);
         assert!(caps.max_message_bytes > 0);
 
         let layers = caps.max_layers;
@@ -1686,5 +1687,90 @@ fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
         plain.unregister(&id("eng")).await.unwrap();
         drop(plain);
         srv.stop().await;
+    });
+}
+
+/// The node attaches at most `Capabilities.max_mailboxes` mailboxes (a thread each): one more
+/// is RESOURCE_EXHAUSTED, and a slot freed by a session's end takes the next.
+#[test]
+fn mailboxes_past_the_advertised_limit_are_refused() {
+    use kvferry_actors::rpc::mailbox::{self, Mailbox};
+    rt().block_on(async {
+        let srv = with_token().await;
+        let c = srv.client(TOKEN).await;
+        let max = c.capabilities().await.unwrap().max_mailboxes as usize;
+        assert_eq!(max, rpc::MAX_ENGINE_MAILBOXES);
+        let attach = || async {
+            let m = Mailbox::create(1, mailbox::MIN_SLOT_BYTES).unwrap();
+            let handle = c.send_mailbox(&id("eng"), &m).await.unwrap();
+            let mut s = c.open_session(&[]).await.unwrap();
+            s.attach(handle).await.map(|()| (m, s))
+        };
+        let mut held = Vec::new();
+        for _ in 0..max {
+            held.push(attach().await.unwrap());
+        }
+        assert_eq!(scraped(&srv, "kvferry_engine_mailboxes").await, max as f64);
+        assert_eq!(code(attach().await), Code::ResourceExhausted);
+        // One session ends: its thread goes, and another mailbox can come.
+        drop(held.pop());
+        let mut again = None;
+        for _ in 0..500 {
+            match attach().await {
+                Ok(a) => {
+                    again = Some(a);
+                    break;
+                }
+                Err(e) => assert_eq!(e.code(), Some(Code::ResourceExhausted), "{e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        held.push(again.expect("a freed place is taken again"));
+        drop(held);
+        for _ in 0..500 {
+            if scraped(&srv, "kvferry_engine_mailboxes").await == 0.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(scraped(&srv, "kvferry_engine_mailboxes").await, 0.0);
+        assert_eq!(c.stats().await.unwrap().sessions, 0);
+        drop(c);
+        srv.stop().await;
+    });
+}
+
+/// A mailbox's session ends with the node's service: the client notices, sends its requests
+/// as calls again (failing as calls do, not after the deadline), and does not use the
+/// mailbox again.
+#[test]
+fn a_client_stops_using_a_mailbox_whose_node_went_away() {
+    rt().block_on(async {
+        let srv = with_token().await;
+        let c = srv
+            .client(TOKEN)
+            .await
+            .with_deadline(Duration::from_secs(5));
+        let kv = MemfdKv::create(shape(), 8, 0).unwrap();
+        kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
+        assert!(c.attach_mailbox(&id("eng")).await.unwrap());
+        assert_eq!(
+            c.query(&id("eng"), &hashes(0..1), false)
+                .await
+                .unwrap()
+                .local_blocks,
+            0
+        );
+        c.unregister(&id("eng")).await.unwrap();
+        srv.stop().await;
+        let t = std::time::Instant::now();
+        while c.has_mailbox() {
+            assert!(t.elapsed() < WAIT, "the client still counts on the mailbox");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let t = std::time::Instant::now();
+        let r = c.query(&id("eng"), &hashes(0..1), false).await;
+        assert_eq!(code(r), Code::Unavailable);
+        assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
     });
 }
