@@ -206,7 +206,8 @@ impl Mailbox {
                 len: actual,
             });
         }
-        let map = SharedMap::map(fd, HEADER_BYTES)?;
+        // Mapped whole (the file holds `len` bytes); the header is checked against `len` below.
+        let map = SharedMap::map(fd, len)?;
         let (magic, version) = (
             map.word32(0).load(Ordering::Acquire),
             map.word32(4).load(Ordering::Relaxed),
@@ -223,17 +224,9 @@ impl Mailbox {
         if want != len {
             return Err(MailboxError::Size { want, len });
         }
-        // The header said how large it is; the whole of it mapped now. The shape is kept
-        // here: a client that rewrites its header later changes nothing on this side.
-        let fd = map
-            .fd()
-            .try_clone_to_owned()
-            .map_err(|source| MailboxError::Os {
-                call: "dup",
-                source,
-            })?;
-        drop(map);
-        Ok(Self::new(SharedMap::map(fd, len)?, slots, slot_bytes))
+        // The shape is kept here: a client that rewrites its header later changes nothing on
+        // this side.
+        Ok(Self::new(map, slots, slot_bytes))
     }
 
     fn new(map: SharedMap, slots: u32, slot_bytes: u32) -> Self {
