@@ -134,21 +134,15 @@ fn serve(
             "mailbox: the {} request's length lies past its slot",
             op.as_str()
         ))),
-        (Some(Op::Query), Some(b)) => match QueryRequest::decode(&b[..]) {
-            Ok(q) => block_spinning(deadline(timeout, service.query(Request::new(q))))
-                .map(|r| r.into_inner().encode_to_vec()),
-            Err(e) => Err(undecodable("Query", e)),
-        },
-        (Some(Op::Load), Some(b)) => match LoadRequest::decode(&b[..]) {
-            Ok(l) => block_spinning(deadline(timeout, service.load(Request::new(l))))
-                .map(|r| r.into_inner().encode_to_vec()),
-            Err(e) => Err(undecodable("Load", e)),
-        },
-        (Some(Op::Save), Some(b)) => match SaveRequest::decode(&b[..]) {
-            Ok(s) => block_spinning(deadline(timeout, service.save(Request::new(s))))
-                .map(|r| r.into_inner().encode_to_vec()),
-            Err(e) => Err(undecodable("Save", e)),
-        },
+        (Some(Op::Query), Some(b)) => {
+            handle::<QueryRequest, _, _>("Query", &b, timeout, |r| service.query(r))
+        }
+        (Some(Op::Load), Some(b)) => {
+            handle::<LoadRequest, _, _>("Load", &b, timeout, |r| service.load(r))
+        }
+        (Some(Op::Save), Some(b)) => {
+            handle::<SaveRequest, _, _>("Save", &b, timeout, |r| service.save(r))
+        }
     };
     match answered {
         Ok(payload) => (0, payload),
@@ -156,8 +150,23 @@ fn serve(
     }
 }
 
-fn undecodable(m: &str, e: prost::DecodeError) -> Status {
-    Status::invalid_argument(format!("{m}: the mailbox request does not decode: {e}"))
+/// Decodes a `Q`, runs `handler` on it (within `timeout`) and encodes its answer.
+fn handle<Q, R, F>(
+    m: &str,
+    bytes: &[u8],
+    timeout: Duration,
+    handler: impl FnOnce(Request<Q>) -> F,
+) -> Result<Vec<u8>, Status>
+where
+    Q: Message + Default,
+    R: Message,
+    F: Future<Output = Result<tonic::Response<R>, Status>>,
+{
+    let q = Q::decode(bytes).map_err(|e| {
+        Status::invalid_argument(format!("{m}: the mailbox request does not decode: {e}"))
+    })?;
+    block_spinning(deadline(timeout, handler(Request::new(q))))
+        .map(|r| r.into_inner().encode_to_vec())
 }
 
 async fn deadline<T>(
