@@ -1532,6 +1532,17 @@ async fn scraped(srv: &EngineServer, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
 }
 
+/// Waits until the node's scrape shows `name` at `want` (5 s at most), then checks it does.
+async fn scraped_until(srv: &EngineServer, name: &str, want: f64) {
+    for _ in 0..500 {
+        if scraped(srv, name).await == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(scraped(srv, name).await, want, "{name}");
+}
+
 /// Query and Load through a request mailbox: the same answers, bytes and refusals as the
 /// calls, each request served from shared memory (the node's counter says so), garbage in a
 /// slot refused without harm, and the node's thread gone with the client.
@@ -1663,13 +1674,7 @@ fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
         // The client's handles gone: its thread ends; the session's end ends the other.
         drop(c);
         drop(session);
-        for _ in 0..500 {
-            if scraped(&srv, "kvferry_engine_mailboxes").await == 0.0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(scraped(&srv, "kvferry_engine_mailboxes").await, 0.0);
+        scraped_until(&srv, "kvferry_engine_mailboxes", 0.0).await;
         let lease = lease_for(&plain, "eng", 0..2).await;
         let l = plain
             .load(&load_request(lease, "eng", 0, &[3, 4]))
@@ -1727,13 +1732,7 @@ fn mailboxes_past_the_advertised_limit_are_refused() {
         }
         held.push(again.expect("a freed place is taken again"));
         drop(held);
-        for _ in 0..500 {
-            if scraped(&srv, "kvferry_engine_mailboxes").await == 0.0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(scraped(&srv, "kvferry_engine_mailboxes").await, 0.0);
+        scraped_until(&srv, "kvferry_engine_mailboxes", 0.0).await;
         assert_eq!(c.stats().await.unwrap().sessions, 0);
         drop(c);
         srv.stop().await;
