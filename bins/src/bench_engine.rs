@@ -394,22 +394,26 @@ impl DuplexCtx<'_> {
         }
     }
 
-    /// Loads `lease` into the destinations and waits for the board to say done.
-    async fn load(&self, lease: kvferry_actors::LeaseId, tag: u32) -> anyhow::Result<()> {
+    /// Loads `lease` into the destinations and waits for the board to say done; returns
+    /// when the board said so (what the load's figure is: the PollLoad that checks the
+    /// board's word afterwards is not part of it, as in the sweep).
+    async fn load(&self, lease: kvferry_actors::LeaseId, tag: u32) -> anyhow::Result<Instant> {
         let req = LoadRequest {
             lease,
             instance: self.id.clone(),
             rank: 0,
             dest_blocks: self.dest.to_vec(),
         };
+        let sent = Instant::now();
         let w = load_watched(self.c, self.board, self.spin, req, tag).await?;
+        let done = sent + Duration::from_secs_f64(w.done_s);
         let load_id = w.load_id;
         if w.view.state != SlotState::Ok {
             let done = self.c.poll_load(load_id).await?;
             bail!("the load of {} blocks failed: {done:?}", self.n);
         }
         match self.c.poll_load(load_id).await? {
-            Some(done) if done.status == 1 => Ok(()),
+            Some(p) if p.status == 1 => Ok(done),
             other => bail!("the board says done, PollLoad says {other:?}"),
         }
     }
@@ -437,7 +441,10 @@ impl DuplexCtx<'_> {
             (r, t.elapsed().as_secs_f64())
         });
         let loaded = self.load(lease, tag).await;
-        let load_s = t.elapsed().as_secs_f64();
+        let load_s = loaded
+            .as_ref()
+            .map_or_else(|_| t.elapsed(), |done| done.duration_since(t))
+            .as_secs_f64();
         // The save's own end, taken where it finished: waiting on the board above may have
         // seen it late.
         let (saved, save_s) = save.await?;
