@@ -638,6 +638,127 @@ fn staged_batches_in_flight_together() {
     assert_eq!(dev.staged_batches(), 2 * rounds);
 }
 
+/// Batches of `DEFER_MIN_OPS` ranges and more go to the lane's submit thread; the caller's
+/// later batches follow them there while any wait, so each lane still copies and reports in
+/// submission order: a small batch submitted after a large one over the same bytes lands
+/// last, and the batches' hooks run in order. A large batch refused by the planner fails
+/// through its event alone, and the batch after it lands.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn large_batches_are_queued_in_submission_order() {
+    use std::sync::Mutex;
+    const SEG: u64 = 4 << 10;
+    let big = cuda::DEFER_MIN_OPS as u64 + 100;
+    for path in [CopyPath::Auto, CopyPath::Batch] {
+        let dev = open(path);
+        let len = (big * SEG) as usize;
+        // Two host sources: pattern A and pattern B.
+        let mut host = HostMem::new(2 * len);
+        for (i, b) in host.bytes().iter_mut().enumerate() {
+            *b = if i < len {
+                (i % 251) as u8
+            } else {
+                0xB0 | (i % 13) as u8
+            };
+        }
+        let _reg = dev
+            .register_host(host.addr(), 2 * len as u64, false)
+            .unwrap();
+        let buf = dev.alloc(len as u64 + 2 * SEG).unwrap();
+        canary(dev.as_ref(), &buf);
+        // Segment k's device slot: descending, so no two ranges of a batch merge.
+        let slot = |k: u64| SEG + (big - 1 - k) * SEG;
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let hook = |tag: usize| -> Option<kvferry_gpu::Landed> {
+            let order = Arc::clone(&order);
+            Some(Box::new(move |r: &Result<CopyStats, DeviceError>| {
+                order.lock().unwrap().push((tag, r.is_ok()));
+            }))
+        };
+        let seg_list = |src: u64, segs: std::ops::Range<u64>| {
+            let mut l = CopyList::default();
+            for k in segs {
+                l.push(src + k * SEG, buf.ptr() + slot(k), SEG);
+            }
+            l
+        };
+        let mut events = Vec::new();
+        for round in 0..3u64 {
+            // Large: pattern A everywhere; then small: pattern B over segments of this round.
+            let a = seg_list(host.addr(), 0..big);
+            let b = seg_list(host.addr() + len as u64, round * 8..round * 8 + 8);
+            assert!(a.len() >= cuda::DEFER_MIN_OPS && b.len() < cuda::DEFER_MIN_OPS);
+            // SAFETY: `host` outlives every awaited event.
+            unsafe {
+                events.push(
+                    dev.submit_then(CopyDirection::HostToDevice, a, hook(2 * round as usize))
+                        .unwrap(),
+                );
+                events.push(
+                    dev.submit_then(CopyDirection::HostToDevice, b, hook(2 * round as usize + 1))
+                        .unwrap(),
+                );
+            }
+        }
+        for ev in events {
+            wait(ev).unwrap();
+        }
+        let tags: Vec<(usize, bool)> = order.lock().unwrap().clone();
+        assert_eq!(
+            tags,
+            (0..6).map(|t| (t, true)).collect::<Vec<_>>(),
+            "{path:?}"
+        );
+        let mut got = vec![0u8; len + 2 * SEG as usize];
+        dev.read(buf.ptr(), &mut got).unwrap();
+        let seg = SEG as usize;
+        assert!(got[..seg].iter().all(|&b| b == CANARY), "{path:?}: before");
+        assert!(
+            got[seg + len..].iter().all(|&b| b == CANARY),
+            "{path:?}: after"
+        );
+        let h = host.bytes().to_vec();
+        // The last round's small batch landed after the last large one.
+        for k in 0..big as usize {
+            let want = if (16..24).contains(&k) {
+                &h[len + k * seg..len + (k + 1) * seg]
+            } else {
+                &h[k * seg..(k + 1) * seg]
+            };
+            let at = slot(k as u64) as usize;
+            assert!(&got[at..at + seg] == want, "{path:?}: segment {k}");
+        }
+        // A large batch with one range outside device memory: refused through its event;
+        // the small batch after it (queued behind it) lands.
+        let mut bad = seg_list(host.addr(), 0..big);
+        bad.push(host.addr(), host.addr() + len as u64, SEG);
+        // SAFETY: as above.
+        let (e1, e2) = unsafe {
+            (
+                dev.submit(CopyDirection::HostToDevice, bad).unwrap(),
+                dev.submit(
+                    CopyDirection::HostToDevice,
+                    seg_list(host.addr() + len as u64, 0..8),
+                )
+                .unwrap(),
+            )
+        };
+        let err = wait(e1).unwrap_err();
+        assert!(matches!(err, DeviceError::NotDeviceMemory { .. }), "{err}");
+        wait(e2).unwrap();
+        dev.read(buf.ptr(), &mut got).unwrap();
+        for k in 0..8 {
+            let at = slot(k as u64) as usize;
+            let want = &h[len + k * seg..len + (k + 1) * seg];
+            assert!(
+                &got[at..at + seg] == want,
+                "{path:?}: segment {k} after a refusal"
+            );
+        }
+        assert!(dev.take_teardown_errors().is_empty());
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn pageable_host_memory_still_copies() {

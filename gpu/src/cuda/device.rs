@@ -97,15 +97,51 @@ pub struct IpcHandle {
 
 /// One NVIDIA GPU. Copies run on two non-blocking streams (host→device and device→host); a
 /// thread per stream waits on each batch's event and completes its [`CopyEvent`], so no
-/// caller ever blocks on the GPU.
+/// caller ever blocks on the GPU. Large batches are planned and queued by a second thread per
+/// stream, so no caller's thread spends long in a submission either.
 pub struct CudaDevice {
     inner: Arc<Inner>,
     lanes: [Lane; 2],
 }
 
+/// Batches of at least this many ranges are planned and queued on the lane's submit thread
+/// rather than the caller's. Planning costs about 0.1 us per range on the H200's host (a
+/// 2,048-range save batch took its thread 0.23 ms, a 256-block load's 4,800-range layer
+/// batch about 0.5 ms), time in which an actor thread shared by the keeper, the store and
+/// the load transfers serves nobody: a save issued beside a 256-block load waited 1.3 ms
+/// for the store. Smaller batches (a load of up to 16 blocks) stay on the caller's thread,
+/// where they start without waking another.
+pub const DEFER_MIN_OPS: usize = 1024;
+
 struct Lane {
-    tx: Mutex<Option<mpsc::Sender<Pending>>>,
+    /// Held while a batch is queued on the stream: batches reach it in submission order.
+    order: Arc<Mutex<LaneOrder>>,
+    /// The submit thread's queue.
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    submitter: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// A lane's stream order: the completion thread's queue, and the batches handed to the
+/// submit thread but not yet queued (while there are any, later batches follow them there).
+struct LaneOrder {
+    tx: Option<mpsc::Sender<Pending>>,
+    deferred: usize,
+}
+
+/// A batch for the submit thread.
+struct Job {
+    dir: CopyDirection,
+    list: CopyList,
+    done: CopyDone,
+    submitted: Instant,
+}
+
+fn lock_order(order: &Mutex<LaneOrder>) -> MutexGuard<'_, LaneOrder> {
+    // The guarded data is a queue handle and a count that stay consistent at every step.
+    order
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Everything that must outlive the device handle while buffers, registrations or in-flight
@@ -418,34 +454,55 @@ impl Lane {
         let (tx, rx) = mpsc::channel::<Pending>();
         let worker = Arc::clone(inner);
         let dir = if index == 0 { "h2d" } else { "d2h" };
+        let spawn_failed = |what: &'static str| {
+            move |e: std::io::Error| DeviceError::Driver {
+                ordinal: inner.ordinal,
+                call: what,
+                reason: e.to_string(),
+            }
+        };
         let thread = std::thread::Builder::new()
             .name(format!("kvferry-cuda{}-{dir}", inner.ordinal))
             .spawn(move || worker.complete_loop(rx))
-            .map_err(|e| DeviceError::Driver {
-                ordinal: inner.ordinal,
-                call: "spawning the completion thread",
-                reason: e.to_string(),
-            })?;
-        Ok(Self {
-            tx: Mutex::new(Some(tx)),
+            .map_err(spawn_failed("spawning the completion thread"))?;
+        let order = Arc::new(Mutex::new(LaneOrder {
+            tx: Some(tx),
+            deferred: 0,
+        }));
+        let (jobs, rx) = mpsc::channel::<Job>();
+        let (worker, o) = (Arc::clone(inner), Arc::clone(&order));
+        let submitter = std::thread::Builder::new()
+            .name(format!("kvferry-cuda{}-{dir}-submit", inner.ordinal))
+            .spawn(move || worker.submit_loop(&rx, &o));
+        let lane = Self {
+            order,
+            jobs: Mutex::new(Some(jobs)),
             thread: Mutex::new(Some(thread)),
-        })
+            submitter: Mutex::new(None),
+        };
+        // On failure `lane` drops: its completion thread is stopped and joined.
+        let submitter = submitter.map_err(spawn_failed("spawning the submit thread"))?;
+        if let Ok(mut s) = lane.submitter.lock() {
+            *s = Some(submitter);
+        }
+        Ok(lane)
     }
 }
 
-impl Drop for CudaDevice {
+impl Drop for Lane {
     fn drop(&mut self) {
-        // Closing the channels lets each completion thread finish the batches already queued
-        // (their events still resolve) and exit; joining keeps streams alive until then.
-        for lane in &self.lanes {
-            if let Ok(mut tx) = lane.tx.lock() {
-                tx.take();
-            }
+        // The submit thread queues what it was handed and exits; then closing the completion
+        // queue lets that thread finish the batches already queued (their events still
+        // resolve) and exit; joining keeps streams alive until then.
+        if let Ok(mut jobs) = self.jobs.lock() {
+            jobs.take();
         }
-        for lane in &self.lanes {
-            if let Some(t) = lane.thread.lock().ok().and_then(|mut t| t.take()) {
-                let _ = t.join();
-            }
+        if let Some(t) = self.submitter.lock().ok().and_then(|mut t| t.take()) {
+            let _ = t.join();
+        }
+        lock_order(&self.order).tx.take();
+        if let Some(t) = self.thread.lock().ok().and_then(|mut t| t.take()) {
+            let _ = t.join();
         }
     }
 }
@@ -713,6 +770,107 @@ impl Inner {
             let _ = unsafe { ffi::stream_synchronize(st.aux) };
         }
         queued.and(joined)
+    }
+
+    /// Plans one batch: the lane's staging buffers on first use, then the path and its
+    /// pieces. An error refuses the batch before anything is queued.
+    fn plan_batch(&self, dir: CopyDirection, list: &CopyList) -> Result<Plan, DeviceError> {
+        let index = lane_index(dir);
+        let path = self.options.copy_path;
+        // Staging buffers come with the lane's first batch that might use them; a forced
+        // staged path without them is refused, nothing copied.
+        let staging = match path {
+            CopyPath::Staged => self.ensure_staging(index)?,
+            CopyPath::Auto if list.len() > ENGINE_MAX_OPS => {
+                self.ensure_staging(index).unwrap_or(false)
+            }
+            _ => false,
+        };
+        let paths = Paths {
+            kernel: self.kernel.is_some(),
+            batch: self.caps.batch_copy,
+            stage_chunk: if staging {
+                self.options.stage_chunk()
+            } else {
+                0
+            },
+        };
+        plan(dir, list, path, paths, self)
+    }
+
+    /// Queues a planned batch on its lane's stream and hands it to the completion thread,
+    /// or resolves it with the planning error (nothing was copied). Called with the lane's
+    /// order held and the context bound.
+    fn queue(
+        &self,
+        dir: CopyDirection,
+        plan: Result<Plan, DeviceError>,
+        list: &CopyList,
+        done: CopyDone,
+        submitted: Instant,
+        order: &mut LaneOrder,
+    ) {
+        let ordinal = self.ordinal;
+        let plan = match plan {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = done.send(Err(e));
+                return;
+            }
+        };
+        let Some(tx) = order.tx.as_ref() else {
+            let _ = done.send(Err(DeviceError::Stopped { ordinal }));
+            return;
+        };
+        let stream = self.streams[lane_index(dir)];
+        let mut pending = Pending {
+            event: None,
+            done,
+            submitted,
+            bytes: list.bytes(),
+            ops: list.len(),
+            descs: None,
+            error: None,
+        };
+        pending.error = self.enqueue(dir, stream, &plan, &mut pending).err();
+        let recorded = self.take_event().and_then(|ev| {
+            // SAFETY: the event and stream are live handles of the bound context.
+            unsafe { ffi::event_record(ev, stream) }
+                .map(|()| ev)
+                .map_err(|e| self.driver("cuEventRecord", e))
+        });
+        match recorded {
+            Ok(ev) => pending.event = Some(ev),
+            Err(e) => {
+                // Without an event, wait here so no queued copy outlives the batch.
+                // SAFETY: the stream is live.
+                let _ = unsafe { ffi::stream_synchronize(stream) };
+                pending.error.get_or_insert(e);
+            }
+        }
+        if let Err(mpsc::SendError(p)) = tx.send(pending) {
+            if let Some(ev) = p.event {
+                // SAFETY: the event was recorded on a live stream.
+                let _ = unsafe { ffi::event_synchronize(ev) };
+            }
+            let _ = p.done.send(Err(DeviceError::Stopped { ordinal }));
+        }
+    }
+
+    /// A lane's submit thread: plans each batch it is handed without holding the lane (the
+    /// long part), then queues it in turn. Ends when the device drops the queue, after
+    /// queueing what was handed before.
+    fn submit_loop(&self, jobs: &mpsc::Receiver<Job>, order: &Mutex<LaneOrder>) {
+        let bound = self.bind();
+        while let Ok(job) = jobs.recv() {
+            let plan = match &bound {
+                Ok(()) => self.plan_batch(job.dir, &job.list),
+                Err(e) => Err(e.clone()),
+            };
+            let mut o = lock_order(order);
+            self.queue(job.dir, plan, &job.list, job.done, job.submitted, &mut o);
+            o.deferred -= 1;
+        }
     }
 
     /// Waits for `ev`: polled for up to [`CudaOptions::completion_spin`], then slept on.
@@ -1074,80 +1232,30 @@ impl Device for CudaDevice {
             }));
             return Ok(event);
         }
+        let lane = &self.lanes[lane_index(dir)];
+        let mut order = lock_order(&lane.order);
+        if list.len() >= DEFER_MIN_OPS || order.deferred > 0 {
+            let jobs = lane
+                .jobs
+                .lock()
+                .map_err(|_| DeviceError::Stopped { ordinal })?;
+            let jobs = jobs.as_ref().ok_or(DeviceError::Stopped { ordinal })?;
+            order.deferred += 1;
+            let job = Job {
+                dir,
+                list,
+                done,
+                submitted,
+            };
+            if let Err(mpsc::SendError(job)) = jobs.send(job) {
+                order.deferred -= 1;
+                let _ = job.done.send(Err(DeviceError::Stopped { ordinal }));
+            }
+            return Ok(event);
+        }
         inner.bind()?;
-        let index = lane_index(dir);
-        let path = inner.options.copy_path;
-        // Staging buffers come with the lane's first batch that might use them.
-        let staging = match path {
-            CopyPath::Staged => inner.ensure_staging(index),
-            CopyPath::Auto if list.len() > ENGINE_MAX_OPS => {
-                Ok(inner.ensure_staging(index).unwrap_or(false))
-            }
-            _ => Ok(false),
-        };
-        let staging = match staging {
-            Ok(s) => s,
-            Err(e) => {
-                // A forced staged path without its buffers: refused, nothing copied.
-                let _ = done.send(Err(e));
-                return Ok(event);
-            }
-        };
-        let paths = Paths {
-            kernel: inner.kernel.is_some(),
-            batch: inner.caps.batch_copy,
-            stage_chunk: if staging {
-                inner.options.stage_chunk()
-            } else {
-                0
-            },
-        };
-        let plan = match plan(dir, &list, path, paths, &**inner) {
-            Ok(p) => p,
-            Err(e) => {
-                // Refused before anything was queued: nothing was copied.
-                let _ = done.send(Err(e));
-                return Ok(event);
-            }
-        };
-        let stream = inner.streams[index];
-        let tx = self.lanes[index]
-            .tx
-            .lock()
-            .map_err(|_| DeviceError::Stopped { ordinal })?;
-        let tx = tx.as_ref().ok_or(DeviceError::Stopped { ordinal })?;
-        let mut pending = Pending {
-            event: None,
-            done,
-            submitted,
-            bytes: list.bytes(),
-            ops: list.len(),
-            descs: None,
-            error: None,
-        };
-        pending.error = inner.enqueue(dir, stream, &plan, &mut pending).err();
-        let recorded = inner.take_event().and_then(|ev| {
-            // SAFETY: the event and stream are live handles of the bound context.
-            unsafe { ffi::event_record(ev, stream) }
-                .map(|()| ev)
-                .map_err(|e| inner.driver("cuEventRecord", e))
-        });
-        match recorded {
-            Ok(ev) => pending.event = Some(ev),
-            Err(e) => {
-                // Without an event, wait here so no queued copy outlives the batch.
-                // SAFETY: the stream is live.
-                let _ = unsafe { ffi::stream_synchronize(stream) };
-                pending.error.get_or_insert(e);
-            }
-        }
-        if let Err(mpsc::SendError(p)) = tx.send(pending) {
-            if let Some(ev) = p.event {
-                // SAFETY: the event was recorded on a live stream.
-                let _ = unsafe { ffi::event_synchronize(ev) };
-            }
-            let _ = p.done.send(Err(DeviceError::Stopped { ordinal }));
-        }
+        let plan = inner.plan_batch(dir, &list);
+        inner.queue(dir, plan, &list, done, submitted, &mut order);
         Ok(event)
     }
 

@@ -22,7 +22,7 @@ mod shared;
 
 pub use device::{
     driver_present, CudaDevice, CudaOptions, IpcHandle, DEFAULT_COMPLETION_SPIN,
-    DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES,
+    DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES, DEFER_MIN_OPS,
 };
 pub use error::CudaError;
 pub use open::{open_device, open_device_with};
