@@ -61,7 +61,14 @@ impl CopyList {
     /// Splits the list, in order, into lists of at least `bytes` each (the last one may be
     /// smaller), cutting only between copies. An empty list gives one empty list.
     pub fn split_by_bytes(self, bytes: u64) -> Vec<CopyList> {
-        if self.bytes <= bytes {
+        self.split_ramped(bytes, bytes)
+    }
+
+    /// [`Self::split_by_bytes`] with parts growing from `first` bytes, doubling up to `max`:
+    /// the device starts on a small first part while the larger ones are planned.
+    pub fn split_ramped(self, first: u64, max: u64) -> Vec<CopyList> {
+        let mut want = first.min(max);
+        if self.bytes <= want {
             return vec![self];
         }
         let mut out = Vec::new();
@@ -69,8 +76,9 @@ impl CopyList {
         for op in self.ops {
             cur.bytes += op.len;
             cur.ops.push(op);
-            if cur.bytes >= bytes {
+            if cur.bytes >= want {
                 out.push(std::mem::take(&mut cur));
+                want = want.saturating_mul(2).min(max);
             }
         }
         if !cur.is_empty() {
@@ -83,6 +91,31 @@ impl CopyList {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ramped_parts_double_up_to_the_cap() {
+        let mut l = CopyList::default();
+        for i in 0..40u64 {
+            // Gaps on both sides: nothing merges.
+            l.push(i * 20, 10_000 + i * 20, 10);
+        }
+        let sizes: Vec<u64> = l
+            .clone()
+            .split_ramped(20, 80)
+            .iter()
+            .map(|p| p.bytes())
+            .collect();
+        assert_eq!(sizes, [20, 40, 80, 80, 80, 80, 20]);
+        let parts = l.clone().split_ramped(20, 80);
+        let ops: Vec<CopyOp> = parts.into_iter().flat_map(|p| p.ops().to_vec()).collect();
+        assert_eq!(ops, l.ops(), "in order, nothing lost");
+        assert_eq!(l.clone().split_ramped(400, 800).len(), 1);
+        assert_eq!(
+            l.split_ramped(100, 50).len(),
+            8,
+            "the cap bounds the first part too"
+        );
+    }
 
     #[test]
     fn merges_only_when_adjacent_on_both_sides() {
