@@ -381,6 +381,21 @@ pub trait Device: Send + Sync + fmt::Debug {
         unsafe { self.submit_then(dir, list, None) }
     }
 
+    /// [`Device::submit`] for a caller whose thread must return at once (a receive thread
+    /// that keeps a socket drained): a backend that plans batches on a thread of its own
+    /// hands this one there whatever its size. By default, as [`Device::submit`].
+    ///
+    /// # Safety
+    /// As for [`Device::submit`].
+    unsafe fn submit_detached(
+        &self,
+        dir: CopyDirection,
+        list: CopyList,
+    ) -> Result<CopyEvent, DeviceError> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.submit(dir, list) }
+    }
+
     /// [`Device::submit`], with `landed` run when the batch resolves, before the returned
     /// event does, on the thread that resolves it (not run where this returns an error).
     ///

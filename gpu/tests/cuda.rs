@@ -642,7 +642,8 @@ fn staged_batches_in_flight_together() {
 /// later batches follow them there while any wait, so each lane still copies and reports in
 /// submission order: a small batch submitted after a large one over the same bytes lands
 /// last, and the batches' hooks run in order. A large batch refused by the planner fails
-/// through its event alone, and the batch after it lands.
+/// through its event alone, and the batch after it lands. A small batch handed over
+/// detached is followed by the next one the same way.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn large_batches_are_queued_in_submission_order() {
@@ -753,6 +754,31 @@ fn large_batches_are_queued_in_submission_order() {
             assert!(
                 &got[at..at + seg] == want,
                 "{path:?}: segment {k} after a refusal"
+            );
+        }
+        // A small batch handed over detached, then a small one over the same slots: the
+        // second follows the first (pattern A over B).
+        // SAFETY: as above.
+        let (e1, e2) = unsafe {
+            (
+                dev.submit_detached(
+                    CopyDirection::HostToDevice,
+                    seg_list(host.addr() + len as u64, 40..48),
+                )
+                .unwrap(),
+                dev.submit(CopyDirection::HostToDevice, seg_list(host.addr(), 40..48))
+                    .unwrap(),
+            )
+        };
+        wait(e1).unwrap();
+        wait(e2).unwrap();
+        dev.read(buf.ptr(), &mut got).unwrap();
+        for k in 40..48 {
+            let at = slot(k as u64) as usize;
+            let want = &h[k * seg..(k + 1) * seg];
+            assert!(
+                &got[at..at + seg] == want,
+                "{path:?}: segment {k} after a detached batch"
             );
         }
         assert!(dev.take_teardown_errors().is_empty());

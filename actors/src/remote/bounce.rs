@@ -182,10 +182,15 @@ impl Lane {
         }
         let list = std::mem::take(&mut self.list);
         let (ops, bytes) = (list.len(), list.bytes());
+        // Detached: the receive thread goes back to its socket without planning the copies.
         // SAFETY: every source lies in the lane's current slot, which is not written again
         // until this event has completed (the slot cycles back only after `wait_oldest`),
         // and the ring outlives the event: drain and drop wait for every pending one.
-        let ev = unsafe { sink.device.submit(CopyDirection::HostToDevice, list) }.map_err(|e| {
+        let ev = unsafe {
+            sink.device
+                .submit_detached(CopyDirection::HostToDevice, list)
+        }
+        .map_err(|e| {
             sink.fail(SinkError::Write {
                 dst: 0,
                 len: bytes,

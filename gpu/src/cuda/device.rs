@@ -376,6 +376,58 @@ impl CudaDevice {
         Ok(Arc::new(Self { inner, lanes }))
     }
 
+    /// Submits a batch: planned and queued here, or by the lane's submit thread where it is
+    /// large, `detach`ed, or behind batches handed there (see [`DEFER_MIN_OPS`]).
+    ///
+    /// # Safety
+    /// As for [`Device::submit`].
+    unsafe fn submit_on(
+        &self,
+        dir: CopyDirection,
+        list: CopyList,
+        landed: Option<Landed>,
+        detach: bool,
+    ) -> Result<CopyEvent, DeviceError> {
+        let inner = &self.inner;
+        let ordinal = inner.ordinal;
+        let (done, event) = CopyEvent::channel(ordinal);
+        let done = done.then(landed);
+        let submitted = Instant::now();
+        if list.is_empty() {
+            let _ = done.send(Ok(CopyStats {
+                bytes: 0,
+                ops: 0,
+                seconds: 0.0,
+            }));
+            return Ok(event);
+        }
+        let lane = &self.lanes[lane_index(dir)];
+        let mut order = lock_order(&lane.order);
+        if detach || list.len() >= DEFER_MIN_OPS || order.deferred > 0 {
+            let jobs = lane
+                .jobs
+                .lock()
+                .map_err(|_| DeviceError::Stopped { ordinal })?;
+            let jobs = jobs.as_ref().ok_or(DeviceError::Stopped { ordinal })?;
+            order.deferred += 1;
+            let job = Job {
+                dir,
+                list,
+                done,
+                submitted,
+            };
+            if let Err(mpsc::SendError(job)) = jobs.send(job) {
+                order.deferred -= 1;
+                let _ = job.done.send(Err(DeviceError::Stopped { ordinal }));
+            }
+            return Ok(event);
+        }
+        inner.bind()?;
+        let plan = inner.plan_batch(dir, &list);
+        inner.queue(dir, plan, &list, done, submitted, &mut order);
+        Ok(event)
+    }
+
     /// The CUDA IPC handle of the allocation holding `ptr` (the exporting side; engine
     /// workers normally do this through their framework).
     pub fn ipc_handle(&self, ptr: u64) -> Result<IpcHandle, DeviceError> {
@@ -1219,44 +1271,17 @@ impl Device for CudaDevice {
         list: CopyList,
         landed: Option<Landed>,
     ) -> Result<CopyEvent, DeviceError> {
-        let inner = &self.inner;
-        let ordinal = inner.ordinal;
-        let (done, event) = CopyEvent::channel(ordinal);
-        let done = done.then(landed);
-        let submitted = Instant::now();
-        if list.is_empty() {
-            let _ = done.send(Ok(CopyStats {
-                bytes: 0,
-                ops: 0,
-                seconds: 0.0,
-            }));
-            return Ok(event);
-        }
-        let lane = &self.lanes[lane_index(dir)];
-        let mut order = lock_order(&lane.order);
-        if list.len() >= DEFER_MIN_OPS || order.deferred > 0 {
-            let jobs = lane
-                .jobs
-                .lock()
-                .map_err(|_| DeviceError::Stopped { ordinal })?;
-            let jobs = jobs.as_ref().ok_or(DeviceError::Stopped { ordinal })?;
-            order.deferred += 1;
-            let job = Job {
-                dir,
-                list,
-                done,
-                submitted,
-            };
-            if let Err(mpsc::SendError(job)) = jobs.send(job) {
-                order.deferred -= 1;
-                let _ = job.done.send(Err(DeviceError::Stopped { ordinal }));
-            }
-            return Ok(event);
-        }
-        inner.bind()?;
-        let plan = inner.plan_batch(dir, &list);
-        inner.queue(dir, plan, &list, done, submitted, &mut order);
-        Ok(event)
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.submit_on(dir, list, landed, false) }
+    }
+
+    unsafe fn submit_detached(
+        &self,
+        dir: CopyDirection,
+        list: CopyList,
+    ) -> Result<CopyEvent, DeviceError> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.submit_on(dir, list, None, true) }
     }
 
     fn write(&self, dst: u64, data: &[u8]) -> Result<(), DeviceError> {
