@@ -622,10 +622,12 @@ impl EngineClient {
     /// Attaches a request mailbox (see [`super::mailbox`]): from then on Query, Load and Save of
     /// this handle and its clones go through it, and fall back to the gRPC call only where a
     /// request does not fit a slot or every slot is in flight. `instance` names the client
-    /// on the fd socket. False (nothing attached) where the node's protocol is older than 5.
+    /// on the fd socket. False (nothing attached) where the node's protocol is older than 5,
+    /// and on a handle whose mailbox's session ended (the node stopped or restarted: requests
+    /// go as calls; a new client attaches a new mailbox).
     pub async fn attach_mailbox(&self, instance: &InstanceId) -> Result<bool, EngineClientError> {
-        if self.mailbox.initialized() {
-            return Ok(true);
+        if let Some(link) = self.mailbox.get() {
+            return Ok(!link.ended());
         }
         if self.capabilities().await?.protocol < 5 {
             return Ok(false);

@@ -1767,6 +1767,8 @@ fn a_client_stops_using_a_mailbox_whose_node_went_away() {
             assert!(t.elapsed() < WAIT, "the client still counts on the mailbox");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        // Attaching again on this handle says so: there is no mailbox to use.
+        assert!(!c.attach_mailbox(&id("eng")).await.unwrap());
         let t = std::time::Instant::now();
         let r = c.query(&id("eng"), &hashes(0..1), false).await;
         assert_eq!(code(r), Code::Unavailable);
