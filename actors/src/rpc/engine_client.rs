@@ -682,7 +682,11 @@ impl EngineClient {
         let link = self.mailbox.get().filter(|l| !l.ended())?;
         let ticket = match link.mailbox.post(op, &req.encode_to_vec()) {
             Ok(t) => t,
-            Err(MailboxError::TooLarge { .. } | MailboxError::Full { .. }) => return None,
+            // The node's thread for the mailbox stopped (its session is ending): the call goes
+            // the usual way and meets whatever the node says there.
+            Err(
+                MailboxError::TooLarge { .. } | MailboxError::Full { .. } | MailboxError::Closed,
+            ) => return None,
             Err(source) => {
                 return Some(Err(EngineClientError::Mailbox {
                     addr: self.addr.clone(),

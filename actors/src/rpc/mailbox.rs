@@ -114,6 +114,8 @@ pub enum MailboxError {
     },
     #[error("all {slots} slots hold requests in flight")]
     Full { slots: u32 },
+    #[error("the mailbox is closed: the node's thread for it stopped, or the client closed it")]
+    Closed,
     #[error("no answer to a {op} request within {waited:?}")]
     TimedOut { op: &'static str, waited: Duration },
     #[error("the node answered with a length of {len} bytes, past the slot")]
@@ -281,6 +283,9 @@ impl Mailbox {
     /// Posts `request` as `op` in a free slot and rings the doorbell. The ticket waits for
     /// the answer; dropped before it, the slot stays out of use until the node answered.
     pub fn post(self: &Arc<Self>, op: Op, request: &[u8]) -> Result<Ticket, MailboxError> {
+        if self.is_closed() {
+            return Err(MailboxError::Closed);
+        }
         if request.len() > self.slot_bytes as usize {
             return Err(MailboxError::TooLarge {
                 op: op.as_str(),
@@ -322,7 +327,9 @@ impl Mailbox {
     }
 
     /// Tells the node this client is done (its thread for the mailbox ends); also what
-    /// dropping the client's mailbox does.
+    /// dropping the client's mailbox does, and what the node's thread does when it stops
+    /// taking requests (later posts are refused at once instead of waiting for an answer that
+    /// cannot come).
     pub fn close(&self) {
         self.map.word32(CLOSED).store(1, Ordering::SeqCst);
         self.ring();

@@ -143,7 +143,11 @@ fn serve_all(
     let mut last = Instant::now();
     mailbox.set_polling(!spin.is_zero());
     loop {
-        let ending = stop.load(Ordering::SeqCst) || mailbox.is_closed();
+        if stop.load(Ordering::SeqCst) && !mailbox.is_closed() {
+            // Takes nothing from here on: the client's next post is refused at once.
+            mailbox.close();
+        }
+        let ending = mailbox.is_closed();
         if ending && serving.is_empty() {
             break;
         }
@@ -264,7 +268,7 @@ const ANSWER_SPIN: Duration = Duration::from_millis(1);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rpc::mailbox::{mailbox_bytes, Op, MIN_SLOT_BYTES};
+    use crate::rpc::mailbox::{mailbox_bytes, MailboxError, Op, MIN_SLOT_BYTES};
 
     const WAIT: Duration = Duration::from_secs(10);
 
@@ -342,7 +346,15 @@ mod tests {
             wait_taken(&s.client);
             s.stop.store(true, Ordering::SeqCst);
             s.client.ring();
-            let late = s.client.post(Op::Query, b"late").unwrap();
+            // The thread closes the mailbox once it saw the stop; a post after that is refused.
+            let until = Instant::now() + WAIT;
+            while !s.client.is_closed() && Instant::now() < until {
+                std::thread::yield_now();
+            }
+            assert!(matches!(
+                s.client.post(Op::Query, b"late"),
+                Err(MailboxError::Closed)
+            ));
             std::thread::sleep(Duration::from_millis(20));
             assert!(
                 !s.thread.is_finished(),
@@ -352,7 +364,6 @@ mod tests {
             s.thread.join().unwrap();
             let a = save.try_answer().unwrap().expect("answered before the end");
             assert_eq!(&a.payload[..], b"again");
-            assert!(late.try_answer().unwrap().is_none());
             assert_eq!(s.answered.load(Ordering::Relaxed), 4);
         }
     }
