@@ -17,12 +17,14 @@ use crate::model::BlockHash;
 use crate::nic::stripe::{ReadRoute, StripePlan};
 use crate::plan::RemotePart;
 use crate::registry::RankHandle;
+use crate::remote::batches::even_batches;
 use crate::remote::link::{BoxFut, Drained, Keep, ReadStats};
 use crate::store::{BlockStore, ReserveFetch};
 use crate::transfer::PartDone;
 
-/// Blocks per pipeline step of a staged load: reads of later chunks overlap the device copy
-/// of earlier ones.
+/// Most blocks per pipeline step of a staged load: reads of later chunks overlap the device
+/// copy of earlier ones. A segment is cut into equal chunks, as many per lane of its link
+/// ([`even_batches`]).
 pub const STAGED_CHUNK: usize = 8;
 
 /// Everything the suffix needs, owned (it runs as a future of the transfer).
@@ -146,11 +148,12 @@ impl Suffix {
                 })
                 .await??;
             let memory = Arc::clone(guard.memory());
+            let chunks = even_batches(seg.blocks.len(), seg.link.lanes(), STAGED_CHUNK);
             let mut reads = Vec::new();
-            for (i, chunk) in seg.blocks.chunks(STAGED_CHUNK).enumerate() {
-                let ops: Vec<CopyOp> = chunk
+            for chunk in &chunks {
+                let ops: Vec<CopyOp> = seg.blocks[chunk.clone()]
                     .iter()
-                    .zip(&slots[i * STAGED_CHUNK..])
+                    .zip(&slots[chunk.start..])
                     .filter(|(_, s)| s.must_write)
                     .map(|(b, s)| CopyOp {
                         src: b.addr + shape.rank_offset(rank),
@@ -161,7 +164,7 @@ impl Suffix {
                 let keep: Keep = Box::new(Arc::clone(&memory));
                 reads.push(tokio::spawn(seg.link.read_host(ops, keep)));
             }
-            for (i, read) in reads.into_iter().enumerate() {
+            for (chunk, read) in chunks.into_iter().zip(reads) {
                 // Time spent waiting here is the part of the wire the pipeline did not hide.
                 let tr = Instant::now();
                 let r = read.await.map_err(|_| NodeError::Stopped {
@@ -169,8 +172,7 @@ impl Suffix {
                 })??;
                 wire += tr.elapsed().as_secs_f64();
                 post += r.post;
-                let lo = i * STAGED_CHUNK;
-                let hi = (lo + STAGED_CHUNK).min(slots.len());
+                let (lo, hi) = (chunk.start, chunk.end.min(slots.len()));
                 let mut list = CopyList::with_capacity((hi - lo) * sc.copies_per_block());
                 for (s, &dst) in slots[lo..hi].iter().zip(&part.dest[lo..hi]) {
                     sc.push_block(&mut list, CopyDirection::HostToDevice, s.addr, dst);

@@ -567,6 +567,7 @@ impl NodeNics {
                     table: self.runtime.tables.get(i)?.clone(),
                     pool_lkey: pool.key(id)?,
                     max_sge: self.configs.get(i).map_or(1, |c| c.max_sge as usize),
+                    qps: self.configs.get(i).map_or(1, |c| c.qps_per_peer as usize),
                 })
             })
             .collect();

@@ -74,6 +74,7 @@ pub(crate) struct TcpSide {
     pub(crate) addr: std::net::SocketAddr,
     pub(crate) pool_mr: MrHandle,
     pub(crate) max_sge: usize,
+    pub(crate) qps: usize,
     pub(crate) nic: NicRuntime,
 }
 
@@ -156,7 +157,7 @@ impl DataSide {
                     max_sge: TCP_MAX_SGE,
                     ..NicConfig::default()
                 };
-                let max_sge = nic_cfg.max_sge as usize;
+                let (max_sge, qps) = (nic_cfg.max_sge as usize, nic_cfg.qps_per_peer as usize);
                 let nic = NicRuntime::start(vec![nic_cfg])
                     .map_err(|e| remote(node, RemoteError::local("starting the tcp nic", e)))?;
                 let pool_mr = nic.tables[0]
@@ -167,6 +168,7 @@ impl DataSide {
                     addr,
                     pool_mr,
                     max_sge,
+                    qps,
                     nic,
                 })
             }
@@ -338,6 +340,7 @@ impl LocalCluster {
                             table: me.nic.tables[0].clone(),
                             pool_lkey: me.pool_mr.key(),
                             max_sge: me.max_sge,
+                            qps: me.qps,
                             faults: self
                                 .faults
                                 .lock()

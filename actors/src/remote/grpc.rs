@@ -235,6 +235,7 @@ impl GrpcPeers {
                         table: tcp.nic.tables[0].clone(),
                         pool_lkey: tcp.pool_mr.key(),
                         max_sge: tcp.max_sge,
+                        qps: tcp.qps,
                         faults: Vec::new(),
                         connector: None,
                         rdma: None,

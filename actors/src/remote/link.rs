@@ -54,6 +54,12 @@ pub struct ReadStats {
 pub trait PeerLink: Send + Sync + fmt::Debug {
     fn node_id(&self) -> &str;
     fn provider(&self) -> &'static str;
+    /// How many reads the link runs side by side (connections or QPs to the owner): callers
+    /// cut a plan's reads into batches of equal size, as many per lane
+    /// ([`crate::remote::batches::even_batches`]).
+    fn lanes(&self) -> usize {
+        1
+    }
     /// Pins the present prefix of `hashes` on the owner.
     fn pin(&self, ns: Namespace, hashes: Vec<BlockHash>)
         -> BoxFut<Result<PinnedRemote, NodeError>>;

@@ -1,6 +1,7 @@
 //! Remote suffixes: the directory, owner-side peer pins, links to owners and the in-process
 //! cluster.
 
+pub mod batches;
 pub mod bounce;
 pub mod breaker;
 pub mod cluster;

@@ -20,6 +20,7 @@ use kvferry_transport::{
 };
 use tokio::sync::oneshot;
 
+use super::batches::even_batches;
 use super::bounce::{BounceSink, RingPool};
 use super::error::RemoteError;
 use super::link::{BoxFut, Control, Keep, PeerLink, PinnedRemote, ReadStats};
@@ -27,8 +28,8 @@ use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
 use crate::nic::worker::{Connect, FailureKind, NicWorker, PostReads};
 
-/// Reads per batch of a direct load (a read is one block's rank part): the staged path's
-/// chunk, for the same spread over QPs.
+/// Most reads per batch of a direct load (a read is a block's rank part, or more where the
+/// owner's blocks are adjacent): the staged path's chunk, for the same spread over QPs.
 const DIRECT_BATCH: usize = crate::suffix::STAGED_CHUNK;
 
 pub struct TcpLink {
@@ -42,6 +43,7 @@ pub struct TcpLink {
     table: MrTable,
     pool_lkey: MrKey,
     max_sge: usize,
+    qps: usize,
     faults: Vec<Fault>,
     connector: Option<Arc<dyn Connector>>,
     rdma: Option<Arc<dyn RdmaNic>>,
@@ -71,6 +73,8 @@ pub struct TcpEndpoints {
     pub table: MrTable,
     pub pool_lkey: MrKey,
     pub max_sge: usize,
+    /// QPs (connections over tcp) the NIC opens to each peer: reads run on that many lanes.
+    pub qps: usize,
     /// Faults injected into this link's connection (tests: the transport fault matrix end
     /// to end); empty in service.
     pub faults: Vec<Fault>,
@@ -93,6 +97,7 @@ impl TcpLink {
             table: e.table,
             pool_lkey: e.pool_lkey,
             max_sge: e.max_sge.max(1),
+            qps: e.qps.max(1),
             faults: e.faults,
             connector: e.connector,
             rdma: e.rdma,
@@ -271,6 +276,10 @@ impl PeerLink for TcpLink {
         }
     }
 
+    fn lanes(&self) -> usize {
+        self.qps
+    }
+
     fn pin(
         &self,
         ns: Namespace,
@@ -415,14 +424,14 @@ impl PeerLink for TcpLink {
         // Batches of a few blocks each, so that a large load runs on every QP of the link
         // (one connection and receive thread each over tcp) as a staged load does with its
         // chunks; a single batch kept a direct load on one connection, at about half the
-        // rate of a staged one.
+        // rate of a staged one. Equal batches, as many per QP: every QP carries the same
+        // share to the end.
         let batches: Vec<Vec<ReadRequest>> = {
-            let mut it = reads.into_iter().peekable();
-            let mut out = Vec::new();
-            while it.peek().is_some() {
-                out.push(it.by_ref().take(DIRECT_BATCH).collect());
-            }
-            out
+            let cuts = even_batches(reads.len(), self.qps, DIRECT_BATCH);
+            let mut it = reads.into_iter();
+            cuts.iter()
+                .map(|r| it.by_ref().take(r.len()).collect())
+                .collect()
         };
         // The NIC registrations drop after the table's (the batch has drained by then).
         self.post(

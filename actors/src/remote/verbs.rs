@@ -42,6 +42,8 @@ pub struct VerbsNicSide {
     /// The host pool's key in that table (staged reads land in pool slots).
     pub pool_lkey: MrKey,
     pub max_sge: usize,
+    /// QPs opened to each peer (`qps-per-peer`).
+    pub qps: usize,
 }
 
 /// Every RDMA NIC a node reads peers with (at least one).
@@ -353,6 +355,7 @@ pub fn connect_link(
                 table: n.table.clone(),
                 pool_lkey: n.pool_lkey,
                 max_sge: n.max_sge,
+                qps: n.qps,
                 faults: Vec::new(),
                 connector: Some(connector),
                 rdma: Some(Arc::clone(&n.nic)),
@@ -394,6 +397,10 @@ impl PeerLink for VerbsLink {
 
     fn provider(&self) -> &'static str {
         "verbs"
+    }
+
+    fn lanes(&self) -> usize {
+        self.links[0].lanes()
     }
 
     fn pin(

@@ -759,3 +759,39 @@ fn shutdown_answers_everything_once() {
     assert_eq!(w.gauges().qp.qps, 0);
     assert_eq!(w.table.gauges().uses, 0);
 }
+
+/// A load's reads cut with `even_batches` and posted at once land on the peer's QPs in equal
+/// shares (each batch goes to the QP with the fewest outstanding reads); batches of a fixed
+/// size that do not divide by the QPs leave one QP with more (the tcp direct load of 56 reads
+/// in batches of 8: 32 against 24).
+#[test]
+fn batches_cut_evenly_share_the_qps_equally() {
+    use crate::remote::batches::even_batches;
+
+    let per_qp = |cuts: Vec<std::ops::Range<usize>>| {
+        let mut w = World::new(config(128, 16, 2), 1024);
+        let c = w.connector();
+        w.connect_with(c, None);
+        let posted: Vec<u32> = cuts
+            .iter()
+            .map(|r| {
+                let reads = w.reads(r.start as u64, r.len());
+                w.post(reads)
+            })
+            .collect();
+        w.advance(100 * MS);
+        let mut share: HashMap<QpKey, usize> = HashMap::new();
+        for b in posted {
+            for wc in w.ok(b) {
+                *share.entry(wc.qp).or_default() += 1;
+            }
+        }
+        let mut share: Vec<usize> = share.into_values().collect();
+        share.sort_unstable();
+        share
+    };
+    assert_eq!(per_qp(even_batches(56, 2, 8)), vec![28, 28]);
+    assert_eq!(per_qp(even_batches(30, 2, 4)), vec![15, 15]);
+    let fixed = (0..56).step_by(8).map(|s| s..s + 8).collect();
+    assert_eq!(per_qp(fixed), vec![24, 32]);
+}
