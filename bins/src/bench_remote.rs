@@ -228,7 +228,14 @@ async fn measure(
         .map(|(i, x)| (*x, i as u64))
         .collect();
     for i in 0..iters + 1 {
-        for direct in [true, false] {
+        // Each path goes first in every other round, so that neither always runs on the
+        // heels of the other (after its pool slots were dropped, its connections warm).
+        let order = if i % 2 == 0 {
+            [true, false]
+        } else {
+            [false, true]
+        };
+        for direct in order {
             let lease = lease_remote(requester, instance, &hashes, direct).await?;
             let t = Instant::now();
             let r = load_all_ranks(requester, instance, lease, &dest, tp).await?;
