@@ -379,16 +379,12 @@ impl PeerLink for TcpLink {
                 }
             }
         }
-        let lkey = |dst: u64, len: u64| {
-            mrs.iter()
-                .find(|h| dst >= h.addr() && dst + len <= h.addr() + h.len())
-                .map(|h| h.key())
-        };
+        let mut keys = PlaneKeys::new(mrs.iter().map(|h| (h.addr(), h.len(), h.key())));
         // One remote range per run of source-contiguous ops (a block's rank part), scattered
         // into at most `max_sge` local pieces per request.
         let mut reads: Vec<ReadRequest> = Vec::new();
         for op in list.ops() {
-            let Some(key) = lkey(op.dst, op.len) else {
+            let Some(key) = keys.key(op.dst, op.len) else {
                 let e = self.err(RemoteError::Local {
                     what: format!(
                         "destination {:#x}+{} is not in a registered plane",
@@ -440,5 +436,75 @@ impl PeerLink for TcpLink {
             t.elapsed().as_secs_f64(),
             Some(bounce),
         )
+    }
+}
+
+/// The key of the registered plane that holds each destination piece of a direct load. The
+/// pieces come plane after plane (layer by layer, K then V, block after block), so the plane
+/// after the last one that held a piece, or that one again, nearly always holds the next:
+/// one or two looks per piece. A scan of every plane for every piece made the cut cost
+/// pieces x planes (13 million comparisons for 1,024 blocks of an 80-layer model).
+struct PlaneKeys {
+    /// `(base, len, key)` of each plane, in the layout's order.
+    planes: Vec<(u64, u64, MrKey)>,
+    last: usize,
+}
+
+impl PlaneKeys {
+    fn new(planes: impl IntoIterator<Item = (u64, u64, MrKey)>) -> Self {
+        Self {
+            planes: planes.into_iter().collect(),
+            last: 0,
+        }
+    }
+
+    fn key(&mut self, dst: u64, len: u64) -> Option<MrKey> {
+        let n = self.planes.len();
+        let holds = |&(base, plen, _): &(u64, u64, MrKey)| {
+            dst >= base && dst.saturating_add(len) <= base.saturating_add(plen)
+        };
+        let at = [(self.last + 1) % n.max(1), self.last]
+            .into_iter()
+            .find(|&i| self.planes.get(i).is_some_and(holds))
+            .or_else(|| self.planes.iter().position(holds))?;
+        self.last = at;
+        Some(self.planes[at].2)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plane_keys_find_the_holding_plane_in_any_order() {
+        // Four planes of 1 MiB, the last two overlapping (a K/V pair sharing an allocation).
+        let mib = 1u64 << 20;
+        let planes = vec![
+            (0x1000_0000, mib, MrKey(1)),
+            (0x2000_0000, mib, MrKey(2)),
+            (0x3000_0000, 2 * mib, MrKey(3)),
+            (0x3000_0000 + mib, mib, MrKey(4)),
+        ];
+        let mut k = PlaneKeys::new(planes.clone());
+        // In layout order, block after block (wrapping from the last plane to the first).
+        for block in 0..3u64 {
+            for (i, (base, _, key)) in planes.iter().enumerate().take(3) {
+                assert_eq!(k.key(base + block * 4096, 4096), Some(*key), "plane {i}");
+            }
+        }
+        // Out of order, and a piece only the wider of two overlapping planes holds.
+        assert_eq!(k.key(0x2000_0000 + 100, 10), Some(MrKey(2)));
+        assert_eq!(k.key(0x3000_0000, 4096), Some(MrKey(3)));
+        assert_eq!(k.key(0x1000_0000 + mib - 16, 16), Some(MrKey(1)));
+        // Any plane that holds it will do; one that holds only part of it will not.
+        assert!(matches!(
+            k.key(0x3000_0000 + mib + 8, 8),
+            Some(MrKey(3 | 4))
+        ));
+        assert_eq!(k.key(0x1000_0000 + mib - 16, 32), None);
+        assert_eq!(k.key(0x0fff_ffff, 2), None);
+        assert_eq!(k.key(u64::MAX - 1, 4), None);
+        assert_eq!(PlaneKeys::new(Vec::new()).key(0x1000_0000, 1), None);
     }
 }
