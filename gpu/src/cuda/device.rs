@@ -114,18 +114,19 @@ pub struct CudaDevice {
 pub const DEFER_MIN_OPS: usize = 1024;
 
 struct Lane {
-    /// Held while a batch is queued on the stream: batches reach it in submission order.
+    /// Held while a batch is queued on the stream or handed to the submit thread: batches
+    /// reach the stream in submission order.
     order: Arc<Mutex<LaneOrder>>,
-    /// The submit thread's queue.
-    jobs: Mutex<Option<mpsc::Sender<Job>>>,
-    thread: Mutex<Option<JoinHandle<()>>>,
-    submitter: Mutex<Option<JoinHandle<()>>>,
+    thread: Option<JoinHandle<()>>,
+    submitter: Option<JoinHandle<()>>,
 }
 
-/// A lane's stream order: the completion thread's queue, and the batches handed to the
-/// submit thread but not yet queued (while there are any, later batches follow them there).
+/// A lane's stream order: the completion thread's queue, the submit thread's queue, and the
+/// batches handed to the submit thread but not yet queued (while there are any, later batches
+/// follow them there).
 struct LaneOrder {
     tx: Option<mpsc::Sender<Pending>>,
+    jobs: Option<mpsc::Sender<Job>>,
     deferred: usize,
 }
 
@@ -404,11 +405,11 @@ impl CudaDevice {
         let lane = &self.lanes[lane_index(dir)];
         let mut order = lock_order(&lane.order);
         if detach || list.len() >= DEFER_MIN_OPS || order.deferred > 0 {
-            let jobs = lane
+            let order = &mut *order;
+            let jobs = order
                 .jobs
-                .lock()
-                .map_err(|_| DeviceError::Stopped { ordinal })?;
-            let jobs = jobs.as_ref().ok_or(DeviceError::Stopped { ordinal })?;
+                .as_ref()
+                .ok_or(DeviceError::Stopped { ordinal })?;
             order.deferred += 1;
             let job = Job {
                 dir,
@@ -517,26 +518,23 @@ impl Lane {
             .name(format!("kvferry-cuda{}-{dir}", inner.ordinal))
             .spawn(move || worker.complete_loop(rx))
             .map_err(spawn_failed("spawning the completion thread"))?;
+        let (jobs, rx) = mpsc::channel::<Job>();
         let order = Arc::new(Mutex::new(LaneOrder {
             tx: Some(tx),
+            jobs: Some(jobs),
             deferred: 0,
         }));
-        let (jobs, rx) = mpsc::channel::<Job>();
         let (worker, o) = (Arc::clone(inner), Arc::clone(&order));
         let submitter = std::thread::Builder::new()
             .name(format!("kvferry-cuda{}-{dir}-submit", inner.ordinal))
             .spawn(move || worker.submit_loop(&rx, &o));
-        let lane = Self {
+        let mut lane = Self {
             order,
-            jobs: Mutex::new(Some(jobs)),
-            thread: Mutex::new(Some(thread)),
-            submitter: Mutex::new(None),
+            thread: Some(thread),
+            submitter: None,
         };
         // On failure `lane` drops: its completion thread is stopped and joined.
-        let submitter = submitter.map_err(spawn_failed("spawning the submit thread"))?;
-        if let Ok(mut s) = lane.submitter.lock() {
-            *s = Some(submitter);
-        }
+        lane.submitter = Some(submitter.map_err(spawn_failed("spawning the submit thread"))?);
         Ok(lane)
     }
 }
@@ -546,14 +544,13 @@ impl Drop for Lane {
         // The submit thread queues what it was handed and exits; then closing the completion
         // queue lets that thread finish the batches already queued (their events still
         // resolve) and exit; joining keeps streams alive until then.
-        if let Ok(mut jobs) = self.jobs.lock() {
-            jobs.take();
-        }
-        if let Some(t) = self.submitter.lock().ok().and_then(|mut t| t.take()) {
+        // (The submit thread holds the order too: its queue must be taken out of it.)
+        lock_order(&self.order).jobs.take();
+        if let Some(t) = self.submitter.take() {
             let _ = t.join();
         }
         lock_order(&self.order).tx.take();
-        if let Some(t) = self.thread.lock().ok().and_then(|mut t| t.take()) {
+        if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
