@@ -164,13 +164,29 @@ impl Suffix {
                 let keep: Keep = Box::new(Arc::clone(&memory));
                 reads.push(tokio::spawn(seg.link.read_host(ops, keep)));
             }
+            // The first failure is returned, but only once every read of the segment has been
+            // reported and every copy out of its slots has landed: the slots go back to the
+            // pool with `guard`, and nothing may still write into them or read out of them
+            // (errors drain before release).
+            let mut failed: Option<NodeError> = None;
             for (chunk, read) in chunks.into_iter().zip(reads) {
                 // Time spent waiting here is the part of the wire the pipeline did not hide.
                 let tr = Instant::now();
-                let r = read.await.map_err(|_| NodeError::Stopped {
-                    what: "remote read",
-                })??;
+                let r = read
+                    .await
+                    .map_err(|_| NodeError::Stopped {
+                        what: "remote read",
+                    })
+                    .and_then(|r| r);
                 wire += tr.elapsed().as_secs_f64();
+                let r = match (r, &failed) {
+                    (Ok(r), None) => r,
+                    (Err(e), None) => {
+                        failed = Some(e);
+                        continue;
+                    }
+                    (_, Some(_)) => continue,
+                };
                 post += r.post;
                 let (lo, hi) = (chunk.start, chunk.end.min(slots.len()));
                 let mut list = CopyList::with_capacity((hi - lo) * sc.copies_per_block());
@@ -181,14 +197,21 @@ impl Suffix {
                 // SAFETY: sources are pool slots pinned by `guard` (kept until every copy of
                 // this segment resolved, below) in memory kept mapped by `memory`;
                 // destinations are device KV held by `handle`.
-                let ev = unsafe { handle.device.submit(CopyDirection::HostToDevice, list) }?;
-                copies.push(Drained::new(ev, vec![Box::new(Arc::clone(&memory))]));
+                match unsafe { handle.device.submit(CopyDirection::HostToDevice, list) } {
+                    Ok(ev) => copies.push(Drained::new(ev, vec![Box::new(Arc::clone(&memory))])),
+                    Err(e) => failed = Some(e.into()),
+                }
             }
             let th = Instant::now();
             for c in copies.drain(..) {
-                c.await?;
+                if let Err(e) = c.await {
+                    failed.get_or_insert(e);
+                }
             }
             h2d += th.elapsed().as_secs_f64();
+            if let Some(e) = failed {
+                return Err(e);
+            }
             guard.finish();
         }
         let stages = [

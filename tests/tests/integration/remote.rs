@@ -238,6 +238,74 @@ fn transport_fault_matrix_end_to_end() {
     }
 }
 
+/// A staged load whose first chunk fails returns only once the reads of its other chunk have
+/// been reported (their completions come late here): nothing the load posted may still land
+/// in pool slots it gave back, which the next load takes. Fixed batches of 8 kept A's four
+/// blocks in one chunk; cut over two QPs they are two chunks read side by side.
+#[test]
+fn a_failed_staged_load_returns_after_every_read_it_posted() {
+    use kvferry_transport::fault::{Fault, FaultKind};
+    rt().block_on(async {
+        let cluster = LocalCluster::new(Provider::Tcp);
+        // The warm-up load reads A's four blocks (requests 1-4). With the link connected, the
+        // next load's chunks go out in order: the first chunk's reads (5, 6) fail at 5, the
+        // second chunk's (7, 8) are reported `late` after landing.
+        let late = Duration::from_millis(300);
+        cluster.inject_faults(
+            "a",
+            vec![
+                Fault {
+                    at: 5,
+                    kind: FaultKind::FailPost,
+                },
+                Fault {
+                    at: 7,
+                    kind: FaultKind::Delay(late),
+                },
+                Fault {
+                    at: 8,
+                    kind: FaultKind::Delay(late),
+                },
+            ],
+        );
+        let c = Cluster::with(cluster, &["b", "a", "c"]);
+        let kv = worked_example(&c, 1).await;
+        let next = |what: &'static str| {
+            let (c, kv) = (&c, &kv);
+            async move {
+                c.settled().await;
+                c.node(0).drop_reclaimable().await.unwrap();
+                kv[0].reset().unwrap();
+                let q = query(c.node(0), "eng", 0..12, false).await;
+                assert_eq!(q.remote_blocks, 8, "{what}");
+                q.lease.unwrap()
+            }
+        };
+        let q = query(c.node(0), "eng", 0..12, false).await;
+        let req = load_request(q.lease.unwrap(), "eng", 0, &DEST);
+        load_and_verify(c.node(0), &kv[0], req, 0, "warm-up").await;
+
+        let lease = next("failing").await;
+        let t = Instant::now();
+        let r = load(c.node(0), lease, "eng", 0, &DEST).await;
+        let took = t.elapsed();
+        match r {
+            Err(NodeError::Remote { peer, .. }) => assert_eq!(peer, "a"),
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            took >= late,
+            "the load failed after {took:?}, before its other chunk's reads were reported"
+        );
+        kv[0].untouched_outside(&DEST).unwrap();
+
+        let lease = next("next").await;
+        let req = load_request(lease, "eng", 0, &DEST);
+        load_and_verify(c.node(0), &kv[0], req, 0, "the next load").await;
+        c.settled().await;
+    });
+}
+
 #[test]
 fn staged_copies_are_advertised_and_then_hit_locally() {
     rt().block_on(async {
