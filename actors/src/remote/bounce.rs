@@ -17,7 +17,7 @@ use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, Device, DeviceError, HostR
 use kvferry_transport::{DeviceSink, SinkError, StagingArea};
 
 /// Bytes of one slot: one copy batch.
-const SLOT_BYTES: usize = 4 << 20;
+pub(crate) const SLOT_BYTES: usize = 4 << 20;
 /// Slots per ring: how many batches may be in flight while the next one fills.
 const SLOTS: usize = 4;
 

@@ -20,7 +20,7 @@ use kvferry_transport::{
 };
 use tokio::sync::oneshot;
 
-use super::batches::even_batches;
+use super::batches::{even_batches, even_reads};
 use super::bounce::{BounceSink, RingPool};
 use super::error::RemoteError;
 use super::link::{BoxFut, Control, Keep, PeerLink, PinnedRemote, ReadStats};
@@ -28,8 +28,12 @@ use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
 use crate::nic::worker::{Connect, FailureKind, NicWorker, PostReads};
 
-/// Most reads per batch of a direct load (a read is a block's rank part, or more where the
-/// owner's blocks are adjacent): the staged path's chunk, for the same spread over QPs.
+/// Most bytes of one direct read where its pieces allow: one bounce slot, which a read then
+/// fills at once.
+const DIRECT_READ_BYTES: u64 = super::bounce::SLOT_BYTES as u64;
+
+/// Most reads per batch of a direct load (a read is a block's rank part, or an equal share of
+/// a run of adjacent blocks): the staged path's chunk, for the same spread over QPs.
 const DIRECT_BATCH: usize = crate::suffix::STAGED_CHUNK;
 
 pub struct TcpLink {
@@ -380,9 +384,10 @@ impl PeerLink for TcpLink {
             }
         }
         let mut keys = PlaneKeys::new(mrs.iter().map(|h| (h.addr(), h.len(), h.key())));
-        // One remote range per run of source-contiguous ops (a block's rank part), scattered
-        // into at most `max_sge` local pieces per request.
-        let mut reads: Vec<ReadRequest> = Vec::new();
+        // Runs of source-contiguous ops (a block's rank part, or several where the owner's
+        // blocks are adjacent), each read as equal reads of at most `max_sge` pieces and a
+        // bounce slot's bytes.
+        let mut runs: Vec<(u64, u64, Vec<LocalSegment>)> = Vec::new();
         for op in list.ops() {
             let Some(key) = keys.key(op.dst, op.len) else {
                 let e = self.err(RemoteError::Local {
@@ -399,22 +404,33 @@ impl PeerLink for TcpLink {
                 addr: op.dst,
                 len: op.len,
             };
-            match reads.last_mut() {
-                Some(r)
-                    if r.remote.addr + r.remote.len == op.src && r.local.len() < self.max_sge =>
-                {
-                    r.remote.len += op.len;
-                    r.local.push(piece);
+            match runs.last_mut() {
+                Some((_, end, pieces)) if *end == op.src => {
+                    *end = end.saturating_add(op.len);
+                    pieces.push(piece);
                 }
-                _ => reads.push(ReadRequest {
+                _ => runs.push((op.src, op.src.saturating_add(op.len), vec![piece])),
+            }
+        }
+        let mut reads: Vec<ReadRequest> = Vec::new();
+        for (src, _, pieces) in runs {
+            let sizes: Vec<u64> = pieces.iter().map(|p| p.len).collect();
+            let cuts = even_reads(&sizes, self.qps, self.max_sge, DIRECT_READ_BYTES);
+            let mut addr = src;
+            let mut it = pieces.into_iter();
+            for cut in cuts {
+                let local: Vec<LocalSegment> = it.by_ref().take(cut.len()).collect();
+                let len = local.iter().map(|p| p.len).sum();
+                reads.push(ReadRequest {
                     wr_id: self.wr(),
                     remote: RemoteDescriptor {
-                        addr: op.src,
-                        len: op.len,
+                        addr,
+                        len,
                         rkey: self.rkey,
                     },
-                    local: vec![piece],
-                }),
+                    local,
+                });
+                addr = addr.saturating_add(len);
             }
         }
         // Batches of a few blocks each, so that a large load runs on every QP of the link
