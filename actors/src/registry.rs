@@ -14,6 +14,7 @@ use crate::api::RegisterInstance;
 use crate::error::NodeError;
 use crate::keeper::LeaseKeeper;
 use crate::model::{InstanceId, Namespace};
+use crate::remote::plane_regs::PlaneRegs;
 
 /// Sends once when dropped: the drain signal of a rank handle.
 #[derive(Debug)]
@@ -40,6 +41,9 @@ pub struct RankHandle {
     pub shape: KvShape,
     pub layout: KvLayout,
     pub device: Arc<dyn Device>,
+    /// The planes' registrations with verbs NICs, made by the first direct load through
+    /// each. Declared before the memory: deregistered before it is let go.
+    pub plane_regs: PlaneRegs,
     // Declared before the drain signal: fields drop in order, so the memory is released
     // before an unregister waiting on the signal returns.
     _memory: Vec<Memory>,
@@ -53,6 +57,7 @@ impl std::fmt::Debug for RankHandle {
             .field("rank", &self.rank)
             .field("namespace", &self.namespace)
             .field("memory_regions", &self._memory.len())
+            .field("plane_regs", &self.plane_regs)
             .finish()
     }
 }
@@ -176,6 +181,7 @@ impl InstanceRegistry {
             shape: req.shape,
             layout,
             device,
+            plane_regs: PlaneRegs::default(),
             _memory: memory,
             _drain: DrainSignal(Some(tx)),
         });

@@ -94,6 +94,7 @@ impl Suffix {
                     Arc::clone(&handle.device),
                     list,
                     planes.clone(),
+                    &handle.plane_regs,
                     keep,
                     seg_route,
                 )

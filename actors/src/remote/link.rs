@@ -13,6 +13,7 @@ use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, CopyOp, Device, HostRegist
 
 use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
+use crate::remote::plane_regs::PlaneRegs;
 use crate::remote::RemoteError;
 use crate::store::{BlockStore, PinForPeer, UnpinForPeer};
 
@@ -69,12 +70,14 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
     fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, NodeError>>;
     /// Reads owner ranges straight into device memory (`src` = owner address); `regions`
     /// are the destination planes `(base, len)` (registered for local write where the
-    /// provider needs it); `keep` lives until the device reports the batch landed.
+    /// provider needs it; a verbs NIC's registrations are made once and kept in `held`, the
+    /// rank's); `keep` lives until the device reports the batch landed.
     fn read_device(
         &self,
         device: Arc<dyn Device>,
         list: CopyList,
         regions: Vec<(u64, u64)>,
+        held: &PlaneRegs,
         keep: Keep,
     ) -> BoxFut<Result<ReadStats, NodeError>>;
     /// [`PeerLink::read_device`] with the NIC each block's read goes through, as the
@@ -85,11 +88,12 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
         device: Arc<dyn Device>,
         list: CopyList,
         regions: Vec<(u64, u64)>,
+        held: &PlaneRegs,
         keep: Keep,
         route: Option<crate::nic::ReadRoute>,
     ) -> BoxFut<Result<ReadStats, NodeError>> {
         let _ = route;
-        self.read_device(device, list, regions, keep)
+        self.read_device(device, list, regions, held, keep)
     }
 }
 
@@ -328,6 +332,7 @@ impl PeerLink for MappedLink {
         device: Arc<dyn Device>,
         list: CopyList,
         _regions: Vec<(u64, u64)>,
+        _held: &PlaneRegs,
         keep: Keep,
     ) -> BoxFut<Result<ReadStats, NodeError>> {
         let t = std::time::Instant::now();

@@ -11,6 +11,7 @@ pub mod error;
 pub mod grpc;
 pub mod link;
 pub mod pins;
+pub mod plane_regs;
 pub mod redis;
 pub mod tcp;
 pub mod verbs;

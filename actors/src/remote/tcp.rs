@@ -4,7 +4,8 @@
 //! pool MRs). Host destinations are pool slots registered for local write; device
 //! destinations are registered per load (local write only) in the MR table, written through
 //! a sink over the device, and, on an RDMA NIC, registered with the NIC as a DMA-BUF so the
-//! NIC writes them itself.
+//! NIC writes them itself (once per rank and NIC: the rank keeps those, see
+//! [`super::plane_regs`]).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -24,6 +25,7 @@ use super::batches::{even_batches, even_reads};
 use super::bounce::{BounceSink, RingPool};
 use super::error::RemoteError;
 use super::link::{BoxFut, Control, Keep, PeerLink, PinnedRemote, ReadStats};
+use super::plane_regs::{PlaneRegistration, PlaneRegs};
 use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
 use crate::nic::worker::{Connect, FailureKind, NicWorker, PostReads};
@@ -321,6 +323,7 @@ impl PeerLink for TcpLink {
         device: Arc<dyn Device>,
         list: CopyList,
         regions: Vec<(u64, u64)>,
+        held: &PlaneRegs,
         keep: Keep,
     ) -> BoxFut<Result<ReadStats, NodeError>> {
         let t = std::time::Instant::now();
@@ -337,33 +340,33 @@ impl PeerLink for TcpLink {
         let sink: Arc<dyn DeviceSink> = bounce.clone();
         let mut mrs = Vec::with_capacity(regions.len());
         // On an RDMA NIC the planes are registered with the NIC too (as DMA-BUFs), or the
-        // read fails: a direct load is never staged.
-        let mut nic_mrs: Vec<Box<dyn std::any::Any + Send + Sync>> = Vec::new();
+        // read fails: a direct load is never staged. The rank keeps them for later loads;
+        // this one holds its own reference until its reads have drained.
+        let mut nic_mrs: Vec<PlaneRegistration> = Vec::new();
         if let Some(nic) = &self.rdma {
             for (base, len) in &regions {
-                let reg = match device.export_dmabuf(*base, *len) {
-                    Ok(buf) => buf
-                        .offset_of(*base, *len)
-                        .ok_or_else(|| format!("plane {base:#x}+{len} is outside its DMA-BUF"))
-                        .and_then(|offset| {
-                            nic.register_device(buf.fd(), offset, *len, *base)
-                                .map_err(|e| e.to_string())
-                        })
-                        .map(|r| (Some(buf), r)),
-                    // Host memory standing in for a GPU (the software verbs device only; a
-                    // real NIC refuses and the load fails as before).
-                    Err(e) => nic
-                        .register_host_local(*base, *len)
-                        .map(|r| (None, r))
-                        .map_err(|h| format!("{e}; {h}")),
-                };
-                match reg {
-                    Ok((buf, r)) => {
-                        nic_mrs.push(r);
-                        if let Some(buf) = buf {
-                            nic_mrs.push(Box::new(buf));
+                let register = || -> Result<PlaneRegistration, String> {
+                    match device.export_dmabuf(*base, *len) {
+                        Ok(buf) => {
+                            let offset = buf.offset_of(*base, *len).ok_or_else(|| {
+                                format!("plane {base:#x}+{len} is outside its DMA-BUF")
+                            })?;
+                            let r = nic
+                                .register_device(buf.fd(), offset, *len, *base)
+                                .map_err(|e| e.to_string())?;
+                            // The MR is undone before the DMA-BUF is closed (tuple order).
+                            Ok(Arc::new((r, buf)))
                         }
+                        // Host memory standing in for a GPU (the software verbs device
+                        // only; a real NIC refuses and the load fails as before).
+                        Err(e) => nic
+                            .register_host_local(*base, *len)
+                            .map(|r| Arc::new(r) as PlaneRegistration)
+                            .map_err(|h| format!("{e}; {h}")),
                     }
+                };
+                match held.get_or_register(nic.name(), *base, *len, register) {
+                    Ok(r) => nic_mrs.push(r),
                     Err(reason) => {
                         let e = self.err(RemoteError::local(
                             format!("registering device memory on nic {}", nic.name()),

@@ -23,6 +23,7 @@ use kvferry_transport::{ConnectionError, MrKey, MrTable, NodeId, QpKey};
 
 use super::endpoint::{check_announced, VerbsPeerEndpoint};
 use super::link::{BoxFut, Keep, PeerLink, PinnedRemote, ReadStats};
+use super::plane_regs::PlaneRegs;
 use super::tcp::TcpLink;
 use super::VerbsResponder;
 use crate::error::NodeError;
@@ -424,9 +425,10 @@ impl PeerLink for VerbsLink {
         device: Arc<dyn Device>,
         list: CopyList,
         regions: Vec<(u64, u64)>,
+        held: &PlaneRegs,
         keep: Keep,
     ) -> BoxFut<Result<ReadStats, NodeError>> {
-        self.links[0].read_device(device, list, regions, keep)
+        self.links[0].read_device(device, list, regions, held, keep)
     }
 
     fn read_device_routed(
@@ -434,6 +436,7 @@ impl PeerLink for VerbsLink {
         device: Arc<dyn Device>,
         list: CopyList,
         regions: Vec<(u64, u64)>,
+        held: &PlaneRegs,
         keep: Keep,
         route: Option<ReadRoute>,
     ) -> BoxFut<Result<ReadStats, NodeError>> {
@@ -441,12 +444,12 @@ impl PeerLink for VerbsLink {
             .as_ref()
             .and_then(|r| split_by_route(&list, r, &self.nics));
         let Some(mut parts) = parts else {
-            return self.read_device(device, list, regions, keep);
+            return self.read_device(device, list, regions, held, keep);
         };
         if parts.len() == 1 {
             // One NIC carries it all: the one the route chose, not the first link.
             let (link, part) = parts.remove(0);
-            return self.links[link].read_device(device, part, regions, keep);
+            return self.links[link].read_device(device, part, regions, held, keep);
         }
         // Every part holds the caller's guards until the last one has landed.
         let keep = Arc::new(Mutex::new(keep));
@@ -454,7 +457,7 @@ impl PeerLink for VerbsLink {
             .into_iter()
             .map(|(link, part)| {
                 let k: Keep = Box::new(Arc::clone(&keep));
-                self.links[link].read_device(Arc::clone(&device), part, regions.clone(), k)
+                self.links[link].read_device(Arc::clone(&device), part, regions.clone(), held, k)
             })
             .collect();
         Box::pin(async move {

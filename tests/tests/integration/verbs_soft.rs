@@ -299,6 +299,48 @@ fn concurrent_direct_loads_into_one_rank() {
     });
 }
 
+/// A rank's planes are registered with the NIC by its first direct load and kept for its
+/// later ones (each registration pins and maps a whole plane on real hardware): a second load
+/// leaves the MRs alive on the requester's NIC as they were, and unregistering the rank
+/// deregisters them. Loaded the old way, every load registered the planes and undid them as
+/// it ended.
+#[test]
+fn a_ranks_planes_are_registered_once_and_go_with_the_rank() {
+    rt().block_on(async {
+        let v = VerbsSection::default();
+        let owner = Owner::start("a", &["soft_mlx5_91"], v.clone(), 0..12).await;
+        let (node, dev) = requester("b", &["soft_mlx5_92"], v, &[("a", owner.addr)]);
+        let ops = SoftOps::global();
+        let mrs = || ops.live("soft_mlx5_92").1;
+        let kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 0).await;
+        let before = mrs();
+        let (d1, d2) = ([1, 3, 5, 7, 9, 11], [0, 2, 4, 6, 8, 10]);
+        assert_eq!(query_and_load(&node, 0..6, true, &d1).await, "direct");
+        settled(&node).await;
+        // Three layers, split K/V: six planes, each one MR.
+        assert_eq!(mrs(), before + 6, "the first load's registrations are kept");
+        assert_eq!(query_and_load(&node, 6..12, true, &d2).await, "direct");
+        settled(&node).await;
+        assert_eq!(mrs(), before + 6, "the second load made none");
+        let mut both = expected(&d1, 0);
+        both.extend(expected(&d2, 6));
+        kv.verify(&both, 0).unwrap();
+        // A staged load needs none.
+        assert_eq!(query_and_load(&node, 0..6, false, &d1).await, "staged");
+        settled(&node).await;
+        assert_eq!(mrs(), before + 6);
+        node.unregister_instance(id("eng")).await.unwrap();
+        assert_eq!(
+            mrs(),
+            before,
+            "unregistering the rank deregistered its planes"
+        );
+        owner.settle().await;
+        node.shutdown();
+        owner.stop().await;
+    });
+}
+
 /// Defect 5: a small direct load (one NIC carries it) goes through the NIC the routing
 /// chose (here by override), not the first link.
 #[test]

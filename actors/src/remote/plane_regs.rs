@@ -1,0 +1,112 @@
+//! A rank's device planes registered with the verbs NICs it is read into, kept for the
+//! rank's life (GPU MRs per instance per NIC, as the design has them). Registering a plane is
+//! a DMA-BUF export and an `ibv_reg_dmabuf_mr` of the whole plane, which on real hardware pins
+//! and maps every page of a layer's KV: done for every direct load, a load of one block paid
+//! it for every plane of the model. Now the first direct load through a NIC registers the
+//! planes it reads into and later loads reuse them.
+//!
+//! Ownership follows the rank: the holder is a field of the rank's handle, which every
+//! transfer into the rank holds, and each load keeps its own reference to the registrations
+//! it uses until its reads have drained. They are deregistered when the handle drops — after
+//! the rank was unregistered and the last transfer into it ended — and before its memory is
+//! let go.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// One plane's registration with one NIC (whatever keeps it registered: the MR and the
+/// DMA-BUF it was made from).
+pub type PlaneRegistration = Arc<dyn Any + Send + Sync>;
+
+/// The NIC registrations of one rank's planes, by NIC name and plane `(base, len)`.
+#[derive(Default)]
+pub struct PlaneRegs {
+    held: Mutex<HashMap<(String, u64, u64), PlaneRegistration>>,
+}
+
+impl std::fmt::Debug for PlaneRegs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PlaneRegs")
+            .field("held", &self.len())
+            .finish()
+    }
+}
+
+impl PlaneRegs {
+    /// The registration of plane `base+len` with `nic`, made by `register` where there is
+    /// none yet. A failed registration is not kept: the next load tries again. Concurrent
+    /// loads into one rank wait for each other here and share what the first one made.
+    pub fn get_or_register<E>(
+        &self,
+        nic: &str,
+        base: u64,
+        len: u64,
+        register: impl FnOnce() -> Result<PlaneRegistration, E>,
+    ) -> Result<PlaneRegistration, E> {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(r) = held.get(&(nic.to_owned(), base, len)) {
+            return Ok(Arc::clone(r));
+        }
+        let r = register()?;
+        held.insert((nic.to_owned(), base, len), Arc::clone(&r));
+        Ok(r)
+    }
+
+    /// How many plane registrations are held (over every NIC).
+    pub fn len(&self) -> usize {
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Counts live registrations: made on creation, undone on drop.
+    struct Reg(Arc<AtomicUsize>);
+    impl Drop for Reg {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_plane_is_registered_once_per_nic_and_undone_with_the_holder() {
+        let live = Arc::new(AtomicUsize::new(0));
+        let made = AtomicUsize::new(0);
+        let make = || -> Result<PlaneRegistration, String> {
+            made.fetch_add(1, Ordering::SeqCst);
+            live.fetch_add(1, Ordering::SeqCst);
+            Ok(Arc::new(Reg(Arc::clone(&live))))
+        };
+        let regs = PlaneRegs::default();
+        let a = regs.get_or_register("mlx5_0", 0x1000, 64, make).unwrap();
+        let b = regs.get_or_register("mlx5_0", 0x1000, 64, make).unwrap();
+        assert!(
+            Arc::ptr_eq(&a, &b),
+            "the second load reuses the first one's"
+        );
+        regs.get_or_register("mlx5_1", 0x1000, 64, make).unwrap();
+        regs.get_or_register("mlx5_0", 0x2000, 64, make).unwrap();
+        assert_eq!(made.load(Ordering::SeqCst), 3);
+        assert_eq!(regs.len(), 3);
+        // A failure is reported and not kept; the next call registers.
+        let err = regs.get_or_register("mlx5_0", 0x3000, 64, || {
+            Err::<PlaneRegistration, _>("refused")
+        });
+        assert_eq!(err.err(), Some("refused"));
+        assert_eq!(regs.len(), 3);
+        // A load still holding one keeps it past the holder; the rest go with the holder.
+        drop(b);
+        drop(regs);
+        assert_eq!(live.load(Ordering::SeqCst), 1);
+        drop(a);
+        assert_eq!(live.load(Ordering::SeqCst), 0);
+    }
+}
