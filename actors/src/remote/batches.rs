@@ -40,17 +40,19 @@ pub fn even_batches(n: usize, lanes: usize, max: usize) -> Vec<Range<usize>> {
 }
 
 /// Cuts a run of pieces that are contiguous at the source (`sizes`, in bytes, in order) into
-/// consecutive, non-empty reads of at most `max_pieces` pieces. As many reads as the larger
-/// of the piece limit and `max_bytes` per read asks for, rounded up to a multiple of `lanes`
-/// where that is more than one read, and each piece goes to the read its middle byte falls
-/// in, so reads carry equal bytes to within a piece. Pieces are never split: a piece larger
-/// than `max_bytes` is a read of its own. One read where one is enough (a block's rank part
-/// that fits): runs of one block stay a read each, as staged reads are.
+/// consecutive, non-empty reads of at most `max_pieces` pieces. As many reads as the piece
+/// limit, `max_bytes` per read and `min_reads` ask for, whichever is most, rounded up to a
+/// multiple of `lanes` where that is more than one read, and each piece goes to the read its
+/// middle byte falls in, so reads carry equal bytes to within a piece. Pieces are never
+/// split: a piece larger than `max_bytes` is a read of its own. With `min_reads` of 1, one
+/// read where one is enough (a block's rank part that fits): runs of one block among others
+/// stay a read each, as staged reads are.
 pub fn even_reads(
     sizes: &[u64],
     lanes: usize,
     max_pieces: usize,
     max_bytes: u64,
+    min_reads: usize,
 ) -> Vec<Range<usize>> {
     let n = sizes.len();
     if n == 0 {
@@ -59,7 +61,7 @@ pub fn even_reads(
     let (lanes, max_pieces, max_bytes) = (lanes.max(1), max_pieces.max(1), max_bytes.max(1));
     let total: u128 = sizes.iter().map(|&s| u128::from(s)).sum();
     let by_bytes = usize::try_from(total.div_ceil(u128::from(max_bytes))).unwrap_or(usize::MAX);
-    let mut count = n.div_ceil(max_pieces).max(by_bytes).max(1);
+    let mut count = n.div_ceil(max_pieces).max(by_bytes).max(min_reads).max(1);
     if count > 1 {
         count = count.saturating_add(lanes - 1) / lanes * lanes;
     }
@@ -154,7 +156,7 @@ mod tests {
 
     /// Bytes per lane when a run's reads are batched and posted as a direct load does.
     fn lane_bytes(sizes: &[u64], lanes: usize, max_pieces: usize) -> Vec<u64> {
-        let reads = even_reads(sizes, lanes, max_pieces, 4 * MIB);
+        let reads = even_reads(sizes, lanes, max_pieces, 4 * MIB, 1);
         let mut load = vec![0u64; lanes];
         for b in even_batches(reads.len(), lanes, 8) {
             let bytes: u64 = reads[b].iter().flat_map(|r| &sizes[r.clone()]).sum();
@@ -184,18 +186,22 @@ mod tests {
                 .collect();
             let lanes = 1 + (next() % 4) as usize;
             let max_pieces = 1 + (next() % 70) as usize;
-            let r = even_reads(&sizes, lanes, max_pieces, 4 * MIB);
+            let min_reads = 1 + (next() % 3) as usize;
+            let r = even_reads(&sizes, lanes, max_pieces, 4 * MIB, min_reads);
             let flat: Vec<usize> = r.iter().cloned().flatten().collect();
             assert_eq!(flat, (0..n).collect::<Vec<_>>(), "case {case}");
             assert!(r.iter().all(|r| !r.is_empty() && r.len() <= max_pieces));
             // As many reads as the limits and the lanes ask for; uneven pieces may need a
             // further cut of a crowded read, at most one per `max_pieces` pieces.
             let total: u64 = sizes.iter().sum();
-            let need = n.div_ceil(max_pieces).max(total.div_ceil(4 * MIB) as usize);
+            let need = n
+                .div_ceil(max_pieces)
+                .max(total.div_ceil(4 * MIB) as usize)
+                .max(min_reads);
             let count = if need > 1 {
-                need.next_multiple_of(lanes)
+                need.next_multiple_of(lanes).min(n)
             } else {
-                need
+                need.min(n)
             };
             let slack = if case % 3 == 0 {
                 0
@@ -212,7 +218,7 @@ mod tests {
             for blocks in 1..80u64 {
                 // 28 layers of split K/V, 64 KiB segments: 56 pieces per 3.5 MiB block.
                 let sizes = vec![64 * KIB; 56 * blocks as usize];
-                let r = even_reads(&sizes, lanes, 64, 4 * MIB);
+                let r = even_reads(&sizes, lanes, 64, 4 * MIB, 1);
                 let lens: Vec<usize> = r.iter().map(|r| r.len()).collect();
                 let (lo, hi) = (lens.iter().min().unwrap(), lens.iter().max().unwrap());
                 assert!(hi - lo <= 1, "lanes {lanes} blocks {blocks}: {lens:?}");
@@ -236,7 +242,7 @@ mod tests {
         for (blocks, reads) in [(2u64, 2usize), (4, 4), (8, 8), (64, 56)] {
             let sizes = vec![piece; 56 * blocks as usize];
             assert_eq!(
-                even_reads(&sizes, 2, 64, 4 * MIB).len(),
+                even_reads(&sizes, 2, 64, 4 * MIB, 1).len(),
                 reads,
                 "{blocks} blocks"
             );
@@ -247,15 +253,23 @@ mod tests {
         // One piece per block (cross-layer layouts): reads of whole blocks, at most 4 MiB
         // where blocks are small, so 64 adjacent blocks are not one read on one connection.
         let sizes = vec![MIB; 64];
-        let r = even_reads(&sizes, 2, 64, 4 * MIB);
+        let r = even_reads(&sizes, 2, 64, 4 * MIB, 1);
         assert_eq!(r.len(), 16);
         assert!(r.iter().all(|r| r.len() == 4));
         assert_eq!(lane_bytes(&sizes, 2, 64), vec![32 * MIB, 32 * MIB]);
+        // A lone block asked to fill the lanes: one read per lane, equal halves.
+        let one = vec![piece; 56];
+        assert_eq!(even_reads(&one, 2, 64, 4 * MIB, 2), vec![0..28, 28..56]);
+        assert_eq!(even_reads(&one, 2, 64, 4 * MIB, 1), vec![0..56]);
+        assert_eq!(even_reads(&one[..1], 2, 64, 4 * MIB, 2), vec![0..1]);
         // A piece over the byte limit is a read of its own, never split.
-        let r = even_reads(&[9 * MIB, MIB, 9 * MIB], 2, 64, 4 * MIB);
+        let r = even_reads(&[9 * MIB, MIB, 9 * MIB], 2, 64, 4 * MIB, 1);
         assert_eq!(r, vec![0..1, 1..2, 2..3]);
-        assert_eq!(even_reads(&[], 2, 64, 4 * MIB), Vec::<Range<usize>>::new());
-        assert_eq!(even_reads(&[0, 0, 0], 2, 2, 4 * MIB), vec![0..2, 2..3]);
+        assert_eq!(
+            even_reads(&[], 2, 64, 4 * MIB, 1),
+            Vec::<Range<usize>>::new()
+        );
+        assert_eq!(even_reads(&[0, 0, 0], 2, 2, 4 * MIB, 1), vec![0..2, 2..3]);
     }
 
     #[test]

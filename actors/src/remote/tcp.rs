@@ -415,10 +415,14 @@ impl PeerLink for TcpLink {
                 _ => runs.push((op.src, op.src.saturating_add(op.len), vec![piece])),
             }
         }
+        // A load that is one run (one block, or adjacent ones) is cut into a read per lane at
+        // least, so a one-block load runs on every connection, not on one; several runs are
+        // already spread over the lanes by the batches below.
+        let min_reads = if runs.len() == 1 { self.qps } else { 1 };
         let mut reads: Vec<ReadRequest> = Vec::new();
         for (src, _, pieces) in runs {
             let sizes: Vec<u64> = pieces.iter().map(|p| p.len).collect();
-            let cuts = even_reads(&sizes, self.qps, self.max_sge, DIRECT_READ_BYTES);
+            let cuts = even_reads(&sizes, self.qps, self.max_sge, DIRECT_READ_BYTES, min_reads);
             let mut addr = src;
             let mut it = pieces.into_iter();
             for cut in cuts {
