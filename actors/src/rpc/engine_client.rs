@@ -238,16 +238,10 @@ impl EngineClient {
     }
 
     fn failed(&self, method: &'static str, s: Status) -> EngineClientError {
-        // tonic reports the request's own timeout as CANCELLED "Timeout expired": to the
-        // caller it is the deadline passing, as when the node says so.
-        let code = match s.code() {
-            Code::Cancelled if s.message().contains("Timeout expired") => Code::DeadlineExceeded,
-            c => c,
-        };
         EngineClientError::Call {
             addr: self.addr.clone(),
             method,
-            code,
+            code: caller_code(&s),
             message: s.message().to_owned(),
         }
     }
@@ -1193,4 +1187,39 @@ impl EngineSession {
 
     /// Ends the session (the node unregisters its instances).
     pub fn close(self) {}
+}
+
+/// The code a caller sees for a failed call. The node never answers CANCELLED and this client
+/// never cancels a call it still awaits, so a CANCELLED status is made on this side by tonic:
+/// the request's own timeout ("Timeout expired"), which is the deadline passing, as when the
+/// node says so; or the connection going away under the call (a node that stopped or
+/// restarted), which is the node being unavailable — the code a caller retries or fails over
+/// on — not a cancellation it asked for.
+fn caller_code(s: &Status) -> Code {
+    match s.code() {
+        Code::Cancelled if s.message().contains("Timeout expired") => Code::DeadlineExceeded,
+        Code::Cancelled => Code::Unavailable,
+        c => c,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_made_by_tonic_read_as_what_happened_to_the_call() {
+        let timeout = Status::cancelled("Timeout expired");
+        assert_eq!(caller_code(&timeout), Code::DeadlineExceeded);
+        let gone = Status::cancelled("operation was canceled: connection closed");
+        assert_eq!(caller_code(&gone), Code::Unavailable);
+        for c in [
+            Code::NotFound,
+            Code::Unavailable,
+            Code::DeadlineExceeded,
+            Code::Internal,
+        ] {
+            assert_eq!(caller_code(&Status::new(c, "x")), c);
+        }
+    }
 }
