@@ -19,10 +19,14 @@ use std::sync::{Arc, Mutex};
 /// DMA-BUF it was made from).
 pub type PlaneRegistration = Arc<dyn Any + Send + Sync>;
 
-/// The NIC registrations of one rank's planes, by NIC name and plane `(base, len)`.
+/// One NIC's registrations of a rank's planes, by plane `(base, len)`.
+type NicPlanes = HashMap<(u64, u64), PlaneRegistration>;
+
+/// The NIC registrations of one rank's planes, by NIC name, then plane `(base, len)` (so a
+/// load looks a plane up by the NIC's `&str`, with no key to allocate).
 #[derive(Default)]
 pub struct PlaneRegs {
-    held: Mutex<HashMap<(String, u64, u64), PlaneRegistration>>,
+    held: Mutex<HashMap<String, NicPlanes>>,
 }
 
 impl std::fmt::Debug for PlaneRegs {
@@ -45,17 +49,20 @@ impl PlaneRegs {
         register: impl FnOnce() -> Result<PlaneRegistration, E>,
     ) -> Result<PlaneRegistration, E> {
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(r) = held.get(&(nic.to_owned(), base, len)) {
+        if let Some(r) = held.get(nic).and_then(|planes| planes.get(&(base, len))) {
             return Ok(Arc::clone(r));
         }
         let r = register()?;
-        held.insert((nic.to_owned(), base, len), Arc::clone(&r));
+        held.entry(nic.to_owned())
+            .or_default()
+            .insert((base, len), Arc::clone(&r));
         Ok(r)
     }
 
     /// How many plane registrations are held (over every NIC).
     pub fn len(&self) -> usize {
-        self.held.lock().unwrap_or_else(|p| p.into_inner()).len()
+        let held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        held.values().map(NicPlanes::len).sum()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -7,6 +7,7 @@
 //! NIC writes them itself (once per rank and NIC: the rank keeps those, see
 //! [`super::plane_regs`]).
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -389,8 +390,12 @@ impl PeerLink for TcpLink {
         let mut keys = PlaneKeys::new(mrs.iter().map(|h| (h.addr(), h.len(), h.key())));
         // Runs of source-contiguous ops (a block's rank part, or several where the owner's
         // blocks are adjacent), each read as equal reads of at most `max_sge` pieces and a
-        // bounce slot's bytes.
-        let mut runs: Vec<(u64, u64, Vec<LocalSegment>)> = Vec::new();
+        // bounce slot's bytes. The pieces and their sizes are laid out once, flat; a run is
+        // its owner address and its range of pieces.
+        let mut pieces: Vec<LocalSegment> = Vec::with_capacity(list.len());
+        let mut sizes: Vec<u64> = Vec::with_capacity(list.len());
+        let mut runs: Vec<(u64, Range<usize>)> = Vec::new();
+        let mut run_end: Option<u64> = None;
         for op in list.ops() {
             let Some(key) = keys.key(op.dst, op.len) else {
                 let e = self.err(RemoteError::Local {
@@ -402,32 +407,36 @@ impl PeerLink for TcpLink {
                 });
                 return Box::pin(async move { Err(e) });
             };
-            let piece = LocalSegment {
+            let at = pieces.len();
+            match runs.last_mut() {
+                Some((_, run)) if run_end == Some(op.src) => run.end = at + 1,
+                _ => runs.push((op.src, at..at + 1)),
+            }
+            run_end = Some(op.src.saturating_add(op.len));
+            pieces.push(LocalSegment {
                 lkey: key,
                 addr: op.dst,
                 len: op.len,
-            };
-            match runs.last_mut() {
-                Some((_, end, pieces)) if *end == op.src => {
-                    *end = end.saturating_add(op.len);
-                    pieces.push(piece);
-                }
-                _ => runs.push((op.src, op.src.saturating_add(op.len), vec![piece])),
-            }
+            });
+            sizes.push(op.len);
         }
         // A load that is one run (one block, or adjacent ones) is cut into a read per lane at
         // least, so a one-block load runs on every connection, not on one; several runs are
         // already spread over the lanes by the batches below.
         let min_reads = if runs.len() == 1 { self.qps } else { 1 };
         let mut reads: Vec<ReadRequest> = Vec::new();
-        for (src, _, pieces) in runs {
-            let sizes: Vec<u64> = pieces.iter().map(|p| p.len).collect();
-            let cuts = even_reads(&sizes, self.qps, self.max_sge, DIRECT_READ_BYTES, min_reads);
+        for (src, run) in runs {
+            let cuts = even_reads(
+                &sizes[run.clone()],
+                self.qps,
+                self.max_sge,
+                DIRECT_READ_BYTES,
+                min_reads,
+            );
             let mut addr = src;
-            let mut it = pieces.into_iter();
             for cut in cuts {
-                let local: Vec<LocalSegment> = it.by_ref().take(cut.len()).collect();
-                let len = local.iter().map(|p| p.len).sum();
+                let at = run.start + cut.start..run.start + cut.end;
+                let len = sizes[at.clone()].iter().sum();
                 reads.push(ReadRequest {
                     wr_id: self.wr(),
                     remote: RemoteDescriptor {
@@ -435,7 +444,7 @@ impl PeerLink for TcpLink {
                         len,
                         rkey: self.rkey,
                     },
-                    local,
+                    local: pieces[at].to_vec(),
                 });
                 addr = addr.saturating_add(len);
             }
