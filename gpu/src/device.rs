@@ -285,6 +285,9 @@ pub struct DeviceCaps {
     pub dmabuf_export: bool,
     /// Allocations of other processes can be mapped by CUDA IPC handle ([`Device::import_ipc`]).
     pub ipc_import: bool,
+    /// VMM allocations of other processes can be mapped by POSIX fd
+    /// ([`Device::import_vmm_fd`]).
+    pub vmm_import: bool,
     /// Host memory can be registered read-only (same-host peer pools).
     pub read_only_host_register: bool,
     /// Fragmented batches run as one gather/scatter kernel launch.
@@ -426,6 +429,25 @@ pub trait Device: Send + Sync + fmt::Debug {
         Err(DeviceError::Unsupported {
             what: "CUDA IPC import",
             reason: self.kind().as_str().into(),
+        })
+    }
+
+    /// Maps a VMM allocation (`cuMemCreate`) that another process exported as a POSIX fd
+    /// (`cuMemExportToShareableHandle`), all `len` bytes of it (the exporter's mapping size, a
+    /// multiple of the allocation granularity), into a range of this process with read-write
+    /// access for this device. The fd is closed once mapped; the buffer starts at byte 0 of
+    /// the allocation and unmaps, releases and frees its range on drop.
+    fn import_vmm_fd(
+        &self,
+        _fd: std::os::fd::OwnedFd,
+        _len: u64,
+    ) -> Result<DeviceBuffer, DeviceError> {
+        Err(DeviceError::Unsupported {
+            what: "VMM fd import",
+            reason: format!(
+                "only a CUDA device maps VMM allocations; this is a {} device",
+                self.kind().as_str()
+            ),
         })
     }
 

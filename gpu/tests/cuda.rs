@@ -1434,3 +1434,211 @@ fn two_devices_refuse_each_others_memory_and_export_dmabuf() {
         assert!(dmabuf.offset_of(bufs[me].ptr(), bufs[me].len()).is_some());
     }
 }
+
+/// vLLM 0.34's extensible KV cache in miniature: one VMM allocation per layer (K plane then V
+/// plane), created exportable as a POSIX fd the way vLLM creates it for a connector that
+/// declares `EXPORTS_FD`. Returns the buffers and the flash-attention layout over them.
+fn vmm_kv(dev: &CudaDevice, shape: &KvShape, blocks: u32) -> (Vec<DeviceBuffer>, KvLayoutSpec) {
+    let plane = u64::from(blocks) * shape.segment_bytes();
+    let bufs: Vec<DeviceBuffer> = (0..shape.layers())
+        .map(|_| {
+            dev.alloc_vmm(plane * 2)
+                .expect("cuMemCreate an exportable allocation")
+        })
+        .collect();
+    let bases: Vec<u64> = bufs.iter().map(|b| b.ptr()).collect();
+    let spec = KvLayoutSpec::flash_attn(&bases, blocks, shape.segment_bytes());
+    (bufs, spec)
+}
+
+/// The same layout moved onto other bases (the importer's mappings of the same memory).
+fn rebased(spec: &KvLayoutSpec, from: &[DeviceBuffer], to: &[DeviceBuffer]) -> KvLayoutSpec {
+    let mut out = spec.clone();
+    for (l, layer) in out.layers.iter_mut().enumerate() {
+        if let LayerLayout::Contiguous { base, .. } = layer {
+            *base = *base - from[l].ptr() + to[l].ptr();
+        }
+    }
+    out
+}
+
+const VMM_PAIRS: &[(u32, u32)] = &[(0, 9), (3, 1), (5, 4), (1, 7), (2, 0), (4, 11)];
+
+/// A host pool with `slots` pattern blocks, registered; loads `pairs` into `layout` and checks
+/// the batch's byte count.
+fn load_pairs(dev: &CudaDevice, shape: &KvShape, layout: &KvLayout, pairs: &[(u32, u32)]) {
+    let slots = 6u32;
+    let mut pool = HostMem::new((shape.block_bytes() * u64::from(slots)) as usize);
+    fill_pool(&mut pool, shape, slots);
+    let _reg = dev
+        .register_host(pool.addr(), pool.len as u64, false)
+        .unwrap();
+    // SAFETY: `pool` outlives the awaited event.
+    let ev = unsafe {
+        dev.submit(
+            CopyDirection::HostToDevice,
+            load_list(pool.addr(), shape, layout, 0, pairs),
+        )
+    };
+    let st = wait(ev.unwrap()).unwrap();
+    assert_eq!(st.bytes, pairs.len() as u64 * shape.rank_bytes());
+}
+
+/// VMM memory exported by POSIX fd and imported again (here in one process, as a node and an
+/// engine worker sharing a GPU would across two): the import is a second mapping of the same
+/// physical memory, loads into it land byte for byte in the exporter's allocation with every
+/// other byte still the canary, on every copy path, and teardown reports no error. Bad fds
+/// and sizes are typed errors.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn vmm_kv_exported_by_fd_imported_and_loaded_byte_for_byte() {
+    let shape = KvShape::new(3, 1, 2, 4096).unwrap();
+    let blocks = 12u32;
+    for path in [CopyPath::Auto, CopyPath::Kernel, CopyPath::PerOp] {
+        let dev = open(path);
+        let caps = dev.capabilities();
+        assert!(caps.vmm_import, "no VMM fd import: {:?}", caps.notes);
+        let (orig, spec) = vmm_kv(&dev, &shape, blocks);
+        for b in &orig {
+            canary(dev.as_ref(), b);
+        }
+        let mut imported = Vec::new();
+        for b in &orig {
+            let e = dev
+                .export_vmm(b.ptr() + 4096)
+                .expect("export the allocation's fd");
+            assert_eq!((e.base, e.len, e.offset), (b.ptr(), b.len(), 4096));
+            let m = dev
+                .import_vmm_fd(e.fd, e.len)
+                .expect("import the allocation by fd");
+            assert_ne!(m.ptr(), b.ptr(), "a mapping of its own");
+            assert_eq!(m.len(), b.len());
+            imported.push(m);
+        }
+        let spec_imported = rebased(&spec, &orig, &imported);
+        let layout = KvLayout::new_on(spec_imported, &shape, dev.as_ref())
+            .expect("a layout over the imported mappings");
+        load_pairs(&dev, &shape, &layout, VMM_PAIRS);
+        let refs: Vec<&DeviceBuffer> = imported.iter().collect();
+        verify(dev.as_ref(), &refs, &shape, &layout, 0, VMM_PAIRS);
+        // The exporter sees the same bytes: one physical allocation, two mappings.
+        let layout_orig = KvLayout::new_on(spec.clone(), &shape, dev.as_ref()).unwrap();
+        let refs: Vec<&DeviceBuffer> = orig.iter().collect();
+        verify(dev.as_ref(), &refs, &shape, &layout_orig, 0, VMM_PAIRS);
+        // Unmapping the import leaves the exporter's memory as it was.
+        let ends: Vec<(u64, u64)> = imported.iter().map(|m| (m.ptr(), m.len())).collect();
+        drop(imported);
+        for (p, len) in ends {
+            assert!(
+                dev.check_range(p, len).is_err(),
+                "an unmapped import is no device memory any more"
+            );
+        }
+        verify(dev.as_ref(), &refs, &shape, &layout_orig, 0, VMM_PAIRS);
+        assert!(dev.take_teardown_errors().is_empty());
+        eprintln!("vmm fd import ({path:?}): loads landed in the exporter's memory");
+    }
+
+    // Typed errors, no panic.
+    let dev = open(CopyPath::Auto);
+    let (orig, _) = vmm_kv(&dev, &KvShape::new(1, 1, 2, 4096).unwrap(), 4);
+    let e = dev.export_vmm(orig[0].ptr()).unwrap();
+    let err = dev.import_vmm_fd(e.fd, e.len - 4096).unwrap_err();
+    assert!(
+        matches!(err, DeviceError::Import { .. }) && err.to_string().contains("granularity"),
+        "{err}"
+    );
+    let e = dev.export_vmm(orig[0].ptr()).unwrap();
+    let err = dev.import_vmm_fd(e.fd, e.len * 2).unwrap_err();
+    assert!(
+        matches!(err, DeviceError::Import { .. }),
+        "longer than the allocation: {err}"
+    );
+    let not_vmm = std::fs::File::open("/dev/null").unwrap();
+    let err = dev
+        .import_vmm_fd(not_vmm.into(), orig[0].len())
+        .unwrap_err();
+    assert!(
+        matches!(err, DeviceError::Import { .. }),
+        "not an exported fd: {err}"
+    );
+    let plain = dev.alloc(1 << 20).unwrap();
+    let err = dev.export_vmm(plain.ptr()).unwrap_err();
+    eprintln!("cuMemAlloc memory refused for fd export: {err}");
+    drop(orig);
+    assert!(dev.take_teardown_errors().is_empty());
+}
+
+const VMM_CHILD_FD: &str = "KVFERRY_VMM_CHILD_FD";
+const VMM_CHILD_LEN: &str = "KVFERRY_VMM_CHILD_LEN";
+
+/// The importing process of `vmm_kv_of_another_process_loaded_through_its_fd` (a node's role):
+/// maps the inherited fd, loads the pattern into it and exits. A no-op when not started by it.
+#[test]
+#[ignore = "runs only as the child process of vmm_kv_of_another_process_loaded_through_its_fd"]
+fn vmm_import_child() {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let (Some(fd), Some(len)) = (
+        std::env::var(VMM_CHILD_FD)
+            .ok()
+            .and_then(|v| v.parse::<i32>().ok()),
+        std::env::var(VMM_CHILD_LEN)
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok()),
+    ) else {
+        return;
+    };
+    // SAFETY: the parent left this fd open for us, and nothing else in this process owns it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let dev = open(CopyPath::Auto);
+    let shape = KvShape::new(1, 1, 2, 4096).unwrap();
+    let m = dev.import_vmm_fd(fd, len).expect("import the parent's KV");
+    let spec = KvLayoutSpec::flash_attn(&[m.ptr()], 12, shape.segment_bytes());
+    let layout = KvLayout::new_on(spec, &shape, dev.as_ref()).unwrap();
+    load_pairs(&dev, &shape, &layout, VMM_PAIRS);
+    drop(m);
+    assert!(dev.take_teardown_errors().is_empty());
+    println!("VMM_CHILD_OK");
+}
+
+/// An engine's VMM KV shared with another process the way kvferry's fd socket shares it: the
+/// fd of the allocation crosses the process boundary (inherited here, SCM_RIGHTS there), the
+/// other process maps it and loads into it, and this process finds the pattern in its own
+/// allocation and the canary everywhere else — after the other process has unmapped and
+/// exited.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn vmm_kv_of_another_process_loaded_through_its_fd() {
+    use std::os::fd::AsRawFd;
+    let dev = open(CopyPath::Auto);
+    let shape = KvShape::new(1, 1, 2, 4096).unwrap();
+    let (orig, spec) = vmm_kv(&dev, &shape, 12);
+    canary(dev.as_ref(), &orig[0]);
+    let e = dev.export_vmm(orig[0].ptr()).unwrap();
+    // A duplicate without close-on-exec, for the child to inherit.
+    // SAFETY: dup of an fd we own; the result is checked and closed below.
+    let inherit = unsafe { libc::dup(e.fd.as_raw_fd()) };
+    assert!(inherit >= 0, "dup");
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "vmm_import_child", "--ignored", "--nocapture"])
+        .args(["--test-threads", "1"])
+        .env(VMM_CHILD_FD, inherit.to_string())
+        .env(VMM_CHILD_LEN, e.len.to_string())
+        .output()
+        .expect("start the importing process");
+    // SAFETY: our duplicate, closed once.
+    unsafe { libc::close(inherit) };
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains("VMM_CHILD_OK"),
+        "importing process failed: {text}"
+    );
+    let layout = KvLayout::new_on(spec, &shape, dev.as_ref()).unwrap();
+    verify(dev.as_ref(), &[&orig[0]], &shape, &layout, 0, VMM_PAIRS);
+    assert!(dev.take_teardown_errors().is_empty());
+    eprintln!("vmm fd: another process loaded into this one's KV");
+}

@@ -23,6 +23,7 @@ use super::ffi;
 use super::kernel::{Desc, GatherKernel};
 use super::plan::{plan, CopyPath, HostMap, Paths, Plan, Resolver, Staged, ENGINE_MAX_OPS};
 use super::shared;
+use super::vmm::{self, VmmMap};
 
 /// How a [`CudaDevice`] issues copies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -95,6 +96,17 @@ pub struct IpcHandle {
     pub offset: u64,
 }
 
+/// A POSIX fd of a VMM allocation of this process (the exporting side of
+/// [`Device::import_vmm_fd`]): the allocation's mapping is `[base, base + len)` here, and the
+/// address asked about lies `offset` bytes into it. An importer maps all `len` bytes.
+#[derive(Debug)]
+pub struct VmmExport {
+    pub fd: OwnedFd,
+    pub base: u64,
+    pub len: u64,
+    pub offset: u64,
+}
+
 /// One NVIDIA GPU. Copies run on two non-blocking streams (host→device and device→host); a
 /// thread per stream waits on each batch's event and completes its [`CopyEvent`], so no
 /// caller ever blocks on the GPU. Large batches are planned and queued by a second thread per
@@ -161,6 +173,9 @@ struct Inner {
     descs: Mutex<Vec<PinnedDescs>>,
     /// Registered host spans: start → mapping.
     hosts: RwLock<BTreeMap<u64, HostMap>>,
+    /// VMM mappings this device made (imported or allocated): start → end. Checked before
+    /// the driver's pointer attributes, whose allocation range is not the mapping's.
+    vmms: RwLock<BTreeMap<u64, u64>>,
     /// Errors of teardown (frees, unregistrations) that had no caller to return them to.
     teardown: Mutex<Vec<DeviceError>>,
     /// Staging buffers per lane, allocated on the lane's first fragmented batch. Only used
@@ -350,6 +365,7 @@ impl CudaDevice {
             events: Mutex::new(Vec::new()),
             descs: Mutex::new(Vec::new()),
             hosts: RwLock::new(BTreeMap::new()),
+            vmms: RwLock::new(BTreeMap::new()),
             teardown: Mutex::new(Vec::new()),
             staging: [Mutex::new(None), Mutex::new(None)],
             staged_batches: AtomicU64::new(0),
@@ -442,6 +458,55 @@ impl CudaDevice {
         })
     }
 
+    /// Allocates `bytes` (rounded up to the allocation granularity) of VMM memory exportable
+    /// as a POSIX fd ([`Self::export_vmm`]): device memory the way vLLM 0.34's extensible KV
+    /// cache allocates it, for tests and embedders that share KV with another process.
+    pub fn alloc_vmm(&self, bytes: u64) -> Result<DeviceBuffer, DeviceError> {
+        let inner = &self.inner;
+        inner.vmm_supported("VMM allocation")?;
+        let ordinal = inner.ordinal;
+        let fail = |reason: String| DeviceError::Alloc {
+            ordinal,
+            bytes,
+            reason,
+        };
+        if bytes == 0 {
+            return Err(fail("zero-sized allocation".into()));
+        }
+        inner.bind()?;
+        let g = ffi::vmm_granularity(ordinal as i32).map_err(|e| fail(e.to_string()))? as u64;
+        let size = bytes
+            .checked_next_multiple_of(g.max(1))
+            .ok_or_else(|| fail("size overflows".into()))?;
+        let map =
+            VmmMap::create(size, ordinal).map_err(|(call, e)| fail(format!("{call}: {e}")))?;
+        Ok(inner.vmm_buffer(map))
+    }
+
+    /// A POSIX fd of the VMM allocation mapped at `ptr` in this process (the exporting side
+    /// of [`Device::import_vmm_fd`]; engine workers do the same through the driver).
+    pub fn export_vmm(&self, ptr: u64) -> Result<VmmExport, DeviceError> {
+        let inner = &self.inner;
+        inner.vmm_supported("VMM fd export")?;
+        inner.bind()?;
+        let (fd, info) = vmm::export_fd(ptr).map_err(|(call, e)| {
+            if e.is_not_supported() {
+                DeviceError::Unsupported {
+                    what: "VMM fd export",
+                    reason: e.to_string(),
+                }
+            } else {
+                inner.driver(call, e)
+            }
+        })?;
+        Ok(VmmExport {
+            fd,
+            base: info.base,
+            len: info.size,
+            offset: ptr - info.base,
+        })
+    }
+
     /// Errors that teardown (freeing, unmapping, unregistering) met since the last call.
     pub fn take_teardown_errors(&self) -> Vec<DeviceError> {
         match self.inner.teardown.lock() {
@@ -495,6 +560,19 @@ fn probe_caps(dev: ffi::CUdevice) -> DeviceCaps {
     if !caps.batch_copy {
         caps.notes
             .push("batched copies need a CUDA 13 driver".into());
+    }
+    match ffi::vmm_missing() {
+        Err(e) => caps.notes.push(format!("vmm fd import: {e}")),
+        Ok(()) if attr(Attr::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) != 1 => caps
+            .notes
+            .push("vmm fd import: the device does not support virtual memory management".into()),
+        Ok(())
+            if attr(Attr::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED) != 1 =>
+        {
+            caps.notes
+                .push("vmm fd import: the device cannot share allocations by POSIX fd".into())
+        }
+        Ok(()) => caps.vmm_import = true,
     }
     // Bit 0: CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST (cuFlushGPUDirectRDMAWrites works).
     caps.direct_write_flush = ffi::has_symbol("cuFlushGPUDirectRDMAWrites")
@@ -579,6 +657,42 @@ impl Inner {
 
     fn check(&self, ptr: u64, len: u64) -> Result<(), DeviceError> {
         self.device_alloc(ptr, len).map(|_| ())
+    }
+
+    /// The VMM mapping of this device holding all of `[ptr, ptr + len)`.
+    fn vmm_range(&self, ptr: u64, len: u64) -> Option<(u64, u64)> {
+        let end = ptr.checked_add(len)?;
+        let vmms = self.vmms.read().ok()?;
+        let (&start, &stop) = vmms.range(..=ptr).next_back()?;
+        (end <= stop).then_some((start, stop))
+    }
+
+    /// A buffer owning `map`, known to [`Self::vmm_range`] until it drops.
+    fn vmm_buffer(self: &Arc<Self>, map: VmmMap) -> DeviceBuffer {
+        let (ptr, len) = (map.ptr(), map.size());
+        if let Ok(mut vmms) = self.vmms.write() {
+            vmms.insert(ptr, ptr + len);
+        }
+        let owner = CudaRelease {
+            inner: Arc::clone(self),
+            held: Some(Held::Vmm(map)),
+        };
+        DeviceBuffer::new(ptr, len, self.ordinal, Box::new(owner))
+    }
+
+    /// Refuses VMM sharing where the device cannot do it, naming why.
+    fn vmm_supported(&self, what: &'static str) -> Result<(), DeviceError> {
+        if self.caps.vmm_import {
+            return Ok(());
+        }
+        let reason = self
+            .caps
+            .notes
+            .iter()
+            .find(|n| n.starts_with("vmm"))
+            .cloned()
+            .unwrap_or_else(|| "unsupported".into());
+        Err(DeviceError::Unsupported { what, reason })
     }
 
     fn take_event(&self) -> Result<ffi::CUevent, DeviceError> {
@@ -1003,6 +1117,9 @@ impl Resolver for Inner {
     fn device_alloc(&self, ptr: u64, len: u64) -> Result<(u64, u64), DeviceError> {
         let ordinal = self.ordinal;
         let not_dev = || DeviceError::NotDeviceMemory { ordinal, ptr, len };
+        if let Some(found) = self.vmm_range(ptr, len) {
+            return Ok(found);
+        }
         let info = ffi::pointer_info(ptr).map_err(|_| not_dev())?;
         if info.memory_type != ffi::MEMORYTYPE_DEVICE {
             return Err(not_dev());
@@ -1105,6 +1222,7 @@ enum Held {
     Alloc(u64),
     Ipc([u8; 64]),
     Host(u64, u64),
+    Vmm(VmmMap),
 }
 
 struct CudaRelease {
@@ -1130,6 +1248,12 @@ impl Release for CudaRelease {
                 // buffers' owners guarantee no batch still uses it.
                 unsafe { ffi::ipc_close(p) }.map_err(|e| inner.driver("cuIpcCloseMemHandle", e))
             }),
+            Held::Vmm(mut map) => {
+                if let Ok(mut vmms) = inner.vmms.write() {
+                    vmms.remove(&map.ptr());
+                }
+                map.teardown().map_err(|(call, e)| inner.driver(call, e))
+            }
             Held::Host(p, len) => {
                 if let Ok(mut hosts) = inner.hosts.write() {
                     hosts.remove(&p);
@@ -1332,6 +1456,48 @@ impl Device for CudaDevice {
                 found: info.device_ordinal.max(0) as u32,
                 ptr: base,
                 len: info.range_size,
+            });
+        }
+        Ok(buf)
+    }
+
+    fn import_vmm_fd(&self, fd: OwnedFd, len: u64) -> Result<DeviceBuffer, DeviceError> {
+        use std::os::fd::AsFd;
+        let inner = &self.inner;
+        let ordinal = inner.ordinal;
+        let fail = |reason: String| DeviceError::Import {
+            ordinal,
+            what: "VMM allocation fd",
+            reason,
+        };
+        inner.vmm_supported("VMM fd import")?;
+        inner.bind()?;
+        let g = ffi::vmm_granularity(ordinal as i32)
+            .map_err(|e| inner.driver("cuMemGetAllocationGranularity", e))? as u64;
+        if len == 0 || !len.is_multiple_of(g.max(1)) {
+            return Err(fail(format!(
+                "{len} bytes is not a nonzero multiple of the allocation granularity ({g}): \
+                 send the mapping's whole size"
+            )));
+        }
+        let map = VmmMap::import(fd.as_fd(), len, ordinal)
+            .map_err(|(call, e)| fail(format!("{call}: {e}")))?;
+        // The driver holds the allocation now; the fd is not needed any more.
+        drop(fd);
+        let ptr = map.ptr();
+        // Dropping the buffer (here on error, or by its owner) unmaps and releases.
+        let buf = inner.vmm_buffer(map);
+        let info = ffi::pointer_info(ptr).unwrap_or_default();
+        if info.memory_type == ffi::MEMORYTYPE_DEVICE
+            && info.device_ordinal >= 0
+            && info.device_ordinal != ordinal as i32
+        {
+            // Mapped, but the memory lives on another GPU: copies would cross to it.
+            return Err(DeviceError::WrongDevice {
+                ordinal,
+                found: info.device_ordinal as u32,
+                ptr,
+                len,
             });
         }
         Ok(buf)

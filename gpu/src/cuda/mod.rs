@@ -2,6 +2,7 @@
 //!
 //! [`CudaDevice`] implements [`crate::Device`]: pointer validation with the driver's pointer
 //! attributes, allocations of this process or mapped from another one by CUDA IPC handle,
+//! VMM allocations imported by POSIX fd (vLLM 0.34's extensible KV cache) and exported,
 //! DMA-BUF export and import, pinned host registrations (read-only for peers' pools), and
 //! batched copies on one stream per direction completed by a backend thread. Fragmented
 //! batches whose host side is long pinned runs go through a device staging buffer (copy
@@ -19,10 +20,11 @@ mod kernel;
 mod open;
 mod plan;
 mod shared;
+mod vmm;
 
 pub use device::{
     driver_present, CudaDevice, CudaOptions, IpcHandle, DEFAULT_COMPLETION_SPIN,
-    DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES, DEFER_MIN_OPS,
+    DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES, DEFER_MIN_OPS, VmmExport,
 };
 pub use error::CudaError;
 pub use open::{open_device, open_device_with};
