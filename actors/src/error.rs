@@ -63,6 +63,14 @@ pub enum NodeError {
     },
     #[error("the node is shutting down ({what})")]
     Stopped { what: &'static str },
+    /// The request's fence (the moment its client gave up) passed before it took effect:
+    /// what it did is discarded (a save's copies are not sealed, a query's lease is
+    /// released).
+    #[error("{what}: the client's deadline passed {late:?} ago; discarded")]
+    DeadlinePassed {
+        what: &'static str,
+        late: std::time::Duration,
+    },
 }
 
 impl NodeError {

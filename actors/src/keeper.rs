@@ -18,6 +18,7 @@ use crate::api::{
 use crate::cache::SlotRef;
 use crate::clock::Clock;
 use crate::error::NodeError;
+use crate::fence::{monotonic_ns, Fence};
 use crate::lease::LeaseTable;
 use crate::metrics::{Counters, InFlight};
 use crate::model::BlockHash;
@@ -142,12 +143,12 @@ impl Actor for LeaseKeeper {
 
 #[derive(Message)]
 #[rtype(result = "Result<QueryResponse, NodeError>")]
-pub struct Query(pub QueryRequest);
+pub struct Query(pub QueryRequest, pub Option<Fence>);
 
 impl Handler<Query> for LeaseKeeper {
     type Result = ResponseActFuture<Self, Result<QueryResponse, NodeError>>;
 
-    fn handle(&mut self, Query(q): Query, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, Query(q, fence): Query, _: &mut Context<Self>) -> Self::Result {
         let store = self.store.clone();
         let (cluster, node_id) = (self.cluster.clone(), self.node_id.clone());
         let known = self.registry.instance(&q.instance);
@@ -172,6 +173,21 @@ impl Handler<Query> for LeaseKeeper {
         };
         Box::pin(wrap_future(lookup).map(move |r, act: &mut Self, _| {
             let (namespace, shape, pinned, remote, pin_seconds) = r?;
+            if let Some(f) = fence {
+                let now = monotonic_ns();
+                if f.passed_at(now) {
+                    // The client gave up: no lease. Dropping `pinned` and `remote` here
+                    // releases the local pins and the owners' pins at once.
+                    let late = f.late_by(now);
+                    let blocks =
+                        pinned.len() + remote.iter().map(|s| s.blocks.len()).sum::<usize>();
+                    act.counters.abandoned("query", blocks, late);
+                    return Err(NodeError::DeadlinePassed {
+                        what: "Query",
+                        late,
+                    });
+                }
+            }
             let local_blocks = pinned.len();
             let ssd_blocks = pinned.ssd_blocks.min(local_blocks);
             let remote_blocks: usize = remote.iter().map(|s| s.blocks.len()).sum();

@@ -44,6 +44,7 @@ pub const LEASES_EXPIRED: &str = "kvferry_leases_expired_total";
 pub const EVICTIONS: &str = "kvferry_evictions_total";
 pub const QUERIES: &str = "kvferry_queries_total";
 pub const QUERY_BLOCKS: &str = "kvferry_query_blocks_total";
+pub const ABANDONED: &str = "kvferry_abandoned_total";
 pub const LOADS: &str = "kvferry_loads_total";
 pub const BYTES: &str = "kvferry_bytes_total";
 pub const STAGE_SECONDS: &str = "kvferry_stage_seconds";
@@ -161,6 +162,11 @@ pub fn describe() {
         (LEASES_EXPIRED, "Leases removed by expiry."),
         (EVICTIONS, "Blocks evicted from the host pool."),
         (QUERIES, "Queries by result (local, remote, miss)."),
+        (
+            ABANDONED,
+            "Requests whose client gave up before they took effect, by op: saves and puts \
+             whose blocks were discarded unsealed, queries whose lease was released.",
+        ),
         (
             QUERY_BLOCKS,
             "Queried blocks by where they were found (ram, ssd, remote, miss); they sum to the hashes queried.",
@@ -338,6 +344,7 @@ fn record_directory_call(op: &'static str, seconds: f64) {
 /// How often one kind of failed transfer is logged per path.
 pub const FAILURE_LOG_PERIOD: std::time::Duration = std::time::Duration::from_secs(10);
 static FAILURES: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(FAILURE_LOG_PERIOD);
+static ABANDONS: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(FAILURE_LOG_PERIOD);
 
 /// What a node counts as it happens: the plain counters `Node::stats` reads, and the
 /// families of its own recorder.
@@ -395,6 +402,23 @@ impl Counters {
     /// Records a query by result: `local`, `remote` (some blocks from peers) or `miss`.
     pub fn query(&self, result: &'static str) {
         self.registry.record(|| record_query(result));
+    }
+
+    /// Counts a request discarded because its client's fence passed (`op`: save,
+    /// put_blocks, query) and logs it, at most one line per op every
+    /// [`FAILURE_LOG_PERIOD`].
+    pub fn abandoned(&self, op: &'static str, blocks: usize, late: std::time::Duration) {
+        self.registry
+            .record(|| counter!(ABANDONED, "op" => op).increment(1));
+        if let Some(held_back) = ABANDONS.allow(op) {
+            tracing::warn!(
+                op,
+                blocks,
+                late_ms = late.as_millis() as u64,
+                held_back,
+                "the client gave up before the request took effect; discarded"
+            );
+        }
     }
 
     /// Records where a query's blocks were found: this node's RAM or SSD, a peer, nowhere.

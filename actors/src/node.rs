@@ -15,6 +15,7 @@ use crate::api::{
 use crate::clock::Clock;
 use crate::config::NodeConfig;
 use crate::error::NodeError;
+use crate::fence::Fence;
 use crate::keeper::{self, LeaseKeeper, LeaseStats, Load, Query, Release, ReleaseInstance, Sweep};
 use crate::metrics::Counters;
 use crate::model::{InstanceId, LeaseId, Namespace};
@@ -293,6 +294,11 @@ impl Node {
         Ok(())
     }
 
+    /// What the node counts (the engine service adds what it decides itself).
+    pub(crate) fn counters(&self) -> &Counters {
+        &self.inner.counters
+    }
+
     /// Whether this node reads remote suffixes from peers (direct loads need them).
     pub fn has_peers(&self) -> bool {
         self.inner.cluster.is_some()
@@ -316,6 +322,16 @@ impl Node {
 
     /// Puts one rank's bytes of whole blocks from host memory.
     pub async fn put_blocks(&self, req: PutBlocks) -> Result<StoreReport, NodeError> {
+        self.put_blocks_fenced(req, None).await
+    }
+
+    /// [`Self::put_blocks`], refused with [`NodeError::DeadlinePassed`] (nothing written)
+    /// if it reaches the store after `fence`.
+    pub async fn put_blocks_fenced(
+        &self,
+        req: PutBlocks,
+        fence: Option<Fence>,
+    ) -> Result<StoreReport, NodeError> {
         let handle = self
             .inner
             .keeper
@@ -329,12 +345,24 @@ impl Node {
             .send(store::Put {
                 handle,
                 blocks: req.blocks,
+                fence,
             })
             .await?
     }
 
     /// Saves one rank's device KV blocks into host blocks.
     pub async fn save(&self, req: SaveRequest) -> Result<StoreReport, NodeError> {
+        self.save_fenced(req, None).await
+    }
+
+    /// [`Self::save`] whose copies are sealed only if they completed before `fence` (the
+    /// moment the client gives up, see [`crate::fence`]); past it the copied blocks are
+    /// discarded and the answer is [`NodeError::DeadlinePassed`].
+    pub async fn save_fenced(
+        &self,
+        req: SaveRequest,
+        fence: Option<Fence>,
+    ) -> Result<StoreReport, NodeError> {
         let handle = self
             .inner
             .keeper
@@ -349,13 +377,24 @@ impl Node {
                 handle,
                 hashes: req.hashes,
                 src_blocks: req.src_blocks,
+                fence,
             })
             .await?
     }
 
     /// Looks up a prompt's blocks and leases the hit.
     pub async fn query(&self, req: QueryRequest) -> Result<QueryResponse, NodeError> {
-        self.inner.keeper.send(Query(req)).await?
+        self.query_fenced(req, None).await
+    }
+
+    /// [`Self::query`] that leases nothing once `fence` has passed (the pins it took are
+    /// released and the answer is [`NodeError::DeadlinePassed`]).
+    pub async fn query_fenced(
+        &self,
+        req: QueryRequest,
+        fence: Option<Fence>,
+    ) -> Result<QueryResponse, NodeError> {
+        self.inner.keeper.send(Query(req, fence)).await?
     }
 
     /// Starts a load and returns once it is accepted; the receiver yields its report.

@@ -17,6 +17,7 @@ use crate::api::{Stage, StageName, StoreReport, TransferPath};
 use crate::cache::{BlockCache, BlockClass, CacheStats, Reservation, SlotRef};
 use crate::clock::Clock;
 use crate::error::NodeError;
+use crate::fence::{monotonic_ns, Fence};
 use crate::metrics::{Counters, InFlight};
 use crate::model::{BlockHash, BlockKey, Namespace};
 use crate::pool::{HostPool, PoolMemory};
@@ -309,6 +310,8 @@ impl Handler<Unpin> for BlockStore {
 pub struct Put {
     pub handle: Arc<RankHandle>,
     pub blocks: Vec<(BlockHash, Vec<u8>)>,
+    /// Past it the client has given up: nothing is written (see [`crate::fence`]).
+    pub fence: Option<Fence>,
 }
 
 impl Handler<Put> for BlockStore {
@@ -317,6 +320,17 @@ impl Handler<Put> for BlockStore {
     fn handle(&mut self, m: Put, ctx: &mut Context<Self>) -> Self::Result {
         let t0 = Instant::now();
         let h = &m.handle;
+        if let Some(f) = m.fence {
+            let now = monotonic_ns();
+            if f.passed_at(now) {
+                let late = f.late_by(now);
+                self.counters.abandoned("put_blocks", m.blocks.len(), late);
+                return Err(NodeError::DeadlinePassed {
+                    what: "PutBlocks",
+                    late,
+                });
+            }
+        }
         self.learn_shape(&h.namespace, h.shape.tp_size(), h.shape.block_bytes());
         let rank_bytes = h.shape.rank_bytes();
         // Validate the whole request before changing anything.
@@ -400,19 +414,33 @@ impl Handler<Abort> for BlockStore {
     }
 }
 
-/// Marks rank parts written; replies with how many blocks this sealed.
+/// Marks rank parts written; replies with how many blocks this sealed. With a fence that
+/// has passed, marks nothing and answers [`NodeError::DeadlinePassed`]: the caller's writer
+/// guards then abort the reservations (the copied bytes are never sealed nor published).
 #[derive(Message)]
-#[rtype(result = "usize")]
+#[rtype(result = "Result<usize, NodeError>")]
 pub(crate) struct Commit {
     pub(crate) namespace: Namespace,
     pub(crate) rank: u32,
     pub(crate) hashes: Vec<BlockHash>,
+    pub(crate) fence: Option<Fence>,
 }
 
 impl Handler<Commit> for BlockStore {
-    type Result = usize;
+    type Result = Result<usize, NodeError>;
 
-    fn handle(&mut self, m: Commit, ctx: &mut Context<Self>) -> usize {
+    fn handle(&mut self, m: Commit, ctx: &mut Context<Self>) -> Self::Result {
+        // Checked here, on the thread that seals, after the copies out of the client's
+        // memory completed: if the fence is still ahead, every read of the source blocks
+        // ended before the client could have let its engine reuse them.
+        if let Some(f) = m.fence {
+            let now = monotonic_ns();
+            if f.passed_at(now) {
+                let late = f.late_by(now);
+                self.counters.abandoned("save", m.hashes.len(), late);
+                return Err(NodeError::DeadlinePassed { what: "Save", late });
+            }
+        }
         let sealed: Vec<BlockHash> = m
             .hashes
             .iter()
@@ -420,7 +448,7 @@ impl Handler<Commit> for BlockStore {
             .filter(|h| self.cache.commit(&m.namespace, *h, m.rank))
             .collect();
         self.write_through(&m.namespace, &sealed, ctx);
-        sealed.len()
+        Ok(sealed.len())
     }
 }
 
@@ -431,6 +459,8 @@ pub struct Save {
     pub handle: Arc<RankHandle>,
     pub hashes: Vec<BlockHash>,
     pub src_blocks: Vec<u32>,
+    /// The copies are sealed only if they completed before it (see [`crate::fence`]).
+    pub fence: Option<Fence>,
 }
 
 impl Handler<Save> for BlockStore {
@@ -438,6 +468,18 @@ impl Handler<Save> for BlockStore {
 
     fn handle(&mut self, m: Save, ctx: &mut Context<Self>) -> Self::Result {
         let t0 = Instant::now();
+        if let Some(f) = m.fence {
+            let now = monotonic_ns();
+            if f.passed_at(now) {
+                // Given up on before it started: nothing is read.
+                let late = f.late_by(now);
+                self.counters.abandoned("save", m.hashes.len(), late);
+                return Box::pin(
+                    async move { Err(NodeError::DeadlinePassed { what: "Save", late }) },
+                );
+            }
+        }
+        let fence = m.fence;
         let prepared = self.prepare_save(&m, ctx);
         let (guards, present, list) = match prepared {
             Ok(p) => p,
@@ -490,13 +532,15 @@ impl Handler<Save> for BlockStore {
                 what: "save transfer",
             })??;
             let hashes: Vec<BlockHash> = guards.iter().map(|g| g.hash).collect();
+            // A passed fence: the guards drop armed and abort the reservations.
             report.sealed = store
                 .send(Commit {
                     namespace,
                     rank,
                     hashes,
+                    fence,
                 })
-                .await?;
+                .await??;
             for g in &mut guards {
                 g.armed = false;
             }

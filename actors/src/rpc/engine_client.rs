@@ -22,6 +22,7 @@ use super::mailbox::{self, Mailbox, MailboxError, Op};
 use super::proto::engine_client::EngineClient as RawClient;
 use super::proto::*;
 use crate::api;
+use crate::fence::Fence;
 use crate::model::{BlockHash, InstanceId, LeaseId};
 
 /// How often a mailbox wait looks whether the session holding the mailbox ended.
@@ -124,12 +125,48 @@ pub struct EngineClient {
     fd_socket: Option<PathBuf>,
     token: String,
     deadline: Duration,
-    /// Whether the node takes packed query hashes (protocol 4): learnt from Capabilities on
-    /// the first query of this handle (and its clones).
-    packed: Arc<OnceCell<bool>>,
+    /// What the node's protocol offers this client (packed query hashes, fences): learnt
+    /// from Capabilities on the first query or save of this handle (and its clones).
+    traits: Arc<OnceCell<NodeTraits>>,
     /// The request mailbox Query, Load and Save go through once attached (this handle and its
     /// clones); detached when the last of them drops.
     mailbox: Arc<OnceCell<MailboxLink>>,
+}
+
+/// What a node's protocol offers, as far as this client uses it.
+#[derive(Clone, Copy, Debug)]
+struct NodeTraits {
+    /// Packed query hashes (protocol 4).
+    packed: bool,
+    /// Fences (protocol 6) on a clock this process shares with the node.
+    fences: bool,
+}
+
+/// How far the node's clock may lie outside the interval its Capabilities call took and
+/// still count as this process's own (the same `CLOCK_MONOTONIC`).
+const CLOCK_SLACK: Duration = Duration::from_millis(50);
+
+/// How long an answer that arrives after its call gave up is still waited for, so a lease in
+/// it is released (a node stalled longer: its lease expires by its TTL).
+const LATE_ANSWER_WAIT: Duration = Duration::from_secs(120);
+
+/// Codes with which the node answers a request it has finished with (it refused it or
+/// it failed there); any other failure may leave the request still running on the node.
+fn node_is_done_with(e: &EngineClientError) -> bool {
+    matches!(
+        e.code(),
+        Some(
+            Code::InvalidArgument
+                | Code::NotFound
+                | Code::AlreadyExists
+                | Code::PermissionDenied
+                | Code::ResourceExhausted
+                | Code::FailedPrecondition
+                | Code::OutOfRange
+                | Code::Unimplemented
+                | Code::Unauthenticated
+        )
+    )
 }
 
 /// An attached mailbox, held on the node by a session that a task of its own watches.
@@ -199,7 +236,7 @@ impl EngineClient {
             fd_socket,
             token: token.into(),
             deadline,
-            packed: Arc::new(OnceCell::new()),
+            traits: Arc::new(OnceCell::new()),
             mailbox: Arc::new(OnceCell::new()),
         })
     }
@@ -455,11 +492,15 @@ impl EngineClient {
         Ok(resp.leases_released)
     }
 
+    /// Stores one rank's bytes of whole blocks; with a node of protocol 6, nothing is
+    /// stored once this call has given up.
     pub async fn put_blocks(
         &self,
         req: &api::PutBlocks,
     ) -> Result<StoreResponse, EngineClientError> {
+        let fence_ns = self.fence_ns(Fence::after(self.deadline)).await?;
         let r = self.request(PutBlocksRequest {
+            fence_ns,
             instance: req.instance.as_str().to_owned(),
             rank: req.rank,
             blocks: req
@@ -474,18 +515,49 @@ impl EngineClient {
         self.call("PutBlocks", self.raw.clone().put_blocks(r)).await
     }
 
+    /// Copies device blocks of one rank into host blocks. Returns only once the node is done
+    /// reading the source blocks or can no longer seal them: on success, and on a failure
+    /// after the node's answer, at once; on any other failure (the deadline, a lost
+    /// connection, a broken mailbox) not before the request's fence has passed, so the
+    /// caller may let its engine reuse the blocks whenever this returns. A node of protocol
+    /// 6 discards copies that completed after the fence (see [`crate::fence`]); with an
+    /// older node, or one whose clock is not this process's, a save given up on may still
+    /// be sealed later.
     pub async fn save(&self, req: &api::SaveRequest) -> Result<StoreResponse, EngineClientError> {
-        let req = SaveRequest {
+        let mut msg = SaveRequest {
             instance: req.instance.as_str().to_owned(),
             rank: req.rank,
             hashes: req.hashes.iter().map(|h| h.as_bytes().to_vec()).collect(),
             src_blocks: req.src_blocks.clone(),
+            fence_ns: 0,
         };
-        if let Some(answer) = self.through_mailbox(Op::Save, "Save", &req).await {
-            return answer;
+        let traits = self.traits().await?;
+        // Before anything is sent: every wait below gives up at or after it.
+        let fence = Fence::after(self.deadline);
+        msg.fence_ns = if traits.fences { fence.as_ns() } else { 0 };
+        let answer = match self.through_mailbox(Op::Save, "Save", &msg, None).await {
+            Some(answer) => answer,
+            None => {
+                let r = self.request(msg);
+                self.call("Save", self.raw.clone().save(r)).await
+            }
+        };
+        if let Err(e) = &answer {
+            if !node_is_done_with(e) {
+                tokio::time::sleep(fence.left()).await;
+            }
         }
-        let r = self.request(req);
-        self.call("Save", self.raw.clone().save(r)).await
+        answer
+    }
+
+    /// `fence` as the wire carries it: 0 where the node takes no fences or its clock is not
+    /// this process's.
+    async fn fence_ns(&self, fence: Fence) -> Result<u64, EngineClientError> {
+        Ok(if self.traits().await?.fences {
+            fence.as_ns()
+        } else {
+            0
+        })
     }
 
     /// Leases the longest held prefix of `hashes`. With `direct_gpu`, check
@@ -507,12 +579,15 @@ impl EngineClient {
         let all = prost::bytes::Bytes::from(all);
         let len = ends.first().copied().unwrap_or(0);
         let same_len = ends.iter().zip(0..).all(|(&end, i)| end == (i + 1) * len);
+        let traits = self.traits().await?;
+        let fence = Fence::after(self.deadline);
         let mut req = QueryRequest {
             instance: instance.as_str().to_owned(),
             direct_gpu,
+            fence_ns: if traits.fences { fence.as_ns() } else { 0 },
             ..Default::default()
         };
-        if same_len && len > 0 && self.takes_packed().await? {
+        if same_len && len > 0 && traits.packed {
             req.packed_hashes = all;
             req.hash_len = len as u32;
         } else {
@@ -526,12 +601,13 @@ impl EngineClient {
                 })
                 .collect();
         }
-        let q = match self.through_mailbox(Op::Query, "Query", &req).await {
+        let late = self.release_late_lease();
+        let q = match self
+            .through_mailbox(Op::Query, "Query", &req, Some(late))
+            .await
+        {
             Some(answer) => answer?,
-            None => {
-                let r = self.request(req);
-                self.call("Query", self.raw.clone().query(r)).await?
-            }
+            None => self.query_call(req).await?,
         };
         let malformed = |reason: String| EngineClientError::Malformed {
             addr: self.addr.clone(),
@@ -570,13 +646,66 @@ impl EngineClient {
         })
     }
 
-    /// Whether the node takes packed query hashes; asked once per handle (a node of an
-    /// older protocol would read a packed query as one without hashes).
-    async fn takes_packed(&self) -> Result<bool, EngineClientError> {
-        self.packed
+    /// The Query call, run on a task of its own: an answer that comes after this call gave
+    /// up is still awaited there (for [`LATE_ANSWER_WAIT`]), and a lease in it released.
+    async fn query_call(&self, req: QueryRequest) -> Result<QueryResponse, EngineClientError> {
+        let r = self.request(req);
+        let mut raw = self.raw.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let client = self.clone();
+        tokio::spawn(async move {
+            let Ok(answer) = tokio::time::timeout(LATE_ANSWER_WAIT, raw.query(r)).await else {
+                return;
+            };
+            if let Err(Ok(late)) = tx.send(answer) {
+                client.release_late(&late.into_inner().lease).await;
+            }
+        });
+        self.call("Query", async move {
+            rx.await
+                .unwrap_or_else(|_| Err(Status::cancelled("the query's task ended")))
+        })
+        .await
+    }
+
+    /// What a mailbox thread does with a Query answer that came after the call gave up.
+    fn release_late_lease(&self) -> LateAnswer {
+        let client = self.clone();
+        let rt = tokio::runtime::Handle::current();
+        Box::new(move |a: mailbox::Answer| {
+            if a.code != 0 {
+                return;
+            }
+            if let Ok(q) = QueryResponse::decode(&a.payload[..]) {
+                rt.spawn(async move { client.release_late(&q.lease).await });
+            }
+        })
+    }
+
+    /// Releases the lease of an answer nobody waited for (empty: none).
+    async fn release_late(&self, lease: &str) {
+        if let Ok(lease) = LeaseId::from_hex(lease) {
+            // Gone already (expired, its instance unregistered) is fine.
+            let _ = self.release(lease).await;
+        }
+    }
+
+    /// What the node offers; asked once per handle (a node of an older protocol would read
+    /// a packed query as one without hashes). Fences are used only where the node's clock
+    /// reads as this process's `CLOCK_MONOTONIC`: inside the interval its answer took.
+    async fn traits(&self) -> Result<NodeTraits, EngineClientError> {
+        self.traits
             .get_or_try_init(|| async {
+                let before = crate::fence::monotonic_ns();
                 let caps = self.capabilities().await?;
-                Ok(caps.protocol >= 4)
+                let after = crate::fence::monotonic_ns();
+                let slack = CLOCK_SLACK.as_nanos() as u64;
+                let shared = caps.monotonic_ns.saturating_add(slack) >= before
+                    && caps.monotonic_ns <= after.saturating_add(slack);
+                Ok(NodeTraits {
+                    packed: caps.protocol >= 4,
+                    fences: caps.protocol >= 6 && shared,
+                })
             })
             .await
             .copied()
@@ -604,7 +733,7 @@ impl EngineClient {
             board_tag: board.map(|b| b.1).unwrap_or(0),
         };
         if let Some(answer) = self
-            .through_mailbox::<_, LoadResponse>(Op::Load, "Load", &req)
+            .through_mailbox::<_, LoadResponse>(Op::Load, "Load", &req, None)
             .await
         {
             return Ok(answer?.load_id);
@@ -667,11 +796,15 @@ impl EngineClient {
     /// is none, the request does not fit a slot, or every slot is in flight (the caller
     /// makes the gRPC call). The answer is polled for on this thread for a moment (a query
     /// or a load's start is answered within it), then waited for on a blocking thread.
+    ///
+    /// `late` (if any) is given an answer that comes after the wait gave up: a thread keeps
+    /// waiting for it for [`LATE_ANSWER_WAIT`] while the mailbox's session lasts.
     async fn through_mailbox<Req: Message, Resp: Message + Default>(
         &self,
         op: Op,
         method: &'static str,
         req: &Req,
+        late: Option<LateAnswer>,
     ) -> Option<Result<Resp, EngineClientError>> {
         let link = self.mailbox.get().filter(|l| !l.ended())?;
         let ticket = match link.mailbox.post(op, &req.encode_to_vec()) {
@@ -694,14 +827,18 @@ impl EngineClient {
                 let end = Instant::now() + (deadline - spin);
                 let ended = Arc::clone(&link.ended);
                 // In slices, so a session that ends meanwhile (the node died) ends the wait.
-                let waited = tokio::task::spawn_blocking(move || loop {
-                    let left = end.saturating_duration_since(Instant::now());
-                    match ticket.wait(Duration::ZERO, left.min(ENDED_CHECK)) {
-                        Err(MailboxError::TimedOut { .. })
-                            if !left.is_zero()
-                                && !ended.load(std::sync::atomic::Ordering::Acquire) => {}
-                        other => return other,
+                let waited = tokio::task::spawn_blocking(move || {
+                    let answer = wait_ticket(&ticket, end, &ended);
+                    if let (Err(MailboxError::TimedOut { .. }), Some(late)) = (&answer, late) {
+                        // Given up on: the answer still lands in the slot; read it there.
+                        std::thread::spawn(move || {
+                            let until = Instant::now() + LATE_ANSWER_WAIT;
+                            if let Ok(a) = wait_ticket(&ticket, until, &ended) {
+                                late(a);
+                            }
+                        });
                     }
+                    answer
                 })
                 .await;
                 waited.unwrap_or(Err(MailboxError::TimedOut {
@@ -846,6 +983,26 @@ impl EngineClient {
             s.bind(i).await?;
         }
         Ok(s)
+    }
+}
+
+/// What becomes of a mailbox answer that arrives after its call gave up.
+type LateAnswer = Box<dyn FnOnce(mailbox::Answer) + Send>;
+
+/// Waits for a ticket's answer until `end`, in slices, so a session that ends meanwhile (the
+/// node died) ends the wait.
+fn wait_ticket(
+    ticket: &mailbox::Ticket,
+    end: Instant,
+    ended: &std::sync::atomic::AtomicBool,
+) -> Result<mailbox::Answer, MailboxError> {
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        match ticket.wait(Duration::ZERO, left.min(ENDED_CHECK)) {
+            Err(MailboxError::TimedOut { .. })
+                if !left.is_zero() && !ended.load(std::sync::atomic::Ordering::Acquire) => {}
+            other => return other,
+        }
     }
 }
 

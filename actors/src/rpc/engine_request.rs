@@ -330,6 +330,7 @@ pub(crate) fn status(method: &str, e: NodeError) -> Status {
             Status::failed_precondition(msg)
         }
         NodeError::Remote { .. } | NodeError::Stopped { .. } => Status::unavailable(msg),
+        NodeError::DeadlinePassed { .. } => Status::deadline_exceeded(msg),
         _ => Status::internal(msg),
     }
 }
@@ -340,6 +341,7 @@ pub(crate) fn error_kind(e: &NodeError) -> &'static str {
         NodeError::Transfer { .. } => "transfer",
         NodeError::Remote { source, .. } => source.kind(),
         NodeError::Stopped { .. } => "stopped",
+        NodeError::DeadlinePassed { .. } => "deadline",
         NodeError::Device(_) => "device",
         NodeError::Lease(_) => "lease",
         NodeError::Layout(_) => "layout",

@@ -36,6 +36,7 @@ use super::{
 };
 use crate::api;
 use crate::config::EngineConfig;
+use crate::fence::Fence;
 use crate::keeper::DIRECT_REFUSAL;
 use crate::model::InstanceId;
 use crate::node::Node;
@@ -291,6 +292,71 @@ pub(crate) struct EngineService {
 }
 
 impl EngineService {
+    /// The fence a request takes effect by: the client's (`fence_ns`, 0: none), and in any
+    /// case this node's call timeout from now, at which the service answers
+    /// DEADLINE_EXCEEDED itself and stops waiting for the node.
+    fn fence(&self, fence_ns: u64) -> Fence {
+        let own = Fence::after(self.shared.options.call_timeout);
+        own.min_with((fence_ns != 0).then(|| Fence::at_ns(fence_ns)))
+    }
+
+    /// Queries on a task of its own and hands the answer over; a lease nobody takes is
+    /// released. The handler's future may be dropped at any await (the service's timeout, a
+    /// mailbox thread's deadline, a client gone): a lease granted meanwhile must not stay
+    /// until its TTL. An answer that would leave after `fence` releases its lease too: the
+    /// client has stopped waiting for it.
+    async fn lease_handed_over(
+        &self,
+        req: api::QueryRequest,
+        fence: Fence,
+    ) -> Result<api::QueryResponse, Status> {
+        const M: &str = "Query";
+        let node = self.shared.node.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let r = node.query_fenced(req, Some(fence)).await;
+            let late = match tx.send(r) {
+                Ok(()) => return,
+                Err(r) => r,
+            };
+            if let Ok(api::QueryResponse {
+                lease: Some(lease),
+                local_blocks,
+                remote_blocks,
+                ..
+            }) = late
+            {
+                // Released already (the instance went) is fine.
+                let _ = node.release(lease).await;
+                node.counters()
+                    .abandoned("query", local_blocks + remote_blocks, Duration::ZERO);
+            }
+        });
+        let q = rx
+            .await
+            .map_err(|_| status(M, crate::NodeError::Stopped { what: "query" }))?
+            .map_err(|e| status(M, e))?;
+        let now = crate::fence::monotonic_ns();
+        if fence.passed_at(now) {
+            if let Some(lease) = q.lease {
+                let _ = self.shared.node.release(lease).await;
+            }
+            let late = fence.late_by(now);
+            self.shared
+                .node
+                .counters()
+                .abandoned("query", q.hit_blocks(), late);
+            return Err(status(
+                M,
+                crate::NodeError::DeadlinePassed {
+                    what: "Query",
+                    late,
+                },
+            ));
+        }
+        Ok(q)
+    }
+
     /// The memory a fd-socket handle names, checked against the request.
     fn memory_of(
         &self,
@@ -618,6 +684,7 @@ impl Engine for EngineService {
             max_hash_bytes: MAX_HASH_BYTES as u32,
             slot_bytes: node.config().pool.slot_bytes.0,
             max_mailboxes: MAX_ENGINE_MAILBOXES as u32,
+            monotonic_ns: crate::fence::monotonic_ns(),
         }))
     }
 
@@ -703,15 +770,19 @@ impl Engine for EngineService {
                 r.src_blocks.len()
             )));
         }
+        let fence = self.fence(r.fence_ns);
         let rep = self
             .shared
             .node
-            .save(api::SaveRequest {
-                instance,
-                rank: r.rank,
-                hashes,
-                src_blocks: r.src_blocks,
-            })
+            .save_fenced(
+                api::SaveRequest {
+                    instance,
+                    rank: r.rank,
+                    hashes,
+                    src_blocks: r.src_blocks,
+                },
+                Some(fence),
+            )
             .await
             .map_err(|e| status(M, e))?;
         Ok(Response::new(store_response(rep)))
@@ -736,14 +807,18 @@ impl Engine for EngineService {
             .zip(r.blocks)
             .map(|(h, b)| (h, b.data))
             .collect();
+        let fence = self.fence(r.fence_ns);
         let rep = self
             .shared
             .node
-            .put_blocks(api::PutBlocks {
-                instance,
-                rank: r.rank,
-                blocks,
-            })
+            .put_blocks_fenced(
+                api::PutBlocks {
+                    instance,
+                    rank: r.rank,
+                    blocks,
+                },
+                Some(fence),
+            )
             .await
             .map_err(|e| status(M, e))?;
         Ok(Response::new(store_response(rep)))
@@ -754,16 +829,13 @@ impl Engine for EngineService {
         let r = req.into_inner();
         let instance = check::instance(M, &r.instance)?;
         let hashes = check::query_hashes(M, &r.hashes, &r.packed_hashes, r.hash_len)?;
-        let q = self
-            .shared
-            .node
-            .query(api::QueryRequest {
-                instance,
-                hashes,
-                direct_gpu: r.direct_gpu,
-            })
-            .await
-            .map_err(|e| status(M, e))?;
+        let fence = self.fence(r.fence_ns);
+        let req = api::QueryRequest {
+            instance,
+            hashes,
+            direct_gpu: r.direct_gpu,
+        };
+        let q = self.lease_handed_over(req, fence).await?;
         let (direct, direct_reason) = match q.direct {
             api::DirectGrant::NotRequested => (DirectGrant::DirectNotRequested, String::new()),
             api::DirectGrant::Granted => (DirectGrant::DirectGranted, String::new()),

@@ -59,8 +59,10 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// a load's layers and end visible in shared memory; older requests are served unchanged.
 /// 4: `QueryRequest.packed_hashes`: a query's hashes in one field; the repeated form is still
 /// served. 5: request mailboxes (`SessionRequest.mailbox`): Query, Load and Save through shared
-/// memory beside the calls.
-pub const ENGINE_PROTOCOL: u32 = 5;
+/// memory beside the calls. 6: fences (`fence_ns` in Save, PutBlocks and Query, see
+/// [`crate::fence`]) and `CapabilitiesResponse.monotonic_ns`; requests without one are served
+/// as before.
+pub const ENGINE_PROTOCOL: u32 = 6;
 
 // Limits on what one engine request carries, advertised in `Capabilities`; a request over
 // one is refused with RESOURCE_EXHAUSTED before it reaches the node, so the work one request

@@ -586,6 +586,7 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
             rank: 0,
             hashes: vec![vec![1u8]; n],
             src_blocks: vec![0; n],
+            fence_ns: 0,
         };
         let r = raw.save(c.request(save(rpc::MAX_ENGINE_HASHES + 1))).await;
         assert_eq!(raw_code(r), Code::ResourceExhausted);
@@ -600,6 +601,7 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
                 };
                 rpc::MAX_ENGINE_HASHES + 1
             ],
+            fence_ns: 0,
         };
         let r = raw.put_blocks(c.request(put)).await;
         assert_eq!(raw_code(r), Code::ResourceExhausted);
@@ -621,6 +623,7 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
             direct_gpu: false,
             packed_hashes: packed.into(),
             hash_len,
+            fence_ns: 0,
         };
         for (what, req, want) in [
             (

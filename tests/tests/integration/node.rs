@@ -995,3 +995,134 @@ fn a_load_keeps_two_batches_queued_and_reports_each_before_submitting_the_next()
         assert_eq!(most, 2);
     });
 }
+
+/// A save whose copies complete after its fence (the moment its client gave up, when the
+/// engine may already reuse the source blocks for another request) is never sealed: its
+/// blocks are discarded, counted, and a later query misses them. One whose copies complete
+/// before the fence is sealed as ever; one that arrives after the fence reads nothing.
+#[test]
+fn a_save_whose_copies_end_after_its_fence_is_discarded_unsealed() {
+    use kvferry_actors::Fence;
+    rt().block_on(async {
+        let shape = KvShape::new(2, 1, 2, 1024).unwrap();
+        let hold = HookedDevice::new(HoldSaves::default());
+        let (release, log) = (Arc::clone(&hold.hook.loaded), Arc::clone(&hold.hook.log));
+        let dev: Arc<dyn kvferry_gpu::Device> = hold.clone();
+        let node = kvferry_actors::Node::start_in(
+            config(shape.block_bytes(), 32),
+            vec![Arc::clone(&dev)],
+            Clock::system(),
+            None::<Arc<kvferry_actors::remote::LocalCluster>>,
+        )
+        .unwrap();
+        let kv = register(&node, &dev, "fenced", shape, 0, KvKind::Split, 8, 0).await;
+        for b in 0..4u32 {
+            kv.write_block(b, 200 + u64::from(b), 0).unwrap();
+        }
+        let save = |range: std::ops::Range<u64>, src: Vec<u32>, fence| {
+            let node = node.clone();
+            tokio::spawn(async move {
+                node.save_fenced(
+                    SaveRequest {
+                        instance: id("fenced"),
+                        rank: 0,
+                        hashes: hashes(range),
+                        src_blocks: src,
+                    },
+                    Some(fence),
+                )
+                .await
+            })
+        };
+        // The copies are held (as a stalled node holds them) past the fence.
+        let late = save(
+            200..202,
+            vec![0, 1],
+            Fence::after(Duration::from_millis(150)),
+        );
+        while !log.lock().unwrap().contains(&"save submitting") {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        release.store(true, std::sync::atomic::Ordering::SeqCst);
+        let e = late.await.unwrap().unwrap_err();
+        assert!(
+            matches!(e, NodeError::DeadlinePassed { what: "Save", .. }),
+            "{e:?}"
+        );
+        let q = query(&node, "fenced", 200..202, false).await;
+        assert_eq!((q.local_blocks, q.lease), (0, None), "a discarded save hit");
+        let s = settled(&node).await;
+        assert_eq!((s.blocks, s.sealed_blocks), (0, 0), "{s:?}");
+        let text = node.metrics_text().await.unwrap();
+        assert!(
+            text.contains("kvferry_abandoned_total{op=\"save\"} 1"),
+            "{text}"
+        );
+
+        // Arriving after its fence: refused before any copy.
+        let submitted = log.lock().unwrap().len();
+        let e = save(202..204, vec![2, 3], Fence::at_ns(1))
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert!(matches!(e, NodeError::DeadlinePassed { .. }), "{e:?}");
+        assert_eq!(
+            log.lock().unwrap().len(),
+            submitted,
+            "copies of a late save"
+        );
+
+        // Copies done before the fence: sealed and loaded back byte for byte.
+        let ok = save(202..204, vec![2, 3], Fence::after(Duration::from_secs(30)))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((ok.written, ok.sealed), (2, 2));
+        let q = query(&node, "fenced", 202..204, false).await;
+        node.load(load_request(q.lease.unwrap(), "fenced", 0, &[6, 7]))
+            .await
+            .unwrap();
+        kv.verify(
+            &[(0, 200), (1, 201), (2, 202), (3, 203), (6, 202), (7, 203)],
+            0,
+        )
+        .unwrap();
+        settled(&node).await;
+        node.shutdown();
+    });
+}
+
+/// A query whose fence has passed by the time its lookup is done leases nothing and leaves
+/// no pin; a query within its fence leases as ever.
+#[test]
+fn a_query_past_its_fence_leaves_no_lease_nor_pin() {
+    use kvferry_actors::Fence;
+    rt().block_on(async {
+        let (node, dev) = node(64 << 10, 16, Clock::system());
+        let shape = shape(2, 1, 2);
+        let _kv = register(&node, &dev, "asker", shape, 0, KvKind::Contiguous, 8, 0).await;
+        put(&node, "asker", &shape, 0, 0..3).await;
+        let e = node
+            .query_fenced(query_request("asker", 0..3, false), Some(Fence::at_ns(1)))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, NodeError::DeadlinePassed { what: "Query", .. }),
+            "{e:?}"
+        );
+        let s = settled(&node).await;
+        assert_eq!((s.leases_live, s.pinned_blocks), (0, 0));
+        let q = node
+            .query_fenced(
+                query_request("asker", 0..3, false),
+                Some(Fence::after(Duration::from_secs(30))),
+            )
+            .await
+            .unwrap();
+        assert_eq!(q.local_blocks, 3);
+        node.release(q.lease.unwrap()).await.unwrap();
+        settled(&node).await;
+        node.shutdown();
+    });
+}
