@@ -227,7 +227,21 @@ def _verify(planes, dim: int, src: List[int], dst: List[int], nb: int) -> bool:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvferry.bench", description=__doc__.split("\n\n")[0])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["finish"]:
+        # A load's end as vLLM's worker sees it, against the board alone.
+        from . import bench_finish
+
+        return bench_finish.main(argv[1:])
+    if argv[:1] == ["vllm"]:
+        # TTFT in a real vLLM engine (kvferry.bench_vllm): imports vLLM only in its engines.
+        from . import bench_vllm
+
+        return bench_vllm.main(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m kvferry.bench",
+                                description=__doc__.split("\n\n")[0],
+                                epilog="python -m kvferry.bench vllm --help: time to first token "
+                                "in a real vLLM engine")
     p.add_argument("--kvferry-bin", default=os.environ.get("KVFERRY_BIN", "kvferry"))
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--blocks", default="1,16,64,256,1024",

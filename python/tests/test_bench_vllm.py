@@ -1,0 +1,124 @@
+"""`python -m kvferry.bench vllm` without a GPU: its arguments, the plan and the model's
+config.json it writes, and the summary it makes of the engines' runs (medians, the save
+cost, the bit-for-bit verdict). The engines themselves need vLLM on a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from kvferry import bench_vllm as bv
+
+
+def run(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "kvferry.bench", "vllm", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_dry_run_plans_whole_blocks_plus_one_and_writes_an_8b_config(tmp_path):
+    out = run("--dry-run", "--out", str(tmp_path), "--tokens", "40,100", "--prompts", "2",
+              "--warmup", "1", "--phases", "ref,kv-first,kv-xl")
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)
+    # 40 -> 2 blocks of 16 + 1, 100 -> 6 blocks + 1: every hit computes a one-token tail.
+    assert p["lengths"] == [33, 97]
+    assert p["block_bytes"] == 2 * 32 * 8 * 128 * 2 * 16  # 2 MiB: K and V of 32 layers
+    blocks = 3 * (2 + 6)
+    # Two layouts (per-layer, cross-layer) are two namespaces on the node.
+    assert p["pool_bytes"] == 2 * blocks * p["block_bytes"] * 11 // 10 + 64 * p["block_bytes"]
+    assert p["max_model_len"] == 97 + 8 + 16
+    cfg = json.loads((tmp_path / "llama8b-shape" / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_key_value_heads"],
+            cfg["head_dim"], cfg["vocab_size"]) == (4096, 32, 8, 128, 128256)
+    assert cfg["rope_scaling"]["rope_type"] == "llama3"
+
+
+def test_refuses_bad_arguments():
+    out = run("--phases", "ref,kv-fast")
+    assert out.returncode == 2 and "unknown phase 'kv-fast'" in out.stderr
+    out = run("--tokens", "2048,8")
+    assert out.returncode == 2 and "--tokens 8: shorter than one block" in out.stderr
+    out = run("--repeats", "0")
+    assert out.returncode == 2 and "--repeats" in out.stderr
+    out = run("--settle-ms", "-1")
+    assert out.returncode == 2 and "--settle-ms" in out.stderr
+
+
+def test_prompts_are_the_same_in_every_process_and_differ_between_prompts():
+    a = bv.prompt_ids(0, 33, 1)
+    assert a == bv.prompt_ids(0, 33, 1) and len(a) == 33
+    assert a != bv.prompt_ids(0, 33, 2) and a != bv.prompt_ids(1, 33, 1)
+    assert max(a) < bv.MAX_TOKEN_ID
+
+
+def _run(kind, n, i, ms, lp, tokens=None):
+    return {"kind": kind, "length": n, "index": i, "ms": ms, "logprobs": lp,
+            "tokens": tokens or [1], "cached": n - 1}
+
+
+def _phases(kv_lp):
+    good = {"7": (-0.5).hex(), "9": (-1.25).hex()}
+    recompute = {"7": (-0.5000001).hex(), "9": (-1.25).hex()}
+    ref = {"status": "ok", "runs": [
+        _run("cold", 33, 0, 100.0, recompute), _run("hit", 33, 0, 10.0, good),
+        _run("hit", 33, 0, 12.0, good), _run("check", 33, 0, 30.0, good, [7, 3]),
+        _run("hit", 33, -1, 99.0, good) | {"warmup": True},
+    ]}
+    return {
+        "plain": {"status": "ok", "runs": [_run("cold", 33, 0, 98.0, recompute)]},
+        "ref": ref,
+        "kv-first": {"status": "ok", "runs": [
+            _run("cold", 33, 0, 99.0, recompute), _run("hit", 33, 0, 20.0, kv_lp),
+            _run("hit", 33, 0, 24.0, good), _run("check", 33, 0, 40.0, good, [7, 3]),
+        ]},
+        "kv-xl": {"status": "skipped", "reason": "no cross-layer"},
+    }
+
+
+def test_summary_medians_save_cost_and_a_passing_verdict():
+    good = {"7": (-0.5).hex(), "9": (-1.25).hex()}
+    p = {"lengths": [33]}
+    s = bv.summarize(p, _phases(good))
+    t = s["ttft_ms"]["33"]
+    assert t["recompute"] == 98.0 and t["gpu_prefix_hit"] == 11.0
+    assert t["kvferry_hit_same_process_async"] == 22.0 and t["x_floor_same_process_async"] == 2.0
+    assert t["kvferry_hit_cross_layer_async"] is None  # skipped, not zero
+    assert t["save_cost_pct"] == round(100 * (99.0 / 98.0 - 1), 2)
+    c = s["correctness"]
+    assert c["verdict"] == "PASS" and c["checked_runs"] == 3
+    assert c["recompute_differs_from_hit"] == "1/1"
+
+
+def test_a_log_probability_one_ulp_off_fails_the_verdict():
+    off = {"7": (-0.5).hex(), "9": float.fromhex((-1.25).hex()).__sub__(2 ** -52).hex()}
+    c = bv.summarize({"lengths": [33]}, _phases(off))["correctness"]
+    assert c["verdict"] == "FAIL"
+    assert c["failures"][0]["phase"] == "kv-first" and c["failures"][0]["kind"] == "hit"
+
+
+def test_different_greedy_tokens_fail_the_verdict():
+    good = {"7": (-0.5).hex(), "9": (-1.25).hex()}
+    ph = _phases(good)
+    ph["kv-first"]["runs"][3]["tokens"] = [7, 4]
+    assert bv.summarize({"lengths": [33]}, ph)["correctness"]["verdict"] == "FAIL"
+
+
+def test_no_verdict_without_the_reference_phase():
+    good = {"7": (-0.5).hex()}
+    ph = _phases(good)
+    ph["ref"] = {"status": "failed", "reason": "engine did not start"}
+    assert bv.summarize({"lengths": [33]}, ph)["correctness"]["verdict"] == "NOT RUN"
+
+
+def test_trace_summary_takes_medians_per_label():
+    runs = [
+        {"ms": 50.0, "spans": [["rpc.query", 0.5, 0.2, None], ["worker.load_finished", 30.0, 0.01,
+                                                                {"node_seconds": 0.025}]]},
+        {"ms": 60.0, "spans": [["rpc.query", 0.7, 0.4, None], ["rpc.query", 5.0, 0.2, None]]},
+    ]
+    s = bv.summarize_trace(runs)
+    assert s["ttft_ms"] == 55.0
+    assert s["rpc.query"] == {"first_start_ms": 0.6, "total_ms": 0.4, "count": 1.5}
+    assert s["worker.load_finished"]["node_copy_ms"] == 25.0
+    assert list(s)[:2] == ["ttft_ms", "rpc.query"]  # labels in the order they first start
