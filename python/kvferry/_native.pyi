@@ -60,6 +60,7 @@ class EngineClient:
     def send_dmabuf(
         self, instance: str, rank: int, device: int, fd: int, base: int, length: int
     ) -> int: ...
+    def send_vmm(self, instance: str, rank: int, device: int, fd: int, length: int) -> int: ...
     def register(
         self,
         instance: str,

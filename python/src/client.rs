@@ -226,6 +226,27 @@ impl EngineClient {
         self.wait(py, M, fut)
     }
 
+    /// Sends the POSIX fd of a VMM allocation of GPU KV (`cuMemExportToShareableHandle`),
+    /// `length` bytes (the whole mapping); the node maps it on `device`. The fd stays the
+    /// caller's. Returns the memory handle (a `("handle", h)` region, offsets from byte 0).
+    fn send_vmm(
+        &self,
+        py: Python<'_>,
+        instance: &str,
+        rank: u32,
+        device: u32,
+        fd: i32,
+        length: u64,
+    ) -> PyResult<u64> {
+        const M: &str = "send_vmm";
+        let id = convert::instance(py, M, instance)?;
+        let owned = own_fd(py, M, fd)?;
+        let fut = self
+            .inner
+            .send_vmm(&id, rank, device, owned.as_fd(), length);
+        self.wait(py, M, fut)
+    }
+
     /// Creates a completion board of `slots` slots for `instance` rank `rank` and sends it
     /// to the node (protocol 3); pass it to `register(..., board=)`, then name its slots in
     /// `load(..., board_slot=, board_tag=)`.

@@ -129,7 +129,7 @@ impl DeviceKv {
     }
 
     /// Bytes of memory [`DeviceKv::in_one`] lays a KV of this geometry out in.
-    pub(crate) fn in_one_bytes(shape: KvShape, num_blocks: u32, view_offset: u64) -> u64 {
+    pub fn in_one_bytes(shape: KvShape, num_blocks: u32, view_offset: u64) -> u64 {
         let (count, per) = Self::buffers_needed(
             shape,
             KvKind::Split,
@@ -141,7 +141,7 @@ impl DeviceKv {
     }
 
     /// Split K/V planes one after another in `memory` (block stride = one segment).
-    pub(crate) fn in_one(
+    pub fn in_one(
         device: Arc<dyn Device>,
         memory: DeviceBuffer,
         shape: KvShape,

@@ -336,6 +336,22 @@ impl EngineClient {
         self.send_fd(line, fd).await
     }
 
+    /// Sends the POSIX fd of a VMM allocation holding GPU KV (vLLM 0.34's extensible KV
+    /// cache: `cuMemExportToShareableHandle`), `len` bytes (its mapping's whole size); the node
+    /// maps it on `device`, and layout offsets are from the allocation's byte 0. Returns the
+    /// memory handle to register with.
+    pub async fn send_vmm(
+        &self,
+        instance: &InstanceId,
+        rank: u32,
+        device: u32,
+        fd: BorrowedFd<'_>,
+        len: u64,
+    ) -> Result<u64, EngineClientError> {
+        let line = format!("vmm {instance} {rank} {device} {len}");
+        self.send_fd(line, fd).await
+    }
+
     /// Sends a completion board (see [`super::board`]) for `instance` rank `rank`; returns
     /// the handle to register with ([`Self::register_regions_with_board`]).
     pub async fn send_board(

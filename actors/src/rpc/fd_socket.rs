@@ -4,7 +4,9 @@
 //!
 //! One request is one line, sent together with its descriptor:
 //! `memfd <instance> <rank> <device> <len> [<token>]`,
-//! `dmabuf <instance> <rank> <device> <len> <base> [<token>]`, or `board` / `mailbox` with
+//! `dmabuf <instance> <rank> <device> <len> <base> [<token>]`,
+//! `vmm <instance> <rank> <device> <len> [<token>]` (the POSIX fd of a VMM allocation of GPU
+//! KV and the size of its mapping, mapped on the device), or `board` / `mailbox` with
 //! the memfd's fields (a completion board a registration names, a request mailbox a session
 //! attaches); the answer is one line,
 //! `ok <handle>` or `err <code> <message>` (code: the gRPC code name, e.g.
@@ -108,9 +110,9 @@ pub(crate) fn parse(line: &str) -> Result<FdRequest, Status> {
     let kind = words
         .first()
         .and_then(|k| MemoryKind::parse(k))
-        .ok_or_else(|| invalid("a request starts with memfd, dmabuf, board or mailbox"))?;
+        .ok_or_else(|| invalid("a request starts with memfd, dmabuf, vmm, board or mailbox"))?;
     let fixed = match kind {
-        MemoryKind::Memfd | MemoryKind::Board | MemoryKind::Mailbox => 5,
+        MemoryKind::Memfd | MemoryKind::Board | MemoryKind::Mailbox | MemoryKind::Vmm => 5,
         MemoryKind::Dmabuf => 6,
     };
     if words.len() != fixed && words.len() != fixed + 1 {
@@ -118,6 +120,7 @@ pub(crate) fn parse(line: &str) -> Result<FdRequest, Status> {
             MemoryKind::Memfd => "expected: memfd <instance> <rank> <device> <len> [<token>]",
             MemoryKind::Board => "expected: board <instance> <rank> <device> <len> [<token>]",
             MemoryKind::Mailbox => "expected: mailbox <instance> <rank> <device> <len> [<token>]",
+            MemoryKind::Vmm => "expected: vmm <instance> <rank> <device> <len> [<token>]",
             MemoryKind::Dmabuf => {
                 "expected: dmabuf <instance> <rank> <device> <len> <base> [<token>]"
             }
@@ -145,7 +148,7 @@ pub(crate) fn parse(line: &str) -> Result<FdRequest, Status> {
         return Err(invalid(format!("len {len} must be 1 byte to 1 TiB")));
     }
     let base = match kind {
-        MemoryKind::Memfd | MemoryKind::Board | MemoryKind::Mailbox => 0,
+        MemoryKind::Memfd | MemoryKind::Board | MemoryKind::Mailbox | MemoryKind::Vmm => 0,
         MemoryKind::Dmabuf => num(5, "base")?,
     };
     Ok(FdRequest {
@@ -252,6 +255,10 @@ fn handle(shared: &Shared, line: &str, mut fds: Vec<OwnedFd>) -> Result<u64, Sta
                 .import_dmabuf(fd, req.base, req.len)
                 .map_err(imported)?;
             (buf.base(), Arc::new(buf))
+        }
+        MemoryKind::Vmm => {
+            let buf = device.import_vmm_fd(fd, req.len).map_err(imported)?;
+            (buf.ptr(), Arc::new(buf))
         }
         // Taken above; kept total so no request can reach a panic.
         MemoryKind::Board | MemoryKind::Mailbox => {
@@ -392,6 +399,11 @@ mod tests {
         );
         let r = parse("dmabuf eng 0 0 4096 65536").unwrap();
         assert_eq!((r.base, r.token.as_str()), (65536, ""));
+        let r = parse("vmm eng 2 1 2097152 tok").unwrap();
+        assert_eq!(
+            (r.kind, r.rank, r.device, r.len, r.base, r.token.as_str()),
+            (MemoryKind::Vmm, 2, 1, 2 << 20, 0, "tok")
+        );
         for bad in [
             "",
             "shm eng 0 0 4096",
@@ -401,6 +413,9 @@ mod tests {
             "memfd eng 0 0 0",
             "memfd eng 0 0 4096 tok extra",
             "dmabuf eng 0 0 4096",
+            "vmm eng 0 0",
+            "vmm eng 0 0 0",
+            "vmm eng 0 0 4096 tok extra",
         ] {
             let e = parse(bad).unwrap_err();
             assert_eq!(e.code(), Code::InvalidArgument, "{bad:?}");

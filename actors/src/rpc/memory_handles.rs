@@ -22,6 +22,9 @@ pub enum MemoryKind {
     Memfd,
     /// An engine worker's GPU KV.
     Dmabuf,
+    /// An engine worker's GPU KV in a VMM allocation (vLLM 0.34's extensible KV cache),
+    /// by the POSIX fd `cuMemExportToShareableHandle` made of it, mapped on the device.
+    Vmm,
     /// A completion board (see [`super::board`]).
     Board,
     /// A request mailbox (see [`super::mailbox`]), attached to a session.
@@ -33,6 +36,7 @@ impl MemoryKind {
         match self {
             MemoryKind::Memfd => "memfd",
             MemoryKind::Dmabuf => "dmabuf",
+            MemoryKind::Vmm => "vmm",
             MemoryKind::Board => "board",
             MemoryKind::Mailbox => "mailbox",
         }
@@ -42,6 +46,7 @@ impl MemoryKind {
         match s {
             "memfd" => Some(MemoryKind::Memfd),
             "dmabuf" => Some(MemoryKind::Dmabuf),
+            "vmm" => Some(MemoryKind::Vmm),
             "board" => Some(MemoryKind::Board),
             "mailbox" => Some(MemoryKind::Mailbox),
             _ => None,

@@ -1265,6 +1265,38 @@ fn cuda_ipc_registration_is_refused_clearly_where_it_cannot_work() {
     });
 }
 
+/// A VMM fd (vLLM 0.34's extensible KV cache) sent to a node whose device cannot map one is
+/// refused on the fd socket with FAILED_PRECONDITION naming VMM, and the connection and the
+/// instance stay usable.
+#[test]
+fn a_vmm_fd_is_refused_clearly_where_it_cannot_be_mapped() {
+    rt().block_on(async {
+        let srv = with_token().await;
+        let c = srv.client(TOKEN).await;
+        let kv = MemfdKv::create(shape(), 16, 0).unwrap();
+        let err = c
+            .send_vmm(&id("eng"), 0, 0, kv.fd(), 2 << 20)
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Some(Code::FailedPrecondition), "{err}");
+        assert!(err.to_string().contains("VMM"), "{err}");
+        // A device the node does not have.
+        let err = c
+            .send_vmm(&id("eng"), 0, 9, kv.fd(), 2 << 20)
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Some(Code::InvalidArgument), "{err}");
+        let h = c
+            .send_memfd(&id("eng"), 0, 0, kv.fd(), kv.len())
+            .await
+            .unwrap();
+        c.register(&kv.register_request(&id("eng"), "m", 0), h)
+            .await
+            .unwrap();
+        srv.stop().await;
+    });
+}
+
 /// The node role of `an_engine_workers_cuda_kv_in_another_process_through_an_ipc_handle`:
 /// a node over CUDA device 0, serving until its stdin closes.
 #[test]
@@ -1436,6 +1468,93 @@ fn an_engine_workers_cuda_kv_in_another_process_through_an_ipc_handle() {
     child.finish(Some("ENGINE_CHILD_OK"));
 }
 
+/// vLLM 0.34's default KV cache the way it reaches a node: a VMM allocation (cuMemCreate,
+/// exportable as a POSIX fd) of this process, its fd sent on the fd socket to a node in
+/// another process, which maps it, registers it and loads into it, completion by stream and
+/// by poll; this process checks every byte of its own allocation.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_engine_workers_vmm_kv_in_another_process_through_its_fd() {
+    use std::os::fd::AsFd;
+    let child = ChildTest::spawn(
+        concat!(module_path!(), "::child_cuda_node"),
+        &[(CHILD_ENV, "1")],
+    );
+    let addr = child.wait_for("ENGINE_ADDR=");
+    let fd_path = std::path::PathBuf::from(child.wait_for("ENGINE_FD="));
+    let cuda = kvferry_gpu::CudaDevice::open(0).expect("a CUDA GPU");
+    rt().block_on(async {
+        let c = EngineClient::connect(addr, Some(fd_path), TOKEN)
+            .await
+            .unwrap();
+        let memory = cuda
+            .alloc_vmm(DeviceKv::in_one_bytes(shape(), 16, 256))
+            .expect("cuMemCreate an exportable allocation");
+        let kv =
+            DeviceKv::in_one(cuda.clone() as Arc<dyn Device>, memory, shape(), 16, 256).unwrap();
+        let e = cuda.export_vmm(kv.base()).unwrap();
+        assert_eq!(e.offset, 0);
+        // The fd is the only thing that crosses; this process keeps its copy until sent.
+        let h = c
+            .send_vmm(&id("vmm-eng"), 0, 0, e.fd.as_fd(), e.len)
+            .await
+            .unwrap();
+        drop(e);
+        let req = kvferry_actors::RegisterInstance {
+            instance: id("vmm-eng"),
+            model: "m".into(),
+            dtype: "bf16".into(),
+            shape: shape(),
+            rank: 0,
+            device: 0,
+            layout: kv.spec_from(kv.base()),
+        };
+        c.register(&req, h).await.unwrap();
+        let _session = c.open_session(&[id("vmm-eng")]).await.unwrap();
+        put_over_grpc(&c, shape(), "vmm-eng", 0..4).await;
+        let dest = [9u32, 3, 4, 12];
+        for by_stream in [true, false] {
+            let lease = lease_for(&c, "vmm-eng", 0..4).await;
+            let done = if by_stream {
+                let mut stream = c.completions(&id("vmm-eng"), 0).await.unwrap();
+                let l = c
+                    .load(&load_request(lease, "vmm-eng", 0, &dest))
+                    .await
+                    .unwrap();
+                stream.wait_for(l, WAIT).await.unwrap()
+            } else {
+                let l = c
+                    .load(&load_request(lease, "vmm-eng", 0, &dest))
+                    .await
+                    .unwrap();
+                c.wait_polling(l, Duration::from_millis(1), WAIT)
+                    .await
+                    .unwrap()
+            };
+            ok(&done, 4);
+            let checked = kv
+                .verify(&[(9, 0), (3, 1), (4, 2), (12, 3)], 0)
+                .unwrap_or_else(|e| panic!("by_stream={by_stream}: {e}"));
+            assert_eq!(checked, 4 * shape().rank_bytes());
+            eprintln!(
+                "vmm fd: {} bytes loaded into another process's VMM KV in {:.3} ms",
+                done.bytes,
+                done.seconds * 1e3
+            );
+            kv.reset().unwrap();
+        }
+        // Not a multiple of the granularity: refused on the socket, typed.
+        let e = cuda.export_vmm(kv.base()).unwrap();
+        let err = c
+            .send_vmm(&id("vmm-eng"), 0, 0, e.fd.as_fd(), e.len - 4096)
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Some(Code::InvalidArgument), "{err}");
+    });
+    // The session ends with this process's client; the node unregisters and unmaps.
+    child.finish(Some("ENGINE_CHILD_OK"));
+}
+
 #[test]
 fn a_completion_board_shows_loads_landing_without_an_rpc() {
     use kvferry_actors::rpc::board::{Board, SlotState};
@@ -1522,6 +1641,86 @@ fn a_completion_board_shows_loads_landing_without_an_rpc() {
         assert_eq!(s.memory_handles, 0, "the board went with the registration");
         c.unregister(&id("eng")).await.unwrap();
         c.unregister(&id("plain")).await.unwrap();
+        drop(c);
+        srv.stop().await;
+    });
+}
+
+#[test]
+fn a_board_says_a_loads_outcome_failed_blocks_included_and_successes_need_no_poll() {
+    use kvferry_actors::rpc::board::{Board, Outcome, SlotState};
+    rt().block_on(async {
+        let failing = HookedDevice::new(FailWhileSet::default());
+        let srv = EngineServer::start_on(
+            EngineOptions {
+                completion_retention: 2,
+                ..EngineOptions::default()
+            },
+            Arc::clone(&failing) as Arc<dyn Device>,
+            Arc::clone(&failing.inner),
+        )
+        .await;
+        let c = srv.client("").await;
+        let kv = MemfdKv::create(shape(), 16, 0).unwrap();
+        let board = Board::create(4).unwrap();
+        let b = c.send_board(&id("eng"), 0, &board).await.unwrap();
+        // The node said it writes this build's board.
+        board.accepted().unwrap();
+        let handle = c
+            .send_memfd(&id("eng"), 0, 0, kv.fd(), kv.len())
+            .await
+            .unwrap();
+        let req = kv.register_request(&id("eng"), "m", 0);
+        c.register_with_board(&req, handle, b).await.unwrap();
+        put_over_grpc(&c, shape(), "eng", 0..4).await;
+
+        // More successes than the node retains, none polled: the board's word is their
+        // delivery, so none counts as dropped undelivered nor waits in the book.
+        for tag in 1..=3 {
+            let lease = lease_for(&c, "eng", 0..4).await;
+            c.load_on_board(
+                &load_request(lease, "eng", 0, &[9, 3, 4, 12]),
+                Some((1, tag)),
+            )
+            .await
+            .unwrap();
+            let v = board.wait(1, tag, u32::MAX, WAIT).unwrap();
+            assert_eq!((v.tag, v.outcome()), (tag, Some(Outcome::Ok)), "{v:?}");
+        }
+        kv.verify(&[(9, 0), (3, 1), (4, 2), (12, 3)], 0).unwrap();
+        let s = stats_until(&c, "the loads drain", |s| s.transfers_in_flight == 0).await;
+        assert_eq!((s.loads_ok, s.loads_failed), (3, 0));
+        assert_eq!(
+            (s.completions_dropped, s.completions_retained),
+            (0, 0),
+            "{s:?}"
+        );
+
+        // A failure: the final word says so with its failed blocks; the details come from
+        // one PollLoad.
+        failing.hook.0.store(true, Ordering::Relaxed);
+        let lease = lease_for(&c, "eng", 0..3).await;
+        let l = c
+            .load_on_board(&load_request(lease, "eng", 0, &[7, 8, 10]), Some((2, 40)))
+            .await
+            .unwrap();
+        let v = board.wait(2, 40, u32::MAX, WAIT).unwrap();
+        assert_eq!(
+            (v.tag, v.state, v.failed_blocks),
+            (40, SlotState::Failed, 3)
+        );
+        assert_eq!(v.outcome(), Some(Outcome::Failed { blocks: 3 }));
+        let done = c
+            .poll_load(l)
+            .await
+            .unwrap()
+            .expect("failed on the board: done here");
+        assert_eq!(done.status, proto::LoadStatus::LoadFailed as i32);
+        assert_eq!(done.failed_blocks, vec![7, 8, 10]);
+        assert!(done.error.contains("injected failure"), "{}", done.error);
+        failing.hook.0.store(false, Ordering::Relaxed);
+        let s = stats_until(&c, "the failed load drains", |s| s.transfers_in_flight == 0).await;
+        assert_eq!((s.loads_failed, s.completions_dropped), (1, 0));
         drop(c);
         srv.stop().await;
     });
