@@ -5,7 +5,7 @@
 use std::alloc::{self, Layout};
 use std::collections::BTreeMap;
 use std::fmt;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::time::Instant;
 
@@ -184,24 +184,7 @@ impl HostDevice {
         }
         let size = usize::try_from(len)
             .map_err(|_| fail(format!("{len} bytes exceed the address space")))?;
-        // SAFETY: fcntl on a descriptor we own; F_GET_SEALS takes no argument.
-        let seals = unsafe { libc::fcntl(raw, libc::F_GET_SEALS) };
-        if seals < 0 {
-            return Err(fail(format!(
-                "not a memfd ({})",
-                std::io::Error::last_os_error()
-            )));
-        }
-        if seals & libc::F_SEAL_SHRINK == 0 {
-            // SAFETY: fcntl on a descriptor we own with an integer argument.
-            if unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } < 0 {
-                return Err(fail(format!(
-                    "cannot seal it against shrinking ({}): create it with MFD_ALLOW_SEALING or \
-                     seal it F_SEAL_SHRINK",
-                    std::io::Error::last_os_error()
-                )));
-            }
-        }
+        crate::memfd::seal_against_shrinking(fd.as_fd()).map_err(|e| fail(e.to_string()))?;
         // SAFETY: a zeroed stat is valid output space for fstat.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: fstat writes into `st`, which lives across the call.

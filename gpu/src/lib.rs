@@ -9,6 +9,7 @@ pub mod cuda;
 mod device;
 mod host;
 mod layout;
+pub mod memfd;
 mod scatter;
 mod shape;
 

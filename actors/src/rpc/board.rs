@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use super::shared_map::{futex_wake, poll_then_sleep, OsError, SharedMap};
+use super::shared_map::{futex_wake, poll_then_sleep, MapError, OsError, SharedMap};
 
 pub const MAGIC: u32 = 0x4246_564b;
 pub const VERSION: u32 = 1;
@@ -153,13 +153,20 @@ impl Board {
 
     /// Maps a board a client sent (the node side), checking its header and size.
     pub fn open(fd: OwnedFd, len: u64) -> Result<Self, BoardError> {
-        let actual = SharedMap::file_len(&fd)?;
+        let actual = SharedMap::sealed_len(&fd)?;
         if len < HEADER_BYTES || actual < len {
             return Err(BoardError::Size {
                 slots: 0,
                 want: len.max(HEADER_BYTES),
                 len: actual,
             });
+    /// The memfd could shrink under the node's mapping (a fault the node cannot catch), and
+    /// it cannot be sealed: refused.
+    #[error("the completion board memfd cannot be kept from shrinking: {source}")]
+    Unsealable {
+        #[source]
+        source: kvferry_gpu::memfd::SealError,
+    },
         }
         // Mapped first; the header's slot count is checked against the stated length below.
         let mut b = Self {
@@ -168,6 +175,15 @@ impl Board {
         };
         let (magic, version) = (
             b.word32(0).load(Ordering::Acquire),
+impl From<MapError> for BoardError {
+    fn from(e: MapError) -> Self {
+        match e {
+            MapError::Os(e) => e.into(),
+            MapError::Unsealable(source) => BoardError::Unsealable { source },
+        }
+    }
+}
+
             b.word32(4).load(Ordering::Relaxed),
         );
         if magic != MAGIC || version != VERSION {
@@ -435,10 +451,14 @@ mod tests {
             Err(BoardError::Size { .. })
         ));
         // Not a board: a zeroed memfd.
-        let fd = rustix::fs::memfd_create("x", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
-        rustix::fs::ftruncate(&fd, board_bytes(4)).unwrap();
+        let memfd = |flags| {
+            let fd = rustix::fs::memfd_create("x", flags).unwrap();
+            rustix::fs::ftruncate(&fd, board_bytes(4)).unwrap();
+            fd
+        };
+        use rustix::fs::MemfdFlags;
         assert!(matches!(
-            Board::open(fd, board_bytes(4)),
+            Board::open(memfd(MemfdFlags::ALLOW_SEALING), board_bytes(4)),
             Err(BoardError::Header { magic: 0, .. })
         ));
         assert!(matches!(
@@ -451,3 +471,7 @@ mod tests {
         ));
     }
 }
+        // A memfd that could shrink under the node's mapping, and cannot be sealed.
+        let e = Board::open(memfd(MemfdFlags::CLOEXEC), board_bytes(4)).unwrap_err();
+        assert!(matches!(e, BoardError::Unsealable { .. }), "{e}");
+        assert!(e.to_string().contains("completion board"), "{e}");

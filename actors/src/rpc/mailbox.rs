@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use super::shared_map::{futex_wait, futex_wake, poll_then_sleep, OsError, SharedMap};
+use super::shared_map::{futex_wait, futex_wake, poll_then_sleep, MapError, OsError, SharedMap};
 
 pub const MAGIC: u32 = 0x4d46_564b;
 pub const VERSION: u32 = 1;
@@ -120,12 +120,28 @@ pub enum MailboxError {
     TimedOut { op: &'static str, waited: Duration },
     #[error("the node answered with a length of {len} bytes, past the slot")]
     BadAnswer { len: u32 },
+    /// The memfd could shrink under the node's mapping (a fault the node cannot catch), and
+    /// it cannot be sealed: refused.
+    #[error("the request mailbox memfd cannot be kept from shrinking: {source}")]
+    Unsealable {
+        #[source]
+        source: kvferry_gpu::memfd::SealError,
+    },
     #[error("{call} failed")]
     Os {
         call: &'static str,
         #[source]
         source: std::io::Error,
     },
+}
+
+impl From<MapError> for MailboxError {
+    fn from(e: MapError) -> Self {
+        match e {
+            MapError::Os(e) => e.into(),
+            MapError::Unsealable(source) => MailboxError::Unsealable { source },
+        }
+    }
 }
 
 impl From<OsError> for MailboxError {
@@ -201,7 +217,7 @@ impl Mailbox {
 
     /// Maps a mailbox a client sent (the node side), checking its header against `len`.
     pub fn open(fd: OwnedFd, len: u64) -> Result<Self, MailboxError> {
-        let actual = SharedMap::file_len(&fd)?;
+        let actual = SharedMap::sealed_len(&fd)?;
         if len < HEADER_BYTES || actual < len {
             return Err(MailboxError::Size {
                 want: len.max(HEADER_BYTES),
@@ -585,12 +601,24 @@ mod tests {
             Mailbox::open(fd, mailbox_bytes(3, MIN_SLOT_BYTES)),
             Err(MailboxError::Size { .. })
         ));
-        let fd = rustix::fs::memfd_create("x", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
-        rustix::fs::ftruncate(&fd, mailbox_bytes(2, MIN_SLOT_BYTES)).unwrap();
+        let memfd = |flags| {
+            let fd = rustix::fs::memfd_create("x", flags).unwrap();
+            rustix::fs::ftruncate(&fd, mailbox_bytes(2, MIN_SLOT_BYTES)).unwrap();
+            fd
+        };
+        use rustix::fs::MemfdFlags;
         assert!(matches!(
-            Mailbox::open(fd, mailbox_bytes(2, MIN_SLOT_BYTES)),
+            Mailbox::open(
+                memfd(MemfdFlags::ALLOW_SEALING),
+                mailbox_bytes(2, MIN_SLOT_BYTES)
+            ),
             Err(MailboxError::Header { magic: 0, .. })
         ));
+        // A memfd that could shrink under the node's mapping, and cannot be sealed.
+        let e = Mailbox::open(memfd(MemfdFlags::CLOEXEC), mailbox_bytes(2, MIN_SLOT_BYTES))
+            .unwrap_err();
+        assert!(matches!(e, MailboxError::Unsealable { .. }), "{e}");
+        assert!(e.to_string().contains("request mailbox"), "{e}");
         for (slots, bytes) in [
             (0, MIN_SLOT_BYTES),
             (MAX_SLOTS + 1, MIN_SLOT_BYTES),

@@ -25,6 +25,20 @@ fn os(call: &'static str) -> impl FnOnce(rustix::io::Errno) -> OsError {
     }
 }
 
+/// Why a memfd was not mapped: a failed call, or a file that could shrink under the mapping.
+#[derive(Debug)]
+pub(crate) enum MapError {
+    Os(OsError),
+    /// Not sealed against shrinking, and it cannot be (a shrunk file faults its mappings).
+    Unsealable(kvferry_gpu::memfd::SealError),
+}
+
+impl From<OsError> for MapError {
+    fn from(e: OsError) -> Self {
+        MapError::Os(e)
+    }
+}
+
 /// A shared mapping of a whole memfd. Unmapped on drop.
 #[derive(Debug)]
 pub(crate) struct SharedMap {
@@ -41,8 +55,9 @@ unsafe impl Send for SharedMap {}
 unsafe impl Sync for SharedMap {}
 
 impl SharedMap {
-    /// A new zeroed memfd of `len` bytes, mapped (the client side).
-    pub(crate) fn create(name: &str, len: u64) -> Result<Self, OsError> {
+    /// A new zeroed memfd of `len` bytes, sealed against shrinking and mapped (the client
+    /// side: the node maps what it is sent, and it must not be able to shrink under the node).
+    pub(crate) fn create(name: &str, len: u64) -> Result<Self, MapError> {
         let fd = rustix::fs::memfd_create(
             name,
             rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
@@ -52,14 +67,20 @@ impl SharedMap {
         Self::map(fd, len)
     }
 
-    /// The size of the file behind `fd` (the node side checks it before mapping).
-    pub(crate) fn file_len(fd: &OwnedFd) -> Result<u64, OsError> {
+    /// Seals `fd` against shrinking (the node side, before it checks the size: a size read
+    /// before the seal could be gone by the time the mapping is touched) and returns the size
+    /// of the file, which it now keeps.
+    pub(crate) fn sealed_len(fd: &OwnedFd) -> Result<u64, MapError> {
+        kvferry_gpu::memfd::seal_against_shrinking(fd.as_fd()).map_err(MapError::Unsealable)?;
         let st = rustix::fs::fstat(fd).map_err(os("fstat"))?;
         Ok(u64::try_from(st.st_size).unwrap_or(0))
     }
 
-    /// Maps the first `len` bytes of `fd`, which the caller checked the file holds.
-    pub(crate) fn map(fd: OwnedFd, len: u64) -> Result<Self, OsError> {
+    /// Maps the first `len` bytes of `fd`, which the caller checked the file holds. The file
+    /// is sealed against shrinking first, whoever maps it: every mapping this type makes stays
+    /// backed for its whole life, so no access through it can fault.
+    pub(crate) fn map(fd: OwnedFd, len: u64) -> Result<Self, MapError> {
+        kvferry_gpu::memfd::seal_against_shrinking(fd.as_fd()).map_err(MapError::Unsealable)?;
         let n = usize::try_from(len)
             .ok()
             .filter(|n| *n > 0)
@@ -192,4 +213,42 @@ pub(crate) fn poll_then_sleep<T>(
 /// Wakes every waiter on `word`.
 pub(crate) fn futex_wake(word: &AtomicU32) {
     let _ = futex::wake(word, futex::Flags::empty(), u32::MAX);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shrink(fd: BorrowedFd<'_>) -> Result<(), rustix::io::Errno> {
+        rustix::fs::ftruncate(fd, 0)
+    }
+
+    /// What a client creates is sealed before it is sent; what the node maps is sealed before
+    /// it reads its size, whoever created it: neither side's mapping can lose its pages.
+    #[test]
+    fn no_mapping_can_shrink_under_either_side() {
+        let client = SharedMap::create("t", 8192).unwrap();
+        assert_eq!(shrink(client.fd()), Err(rustix::io::Errno::PERM));
+        // A client that did not seal it (an older or foreign one): the node seals it.
+        let fd = rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
+        rustix::fs::ftruncate(&fd, 8192).unwrap();
+        let theirs = fd.try_clone().unwrap();
+        assert_eq!(SharedMap::sealed_len(&fd).unwrap(), 8192);
+        let node = SharedMap::map(fd, 8192).unwrap();
+        assert_eq!(shrink(theirs.as_fd()), Err(rustix::io::Errno::PERM));
+        // Growing is harmless and still allowed; the mapping reads as before.
+        rustix::fs::ftruncate(&theirs, 16384).unwrap();
+        assert_eq!(node.read(8188, 4), Some(vec![0; 4]));
+        // One that cannot be sealed is not mapped.
+        let fd = rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&fd, 8192).unwrap();
+        assert!(matches!(
+            SharedMap::sealed_len(&fd),
+            Err(MapError::Unsealable(_))
+        ));
+        assert!(matches!(
+            SharedMap::map(fd, 8192),
+            Err(MapError::Unsealable(_))
+        ));
+    }
 }
