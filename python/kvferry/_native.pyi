@@ -30,7 +30,8 @@ class Completions:
     def __exit__(self, *exc: object) -> bool: ...
 
 class CompletionBoard:
-    """A rank's loads landing, in shared memory (engine protocol 3)."""
+    """A rank's loads landing and ending, in shared memory (engine protocol 3, board
+    version 2): a view is ``{"tag", "state", "layers", "done", "ok", "failed_blocks"}``."""
 
     handle: int
     @property
@@ -39,6 +40,10 @@ class CompletionBoard:
     def wait(
         self, slot: int, tag: int, layers: int, timeout_s: float = 10.0
     ) -> Dict[str, object]: ...
+    def wait_ends(
+        self, loads: Sequence[Tuple[int, int]], timeout_s: float = 10.0
+    ) -> List[Dict[str, object]]: ...
+    def interrupt(self) -> None: ...
 
 class EngineClient:
     """A client of one node's engine service; every call releases the GIL while it waits."""

@@ -31,6 +31,8 @@ pub fn client(py: Python<'_>, method: &str, e: &EngineClientError) -> PyErr {
             ..
         } => ("call", "RESOURCE_EXHAUSTED"),
         EngineClientError::Mailbox { .. } => ("call", "INTERNAL"),
+        // A node that does not write this build's board: loads are polled instead.
+        EngineClientError::Board { .. } => ("call", "FAILED_PRECONDITION"),
         _ => ("call", "UNKNOWN"),
     };
     raise(py, kind, code, method, &chain(e))

@@ -3,22 +3,31 @@
 //! names the handle in `RegisterInstance.completion_board`; each `Load` may then name a slot
 //! and a tag. The node writes the slot as the load's layers land and when it ends, and bumps
 //! a futex word that wakes the client's waiters (futexes work across processes on shared
-//! mappings). The detailed result (bytes, stages, failed blocks) still comes on the
-//! `Completions` stream or `PollLoad`; the board says *when*.
+//! mappings). The slot's final word carries the outcome: ok, or failed with how many
+//! destination blocks failed. An engine reports a load that ended ok on the board alone;
+//! only a failure's details (the error, which blocks) need a `PollLoad`.
 //!
 //! Layout, little-endian, all fields naturally aligned:
 //!
 //! ```text
-//! 0   u32 magic "KVFB" (0x4246_564b)   4  u32 version (1)   8  u32 slots   12 u32 reserved
+//! 0   u32 magic "KVFB" (0x4246_564b)   4  u32 version (2)   8  u32 slots
+//! 12  u32 accepted (the version the node took it as, written by the node; 0 before)
 //! 16  u32 wake (futex word, bumped on every write)           20..64 reserved
-//! 64 + 16·i: slot i —  u64 word = tag << 32 | state << 24 | layers,  u32 total,  u32 reserved
+//! 64 + 16·i: slot i —  u64 word = tag << 32 | state << 24 | count,  u32 total,  u32 reserved
 //! ```
 //!
-//! One 64-bit store publishes a slot's tag, state and landed layers together, so a reader
-//! never pairs one load's tag with another's state. States: 0 idle, 1 running, 2 ok, 3 failed.
+//! One 64-bit store publishes a slot's tag, state and count together, so a reader never
+//! pairs one load's tag with another's state or outcome. States: 0 idle, 1 running, 2 ok,
+//! 3 failed. The 24-bit count is the layers landed while running (every layer once ok), and
+//! the failed destination blocks once failed (a load names at most
+//! [`super::MAX_ENGINE_BLOCKS`]). Version 1 boards wrote the landed layers in a failed
+//! slot, which a reader of this version would take for failed blocks: the node refuses a
+//! board of any other version, and writes the version it took it as into the header, which
+//! [`super::engine_client::EngineClient::send_board`] checks (a node that did not say so is
+//! refused on the client side).
 
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use thiserror::Error;
@@ -26,12 +35,16 @@ use thiserror::Error;
 use super::shared_map::{futex_wake, poll_then_sleep, MapError, OsError, SharedMap};
 
 pub const MAGIC: u32 = 0x4246_564b;
-pub const VERSION: u32 = 1;
+/// The board layout and word this build writes and reads (2: a failed slot's count is its
+/// failed blocks).
+pub const VERSION: u32 = 2;
 pub const HEADER_BYTES: u64 = 64;
 pub const SLOT_BYTES: u64 = 16;
 /// Most slots a board may have.
 pub const MAX_SLOTS: u32 = 4096;
 
+/// Where the node writes the version it took the board as (the header's word at 12).
+const ACCEPTED_OFFSET: usize = 12;
 const WAKE_OFFSET: usize = 16;
 /// How long [`Board::wait`] polls the slot before sleeping on the futex: a woken sleeper
 /// runs tens of microseconds after the node's write (about 50 us on the H200, as much as a
@@ -72,23 +85,60 @@ impl SlotState {
     }
 }
 
+/// How a load ended, as its slot's final word says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Ok,
+    /// `blocks` of its destination blocks failed (all of them, today: a load fails whole).
+    Failed {
+        blocks: u32,
+    },
+}
+
 /// What one slot says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SlotView {
     pub tag: u32,
     pub state: SlotState,
+    /// Layers landed (every layer once ok; 0 once failed: the word carries the failed
+    /// blocks instead).
     pub layers: u32,
+    /// Destination blocks that failed (0 unless failed).
+    pub failed_blocks: u32,
 }
 
-fn pack(tag: u32, state: SlotState, layers: u32) -> u64 {
-    u64::from(tag) << 32 | state.code() << 24 | u64::from(layers.min(0x00ff_ffff))
+impl SlotView {
+    /// The load's outcome once it ended; `None` while it runs (or the slot is idle).
+    pub fn outcome(&self) -> Option<Outcome> {
+        match self.state {
+            SlotState::Ok => Some(Outcome::Ok),
+            SlotState::Failed => Some(Outcome::Failed {
+                blocks: self.failed_blocks,
+            }),
+            SlotState::Idle | SlotState::Running => None,
+        }
+    }
+}
+
+/// The largest count a slot word holds.
+const COUNT_MAX: u32 = 0x00ff_ffff;
+
+fn pack(tag: u32, state: SlotState, count: u32) -> u64 {
+    u64::from(tag) << 32 | state.code() << 24 | u64::from(count.min(COUNT_MAX))
 }
 
 fn unpack(w: u64) -> SlotView {
+    let state = SlotState::from_code((w >> 24) & 0xff);
+    let count = (w & u64::from(COUNT_MAX)) as u32;
+    let (layers, failed_blocks) = match state {
+        SlotState::Failed => (0, count),
+        _ => (count, 0),
+    };
     SlotView {
         tag: (w >> 32) as u32,
-        state: SlotState::from_code((w >> 24) & 0xff),
-        layers: (w & 0x00ff_ffff) as u32,
+        state,
+        layers,
+        failed_blocks,
     }
 }
 
@@ -101,16 +151,37 @@ pub enum BoardError {
     Slots { slots: u32 },
     #[error("not a completion board (magic {magic:#x}, version {version})")]
     Header { magic: u32, version: u32 },
+    #[error(
+        "the node did not take the completion board as version {VERSION} (it says {version}; \
+         0: an older node)"
+    )]
+    NotAccepted { version: u32 },
     #[error("slot {slot} is out of range (the board has {slots})")]
     SlotRange { slot: u32, slots: u32 },
     #[error("slot {slot} still shows a running load (tag {tag})")]
     SlotBusy { slot: u32, tag: u32 },
+    /// The memfd could shrink under the node's mapping (a fault the node cannot catch), and
+    /// it cannot be sealed: refused.
+    #[error("the completion board memfd cannot be kept from shrinking: {source}")]
+    Unsealable {
+        #[source]
+        source: kvferry_gpu::memfd::SealError,
+    },
     #[error("{call} failed")]
     Os {
         call: &'static str,
         #[source]
         source: std::io::Error,
     },
+}
+
+impl From<MapError> for BoardError {
+    fn from(e: MapError) -> Self {
+        match e {
+            MapError::Os(e) => e.into(),
+            MapError::Unsealable(source) => BoardError::Unsealable { source },
+        }
+    }
 }
 
 impl From<OsError> for BoardError {
@@ -132,6 +203,9 @@ pub fn board_bytes(slots: u32) -> u64 {
 pub struct Board {
     map: SharedMap,
     slots: u32,
+    /// Set by [`Board::interrupt`], taken by the next [`Board::wait_ends`] (this process
+    /// only: not in the shared mapping).
+    interrupted: AtomicBool,
 }
 
 impl Board {
@@ -144,6 +218,7 @@ impl Board {
         let b = Self {
             map: SharedMap::create("kvferry-board", board_bytes(slots))?,
             slots,
+            interrupted: AtomicBool::new(false),
         };
         b.word32(4).store(VERSION, Ordering::Relaxed);
         b.word32(8).store(slots, Ordering::Relaxed);
@@ -160,30 +235,15 @@ impl Board {
                 want: len.max(HEADER_BYTES),
                 len: actual,
             });
-    /// The memfd could shrink under the node's mapping (a fault the node cannot catch), and
-    /// it cannot be sealed: refused.
-    #[error("the completion board memfd cannot be kept from shrinking: {source}")]
-    Unsealable {
-        #[source]
-        source: kvferry_gpu::memfd::SealError,
-    },
         }
         // Mapped first; the header's slot count is checked against the stated length below.
         let mut b = Self {
             map: SharedMap::map(fd, len)?,
             slots: 0,
+            interrupted: AtomicBool::new(false),
         };
         let (magic, version) = (
             b.word32(0).load(Ordering::Acquire),
-impl From<MapError> for BoardError {
-    fn from(e: MapError) -> Self {
-        match e {
-            MapError::Os(e) => e.into(),
-            MapError::Unsealable(source) => BoardError::Unsealable { source },
-        }
-    }
-}
-
             b.word32(4).load(Ordering::Relaxed),
         );
         if magic != MAGIC || version != VERSION {
@@ -201,7 +261,19 @@ impl From<MapError> for BoardError {
             });
         }
         b.slots = slots;
+        // What this node reads and writes, for the client to check (see `accepted`).
+        b.word32(ACCEPTED_OFFSET).store(VERSION, Ordering::Release);
         Ok(b)
+    }
+
+    /// Client side, once the node has taken the board: refused unless the node said it
+    /// writes this build's version (a node that took it without saying so, or says another
+    /// version, would write words this client reads wrong).
+    pub fn accepted(&self) -> Result<(), BoardError> {
+        match self.word32(ACCEPTED_OFFSET).load(Ordering::Acquire) {
+            VERSION => Ok(()),
+            version => Err(BoardError::NotAccepted { version }),
+        }
     }
 
     /// The fd to send to the node.
@@ -258,9 +330,9 @@ impl From<MapError> for BoardError {
         Ok(self.slot_total(slot).load(Ordering::Relaxed))
     }
 
-    fn publish(&self, slot: u32, v: SlotView) {
+    fn publish(&self, slot: u32, tag: u32, state: SlotState, count: u32) {
         self.slot_word(slot)
-            .store(pack(v.tag, v.state, v.layers), Ordering::Release);
+            .store(pack(tag, state, count), Ordering::Release);
         self.wake();
     }
 
@@ -277,14 +349,7 @@ impl From<MapError> for BoardError {
             return Err(BoardError::SlotBusy { slot, tag: v.tag });
         }
         self.slot_total(slot).store(total, Ordering::Relaxed);
-        self.publish(
-            slot,
-            SlotView {
-                tag,
-                state: SlotState::Running,
-                layers: 0,
-            },
-        );
+        self.publish(slot, tag, SlotState::Running, 0);
         Ok(())
     }
 
@@ -311,21 +376,23 @@ impl From<MapError> for BoardError {
         self.wake();
     }
 
-    /// Node side: the load ended (its result is already available to `PollLoad`).
-    pub fn finish(&self, slot: u32, tag: u32, ok: bool) {
+    /// Node side: the load ended with `outcome` (its details are already available to
+    /// `PollLoad`). A failure of more blocks than a word holds shows the most it holds;
+    /// a failure of none shows one, so a reader never sees a failed load without a block.
+    pub fn finish(&self, slot: u32, tag: u32, outcome: Outcome) {
         let Ok(v) = self.view(slot) else { return };
         if v.tag != tag {
             return;
         }
-        let total = self.slot_total(slot).load(Ordering::Relaxed);
-        self.publish(
-            slot,
-            SlotView {
-                tag,
-                state: if ok { SlotState::Ok } else { SlotState::Failed },
-                layers: if ok { total } else { v.layers },
-            },
-        );
+        match outcome {
+            Outcome::Ok => {
+                let total = self.slot_total(slot).load(Ordering::Relaxed);
+                self.publish(slot, tag, SlotState::Ok, total);
+            }
+            Outcome::Failed { blocks } => {
+                self.publish(slot, tag, SlotState::Failed, blocks.clamp(1, COUNT_MAX));
+            }
+        }
     }
 
     /// Client side: waits until slot `slot` shows `tag` with at least `layers` landed or the
@@ -363,6 +430,48 @@ impl From<MapError> for BoardError {
     }
 }
 
+impl Board {
+    /// Client side: waits until at least one of `loads` (slot, tag) shows its end, an
+    /// [`Board::interrupt`] came since the last call, or `timeout` passed; returns the ended
+    /// loads with what their slots say (none: interrupted or timed out). For the one thread
+    /// of a rank that watches all its loads at once: it sleeps through the layers landing
+    /// and wakes for an end, or when it has a new load to start. Slots out of range are
+    /// refused before waiting.
+    pub fn wait_ends(
+        &self,
+        loads: &[(u32, u32)],
+        timeout: Duration,
+    ) -> Result<Vec<(u32, SlotView)>, BoardError> {
+        for &(slot, _) in loads {
+            self.check(slot)?;
+        }
+        let ended = |out: &mut Vec<(u32, SlotView)>| {
+            for &(slot, tag) in loads {
+                let v = unpack(self.slot_word(slot).load(Ordering::Acquire));
+                if v.tag == tag && v.state.is_done() {
+                    out.push((slot, v));
+                }
+            }
+        };
+        let seen = poll_then_sleep(self.word32(WAKE_OFFSET), WAIT_SPIN, timeout, || {
+            let mut out = Vec::new();
+            ended(&mut out);
+            if !out.is_empty() || self.interrupted.swap(false, Ordering::AcqRel) {
+                return Some(out);
+            }
+            None
+        });
+        Ok(seen.unwrap_or_default())
+    }
+
+    /// Ends the current (or the next) [`Board::wait_ends`] of this process at once: a new
+    /// load was handed to the waiting thread.
+    pub fn interrupt(&self) {
+        self.interrupted.store(true, Ordering::Release);
+        self.wake();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -386,30 +495,169 @@ mod tests {
             SlotView {
                 tag: 77,
                 state: SlotState::Running,
-                layers: 0
+                layers: 0,
+                failed_blocks: 0,
             }
         );
         node.layers(3, 77, 4);
         node.layers(3, 77, 2); // never backwards
         node.layers(3, 76, 20); // another load's tag: ignored
         assert_eq!(client.view(3).unwrap().layers, 4);
+        assert_eq!(client.view(3).unwrap().outcome(), None);
         // Busy while running.
         assert!(matches!(
             node.begin(3, 78, 28),
             Err(BoardError::SlotBusy { slot: 3, tag: 77 })
         ));
-        node.finish(3, 77, true);
+        node.finish(3, 77, Outcome::Ok);
         let v = client.view(3).unwrap();
-        assert_eq!((v.state, v.layers), (SlotState::Ok, 28));
-        // Reusable once done; a failure keeps the layers that had landed.
+        assert_eq!((v.state, v.layers, v.failed_blocks), (SlotState::Ok, 28, 0));
+        assert_eq!(v.outcome(), Some(Outcome::Ok));
+        // Reusable once done.
         node.begin(3, 78, 28).unwrap();
         node.layers(3, 78, 5);
-        node.finish(3, 78, false);
+        node.finish(3, 78, Outcome::Failed { blocks: 6 });
         let v = client.view(3).unwrap();
-        assert_eq!((v.tag, v.state, v.layers), (78, SlotState::Failed, 5));
+        assert_eq!((v.tag, v.state), (78, SlotState::Failed));
         assert!(matches!(
             node.begin(8, 1, 1),
             Err(BoardError::SlotRange { slot: 8, slots: 8 })
+        ));
+    }
+
+    /// The word as the client maps it: a reader of another build sees exactly this.
+    fn raw(b: &Board, slot: u32) -> u64 {
+        b.slot_word(slot).load(Ordering::Acquire)
+    }
+
+    #[test]
+    fn the_final_word_carries_the_outcome_and_the_failed_blocks() {
+        let (client, node) = pair(4);
+        node.begin(1, 41, 28).unwrap();
+        node.layers(1, 41, 9);
+        assert_eq!(raw(&client, 1), 41 << 32 | 1 << 24 | 9);
+        node.finish(1, 41, Outcome::Failed { blocks: 7 });
+        // One store: tag, "failed" and the failed blocks (not the 9 layers that landed).
+        assert_eq!(raw(&client, 1), 41 << 32 | 3 << 24 | 7);
+        let v = client.view(1).unwrap();
+        assert_eq!(
+            (v.state, v.failed_blocks, v.layers),
+            (SlotState::Failed, 7, 0)
+        );
+        assert_eq!(v.outcome(), Some(Outcome::Failed { blocks: 7 }));
+        // A layer report that comes after the end changes nothing.
+        node.layers(1, 41, 20);
+        assert_eq!(raw(&client, 1), 41 << 32 | 3 << 24 | 7);
+
+        // Ok: every layer, no failed block.
+        node.begin(1, 42, 28).unwrap();
+        node.finish(1, 42, Outcome::Ok);
+        assert_eq!(raw(&client, 1), 42 << 32 | 2 << 24 | 28);
+        assert_eq!(client.view(1).unwrap().outcome(), Some(Outcome::Ok));
+
+        // Counts the word cannot hold: a failure always names a block, and at most 2^24-1.
+        node.begin(2, 1, 3).unwrap();
+        node.finish(2, 1, Outcome::Failed { blocks: 0 });
+        assert_eq!(client.view(2).unwrap().failed_blocks, 1);
+        node.begin(2, 2, 3).unwrap();
+        node.finish(2, 2, Outcome::Failed { blocks: u32::MAX });
+        assert_eq!(client.view(2).unwrap().failed_blocks, COUNT_MAX);
+        // The most blocks a load may name fit.
+        node.begin(2, 3, 3).unwrap();
+        let most = super::super::MAX_ENGINE_BLOCKS as u32;
+        node.finish(2, 3, Outcome::Failed { blocks: most });
+        assert_eq!(client.view(2).unwrap().failed_blocks, most);
+        // Another load's end never lands in the slot.
+        node.finish(2, 99, Outcome::Ok);
+        assert_eq!(client.view(2).unwrap().tag, 3);
+    }
+
+    #[test]
+    fn a_board_of_another_version_is_refused_on_either_side() {
+        // The client refuses a board no node has said it takes as this version.
+        let (client, node) = pair(4);
+        client.accepted().unwrap();
+        node.word32(ACCEPTED_OFFSET).store(1, Ordering::Release);
+        assert!(matches!(
+            client.accepted(),
+            Err(BoardError::NotAccepted { version: 1 })
+        ));
+        let fresh = Board::create(4).unwrap();
+        assert!(matches!(
+            fresh.accepted(),
+            Err(BoardError::NotAccepted { version: 0 })
+        ));
+
+        let c = Board::create(4).unwrap();
+        assert_eq!(c.word32(4).load(Ordering::Relaxed), VERSION);
+        // A version 1 board: its failed slots hold landed layers, not failed blocks.
+        c.word32(4).store(1, Ordering::Relaxed);
+        let fd = c.fd().try_clone_to_owned().unwrap();
+        assert!(matches!(
+            Board::open(fd, board_bytes(4)),
+            Err(BoardError::Header { version: 1, .. })
+        ));
+    }
+
+    #[test]
+    fn a_watcher_of_many_loads_wakes_for_an_end_or_an_interrupt_not_for_layers() {
+        let (client, node) = pair(4);
+        let client = Arc::new(client);
+        node.begin(0, 10, 28).unwrap();
+        node.begin(2, 12, 28).unwrap();
+        let loads = [(0, 10), (2, 12)];
+        // Nothing ended: the whole timeout, and nothing.
+        let t = Instant::now();
+        node.layers(0, 10, 27);
+        assert!(client
+            .wait_ends(&loads, Duration::from_millis(20))
+            .unwrap()
+            .is_empty());
+        assert!(t.elapsed() >= Duration::from_millis(15));
+        // An end of one of them, while the other runs.
+        let n = Arc::new(node);
+        let writer = {
+            let n = Arc::clone(&n);
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(5));
+                n.layers(2, 12, 3);
+                n.finish(2, 12, Outcome::Failed { blocks: 4 });
+            })
+        };
+        let got = client.wait_ends(&loads, Duration::from_secs(10)).unwrap();
+        writer.join().unwrap();
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!((got[0].0, got[0].1.failed_blocks), (2, 4));
+        // An interrupt from another thread ends the wait with nothing ended.
+        let waiter = {
+            let c = Arc::clone(&client);
+            std::thread::spawn(move || {
+                let t = Instant::now();
+                (
+                    c.wait_ends(&[(0, 10)], Duration::from_secs(10)),
+                    t.elapsed(),
+                )
+            })
+        };
+        std::thread::sleep(Duration::from_millis(5));
+        client.interrupt();
+        let (got, took) = waiter.join().unwrap();
+        assert!(got.unwrap().is_empty());
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        // An interrupt before the wait is not lost; it is taken once.
+        client.interrupt();
+        assert!(client
+            .wait_ends(&[(0, 10)], Duration::from_secs(10))
+            .unwrap()
+            .is_empty());
+        let t = Instant::now();
+        client
+            .wait_ends(&[(0, 10)], Duration::from_millis(10))
+            .unwrap();
+        assert!(t.elapsed() >= Duration::from_millis(8));
+        assert!(matches!(
+            client.wait_ends(&[(4, 1)], Duration::ZERO),
+            Err(BoardError::SlotRange { slot: 4, slots: 4 })
         ));
     }
 
@@ -428,7 +676,7 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(2));
                 n.layers(1, 5, l);
             }
-            n.finish(1, 5, true);
+            n.finish(1, 5, Outcome::Ok);
         });
         let v = client.wait(1, 5, 3, Duration::from_secs(10)).unwrap();
         assert!(v.layers >= 3, "{v:?}");
@@ -461,6 +709,10 @@ mod tests {
             Board::open(memfd(MemfdFlags::ALLOW_SEALING), board_bytes(4)),
             Err(BoardError::Header { magic: 0, .. })
         ));
+        // A memfd that could shrink under the node's mapping, and cannot be sealed.
+        let e = Board::open(memfd(MemfdFlags::CLOEXEC), board_bytes(4)).unwrap_err();
+        assert!(matches!(e, BoardError::Unsealable { .. }), "{e}");
+        assert!(e.to_string().contains("completion board"), "{e}");
         assert!(matches!(
             Board::create(0),
             Err(BoardError::Slots { slots: 0 })
@@ -471,7 +723,3 @@ mod tests {
         ));
     }
 }
-        // A memfd that could shrink under the node's mapping, and cannot be sealed.
-        let e = Board::open(memfd(MemfdFlags::CLOEXEC), board_bytes(4)).unwrap_err();
-        assert!(matches!(e, BoardError::Unsealable { .. }), "{e}");
-        assert!(e.to_string().contains("completion board"), "{e}");

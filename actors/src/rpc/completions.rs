@@ -1,8 +1,11 @@
 //! Where accepted loads report: a completed load's result goes to the `Completions` stream
 //! of its instance rank if one is open and keeping up, and is otherwise retained (the last
 //! `retention` per rank) until a `PollLoad` or a later stream takes it. Whatever delivers a
-//! result consumes it, so the engine sees each result once. Plain state; the engine server
-//! holds it behind a lock and never awaits while holding it.
+//! result consumes it, so the engine sees each result once. A load that ended ok on a
+//! completion board was delivered by the board's final word: without a stream its result is
+//! kept only for a `PollLoad` that wants its details, and dropping it past the retention
+//! loses nothing undelivered. Plain state; the engine server holds it behind a lock and never
+//! awaits while holding it.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -33,6 +36,8 @@ pub struct CompletionBook {
     retention: usize,
     running: HashMap<u64, RankKey>,
     done: HashMap<RankKey, VecDeque<LoadCompletion>>,
+    /// Results a board delivered, for their details (the last `retention` per rank).
+    shown: HashMap<RankKey, VecDeque<LoadCompletion>>,
     streams: HashMap<RankKey, CompletionTx>,
     dropped: u64,
 }
@@ -43,6 +48,7 @@ impl CompletionBook {
             retention: retention.max(1),
             running: HashMap::new(),
             done: HashMap::new(),
+            shown: HashMap::new(),
             streams: HashMap::new(),
             dropped: 0,
         }
@@ -67,6 +73,7 @@ impl CompletionBook {
     fn is_done(&self, id: u64) -> bool {
         self.done
             .values()
+            .chain(self.shown.values())
             .any(|q| q.iter().any(|c| c.load_id == id))
     }
 
@@ -80,12 +87,22 @@ impl CompletionBook {
         self.running.values().filter(|k| *k == key).count()
     }
 
-    /// A load finished: hand its result to the rank's stream, or retain it. A result of a
-    /// load no longer tracked (its instance's session ended) is dropped.
-    pub fn finish(&mut self, c: LoadCompletion) {
+    /// A load finished: hand its result to the rank's stream, or retain it. `shown`: a
+    /// completion board delivered it (an ok end on the board), so without a stream it is kept
+    /// for its details alone. A result of a load no longer tracked (its instance's session
+    /// ended) is dropped.
+    pub fn finish(&mut self, c: LoadCompletion, shown: bool) {
         let Some(key) = self.running.remove(&c.load_id) else {
             return;
         };
+        if shown && !self.streams.contains_key(&key) {
+            let queue = self.shown.entry(key).or_default();
+            queue.push_back(c);
+            if queue.len() > self.retention {
+                queue.pop_front();
+            }
+            return;
+        }
         let queue = self.done.entry(key.clone()).or_default();
         queue.push_back(c);
         while queue.len() > self.retention {
@@ -138,26 +155,17 @@ impl CompletionBook {
         if self.running.contains_key(&id) {
             return LoadState::Running;
         }
-        let found = self.done.iter_mut().find_map(|(key, q)| {
-            q.iter()
-                .position(|c| c.load_id == id)
-                .map(|i| (key.clone(), i))
-        });
-        let Some((key, i)) = found else {
-            return LoadState::Unknown;
-        };
-        let queue = self.done.get_mut(&key);
-        let c = queue.and_then(|q| q.remove(i));
-        if self.done.get(&key).is_some_and(|q| q.is_empty()) {
-            self.done.remove(&key);
+        match take(&mut self.done, id).or_else(|| take(&mut self.shown, id)) {
+            Some(c) => LoadState::Done(c),
+            None => LoadState::Unknown,
         }
-        c.map_or(LoadState::Unknown, LoadState::Done)
     }
 
     /// Forgets everything of `instance`: its running loads' results will be dropped, its
     /// retained results are, and its streams end.
     pub fn drop_instance(&mut self, instance: &InstanceId) {
         self.running.retain(|_, k| k.0 != *instance);
+        self.shown.retain(|k, _| k.0 != *instance);
         self.done.retain(|k, q| {
             if k.0 == *instance {
                 self.dropped += q.len() as u64;
@@ -178,6 +186,7 @@ impl CompletionBook {
         self.running.len()
     }
 
+    /// Results retained undelivered (not those a board delivered).
     pub fn retained(&self) -> usize {
         self.done.values().map(VecDeque::len).sum()
     }
@@ -186,6 +195,24 @@ impl CompletionBook {
     pub fn dropped(&self) -> u64 {
         self.dropped
     }
+}
+
+/// Removes and returns load `id`'s result from `queues`, dropping a queue it empties.
+fn take(
+    queues: &mut HashMap<RankKey, VecDeque<LoadCompletion>>,
+    id: u64,
+) -> Option<LoadCompletion> {
+    let (key, i) = queues.iter().find_map(|(key, q)| {
+        q.iter()
+            .position(|c| c.load_id == id)
+            .map(|i| (key.clone(), i))
+    })?;
+    let queue = queues.get_mut(&key)?;
+    let c = queue.remove(i);
+    if queue.is_empty() {
+        queues.remove(&key);
+    }
+    c
 }
 
 #[cfg(test)]
@@ -210,7 +237,7 @@ mod tests {
         assert_eq!(b.poll(ids[0]), LoadState::Running);
         assert_eq!(b.running_for(&key("a")), 3);
         for &id in &ids {
-            b.finish(done(id));
+            b.finish(done(id), false);
         }
         assert_eq!((b.running(), b.retained(), b.dropped()), (0, 2, 1));
         assert_eq!(b.poll(ids[0]), LoadState::Unknown, "dropped past retention");
@@ -225,20 +252,47 @@ mod tests {
         let mut b = CompletionBook::new(4);
         let first = b.begin(key("a"));
         let other = b.begin(key("b"));
-        b.finish(done(first));
+        b.finish(done(first), false);
         let mut rx = b.subscribe(key("a"));
         assert_eq!(rx.try_recv().unwrap().unwrap().load_id, first);
         let second = b.begin(key("a"));
-        b.finish(done(second));
-        b.finish(done(other));
+        b.finish(done(second), false);
+        b.finish(done(other), false);
         assert_eq!(rx.try_recv().unwrap().unwrap().load_id, second);
         assert!(rx.try_recv().is_err(), "b's result is not a's");
         assert_eq!(b.poll(second), LoadState::Unknown, "the stream consumed it");
         drop(rx);
         let third = b.begin(key("a"));
-        b.finish(done(third));
+        b.finish(done(third), false);
         assert_eq!(b.poll(third), LoadState::Done(done(third)));
         assert_eq!(b.poll(other), LoadState::Done(done(other)));
+    }
+
+    #[test]
+    fn a_result_a_board_delivered_is_kept_for_details_and_never_counted_dropped() {
+        let mut b = CompletionBook::new(2);
+        let ids: Vec<u64> = (0..3).map(|_| b.begin(key("a"))).collect();
+        for &id in &ids {
+            b.finish(done(id), true);
+        }
+        // Delivered already: not waiting for anyone, and none dropped undelivered.
+        assert_eq!((b.running(), b.retained(), b.dropped()), (0, 0, 0));
+        assert_eq!(b.poll(ids[0]), LoadState::Unknown, "past the retention");
+        assert_eq!(b.poll(ids[2]), LoadState::Done(done(ids[2])));
+        assert_eq!(b.poll(ids[2]), LoadState::Unknown, "consumed by the poll");
+        // A failure (not shown) is retained as before, beside the details.
+        let failed = b.begin(key("a"));
+        b.finish(done(failed), false);
+        assert_eq!(b.retained(), 1);
+        assert_eq!(b.poll(failed), LoadState::Done(done(failed)));
+        // A stream that is open gets what the board showed too: it asked for every result.
+        let mut rx = b.subscribe(key("a"));
+        let streamed = b.begin(key("a"));
+        b.finish(done(streamed), true);
+        assert_eq!(rx.try_recv().unwrap().unwrap().load_id, streamed);
+        b.drop_instance(&InstanceId::new("a").unwrap());
+        assert_eq!(b.poll(ids[1]), LoadState::Unknown, "gone with the instance");
+        assert_eq!(b.dropped(), 0);
     }
 
     #[test]
@@ -246,9 +300,9 @@ mod tests {
         let mut b = CompletionBook::new(4);
         let running = b.begin(key("a"));
         let finished = b.begin(key("a"));
-        b.finish(done(finished));
+        b.finish(done(finished), false);
         b.drop_instance(&InstanceId::new("a").unwrap());
-        b.finish(done(running));
+        b.finish(done(running), false);
         assert_eq!(b.poll(running), LoadState::Unknown);
         assert_eq!(b.poll(finished), LoadState::Unknown);
         assert_eq!((b.running(), b.retained(), b.dropped()), (0, 0, 1));

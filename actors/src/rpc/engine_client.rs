@@ -84,6 +84,14 @@ pub enum EngineClientError {
         #[source]
         source: MailboxError,
     },
+    /// The node took a completion board without saying it writes this build's version.
+    #[error("engine service at {addr}: completion board {handle}")]
+    Board {
+        addr: String,
+        handle: u64,
+        #[source]
+        source: super::board::BoardError,
+    },
 }
 
 impl EngineClientError {
@@ -353,7 +361,9 @@ impl EngineClient {
     }
 
     /// Sends a completion board (see [`super::board`]) for `instance` rank `rank`; returns
-    /// the handle to register with ([`Self::register_regions_with_board`]).
+    /// the handle to register with ([`Self::register_regions_with_board`]). Refused here
+    /// (the handle unused: it expires on the node) unless the node says it took the board as
+    /// this build's version, whose final words a client reads as outcomes.
     pub async fn send_board(
         &self,
         instance: &InstanceId,
@@ -361,7 +371,15 @@ impl EngineClient {
         board: &super::board::Board,
     ) -> Result<u64, EngineClientError> {
         let line = format!("board {instance} {rank} 0 {}", board.len());
-        self.send_fd(line, board.fd()).await
+        let handle = self.send_fd(line, board.fd()).await?;
+        board
+            .accepted()
+            .map_err(|source| EngineClientError::Board {
+                addr: self.addr.clone(),
+                handle,
+                source,
+            })?;
+        Ok(handle)
     }
 
     /// Sends a request mailbox (see [`super::mailbox`]); returns the handle a session
@@ -733,8 +751,9 @@ impl EngineClient {
     }
 
     /// [`Self::load`], reporting to `board` = `(slot, tag)` of the rank's completion board:
-    /// wait on it with [`super::board::Board::wait`] (layers landed, or the end), then take
-    /// the result with [`Self::poll_load`].
+    /// wait on it with [`super::board::Board::wait`] (layers landed, or the end). Its final
+    /// word is the outcome: a load that ended ok needs nothing more; a failed one's details
+    /// (the error, which blocks) come from [`Self::poll_load`].
     pub async fn load_on_board(
         &self,
         req: &api::LoadRequest,

@@ -19,7 +19,7 @@ use tonic::codegen::tokio_stream::Stream;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::board::{Board, BoardError};
+use super::board::{Board, BoardError, Outcome};
 use super::completions::{CompletionBook, LoadState, RankKey};
 use super::engine_request::{self as check, status};
 use super::fd_socket::{self, FdSocket};
@@ -566,11 +566,19 @@ impl LoadWatch {
             return;
         }
         let c = completion(self.load_id, &self.req, r);
-        let ok = c.status == LoadStatus::LoadOk as i32;
-        self.shared.book().finish(c);
-        // After the book: a client woken by the board finds the result in PollLoad.
+        let outcome = if c.status == LoadStatus::LoadOk as i32 {
+            Outcome::Ok
+        } else {
+            Outcome::Failed {
+                blocks: u32::try_from(c.failed_blocks.len()).unwrap_or(u32::MAX),
+            }
+        };
+        // The board's ok is the delivery: that result stays in the book only for details.
+        let shown = self.board.is_some() && outcome == Outcome::Ok;
+        self.shared.book().finish(c, shown);
+        // After the book: a client woken by the board finds the details in PollLoad.
         if let Some((b, slot, tag)) = &self.board {
-            b.finish(*slot, *tag, ok);
+            b.finish(*slot, *tag, outcome);
         }
     }
 }
@@ -909,7 +917,8 @@ impl Engine for EngineService {
                 // Refused: no result to keep, and the slot must not stay "running".
                 self.shared.book().abandon(load_id);
                 if let Some((b, slot, tag)) = &watch.board {
-                    b.finish(*slot, *tag, false);
+                    let blocks = u32::try_from(watch.req.dest_blocks.len()).unwrap_or(u32::MAX);
+                    b.finish(*slot, *tag, Outcome::Failed { blocks });
                 }
                 return Err(status(M, e));
             }
