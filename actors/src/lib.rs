@@ -20,6 +20,7 @@ pub mod nic;
 pub mod node;
 pub mod plan;
 pub mod pool;
+pub mod private_fs;
 pub mod registry;
 pub mod remote;
 pub mod rpc;

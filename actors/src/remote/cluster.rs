@@ -113,11 +113,10 @@ impl DataSide {
             .map_err(|e| remote(node, RemoteError::local("registering the pool", e)))?;
         let shm = match provider {
             Provider::Shm => {
-                std::fs::create_dir_all(dir).map_err(|e| {
-                    remote(
-                        node,
-                        RemoteError::local(format!("creating {}", dir.display()), e),
-                    )
+                // Another user who may write it could replace the socket with their own, and
+                // requesters would map an impostor's pool.
+                crate::private_fs::private_dir(dir).map_err(|e| {
+                    remote(node, RemoteError::local("the shm socket's directory", e))
                 })?;
                 let path = dir.join(format!("{node}.sock"));
                 let _ = std::fs::remove_file(&path);
@@ -129,7 +128,13 @@ impl DataSide {
                 })?;
                 // Only this user may connect and receive the pool's descriptor.
                 use std::os::unix::fs::PermissionsExt;
-                let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600));
+                let mode = std::fs::Permissions::from_mode(crate::private_fs::FILE_MODE);
+                std::fs::set_permissions(&path, mode).map_err(|e| {
+                    remote(
+                        node,
+                        RemoteError::local(format!("setting {} to 0600", path.display()), e),
+                    )
+                })?;
                 let owner =
                     ShmOwner::spawn(listener, transport_id(node), table.clone()).map_err(|e| {
                         remote(node, RemoteError::local("serving the pool over shm", e))

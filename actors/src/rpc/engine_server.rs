@@ -65,6 +65,12 @@ pub enum EngineServeError {
         #[source]
         source: tonic::transport::Error,
     },
+    /// The fd socket's directory is not private to the node's user (or cannot be made so).
+    #[error("engine fd socket directory {source}")]
+    FdDir {
+        #[source]
+        source: crate::private_fs::PrivateDirError,
+    },
     #[error("engine fd socket {path}: {what}")]
     FdSocket {
         what: &'static str,

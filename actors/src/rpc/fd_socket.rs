@@ -53,18 +53,16 @@ pub struct FdSocket {
 
 impl FdSocket {
     /// Binds `<dir>/<node_id>.engine.sock` with mode 0600, creating `dir` (0700) if missing
-    /// and replacing a stale socket of an earlier run.
+    /// (refusing it if group or others may write it) and replacing a stale socket of an
+    /// earlier run.
     pub fn bind(dir: &Path, node_id: &str) -> Result<Self, EngineServeError> {
         let path = dir.join(format!("{node_id}.engine.sock"));
         let err = |what: &'static str| {
             let path = path.clone();
             move |source| EngineServeError::FdSocket { what, path, source }
         };
-        if !dir.exists() {
-            std::fs::create_dir_all(dir).map_err(err("creating its directory"))?;
-            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-                .map_err(err("setting its directory's mode"))?;
-        }
+        // Another user who may write the directory could replace the socket with their own.
+        crate::private_fs::private_dir(dir).map_err(|source| EngineServeError::FdDir { source })?;
         if path.as_os_str().len() >= 108 {
             return Err(err("checking its path")(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -77,8 +75,11 @@ impl FdSocket {
             Err(e) => return Err(err("removing a stale socket")(e)),
         }
         let listener = std::os::unix::net::UnixListener::bind(&path).map_err(err("binding"))?;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
-            .map_err(err("setting its mode"))?;
+        std::fs::set_permissions(
+            &path,
+            std::fs::Permissions::from_mode(crate::private_fs::FILE_MODE),
+        )
+        .map_err(err("setting its mode"))?;
         listener.set_nonblocking(true).map_err(err("binding"))?;
         Ok(Self { listener, path })
     }

@@ -92,7 +92,7 @@ pub struct IoMode {
 /// Opens (creating) a block file, with `O_DIRECT` if asked and the filesystem allows it;
 /// the second value says whether it is in use, or why not.
 pub fn open_file(path: &Path, direct: bool) -> Result<(File, Result<(), String>), SsdError> {
-    open_with(path, direct, |flags| {
+    let (file, direct) = open_with(path, direct, |flags| {
         OpenOptions::new()
             .read(true)
             .write(true)
@@ -100,7 +100,13 @@ pub fn open_file(path: &Path, direct: bool) -> Result<(File, Result<(), String>)
             .truncate(false)
             .custom_flags(flags)
             .open(path)
-    })
+    })?;
+    crate::private_fs::private_file(&file).map_err(|source| SsdError::Open {
+        path: path.into(),
+        op: "setting its mode to 0600",
+        source,
+    })?;
+    Ok((file, direct))
 }
 
 fn open_with(
@@ -147,6 +153,8 @@ pub struct ReadInto {
 /// How a read ended.
 #[derive(Debug)]
 pub enum ReadOutcome {
+/// The file is the node user's alone (mode 0600 at creation and set again on one that was
+/// there), whatever the umask.
     /// The bytes are at the destination and match their header and checksum.
     Ok,
     /// The slot does not hold this block's bytes: a miss (the destination may hold garbage).
@@ -154,6 +162,7 @@ pub enum ReadOutcome {
     Failed(SsdError),
 }
 
+            .mode(crate::private_fs::FILE_MODE)
 pub enum Op {
     /// Writes a slot: header and bytes in one buffer.
     Write {

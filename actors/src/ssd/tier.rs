@@ -81,11 +81,9 @@ impl SsdTier {
         let mut found = Vec::new();
         let mut announced = Vec::with_capacity(cfg.dir.len());
         for (d, dir) in cfg.dir.iter().enumerate() {
-            std::fs::create_dir_all(&dir.path).map_err(|source| SsdError::Open {
-                path: dir.path.clone(),
-                op: "creating the directory",
-                source,
-            })?;
+            // Blocks are trusted for their checksums alone: nobody else may write them.
+            crate::private_fs::private_dir(&dir.path)
+                .map_err(|source| SsdError::Directory { source })?;
             let path = dir.path.join(format::FILE_NAME);
             let (file, direct) = open_file(&path, cfg.direct_io)?;
             // One node per directory: a second one (a restart racing the old process, or
