@@ -86,15 +86,7 @@ impl SsdTier {
                 .map_err(|source| SsdError::Directory { source })?;
             let path = dir.path.join(format::FILE_NAME);
             let (file, direct) = open_file(&path, cfg.direct_io)?;
-            // One node per directory: a second one (a restart racing the old process, or
-            // two configs naming one disk) would overwrite the first's slots under it.
-            // The lock goes with the file, when the I/O thread ends or the process dies.
-            rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
-                .map_err(|e| SsdError::Open {
-                    path: path.clone(),
-                    op: "locking the block file (another node uses this directory)",
-                    source: e.into(),
-                })?;
+            lock_block_file(&file, &path)?;
             let n = format::slots_for(dir.capacity.0, stride);
             let (mut io, uring) = DirIo::new(path.clone(), file, direct.is_ok(), cfg.queue_depth);
             let mode = IoMode { direct, uring };
@@ -112,6 +104,44 @@ impl SsdTier {
             tracing::info!(dir = %dir.path.display(), blocks = scanned, "ssd: scanned");
             let (tx, rx) = mpsc::channel();
             let thread = std::thread::Builder::new()
+/// How long a start waits for a block file's lock that another process holds. A node killed
+/// with SIGKILL still holds it for a while after it is reaped (1–15 ms measured: its io_uring
+/// is torn down after the process, and the file and its lock with it), so a supervisor's
+/// immediate restart would be refused; a live node holds it for good and is still refused,
+/// after this long. Far longer than the teardown, short beside a node's start.
+const LOCK_WAIT: Duration = Duration::from_secs(2);
+
+/// Between two tries for the lock.
+const LOCK_RETRY: Duration = Duration::from_millis(2);
+
+/// One node per directory: a second one (a restart racing the old process, or two configs
+/// naming one disk) would overwrite the first's slots under it. The lock goes with the
+/// file, when the I/O thread ends or the process (and its io_uring) is gone.
+fn lock_block_file(file: &std::fs::File, path: &std::path::Path) -> Result<(), SsdError> {
+    let t0 = Instant::now();
+    loop {
+        match rustix::fs::flock(file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {
+                if t0.elapsed() >= LOCK_RETRY {
+                    tracing::info!(file = %path.display(), waited_ms = t0.elapsed().as_millis() as u64,
+                        "ssd: waited for the block file's lock (a node that just died releases it late)");
+                }
+                return Ok(());
+            }
+            Err(rustix::io::Errno::WOULDBLOCK) if t0.elapsed() < LOCK_WAIT => {
+                std::thread::sleep(LOCK_RETRY);
+            }
+            Err(e) => {
+                return Err(SsdError::Open {
+                    path: path.to_path_buf(),
+                    op: "locking the block file (another node uses this directory)",
+                    source: e.into(),
+                })
+            }
+        }
+    }
+}
+
                 .name(format!("kvferry-ssd-{d}"))
                 .spawn(move || io.run(rx))
                 .map_err(|source| SsdError::Open {
