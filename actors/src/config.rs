@@ -826,21 +826,21 @@ impl NodeConfig {
                 )?;
             }
             if c.directory != "static" {
-                // The redis crate's own URL parser: what it accepts, the directory connects to.
-                use redis::IntoConnectionInfo;
-                let host = redis::parse_redis_url(&c.directory)
-                    .filter(|u| u.scheme() == "redis")
-                    .and_then(|u| u.host_str().map(str::to_owned));
-                if host.is_none_or(|h| h.is_empty()) {
+                // A URL here (a bare word is more likely a typo than a host); then the
+                // directory's own parser: what passes here, the node connects to.
+                if !c.directory.contains("://") {
                     return invalid(
                         "cluster.directory",
-                        format!("{:?} is not static or redis://host[:port]", c.directory),
+                        format!(
+                            "{:?} is not static or redis://[[user]:password@]host[:port][/db]",
+                            crate::remote::redact_url(&c.directory)
+                        ),
                     );
                 }
-                if let Err(e) = c.directory.as_str().into_connection_info() {
+                if let Err(e) = crate::remote::RedisUrl::parse(&c.directory) {
                     return invalid(
                         "cluster.directory",
-                        format!("{:?} is not a Redis URL: {e}", c.directory),
+                        format!("not static or a Redis address: {e}"),
                     );
                 }
             }
@@ -1127,7 +1127,7 @@ mod tests {
             ),
             ("[cluster]\ndirectory = \"redis://\"\n", "cluster.directory", "redis://"),
             ("[cluster]\ndirectory = \"redis://:6379\"\n", "cluster.directory", "redis://"),
-            ("[cluster]\ndirectory = \"rediss://h:1\"\n", "cluster.directory", "redis://"),
+            ("[cluster]\ndirectory = \"rediss://h:1\"\n", "cluster.directory", "TLS"),
             (
                 "[cluster]\ndirectory = \"redis://h:6379/db\"\n",
                 "cluster.directory",

@@ -83,7 +83,7 @@ fn log_config_summary(cfg: &NodeConfig, log_filter: &str) {
     let (provider, directory, peers, peer_listen) = match &cfg.cluster {
         Some(c) => (
             c.provider.as_str(),
-            redact_url(&c.directory),
+            kvferry_actors::remote::redact_url(&c.directory),
             c.peers.len(),
             c.peer_listen.as_str(),
         ),
@@ -108,20 +108,6 @@ fn log_config_summary(cfg: &NodeConfig, log_filter: &str) {
         log_format = cfg.log.format.as_str(),
         "starting with this config",
     );
-}
-
-/// A directory URL without its password (`redis://user:secret@host` → `redis://user:***@host`).
-fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let auth = &url[scheme + 3..at];
-            match auth.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
-    }
 }
 
 /// `GET /metrics`: the node's Prometheus text; `GET /health`: 200 `ok` while the node's
@@ -261,6 +247,8 @@ async fn start_engine(cfg: &NodeConfig, node: &Node) -> anyhow::Result<Option<En
 /// address fails.
 fn redis_directory(cfg: &NodeConfig, url: &str) -> anyhow::Result<RedisDirectory> {
     let (prefix, options) = (&cfg.directory.key_prefix, cfg.directory.redis_options());
+    // Errors and logs name the address without its password.
+    let shown = kvferry_actors::remote::redact_url(url);
     match RedisDirectory::connect_with(url, prefix, options.clone()) {
         Ok(d) => Ok(d),
         Err(e @ RedisError::Connect { .. }) => {
@@ -270,9 +258,9 @@ fn redis_directory(cfg: &NodeConfig, url: &str) -> anyhow::Result<RedisDirectory
                 "the directory does not answer; starting without it until it answers"
             );
             RedisDirectory::start(url, prefix, options)
-                .with_context(|| format!("starting the directory at {url}"))
+                .with_context(|| format!("starting the directory at {shown}"))
         }
-        Err(e) => Err(e).with_context(|| format!("connecting to the directory at {url}")),
+        Err(e) => Err(e).with_context(|| format!("connecting to the directory at {shown}")),
     }
 }
 

@@ -13,6 +13,7 @@ pub mod link;
 pub mod pins;
 pub mod plane_regs;
 pub mod redis;
+pub mod redis_url;
 pub mod tcp;
 pub mod verbs;
 
@@ -26,6 +27,7 @@ pub use endpoint::{EndpointError, VerbsPeerEndpoint, VerbsResponder};
 pub use error::RemoteError;
 pub use grpc::{GrpcPeers, GrpcPeersConfig};
 pub use link::{PeerLink, PinnedRemote, RemoteBlock, RemotePin};
+pub use redis_url::{redact_url, RedisUrl, RedisUrlError};
 
 use std::sync::Arc;
 

@@ -41,8 +41,7 @@ use super::directory::{Directory, DirectoryHealth, DirectoryStats, LatencyHistog
 use super::link::BoxFut;
 use crate::model::{BlockHash, Namespace};
 
-/// Redis's own default port, used when the address names none.
-pub const DEFAULT_PORT: u16 = 6379;
+pub use super::redis_url::{redact_url, RedisUrl, RedisUrlError, DEFAULT_PORT};
 
 /// Queued block updates past which the queue is dropped and a full re-announce owed
 /// instead (a directory down for long must not grow memory without bound).
@@ -54,8 +53,9 @@ const WRITE_CHUNK: usize = 4096;
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum RedisError {
-    #[error("bad redis address {addr:?}: {reason}")]
-    Address { addr: String, reason: &'static str },
+    /// The address does not parse, or names what the client cannot reach (TLS, a socket).
+    #[error(transparent)]
+    Address(#[from] RedisUrlError),
     #[error("the redis key prefix must not be empty")]
     EmptyPrefix,
     /// The directory's own thread or runtime could not start.
@@ -208,8 +208,8 @@ impl fmt::Debug for RedisDirectory {
 }
 
 impl RedisDirectory {
-    /// Connects to `addr` (`host:port`, `host` or `redis://host:port[/0]`) and checks the
-    /// server answers PING; fails with [`RedisError::Connect`] when it is unreachable.
+    /// Connects to `addr` (any form [`RedisUrl::parse`] takes) and checks the server answers
+    /// PING (after AUTH and SELECT, where the address asks for them); fails with [`RedisError::Connect`] when it is unreachable.
     pub fn connect(addr: &str, prefix: &str) -> Result<Self, RedisError> {
         Self::connect_with(addr, prefix, RedisOptions::default())
     }
@@ -251,12 +251,14 @@ impl RedisDirectory {
         if prefix.is_empty() {
             return Err(RedisError::EmptyPrefix);
         }
-        let host_port = parse_addr(addr)?;
+        let url = RedisUrl::parse(addr)?;
+        // What errors and logs name: the address without its password.
+        let host_port = url.to_string();
         let client_err = |source| RedisError::Client {
             addr: host_port.clone(),
             source,
         };
-        let client = redis::Client::open(format!("redis://{host_port}/")).map_err(client_err)?;
+        let client = redis::Client::open(url.connection_info()).map_err(client_err)?;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -855,38 +857,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     }
 }
 
-/// `host:port`, `host` (default port) or `redis://host[:port][/0]` → `host:port`.
-fn parse_addr(addr: &str) -> Result<String, RedisError> {
-    let bad = |reason| RedisError::Address {
-        addr: addr.to_owned(),
-        reason,
-    };
-    let rest = match addr.split_once("://") {
-        Some(("redis", rest)) => rest,
-        Some(_) => return Err(bad("only redis:// URLs are supported (no TLS)")),
-        None => addr,
-    };
-    let rest = rest
-        .strip_suffix("/0")
-        .or_else(|| rest.strip_suffix('/'))
-        .unwrap_or(rest);
-    if rest.contains('@') {
-        return Err(bad("credentials (AUTH) are not supported"));
-    }
-    if rest.contains('/') {
-        return Err(bad("only database 0 is supported"));
-    }
-    if rest.is_empty() {
-        return Err(bad("no host"));
-    }
-    // A bare host or IPv4 has no ':'; an IPv6 address must be bracketed with its port.
-    if rest.contains(':') {
-        Ok(rest.to_owned())
-    } else {
-        Ok(format!("{rest}:{DEFAULT_PORT}"))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::future::Future;
@@ -1270,26 +1240,113 @@ mod tests {
         ));
     }
 
+    /// `requirepass`, an ACL user and a database index, against a real server: each URL form
+    /// connects, AUTHs, SELECTs its database and finds what it published there; a missing or
+    /// wrong password fails at connect; no error and no address shown carries a password.
     #[test]
-    fn addresses() {
-        let ok = |a: &str| parse_addr(a).unwrap();
-        assert_eq!(ok("127.0.0.1:6379"), "127.0.0.1:6379");
-        assert_eq!(ok("redis://127.0.0.1:7000"), "127.0.0.1:7000");
-        assert_eq!(ok("redis://127.0.0.1:7000/"), "127.0.0.1:7000");
-        assert_eq!(ok("redis://127.0.0.1:7000/0"), "127.0.0.1:7000");
-        assert_eq!(ok("localhost"), "localhost:6379");
-        assert_eq!(ok("redis://[::1]:7000"), "[::1]:7000");
-        for bad in [
-            "",
-            "redis://",
-            "rediss://h:1",
-            "redis://u:p@h:1",
-            "redis://h:1/3",
+    fn a_password_an_acl_user_and_a_database_index_really_connect() {
+        let server = RedisServer::start();
+        let mut admin = server.conn();
+        redis::cmd("ACL")
+            .arg(&[
+                "SETUSER",
+                "kvuser",
+                "on",
+                ">user-secret",
+                "~*",
+                "&*",
+                "+@all",
+            ])
+            .query::<()>(&mut admin)
+            .unwrap();
+        // The admin connection stays authenticated as the default user.
+        redis::cmd("CONFIG")
+            .arg(&["SET", "requirepass", "default-secret"])
+            .query::<()>(&mut admin)
+            .unwrap();
+        let addr = server.addr();
+        for (url, db) in [
+            (format!("redis://:default-secret@{addr}/3"), 3),
+            (format!("redis://kvuser:user-secret@{addr}/5"), 5),
+            (format!("redis://default:default-secret@{addr}"), 0),
         ] {
+            let d = RedisDirectory::connect_with(&url, "kvf", quick())
+                .unwrap_or_else(|e| panic!("{}: {e}", redact_url(&url)));
+            assert!(!d.addr().contains("secret"), "{}", d.addr());
+            assert!(!format!("{d:?}").contains("secret"));
+            let h = hashes(4);
+            d.publish("a", &ns("x"), &h);
+            assert_eq!(lookup(&d, &ns("x"), &h, "b"), vec![seg(0, 4, &["a"])]);
+            assert_eq!(d.errors(), 0, "{:?}", d.last_error());
+            // In its own database, and there only.
+            redis::cmd("SELECT")
+                .arg(db)
+                .query::<()>(&mut admin)
+                .unwrap();
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg("kvf:blk:*")
+                .query(&mut admin)
+                .unwrap();
+            assert_eq!(keys.len(), 4, "db {db}: {keys:?}");
+            redis::cmd("FLUSHDB").query::<()>(&mut admin).unwrap();
+        }
+        for url in [
+            addr.clone(),
+            format!("redis://:wrong-secret@{addr}"),
+            format!("redis://kvuser:wrong-secret@{addr}/5"),
+        ] {
+            let e = RedisDirectory::connect_with(&url, "kvf", quick()).unwrap_err();
+            assert!(matches!(e, RedisError::Connect { .. }), "{e:?}");
+            let (shown, debug) = (e.to_string(), format!("{e:?}"));
+            assert!(shown.contains(&addr), "{shown}");
             assert!(
-                matches!(parse_addr(bad), Err(RedisError::Address { .. })),
-                "{bad:?}"
+                !shown.contains("secret") && !debug.contains("secret"),
+                "{debug}"
             );
+        }
+    }
+
+    /// The config check and the node take the same URLs: every form either passes both or
+    /// fails both, with the same reason. (A bare `host[:port]`, which the library takes, is
+    /// refused by the check: a directory in a config is `static` or a URL.)
+    #[test]
+    fn the_config_check_and_the_node_agree_on_every_address() {
+        for addr in ["h", "h:1", "[::1]:7000", "etcd"] {
+            let text = format!("[cluster]\ndirectory = \"{addr}\"\n");
+            let cfg: crate::NodeConfig = toml::from_str(&text).unwrap();
+            let e = cfg.validate().unwrap_err().to_string();
+            assert!(e.contains("is not static or redis://"), "{e}");
+        }
+        for addr in [
+            "redis://h",
+            "redis://[::1]:7000",
+            "redis://h:1/0",
+            "redis://h/3",
+            "redis://:pw@h",
+            "redis://u:pw@h:1/2",
+            "redis://u@h",
+            "rediss://u:pw@h",
+            "unix:///tmp/r.sock",
+            "redis://",
+            "redis://h:1/x",
+            "redis://h:1/-2",
+            "redis://0.0.0.0:1",
+        ] {
+            let text = format!("[cluster]\ndirectory = \"{addr}\"\n");
+            let cfg: crate::NodeConfig = toml::from_str(&text).unwrap();
+            let check = cfg.validate().map_err(|e| e.to_string());
+            let node = RedisDirectory::start(addr, "kvf", quick()).map_err(|e| e.to_string());
+            match (&check, &node) {
+                (Ok(()), Ok(_)) => {}
+                (Err(c), Err(n)) => assert!(c.contains(n.as_str()), "{addr}: {c} / {n}"),
+                _ => panic!(
+                    "{addr}: the check says {check:?}, the node {:?}",
+                    node.map(|_| ())
+                ),
+            }
+            if let Err(e) = &check {
+                assert!(!e.contains("pw@"), "{e}");
+            }
         }
     }
 
