@@ -13,7 +13,9 @@ tensors an engine allocated, in one of the layouts engines use:
 
 and :func:`register_tensors` registers planes with a node, sending each piece of memory once:
 CPU memory must come from :mod:`kvferry.memfd` (``kvferry.torch.memfd_empty``), CUDA memory
-goes by its CUDA IPC handle (one region per caching-allocator block). Torch tensors and numpy
+goes by its CUDA IPC handle (one region per caching-allocator block), or, for a VMM
+allocation (vLLM 0.34's extensible KV cache), by the POSIX fd of the allocation
+(:mod:`kvferry.vmm`, one region per allocation). Torch tensors and numpy
 arrays are both understood (by duck typing: neither is imported here). Tensors that do not fit
 raise :class:`LayoutError` naming the layer, before anything reaches the node.
 """
@@ -276,6 +278,24 @@ def _resolve(t: Any, info: TensorInfo, layer: int) -> _Resolved:
         buf, offset = found
         return ("memfd", buf.fd), ("memfd", (buf.fd, buf.length)), offset
     if info.device.startswith("cuda"):
+        from . import vmm
+
+        # How the memory can be shared is the driver's to say, not a guess from the engine.
+        sharing = vmm.sharing_of(info.address)
+        if sharing != vmm.IPC:
+            if sharing == vmm.NONE:
+                raise LayoutError(
+                    f"layer {layer}: the tensor is in a VMM allocation that can be shared "
+                    "neither by CUDA IPC handle nor by fd (vLLM 0.34's extensible KV cache "
+                    "under a connector that does not declare KVCacheAccess.EXPORTS_FD; see "
+                    "kvferry.vllm.vmm.supported_access)",
+                    layer=layer,
+                )
+            try:
+                region = vmm.export(info.address, info.nbytes)
+            except vmm.VmmError as e:
+                raise LayoutError(f"layer {layer}: {e}", layer=layer) from None
+            return ("vmm", region.base), ("vmm", region), region.offset
         from .torch import cuda_region  # torch is there: this is a CUDA tensor
 
         handle, offset = cuda_region(t)
@@ -302,7 +322,8 @@ def register_tensors(
 ) -> str:
     """Registers one rank's planes with the node behind ``client``; returns the namespace.
 
-    Each memfd is sent once (``send_memfd``) and each CUDA allocation is one region. Every
+    Each memfd is sent once (``send_memfd``), each VMM allocation once (``send_vmm``), and
+    each other CUDA allocation is one region (its IPC handle). Every
     plane is checked against its tensor first: nothing is sent for a layout that is wrong.
     ``board`` (from ``client.open_board``) receives the progress of loads naming its slots.
     """
@@ -318,46 +339,61 @@ def register_tensors(
     planes: List[Tuple[int, ...]] = []
     seen: Dict[int, Tuple[TensorInfo, _Resolved]] = {}
     device_of: Optional[str] = None
-    for i, p in enumerate(layers):
-        pairs = [("K", p.k, p.k_offset)]
-        if segments == 2:
-            if p.v is None:
-                raise LayoutError(f"layer {i}: no V tensor with 2 segments", layer=i)
-            pairs.append(("V", p.v, p.v_offset))
-        elif p.v is not None:
-            raise LayoutError(f"layer {i}: a V tensor with 1 segment (MLA)", layer=i)
-        row: List[int] = []
-        for name, t, off in pairs:
-            if id(t) not in seen:
-                info = _info(t, i)
-                if not info.contiguous:
-                    raise LayoutError(f"layer {i}: the {name} tensor is not contiguous", layer=i)
-                seen[id(t)] = (info, _resolve(t, info, i))
-            info, (key, region, base) = seen[id(t)]
-            if device_of is None:
-                device_of = info.device
-            elif info.device != device_of:
-                raise LayoutError(
-                    f"layer {i}: {name} is on {info.device}, layer 0 on {device_of}", layer=i
-                )
-            if off < 0 or off + span > info.nbytes:
-                raise LayoutError(
-                    f"layer {i}: the {name} plane [{off}, {off + span}) lies outside its "
-                    f"tensor of {info.nbytes} bytes",
-                    layer=i,
-                )
-            if key not in keys:
-                keys[key] = len(regions)
-                regions.append(region)
-            row += [keys[key], base + off]
-        planes.append(tuple(row))
+    # VMM fds exported for this registration: ours until sent (the node keeps what it
+    # imported), closed whatever happens.
+    exported: List[Any] = []
     wire: List[Tuple[str, Any]] = []
-    for kind_, value in regions:
-        if kind_ == "memfd":
-            fd, length = value
-            wire.append(("handle", client.send_memfd(instance, rank, device, fd, length)))
-        else:
-            wire.append((kind_, value))
+    try:
+        for i, p in enumerate(layers):
+            pairs = [("K", p.k, p.k_offset)]
+            if segments == 2:
+                if p.v is None:
+                    raise LayoutError(f"layer {i}: no V tensor with 2 segments", layer=i)
+                pairs.append(("V", p.v, p.v_offset))
+            elif p.v is not None:
+                raise LayoutError(f"layer {i}: a V tensor with 1 segment (MLA)", layer=i)
+            row: List[int] = []
+            for name, t, off in pairs:
+                if id(t) not in seen:
+                    info = _info(t, i)
+                    if not info.contiguous:
+                        raise LayoutError(
+                            f"layer {i}: the {name} tensor is not contiguous", layer=i
+                        )
+                    resolved = _resolve(t, info, i)
+                    seen[id(t)] = (info, resolved)
+                    if resolved[1][0] == "vmm":
+                        exported.append(resolved[1][1])
+                info, (key, region, base) = seen[id(t)]
+                if device_of is None:
+                    device_of = info.device
+                elif info.device != device_of:
+                    raise LayoutError(
+                        f"layer {i}: {name} is on {info.device}, layer 0 on {device_of}", layer=i
+                    )
+                if off < 0 or off + span > info.nbytes:
+                    raise LayoutError(
+                        f"layer {i}: the {name} plane [{off}, {off + span}) lies outside its "
+                        f"tensor of {info.nbytes} bytes",
+                        layer=i,
+                    )
+                if key not in keys:
+                    keys[key] = len(regions)
+                    regions.append(region)
+                row += [keys[key], base + off]
+            planes.append(tuple(row))
+        for kind_, value in regions:
+            if kind_ == "memfd":
+                fd, length = value
+                wire.append(("handle", client.send_memfd(instance, rank, device, fd, length)))
+            elif kind_ == "vmm":
+                h = client.send_vmm(instance, rank, device, value.fd, value.size)
+                wire.append(("handle", h))
+            else:
+                wire.append((kind_, value))
+    finally:
+        for region in exported:
+            region.close()
     return client.register(
         instance,
         model,
