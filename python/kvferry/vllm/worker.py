@@ -42,6 +42,8 @@ PROBE_HASH = b"kvferry-vllm-probe"
 
 #: Slots of a rank's completion board (loads in flight at once that report to it).
 BOARD_SLOTS = 256
+#: A board wait for this many layers returns at the load's end.
+ALL_LAYERS = 0xFFFFFFFF
 
 
 @dataclass
@@ -54,6 +56,8 @@ class _Load:
     #: The completion board slot and tag the load reports to (None: no board).
     slot: Optional[int] = None
     tag: int = 0
+    #: Reported (to ``_done``): by the loader, or by the thread that saw its end first.
+    finished: bool = False
 
 
 @dataclass
@@ -108,8 +112,9 @@ class WorkerSide:
         self._save_reqs: Set[str] = set()
         self._finishing: Set[str] = set()
 
-        # The completion board (node protocol 3): loads' layers seen landing without an
-        # RPC; None where the node has none (older nodes, fake clients).
+        # The completion board (node protocol 3, board version 2): loads' layers seen landing
+        # and their outcome without an RPC (a failure's details are polled for); None where
+        # the node has none (older nodes, fake clients).
         self._board: Any = None
         self._board_tag = 0
         self._board_free: List[int] = []
@@ -260,9 +265,12 @@ class WorkerSide:
             self._sync_begun = 0
         for spec in meta.loads:
             self._load_q.put(_Load(spec, ev, now, deadline=now + self.cfg.load_timeout_s))
+        with self._lock:
+            board = self._board
+        if board is not None:
+            # The loader may be asleep on the board until a load ends: these start now.
+            board.interrupt()
         if sync:
-            with self._lock:
-                board = self._board
             if board is None:
                 self.wait_for_sync_loads()
             else:
@@ -279,13 +287,25 @@ class WorkerSide:
         completion: Optional[dict],
         ld: Optional[_Load] = None,
     ) -> None:
+        """Reports a load (once: the loader and a thread waiting on the board may both see
+        its end). A load that ended (ok on the board, or with a completion) counts its
+        seconds as this worker saw them, from ``start_load``; an ok one its bytes from the
+        layout, so a success needs nothing from the node beyond the board's word."""
+        if ld is not None:
+            with self._lock:
+                if ld.finished:
+                    return
+                ld.finished = True
         c = self.counters
         c.add("loads")
-        if completion is not None:
-            c.add("loaded_bytes", int(completion.get("bytes") or 0))
-            secs = float(completion.get("seconds") or 0.0)
+        if ld is not None and (completion is not None or not failed):
+            secs = max(0.0, self._clock() - ld.started)
             c.add("load_seconds", secs)
             c.sample_load(secs)
+        if completion is not None:
+            c.add("loaded_bytes", int(completion.get("bytes") or 0))
+        elif not failed and self.layout is not None:
+            c.add("loaded_bytes", len(spec.dest_blocks) * self.layout.block_bytes)
         if failed:
             c.add("load_failures")
             c.add("failed_blocks", len(failed))
@@ -361,15 +381,26 @@ class WorkerSide:
         board = self._board
         for ld in pending:
             spec = ld.spec
-            if board is not None and ld.slot is not None and self._clock() <= ld.deadline:
+            slot = ld.slot
+            if board is not None and slot is not None and self._clock() <= ld.deadline:
                 try:
-                    done = board.view(ld.slot)
+                    v = board.view(slot)
                 except Exception:  # noqa: BLE001
-                    done = {"done": True}
-                if done.get("tag") == ld.tag and not done.get("done"):
-                    # Still running, as the node's own board says: no RPC needed.
-                    still.append(ld)
-                    continue
+                    v = {}
+                if v.get("tag") == ld.tag:
+                    if not v.get("done"):
+                        # Still running, as the node's own board says: no RPC needed.
+                        still.append(ld)
+                        continue
+                    if v.get("ok"):
+                        # The board's final word is the outcome: nothing to ask the node.
+                        self._finish(spec, set(), None, ld)
+                        continue
+                    # Failed: which blocks and why come from the node (below).
+            if ld.finished:
+                # Reported by wait_for_layer_load, which saw the end first (it marks the load
+                # before its slot is freed, so a slot already reused lands here too).
+                continue
             try:
                 comp = self.link.call("poll_load", lambda c, i=ld.load_id: c.poll_load(i))
             except Exception as e:  # noqa: BLE001
@@ -400,14 +431,31 @@ class WorkerSide:
             self._finish(spec, failed, comp, ld)
         return still
 
+    def _watch_board(self, pending: List[_Load]) -> bool:
+        """Sleeps on the board until one of ``pending`` ends, :meth:`start_load` hands over
+        new loads, or the first deadline; False (nothing waited) where a load is not on the
+        board (it is polled for instead)."""
+        board = self._board
+        if board is None or any(ld.slot is None for ld in pending):
+            return False
+        left = min(ld.deadline for ld in pending) - self._clock()
+        try:
+            board.wait_ends([(ld.slot, ld.tag) for ld in pending], min(max(left, 0.0), 0.5))
+        except Exception as e:  # noqa: BLE001 - polled for instead
+            log.debug("kvferry: rank %d: board wait: %s", self.rank, e)
+            return False
+        return True
+
     def _loader(self) -> None:
         pending: List[_Load] = []
         idle = 0.0002
         while True:
-            try:
-                item = self._load_q.get(timeout=idle if pending else 0.5)
-            except queue.Empty:
-                item = None
+            item = None
+            if not (pending and self._watch_board(pending)):
+                try:
+                    item = self._load_q.get(timeout=idle if pending else 0.5)
+                except queue.Empty:
+                    pass
             items = [] if item is None else [item]
             while True:
                 try:
@@ -457,13 +505,19 @@ class WorkerSide:
             deadline = self._clock() + self.cfg.load_timeout_s
             for ld in loads:
                 slot = ld.slot
-                if slot is None:
+                if slot is None or ld.finished:
                     continue
                 left = max(0.0, deadline - self._clock())
+                # At the last layer, the end: an ok one is reported from here at once (the
+                # board's word is the outcome), a failed one by the loader with its details.
+                want = ALL_LAYERS if index >= last else index + 1
                 try:
-                    v = board.wait(slot, ld.tag, index + 1, left)
+                    v = board.wait(slot, ld.tag, want, left)
                 except Exception as e:  # noqa: BLE001
                     log.warning("kvferry: rank %d: board wait: %s", self.rank, e)
+                    continue
+                if v.get("tag") == ld.tag and v.get("ok"):
+                    self._finish(ld.spec, set(), None, ld)
                     continue
                 if v.get("tag") == ld.tag and not v.get("done") and v.get("layers", 0) <= index:
                     log.warning(
@@ -474,6 +528,14 @@ class WorkerSide:
             self.wait_for_sync_loads()
             with self._lock:
                 self._sync_started = []
+
+    def wait_for_loads(self, req_ids: Set[str], timeout_s: float) -> bool:
+        """Waits until :meth:`get_finished` (and the load errors) would report the loads of
+        ``req_ids``; False after ``timeout_s``. Not a vLLM hook: for tests and the bench."""
+        with self._lock:
+            return self._lock.wait_for(
+                lambda: set(req_ids) <= {d.req_id for d in self._done}, timeout=timeout_s
+            )
 
     def wait_for_sync_loads(self) -> None:
         """Waits for this step's synchronous loads (load_mode "sync"); bounded by
@@ -619,6 +681,9 @@ class WorkerSide:
     def shutdown(self) -> None:
         for q in (self._load_q, self._save_q):
             q.put(_STOP)
+        board = self._board
+        if board is not None:
+            board.interrupt()
         for t in self._threads:
             t.join(timeout=self.cfg.deadline_s * 2 + 1)
         self._threads = []
