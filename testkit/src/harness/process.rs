@@ -55,8 +55,22 @@ impl RedisServer {
         panic!("redis-server did not come up");
     }
 
+    /// With `args` added to its command line (`--requirepass pw`, `--user name on >pw …`).
+    pub fn start_with(args: &[&str]) -> Self {
+        for _ in 0..5 {
+            if let Some(s) = Self::start_on_with(free_port(), args) {
+                return s;
+            }
+        }
+        panic!("redis-server did not come up");
+    }
+
     /// On `port`; None when it exits at once (the port was taken meanwhile) or never accepts.
     pub fn start_on(port: u16) -> Option<Self> {
+        Self::start_on_with(port, &[])
+    }
+
+    fn start_on_with(port: u16, args: &[&str]) -> Option<Self> {
         let child = std::process::Command::new("redis-server")
             .args([
                 "--port",
@@ -67,6 +81,7 @@ impl RedisServer {
                 "no",
             ])
             .args(["--bind", "127.0.0.1"])
+            .args(args)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
