@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_engine import Engine, prompt  # noqa: E402
+from vllm_engine import Engine, prompt, runner  # noqa: E402
 from vllm_support import Node, block_contents, expected_block, free_port  # noqa: E402
 
 BS = 16
@@ -59,19 +59,30 @@ def test_vllm_version():
     import vllm
 
     from kvferry.vllm import SUPPORTED_VLLM
+    from kvferry.vllm.compat import TESTED_VLLM
 
-    assert vllm.__version__ in SUPPORTED_VLLM
+    assert vllm.__version__ in SUPPORTED_VLLM and SUPPORTED_VLLM == TESTED_VLLM
 
 
 def test_cross_layer_layout_asked_for_only_when_configured(tmp_path, node):
-    from vllm_engine import vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm_engine import kv_cache_config, vllm_config
 
     from kvferry.vllm import KvferryConnector
 
-    vc = vllm_config(tmp_path, {"address": node.addr, "kv_layout": "cross_layer"})
-    assert KvferryConnector.get_required_kvcache_layout(vc) == "BLHNC"
-    vc = vllm_config(tmp_path, {"address": node.addr})
-    assert KvferryConnector.get_required_kvcache_layout(vc) is None
+    for kv_layout, cross in (("cross_layer", True), ("auto", False)):
+        vc = vllm_config(tmp_path, {"address": node.addr, "kv_layout": kv_layout})
+        w = KvferryConnector(vc, KVConnectorRole.WORKER, kv_cache_config(vc, 64))
+        if runner().cross_layer_register:
+            # vLLM 0.26: asked for by prefer_cross_layer_blocks; its layouts are NHD/HND,
+            # so a BLHNC answer would be refused there.
+            assert KvferryConnector.get_required_kvcache_layout(vc) is None
+            assert w.prefer_cross_layer_blocks is cross
+        else:
+            # vLLM 0.33+: asked for as a KV cache layout.
+            want = "BLHNC" if cross else None
+            assert KvferryConnector.get_required_kvcache_layout(vc) == want
+            assert not w.prefer_cross_layer_blocks
 
 
 def test_unknown_extra_config_key_refused_at_start(tmp_path, node):
@@ -94,6 +105,9 @@ def test_second_prompt_gets_its_prefix_from_kvferry(tmp_path, node, layout, asyn
                  async_scheduling=async_scheduling)
     want = "AsyncScheduler" if async_scheduling else "Scheduler"
     assert type(eng.scheduler).__name__ == want
+    # Cross-layer KV as this vLLM hands it over: a load is then one copy per block.
+    want_kind = "cross_layer" if layout == "BLHNC" else "attention"
+    assert eng.worker.worker_side.layout.kind == want_kind
     try:
         toks = prompt(100)
         eng.add("a", toks)
@@ -163,7 +177,9 @@ def test_sync_load_mode(tmp_path, node):
         assert eng.scheduler.reset_prefix_cache()
         eng.add("b", toks)
         so = eng.step()
-        assert so.has_sync_kv_loads
+        assert getattr(so, "has_sync_kv_loads", True)  # 0.26 has no such flag
+        (load,) = so.kv_connector_metadata.loads
+        assert load.sync and len(load.dest_blocks) == 5
         b = eng.requests["b"]
         # Loaded before this step's forward, which computed the rest of the prompt.
         assert eng.scheduled_tokens["b"] == 90 - 80
@@ -177,8 +193,18 @@ def test_sync_load_mode(tmp_path, node):
         eng.shutdown()
 
 
-def test_node_killed_mid_load_reports_exactly_the_failed_blocks(tmp_path, node):
-    eng = engine(tmp_path, node.addr)
+def failures_reported(eng) -> bool:
+    return bool(eng.invalid_reported or eng.failed_recving)
+
+
+@pytest.mark.parametrize("load_mode", ["async", "sync"])
+def test_node_killed_mid_load_is_reported_and_recomputed(tmp_path, node, load_mode):
+    # A failed synchronous load under vLLM's AsyncScheduler leaves the request stuck on
+    # every release tested (0.26, 0.33, 0.34): vLLM drops the step's output of a request
+    # it reschedules for invalid blocks but keeps that output's placeholder, so it never
+    # schedules the request again. vLLM's own scheduler shows what kvferry reports.
+    eng = engine(tmp_path, node.addr, extra={"load_mode": load_mode},
+                 async_scheduling=load_mode == "async")
     try:
         toks = prompt(100, seed=6)
         eng.add("a", toks)
@@ -196,10 +222,18 @@ def test_node_killed_mid_load_reports_exactly_the_failed_blocks(tmp_path, node):
 
         eng.step(before_worker=kill_after_lease)
         b = eng.requests["b"]
-        eng.run(until=lambda: eng.invalid_reported or "b" in eng.finished, max_steps=500)
-        assert eng.invalid_reported == planned["dest"] and len(planned["dest"]) == 6
-        # Reported in one step, together with the request's finished load.
-        assert planned["dest"] in eng.invalid_steps
+        eng.run(until=lambda: failures_reported(eng) or "b" in eng.finished, max_steps=500)
+        assert len(planned["dest"]) == 6
+        if load_mode == "async" and runner().transfer_results:
+            # vLLM 0.33+: an asynchronous load's failure is the request's, through
+            # failed_recving, in the step that reports its load finished.
+            assert eng.failed_recving == {"b"} and eng.invalid_reported == set()
+            assert {"b"} in eng.failed_steps
+        else:
+            # vLLM 0.26, and synchronous loads everywhere: exactly the failed blocks, in one
+            # step (an asynchronous load's together with its finished load).
+            assert eng.invalid_reported == planned["dest"] and not eng.failed_recving
+            assert planned["dest"] in eng.invalid_steps
         # vLLM recomputes the prompt (kv_load_failure_policy = "recompute") and finishes.
         eng.run(max_steps=500)
         assert "b" in eng.finished and eng.outputs["b"] == eng.outputs["a"]
@@ -232,7 +266,7 @@ def test_stalled_node_costs_a_deadline_not_a_hang(tmp_path, node):
         eng.step(before_worker=stall)
         eng.run(until=lambda: "b" in eng.finished, max_steps=2000, sleep=0.01)
         took = time.monotonic() - t0
-        assert eng.invalid_reported, "the stalled load's blocks are reported"
+        assert failures_reported(eng), "the stalled load is reported failed"
         assert took < 20, took
         # Scheduling a new request while the node is stalled: one deadline, then backoff.
         t1 = time.monotonic()
@@ -392,3 +426,257 @@ def test_tp2_ranks_load_their_share_of_one_lease(tmp_path, node):
         assert eng.outputs["b"] == eng.outputs["a"]
     finally:
         eng.shutdown()
+
+
+# ------------------------------------------------------------------------------ model names
+
+@pytest.mark.parametrize("served", [
+    "meta-llama/Llama-3.1-8B-Instruct",
+    "/models/llama",
+    ["org/llama-8b", "llama"],
+], ids=["hf-id", "path", "served-name-list"])
+def test_every_model_name_gets_hits(tmp_path, node, served):
+    eng = engine(tmp_path, node.addr, served_model_name=served)
+    try:
+        side = eng.worker.worker_side
+        name = served[0] if isinstance(served, list) else served
+        assert side.model == name and side.registered
+        # The node's namespace holds the name escaped (its '/' refused there).
+        assert side.namespace.split("/")[0] == name.replace("/", "%2F"), side.namespace
+        toks = prompt(64, seed=21)
+        eng.add("a", toks)
+        eng.run()
+        assert eng.stats.get("saved_blocks") == 4, eng.stats
+        assert eng.scheduler.reset_prefix_cache()
+        eng.stats = {}
+        eng.add("b", toks)
+        eng.step()
+        assert status(eng.requests["b"]) == "WAITING_FOR_REMOTE_KVS"
+        eng.run()
+        assert eng.invalid_reported == set() and not eng.failed_recving
+        assert eng.stats.get("loaded_tokens") == 64, eng.stats
+        assert eng.scheduled_tokens["b"] <= 2  # the last prompt token again, and a decode
+        assert eng.outputs["b"] == eng.outputs["a"]
+    finally:
+        eng.shutdown()
+
+
+def test_two_models_never_share_blocks(tmp_path, node):
+    toks = prompt(64, seed=22)
+    # A name and the escaped form of another (a lossy escape would merge them).
+    one = engine(tmp_path / "one", node.addr, served_model_name="org/model",
+                 extra={"instance": "one"})
+    try:
+        one.add("a", toks)
+        one.run()
+        assert one.stats.get("saved_blocks") == 4
+    finally:
+        one.shutdown()
+    two = engine(tmp_path / "two", node.addr, served_model_name="org%2Fmodel",
+                 extra={"instance": "two"})
+    try:
+        assert two.worker.worker_side.namespace != one.worker.worker_side.namespace
+        two.add("b", toks)
+        two.step()
+        assert status(two.requests["b"]) != "WAITING_FOR_REMOTE_KVS"
+        two.run()
+        assert two.stats.get("queries") and not two.stats.get("hit_tokens"), two.stats
+        assert two.scheduled_tokens["b"] >= 64  # computed, not loaded
+    finally:
+        two.shutdown()
+
+
+def test_a_registration_the_node_refuses_stops_the_engine_at_start(tmp_path, node,
+                                                                   monkeypatch):
+    import kvferry.vllm.worker as worker_mod
+    from kvferry.vllm.worker import RegistrationRefused
+
+    # Without the escape, the node refuses a Hugging Face id: the engine does not start,
+    # and says why (before, it ran on with no hits and a warning per step).
+    monkeypatch.setattr(worker_mod, "model_namespace", lambda name: name)
+    with pytest.raises(RegistrationRefused, match=r"meta-llama/Llama-3.1-8B-Instruct.*"
+                       r"namespace model must be 1 to 128 printable characters"):
+        engine(tmp_path, node.addr, served_model_name="meta-llama/Llama-3.1-8B-Instruct")
+
+
+# ------------------------------------------------------------------------------ preemption
+
+def test_preempted_request_resumes_from_kvferry(tmp_path, node):
+    # 12 blocks of 16 tokens (one is vLLM's null block), no prefix cache of vLLM's own: two
+    # requests decoding past 5 blocks each cannot both stay, so one is preempted and, when
+    # it resumes, gets its computed blocks back from kvferry. vLLM 0.34 hands the resumed
+    # request over as a new one; 0.26 and 0.33 as a cached one in resumed_req_ids.
+    eng = engine(tmp_path, node.addr, num_blocks=12, prefix_caching=False)
+    try:
+        a, b = prompt(72, seed=31), prompt(72, seed=32)
+        eng.add("a", a, max_tokens=40)
+        eng.add("b", b, max_tokens=40)
+        preempted, resumed_new, resumed_cached = set(), set(), set()
+        for _ in range(400):
+            if not eng.scheduler.has_requests():
+                break
+            so = eng.step()
+            preempted |= set(so.preempted_req_ids or ())
+            resumed_new |= {r.req_id for r in so.scheduled_new_reqs} & preempted
+            resumed_cached |= set(getattr(so.scheduled_cached_reqs, "resumed_req_ids", ())
+                                  or ()) & preempted
+            time.sleep(0.002)
+        assert preempted, "no request was preempted"
+        assert {"a", "b"} <= eng.finished
+        if runner().resumed_as_new:
+            assert resumed_new == preempted and not resumed_cached
+        else:
+            assert resumed_cached == preempted and not resumed_new
+        s = eng.stats
+        assert s.get("hit_tokens", 0) >= 64 and s.get("loaded_tokens", 0) >= 64, s
+        assert eng.invalid_reported == set() and not eng.failed_recving
+        # The same tokens as each prompt computed alone.
+        ref = engine(tmp_path / "ref", node.addr, prefix_caching=False,
+                     extra={"instance": "ref", "model": "ref"})
+        try:
+            ref.add("a", a, max_tokens=40)
+            ref.add("b", b, max_tokens=40)
+            ref.run(max_steps=400)
+            assert eng.outputs["a"] == ref.outputs["a"] and len(ref.outputs["a"]) == 40
+            assert eng.outputs["b"] == ref.outputs["b"]
+        finally:
+            ref.shutdown()
+    finally:
+        eng.shutdown()
+
+
+# ------------------------------------------------------------------------------ bad input
+
+def test_an_untested_release_starts_with_a_warning_naming_it(tmp_path, node, monkeypatch,
+                                                            caplog):
+    import dataclasses
+    import logging
+
+    import kvferry.vllm.connector as conn
+
+    monkeypatch.setattr(conn, "API", dataclasses.replace(conn.API, version="0.30.1"))
+    caplog.set_level(logging.WARNING, logger="kvferry.vllm")
+    eng = engine(tmp_path, node.addr)
+    try:
+        said = [r.getMessage() for r in caplog.records if "0.30.1" in r.getMessage()]
+        assert said and "not a release kvferry is tested with (0.26.x, 0.33.x, 0.34.x)" in said[0]
+        toks = prompt(48, seed=41)
+        eng.add("a", toks)
+        eng.run()
+        assert eng.stats.get("saved_blocks") == 3  # and it works
+    finally:
+        eng.shutdown()
+    caplog.clear()
+    monkeypatch.undo()
+    eng = engine(tmp_path / "tested", node.addr)
+    eng.shutdown()
+    assert not [r for r in caplog.records if "not a release kvferry" in r.getMessage()]
+
+
+def test_a_missing_hook_refuses_to_start_naming_it(tmp_path, node, monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvferry.vllm.compat import MissingHook
+
+    monkeypatch.delattr(KVConnectorBase_V1, "get_block_ids_with_load_errors")
+    with pytest.raises(MissingHook, match=r"no get_block_ids_with_load_errors\(\)"):
+        engine(tmp_path, node.addr)
+    monkeypatch.undo()
+
+    # A hook vLLM would call with more arguments than the connector takes.
+    def three(self, request, num_computed_tokens, more):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(KVConnectorBase_V1, "get_num_new_matched_tokens", three)
+    with pytest.raises(MissingHook, match=r"calls KVConnectorBase_V1.get_num_new_matched_"
+                       r"tokens\(request, num_computed_tokens, more\)"):
+        engine(tmp_path, node.addr)
+
+
+def test_a_kv_cache_it_cannot_describe_is_refused_naming_the_layer(tmp_path, node):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm_engine import kv_cache_config, vllm_config
+
+    from kvferry.vllm import KvCacheLayoutError, KvferryConnector
+
+    vc = vllm_config(tmp_path, {"address": node.addr})
+    w = KvferryConnector(vc, KVConnectorRole.WORKER, kv_cache_config(vc, 64))
+    try:
+        name = "model.layers.1.self_attn.attn"
+        good = {"model.layers.0.self_attn.attn": torch.zeros(64, 2, 16, 64)}
+        with pytest.raises(KvCacheLayoutError, match=rf"layer '{name}'.*no dimension"):
+            w.register_kv_caches({**good, name: torch.zeros(3, 5)})
+        strided = torch.zeros(64, 2, 16, 128)[..., ::2]  # every other element
+        with pytest.raises(KvCacheLayoutError, match=rf"layer '{name}'.*densely packed"):
+            w.register_kv_caches({**good, name: strided})
+        assert not w.worker_side.registered
+    finally:
+        w.shutdown()
+
+
+def test_cross_layer_kv_laid_out_by_heads_is_refused_naming_the_layer(tmp_path, node):
+    # vLLM 0.26's FlashAttention with the HND layout lays a cross-layer block out as
+    # (heads, layers, tokens, ...): a layer's part of a block is not one range.
+    if not runner().cross_layer_register:
+        pytest.skip("vLLM 0.33+ asks for cross-layer KV as a layout (BLHNC), never as this")
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm_engine import kv_cache_config, vllm_config
+
+    from kvferry.vllm import KvCacheLayoutError, KvferryConnector
+
+    class HndFlashAttention:
+        @staticmethod
+        def get_name():
+            return "FLASH_ATTN"
+
+        @staticmethod
+        def get_kv_cache_stride_order(include_num_layers_dimension=False):
+            return (1, 2, 0, 3, 4)  # vLLM 0.26 FlashAttention, HND, with layers
+
+    vc = vllm_config(tmp_path, {"address": node.addr, "kv_layout": "cross_layer"})
+    w = KvferryConnector(vc, KVConnectorRole.WORKER, kv_cache_config(vc, 64))
+    try:
+        big = torch.zeros(64, 2, 2, 16, 64)  # (blocks, heads, layers, tokens, 2 * head)
+        with pytest.raises(KvCacheLayoutError,
+                           match=r"layer 'model.layers.0.self_attn.attn'.*densely packed"):
+            w.register_cross_layers_kv_cache(big, HndFlashAttention)
+    finally:
+        w.shutdown()
+
+
+def test_what_vllm_034_asks_before_any_query(tmp_path, node):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    if not hasattr(KVConnectorBase_V1, "kv_cache_access"):
+        pytest.skip("vLLM 0.34+ asks kv_cache_access, may_load_async, lookahead hashes")
+    from vllm.config import KVTransferConfig
+    from vllm.config.kv_transfer import KVCacheAccess
+
+    from kvferry.vllm import ConfigError, KvferryConnector, parse_extra_config
+
+    def ktc(**extra):
+        return KVTransferConfig(kv_connector="KvferryConnector",
+                                kv_connector_module_path="kvferry.vllm", kv_role="kv_both",
+                                kv_connector_extra_config={"address": node.addr, **extra})
+
+    # No CUDA driver here: the extensible KV cache cannot be exported, so LEGACY_IPC
+    # (vLLM then allocates the KV cache without it); asked for by name, as asked (vLLM
+    # itself refuses EXPORTS_FD on a CPU: the extensible cache is CUDA's and ROCm's).
+    assert KvferryConnector.kv_cache_access(ktc()) == KVCacheAccess.LEGACY_IPC
+    assert ktc().kv_cache_access() == KVCacheAccess.LEGACY_IPC  # vLLM's own view of it
+    got = KvferryConnector.kv_cache_access(ktc(kv_cache_access="exports_fd"))
+    assert got == KVCacheAccess.EXPORTS_FD
+    with pytest.raises(ConfigError, match=r"'kv_cache_access' must be one of auto"):
+        parse_extra_config({"address": node.addr, "kv_cache_access": "vmm"})
+    with pytest.raises(ValueError, match=r"kv_cache_access'\] = 'vmm': expected one of auto"):
+        engine(tmp_path, node.addr, extra={"kv_cache_access": "vmm"})  # vLLM asks first
+    assert KvferryConnector.supports_lookahead_block_hashes(ktc()) is False
+    for mode, want in (("async", True), ("sync", False)):
+        eng = engine(tmp_path / mode, node.addr, extra={"load_mode": mode})
+        try:
+            req = eng.add("a", prompt(40, seed=51))
+            assert eng.connector.may_load_async(req) is want
+            short = eng.add("b", prompt(10, seed=52))  # no full block: nothing to load
+            assert eng.connector.may_load_async(short) is False
+        finally:
+            eng.shutdown()

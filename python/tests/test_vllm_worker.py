@@ -8,6 +8,7 @@ machine).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -105,6 +106,85 @@ def test_hashes_are_the_same_in_every_process():
         engine_salt("m", "bfloat16;BLHNC", 16, 2),
     ):
         assert ChainHasher(salt, 16).upto(list(range(100)), 1)[0].hex() != hashes[0]
+
+
+# ------------------------------------------------------------------------------ model names
+
+NODE_PART = re.compile(r"^[!-.0-~]{1,128}$")  # printable ASCII without '/', as the node takes
+
+
+@pytest.mark.parametrize("name", [
+    "llama8b",
+    "meta-llama/Llama-3.1-8B-Instruct",
+    "/models/llama",
+    "C:\\models\\llama 3",
+    "modèle/été",
+    "100%/a",
+    "/very/long/" + "x" * 300,
+])
+def test_every_model_name_is_a_namespace_the_node_takes(name):
+    from kvferry.vllm.namespace import model_namespace
+
+    ns = model_namespace(name)
+    assert NODE_PART.match(ns), ns
+    if NODE_PART.match(name) and "%" not in name:
+        assert ns == name  # names that were valid stay as they were
+    if len(name) < 50:
+        assert "%~" not in ns
+
+
+def test_model_names_never_share_a_namespace():
+    from kvferry.vllm.namespace import model_namespace
+
+    names = [
+        "meta-llama/Llama-3.1-8B", "meta-llama%2FLlama-3.1-8B", "meta-llama_Llama-3.1-8B",
+        "meta-llama%252FLlama-3.1-8B", "/models/llama", "%2Fmodels%2Fllama", "models/llama",
+        "a b", "a%20b", "a_b", "é", "%C3%A9",
+        "/long/" + "x" * 200 + "1", "/long/" + "x" * 200 + "2",
+        ("%2F" * 60)[:125],
+    ]
+    spaces = {model_namespace(n) for n in names}
+    assert len(spaces) == len(names)
+    with pytest.raises(ValueError, match="non-empty"):
+        model_namespace("")
+
+
+def test_registration_refused_at_start_and_said_once_later(node, monkeypatch, caplog):
+    import logging
+
+    import kvferry.vllm.worker as worker_mod
+    from kvferry.vllm.worker import RegistrationRefused
+
+    cfg = parse_extra_config({"address": node.addr, "deadline_ms": 500})
+    kv = kv_tensors(2, NB, HEADS, BS, HEAD, "LBNHC")
+    # Escaped, any name registers...
+    w = WorkerSide(cfg, instance="named", model="meta-llama/Llama-3.1-8B-Instruct",
+                   kv_dtype="float32", tp_rank=0, tp_size=1, num_blocks=NB)
+    try:
+        w.register_kv_caches(kv)
+        assert w.registered
+        assert w.namespace.startswith("meta-llama%2FLlama-3.1-8B-Instruct/"), w.namespace
+    finally:
+        w.shutdown()
+    # ...and a name the node refuses (the escape undone) stops the engine at start, with
+    # the node's reason.
+    monkeypatch.setattr(worker_mod, "model_namespace", lambda name: name)
+    w = WorkerSide(cfg, instance="refused", model="meta-llama/Llama-3.1-8B-Instruct",
+                   kv_dtype="float32", tp_rank=0, tp_size=1, num_blocks=NB)
+    with pytest.raises(RegistrationRefused, match=r"refused to register instance 'refused'"
+                       r".*meta-llama/Llama-3.1-8B-Instruct.*namespace model must be"):
+        w.register_kv_caches(kv)
+    # Refused later (after a node restart, say): said once, not once per load or save.
+    w._start_threads()
+    try:
+        caplog.set_level(logging.ERROR, logger="kvferry.vllm")
+        for _ in range(5):
+            assert not w._ensure_registered()
+        said = [r for r in caplog.records if "refused to register" in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in said]
+        assert w.take_stats().get("registration_refusals") == 5
+    finally:
+        w.shutdown()
 
 
 # ------------------------------------------------------------------------------ layouts

@@ -1,7 +1,14 @@
-"""A vLLM 0.33 engine without a GPU or a model: vLLM's real ``Scheduler`` (with the
-kvferry connector it creates from a ``KVTransferConfig``), a worker-side
-``KvferryConnector`` whose KV is memfd-backed CPU tensors, and a "forward pass" that writes
-deterministic bytes for the scheduled tokens (:func:`vllm_support.forward`).
+"""A vLLM engine without a GPU or a model: vLLM's real ``Scheduler`` (with the kvferry
+connector it creates from a ``KVTransferConfig``), a worker-side ``KvferryConnector`` whose
+KV is memfd-backed CPU tensors, and a "forward pass" that writes deterministic bytes for the
+scheduled tokens (:func:`vllm_support.forward`).
+
+The worker connector is driven as the installed vLLM's model runner drives it, found from
+what that vLLM has (:data:`RUNNER`): 0.33+ start synchronous loads before the forward and
+asynchronous ones after it and ask ``get_transfer_results``; 0.26 starts every load before
+the forward, calls ``wait_for_save`` only on steps with a forward and asks ``get_finished``.
+Cross-layer KV reaches the connector as 0.26 hands it over (one tensor, through
+``register_cross_layers_kv_cache``) or as 0.33+ do (per-layer views of a BLHNC allocation).
 
 The model is a tiny Llama ``config.json`` written into a temporary folder (no model hub,
 ``skip_tokenizer_init=True``); ``cache_config.num_gpu_blocks`` is set by hand.
@@ -23,7 +30,9 @@ from typing import Any, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_support import block_contents, expected_block, forward, kv_tensors  # noqa: E402
+from vllm_support import (  # noqa: E402
+    block_contents, empty, expected_block, forward, kv_tensors,
+)
 
 LAYERS, KV_HEADS, HEAD_SIZE = 2, 2, 32
 TINY_LLAMA = {
@@ -47,6 +56,46 @@ def model_dir(tmp: Path) -> str:
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(TINY_LLAMA))
     return str(d)
+
+
+class _Runner:
+    """How the installed vLLM's model runner drives a worker connector."""
+
+    def __init__(self) -> None:
+        import dataclasses
+
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+        from vllm.v1.core.sched.output import SchedulerOutput
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        def names(cls):
+            return {f.name for f in dataclasses.fields(cls)}
+
+        #: 0.33+: sync loads start before the forward, async ones after it.
+        self.sync_flag = "has_sync_kv_loads" in names(SchedulerOutput)
+        #: 0.33+: get_transfer_results (failed_recving); 0.26: get_finished.
+        self.transfer_results = hasattr(KVConnectorBase_V1, "get_transfer_results")
+        #: 0.26: cross-layer KV through register_cross_layers_kv_cache.
+        self.cross_layer_register = hasattr(KVConnectorBase_V1, "prefer_cross_layer_blocks")
+        #: 0.34: a resumed (preempted) request comes back among the new requests.
+        from vllm.v1.core.sched.output import CachedRequestData
+
+        self.resumed_as_new = "resumed_req_ids" not in names(CachedRequestData)
+        self.output_fields = names(ModelRunnerOutput)
+        self.kv_output_fields = names(KVConnectorOutput)
+
+    def __repr__(self) -> str:
+        return repr(self.__dict__)
+
+
+def runner() -> _Runner:
+    global RUNNER
+    if RUNNER is None:
+        RUNNER = _Runner()
+    return RUNNER
+
+
+RUNNER: Any = None
 
 
 def vllm_config(tmp: Path, extra: Dict[str, Any], *, block_size: int = 16,
@@ -74,8 +123,10 @@ def vllm_config(tmp: Path, extra: Dict[str, Any], *, block_size: int = 16,
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                     device_config=DeviceConfig(device="cpu"), kv_transfer_config=kt)
     vc.cache_config.num_gpu_blocks = num_blocks
-    # The engine core resolves the layout before connectors exist; tensors below match it.
-    vc.cache_config.kv_cache_layout = "LBNHC"
+    # vLLM 0.33+: the engine core resolves the layout before connectors exist; tensors
+    # below match it. (0.26 has no such setting: its FlashAttention NHD is LBNHC.)
+    if hasattr(vc.cache_config, "kv_cache_layout"):
+        vc.cache_config.kv_cache_layout = "LBNHC"
     return vc
 
 
@@ -84,13 +135,39 @@ def kv_cache_config(vc, num_blocks: int):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    tensors = []
+    if runner().cross_layer_register:
+        # vLLM 0.26 names each layer's tensor (its cross-layer KV is laid out from them).
+        from vllm.v1.kv_cache_interface import KVCacheTensor
+
+        page = 2 * vc.cache_config.block_size * KV_HEADS * HEAD_SIZE * 4
+        tensors = [KVCacheTensor(size=page * num_blocks, shared_by=[n]) for n in names]
     return KVCacheConfig(
         num_blocks=num_blocks,
-        kv_cache_tensors=[],
+        kv_cache_tensors=tensors,
         kv_cache_groups=[KVCacheGroupSpec(names, FullAttentionSpec(
             block_size=vc.cache_config.block_size, num_kv_heads=KV_HEADS,
             head_size=HEAD_SIZE, dtype=torch.float32))],
     )
+
+
+def cross_layer_kv_026(vc, num_blocks: int, block_size: int):
+    """vLLM 0.26's cross-layer KV as its model runner allocates it for FlashAttention
+    (``allocate_uniform_kv_caches``; on a memfd here): one tensor in the backend's
+    physical order with the layers dimension, and the per-layer views its layers use.
+    Returns (tensor, backend, {layer: view})."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend as backend
+
+    with set_current_vllm_config(vc):
+        shape = (LAYERS,) + tuple(backend.get_kv_cache_shape(
+            num_blocks, block_size, KV_HEADS, HEAD_SIZE))
+        order = backend.get_kv_cache_stride_order(include_num_layers_dimension=True)
+    big = empty(tuple(shape[i] for i in order), torch.float32)
+    logical = big.permute(*[order.index(i) for i in range(len(order))])
+    views = {f"model.layers.{i}.self_attn.attn": logical[i] for i in range(LAYERS)}
+    return big, backend, views
 
 
 class Engine:
@@ -107,12 +184,14 @@ class Engine:
         from kvferry.vllm import KvferryConnector
 
         self.block_size = block_size
+        self.driver = runner()
         self.vc = vllm_config(Path(tmp), extra, block_size=block_size, num_blocks=num_blocks, **kw)
-        self.vc.cache_config.kv_cache_layout = layout
+        if hasattr(self.vc.cache_config, "kv_cache_layout"):
+            self.vc.cache_config.kv_cache_layout = layout
         self.vc.parallel_config.tensor_parallel_size = tp
         self.kvc = kv_cache_config(self.vc, num_blocks)
         if self.vc.scheduler_config.async_scheduling:
-            # vLLM 0.33's default (as `vllm serve` runs it).
+            # vLLM's default (as `vllm serve` runs it).
             from vllm.v1.core.sched.async_scheduler import AsyncScheduler as Scheduler
         self.scheduler = Scheduler(
             vllm_config=self.vc, kv_cache_config=self.kvc, log_stats=True,
@@ -127,8 +206,14 @@ class Engine:
             for rank in range(tp):
                 conn._tp_rank = lambda r=rank: r  # what vLLM's TP group says in rank r
                 w = KvferryConnector(self.vc, KVConnectorRole.WORKER, self.kvc)
-                kv = kv_tensors(LAYERS, num_blocks, KV_HEADS, block_size, HEAD_SIZE, layout)
-                w.register_kv_caches(kv)
+                if layout == "BLHNC" and self.driver.cross_layer_register:
+                    # vLLM 0.26 hands over cross-layer KV only where the connector prefers it.
+                    assert w.prefer_cross_layer_blocks
+                    big, backend, kv = cross_layer_kv_026(self.vc, num_blocks, block_size)
+                    w.register_cross_layers_kv_cache(big, backend)
+                else:
+                    kv = kv_tensors(LAYERS, num_blocks, KV_HEADS, block_size, HEAD_SIZE, layout)
+                    w.register_kv_caches(kv)
                 self.workers.append(w)
                 self.kvs.append(kv)
         finally:
@@ -142,6 +227,9 @@ class Engine:
         self.finished: set = set()
         self.invalid_reported: set = set()
         self.invalid_steps: List[set] = []
+        # vLLM 0.33+: loads reported failed per request.
+        self.failed_recving: set = set()
+        self.failed_steps: List[set] = []
         self.stats_log: List[Any] = []
         self.stats: Dict[str, Any] = {}
         self.scheduled_tokens: Dict[str, int] = {}
@@ -182,11 +270,16 @@ class Engine:
         if before_worker is not None:
             before_worker(so)
         meta = so.kv_connector_metadata
+        run = self.driver
+        forward_step = so.total_num_scheduled_tokens > 0
+        # 0.33+: sync loads before the forward, async ones after; 0.26: all before.
+        load_first = so.has_sync_kv_loads if run.sync_flag else True
         for w in self.workers:
             w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
-            if so.has_sync_kv_loads:
+            if load_first:
                 w.start_load_kv(None)
+            if forward_step:
                 # As vLLM's attention layers do: each waits for its own layer to land.
                 side = w.worker_side
                 for name in list(getattr(side, "_layer_index", {})):
@@ -206,32 +299,42 @@ class Engine:
             sampled.append([(sum(toks) + len(toks)) % 997 + 1] if end >= len(toks) else [])
         outs_per_rank = []
         for w in self.workers:
-            if not so.has_sync_kv_loads:
+            if not load_first:
                 w.start_load_kv(None)
-            w.wait_for_save()
-            res = w.get_transfer_results(so.finished_req_ids)
-            invalid = w.get_block_ids_with_load_errors()
-            st = w.get_kv_connector_stats()
+            if forward_step or run.sync_flag:
+                # 0.26 calls wait_for_save only after a forward.
+                w.wait_for_save()
+            kvo: Dict[str, Any] = {}
+            if run.transfer_results:
+                res = w.get_transfer_results(so.finished_req_ids)
+                kvo.update(finished_sending=res.finished_sending or None,
+                           finished_recving=res.finished_recving or None,
+                           failed_recving=res.failed_recving)
+            else:
+                sending, recving = w.get_finished(so.finished_req_ids)
+                kvo.update(finished_sending=sending, finished_recving=recving)
+            kvo.update(invalid_block_ids=w.get_block_ids_with_load_errors(),
+                       kv_connector_stats=w.get_kv_connector_stats())
             w.clear_connector_metadata()
-            outs_per_rank.append(ModelRunnerOutput(
+            mro: Dict[str, Any] = dict(
                 req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
                 sampled_token_ids=sampled,
                 logprobs=None,
                 prompt_logprobs_dict={},
                 pooler_output=None,
-                kv_connector_output=KVConnectorOutput(
-                    finished_sending=res.finished_sending or None,
-                    finished_recving=res.finished_recving or None,
-                    failed_recving=res.failed_recving,
-                    invalid_block_ids=invalid,
-                    kv_connector_stats=st,
-                ),
-            ))
+                kv_connector_output=KVConnectorOutput(**kvo),
+            )
+            if "req_id_to_index" in run.output_fields:  # up to 0.33
+                mro["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+            outs_per_rank.append(ModelRunnerOutput(**mro))
         out = self.aggregator.aggregate(outs_per_rank) if self.tp > 1 else outs_per_rank[0]
-        invalid = set(out.kv_connector_output.invalid_block_ids or ())
+        kvout = out.kv_connector_output
+        invalid = set(kvout.invalid_block_ids or ())
         self.invalid_reported |= invalid
         self.invalid_steps.append(invalid)
+        failed = set(getattr(kvout, "failed_recving", None) or ())
+        self.failed_recving |= failed
+        self.failed_steps.append(failed)
         eco = self.scheduler.update_from_output(so, out)
         from kvferry.vllm.stats import merge
 

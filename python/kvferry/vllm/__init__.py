@@ -24,8 +24,10 @@ from .metadata import LoadSpec, SaveSpec, StepMetadata
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
 
-#: The vLLM versions this connector is written and tested against.
-SUPPORTED_VLLM = ("0.33.0",)
+#: The vLLM releases this connector is tested with (CPU, vLLM's real scheduler; see the
+#: README). Others start with a warning naming them, and work where they offer the hooks
+#: the connector needs (:mod:`kvferry.vllm.compat` finds what a release offers).
+SUPPORTED_VLLM = ("0.26.0", "0.33.0", "0.34.0")
 
 _LAZY = {
     "KvferryConnector",

@@ -22,7 +22,8 @@ KEYS: Dict[str, str] = {
     "address": "the node's engine service, host:port (its [engine] listen); required",
     "token": "the node's engine token ([engine] token), if it has one",
     "instance": "this engine's instance name on the node (default: vllm-<engine_id>)",
-    "model": "the model name blocks are shared under (default: the served model name)",
+    "model": "the model name blocks are shared under (default: the served model name, "
+    "else the model as given; any name: escaped into the node's namespace)",
     "direct_gpu": "ask the node for direct GPU loads of remote blocks (used only if granted)",
     "deadline_ms": "deadline of each call to the node, in ms (default 1000)",
     "connect_timeout_ms": "how long connecting to the node may take, in ms (default 1000)",
@@ -36,6 +37,10 @@ KEYS: Dict[str, str] = {
     "mailbox": "send queries, loads and saves through a request mailbox in shared memory (default "
     "true; needs the node's fd socket, so the same host; the calls are used where the node "
     "or the host cannot)",
+    "kv_cache_access": '(vLLM 0.34) how the node reaches vLLM\'s KV memory: "auto" (default: '
+    '"exports_fd" where the driver can export vLLM\'s extensible VMM KV cache, else '
+    '"legacy_ipc"), "exports_fd" or "legacy_ipc" (CUDA IPC; vLLM turns its extensible '
+    "cache off)",
     "kv_layout": '"auto" (default: vLLM picks its KV cache layout) or "cross_layer" (ask vLLM '
     "for block-outermost KV, BLHNC, so a load is one copy per block; vLLM falls back with a "
     "warning where the attention backend cannot use it)",
@@ -57,6 +62,7 @@ class KvferryConfig:
     fd_socket: Optional[str] = None
     kv_layout: str = "auto"
     mailbox: bool = True
+    kv_cache_access: str = "auto"
 
     @property
     def deadline_s(self) -> float:
@@ -117,12 +123,31 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvferryConfig:
             if value not in ("async", "sync"):
                 raise ConfigError(f'{prefix}: "load_mode" must be "async" or "sync", got {value!r}')
             values[key] = value
+        elif key == "kv_cache_access":
+            from .vmm import CHOICES
+
+            choice = str(value).strip().lower().replace("-", "_")
+            if choice not in CHOICES:
+                raise ConfigError(
+                    f"{prefix}: 'kv_cache_access' must be one of {', '.join(CHOICES)}, got "
+                    f"{value!r}"
+                )
+            values[key] = choice
         elif key == "kv_layout":
             if value not in ("auto", "cross_layer"):
                 raise ConfigError(
                     f'{prefix}: "kv_layout" must be "auto" or "cross_layer", got {value!r}'
                 )
             values[key] = value
+    inst = values.get("instance")
+    if inst is not None and (
+        len(inst) > 128 or not all(0x21 <= ord(ch) <= 0x7E for ch in inst)
+    ):
+        # The node's rule for instance names (model names, by contrast, are escaped).
+        raise ConfigError(
+            f"{prefix}: 'instance' must be 1 to 128 printable ASCII characters without "
+            f"spaces, got {inst!r}"
+        )
     if "address" not in values:
         raise ConfigError(
             f"{prefix}: 'address' is required: the node's engine service as host:port "

@@ -1,4 +1,6 @@
-"""``KvferryConnector``: vLLM's ``KVConnectorBase_V1`` over a kvferry node (vLLM 0.33).
+"""``KvferryConnector``: vLLM's ``KVConnectorBase_V1`` over a kvferry node (vLLM 0.26,
+0.33, 0.34; what differs between them is found from the installed vLLM by
+:mod:`kvferry.vllm.compat`).
 
 This module imports vLLM; the logic lives in :mod:`kvferry.vllm.scheduler` and
 :mod:`kvferry.vllm.worker`, which do not. Enable it with::
@@ -25,16 +27,27 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from . import compat
 from .config import ConfigError, parse_extra_config
+from .kvcache import cross_layer_views
 from .metadata import StepMetadata
+from .namespace import model_namespace
 from .scheduler import SchedulerSide
 from .stats import COUNTERS, merge, reduce_summary
 from .worker import WorkerSide
 
-try:  # vLLM 0.33: where an external hit came from (host memory or a peer node)
+try:  # vLLM 0.33+: where an external hit came from (host memory or a peer node)
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
-except ImportError:  # pragma: no cover - older vLLM
+except ImportError:  # vLLM 0.26
     CacheHitSource = None  # type: ignore[assignment,misc]
+
+try:  # vLLM 0.33+: transfer results with failed receives per request
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # vLLM 0.26: get_finished and get_block_ids_with_load_errors only
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+#: What the installed vLLM offers (see :mod:`kvferry.vllm.compat`).
+API = compat.probe()
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,20 +68,18 @@ __all__ = [
 log = logging.getLogger("kvferry.vllm")
 
 
-def _warn_untested_vllm() -> None:
-    """One log line where vLLM is not a version this connector was tested against: its
-    connector API changes between releases, so what breaks may be subtle."""
-    import vllm
+def _kv_cache_access(kv_transfer_config: Any) -> Any:
+    """What vLLM 0.34's ``kv_cache_access`` is told (:mod:`kvferry.vllm.vmm`): EXPORTS_FD
+    where the driver can export the extensible (VMM) KV cache's memory as fds for the node
+    to map, else LEGACY_IPC (CUDA IPC handles; vLLM then switches the extensible cache off,
+    and :mod:`kvferry.vllm.vmm` logs why), or what ``kv_cache_access`` in the extra config
+    says."""
+    from vllm.config.kv_transfer import KVCacheAccess
 
-    from . import SUPPORTED_VLLM
+    from . import vmm
 
-    got = getattr(vllm, "__version__", "unknown")
-    if got not in SUPPORTED_VLLM:
-        log.warning(
-            "kvferry: vLLM %s is untested; the connector is tested with %s",
-            got,
-            ", ".join(SUPPORTED_VLLM),
-        )
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+    return vmm.as_flags(vmm.supported_access(extra), KVCacheAccess)
 
 
 @dataclass
@@ -131,6 +142,8 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
 
 
 def _served_model(vllm_config: "VllmConfig") -> str:
+    """The first served model name (as vLLM's own metrics name the model), else the
+    model as given (a Hugging Face id or a path)."""
     mc = vllm_config.model_config
     name = getattr(mc, "served_model_name", None)
     if isinstance(name, (list, tuple)):
@@ -202,8 +215,11 @@ class KvferryConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.cfg = parse_extra_config(ktc.kv_connector_extra_config)
+        compat.check_hooks(KVConnectorBase_V1, type(self))
         check_supported(vllm_config, kv_cache_config)
-        _warn_untested_vllm()
+        if compat.warn_if_untested(API) is False:
+            log.debug("kvferry: vLLM %s (%s)", API.version, API)
+        self._kv_cache_config_ref = kv_cache_config
         pc = vllm_config.parallel_config
         instance = self.cfg.instance or f"vllm-{ktc.engine_id}"
         dp_size = getattr(pc, "data_parallel_size", 1) or 1
@@ -253,17 +269,39 @@ class KvferryConnector(KVConnectorBase_V1):
                 backend=_backend_name(vllm_config),
             )
         log.info(
-            "kvferry: %s connector for instance %s, node %s (model %s, %s, block size %d, "
-            "TP %d, loads %s%s)",
-            role.name.lower(), instance, self.cfg.address, model, kv_dtype, block_size,
-            tp_size, self.cfg.load_mode, ", direct GPU loads asked" if self.cfg.direct_gpu else "",
+            "kvferry: %s connector for instance %s, node %s (model %s as namespace %s, %s, "
+            "block size %d, TP %d, loads %s%s; vLLM %s)",
+            role.name.lower(), instance, self.cfg.address, model, model_namespace(model),
+            kv_dtype, block_size, tp_size, self.cfg.load_mode,
+            ", direct GPU loads asked" if self.cfg.direct_gpu else "", API.version,
         )
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
         # Called while the engine starts (layout resolution): bad settings fail here first.
         cfg = parse_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        return "BLHNC" if cfg.kv_layout == "cross_layer" else None
+        if cfg.kv_layout == "cross_layer" and API.cross_layer == "layout":
+            return "BLHNC"
+        # vLLM 0.26 knows "NHD"/"HND" only, and asks for cross-layer KV through
+        # prefer_cross_layer_blocks instead.
+        return None
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        # vLLM 0.26: one KV tensor for all layers, handed to register_cross_layers_kv_cache
+        # (where the attention backend lays blocks outermost; vLLM falls back otherwise).
+        return self.cfg.kv_layout == "cross_layer" and API.cross_layer == "register"
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        # vLLM 0.34 (see _kv_cache_access).
+        return _kv_cache_access(kv_transfer_config)
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        # kvferry names a block by the tokens up to its end; KV that depends on tokens after
+        # the block (EAGLE block drop's lookahead) would be shared under the wrong name.
+        return False
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -275,6 +313,14 @@ class KvferryConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
         assert self.worker_side is not None
         self.worker_side.register_kv_caches(kv_caches)
+
+    def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
+        """vLLM 0.26's cross-layer KV: one tensor for all layers, in the backend's physical
+        order; registered as the per-layer views vLLM's own layers use."""
+        assert self.worker_side is not None
+        self.worker_side.register_kv_caches(
+            cross_layer_views(kv_cache, attn_backend, self._kv_cache_config_ref)
+        )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self.worker_side is not None:
@@ -301,10 +347,21 @@ class KvferryConnector(KVConnectorBase_V1):
             self.worker_side.submit_saves(self._get_connector_metadata())  # type: ignore[arg-type]
 
     def get_finished(self, finished_req_ids: set) -> Tuple[Optional[set], Optional[set]]:
+        # vLLM 0.26: a failed load's blocks go to get_block_ids_with_load_errors.
         if self.worker_side is None:
             return None, None
         sending, recving = self.worker_side.get_finished(finished_req_ids)
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set) -> Any:
+        # vLLM 0.33+: a failed asynchronous load is reported as failed_recving (and as
+        # finished), so vLLM recomputes the request or fails it, as its policy says.
+        if self.worker_side is None:
+            return KVConnectorTransferResults()
+        sending, recving, failed = self.worker_side.get_transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set:
         if self.worker_side is None:
@@ -327,6 +384,11 @@ class KvferryConnector(KVConnectorBase_V1):
     def on_new_request(self, request: "Request") -> None:
         if self.scheduler_side is not None:
             self.scheduler_side.on_new_request(request)
+
+    def may_load_async(self, request: "Request") -> bool:
+        # vLLM 0.34, with --max-num-inflight-kv-loads: whether this request may load
+        # asynchronously (a hit is known only after the query).
+        return self.scheduler_side is not None and self.scheduler_side.may_load_async(request)
 
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int

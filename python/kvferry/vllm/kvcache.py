@@ -26,7 +26,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["KvCacheLayoutError", "LayerPlanes", "RankLayout", "describe_kv_caches"]
+__all__ = [
+    "KvCacheLayoutError",
+    "LayerPlanes",
+    "RankLayout",
+    "cross_layer_views",
+    "describe_kv_caches",
+]
 
 SEGMENT_ALIGN = 64
 
@@ -190,6 +196,39 @@ def describe_kv_caches(
     )
     kind = "cross_layer" if tiles and len(layers) > 1 else "attention"
     return RankLayout(layers, nseg, seg, stride, num_blocks, kind, dtype, device, shared, order0)
+
+
+def cross_layer_views(kv_cache: Any, attn_backend: Any, kv_cache_config: Any) -> Dict[str, Any]:
+    """vLLM 0.26's cross-layer KV (``register_cross_layers_kv_cache``: one tensor for all
+    layers, in the attention backend's physical order) as ``{layer_name: view}``: the views
+    vLLM's own layers use, made as its model runner makes them (the backend's stride order
+    with the layers dimension, inverted; layer ``i`` is ``kv_cache_tensors[i]``)."""
+    tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or ())
+    backend = getattr(attn_backend, "get_name", lambda: str(attn_backend))()
+    if not tensors:
+        raise KvCacheLayoutError(
+            f"cross-layer KV cache ({backend}): the KV cache config names no layers"
+        )
+    try:
+        order = tuple(attn_backend.get_kv_cache_stride_order(include_num_layers_dimension=True))
+    except (AttributeError, NotImplementedError, TypeError):
+        order = tuple(range(kv_cache.dim()))
+    if sorted(order) != list(range(kv_cache.dim())):
+        raise KvCacheLayoutError(
+            f"cross-layer KV cache ({backend}): stride order {order} does not fit a tensor of "
+            f"shape {tuple(kv_cache.shape)}"
+        )
+    logical = kv_cache.permute(*[order.index(i) for i in range(len(order))])
+    if logical.shape[0] != len(tensors):
+        raise KvCacheLayoutError(
+            f"cross-layer KV cache ({backend}): {logical.shape[0]} layers in a tensor of shape "
+            f"{tuple(kv_cache.shape)}, but the KV cache config has {len(tensors)}"
+        )
+    out: Dict[str, Any] = {}
+    for i, kt in enumerate(tensors):
+        for name in getattr(kt, "shared_by", None) or ():
+            out[name] = logical[i]
+    return out
 
 
 def _byte_view(t: Any) -> Tuple[Any, int]:

@@ -134,6 +134,16 @@ class SchedulerSide:
     def on_new_request(self, request: Any) -> None:
         self._state(request)
 
+    def may_load_async(self, request: Any) -> bool:
+        """Whether a hit of ``request`` would load asynchronously (vLLM 0.34 asks before
+        any query, so this says "may"): in load_mode "async", for a request kvferry can
+        name that has a full block."""
+        if not (self.load_enabled and self.cfg.async_load):
+            return False
+        if getattr(request, "prompt_embeds", None) is not None or _mm_spans(request) is None:
+            return False
+        return int(getattr(request, "num_tokens", 0) or 0) >= self.block_size
+
     # ---------------------------------------------------------------- node calls
 
     def _max_query(self) -> int:
@@ -360,6 +370,12 @@ class SchedulerSide:
     def update_connector_output(self, output: Any) -> None:
         for rid in getattr(output, "finished_sending", None) or ():
             self._saving.discard(rid)
+        for rid in getattr(output, "failed_recving", None) or ():
+            # vLLM 0.33+ recomputes a request whose load failed: the blocks the load was to
+            # bring are computed, so they are saved like any other.
+            r = self._reqs.get(rid)
+            if r is not None:
+                r.load_start = r.load_end = 0
 
     def request_finished(self, request: Any, block_ids: Any = None) -> Tuple[bool, Optional[dict]]:
         r = self._reqs.pop(request.request_id, None)

@@ -34,6 +34,8 @@ COUNTERS: Dict[str, str] = {
     "saved_blocks": "Blocks written to the node by saves (every rank).",
     "saved_bytes": "Bytes written to the node by saves (every rank).",
     "registrations": "Registrations of a rank's KV with the node (again after a restart).",
+    "registration_refusals": "Registrations the node refused after the engine started "
+    "(a refusal at start stops the engine).",
 }
 
 #: Individual load durations kept per interval (for the histogram), at most.

@@ -27,9 +27,10 @@ from .config import KvferryConfig
 from .kvcache import RankLayout, describe_kv_caches, device_ordinal, register_rank
 from .link import NodeDown, NodeLink
 from .metadata import LoadSpec, SaveSpec, StepMetadata
+from .namespace import model_namespace
 from .stats import Counters
 
-__all__ = ["WorkerSide"]
+__all__ = ["RegistrationRefused", "WorkerSide"]
 
 log = logging.getLogger("kvferry.vllm")
 
@@ -42,6 +43,10 @@ PROBE_HASH = b"kvferry-vllm-probe"
 
 #: Slots of a rank's completion board (loads in flight at once that report to it).
 BOARD_SLOTS = 256
+
+
+class RegistrationRefused(RuntimeError):
+    """The node refused this rank's registration at engine start; the message says why."""
 #: A board wait for this many layers returns at the load's end.
 ALL_LAYERS = 0xFFFFFFFF
 
@@ -85,6 +90,9 @@ class WorkerSide:
         self.cfg = cfg
         self.instance = instance
         self.model = model
+        #: The model as the node's namespace names it (any model name, escaped).
+        self.model_ns = model_namespace(model)
+        self._refused: Optional[str] = None
         self.kv_dtype = kv_dtype
         self.rank = tp_rank
         self.tp_size = tp_size
@@ -137,7 +145,8 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> RankLayout:
         """Detects the layout (raises :class:`~kvferry.vllm.kvcache.KvCacheLayoutError`
         naming the layer for tensors kvferry cannot register) and registers it; a node that
-        is down is registered with later."""
+        is down is registered with later, and a registration the node refuses raises
+        :class:`RegistrationRefused` (the engine does not start)."""
         self.layout = describe_kv_caches(kv_caches, self.num_blocks, self.backend)
         self._cuda = self.layout.device.startswith("cuda")
         self._layer_index = {lp.name: i for i, lp in enumerate(self.layout.layers)}
@@ -149,11 +158,11 @@ class WorkerSide:
             self.layout.device,
             f" ({len(self.layout.shared)} shared layers)" if self.layout.shared else "",
         )
-        self._ensure_registered()
+        self._ensure_registered(at_start=True)
         self._start_threads()
         return self.layout
 
-    def _ensure_registered(self) -> bool:
+    def _ensure_registered(self, at_start: bool = False) -> bool:
         if self._registered:
             return True
         assert self.layout is not None
@@ -168,14 +177,27 @@ class WorkerSide:
                 if getattr(e, "code", None) == "ALREADY_EXISTS":
                     self._registered = True
                     return True
-                log.error("kvferry: rank %d: the node refused the registration: %s", self.rank, e)
+                why = (
+                    f"kvferry: rank {self.rank}: the node at {self.cfg.address} refused to "
+                    f"register instance {self.instance!r} (model {self.model!r}, namespace "
+                    f"model {self.model_ns!r}): {e}"
+                )
+                if at_start:
+                    raise RegistrationRefused(why) from e
+                # Later (a restarted node, say): every load and save tries again; said once
+                # per reason, not once per step.
+                self.counters.add("registration_refusals")
+                if why != self._refused:
+                    self._refused = why
+                    log.error("%s; kvferry hits are off until it accepts", why)
                 return False
+            self._refused = None
             self.namespace = ns
             self._registered = True
             self.counters.add("registrations")
             log.info(
-                "kvferry: rank %d registered as %s on %s (namespace %s)",
-                self.rank, self.instance, self.cfg.address, ns,
+                "kvferry: rank %d registered as %s on %s (model %s, namespace %s)",
+                self.rank, self.instance, self.cfg.address, self.model, ns,
             )
             return True
 
@@ -197,7 +219,7 @@ class WorkerSide:
             client,
             self.layout,
             instance=self.instance,
-            model=self.model,
+            model=self.model_ns,
             # The element order inside a block joins the namespace: engines that lay the
             # same block out differently never share it.
             dtype_name=f"{self.kv_dtype};{self.layout.element_order}",
@@ -646,9 +668,27 @@ class WorkerSide:
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Set[str], Set[str]]:
         """(requests whose saves are done, requests whose async loads are done); the
         failed blocks of those loads are reported by the next
-        :meth:`get_block_ids_with_load_errors` (the same step)."""
+        :meth:`get_block_ids_with_load_errors` (the same step). vLLM 0.26 asks this."""
+        sending, recving, _ = self._results(finished_req_ids, by_request=False)
+        return sending, recving
+
+    def get_transfer_results(
+        self, finished_req_ids: Set[str]
+    ) -> Tuple[Set[str], Set[str], Set[str]]:
+        """(saves done, async loads done, async loads that failed: also among the done),
+        as vLLM 0.33+ asks: a failed asynchronous load is reported by request (vLLM then
+        recomputes it, or fails it, as its kv_load_failure_policy says), not by block. The
+        failed blocks of synchronous loads still go to
+        :meth:`get_block_ids_with_load_errors` (vLLM takes no request-level failure for
+        a request that runs this step)."""
+        return self._results(finished_req_ids, by_request=True)
+
+    def _results(
+        self, finished_req_ids: Set[str], by_request: bool
+    ) -> Tuple[Set[str], Set[str], Set[str]]:
         sending: Set[str] = set()
         recving: Set[str] = set()
+        failed: Set[str] = set()
         with self._lock:
             started = bool(self._sync_started)
         if started:
@@ -659,16 +699,19 @@ class WorkerSide:
         with self._lock:
             done, self._done = self._done, []
             for d in done:
-                self._errors |= d.failed
                 if not d.sync:
                     recving.add(d.req_id)
+                    if d.failed and by_request:
+                        failed.add(d.req_id)
+                        continue
+                self._errors |= d.failed
             self._finishing |= set(finished_req_ids or ()) & self._save_reqs
             for rid in list(self._finishing):
                 if rid not in self._save_pending:
                     self._finishing.discard(rid)
                     self._save_reqs.discard(rid)
                     sending.add(rid)
-        return sending, recving
+        return sending, recving, failed
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         with self._lock:
