@@ -19,13 +19,13 @@ pub enum SsdError {
         #[source]
         source: std::io::Error,
     },
-    #[error("ssd directory {path}: the disk is full (writing {bytes} bytes at offset {offset})")]
     /// The directory is not private to the node's user (or cannot be made so).
     #[error("ssd directory {source}")]
     Directory {
         #[source]
         source: crate::private_fs::PrivateDirError,
     },
+    #[error("ssd directory {path}: the disk is full (writing {bytes} bytes at offset {offset})")]
     DiskFull {
         path: PathBuf,
         offset: u64,

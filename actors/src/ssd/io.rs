@@ -91,6 +91,8 @@ pub struct IoMode {
 
 /// Opens (creating) a block file, with `O_DIRECT` if asked and the filesystem allows it;
 /// the second value says whether it is in use, or why not.
+/// The file is the node user's alone (mode 0600 at creation and set again on one that was
+/// there), whatever the umask.
 pub fn open_file(path: &Path, direct: bool) -> Result<(File, Result<(), String>), SsdError> {
     let (file, direct) = open_with(path, direct, |flags| {
         OpenOptions::new()
@@ -98,6 +100,7 @@ pub fn open_file(path: &Path, direct: bool) -> Result<(File, Result<(), String>)
             .write(true)
             .create(true)
             .truncate(false)
+            .mode(crate::private_fs::FILE_MODE)
             .custom_flags(flags)
             .open(path)
     })?;
@@ -153,8 +156,6 @@ pub struct ReadInto {
 /// How a read ended.
 #[derive(Debug)]
 pub enum ReadOutcome {
-/// The file is the node user's alone (mode 0600 at creation and set again on one that was
-/// there), whatever the umask.
     /// The bytes are at the destination and match their header and checksum.
     Ok,
     /// The slot does not hold this block's bytes: a miss (the destination may hold garbage).
@@ -162,7 +163,6 @@ pub enum ReadOutcome {
     Failed(SsdError),
 }
 
-            .mode(crate::private_fs::FILE_MODE)
 pub enum Op {
     /// Writes a slot: header and bytes in one buffer.
     Write {

@@ -70,40 +70,6 @@ impl std::fmt::Debug for SsdTier {
     }
 }
 
-impl SsdTier {
-    /// Opens every directory (creating what is missing), scans what is on disk and starts
-    /// the I/O threads. `slot_bytes` is the host pool's slot size: the largest block.
-    pub fn open(cfg: &SsdConfig, slot_bytes: u64) -> Result<Self, SsdError> {
-        let t0 = Instant::now();
-        let stride = format::slot_stride(slot_bytes);
-        let mut dirs = Vec::with_capacity(cfg.dir.len());
-        let mut slots = Vec::with_capacity(cfg.dir.len());
-        let mut found = Vec::new();
-        let mut announced = Vec::with_capacity(cfg.dir.len());
-        for (d, dir) in cfg.dir.iter().enumerate() {
-            // Blocks are trusted for their checksums alone: nobody else may write them.
-            crate::private_fs::private_dir(&dir.path)
-                .map_err(|source| SsdError::Directory { source })?;
-            let path = dir.path.join(format::FILE_NAME);
-            let (file, direct) = open_file(&path, cfg.direct_io)?;
-            lock_block_file(&file, &path)?;
-            let n = format::slots_for(dir.capacity.0, stride);
-            let (mut io, uring) = DirIo::new(path.clone(), file, direct.is_ok(), cfg.queue_depth);
-            let mode = IoMode { direct, uring };
-            match (&mode.direct, &mode.uring) {
-                (Ok(()), Ok(())) => tracing::info!(dir = %dir.path.display(), slots = n,
-                    "ssd: O_DIRECT with io_uring"),
-                (direct, uring) => tracing::warn!(dir = %dir.path.display(), slots = n,
-                    o_direct = %direct.as_ref().err().map_or("on", |s| s.as_str()),
-                    io_uring = %uring.as_ref().err().map_or("on", |s| s.as_str()),
-                    "ssd: falling back (buffered I/O and/or pread/pwrite): slower, same format"),
-            }
-            let (scanned, used) = prepare_file(&mut io, &path, stride, n, |slot, h| {
-                found.push((Loc { dir: d, slot }, h.key, h.tp, h.len, h.seq));
-            })?;
-            tracing::info!(dir = %dir.path.display(), blocks = scanned, "ssd: scanned");
-            let (tx, rx) = mpsc::channel();
-            let thread = std::thread::Builder::new()
 /// How long a start waits for a block file's lock that another process holds. A node killed
 /// with SIGKILL still holds it for a while after it is reaped (1–15 ms measured: its io_uring
 /// is torn down after the process, and the file and its lock with it), so a supervisor's
@@ -142,6 +108,40 @@ fn lock_block_file(file: &std::fs::File, path: &std::path::Path) -> Result<(), S
     }
 }
 
+impl SsdTier {
+    /// Opens every directory (creating what is missing), scans what is on disk and starts
+    /// the I/O threads. `slot_bytes` is the host pool's slot size: the largest block.
+    pub fn open(cfg: &SsdConfig, slot_bytes: u64) -> Result<Self, SsdError> {
+        let t0 = Instant::now();
+        let stride = format::slot_stride(slot_bytes);
+        let mut dirs = Vec::with_capacity(cfg.dir.len());
+        let mut slots = Vec::with_capacity(cfg.dir.len());
+        let mut found = Vec::new();
+        let mut announced = Vec::with_capacity(cfg.dir.len());
+        for (d, dir) in cfg.dir.iter().enumerate() {
+            // Blocks are trusted for their checksums alone: nobody else may write them.
+            crate::private_fs::private_dir(&dir.path)
+                .map_err(|source| SsdError::Directory { source })?;
+            let path = dir.path.join(format::FILE_NAME);
+            let (file, direct) = open_file(&path, cfg.direct_io)?;
+            lock_block_file(&file, &path)?;
+            let n = format::slots_for(dir.capacity.0, stride);
+            let (mut io, uring) = DirIo::new(path.clone(), file, direct.is_ok(), cfg.queue_depth);
+            let mode = IoMode { direct, uring };
+            match (&mode.direct, &mode.uring) {
+                (Ok(()), Ok(())) => tracing::info!(dir = %dir.path.display(), slots = n,
+                    "ssd: O_DIRECT with io_uring"),
+                (direct, uring) => tracing::warn!(dir = %dir.path.display(), slots = n,
+                    o_direct = %direct.as_ref().err().map_or("on", |s| s.as_str()),
+                    io_uring = %uring.as_ref().err().map_or("on", |s| s.as_str()),
+                    "ssd: falling back (buffered I/O and/or pread/pwrite): slower, same format"),
+            }
+            let (scanned, used) = prepare_file(&mut io, &path, stride, n, |slot, h| {
+                found.push((Loc { dir: d, slot }, h.key, h.tp, h.len, h.seq));
+            })?;
+            tracing::info!(dir = %dir.path.display(), blocks = scanned, "ssd: scanned");
+            let (tx, rx) = mpsc::channel();
+            let thread = std::thread::Builder::new()
                 .name(format!("kvferry-ssd-{d}"))
                 .spawn(move || io.run(rx))
                 .map_err(|source| SsdError::Open {
