@@ -9,8 +9,8 @@
 :class:`EngineClient` is kvferry's Rust engine client (one implementation for Rust and
 Python), with the GIL released while it waits. Failures raise :class:`KvferryError`
 subclasses (:mod:`kvferry.errors`). :mod:`kvferry.torch` registers torch tensors (CPU by
-memfd, CUDA by IPC handle) in the KV layouts engines allocate; :mod:`kvferry.layout` holds
-the layout logic without torch.
+memfd, CUDA by IPC handle or, for VMM allocations, by fd: :mod:`kvferry.vmm`) in the KV
+layouts engines allocate; :mod:`kvferry.layout` holds the layout logic without torch.
 """
 
 from ._native import (

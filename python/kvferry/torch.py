@@ -5,7 +5,9 @@ Importing :mod:`kvferry` never imports torch; this module does, when first used.
 - :func:`memfd_empty` makes a CPU tensor backed by a memfd (zero-filled), which
   :func:`register_tensors` sends to the node once per memfd;
 - CUDA tensors are registered by the CUDA IPC handle of the caching allocator's block that
-  holds them (:func:`cuda_region`), one region per block;
+  holds them (:func:`cuda_region`), one region per block, or, where they lie in a VMM
+  allocation (vLLM 0.34's extensible KV cache), by the POSIX
+  fd of that allocation (:mod:`kvferry.vmm`), one region per allocation;
 - :func:`describe_layout` and :func:`register_kv` turn the tensors of the layouts engines
   allocate into planes (see :mod:`kvferry.layout`).
 """

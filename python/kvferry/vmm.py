@@ -1,9 +1,9 @@
 """GPU KV in CUDA VMM allocations (``cuMemCreate`` / ``cuMemMap``), shared with a node by
 POSIX file descriptor.
 
-vLLM 0.34 allocates its KV cache this way by default on CUDA (the *extensible* KV cache), and
-so do PyTorch's expandable segments: memory that a CUDA IPC handle (``cuIpcGetMemHandle``)
-cannot name. Such an allocation can be shared where it was created exportable as a POSIX
+vLLM 0.34 allocates its KV cache this way by default on CUDA (the *extensible* KV cache):
+memory that a CUDA IPC handle (``cuIpcGetMemHandle``) cannot name (nor PyTorch's expandable
+segments, whose tensors may span several allocations, which :func:`export` refuses). Such an allocation can be shared where it was created exportable as a POSIX
 fd (vLLM does so for a connector that declares ``EXPORTS_FD``, see
 :mod:`kvferry.vllm.vmm`): :func:`export` retains the allocation that holds an address,
 exports it with ``cuMemExportToShareableHandle`` and drops the retained reference, giving a
