@@ -834,7 +834,7 @@ mod tests {
         let dir = fresh("/tmp", "full");
         std::fs::create_dir_all(&dir).unwrap();
         let mounted = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+            .args(["-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs"])
             .arg(&dir)
             .status()
             .is_ok_and(|s| s.success());

@@ -415,7 +415,7 @@ fn a_full_disk_leaves_ram_working() {
     let dir = fresh("/tmp", "full");
     std::fs::create_dir_all(&dir).unwrap();
     let mounted = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=256k", "tmpfs"])
+        .args(["-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs"])
         .arg(&dir)
         .status()
         .is_ok_and(|s| s.success());
