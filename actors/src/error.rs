@@ -63,6 +63,18 @@ pub enum NodeError {
     },
     #[error("the node is shutting down ({what})")]
     Stopped { what: &'static str },
+    /// Write-through: sealed blocks of this request are in RAM but not on disk, so a crash
+    /// would lose them; the put or save is not acknowledged.
+    #[error(
+        "write-through: {failed} of {blocks} sealed block(s) are not on disk (RAM still \
+         holds them): {source}"
+    )]
+    NotDurable {
+        failed: usize,
+        blocks: usize,
+        #[source]
+        source: crate::ssd::SsdError,
+    },
     /// The request's fence (the moment its client gave up) passed before it took effect:
     /// what it did is discarded (a save's copies are not sealed, a query's lease is
     /// released).

@@ -80,6 +80,9 @@ pub const SSD_WRITE_BYTES: &str = "kvferry_ssd_write_bytes_total";
 pub const SSD_WRITE_ERRORS: &str = "kvferry_ssd_write_errors_total";
 pub const SSD_DISK_FULL: &str = "kvferry_ssd_disk_full_total";
 pub const SSD_WRITES_SKIPPED: &str = "kvferry_ssd_writes_skipped_total";
+pub const SSD_WRITE_BACKLOG_BYTES: &str = "kvferry_ssd_write_backlog_bytes";
+pub const SSD_WRITE_BACKLOG_PEAK_BYTES: &str = "kvferry_ssd_write_backlog_peak_bytes";
+pub const SSD_WRITE_BACKLOG_LIMIT_BYTES: &str = "kvferry_ssd_write_backlog_limit_bytes";
 pub const SSD_READS: &str = "kvferry_ssd_reads_total";
 pub const SSD_READ_BYTES: &str = "kvferry_ssd_read_bytes_total";
 pub const SSD_READ_ERRORS: &str = "kvferry_ssd_read_errors_total";
@@ -221,7 +224,7 @@ pub fn describe() {
         (SSD_DISK_FULL, "SSD block writes refused for lack of space."),
         (
             SSD_WRITES_SKIPPED,
-            "Blocks evicted from RAM unwritten: every SSD slot was busy.",
+            "SSD block writes not made, by reason: busy (every SSD slot was being read, written or held), backlog (the write backlog was full: a block evicted from RAM that left the node).",
         ),
         (
             SSD_READS,
@@ -239,7 +242,10 @@ pub fn describe() {
             SSD_DAMAGED_BLOCKS,
             "Blocks read from SSD that were torn or corrupt (a miss, never served), by damage (header, key, checksum).",
         ),
-        (SSD_HIT_BLOCKS, "Blocks of the local prefix by tier (ram, ssd)."),
+        (
+            SSD_HIT_BLOCKS,
+            "Blocks of the local prefix by tier (ram, ssd).",
+        ),
     ] {
         describe_counter!(name, help);
     }
@@ -249,6 +255,22 @@ pub fn describe() {
         "Bytes written to SSD (headers and padding included)."
     );
     describe_counter!(SSD_READ_BYTES, Unit::Bytes, "Block bytes read from SSD.");
+    for (name, help) in [
+        (
+            SSD_WRITE_BACKLOG_BYTES,
+            "Memory held by copies of blocks queued for the SSD directories.",
+        ),
+        (
+            SSD_WRITE_BACKLOG_PEAK_BYTES,
+            "The most memory the SSD write backlog ever held.",
+        ),
+        (
+            SSD_WRITE_BACKLOG_LIMIT_BYTES,
+            "The SSD write backlog's bound (ssd.write-backlog).",
+        ),
+    ] {
+        describe_gauge!(name, Unit::Bytes, help);
+    }
     describe_counter!(
         BYTES,
         Unit::Bytes,
@@ -621,13 +643,15 @@ fn record_ssd(s: &crate::ssd::SsdStats) {
     gauge!(SSD_CAPACITY_BLOCKS).set(s.capacity_blocks as f64);
     gauge!(SSD_HELD_BLOCKS).set(s.held_blocks as f64);
     gauge!(SSD_STAGING_SLOTS).set(s.staging_slots as f64);
+    gauge!(SSD_WRITE_BACKLOG_BYTES).set(s.write_backlog_bytes as f64);
+    gauge!(SSD_WRITE_BACKLOG_PEAK_BYTES).set(s.write_backlog_peak_bytes as f64);
+    gauge!(SSD_WRITE_BACKLOG_LIMIT_BYTES).set(s.write_backlog_limit_bytes as f64);
     for (name, v) in [
         (SSD_EVICTIONS, s.evictions),
         (SSD_WRITES, s.writes),
         (SSD_WRITE_BYTES, s.write_bytes),
         (SSD_WRITE_ERRORS, s.write_errors),
         (SSD_DISK_FULL, s.disk_full),
-        (SSD_WRITES_SKIPPED, s.writes_skipped),
         (SSD_READS, s.reads),
         (SSD_READ_BYTES, s.read_bytes),
         (SSD_READ_ERRORS, s.read_errors),
@@ -638,6 +662,8 @@ fn record_ssd(s: &crate::ssd::SsdStats) {
     for (damage, v) in ["header", "key", "checksum"].into_iter().zip(s.damaged) {
         counter!(SSD_DAMAGED_BLOCKS, "damage" => damage).absolute(v);
     }
+    counter!(SSD_WRITES_SKIPPED, "reason" => "busy").absolute(s.writes_skipped);
+    counter!(SSD_WRITES_SKIPPED, "reason" => "backlog").absolute(s.writes_skipped_backlog);
     counter!(SSD_HIT_BLOCKS, "tier" => "ram").absolute(s.hits_ram);
     counter!(SSD_HIT_BLOCKS, "tier" => "ssd").absolute(s.hits_ssd);
 }

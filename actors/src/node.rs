@@ -121,7 +121,13 @@ impl Node {
             .map(|n| (n.direct_refusal.clone(), n.routing.clone()));
         // Scans the SSD directories before the actors start: a warm restart serves what it finds.
         let ssd = match &config.ssd {
-            Some(c) => Some(crate::ssd::SsdTier::open(c, config.pool.slot_bytes.0)?),
+            Some(c) => {
+                let slot = config.pool.slot_bytes.0;
+                Some(
+                    crate::ssd::SsdTier::open(c, slot)?
+                        .with_write_backlog(c.backlog_bytes(config.pool.size.0, slot)),
+                )
+            }
             None => None,
         };
         let counters = Arc::new(Counters::default());

@@ -1,7 +1,7 @@
 //! The BlockStore actor: drives the block cache, pins prefixes for leases, and runs puts and
 //! saves into the host pool.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,7 +28,7 @@ use crate::remote::pins::PeerPins;
 use crate::ssd::error::ReadFailure;
 use crate::ssd::index::Entry as SsdEntry;
 use crate::ssd::io::{ReadInto, ReadOutcome};
-use crate::ssd::tier::{PendingRead, PendingWrite, ReadRx, WriteRx};
+use crate::ssd::tier::{PendingRead, PendingWrite, ReadRx, WriteRx, WriteSkip};
 use crate::ssd::{SsdError, SsdStats, SsdTier};
 use crate::transfer::{Transfer, TransferSpec};
 
@@ -51,6 +51,48 @@ pub struct BlockStore {
     /// transfers share. Submitting a save of 256 blocks (14,336 copies) takes a thread about
     /// a millisecond, which a load issued beside it would otherwise wait out.
     saves: Option<actix::ArbiterHandle>,
+    /// Write-through answers waiting for their blocks to be on disk, by block.
+    durable: HashMap<BlockKey, Vec<oneshot::Sender<Result<(), SsdError>>>>,
+    /// Write-through blocks waiting for room in the write backlog, oldest first. Each is
+    /// pinned in RAM (its bytes stay in its slot) until its write is queued.
+    wt_waiting: VecDeque<WaitingWrite>,
+}
+
+/// A write-through block waiting for room in the SSD write backlog.
+struct WaitingWrite {
+    key: BlockKey,
+    tp: u32,
+    len: u64,
+    slot: usize,
+}
+
+/// Where a write-through block's outcome arrives: Ok once it is on disk.
+type Durable = oneshot::Receiver<Result<(), SsdError>>;
+
+/// Waits until every block of `acks` is on disk; the answer of a write-through put or save.
+async fn durable(acks: Vec<Durable>) -> Result<(), NodeError> {
+    let blocks = acks.len();
+    let mut failed = 0;
+    let mut first = None;
+    for a in acks {
+        let e = match a.await {
+            Ok(Ok(())) => continue,
+            Ok(Err(e)) => e,
+            Err(_) => SsdError::Stopped {
+                path: Default::default(),
+            },
+        };
+        failed += 1;
+        first.get_or_insert(e);
+    }
+    match first {
+        None => Ok(()),
+        Some(source) => Err(NodeError::NotDurable {
+            failed,
+            blocks,
+            source,
+        }),
+    }
 }
 
 /// SSD blocks being read into RAM slots for one lookup, in prefix order. Each block's slot
@@ -81,6 +123,8 @@ impl BlockStore {
             ssd_held: 0,
             staging: 0,
             saves: None,
+            durable: HashMap::new(),
+            wt_waiting: VecDeque::new(),
         }
     }
 
@@ -100,14 +144,21 @@ impl BlockStore {
 
     /// Advertises newly sealed blocks and withdraws evicted ones. The directory only queues
     /// them (it writes in batches off this thread), so this never waits on the network.
-    fn advertise(&mut self, ns: &Namespace, sealed: &[BlockHash], ctx: &mut Context<Self>) {
+    /// Write-through: returns where each sealed block's write outcome arrives.
+    fn advertise(
+        &mut self,
+        ns: &Namespace,
+        sealed: &[BlockHash],
+        ctx: &mut Context<Self>,
+    ) -> Vec<Durable> {
         if let Some(dir) = &self.directory {
             if !sealed.is_empty() {
                 dir.publish(&self.node_id, ns, sealed);
             }
         }
-        self.write_through(ns, sealed, ctx);
+        let acks = self.write_through(ns, sealed, ctx);
         self.advertise_evictions(ctx);
+        acks
     }
 
     fn sweep_peer_pins(&mut self) -> usize {
@@ -159,9 +210,11 @@ impl Drop for BlockStore {
                 .shapes
                 .get(&key.namespace)
                 .map_or(pool.slot_bytes(), |s| s.1);
+            // No actor runs any more: the stop waits for the disks, in bounded memory.
+            ssd.wait_for_room(len);
             if ssd
                 .write(key, tp, len, |dst| pool.read(slot, 0, dst))
-                .is_some()
+                .is_ok()
             {
                 queued += 1;
             }
@@ -314,10 +367,33 @@ pub struct Put {
     pub fence: Option<Fence>,
 }
 
+/// Write-through: answered once the blocks it sealed are on disk, or with
+/// [`NodeError::NotDurable`] if any of them could not be written.
 impl Handler<Put> for BlockStore {
-    type Result = Result<StoreReport, NodeError>;
+    type Result = ResponseFuture<Result<StoreReport, NodeError>>;
 
     fn handle(&mut self, m: Put, ctx: &mut Context<Self>) -> Self::Result {
+        let t0 = Instant::now();
+        let put = self.put(m, ctx);
+        Box::pin(async move {
+            let (mut report, acks) = put?;
+            if !acks.is_empty() {
+                durable(acks).await?;
+                report.seconds = t0.elapsed().as_secs_f64();
+            }
+            Ok(report)
+        })
+    }
+}
+
+impl BlockStore {
+    /// Writes a put's blocks into RAM; returns its report and, with write-through, where
+    /// the sealed blocks' disk writes answer.
+    fn put(
+        &mut self,
+        m: Put,
+        ctx: &mut Context<Self>,
+    ) -> Result<(StoreReport, Vec<Durable>), NodeError> {
         let t0 = Instant::now();
         let h = &m.handle;
         if let Some(f) = m.fence {
@@ -373,9 +449,9 @@ impl Handler<Put> for BlockStore {
             }
         }
         report.sealed = sealed.len();
-        self.advertise(&h.namespace, &sealed, ctx);
+        let acks = self.advertise(&h.namespace, &sealed, ctx);
         report.seconds = t0.elapsed().as_secs_f64();
-        Ok(report)
+        Ok((report, acks))
     }
 }
 
@@ -418,7 +494,7 @@ impl Handler<Abort> for BlockStore {
 /// has passed, marks nothing and answers [`NodeError::DeadlinePassed`]: the caller's writer
 /// guards then abort the reservations (the copied bytes are never sealed nor published).
 #[derive(Message)]
-#[rtype(result = "Result<usize, NodeError>")]
+#[rtype(result = "Result<(usize, Vec<Durable>), NodeError>")]
 pub(crate) struct Commit {
     pub(crate) namespace: Namespace,
     pub(crate) rank: u32,
@@ -426,8 +502,9 @@ pub(crate) struct Commit {
     pub(crate) fence: Option<Fence>,
 }
 
+/// Also replies, with write-through, where each sealed block's disk write answers.
 impl Handler<Commit> for BlockStore {
-    type Result = Result<usize, NodeError>;
+    type Result = Result<(usize, Vec<Durable>), NodeError>;
 
     fn handle(&mut self, m: Commit, ctx: &mut Context<Self>) -> Self::Result {
         // Checked here, on the thread that seals, after the copies out of the client's
@@ -447,8 +524,8 @@ impl Handler<Commit> for BlockStore {
             .copied()
             .filter(|h| self.cache.commit(&m.namespace, *h, m.rank))
             .collect();
-        self.write_through(&m.namespace, &sealed, ctx);
-        Ok(sealed.len())
+        let acks = self.write_through(&m.namespace, &sealed, ctx);
+        Ok((sealed.len(), acks))
     }
 }
 
@@ -533,7 +610,7 @@ impl Handler<Save> for BlockStore {
             })??;
             let hashes: Vec<BlockHash> = guards.iter().map(|g| g.hash).collect();
             // A passed fence: the guards drop armed and abort the reservations.
-            report.sealed = store
+            let (sealed, acks) = store
                 .send(Commit {
                     namespace,
                     rank,
@@ -541,9 +618,12 @@ impl Handler<Save> for BlockStore {
                     fence,
                 })
                 .await??;
+            report.sealed = sealed;
             for g in &mut guards {
                 g.armed = false;
             }
+            // Write-through: answered once the sealed blocks are on disk.
+            durable(acks).await?;
             report.written = guards.len();
             report.bytes = done.bytes;
             report.seconds = t0.elapsed().as_secs_f64();
@@ -753,11 +833,17 @@ impl BlockStore {
                 .get(&ev.key.namespace)
                 .map_or(pool.slot_bytes(), |s| s.1);
             match ssd.write(&ev.key, ev.tp, len, |dst| pool.read(ev.slot, 0, dst)) {
-                Some((w, rx, disk_evicted)) => {
+                Ok((w, rx, disk_evicted)) => {
                     writes.push((w, rx));
                     gone.extend(disk_evicted);
                 }
-                None => gone.push(ev.key),
+                // Out of RAM and not on disk: it leaves the node (never wrong bytes: a miss).
+                Err(why) => {
+                    if why == WriteSkip::Backlog {
+                        ssd.skipped_for_backlog(&ev.key);
+                    }
+                    gone.push(ev.key)
+                }
             }
         }
         for (w, rx) in writes {
@@ -785,7 +871,7 @@ impl BlockStore {
 
     /// Finishes a queued SSD write when the disk is done with it.
     fn watch_write(&mut self, w: PendingWrite, rx: WriteRx, ctx: &mut Context<Self>) {
-        ctx.spawn(wrap_future(rx).map(move |r, act: &mut Self, _| {
+        ctx.spawn(wrap_future(rx).map(move |r, act: &mut Self, ctx| {
             let out = r.unwrap_or_else(|_| {
                 Err(SsdError::Stopped {
                     path: Default::default(),
@@ -793,25 +879,93 @@ impl BlockStore {
             });
             let key = w.key.clone();
             if let Some(ssd) = act.ssd.as_mut() {
-                if !ssd.write_done(&w, out) {
-                    act.withdraw(vec![key]);
+                let done = ssd.write_done(&w, out);
+                if done.is_err() {
+                    act.withdraw(vec![key.clone()]);
                 }
+                act.answer_durable(&key, done);
             }
+            // Its copy left the backlog: room for the write-through blocks waiting.
+            act.pump_write_through(ctx);
         }));
     }
 
-    /// Write-through: every newly sealed block goes to the SSD tier too.
-    fn write_through(&mut self, ns: &Namespace, sealed: &[BlockHash], ctx: &mut Context<Self>) {
-        let Some(ssd) = self.ssd.as_mut().filter(|s| s.write_through()) else {
+    /// Where `key`'s next write outcome arrives.
+    fn await_durable(&mut self, key: &BlockKey) -> Durable {
+        let (tx, rx) = oneshot::channel();
+        self.durable.entry(key.clone()).or_default().push(tx);
+        rx
+    }
+
+    /// Answers everyone waiting for `key` to be on disk.
+    fn answer_durable(&mut self, key: &BlockKey, out: Result<(), SsdError>) {
+        let Some(waiting) = self.durable.remove(key) else {
             return;
         };
-        let Some(&(tp, len)) = self.shapes.get(ns) else {
-            return;
-        };
+        for tx in waiting {
+            let _ = tx.send(match &out {
+                Ok(()) => Ok(()),
+                Err(e) => Err(e.again()),
+            });
+        }
+    }
+
+    /// Queues the writes of waiting write-through blocks, oldest first, while the backlog
+    /// has room. A block whose write cannot be queued for another reason is answered here.
+    fn pump_write_through(&mut self, ctx: &mut Context<Self>) {
         let mut writes = Vec::new();
         let mut gone = Vec::new();
+        while let (Some(w), Some(ssd)) = (self.wt_waiting.front(), self.ssd.as_mut()) {
+            let pool = self.cache.pool();
+            let out = ssd.write(&w.key, w.tp, w.len, |dst| pool.read(w.slot, 0, dst));
+            if out.as_ref().err() == Some(&WriteSkip::Backlog) {
+                // Every queued write frees room when it is done, and pumps again.
+                break;
+            }
+            let present_on_disk = !ssd.is_writing(&w.key);
+            let Some(w) = self.wt_waiting.pop_front() else {
+                break;
+            };
+            self.cache
+                .unpin(&w.key.namespace, std::slice::from_ref(&w.key.hash));
+            match out {
+                Ok((pw, rx, disk_evicted)) => {
+                    writes.push((pw, rx));
+                    gone.extend(disk_evicted);
+                }
+                // Its write in flight answers it.
+                Err(WriteSkip::Present) if !present_on_disk => {}
+                Err(WriteSkip::Present) => self.answer_durable(&w.key, Ok(())),
+                Err(reason) => {
+                    self.answer_durable(&w.key, Err(SsdError::NotWritten { reason }));
+                }
+            }
+        }
+        for (w, rx) in writes {
+            self.watch_write(w, rx, ctx);
+        }
+        self.withdraw(gone);
+    }
+
+    /// Write-through: every newly sealed block goes to the SSD tier too. Returns where each
+    /// one's outcome arrives: Ok once its write is done (the block file holds it, and the
+    /// file header's used mark covers it: a process killed now loses nothing acknowledged).
+    /// Blocks wait for room in the write backlog in RAM, pinned, in order.
+    fn write_through(
+        &mut self,
+        ns: &Namespace,
+        sealed: &[BlockHash],
+        ctx: &mut Context<Self>,
+    ) -> Vec<Durable> {
+        if !self.ssd.as_ref().is_some_and(SsdTier::write_through) {
+            return Vec::new();
+        }
+        let Some(&(tp, len)) = self.shapes.get(ns) else {
+            return Vec::new();
+        };
+        let mut acks = Vec::with_capacity(sealed.len());
         for h in sealed {
-            // Pinned only to learn its slot; the copy below is done before the unpin.
+            // Pinned until its copy is queued: the bytes stay in the slot meanwhile.
             let Some(s) = self.cache.pin_prefix(ns, std::slice::from_ref(h)).pop() else {
                 continue;
             };
@@ -819,19 +973,16 @@ impl BlockStore {
                 namespace: ns.clone(),
                 hash: *h,
             };
-            let pool = self.cache.pool();
-            if let Some((w, rx, disk_evicted)) =
-                ssd.write(&key, tp, len, |dst| pool.read(s.slot, 0, dst))
-            {
-                writes.push((w, rx));
-                gone.extend(disk_evicted);
-            }
-            self.cache.unpin(ns, std::slice::from_ref(h));
+            acks.push(self.await_durable(&key));
+            self.wt_waiting.push_back(WaitingWrite {
+                key,
+                tp,
+                len,
+                slot: s.slot,
+            });
         }
-        for (w, rx) in writes {
-            self.watch_write(w, rx, ctx);
-        }
-        self.withdraw(gone);
+        self.pump_write_through(ctx);
+        acks
     }
 
     /// The prefix of `hashes` held here for a lease: RAM blocks pinned, SSD blocks held on

@@ -1,6 +1,7 @@
 //! `[ssd]`: the directories (one per disk) the SSD tier keeps blocks in, and how it writes.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -15,6 +16,10 @@ pub const MAX_QUEUE_DEPTH: u32 = 1024;
 /// The most directories one node spreads its blocks over.
 pub const MAX_DIRS: usize = 64;
 
+/// The default write backlog never exceeds this (an eighth of a large pool would be more
+/// than the disks need queued: 1 GiB is 512 blocks of 2 MiB, 16 disks at queue depth 32).
+pub const DEFAULT_MAX_WRITE_BACKLOG: u64 = 1 << 30;
+
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case", default)]
 pub struct SsdConfig {
@@ -28,6 +33,15 @@ pub struct SsdConfig {
     /// Open block files with `O_DIRECT` where the filesystem allows it (tmpfs does not: there
     /// the tier falls back to buffered I/O and says so in the log).
     pub direct_io: bool,
+    /// The most memory that copies of blocks queued for the disks may take (each queued
+    /// write holds one). Past it a write-behind block is not written (counted, logged) and
+    /// a write-through answer waits for room. Default: an eighth of `pool.size`, at least
+    /// two blocks, at most [`DEFAULT_MAX_WRITE_BACKLOG`] (see [`Self::backlog_bytes`]).
+    pub write_backlog: Option<ByteSize>,
+    /// A fault injection point for tests, not a config key: every block write waits this
+    /// long on its I/O thread before it starts (a slow disk).
+    #[serde(skip)]
+    pub test_write_delay: Option<Duration>,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -46,11 +60,23 @@ impl Default for SsdConfig {
             queue_depth: 32,
             write_through: false,
             direct_io: true,
+            write_backlog: None,
+            test_write_delay: None,
         }
     }
 }
 
 impl SsdConfig {
+    /// The write backlog's bound in bytes: `write-backlog`, or by default an eighth of the
+    /// pool, at least two block slots, at most [`DEFAULT_MAX_WRITE_BACKLOG`].
+    pub fn backlog_bytes(&self, pool_bytes: u64, slot_bytes: u64) -> u64 {
+        let two = format::slot_stride(slot_bytes).saturating_mul(2);
+        match self.write_backlog {
+            Some(b) => b.0,
+            None => (pool_bytes / 8).min(DEFAULT_MAX_WRITE_BACKLOG).max(two),
+        }
+    }
+
     /// Range and cross-field checks; `slot_bytes` is the host pool's slot size (the largest
     /// block the node holds, so the size of one block slot on disk).
     pub fn validate(&self, slot_bytes: u64) -> Result<(), ConfigError> {
@@ -77,6 +103,18 @@ impl SsdConfig {
             );
         }
         let stride = format::slot_stride(slot_bytes);
+        if let Some(b) = self.write_backlog {
+            if b.0 < stride {
+                return invalid(
+                    "ssd.write-backlog",
+                    format!(
+                        "{b} holds no block: one queued write takes {} (pool.slot-bytes \
+                         and a 4 KiB header)",
+                        ByteSize(stride)
+                    ),
+                );
+            }
+        }
         for (i, d) in self.dir.iter().enumerate() {
             if !d.path.is_absolute() {
                 return invalid(
@@ -125,6 +163,14 @@ mod tests {
         assert!(c.write_through && c.direct_io);
         assert_eq!(c.dir[0].capacity, ByteSize(1 << 30));
         c.validate(1 << 20).unwrap();
+        assert_eq!(c.write_backlog, None);
+        let c = parse("write-backlog = \"3MiB\"\n").unwrap();
+        assert_eq!(c.write_backlog, Some(ByteSize(3 << 20)));
+        let e = parse("test-write-delay = 1\n").unwrap_err();
+        assert!(
+            e.contains("unknown field"),
+            "a test hook is no config key: {e}"
+        );
         let e = parse("queue_depth = 8\n").unwrap_err();
         assert!(e.contains("unknown field"), "{e}");
         let e = parse("[[dir]]\npath = \"/d\"\ncapacity = 1\nsize = 2\n").unwrap_err();
@@ -163,9 +209,36 @@ mod tests {
             "ssd.dir.capacity",
             "one 1 MiB block needs more than 1 MiB"
         );
+        let mut c = ok.clone();
+        c.write_backlog = Some(ByteSize(1 << 20));
+        assert_eq!(
+            key(&c),
+            "ssd.write-backlog",
+            "a backlog must hold one queued write (1 MiB and its header)"
+        );
+        c.write_backlog = Some(ByteSize((1 << 20) + 4096));
+        c.validate(1 << 20).unwrap();
         // Huge values do not overflow.
         let mut c = ok;
+        c.write_backlog = Some(ByteSize(u64::MAX));
         c.dir[0].capacity = ByteSize(u64::MAX);
         c.validate(crate::config::MAX_SLOT_BYTES).unwrap();
+    }
+
+    #[test]
+    fn the_default_backlog_follows_the_pool_within_bounds() {
+        let c = SsdConfig::default();
+        let stride = format::slot_stride(2 << 20);
+        // An eighth of a 256 MiB pool.
+        assert_eq!(c.backlog_bytes(256 << 20, 2 << 20), 32 << 20);
+        // A tiny pool still queues two blocks; a huge one at most the cap.
+        assert_eq!(c.backlog_bytes(4 << 20, 2 << 20), 2 * stride);
+        assert_eq!(c.backlog_bytes(1 << 40, 2 << 20), DEFAULT_MAX_WRITE_BACKLOG);
+        assert_eq!(c.backlog_bytes(u64::MAX, u64::MAX), u64::MAX, "no overflow");
+        let c = SsdConfig {
+            write_backlog: Some(ByteSize(5 << 20)),
+            ..Default::default()
+        };
+        assert_eq!(c.backlog_bytes(1 << 40, 2 << 20), 5 << 20);
     }
 }

@@ -1,6 +1,7 @@
-//! What the SSD tier reports. Only opening a directory fails a caller (the node does not
-//! start); errors of single reads and writes are logged and counted, and the block is a miss
-//! or stays in RAM only.
+//! What the SSD tier reports. Opening a directory fails a caller (the node does not start);
+//! errors of single reads and writes are logged and counted: a read is a miss, a
+//! write-behind block (already out of RAM) is lost to this node, and a write-through
+//! block's error fails the answer of the put or save that sealed it (the block stays in RAM).
 
 use std::path::PathBuf;
 
@@ -42,6 +43,9 @@ pub enum SsdError {
     },
     #[error("ssd directory {path}: its I/O thread has stopped")]
     Stopped { path: PathBuf },
+    /// Nothing was queued for a block that had to be written (write-through).
+    #[error("ssd: the block was not written ({reason})")]
+    NotWritten { reason: super::tier::WriteSkip },
     /// A load's SSD blocks that did not come back intact: their destinations were not
     /// written (never wrong bytes); the engine recomputes them.
     #[error("ssd: {} block(s) of this load could not be read intact: {}", blocks.len(), list(blocks))]
@@ -94,6 +98,44 @@ impl SsdError {
     /// Whether the disk ran out of space (the directory stops taking new slots).
     pub fn is_disk_full(&self) -> bool {
         matches!(self, SsdError::DiskFull { .. })
+    }
+
+    /// The same write outcome for another waiter (errors are not `Clone`: an I/O source
+    /// keeps its errno).
+    pub(crate) fn again(&self) -> SsdError {
+        match self {
+            SsdError::DiskFull {
+                path,
+                offset,
+                bytes,
+            } => SsdError::DiskFull {
+                path: path.clone(),
+                offset: *offset,
+                bytes: *bytes,
+            },
+            SsdError::Io {
+                path,
+                op,
+                offset,
+                bytes,
+                source,
+            } => SsdError::Io {
+                path: path.clone(),
+                op,
+                offset: *offset,
+                bytes: *bytes,
+                source: source.raw_os_error().map_or_else(
+                    || std::io::Error::from(source.kind()),
+                    std::io::Error::from_raw_os_error,
+                ),
+            },
+            SsdError::NotWritten { reason } => SsdError::NotWritten { reason: *reason },
+            SsdError::Stopped { path } => SsdError::Stopped { path: path.clone() },
+            // Not outcomes of a write.
+            _ => SsdError::Stopped {
+                path: PathBuf::new(),
+            },
+        }
     }
 }
 

@@ -28,6 +28,13 @@ pub struct Entry {
     writing: bool,
 }
 
+impl Entry {
+    /// Its write has been queued and has not answered yet.
+    pub fn is_writing(&self) -> bool {
+        self.writing
+    }
+}
+
 /// One directory's slots: `[0, fresh)` have been used (and are held or in `free`),
 /// `[fresh, slots)` never were. Memory is proportional to what was used, not to the
 /// configured capacity.

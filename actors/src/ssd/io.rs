@@ -10,6 +10,7 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -77,6 +78,61 @@ impl Drop for AlignedBuf {
             // SAFETY: allocated in `new` with this very layout.
             unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
         }
+    }
+}
+
+/// Bytes of block copies queued for a tier's disks (every queued write holds one): charged
+/// when a write is queued, given back by the I/O thread as soon as it is done with the copy
+/// (written or failed), before the write's answer goes out.
+#[derive(Debug, Default)]
+pub struct Backlog {
+    bytes: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl Backlog {
+    /// Bytes held by queued writes now.
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Relaxed)
+    }
+
+    /// The most [`Self::bytes`] ever was.
+    pub fn peak(&self) -> u64 {
+        self.peak.load(Relaxed)
+    }
+
+    /// Charges `bytes` if the backlog stays within `limit`; None (nothing charged) if not.
+    pub fn try_charge(self: &Arc<Self>, bytes: u64, limit: u64) -> Option<Charge> {
+        let mut now = self.bytes.load(Relaxed);
+        loop {
+            let next = now.checked_add(bytes).filter(|n| *n <= limit)?;
+            match self
+                .bytes
+                .compare_exchange_weak(now, next, Relaxed, Relaxed)
+            {
+                Ok(_) => {
+                    self.peak.fetch_max(next, Relaxed);
+                    return Some(Charge {
+                        backlog: Arc::clone(self),
+                        bytes,
+                    });
+                }
+                Err(seen) => now = seen,
+            }
+        }
+    }
+}
+
+/// One queued write's share of the [`Backlog`], given back when dropped.
+#[derive(Debug)]
+pub struct Charge {
+    backlog: Arc<Backlog>,
+    bytes: u64,
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.backlog.bytes.fetch_sub(self.bytes, Relaxed);
     }
 }
 
@@ -164,11 +220,16 @@ pub enum ReadOutcome {
 }
 
 pub enum Op {
-    /// Writes a slot: header and bytes in one buffer.
+    /// Writes a slot: header and bytes in one buffer. A write at offset 0 (the file
+    /// header, whose used mark says how far a restart scans) is a fence: it starts once
+    /// everything before it is done, and nothing after it starts before it is done, so a
+    /// block past the old mark is never written before the mark that covers it.
     Write {
         offset: u64,
         buf: AlignedBuf,
         reply: oneshot::Sender<Result<(), SsdError>>,
+        /// The buffer's share of the write backlog (None: not counted, e.g. the header).
+        charge: Option<Charge>,
     },
     /// Reads a slot's header and `len` bytes, checks them against `key`.
     Read {
@@ -195,6 +256,10 @@ impl Op {
             _ => None,
         }
     }
+
+    fn is_fence(&self) -> bool {
+        matches!(self, Op::Write { offset: 0, .. })
+    }
 }
 
 /// An op in flight, with the buffers the kernel is using.
@@ -213,6 +278,8 @@ pub struct DirIo {
     ring: Option<IoUring>,
     direct: bool,
     qd: usize,
+    /// A test's slow disk: every block write waits this long before it starts.
+    write_delay: Option<Duration>,
 }
 
 impl DirIo {
@@ -228,9 +295,16 @@ impl DirIo {
                 ring,
                 direct,
                 qd: qd.max(1) as usize,
+                write_delay: None,
             },
             uring,
         )
+    }
+
+    /// Fault injection for tests: every block write waits `delay` before it starts, on
+    /// this thread (so the disk does one block per `delay`, and reads wait behind).
+    pub fn set_write_delay(&mut self, delay: Option<Duration>) {
+        self.write_delay = delay;
     }
 
     pub fn direct(&self) -> bool {
@@ -348,6 +422,9 @@ impl DirIo {
                 }
             }
             while flights.len() < self.qd {
+                if flights.iter().any(|(_, f)| f.op.is_fence()) {
+                    break;
+                }
                 let Some(op) = pending.pop_front() else { break };
                 if let Some(off) = op.read_offset().filter(|o| writing.contains(o)) {
                     parked.entry(off).or_default().push(op);
@@ -359,6 +436,10 @@ impl DirIo {
                         continue;
                     }
                     pending.push_front(Op::Barrier { reply });
+                    break;
+                }
+                if op.is_fence() && !flights.is_empty() {
+                    pending.push_front(op);
                     break;
                 }
                 if let Op::Write { offset, .. } = &op {
@@ -415,9 +496,16 @@ impl DirIo {
     /// Fails an op the dead ring may still hold: its buffers are leaked, never freed.
     fn fail(&self, op: Op, errno: i32) {
         match op {
-            Op::Write { offset, buf, reply } => {
+            Op::Write {
+                offset,
+                buf,
+                reply,
+                charge,
+            } => {
                 let len = buf.len() as u64;
                 std::mem::forget(buf);
+                // Leaked, not queued: the backlog bounds what waits for the disk.
+                drop(charge);
                 let _ = reply.send(Err(self.io_err("write", offset, len, errno)));
             }
             Op::Read {
@@ -452,6 +540,11 @@ impl DirIo {
             _iov: None,
             want: 0,
         };
+        if let (Op::Write { offset, .. }, Some(d)) = (&f.op, self.write_delay) {
+            if *offset != 0 {
+                std::thread::sleep(d);
+            }
+        }
         let fd = types::Fd(self.file.as_raw_fd());
         let sqe = match &mut f.op {
             Op::Write { offset, buf, .. } => {
@@ -571,13 +664,22 @@ impl DirIo {
             0
         };
         match f.op {
-            Op::Write { offset, buf, reply } => {
+            Op::Write {
+                offset,
+                buf,
+                reply,
+                charge,
+            } => {
                 writing.remove(&offset);
                 if let Some(ops) = parked.remove(&offset) {
                     for op in ops.into_iter().rev() {
                         pending.push_front(op);
                     }
                 }
+                let bytes = buf.len() as u64;
+                // The copy is freed before the answer: whoever reads it sees the room.
+                drop(buf);
+                drop(charge);
                 let out = if errno == 0 {
                     Ok(())
                 } else if short {
@@ -585,10 +687,10 @@ impl DirIo {
                     Err(SsdError::DiskFull {
                         path: self.path.clone(),
                         offset,
-                        bytes: buf.len() as u64,
+                        bytes,
                     })
                 } else {
-                    Err(self.io_err("write", offset, buf.len() as u64, errno))
+                    Err(self.io_err("write", offset, bytes, errno))
                 };
                 let _ = reply.send(out);
             }
@@ -815,6 +917,7 @@ mod tests {
                 offset: 8192,
                 buf,
                 reply: wr,
+                charge: None,
             })
             .unwrap();
             let (rr, rrx) = oneshot::channel();

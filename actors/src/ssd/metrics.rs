@@ -14,8 +14,10 @@ pub struct SsdMetrics {
     pub write_bytes: AtomicU64,
     pub write_errors: AtomicU64,
     pub disk_full: AtomicU64,
-    /// Blocks that left RAM unwritten because every disk slot was busy.
+    /// Blocks not written because every disk slot was busy.
     pub writes_skipped: AtomicU64,
+    /// Blocks RAM evicted that were not written: the write backlog was full.
+    pub writes_skipped_backlog: AtomicU64,
     pub reads: AtomicU64,
     pub read_bytes: AtomicU64,
     pub read_errors: AtomicU64,
@@ -57,7 +59,14 @@ pub struct SsdStats {
     pub write_bytes: u64,
     pub write_errors: u64,
     pub disk_full: u64,
+    /// Skipped writes: every disk slot busy.
     pub writes_skipped: u64,
+    /// Skipped writes: the write backlog full (`ssd.write-backlog`).
+    pub writes_skipped_backlog: u64,
+    /// Bytes that copies of queued writes hold now, the most they ever held, and the bound.
+    pub write_backlog_bytes: u64,
+    pub write_backlog_peak_bytes: u64,
+    pub write_backlog_limit_bytes: u64,
     pub reads: u64,
     pub read_bytes: u64,
     pub read_errors: u64,
@@ -88,6 +97,7 @@ impl SsdStats {
         self.write_errors = m.write_errors.load(Relaxed);
         self.disk_full = m.disk_full.load(Relaxed);
         self.writes_skipped = m.writes_skipped.load(Relaxed);
+        self.writes_skipped_backlog = m.writes_skipped_backlog.load(Relaxed);
         self.reads = m.reads.load(Relaxed);
         self.read_bytes = m.read_bytes.load(Relaxed);
         self.read_errors = m.read_errors.load(Relaxed);

@@ -13,8 +13,9 @@ use super::config::SsdConfig;
 use super::error::SsdError;
 use super::format::{self, BlockHeader, FileHeader, HEADER};
 use super::index::{Entry, Loc, NoSlot, SsdIndex};
-use super::io::{open_file, AlignedBuf, DirIo, IoMode, Op, ReadInto, ReadOutcome};
+use super::io::{open_file, AlignedBuf, Backlog, DirIo, IoMode, Op, ReadInto, ReadOutcome};
 use super::metrics::{SsdDirStats, SsdMetrics, SsdStats};
+use crate::log_limit::LogLimit;
 use crate::model::BlockKey;
 
 struct DirHandle {
@@ -29,6 +30,40 @@ struct DirHandle {
 pub struct PendingWrite {
     pub key: BlockKey,
     pub loc: Loc,
+}
+
+/// Why [`SsdTier::write`] queued no write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WriteSkip {
+    /// The block is on disk already, or being written.
+    Present,
+    /// Larger than a disk slot (not a block of this pool).
+    TooLarge,
+    /// Every disk slot is being read, written or held.
+    Busy,
+    /// The write backlog has no room for another copy (`ssd.write-backlog`).
+    Backlog,
+    /// The directory's I/O thread is gone.
+    Stopped,
+}
+
+impl WriteSkip {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WriteSkip::Present => "present",
+            WriteSkip::TooLarge => "too large",
+            WriteSkip::Busy => "every disk slot busy",
+            WriteSkip::Backlog => "write backlog full",
+            WriteSkip::Stopped => "I/O thread stopped",
+        }
+    }
+}
+
+impl std::fmt::Display for WriteSkip {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// Where a write's result arrives.
@@ -55,7 +90,14 @@ pub struct SsdTier {
     /// that far); raised in steps of [`USED_STEP`] as slots are first used.
     dir_slots: Vec<u64>,
     announced: Vec<u64>,
+    /// Copies of blocks queued for the disks, and the most they may take.
+    backlog: Arc<Backlog>,
+    backlog_limit: u64,
+    skip_log: LogLimit,
 }
+
+/// The default bound of a tier opened without [`SsdTier::with_write_backlog`].
+const DEFAULT_BACKLOG: u64 = 64 << 20;
 
 /// How far the file header's used mark moves at a time: one header write per this many
 /// new slots, and a restart scans at most this many empty slots past the last block.
@@ -127,6 +169,7 @@ impl SsdTier {
             lock_block_file(&file, &path)?;
             let n = format::slots_for(dir.capacity.0, stride);
             let (mut io, uring) = DirIo::new(path.clone(), file, direct.is_ok(), cfg.queue_depth);
+            io.set_write_delay(cfg.test_write_delay);
             let mode = IoMode { direct, uring };
             match (&mode.direct, &mode.uring) {
                 (Ok(()), Ok(())) => tracing::info!(dir = %dir.path.display(), slots = n,
@@ -174,7 +217,51 @@ impl SsdTier {
             recovered,
             dir_slots: slots,
             announced,
+            backlog: Arc::default(),
+            backlog_limit: DEFAULT_BACKLOG.max(stride),
+            skip_log: LogLimit::new(Duration::from_secs(10)),
         })
+    }
+
+    /// Bounds the memory of queued writes to `bytes` (at least one block's slot; the node
+    /// passes [`SsdConfig::backlog_bytes`]).
+    pub fn with_write_backlog(mut self, bytes: u64) -> Self {
+        self.backlog_limit = bytes.max(self.stride);
+        self
+    }
+
+    /// Bytes that copies of queued writes hold now.
+    pub fn backlog_bytes(&self) -> u64 {
+        self.backlog.bytes()
+    }
+
+    /// Whether a write of a `len`-byte block fits in the backlog now.
+    pub fn has_room(&self, len: u64) -> bool {
+        self.backlog
+            .bytes()
+            .saturating_add(HEADER + format::round_up(len))
+            <= self.backlog_limit
+    }
+
+    /// Blocks the calling thread until a `len`-byte block's write fits in the backlog
+    /// (the I/O threads drain it). For a stopping node only: no actor runs any more.
+    pub fn wait_for_room(&self, len: u64) {
+        while !self.has_room(len) && self.backlog.bytes() > 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Counts (and logs, at most once per 10 s) a write-behind block that RAM evicted and
+    /// the backlog had no room for: it is not on disk, so it left this node.
+    pub fn skipped_for_backlog(&self, key: &BlockKey) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.metrics.writes_skipped_backlog.fetch_add(1, Relaxed);
+        if let Some(held_back) = self.skip_log.allow("backlog") {
+            tracing::warn!(backlog_bytes = self.backlog.bytes(), limit = self.backlog_limit,
+                skipped_since_last_line = held_back, key = ?key,
+                "ssd: write backlog full (the disks are slower than RAM evicts): an evicted \
+                 block was dropped unwritten (kvferry_ssd_writes_skipped_total{{reason=\"backlog\"}})");
+        }
     }
 
     pub fn metrics(&self) -> &Arc<SsdMetrics> {
@@ -206,31 +293,46 @@ impl SsdTier {
         self.index.keys()
     }
 
-    /// Queues a write of a `len`-byte block that `fill` copies into place. Returns the
-    /// write and the block whose disk slot it takes (it left the tier), or None when the
-    /// block is on disk already or every slot is busy.
+    /// Whether a block is being written now (its write has not answered yet).
+    pub fn is_writing(&self, key: &BlockKey) -> bool {
+        self.index.get(key).is_some_and(Entry::is_writing)
+    }
+
+    /// Queues a write of a `len`-byte block that `fill` copies into place (the copy is
+    /// charged to the write backlog until the disk is done with it). Returns the write and
+    /// the block whose disk slot it takes (it left the tier), or why nothing was queued;
+    /// a block skipped for [`WriteSkip::Busy`] is counted here, for
+    /// [`WriteSkip::Backlog`] by the caller that gives it up ([`Self::skipped_for_backlog`]).
     pub fn write(
         &mut self,
         key: &BlockKey,
         tp: u32,
         len: u64,
         fill: impl FnOnce(&mut [u8]),
-    ) -> Option<(PendingWrite, WriteRx, Option<BlockKey>)> {
-        if len + HEADER > self.stride {
-            return None;
+    ) -> Result<(PendingWrite, WriteRx, Option<BlockKey>), WriteSkip> {
+        if len.saturating_add(HEADER) > self.stride {
+            return Err(WriteSkip::TooLarge);
         }
+        if self.index.contains(key) {
+            return Err(WriteSkip::Present);
+        }
+        let bytes = HEADER + format::round_up(len);
+        let charge = self
+            .backlog
+            .try_charge(bytes, self.backlog_limit)
+            .ok_or(WriteSkip::Backlog)?;
         let plan = match self.index.begin_write(key, tp, len) {
             Ok(p) => p,
-            Err(NoSlot::Present) => return None,
+            Err(NoSlot::Present) => return Err(WriteSkip::Present),
             Err(NoSlot::AllBusy) => {
                 self.metrics
                     .writes_skipped
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                return None;
+                return Err(WriteSkip::Busy);
             }
         };
         self.announce(plan.loc.dir);
-        let mut buf = AlignedBuf::new((HEADER + format::round_up(len)) as usize);
+        let mut buf = AlignedBuf::new(bytes as usize);
         {
             let b = buf.as_mut_slice();
             let (head, data) = b.split_at_mut(HEADER as usize);
@@ -243,12 +345,13 @@ impl SsdTier {
             offset: format::slot_offset(plan.loc.slot, self.stride),
             buf,
             reply,
+            charge: Some(charge),
         };
         if !self.send(plan.loc.dir, op) {
             self.index.end_write(key, plan.loc, false, false);
-            return None;
+            return Err(WriteSkip::Stopped);
         }
-        Some((
+        Ok((
             PendingWrite {
                 key: key.clone(),
                 loc: plan.loc,
@@ -286,6 +389,7 @@ impl SsdTier {
                 offset: 0,
                 buf,
                 reply,
+                charge: None,
             },
         ) {
             self.announced[dir] = used;
@@ -299,15 +403,20 @@ impl SsdTier {
             .is_some_and(|tx| tx.send(op).is_ok())
     }
 
-    /// A queued write finished. Returns false when the block did not make it to disk.
-    pub fn write_done(&mut self, w: &PendingWrite, out: Result<(), SsdError>) -> bool {
+    /// A queued write finished: Ok when the block is on disk (a restart finds it), else
+    /// the error (logged and counted here; the block left the tier).
+    pub fn write_done(
+        &mut self,
+        w: &PendingWrite,
+        out: Result<(), SsdError>,
+    ) -> Result<(), SsdError> {
         use std::sync::atomic::Ordering::Relaxed;
         match out {
             Ok(()) => {
                 self.metrics.writes.fetch_add(1, Relaxed);
                 self.metrics.write_bytes.fetch_add(self.stride, Relaxed);
                 self.index.end_write(&w.key, w.loc, true, false);
-                true
+                Ok(())
             }
             Err(e) => {
                 let full = e.is_disk_full();
@@ -315,14 +424,16 @@ impl SsdTier {
                 if full {
                     // Logged once per directory: from now on it only reuses its slots.
                     if self.metrics.disk_full.fetch_add(1, Relaxed) == 0 {
-                        tracing::warn!(error = %e, "ssd: disk full; this directory keeps the \
-                            blocks it has and evicts to make room; RAM is unaffected");
+                        tracing::warn!(error = %e, "ssd: disk full; this block is not on \
+                            disk (evicted from RAM: lost; write-through: its answer is an \
+                            error), and this directory now reuses the slots it has");
                     }
                 } else {
-                    tracing::warn!(error = %e, "ssd: block write failed; the block stays in RAM only");
+                    tracing::warn!(error = %e, "ssd: block write failed; the block is not on \
+                        disk (evicted from RAM: lost; write-through: its answer is an error)");
                 }
                 self.index.end_write(&w.key, w.loc, false, full);
-                false
+                Err(e)
             }
         }
     }
@@ -434,6 +545,9 @@ impl SsdTier {
 
     pub fn stats(&self) -> SsdStats {
         let mut s = SsdStats {
+            write_backlog_bytes: self.backlog.bytes(),
+            write_backlog_peak_bytes: self.backlog.peak(),
+            write_backlog_limit_bytes: self.backlog_limit,
             blocks: self.index.len(),
             capacity_blocks: self.index.capacity(),
             evictions: self.index.evictions,
@@ -600,12 +714,12 @@ mod tests {
 
     async fn put(t: &mut SsdTier, i: u64, len: usize) -> (bool, Option<BlockKey>) {
         let d = data(i, len);
-        let Some((w, rx, evicted)) = t.write(&key(i), 2, len as u64, |dst| dst.copy_from_slice(&d))
+        let Ok((w, rx, evicted)) = t.write(&key(i), 2, len as u64, |dst| dst.copy_from_slice(&d))
         else {
             return (false, None);
         };
         let out = rx.await.unwrap();
-        (t.write_done(&w, out), evicted)
+        (t.write_done(&w, out).is_ok(), evicted)
     }
 
     /// Reads block `i` into a fresh buffer: the outcome and the bytes.

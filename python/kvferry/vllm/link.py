@@ -93,6 +93,14 @@ class NodeLink:
         """True while a failed node is left alone (calls would fail at once)."""
         return self._clock() < self._retry_at
 
+    def connection_lost(self) -> bool:
+        """True once the current connection is known to be gone without a call failing: its
+        request mailbox's session ended (the node died, stopped or restarted). A call made
+        now fails at once, or reconnects."""
+        with self._lock:
+            c = self._client
+            return c is not None and self._had_mailbox and not getattr(c, "has_mailbox", True)
+
     def client(self) -> Any:
         """The client, connecting if needed; NodeDown while the node is left alone."""
         with self._lock:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -43,6 +44,12 @@ log = logging.getLogger("kvferry.vllm")
 #: on the node after its lease TTL, 600 s by default).
 LEASE_REUSE_S = 60.0
 
+#: Blocks whose load failed are not offered as hits again for this long (any request), and
+#: at most this many are remembered: a rank whose loads keep failing must not trap requests
+#: in load, fail, hit again.
+FAILED_BLOCK_S = 60.0
+MAX_FAILED_BLOCKS = 4096
+
 
 @dataclass
 class _Req:
@@ -59,6 +66,12 @@ class _Req:
     block_ids: List[int] = field(default_factory=list)
     # Of the last lease: blocks the node held itself (the rest came from peers).
     local_blocks: int = 0
+    # The load handed to the workers: its lease, destination blocks and block hashes.
+    load_lease: Optional[str] = None
+    load_dest: List[int] = field(default_factory=list)
+    load_hashes: List[bytes] = field(default_factory=list)
+    # A load of this request failed: vLLM recomputes it, kvferry offers it no more hits.
+    load_failed: bool = False
 
 
 def _mm_spans(request: Any) -> Optional[Tuple[MmSpan, ...]]:
@@ -104,6 +117,8 @@ class SchedulerSide:
         self._max_hashes: Optional[int] = None
         self._last_local = 0
         self._direct_refusal_logged = False
+        # Hashes of blocks whose load failed lately -> when (oldest first).
+        self._failed: "OrderedDict[bytes, float]" = OrderedDict()
 
     # ---------------------------------------------------------------- per-request state
 
@@ -219,7 +234,7 @@ class SchedulerSide:
         if not self.load_enabled:
             return 0, False
         r = self._state(request)
-        if r.hasher is None:
+        if r.hasher is None or r.load_failed:
             return 0, False
         bs = self.block_size
         k = num_computed_tokens // bs
@@ -239,7 +254,9 @@ class SchedulerSide:
             # The node failed lately: no hashing, no call, no wait.
             self.counters.add("queries_skipped")
             return 0, False
-        hashes = self._hashes(r, full)[k:]
+        wanted = self._hashes(r, full)[k:]
+        hashes = self._without_failed(wanted)
+        self.counters.add("withheld_blocks", len(wanted) - len(hashes))
         n, lease = self._query(hashes)
         if not n or lease is None:
             return 0, False
@@ -288,10 +305,44 @@ class SchedulerSide:
                 self._release(lease)
             lease = None
         r.load_start, r.load_end = start, start + m
+        r.load_lease, r.load_dest = lease, list(dest)
+        r.load_hashes = self._hashes(r, start + m)[start:] if lease else []
         self.counters.add("hit_tokens", m * bs)
         self._pending_loads.append(
             LoadSpec(request.request_id, lease, dest, m * bs, sync=not self.cfg.async_load)
         )
+
+    def _without_failed(self, hashes: List[bytes]) -> List[bytes]:
+        """``hashes`` up to the first whose load failed within FAILED_BLOCK_S."""
+        now = self._clock()
+        while self._failed:
+            h, when = next(iter(self._failed.items()))
+            if now - when < FAILED_BLOCK_S:
+                break
+            self._failed.popitem(last=False)
+        for i, h in enumerate(hashes):
+            if h in self._failed:
+                return hashes[:i]
+        return hashes
+
+    def _load_failed(self, r: _Req, blocks: Optional[Set[int]] = None) -> None:
+        """The load of ``r`` failed (on some rank; ``blocks``: which of its destinations,
+        None: all): vLLM recomputes the request, so kvferry offers it no more hits, and the
+        failed blocks none to anyone for FAILED_BLOCK_S; the lease, which a rank may not
+        have consumed, is released."""
+        if r.load_failed:
+            return
+        r.load_failed = True
+        now = self._clock()
+        for d, h in zip(r.load_dest, r.load_hashes):
+            if blocks is None or d in blocks:
+                self._failed[h] = now
+                self._failed.move_to_end(h)
+        while len(self._failed) > MAX_FAILED_BLOCKS:
+            self._failed.popitem(last=False)
+        if r.load_lease is not None:
+            self._release(r.load_lease)
+            r.load_lease = None
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> Tuple[int, int]:
         """(tokens from the node's own memory, tokens from its peers) of a load."""
@@ -310,6 +361,7 @@ class SchedulerSide:
             if r is not None:
                 # Its blocks are freed; on its return it starts from its new prefix hit.
                 r.load_start = r.load_end = 0
+                r.load_dest = []
                 r.block_ids = []
         self._track_block_ids(so)
         if self.save_enabled:
@@ -370,6 +422,17 @@ class SchedulerSide:
     def update_connector_output(self, output: Any) -> None:
         for rid in getattr(output, "finished_sending", None) or ():
             self._saving.discard(rid)
+        failed_rids = set(getattr(output, "failed_recving", None) or ())
+        invalid = set(getattr(output, "invalid_block_ids", None) or ())
+        for rid, r in self._reqs.items():
+            if r.load_dest and (rid in failed_rids or invalid.intersection(r.load_dest)):
+                self._load_failed(r, invalid.intersection(r.load_dest) or None)
+                r.load_dest = []
+        for rid in getattr(output, "finished_recving", None) or ():
+            r = self._reqs.get(rid)
+            if r is not None:
+                # Its blocks are the request's own from here: no later error is about them.
+                r.load_dest = []
         for rid in getattr(output, "failed_recving", None) or ():
             # vLLM 0.33+ recomputes a request whose load failed: the blocks the load was to
             # bring are computed, so they are saved like any other.

@@ -34,6 +34,10 @@ COUNTERS: Dict[str, str] = {
     "saved_blocks": "Blocks written to the node by saves (every rank).",
     "saved_bytes": "Bytes written to the node by saves (every rank).",
     "registrations": "Registrations of a rank's KV with the node (again after a restart).",
+    "saves_cancelled": "Saves of preempted requests never sent: the node was too slow, and "
+    "vLLM reuses their blocks.",
+    "withheld_blocks": "Blocks not asked for because a load of them failed lately (vLLM "
+    "computes them instead of loading them again).",
     "registration_refusals": "Registrations the node refused after the engine started "
     "(a refusal at start stops the engine).",
 }

@@ -43,12 +43,15 @@ PROBE_HASH = b"kvferry-vllm-probe"
 
 #: Slots of a rank's completion board (loads in flight at once that report to it).
 BOARD_SLOTS = 256
+#: A load the board shows running is still asked about this often: a node that died (or
+#: whose connection dropped) writes no final word, and is noticed by the call failing.
+LIVENESS_S = 0.25
+#: A board wait for this many layers returns at the load's end.
+ALL_LAYERS = 0xFFFFFFFF
 
 
 class RegistrationRefused(RuntimeError):
     """The node refused this rank's registration at engine start; the message says why."""
-#: A board wait for this many layers returns at the load's end.
-ALL_LAYERS = 0xFFFFFFFF
 
 
 @dataclass
@@ -63,6 +66,16 @@ class _Load:
     tag: int = 0
     #: Reported (to ``_done``): by the loader, or by the thread that saw its end first.
     finished: bool = False
+    #: When the node was last asked about it (or it started).
+    checked: float = 0.0
+
+
+@dataclass(eq=False)
+class _SaveItem:
+    spec: SaveSpec
+    event: Any
+    #: Not to be sent: its request was preempted and its blocks may be reused already.
+    cancelled: bool = False
 
 
 @dataclass
@@ -119,6 +132,9 @@ class WorkerSide:
         # Requests handed saves (vLLM delays freeing their blocks until reported).
         self._save_reqs: Set[str] = set()
         self._finishing: Set[str] = set()
+        # Saves handed over and not yet sent, by request; the request of the one being sent.
+        self._queued_saves: Dict[str, List[_SaveItem]] = {}
+        self._saving_now: Optional[str] = None
 
         # The completion board (node protocol 3, board version 2): loads' layers seen landing
         # and their outcome without an RPC (a failure's details are polled for); None where
@@ -286,7 +302,9 @@ class WorkerSide:
             self._sync_started = []
             self._sync_begun = 0
         for spec in meta.loads:
-            self._load_q.put(_Load(spec, ev, now, deadline=now + self.cfg.load_timeout_s))
+            self._load_q.put(
+                _Load(spec, ev, now, deadline=now + self.cfg.load_timeout_s, checked=now)
+            )
         with self._lock:
             board = self._board
         if board is not None:
@@ -410,11 +428,11 @@ class WorkerSide:
                 except Exception:  # noqa: BLE001
                     v = {}
                 if v.get("tag") == ld.tag:
-                    if not v.get("done"):
+                    if not v.get("done") and not self._liveness_due(ld):
                         # Still running, as the node's own board says: no RPC needed.
                         still.append(ld)
                         continue
-                    if v.get("ok"):
+                    if v.get("done") and v.get("ok"):
                         # The board's final word is the outcome: nothing to ask the node.
                         self._finish(spec, set(), None, ld)
                         continue
@@ -453,6 +471,15 @@ class WorkerSide:
             self._finish(spec, failed, comp, ld)
         return still
 
+    def _liveness_due(self, ld: _Load) -> bool:
+        """Whether to ask the node about a load its board shows running: every LIVENESS_S,
+        and at once once the link saw the connection go (its mailbox's session ended)."""
+        now = self._clock()
+        if self.link.connection_lost() or now - ld.checked >= LIVENESS_S:
+            ld.checked = now
+            return True
+        return False
+
     def _watch_board(self, pending: List[_Load]) -> bool:
         """Sleeps on the board until one of ``pending`` ends, :meth:`start_load` hands over
         new loads, or the first deadline; False (nothing waited) where a load is not on the
@@ -462,7 +489,7 @@ class WorkerSide:
             return False
         left = min(ld.deadline for ld in pending) - self._clock()
         try:
-            board.wait_ends([(ld.slot, ld.tag) for ld in pending], min(max(left, 0.0), 0.5))
+            board.wait_ends([(ld.slot, ld.tag) for ld in pending], min(max(left, 0.0), LIVENESS_S))
         except Exception as e:  # noqa: BLE001 - polled for instead
             log.debug("kvferry: rank %d: board wait: %s", self.rank, e)
             return False
@@ -580,11 +607,14 @@ class WorkerSide:
         if self.layout is None:
             return
         ev = self._record_event()
+        items = [_SaveItem(spec, ev) for spec in meta.saves]
         with self._lock:
-            for spec in meta.saves:
-                self._save_pending[spec.req_id] = self._save_pending.get(spec.req_id, 0) + 1
-        for spec in meta.saves:
-            self._save_q.put((spec, ev))
+            for it in items:
+                rid = it.spec.req_id
+                self._save_pending[rid] = self._save_pending.get(rid, 0) + 1
+                self._queued_saves.setdefault(rid, []).append(it)
+        for it in items:
+            self._save_q.put(it)
 
     def _save_one(self, spec: SaveSpec, ev: Any) -> None:
         if ev is not None:
@@ -638,14 +668,26 @@ class WorkerSide:
                 continue
             if item is _STOP:
                 return
-            spec, ev = item
+            spec = item.spec
+            with self._lock:
+                queued = self._queued_saves.get(spec.req_id, [])
+                if item in queued:
+                    queued.remove(item)
+                if not queued:
+                    self._queued_saves.pop(spec.req_id, None)
+                if not item.cancelled:
+                    self._saving_now = spec.req_id
             try:
-                self._save_one(spec, ev)
+                if item.cancelled:
+                    self.counters.add("saves_cancelled")
+                else:
+                    self._save_one(spec, item.event)
             except Exception as e:  # noqa: BLE001
                 log.exception("kvferry: rank %d: save: %s", self.rank, e)
                 self.counters.add("save_failures")
             finally:
                 with self._lock:
+                    self._saving_now = None
                     left = self._save_pending.get(spec.req_id, 1) - 1
                     if left > 0:
                         self._save_pending[spec.req_id] = left
@@ -654,14 +696,36 @@ class WorkerSide:
                     self._lock.notify_all()
 
     def handle_preemptions(self, meta: Optional[StepMetadata]) -> None:
-        """Preempted requests' blocks are free: their saves finish before the forward."""
+        """Preempted requests' blocks are free: their saves finish before the forward. Those
+        still queued when the wait runs out are never sent (the forward may overwrite their
+        blocks); the one being sent is waited for to its end, which the node's fence bounds
+        (a save the client gave up on is never sealed, see ``EngineClient.save``)."""
         if meta is None or not meta.preempted:
             return
+        gone = set(meta.preempted)
         limit = self.cfg.deadline_s * (self._save_q.qsize() + 2)
         with self._lock:
-            self._lock.wait_for(
-                lambda: not any(r in self._save_pending for r in meta.preempted), timeout=limit
-            )
+            if self._lock.wait_for(
+                lambda: not any(r in self._save_pending for r in gone), timeout=limit
+            ):
+                return
+            cancelled = 0
+            for rid in gone:
+                for it in self._queued_saves.get(rid, ()):
+                    if not it.cancelled:
+                        it.cancelled = True
+                        cancelled += 1
+            if cancelled:
+                log.warning(
+                    "kvferry: rank %d: %d save(s) of preempted requests not sent: the node "
+                    "is slow or down and their blocks are reused now", self.rank, cancelled,
+                )
+            bound = 3 * self.cfg.deadline_s + 1.0
+            if not self._lock.wait_for(lambda: self._saving_now not in gone, timeout=bound):
+                log.error(
+                    "kvferry: rank %d: a save of preempted request %s still runs after %.1f s",
+                    self.rank, self._saving_now, bound,
+                )
 
     # ---------------------------------------------------------------- results
 

@@ -46,6 +46,7 @@ fn ssd_config(pool_slots: u64, dir: &Path, disk_blocks: u64, write_through: bool
         queue_depth: 8,
         write_through,
         direct_io: true,
+        ..Default::default()
     });
     cfg
 }
@@ -514,6 +515,7 @@ fn ten_thousand_blocks_serve_again_within_five_seconds() {
             queue_depth: 32,
             write_through: true,
             direct_io: true,
+            ..Default::default()
         });
         cfg
     };
@@ -559,6 +561,11 @@ fn the_sample_config_has_an_ssd_section() {
     assert_eq!(ssd.dir[0].capacity, ByteSize(64 << 30));
     assert_eq!(ssd.queue_depth, 32);
     assert!(!ssd.write_through && ssd.direct_io);
+    assert_eq!(ssd.write_backlog, Some(ByteSize(32 << 20)));
+    assert_eq!(
+        ssd.backlog_bytes(cfg.pool.size.0, cfg.pool.slot_bytes.0),
+        32 << 20
+    );
     // A typo in a key is refused, naming it.
     let text = std::fs::read_to_string(path)
         .unwrap()
@@ -1018,4 +1025,190 @@ fn layers_are_reported_once_the_ssd_blocks_landed_too() {
         ssd_settled(&node).await;
     });
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `RssAnon` of this process (anonymous memory: the pool is a shared mapping, not in it).
+fn rss_anon_kib() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = s.lines().find(|l| l.starts_with("RssAnon:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// A slow disk (one block write per 2 ms) behind an 8-slot pool, 2,000 puts of 56 KiB
+/// blocks: the write backlog never holds more than its bound (the tier's own accounting and
+/// this process's anonymous memory), the blocks it had no room for are counted, and every
+/// block is either served with its bytes (RAM or SSD) or a miss. Run in a process of its
+/// own, so that other tests' memory does not blur the measurement.
+#[test]
+fn a_slow_disk_keeps_the_write_backlog_bounded() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "ssd::slow_disk_backlog_in_its_own_process",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("1 passed"), "the child ran no test:\n{text}");
+    eprintln!(
+        "{}",
+        text.lines()
+            .filter(|l| l.starts_with("backlog:"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+#[test]
+#[ignore = "run in a process of its own by a_slow_disk_keeps_the_write_backlog_bounded: it measures the process's memory"]
+fn slow_disk_backlog_in_its_own_process() {
+    const N: u64 = 2000;
+    let dir = fresh("/tmp", "slow-disk");
+    let big = KvShape::new(4, 1, 2, 7 << 10).unwrap();
+    let copy = format::HEADER + format::round_up(big.block_bytes());
+    let limit = 4 * format::slot_stride(SLOT);
+    rt().block_on(async {
+        let mut cfg = ssd_config(8, &dir, N + 8, false);
+        let c = cfg.ssd.as_mut().unwrap();
+        c.write_backlog = Some(ByteSize(limit));
+        c.test_write_delay = Some(Duration::from_millis(2));
+        let (node, dev) = start(cfg);
+        let kv = register(&node, &dev, "eng", big, 0, KvKind::Split, 16, 128).await;
+        put(&node, "eng", &big, 0, 0..16).await;
+        node.ssd_sync().await.unwrap();
+        let base = rss_anon_kib();
+        let mut peak = base;
+        let t0 = Instant::now();
+        for first in (16..N).step_by(16) {
+            put(&node, "eng", &big, 0, first..(first + 16).min(N)).await;
+            peak = peak.max(rss_anon_kib());
+            let s = ssd(&node).await;
+            assert!(s.write_backlog_bytes <= limit, "{s:?}");
+        }
+        let put_s = t0.elapsed().as_secs_f64();
+        let s = ssd(&node).await;
+        assert!(s.write_backlog_peak_bytes <= limit, "{s:?}");
+        assert!(
+            s.write_backlog_peak_bytes >= limit - copy,
+            "the disk was slow enough to fill it: {s:?}"
+        );
+        node.ssd_sync().await.unwrap();
+        let s = ssd(&node).await;
+        assert_eq!(s.write_backlog_bytes, 0, "{s:?}");
+        assert!(s.writes_skipped_backlog > 0, "{s:?}");
+        // Every block RAM evicted was written or counted as skipped: nothing else is lost.
+        let in_ram = node.stats().await.unwrap().blocks as u64;
+        assert_eq!(
+            s.writes + s.writes_skipped_backlog + s.writes_skipped,
+            N - in_ram,
+            "{s:?}"
+        );
+        let m = node.metrics_text().await.unwrap();
+        for line in [
+            format!(
+                "kvferry_ssd_writes_skipped_total{{reason=\"backlog\"}} {}\n",
+                s.writes_skipped_backlog
+            ),
+            "kvferry_ssd_writes_skipped_total{reason=\"busy\"} 0\n".into(),
+            format!("kvferry_ssd_write_backlog_limit_bytes {limit}\n"),
+            "kvferry_ssd_write_backlog_bytes 0\n".into(),
+        ] {
+            assert!(m.contains(&line), "{line} not in the scrape:\n{m}");
+        }
+        // Each block alone: served with its own bytes, or a miss (never wrong bytes).
+        let mut hits = 0u64;
+        for i in 0..N {
+            let q = query(&node, i..i + 1).await;
+            if q.hit_blocks() == 1 {
+                load_and_verify(&node, &kv, &q, i).await;
+                hits += 1;
+            } else {
+                assert!(q.lease.is_none(), "{q:?}");
+            }
+        }
+        assert_eq!(hits, s.blocks as u64 + in_ram, "{s:?}");
+        let grew = peak.saturating_sub(base);
+        println!(
+            "backlog: {N} puts of {} KiB in {put_s:.2} s, bound {} KiB, peak {} KiB; \
+             written {}, skipped {}; RssAnon grew {grew} KiB",
+            big.block_bytes() >> 10,
+            limit >> 10,
+            s.write_backlog_peak_bytes >> 10,
+            s.writes,
+            s.writes_skipped_backlog
+        );
+        // Unbounded, the copies queued for the slow disk alone were ~100 MiB.
+        assert!(grew < 32 << 10, "anonymous memory grew {grew} KiB");
+        ssd_settled(&node).await;
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Write-through on a disk that fills up (a 1 MiB tmpfs configured for far more): the put
+/// whose block met ENOSPC is answered with an error naming it, not acknowledged; the block
+/// stays in RAM and is served; later puts reuse the written slots and are acknowledged.
+#[test]
+fn write_through_does_not_acknowledge_a_block_the_full_disk_refused() {
+    let dir = fresh("/tmp", "wt-full");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs"])
+        .arg(&dir)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        eprintln!("cannot mount a tmpfs here (not root?): disk full is not exercised");
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
+    let out = std::panic::catch_unwind(|| {
+        rt().block_on(async {
+            let (node, dev) = start(ssd_config(160, &dir, 400, true));
+            let kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 128).await;
+            let mut refused = Vec::new();
+            for i in 0..150u64 {
+                let r =
+                    kvferry_testkit::put_pattern(&node, &id("eng"), &shape(), 0, i..i + 1).await;
+                if let Err(e) = r {
+                    assert!(
+                        matches!(
+                            &e,
+                            NodeError::NotDurable {
+                                failed: 1,
+                                blocks: 1,
+                                source: SsdError::DiskFull { .. }
+                            }
+                        ),
+                        "{e:?}"
+                    );
+                    assert!(e.to_string().contains("not on disk"), "{e}");
+                    refused.push(i);
+                }
+            }
+            assert_eq!(refused.len(), 1, "one write met the full disk: {refused:?}");
+            let s = ssd(&node).await;
+            assert_eq!((s.disk_full, s.write_errors), (1, 1), "{s:?}");
+            // Every block is in RAM, the refused one included, with its bytes.
+            let q = query(&node, 0..150).await;
+            assert_eq!(q.local_blocks, 150);
+            node.release(q.lease.unwrap()).await.unwrap();
+            let i = refused[0];
+            let q = query(&node, i..i + 1).await;
+            load_and_verify(&node, &kv, &q, i).await;
+            ssd_settled(&node).await;
+        })
+    });
+    let _ = std::process::Command::new("umount").arg(&dir).status();
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Err(p) = out {
+        std::panic::resume_unwind(p);
+    }
 }
