@@ -23,8 +23,8 @@ mod shared;
 mod vmm;
 
 pub use device::{
-    driver_present, CudaDevice, CudaOptions, IpcHandle, DEFAULT_COMPLETION_SPIN,
-    DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES, DEFER_MIN_OPS, VmmExport,
+    driver_present, CudaDevice, CudaOptions, IpcHandle, VmmExport, DEFAULT_COMPLETION_SPIN,
+    DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES, DEFER_MIN_OPS,
 };
 pub use error::CudaError;
 pub use open::{open_device, open_device_with};
