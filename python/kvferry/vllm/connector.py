@@ -298,6 +298,13 @@ class KvferryConnector(KVConnectorBase_V1):
         return _kv_cache_access(kv_transfer_config)
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # vLLM 0.33+: sleep frees the KV cache's memory and wakes it elsewhere
+        # (unregister_kv_caches / restore_kv_caches); the node would still load into the
+        # old registration, so vLLM refuses sleep mode with kvferry at start instead.
+        return False
+
+    @classmethod
     def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
         # kvferry names a block by the tokens up to its end; KV that depends on tokens after
         # the block (EAGLE block drop's lookahead) would be shared under the wrong name.

@@ -3,10 +3,11 @@
 vLLM hands a KV connector ``{layer_name: tensor}``. What the tensors look like depends on
 the vLLM version, the attention backend and the KV cache layout it resolved:
 
-- vLLM 0.33, every attention backend: ``(num_blocks, kv_heads, block_size, 2 * head_size)``
-  with the strides of the resolved layout: ``LBNHC``/``LBHNC`` (one allocation per layer, a
-  block contiguous: one segment), ``BLHNC``/``BLNHC`` (cross-layer: one allocation, a block
-  holds every layer, each layer's view strides over whole blocks);
+- vLLM 0.26 to 0.34, every attention backend: ``(num_blocks, kv_heads, block_size,
+  2 * head_size)`` with the strides of the resolved layout: ``LBNHC``/``LBHNC`` (0.26: ``NHD``
+  / ``HND``; one allocation per layer, a block contiguous: one segment), ``BLHNC``/``BLNHC``
+  (cross-layer: one allocation, a block holds every layer, each layer's view strides over
+  whole blocks; 0.26 hands it over as one tensor, see :func:`cross_layer_views`);
 - older vLLM FlashAttention ``(2, num_blocks, block_size, heads, head_dim)`` (a K plane then
   a V plane: two segments), FlashInfer ``(num_blocks, 2, ...)``, MLA
   ``(num_blocks, block_size, head_dim)``.

@@ -4,7 +4,8 @@ It runs in vLLM's engine-core process, inside the scheduler loop, so nothing her
 block for long or raise: a node that is down or slow makes ``get_num_new_matched_tokens``
 answer 0 within the configured deadline (then 0 at once while the node is left alone),
 logs it and counts it. Nothing here imports vLLM: requests, block lists and scheduler
-outputs are read by attribute, as vLLM 0.33 shapes them.
+outputs are read by attribute, as vLLM 0.26 to 0.34 shape them (block tables from 0.33's
+``kv_connector_block_state``, or followed from each step's new and cached requests).
 
 Per request:
 
