@@ -911,6 +911,58 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// A slow disk (20 ms a write) and a backlog of two copies: a third write is refused
+    /// before it takes a disk slot (nothing on disk is evicted for it), and the room comes
+    /// back as soon as a write answers.
+    #[test]
+    fn the_write_backlog_is_bounded_and_given_back() {
+        let dir = fresh("/tmp", "backlog");
+        rt().block_on(async {
+            let mut c = cfg(&[&dir], 8);
+            c.test_write_delay = Some(Duration::from_millis(20));
+            const LEN: usize = SLOT as usize;
+            let copy = HEADER + format::round_up(LEN as u64);
+            let mut t = SsdTier::open(&c, SLOT)
+                .unwrap()
+                .with_write_backlog(2 * copy);
+            let mut queued = Vec::new();
+            for i in 0..2 {
+                let d = data(i, LEN);
+                let w = t.write(&key(i), 1, LEN as u64, |dst| dst.copy_from_slice(&d));
+                queued.push(w.unwrap());
+            }
+            assert_eq!(t.backlog_bytes(), 2 * copy);
+            let d = data(2, LEN);
+            let refused = t.write(&key(2), 1, LEN as u64, |dst| dst.copy_from_slice(&d));
+            assert_eq!(refused.err(), Some(WriteSkip::Backlog));
+            assert!(!t.contains(&key(2)), "no disk slot taken for it");
+            assert!(!t.has_room(LEN as u64));
+            let (w, rx, _) = queued.remove(0);
+            let out = rx.await.unwrap();
+            // Given back by the I/O thread before the answer.
+            assert!(t.backlog_bytes() <= copy, "{}", t.backlog_bytes());
+            t.write_done(&w, out).unwrap();
+            assert!(t.has_room(LEN as u64));
+            assert!(put(&mut t, 2, LEN).await.0);
+            let (w, rx, _) = queued.remove(0);
+            t.write_done(&w, rx.await.unwrap()).unwrap();
+            let s = t.stats();
+            assert_eq!(
+                (
+                    s.write_backlog_bytes,
+                    s.write_backlog_peak_bytes,
+                    s.write_backlog_limit_bytes
+                ),
+                (0, 2 * copy, 2 * copy)
+            );
+            for i in 0..3 {
+                let (ok, bytes) = get(&mut t, i).await;
+                assert!(ok && bytes == data(i, LEN), "block {i}");
+            }
+        });
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn a_directory_serves_one_node_at_a_time() {
         let dir = fresh("/tmp", "lock");

@@ -1212,3 +1212,40 @@ fn write_through_does_not_acknowledge_a_block_the_full_disk_refused() {
         std::panic::resume_unwind(p);
     }
 }
+
+/// Write-through onto a slow disk (one write per 2 ms) with room for two queued copies: the
+/// puts wait for room instead of skipping blocks, every one is answered once its blocks are
+/// on disk, and the backlog never exceeds its bound.
+#[test]
+fn write_through_waits_for_backlog_room_instead_of_skipping() {
+    let dir = fresh("/tmp", "wt-backlog");
+    let limit = 2 * format::slot_stride(SLOT);
+    rt().block_on(async {
+        let mut cfg = ssd_config(16, &dir, 128, true);
+        let c = cfg.ssd.as_mut().unwrap();
+        c.write_backlog = Some(ByteSize(limit));
+        c.test_write_delay = Some(Duration::from_millis(2));
+        let (node, dev) = start(cfg);
+        let kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 128).await;
+        for first in (0..96).step_by(16) {
+            put(&node, "eng", &shape(), 0, first..first + 16).await;
+            // Answered: its blocks are on disk already, nothing of it is queued.
+            let s = ssd(&node).await;
+            assert_eq!(s.writes, first + 16, "{s:?}");
+        }
+        let s = ssd(&node).await;
+        assert_eq!(
+            (s.writes_skipped_backlog, s.writes_skipped),
+            (0, 0),
+            "{s:?}"
+        );
+        assert!(s.write_backlog_peak_bytes <= limit, "{s:?}");
+        assert_eq!(s.blocks, 96);
+        // RAM holds the last 16; the first 80 come from disk, byte for byte.
+        let q = query(&node, 0..16).await;
+        assert_eq!((q.local_blocks, q.ssd_blocks), (16, 16));
+        load_and_verify(&node, &kv, &q, 0).await;
+        ssd_settled(&node).await;
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
