@@ -897,6 +897,18 @@ impl NodeConfig {
         self.directory.validate()?;
         if let Some(ssd) = &self.ssd {
             ssd.validate(self.pool.slot_bytes.0)?;
+            // The backlog's copies come on top of the pool (the default is a share of it).
+            if let (Some(b), Some((limit, what))) = (ssd.write_backlog, host.limit()) {
+                if self.pool.size.0.saturating_add(b.0) > limit {
+                    return invalid(
+                        "ssd.write-backlog",
+                        format!(
+                            "{b} on top of pool.size ({}) is more than {what} ({limit} bytes)",
+                            self.pool.size
+                        ),
+                    );
+                }
+            }
         }
         self.log.validate()?;
         self.check_listeners_differ()?;
@@ -1211,6 +1223,14 @@ mod tests {
         let (k, reason) = invalid_key("[pool]\nsize = \"2GiB\"\n", &small);
         assert_eq!(k, "pool.size");
         assert!(reason.contains("cgroup"), "{reason}");
+        // The SSD write backlog's copies count on top of the pool.
+        let ssd =
+            "[ssd]\nwrite-backlog = \"512MiB\"\n[[ssd.dir]]\npath = \"/d\"\ncapacity = \"1GiB\"\n";
+        let (k, reason) = invalid_key(&format!("[pool]\nsize = \"768MiB\"\n{ssd}"), &small);
+        assert_eq!(k, "ssd.write-backlog");
+        assert!(reason.contains("cgroup"), "{reason}");
+        let ok: NodeConfig = toml::from_str(&format!("[pool]\nsize = \"256MiB\"\n{ssd}")).unwrap();
+        ok.validate_on(&small).unwrap();
         // Within every limit: accepted.
         let ok: NodeConfig = toml::from_str(
             "[pool]\nsize = \"1GiB\"\n[lease]\nttl-secs = 86400\npeer-pin-ttl-secs = 86400\n\
