@@ -45,6 +45,17 @@ def engine(tmp_path, addr, **kw):
     return Engine(tmp_path, extra, **kw)
 
 
+def reset_cache(eng) -> None:
+    """Empties vLLM's own prefix cache (once the blocks it waits on for saves are free), so
+    a prefix can only come from kvferry."""
+    for _ in range(200):
+        if eng.scheduler.reset_prefix_cache():
+            return
+        eng.step()
+        time.sleep(0.01)
+    raise AssertionError("vLLM's prefix cache did not empty")
+
+
 def status(req) -> str:
     return str(req.status).rsplit(".", 1)[-1]
 
@@ -123,14 +134,20 @@ def test_a_stalled_node_resuming_seals_no_abandoned_save_and_keeps_no_abandoned_
         assert (s["leases_live"], s["pinned_blocks"], s["pins"]) == (0, 0, 0), s
         assert abandoned(node, "save") >= 1 and abandoned(node, "query") >= 1, node.metrics()
 
-        # a's prompt again: whatever kvferry serves for it is a's own bytes.
-        eng.run(max_steps=200)  # the node answers again (the connector's backoff passes)
+        # a's prompt again: whatever kvferry serves for it is a's own bytes. First the
+        # scheduler's backoff after the failures passes (it queries nothing meanwhile).
+        link = eng.connector.scheduler_side.link
+        until = time.monotonic() + 40
+        while link.resting() and time.monotonic() < until:
+            time.sleep(0.05)
+        hits = []
         for i in range(2):
-            assert eng.scheduler.reset_prefix_cache()
+            reset_cache(eng)
             rid = f"a{i}"
             eng.add(rid, a, max_tokens=1)
             so = eng.step()
             loads = [ld for ld in so.kv_connector_metadata.loads if ld.req_id == rid]
+            hits.append(sum(len(ld.dest_blocks) for ld in loads))
             r = eng.requests[rid]
             eng.run(until=lambda r=r: status(r) != "WAITING_FOR_REMOTE_KVS", max_steps=200)
             for ld in loads:
@@ -140,6 +157,7 @@ def test_a_stalled_node_resuming_seals_no_abandoned_save_and_keeps_no_abandoned_
                     assert all(torch.equal(x, y) for x, y in zip(got, want)), (rid, j)
             eng.run(max_steps=200)
         # The first a missed (nothing of a was sealed) and saved it; the second hit it.
+        assert hits == [0, 3], hits
         assert eng.invalid_reported == set()
         assert settled(node)["leases_live"] == 0
     finally:
