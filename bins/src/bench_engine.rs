@@ -395,8 +395,8 @@ impl DuplexCtx<'_> {
     }
 
     /// Loads `lease` into the destinations and waits for the board to say done; returns
-    /// when the board said so (what the load's figure is: the PollLoad that checks the
-    /// board's word afterwards is not part of it, as in the sweep).
+    /// when the board said so (what the load's figure is: the board's word is the outcome,
+    /// and the PollLoad that checks it afterwards is not part of it, as in the sweep).
     async fn load(&self, lease: kvferry_actors::LeaseId, tag: u32) -> anyhow::Result<Instant> {
         let req = LoadRequest {
             lease,
@@ -410,7 +410,11 @@ impl DuplexCtx<'_> {
         let load_id = w.load_id;
         if w.view.state != SlotState::Ok {
             let done = self.c.poll_load(load_id).await?;
-            bail!("the load of {} blocks failed: {done:?}", self.n);
+            bail!(
+                "the load of {} blocks failed ({} on the board): {done:?}",
+                self.n,
+                w.view.failed_blocks
+            );
         }
         match self.c.poll_load(load_id).await? {
             Some(p) if p.status == 1 => Ok(done),
@@ -652,11 +656,15 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                 let last_s = w.last_s;
                 if w.view.state != SlotState::Ok {
                     let done = c.poll_load(load_id).await?;
-                    bail!("the load of {n} blocks failed: {done:?}");
+                    bail!(
+                        "the load of {n} blocks failed ({} on the board): {done:?}",
+                        w.view.failed_blocks
+                    );
                 }
+                // The board's ok is the outcome; PollLoad only for the node's own timing.
                 let done = match c.poll_load(load_id).await? {
                     Some(done) if done.status == 1 => done,
-                    other => bail!("the board says done, PollLoad says {other:?}"),
+                    other => bail!("the board says ok, PollLoad says {other:?}"),
                 };
                 if it == 0 {
                     // The warm-up's bytes are checked; later loads write the same.

@@ -79,10 +79,19 @@ class _SaveItem:
 
 
 @dataclass
+class _Started:
+    """A load started by :meth:`WorkerSide.start_load` itself, for the loader to watch."""
+
+    ld: _Load
+
+
+@dataclass
 class _Done:
     req_id: str
     sync: bool
     failed: Set[int]
+    #: When it was reported (the worker's clock): from then on get_finished reports it.
+    at: float = 0.0
 
 
 class WorkerSide:
@@ -301,24 +310,30 @@ class WorkerSide:
             self._sync_outstanding += len(sync)
             self._sync_started = []
             self._sync_begun = 0
-        for spec in meta.loads:
-            self._load_q.put(
-                _Load(spec, ev, now, deadline=now + self.cfg.load_timeout_s, checked=now)
-            )
         with self._lock:
             board = self._board
+        for spec in meta.loads:
+            ld = _Load(spec, ev, now, deadline=now + self.cfg.load_timeout_s, checked=now)
+            if not (spec.sync and board is not None):
+                self._load_q.put(ld)
+                continue
+            # With a board, the forward starts once the loads are started, and
+            # wait_for_layer_load waits for each layer as it lands. Started here: the
+            # forward waits for the start, and a hand-over to the loader and back would
+            # cost two thread switches. The loader watches it from then on.
+            try:
+                started = self._begin(ld)
+            except Exception as e:  # noqa: BLE001 - never lose a load
+                log.exception("kvferry: rank %d: load: %s", self.rank, e)
+                self._finish(spec, set(spec.dest_blocks), None, ld)
+                started = None
+            if started is not None:
+                self._load_q.put(_Started(started))
         if board is not None:
             # The loader may be asleep on the board until a load ends: these start now.
             board.interrupt()
-        if sync:
-            if board is None:
-                self.wait_for_sync_loads()
-            else:
-                # With a board, the forward starts once the loads are started:
-                # wait_for_layer_load waits for each layer as it lands.
-                limit = 2 * self.cfg.deadline_s + 1.0
-                with self._lock:
-                    self._lock.wait_for(lambda: self._sync_begun >= len(sync), timeout=limit)
+        elif sync:
+            self.wait_for_sync_loads()
 
     def _finish(
         self,
@@ -353,7 +368,7 @@ class WorkerSide:
             c.add("loaded_tokens", spec.tokens)
             c.add("loaded_blocks", len(spec.dest_blocks))
         with self._lock:
-            self._done.append(_Done(spec.req_id, spec.sync, failed))
+            self._done.append(_Done(spec.req_id, spec.sync, failed, self._clock()))
             if ld is not None and ld.slot is not None and self._board is not None:
                 self._board_free.append(ld.slot)
                 ld.slot = None
@@ -516,6 +531,9 @@ class WorkerSide:
                     for ld in pending:
                         self._finish(ld.spec, set(ld.spec.dest_blocks), None, ld)
                     return
+                if isinstance(it, _Started):
+                    pending.append(it.ld)
+                    continue
                 try:
                     started = self._begin(it)
                 except Exception as e:  # noqa: BLE001 - never lose a load
@@ -578,13 +596,17 @@ class WorkerSide:
             with self._lock:
                 self._sync_started = []
 
-    def wait_for_loads(self, req_ids: Set[str], timeout_s: float) -> bool:
+    def wait_for_loads(self, req_ids: Set[str], timeout_s: float) -> Optional[float]:
         """Waits until :meth:`get_finished` (and the load errors) would report the loads of
-        ``req_ids``; False after ``timeout_s``. Not a vLLM hook: for tests and the bench."""
+        ``req_ids``; returns when the last of them was reported (the worker's clock), or None
+        after ``timeout_s``. Not a vLLM hook: for tests and the bench."""
+        want = set(req_ids)
         with self._lock:
-            return self._lock.wait_for(
-                lambda: set(req_ids) <= {d.req_id for d in self._done}, timeout=timeout_s
-            )
+            if not self._lock.wait_for(
+                lambda: want <= {d.req_id for d in self._done}, timeout=timeout_s
+            ):
+                return None
+            return max(d.at for d in self._done if d.req_id in want)
 
     def wait_for_sync_loads(self) -> None:
         """Waits for this step's synchronous loads (load_mode "sync"); bounded by
