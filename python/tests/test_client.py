@@ -164,7 +164,8 @@ def test_a_completion_board_shows_the_load_without_an_rpc(client):
     kv = HostKv.allocate("flash_attn", layers=3)
     board = client.open_board("py-board", 0, slots=4)
     assert board.slots == 4 and board.handle > 0
-    assert board.view(2) == {"tag": 0, "state": "idle", "layers": 0, "done": False}
+    assert board.view(2) == {"tag": 0, "state": "idle", "layers": 0, "done": False, "ok": False,
+                             "failed_blocks": 0}
     with client.open_session() as session:
         kv.register(client, "py-board", board=board)
         session.bind("py-board")
@@ -175,8 +176,11 @@ def test_a_completion_board_shows_the_load_without_an_rpc(client):
         first = board.wait(2, 9, 1, timeout_s=10)
         assert first["tag"] == 9 and first["layers"] >= 1, first
         end = board.wait(2, 9, 1 << 20, timeout_s=10)
-        assert end == {"tag": 9, "state": "ok", "layers": 3, "done": True}
-        # Written after the result: PollLoad has it at once.
+        # The final word is the outcome: nothing more is needed to know it went well.
+        assert end == {"tag": 9, "state": "ok", "layers": 3, "done": True, "ok": True,
+                       "failed_blocks": 0}
+        assert board.wait_ends([(2, 9)], timeout_s=10) == [dict(end, slot=2)]
+        # Written after the result: PollLoad has its details at once.
         done = client.poll_load(load_id)
         assert done is not None and done["ok"], done
         assert kv.verify(zip(dests, range(5))) == 5 * kv.layers * kv.segments * kv.seg_bytes
