@@ -294,9 +294,10 @@ class WorkerSide:
     # ---------------------------------------------------------------- loads
 
     def start_load(self, meta: Optional[StepMetadata]) -> None:
-        """Hands this step's loads to the loader thread; returns at once, except with
-        synchronous loads (load_mode "sync"), which finish before it returns: vLLM runs
-        this step's forward on them."""
+        """Hands this step's loads to the loader thread and returns at once. Synchronous
+        loads (load_mode "sync"; vLLM runs this step's forward on them) are started here
+        with a completion board, and ``wait_for_layer_load`` waits for each layer; without
+        one they finish before this returns."""
         if meta is None or not meta.loads or self.layout is None:
             if meta is not None and meta.loads and self.layout is None:
                 # No KV registered: nothing can be loaded; vLLM recomputes.
@@ -310,7 +311,6 @@ class WorkerSide:
             self._sync_outstanding += len(sync)
             self._sync_started = []
             self._sync_begun = 0
-        with self._lock:
             board = self._board
         for spec in meta.loads:
             ld = _Load(spec, ev, now, deadline=now + self.cfg.load_timeout_s, checked=now)
