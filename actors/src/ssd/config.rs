@@ -35,8 +35,9 @@ pub struct SsdConfig {
     pub direct_io: bool,
     /// The most memory that copies of blocks queued for the disks may take (each queued
     /// write holds one). Past it a write-behind block is not written (counted, logged) and
-    /// a write-through answer waits for room. Default: an eighth of `pool.size`, at least
-    /// two blocks, at most [`DEFAULT_MAX_WRITE_BACKLOG`] (see [`Self::backlog_bytes`]).
+    /// a write-through answer waits for room. Default: an eighth of `pool.size`, or what
+    /// keeps every directory's queue full if that is more, at most
+    /// [`DEFAULT_MAX_WRITE_BACKLOG`] (see [`Self::backlog_bytes`]).
     pub write_backlog: Option<ByteSize>,
     /// A fault injection point for tests, not a config key: every block write waits this
     /// long on its I/O thread before it starts (a slow disk).
@@ -68,12 +69,19 @@ impl Default for SsdConfig {
 
 impl SsdConfig {
     /// The write backlog's bound in bytes: `write-backlog`, or by default an eighth of the
-    /// pool, at least two block slots, at most [`DEFAULT_MAX_WRITE_BACKLOG`].
+    /// pool or a full queue of block slots on every directory (`queue-depth` each), whichever
+    /// is more, at most [`DEFAULT_MAX_WRITE_BACKLOG`] and at least two block slots.
     pub fn backlog_bytes(&self, pool_bytes: u64, slot_bytes: u64) -> u64 {
-        let two = format::slot_stride(slot_bytes).saturating_mul(2);
+        let stride = format::slot_stride(slot_bytes);
+        let queues = stride
+            .saturating_mul(self.queue_depth as u64)
+            .saturating_mul(self.dir.len() as u64);
         match self.write_backlog {
             Some(b) => b.0,
-            None => (pool_bytes / 8).min(DEFAULT_MAX_WRITE_BACKLOG).max(two),
+            None => (pool_bytes / 8)
+                .max(queues)
+                .min(DEFAULT_MAX_WRITE_BACKLOG)
+                .max(stride.saturating_mul(2)),
         }
     }
 
@@ -227,13 +235,36 @@ mod tests {
 
     #[test]
     fn the_default_backlog_follows_the_pool_within_bounds() {
-        let c = SsdConfig::default();
+        let dir = |n: usize| {
+            (0..n)
+                .map(|i| SsdDir {
+                    path: format!("/d{i}").into(),
+                    capacity: ByteSize(1 << 30),
+                })
+                .collect()
+        };
         let stride = format::slot_stride(2 << 20);
+        let c = SsdConfig {
+            dir: dir(1),
+            queue_depth: 4,
+            ..Default::default()
+        };
         // An eighth of a 256 MiB pool.
         assert_eq!(c.backlog_bytes(256 << 20, 2 << 20), 32 << 20);
-        // A tiny pool still queues two blocks; a huge one at most the cap.
-        assert_eq!(c.backlog_bytes(4 << 20, 2 << 20), 2 * stride);
+        // A small pool still fills the disk's queue; a huge one gets at most the cap.
+        assert_eq!(c.backlog_bytes(4 << 20, 2 << 20), 4 * stride);
         assert_eq!(c.backlog_bytes(1 << 40, 2 << 20), DEFAULT_MAX_WRITE_BACKLOG);
+        // Two disks at queue depth 32: 64 blocks in flight.
+        let c = SsdConfig {
+            dir: dir(2),
+            ..Default::default()
+        };
+        assert_eq!(c.backlog_bytes(256 << 20, 2 << 20), 64 * stride);
+        // At least two blocks, whatever the cap (1 GiB slots).
+        assert_eq!(
+            c.backlog_bytes(1 << 30, 1 << 30),
+            DEFAULT_MAX_WRITE_BACKLOG.max(2 * (4096 + (1 << 30)))
+        );
         assert_eq!(c.backlog_bytes(u64::MAX, u64::MAX), u64::MAX, "no overflow");
         let c = SsdConfig {
             write_backlog: Some(ByteSize(5 << 20)),

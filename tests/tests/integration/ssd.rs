@@ -561,10 +561,20 @@ fn the_sample_config_has_an_ssd_section() {
     assert_eq!(ssd.dir[0].capacity, ByteSize(64 << 30));
     assert_eq!(ssd.queue_depth, 32);
     assert!(!ssd.write_through && ssd.direct_io);
-    assert_eq!(ssd.write_backlog, Some(ByteSize(32 << 20)));
+    assert_eq!(ssd.write_backlog, Some(ByteSize(128 << 20)));
     assert_eq!(
         ssd.backlog_bytes(cfg.pool.size.0, cfg.pool.slot_bytes.0),
-        32 << 20
+        128 << 20
+    );
+    // What the sample says: the default is two disks' full queues of 2 MiB blocks here.
+    let default = SsdConfig {
+        write_backlog: None,
+        ..ssd.clone()
+    };
+    let stride = format::slot_stride(cfg.pool.slot_bytes.0);
+    assert_eq!(
+        default.backlog_bytes(cfg.pool.size.0, cfg.pool.slot_bytes.0),
+        64 * stride
     );
     // A typo in a key is refused, naming it.
     let text = std::fs::read_to_string(path)
