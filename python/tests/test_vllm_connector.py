@@ -587,6 +587,13 @@ def test_a_missing_hook_refuses_to_start_naming_it(tmp_path, node, monkeypatch):
     with pytest.raises(MissingHook, match=r"no get_block_ids_with_load_errors\(\)"):
         engine(tmp_path, node.addr)
     monkeypatch.undo()
+    # Finished transfers are reported through whichever of the two the release has.
+    for name in ("get_transfer_results", "get_finished"):
+        if hasattr(KVConnectorBase_V1, name):
+            monkeypatch.delattr(KVConnectorBase_V1, name)
+    with pytest.raises(MissingHook, match=r"neither get_transfer_results\(\) nor get_finish"):
+        engine(tmp_path, node.addr)
+    monkeypatch.undo()
 
     # A hook vLLM would call with more arguments than the connector takes.
     def three(self, request, num_computed_tokens, more):

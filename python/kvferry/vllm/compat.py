@@ -18,10 +18,11 @@ import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 __all__ = [
     "REQUIRED_HOOKS",
+    "RESULT_HOOKS",
     "TESTED_VLLM",
     "MissingHook",
     "VllmApi",
@@ -35,22 +36,26 @@ log = logging.getLogger("kvferry.vllm")
 #: The releases the connector is tested with (real scheduler, on CPU; see the README).
 TESTED_VLLM = ("0.26.0", "0.33.0", "0.34.0")
 
-#: ``KVConnectorBase_V1`` methods vLLM must call for the connector to be correct, with the
-#: arguments (after ``self``) the connector takes. A release without one cannot run it.
-REQUIRED_HOOKS: Dict[str, Tuple[str, ...]] = {
-    "get_num_new_matched_tokens": ("request", "num_computed_tokens"),
-    "update_state_after_alloc": ("request", "blocks", "num_external_tokens"),
-    "build_connector_meta": ("scheduler_output",),
-    "request_finished": ("request", "block_ids"),
-    "bind_connector_metadata": ("connector_metadata",),
-    "clear_connector_metadata": (),
-    "register_kv_caches": ("kv_caches",),
-    "start_load_kv": ("forward_context",),
-    "wait_for_layer_load": ("layer_name",),
-    "wait_for_save": (),
-    "get_finished": ("finished_req_ids",),
-    "get_block_ids_with_load_errors": (),
-}
+#: ``KVConnectorBase_V1`` methods vLLM must call for the connector to be correct. A release
+#: without one cannot run it; one that calls it with more arguments than the connector's
+#: takes cannot either.
+REQUIRED_HOOKS: Tuple[str, ...] = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "request_finished",
+    "bind_connector_metadata",
+    "clear_connector_metadata",
+    "register_kv_caches",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "wait_for_save",
+    "get_block_ids_with_load_errors",
+)
+
+#: Of these vLLM must call one: how finished saves and loads are reported (0.33+ asks the
+#: first, 0.26 the second).
+RESULT_HOOKS = ("get_transfer_results", "get_finished")
 
 
 class MissingHook(RuntimeError):
@@ -146,7 +151,14 @@ def _positional(fn: Any) -> Optional[List[str]]:
 def check_hooks(base_cls: Any, ours: Any) -> None:
     """Raises :class:`MissingHook` naming the first hook ``base_cls`` (vLLM's
     ``KVConnectorBase_V1``) lacks, or calls with arguments ``ours`` does not take."""
-    for name, args in REQUIRED_HOOKS.items():
+    if not any(hasattr(base_cls, name) for name in RESULT_HOOKS):
+        raise MissingHook(
+            f"kvferry: this vLLM's KVConnectorBase_V1 has neither "
+            f"{' nor '.join(n + '()' for n in RESULT_HOOKS)}; the connector needs one to "
+            f"report finished loads and saves (tested with vLLM {', '.join(TESTED_VLLM)})"
+        )
+    hooks = REQUIRED_HOOKS + tuple(n for n in RESULT_HOOKS if hasattr(base_cls, n))
+    for name in hooks:
         theirs = getattr(base_cls, name, None)
         if theirs is None:
             raise MissingHook(
