@@ -1224,8 +1224,8 @@ fn write_through_does_not_acknowledge_a_block_the_full_disk_refused() {
 }
 
 /// Write-through onto a slow disk (one write per 2 ms) with room for two queued copies: the
-/// puts wait for room instead of skipping blocks, every one is answered once its blocks are
-/// on disk, and the backlog never exceeds its bound.
+/// puts and a save wait for room instead of skipping blocks, every one is answered once its
+/// blocks are on disk, and the backlog never exceeds its bound.
 #[test]
 fn write_through_waits_for_backlog_room_instead_of_skipping() {
     let dir = fresh("/tmp", "wt-backlog");
@@ -1243,14 +1243,29 @@ fn write_through_waits_for_backlog_room_instead_of_skipping() {
             let s = ssd(&node).await;
             assert_eq!(s.writes, first + 16, "{s:?}");
         }
+        // A save (device to host) is answered the same way: once its blocks are on disk.
+        for b in 0..16u32 {
+            kv.write_block(b, 1000 + b as u64, 0).unwrap();
+        }
+        let r = node
+            .save(kvferry_actors::SaveRequest {
+                instance: id("eng"),
+                rank: 0,
+                hashes: hashes(1000..1016),
+                src_blocks: (0..16).collect(),
+            })
+            .await
+            .unwrap();
+        assert_eq!(r.sealed, 16);
         let s = ssd(&node).await;
+        assert_eq!(s.writes, 112, "{s:?}");
         assert_eq!(
             (s.writes_skipped_backlog, s.writes_skipped),
             (0, 0),
             "{s:?}"
         );
         assert!(s.write_backlog_peak_bytes <= limit, "{s:?}");
-        assert_eq!(s.blocks, 96);
+        assert_eq!(s.blocks, 112);
         // RAM holds the last 16; the first 80 come from disk, byte for byte.
         let q = query(&node, 0..16).await;
         assert_eq!((q.local_blocks, q.ssd_blocks), (16, 16));
