@@ -326,7 +326,8 @@ impl Node {
         Ok(released)
     }
 
-    /// Puts one rank's bytes of whole blocks from host memory.
+    /// Puts one rank's bytes of whole blocks from host memory. With `ssd.write-through`,
+    /// answered once the blocks it sealed are on disk ([`NodeError::NotDurable`] if not).
     pub async fn put_blocks(&self, req: PutBlocks) -> Result<StoreReport, NodeError> {
         self.put_blocks_fenced(req, None).await
     }
@@ -356,7 +357,8 @@ impl Node {
             .await?
     }
 
-    /// Saves one rank's device KV blocks into host blocks.
+    /// Saves one rank's device KV blocks into host blocks. With `ssd.write-through`,
+    /// answered once the blocks it sealed are on disk ([`NodeError::NotDurable`] if not).
     pub async fn save(&self, req: SaveRequest) -> Result<StoreReport, NodeError> {
         self.save_fenced(req, None).await
     }
