@@ -27,8 +27,11 @@ pub struct SsdConfig {
     pub dir: Vec<SsdDir>,
     /// Reads and writes in flight per directory.
     pub queue_depth: u32,
-    /// Write every sealed block to disk as it seals (not only when RAM evicts it): a restart
-    /// or a crash then loses nothing that was sealed, at the cost of writing every block once.
+    /// Write every sealed block to disk as it seals (not only when RAM evicts it), and answer
+    /// a put or save only once its sealed blocks are written: a restart or a process crash
+    /// (SIGKILL, panic, OOM kill) then loses nothing acknowledged, at the cost of writing
+    /// every block once and waiting for it. Not a power loss or a kernel crash: there is no
+    /// fsync per write.
     pub write_through: bool,
     /// Open block files with `O_DIRECT` where the filesystem allows it (tmpfs does not: there
     /// the tier falls back to buffered I/O and says so in the log).
