@@ -280,6 +280,9 @@ pub struct DirIo {
     qd: usize,
     /// A test's slow disk: every block write waits this long before it starts.
     write_delay: Option<Duration>,
+    /// Tests: the most ops ever in flight together with a file header write.
+    #[cfg(test)]
+    fence_company: Option<Arc<AtomicU64>>,
 }
 
 impl DirIo {
@@ -296,6 +299,8 @@ impl DirIo {
                 direct,
                 qd: qd.max(1) as usize,
                 write_delay: None,
+                #[cfg(test)]
+                fence_company: None,
             },
             uring,
         )
@@ -446,6 +451,12 @@ impl DirIo {
                     writing.insert(*offset);
                 }
                 self.start(op, &mut flights, &mut writing, &mut parked, &mut pending);
+            }
+            #[cfg(test)]
+            if let Some(c) = &self.fence_company {
+                if flights.iter().any(|(_, f)| f.op.is_fence()) {
+                    c.fetch_max(flights.len() as u64, Relaxed);
+                }
             }
             if flights.is_empty() {
                 if !open && pending.is_empty() {
@@ -869,6 +880,47 @@ mod tests {
             open_with(&path, true, denied),
             Err(SsdError::Open { .. })
         ));
+        let _ = std::fs::remove_file(&path);
+    }
+
+    /// A file header write (its used mark tells a restart how far to scan) runs alone: the
+    /// block writes queued before it are done when it starts, those after it wait for it,
+    /// so no block past the mark is on disk before the mark.
+    #[test]
+    fn a_file_header_write_is_a_fence() {
+        let path = std::env::temp_dir().join(format!("kvferry-fence-{}", std::process::id()));
+        let (file, direct) = open_file(&path, true).unwrap();
+        file.set_len(1 << 20).unwrap();
+        let (mut io, uring) = DirIo::new(path.clone(), file, direct.is_ok(), 8);
+        assert!(uring.is_ok(), "{uring:?}");
+        let company = Arc::new(AtomicU64::new(0));
+        io.fence_company = Some(Arc::clone(&company));
+        let (tx, rx) = mpsc::channel();
+        let t = std::thread::spawn(move || io.run(rx));
+        let write = |offset: u64| {
+            let (reply, done) = oneshot::channel();
+            tx.send(Op::Write {
+                offset,
+                buf: AlignedBuf::new(8192),
+                reply,
+                charge: None,
+            })
+            .unwrap();
+            done
+        };
+        let mut done: Vec<_> = (1..=6).map(|i| write(i * 16384)).collect();
+        done.push(write(0));
+        done.extend((7..=12).map(|i| write(i * 16384)));
+        for d in done {
+            d.blocking_recv().unwrap().unwrap();
+        }
+        assert_eq!(
+            company.load(Relaxed),
+            1,
+            "the header write ran beside others"
+        );
+        drop(tx);
+        t.join().unwrap();
         let _ = std::fs::remove_file(&path);
     }
 
