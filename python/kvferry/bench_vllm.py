@@ -773,8 +773,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--no-eager", action="store_true",
                    help="let vLLM compile and capture CUDA graphs (minutes per engine start)")
-    p.add_argument("--connector-model", default="llama8b",
-                   help='the connector\'s "model" setting ("" for its default, the model path)')
+    p.add_argument("--connector-model", default="",
+                   help='the connector\'s "model" setting (default: unset, so blocks are shared '
+                   "under the served model name, here the model folder's path)")
     p.add_argument("--trace", action="store_true",
                    help="also run traced hits and report where their time goes")
     p.add_argument("--trace-tokens", type=int, default=None,
