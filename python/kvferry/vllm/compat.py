@@ -188,12 +188,18 @@ def _series(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
 
 
+_warned: set = set()
+
+
 def warn_if_untested(api: VllmApi) -> bool:
-    """Logs a warning naming the release where it is not of a tested series (0.26.x,
-    0.33.x, 0.34.x); True if it did."""
+    """Logs a warning naming the release, once per process, where it is not of a tested
+    series (0.26.x, 0.33.x, 0.34.x); True if the release is untested."""
     tested = {_series(v) for v in TESTED_VLLM}
     if _series(api.version) in tested:
         return False
+    if api.version in _warned:
+        return True
+    _warned.add(api.version)
     log.warning(
         "kvferry: vLLM %s is not a release kvferry is tested with (%s); the connector uses "
         "what this release offers (failed loads %s, cross-layer KV %s, kv_cache_access %s)",
