@@ -299,13 +299,29 @@ pub type ReportRx = oneshot::Receiver<Result<TransferReport, NodeError>>;
 /// arrives on the returned receiver. `observer` (if any) sees the layers land.
 #[derive(Message)]
 #[rtype(result = "Result<ReportRx, NodeError>")]
-pub struct Load(pub LoadRequest, pub Option<Arc<dyn LoadObserver>>);
+pub struct Load(
+    pub LoadRequest,
+    pub Option<Arc<dyn LoadObserver>>,
+    /// Past it the client has given up on the load (it may reuse the destination blocks):
+    /// it is refused, and nothing is consumed.
+    pub Option<Fence>,
+);
 
 impl Handler<Load> for LeaseKeeper {
     type Result = Result<ReportRx, NodeError>;
 
-    fn handle(&mut self, Load(req, observer): Load, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, Load(req, observer, fence): Load, _: &mut Context<Self>) -> Self::Result {
         let t0 = Instant::now();
+        if let Some(f) = fence {
+            let now = monotonic_ns();
+            if f.passed_at(now) {
+                // Nothing may write into blocks the engine may have handed to another
+                // request since.
+                let late = f.late_by(now);
+                self.counters.abandoned("load", req.dest_blocks.len(), late);
+                return Err(NodeError::DeadlinePassed { what: "Load", late });
+            }
+        }
         let handle = self.registry.rank(&req.instance, req.rank)?;
         let now = self.clock.now();
         // Validate and plan everything before consuming, so a bad request changes nothing.

@@ -407,7 +407,7 @@ impl Node {
 
     /// Starts a load and returns once it is accepted; the receiver yields its report.
     pub async fn start_load(&self, req: LoadRequest) -> Result<keeper::ReportRx, NodeError> {
-        self.inner.keeper.send(Load(req, None)).await?
+        self.inner.keeper.send(Load(req, None, None)).await?
     }
 
     /// [`Self::start_load`], with `observer` told as the load's layers land (in layer order;
@@ -417,7 +417,21 @@ impl Node {
         req: LoadRequest,
         observer: Arc<dyn LoadObserver>,
     ) -> Result<keeper::ReportRx, NodeError> {
-        self.inner.keeper.send(Load(req, Some(observer))).await?
+        self.start_load_fenced(req, observer, None).await
+    }
+
+    /// [`Self::start_load_observed`], refused with [`NodeError::DeadlinePassed`] (nothing
+    /// consumed, nothing written) if the keeper gets to it after `fence`.
+    pub async fn start_load_fenced(
+        &self,
+        req: LoadRequest,
+        observer: Arc<dyn LoadObserver>,
+        fence: Option<Fence>,
+    ) -> Result<keeper::ReportRx, NodeError> {
+        self.inner
+            .keeper
+            .send(Load(req, Some(observer), fence))
+            .await?
     }
 
     /// Loads one rank's share and waits for the transfer to finish.

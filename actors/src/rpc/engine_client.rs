@@ -759,6 +759,7 @@ impl EngineClient {
         req: &api::LoadRequest,
         board: Option<(u32, u32)>,
     ) -> Result<u64, EngineClientError> {
+        let fence_ns = self.fence_ns(Fence::after(self.deadline)).await?;
         let req = LoadRequest {
             lease: req.lease.to_hex(),
             instance: req.instance.as_str().to_owned(),
@@ -766,6 +767,7 @@ impl EngineClient {
             dest_blocks: req.dest_blocks.clone(),
             board_slot: board.map(|b| b.0),
             board_tag: board.map(|b| b.1).unwrap_or(0),
+            fence_ns,
         };
         if let Some(answer) = self
             .through_mailbox::<_, LoadResponse>(Op::Load, "Load", &req, None)

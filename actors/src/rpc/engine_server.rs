@@ -917,7 +917,13 @@ impl Engine for EngineService {
             reported: AtomicBool::new(false),
         });
         let observer: Arc<dyn api::LoadObserver> = watch.clone();
-        let rx = match self.shared.node.start_load_observed(load, observer).await {
+        let fence = self.fence(r.fence_ns);
+        let rx = match self
+            .shared
+            .node
+            .start_load_fenced(load, observer, Some(fence))
+            .await
+        {
             Ok(rx) => rx,
             Err(e) => {
                 // Refused: no result to keep, and the slot must not stay "running".

@@ -1126,3 +1126,51 @@ fn a_query_past_its_fence_leaves_no_lease_nor_pin() {
         node.shutdown();
     });
 }
+
+/// A load the keeper gets to after its fence writes nothing and consumes nothing (the
+/// engine may have handed the destination blocks to another request): the lease still
+/// loads whole afterwards.
+#[test]
+fn a_load_past_its_fence_writes_nothing_and_consumes_nothing() {
+    use kvferry_actors::Fence;
+    struct Silent;
+    impl kvferry_actors::LoadObserver for Silent {
+        fn layers_landed(&self, _: u32, _: u32) {}
+    }
+    rt().block_on(async {
+        let (node, dev) = node(64 << 10, 16, Clock::system());
+        let shape = shape(2, 1, 2);
+        let kv = register(&node, &dev, "late", shape, 0, KvKind::Contiguous, 8, 0).await;
+        put(&node, "late", &shape, 0, 0..3).await;
+        let q = query(&node, "late", 0..3, false).await;
+        let lease = q.lease.unwrap();
+        let e = node
+            .start_load_fenced(
+                load_request(lease, "late", 0, &[4, 5, 6]),
+                Arc::new(Silent),
+                Some(Fence::at_ns(1)),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, NodeError::DeadlinePassed { what: "Load", .. }),
+            "{e:?}"
+        );
+        kv.verify(&[], 0).unwrap(); // canaries only: nothing written
+        let text = node.metrics_text().await.unwrap();
+        assert!(
+            text.contains("kvferry_abandoned_total{op=\"load\"} 1"),
+            "{text}"
+        );
+        load_and_verify(
+            &node,
+            &kv,
+            load_request(lease, "late", 0, &[4, 5, 6]),
+            0,
+            "the lease after a refused late load",
+        )
+        .await;
+        settled(&node).await;
+        node.shutdown();
+    });
+}
