@@ -695,3 +695,28 @@ def test_what_vllm_034_asks_before_any_query(tmp_path, node):
             assert eng.connector.may_load_async(short) is False
         finally:
             eng.shutdown()
+
+
+def test_kv_released_and_restored_by_vllm_is_registered_afresh(tmp_path, node):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    if not hasattr(KVConnectorBase_V1, "restore_kv_caches"):
+        pytest.skip("vLLM 0.33+ releases and restores the KV cache's memory")
+    eng = engine(tmp_path, node.addr)
+    try:
+        toks = prompt(48, seed=61)
+        eng.add("a", toks)
+        eng.run()
+        # What vLLM does around a weight update that borrows the KV cache's memory.
+        eng.worker.unregister_kv_caches()
+        assert not eng.worker.worker_side.registered
+        eng.worker.restore_kv_caches()
+        assert eng.worker.worker_side.registered
+        assert eng.scheduler.reset_prefix_cache()
+        eng.stats = {}
+        eng.add("b", toks)
+        eng.run()
+        assert eng.stats.get("loaded_tokens") == 48 and eng.stats.get("registrations") == 1
+        assert eng.outputs["b"] == eng.outputs["a"] and eng.invalid_reported == set()
+    finally:
+        eng.shutdown()

@@ -449,6 +449,50 @@ def test_worker_registers_again_after_a_node_restart(node, monkeypatch):
         w.shutdown()
 
 
+def test_released_kv_is_forgotten_by_the_node_and_registered_again_on_restore(
+        node, monkeypatch):
+    # vLLM 0.33+ releases the KV cache's memory for sleep or a weight update
+    # (unregister_kv_caches) and gives it back later (restore_kv_caches).
+    import kvferry
+    import kvferry.vllm.worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "PROBE_S", 0.05)
+    cfg = parse_extra_config({"address": node.addr, "retry_ms": 50, "deadline_ms": 500})
+    kv = kv_tensors(2, NB, HEADS, BS, HEAD, "LBNHC")
+    ranks = [WorkerSide(cfg, instance="sleepy", model="m", kv_dtype="float32", tp_rank=r,
+                        tp_size=2, num_blocks=NB) for r in range(2)]
+    sched = SchedulerSide(cfg, instance="sleepy", model="m", kv_dtype="float32",
+                          block_size=BS, tp_size=2)
+    probe = kvferry.EngineClient(node.addr, deadline_s=5.0)
+    try:
+        for w in ranks:
+            w.register_kv_caches(kv if w.rank == 0 else kv_tensors(2, NB, HEADS, BS, HEAD))
+            assert w.take_stats().get("registrations") == 1
+        for w in ranks:
+            w.release()  # every rank; the first removes the instance
+        with pytest.raises(Exception) as gone:
+            probe.query("sleepy", [b"x" * 32])
+        assert getattr(gone.value, "code", None) == "NOT_FOUND", gone.value
+        time.sleep(0.5)  # the idle probes do not register it behind vLLM's back
+        assert not any(w.registered for w in ranks)
+        assert not any(w.take_stats().get("registrations") for w in ranks)
+        for w in ranks:
+            w.restore()
+            assert w.registered and w.take_stats().get("registrations") == 1
+        # Saves and hits work again.
+        toks = list(range(700, 700 + 2 * BS))
+        a = req("a", toks)
+        sched.get_num_new_matched_tokens(a, 0)
+        meta = sched.build_connector_meta(sched_out({"a": len(toks)}, {"a": [1, 2]}))
+        for w in ranks:
+            w.submit_saves(meta)
+        wait_finished(ranks, {"a"}, "save")
+        assert sched.get_num_new_matched_tokens(req("b", toks), 0) == (2 * BS, True)
+    finally:
+        for w in ranks:
+            w.shutdown()
+
+
 def test_multimodal_inputs_and_salts_change_the_hashes():
     from kvferry.vllm.hashing import ChainHasher, engine_salt, request_salt
 

@@ -299,9 +299,11 @@ class KvferryConnector(KVConnectorBase_V1):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        # vLLM 0.33+: sleep frees the KV cache's memory and wakes it elsewhere
-        # (unregister_kv_caches / restore_kv_caches); the node would still load into the
-        # old registration, so vLLM refuses sleep mode with kvferry at start instead.
+        # vLLM 0.33+: sleep releases the KV cache's memory and restores it later; the
+        # connector follows (unregister_kv_caches / restore_kv_caches: the node forgets the
+        # instance, then it is registered afresh), but sleep mode has not been run on a GPU
+        # with kvferry, so vLLM refuses it at start rather than risk loads into memory it
+        # no longer reads.
         return False
 
     @classmethod
@@ -320,6 +322,16 @@ class KvferryConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
         assert self.worker_side is not None
         self.worker_side.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        # vLLM 0.33+: the KV cache's memory is released (sleep, a weight update).
+        if self.worker_side is not None:
+            self.worker_side.release()
+
+    def restore_kv_caches(self) -> None:
+        # vLLM 0.33+: the KV cache has memory again; registered afresh.
+        if self.worker_side is not None:
+            self.worker_side.restore()
 
     def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
         """vLLM 0.26's cross-layer KV: one tensor for all layers, in the backend's physical

@@ -115,6 +115,10 @@ class WorkerSide:
         #: The model as the node's namespace names it (any model name, escaped).
         self.model_ns = model_namespace(model)
         self._refused: Optional[str] = None
+        # vLLM released the KV cache's memory (unregister_kv_caches); the node may still
+        # hold the old registration where unregistering it failed.
+        self._released = False
+        self._stale = False
         self.kv_dtype = kv_dtype
         self.rank = tp_rank
         self.tp_size = tp_size
@@ -194,6 +198,9 @@ class WorkerSide:
         with self._reg_lock:
             if self._registered:
                 return True
+            if self._released:
+                # vLLM released the KV cache's memory: nothing to register until it is back.
+                return False
             try:
                 ns = self.link.call("register", self._register)
             except NodeDown:
@@ -225,6 +232,42 @@ class WorkerSide:
                 self.rank, self.instance, self.cfg.address, self.model, ns,
             )
             return True
+
+    def release(self) -> None:
+        """vLLM 0.33+'s ``unregister_kv_caches`` (sleep, or a weight update that borrows the
+        KV cache's memory; vLLM drained the transfers first): the memory goes, so the node
+        forgets the instance (it would load into memory vLLM no longer reads) and nothing
+        registers it again until :meth:`restore`. Every rank calls it; the first one's
+        unregister removes the instance, the others find it gone."""
+        with self._reg_lock:
+            self._released = True
+            self._registered = False
+            self._unregister("release")
+
+    def restore(self) -> None:
+        """vLLM 0.33+'s ``restore_kv_caches``: the KV cache has memory again (new physical
+        memory behind the same tensors), registered afresh (a refusal is logged, not
+        raised: vLLM is waking up)."""
+        with self._reg_lock:
+            self._released = False
+            if self._stale:
+                self._unregister("restore")
+        if self.layout is not None:
+            self._ensure_registered()
+
+    def _unregister(self, why: str) -> None:
+        try:
+            self.link.call("unregister", lambda c: c.unregister(self.instance))
+            self._stale = False
+        except Exception as e:  # noqa: BLE001
+            if getattr(e, "code", None) == "NOT_FOUND":
+                self._stale = False
+                return
+            self._stale = True
+            log.warning(
+                "kvferry: rank %d: unregistering %s (%s) failed: %s; tried again when vLLM "
+                "restores its KV cache", self.rank, self.instance, why, e,
+            )
 
     def _open_board(self, client: Any) -> Any:
         """A completion board for this registration, or None where the node (or a fake
