@@ -99,12 +99,13 @@ def abandoned(n: Node, op: str) -> float:
     return 0.0
 
 
+@pytest.mark.parametrize("mailbox", [True, False], ids=["mailbox", "grpc"])
 def test_a_stalled_node_resuming_seals_no_abandoned_save_and_keeps_no_abandoned_lease(
-    tmp_path, node
+    tmp_path, node, mailbox
 ):
     # 15 usable blocks: the request run while the node is stalled takes every free one, so
     # it overwrites the blocks of the request whose save the connector gave up on.
-    eng = engine(tmp_path, node.addr, num_blocks=16)
+    eng = engine(tmp_path, node.addr, num_blocks=16, extra={"mailbox": mailbox})
     try:
         p = prompt(48, seed=51)
         eng.add("p", p, max_tokens=1)
@@ -151,7 +152,12 @@ def test_a_stalled_node_resuming_seals_no_abandoned_save_and_keeps_no_abandoned_
         # The node resumes and serves what was posted while it was stopped.
         s = settled(node)
         assert (s["leases_live"], s["pinned_blocks"], s["pins"]) == (0, 0, 0), s
-        assert abandoned(node, "save") >= 1 and abandoned(node, "query") >= 1, node.metrics()
+        # The node discarded what reached it after the fences. A gRPC save the client gave
+        # up on is usually cancelled (its stream reset) before the resumed node reads it;
+        # a query is kept waiting for so that a late lease is released.
+        assert abandoned(node, "query") >= 1, node.metrics()
+        if mailbox:
+            assert abandoned(node, "save") >= 1, node.metrics()
 
         # a's prompt again: whatever kvferry serves for it is a's own bytes. First the
         # scheduler's backoff after the failures passes (it queries nothing meanwhile).
