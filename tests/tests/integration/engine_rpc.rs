@@ -1977,3 +1977,85 @@ fn a_client_stops_using_a_mailbox_whose_node_went_away() {
         assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
     });
 }
+
+/// Holds every device→host batch (a save's copies) on the thread that submits it while the
+/// flag is set (10 s at most), as a node stalled mid-save holds them.
+#[derive(Default)]
+struct HoldSaves(std::sync::atomic::AtomicBool);
+
+impl SubmitHook for HoldSaves {
+    unsafe fn submit(
+        &self,
+        inner: &HostDevice,
+        dir: kvferry_gpu::CopyDirection,
+        list: kvferry_gpu::CopyList,
+        landed: Option<kvferry_gpu::Landed>,
+    ) -> Result<kvferry_gpu::CopyEvent, kvferry_gpu::DeviceError> {
+        if dir == kvferry_gpu::CopyDirection::DeviceToHost {
+            let until = std::time::Instant::now() + WAIT;
+            while self.0.load(Ordering::SeqCst) && std::time::Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { inner.submit_then(dir, list, landed) }
+    }
+}
+
+/// A save the client gave up on (its copies held past its deadline) returns no earlier than
+/// its fence, and the node, once the copies complete, seals nothing: a later query misses
+/// and nothing stays pinned. Through the gRPC call and through the request mailbox.
+#[test]
+fn a_save_the_client_gave_up_on_is_never_sealed_and_returns_after_its_fence() {
+    rt().block_on(async {
+        let held = HookedDevice::new(HoldSaves::default());
+        let srv = EngineServer::start_on(
+            EngineOptions::default(),
+            Arc::clone(&held) as Arc<dyn Device>,
+            Arc::clone(&held.inner),
+        )
+        .await;
+        let deadline = Duration::from_millis(300);
+        let c = srv.client("").await.with_deadline(deadline);
+        let kv = MemfdKv::create(shape(), 16, 0).unwrap();
+        kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
+        for (dst, block) in [(5, 40), (6, 41)] {
+            kv.write_block(dst, block, 0).unwrap();
+        }
+        let mb = srv.client("").await.with_deadline(deadline);
+        assert!(mb.attach_mailbox(&id("eng")).await.unwrap());
+        for (via, client, first) in [("grpc", &c, 40u64), ("mailbox", &mb, 60)] {
+            held.hook.0.store(true, Ordering::SeqCst);
+            let t0 = std::time::Instant::now();
+            let r = client
+                .save(&kvferry_actors::SaveRequest {
+                    instance: id("eng"),
+                    rank: 0,
+                    hashes: hashes(first..first + 2),
+                    src_blocks: vec![5, 6],
+                })
+                .await;
+            let took = t0.elapsed();
+            assert_eq!(code(r), Code::DeadlineExceeded, "{via}");
+            assert!(took >= deadline, "{via}: returned {took:?} after the call");
+            // The engine may reuse its blocks now: what the held copies read is foreign.
+            kv.write_block(5, 99, 0).unwrap();
+            held.hook.0.store(false, Ordering::SeqCst);
+            stats_until(&c, "the held save drains", |s| {
+                s.transfers_in_flight == 0 && s.pinned_blocks == 0 && s.pins == 0
+            })
+            .await;
+            let q = c.query(&id("eng"), &hashes(first..first + 2), false).await;
+            let q = q.unwrap();
+            assert_eq!((q.local_blocks, q.lease), (0, None), "{via}: sealed");
+            kv.write_block(5, 40, 0).unwrap();
+        }
+        let text = srv.node.metrics_text().await.unwrap();
+        assert!(
+            text.contains("kvferry_abandoned_total{op=\"save\"} 2"),
+            "{text}"
+        );
+        drop((c, mb));
+        srv.stop().await;
+    });
+}
