@@ -532,7 +532,7 @@ impl EngineClient {
         &self,
         req: &api::PutBlocks,
     ) -> Result<StoreResponse, EngineClientError> {
-        let fence_ns = self.fence_ns(Fence::after(self.deadline)).await?;
+        let fence_ns = self.fence_ns().await?;
         let r = self.request(PutBlocksRequest {
             fence_ns,
             instance: req.instance.as_str().to_owned(),
@@ -584,14 +584,13 @@ impl EngineClient {
         answer
     }
 
-    /// `fence` as the wire carries it: 0 where the node takes no fences or its clock is not
-    /// this process's.
-    async fn fence_ns(&self, fence: Fence) -> Result<u64, EngineClientError> {
-        Ok(if self.traits().await?.fences {
-            fence.as_ns()
-        } else {
-            0
-        })
+    /// A request's fence, one deadline from now (after the node's traits are known, so a
+    /// first call's Capabilities is not counted against it), as the wire carries it: 0
+    /// where the node takes no fences or its clock is not this process's.
+    async fn fence_ns(&self) -> Result<u64, EngineClientError> {
+        let fences = self.traits().await?.fences;
+        let fence = Fence::after(self.deadline);
+        Ok(if fences { fence.as_ns() } else { 0 })
     }
 
     /// Leases the longest held prefix of `hashes`. With `direct_gpu`, check
@@ -759,7 +758,7 @@ impl EngineClient {
         req: &api::LoadRequest,
         board: Option<(u32, u32)>,
     ) -> Result<u64, EngineClientError> {
-        let fence_ns = self.fence_ns(Fence::after(self.deadline)).await?;
+        let fence_ns = self.fence_ns().await?;
         let req = LoadRequest {
             lease: req.lease.to_hex(),
             instance: req.instance.as_str().to_owned(),
