@@ -451,6 +451,9 @@ impl EngineClient {
     }
 
     /// Copies device blocks `src_blocks` of one rank into host blocks named by `hashes`.
+    /// Returns, or raises, only once the node is done reading `src_blocks` or can no longer
+    /// seal them (a call given up on returns after its fence: see the README), so the
+    /// caller may reuse the blocks whenever it returns.
     fn save<'py>(
         &self,
         py: Python<'py>,
