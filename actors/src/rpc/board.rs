@@ -573,6 +573,43 @@ mod tests {
     }
 
     #[test]
+    fn an_end_wakes_every_thread_asleep_on_the_board() {
+        // A rank's loader (wait_ends) and its forward (wait) sleep on one board at once.
+        let (client, node) = pair(4);
+        let client = Arc::new(client);
+        node.begin(1, 7, 28).unwrap();
+        let waiters: Vec<_> = (0..3)
+            .map(|i| {
+                let c = Arc::clone(&client);
+                std::thread::spawn(move || {
+                    let t = Instant::now();
+                    let done = if i == 0 {
+                        !c.wait_ends(&[(1, 7)], Duration::from_secs(20))
+                            .unwrap()
+                            .is_empty()
+                    } else {
+                        c.wait(1, 7, u32::MAX, Duration::from_secs(20))
+                            .unwrap()
+                            .state
+                            .is_done()
+                    };
+                    (done, t.elapsed())
+                })
+            })
+            .collect();
+        // Past their spin: all asleep on the futex.
+        std::thread::sleep(WAIT_SPIN * 30);
+        node.finish(1, 7, Outcome::Ok);
+        for w in waiters {
+            let (done, took) = w.join().unwrap();
+            assert!(
+                done && took < Duration::from_secs(10),
+                "{done} after {took:?}"
+            );
+        }
+    }
+
+    #[test]
     fn a_board_of_another_version_is_refused_on_either_side() {
         // The client refuses a board no node has said it takes as this version.
         let (client, node) = pair(4);

@@ -210,9 +210,11 @@ pub(crate) fn poll_then_sleep<T>(
     }
 }
 
-/// Wakes every waiter on `word`.
+/// Wakes every waiter on `word`. The kernel reads the count as an `int`: `u32::MAX` would be
+/// -1 there, which wakes one waiter only (a rank's loader and its forward may both sleep on
+/// one board), so the most an `int` holds.
 pub(crate) fn futex_wake(word: &AtomicU32) {
-    let _ = futex::wake(word, futex::Flags::empty(), u32::MAX);
+    let _ = futex::wake(word, futex::Flags::empty(), i32::MAX as u32);
 }
 
 #[cfg(test)]
