@@ -235,7 +235,7 @@ impl EngineClient {
                 return Err(EngineClientError::ConnectTimeout {
                     addr,
                     after: deadline,
-                })
+                });
             }
         };
         Ok(Self {
@@ -854,7 +854,7 @@ impl EngineClient {
                 return Some(Err(EngineClientError::Mailbox {
                     addr: self.addr.clone(),
                     source,
-                }))
+                }));
             }
         };
         let (spin, deadline) = (mailbox::ANSWER_SPIN.min(self.deadline), self.deadline);
@@ -1281,7 +1281,7 @@ impl CompletionStream {
                             method: "Completions",
                             code: Code::Unavailable,
                             message: "the node ended the stream".into(),
-                        })
+                        });
                     }
                     Err(s) => {
                         return Err(EngineClientError::Call {
@@ -1289,7 +1289,7 @@ impl CompletionStream {
                             method: "Completions",
                             code: s.code(),
                             message: s.message().to_owned(),
-                        })
+                        });
                     }
                 }
             }

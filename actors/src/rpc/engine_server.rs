@@ -507,12 +507,12 @@ impl EngineService {
                 return Err(Status::invalid_argument(format!(
                     "{m}: give memory regions, or (protocol 1) one memory handle or CUDA IPC \
                      handle, not both"
-                )))
+                )));
             }
             (true, true) if r.memory_handle != 0 && !r.cuda_ipc_handle.is_empty() => {
                 return Err(Status::invalid_argument(format!(
                     "{m}: give a memory handle or a CUDA IPC handle, not both"
-                )))
+                )));
             }
             (true, true) if r.memory_handle != 0 => vec![Region::MemoryHandle(r.memory_handle)],
             (true, true) => vec![Region::CudaIpcHandle(r.cuda_ipc_handle.clone())],
