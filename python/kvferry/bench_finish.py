@@ -46,8 +46,9 @@ BLOCK_TOKENS = 16
 HEADS = 8
 
 
-class _Counting:
-    """The worker's client, counting what the worker asks of it."""
+class CountingClient:
+    """A client that counts the calls made on it (the worker's, in the bench and the board
+    tests: a successful load must make none)."""
 
     def __init__(self, inner: Any):
         self._inner = inner
@@ -126,10 +127,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         node.client()  # up and answering
         cfg = parse_extra_config({"address": node.addr, "load_timeout_ms": 60000,
                                   "deadline_ms": 60000})
-        clients: List[_Counting] = []
+        clients: List[CountingClient] = []
 
         def factory() -> Any:
-            c = _Counting(kvferry.EngineClient(node.addr, deadline_s=60.0))
+            c = CountingClient(kvferry.EngineClient(node.addr, deadline_s=60.0))
             clients.append(c)
             return c
 

@@ -20,30 +20,12 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_support import Node, kv_tensors  # noqa: E402
+from kvferry.bench_finish import CountingClient as Counting  # noqa: E402
 from kvferry.vllm import WorkerSide, parse_extra_config  # noqa: E402
 from kvferry.vllm.kvcache import layer_names  # noqa: E402
 from kvferry.vllm.metadata import LoadSpec, StepMetadata  # noqa: E402
 
 BS, NB, HEADS, HEAD = 16, 24, 2, 32
-
-
-class Counting:
-    """A real client, counting the calls the worker makes on it."""
-
-    def __init__(self, inner: Any):
-        self._inner = inner
-        self.calls: Dict[str, int] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if not callable(attr):
-            return attr
-
-        def counted(*a: Any, **kw: Any) -> Any:
-            self.calls[name] = self.calls.get(name, 0) + 1
-            return attr(*a, **kw)
-
-        return counted
 
 
 @pytest.fixture
