@@ -2,52 +2,17 @@
 //! node is stopped with SIGTERM, a new process on the same directory serves them from SSD,
 //! and a load lands the right bytes (with canaries) in the client's memfd KV.
 
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use kvferry_actors::rpc::EngineClient;
 use kvferry_actors::{BlockHash, LoadRequest, PutBlocks};
 use kvferry_gpu::KvShape;
-use kvferry_testkit::harness::{id, wait_listening};
+use kvferry_testkit::harness::id;
 use kvferry_testkit::{rank_part, MemfdKv};
 
-/// A node process, killed if the test fails before it stops it.
-struct NodeChild(std::process::Child);
-
-impl Drop for NodeChild {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-}
-
-impl NodeChild {
-    /// Starts `kvferry node --config cfg`; returns it and its engine address.
-    fn start(cfg: &std::path::Path) -> (Self, String) {
-        let mut child = NodeChild(
-            Command::new(env!("CARGO_BIN_EXE_kvferry"))
-                .args(["node", "--config", cfg.to_str().unwrap()])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap(),
-        );
-        let out = child.0.stdout.take().unwrap();
-        let mut addrs = wait_listening(out, &["engine"], Duration::from_secs(30))
-            .unwrap_or_else(|seen| panic!("the node did not start serving engines: {seen}"));
-        (child, addrs.remove(0))
-    }
-
-    /// SIGTERM, and the clean exit it must lead to.
-    fn stop(mut self) {
-        // SAFETY: signalling our own child process by its pid.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
-        let status = self.0.wait().unwrap();
-        assert!(status.success(), "{status:?}");
-    }
-}
+#[path = "common/node_child.rs"]
+mod node_child;
+use node_child::NodeChild;
 
 fn shape() -> KvShape {
     KvShape::new(3, 1, 2, 1024).unwrap()
