@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use kvferry_actors::rpc::board::{self, Board, SlotState, SlotView};
-use kvferry_actors::rpc::{EngineClient, MemoryRegion, RegisterRegions};
 use kvferry_actors::{BlockHash, InstanceId, LoadRequest, SaveRequest};
+use kvferry_client::{EngineClient, MemoryRegion, RegisterRegions};
 use kvferry_gpu::{Device, KvShape};
 use kvferry_testkit::{median, DeviceKv, KvKind, MemfdRegionsKv};
 use serde_json::json;
@@ -153,7 +153,7 @@ enum Kv {
     Cuda(
         DeviceKv,
         Vec<MemoryRegion>,
-        Vec<kvferry_actors::rpc::RegionLayer>,
+        Vec<kvferry_client::RegionLayer>,
     ),
 }
 

@@ -124,7 +124,8 @@ fn node_with_an_engine_section_serves_engines_and_stops_on_sigterm() {
         .build()
         .unwrap();
     rt.block_on(async {
-        use kvferry_actors::rpc::{Code, EngineClient};
+        use kvferry_actors::rpc::Code;
+        use kvferry_client::EngineClient;
         let client = EngineClient::connect(addr.clone(), Some(sock.clone()), "t")
             .await
             .unwrap();
@@ -395,7 +396,7 @@ fn a_hung_redis_directory_does_not_stall_a_node_process() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let client = kvferry_actors::rpc::EngineClient::connect(engine.clone(), None, "")
+        let client = kvferry_client::EngineClient::connect(engine.clone(), None, "")
             .await
             .unwrap();
         for _ in 0..5 {

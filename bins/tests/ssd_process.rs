@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use kvferry_actors::rpc::EngineClient;
 use kvferry_actors::{BlockHash, LoadRequest, PutBlocks};
+use kvferry_client::EngineClient;
 use kvferry_gpu::KvShape;
 use kvferry_testkit::harness::id;
 use kvferry_testkit::{rank_part, MemfdKv};

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use kvferry_actors::rpc::board::{Board, SlotState, SlotView};
+use kvferry_client::proto::shm::board::{Board, SlotState, SlotView};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 

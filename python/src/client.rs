@@ -8,9 +8,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvferry_actors::api;
-use kvferry_actors::rpc::board::Board;
-use kvferry_actors::rpc::{EngineClient as RustClient, EngineClientError, RegisterRegions};
+use kvferry_client::proto::api;
+use kvferry_client::proto::shm::board::Board;
+use kvferry_client::{EngineClient as RustClient, EngineClientError, RegisterRegions};
 use kvferry_gpu::KvShape;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;

@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kvferry_actors::rpc::{CompletionStream, EngineClientError};
+use kvferry_client::{CompletionStream, EngineClientError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokio::runtime::Runtime;
@@ -102,7 +102,7 @@ impl Completions {
                     Ok(Ok(None)) => Err(EngineClientError::Call {
                         addr: self.addr.clone(),
                         method: "Completions",
-                        code: kvferry_actors::rpc::Code::Unavailable,
+                        code: kvferry_client::Code::Unavailable,
                         message: "the node ended the stream".into(),
                     }),
                     Ok(Err(e)) => Err(e),

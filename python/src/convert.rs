@@ -2,11 +2,12 @@
 //! Python API's return values). Every refusal here names what was wrong before anything
 //! is sent.
 
-use kvferry_actors::rpc::proto::{
+use kvferry_client::proto::api::DirectGrant;
+use kvferry_client::proto::v1::{
     CapabilitiesResponse, LoadCompletion, LoadStatus, StatsResponse, StoreResponse,
 };
-use kvferry_actors::rpc::{MemoryRegion, PlanePlacement, QueryAnswer, RegionLayer};
-use kvferry_actors::{BlockHash, DirectGrant, InstanceId, LeaseId};
+use kvferry_client::proto::{BlockHash, InstanceId, LeaseId};
+use kvferry_client::{MemoryRegion, PlanePlacement, QueryAnswer, RegionLayer};
 use kvferry_gpu::GroupKind;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};

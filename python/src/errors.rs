@@ -4,8 +4,8 @@
 
 use std::error::Error as _;
 
-use kvferry_actors::rpc::mailbox::MailboxError;
-use kvferry_actors::rpc::{Code, EngineClientError};
+use kvferry_client::proto::shm::mailbox::MailboxError;
+use kvferry_client::{Code, EngineClientError};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 

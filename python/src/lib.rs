@@ -1,5 +1,5 @@
 //! `kvferry._native`, the native half of the `kvferry` Python package: the Rust
-//! [`kvferry_actors::rpc::EngineClient`] bound with PyO3, so Python engines use the same
+//! [`kvferry_client::EngineClient`] bound with PyO3, so Python engines use the same
 //! client as Rust ones. `client::EngineClient` owns a small tokio runtime and releases
 //! the GIL while a call waits; `session::Session` ties instances to the client's life; `completions::Completions`
 //! streams an instance rank's finished loads; `board::CompletionBoard` shows them landing
@@ -23,7 +23,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<session::Session>()?;
     m.add_class::<completions::Completions>()?;
     m.add_class::<board::CompletionBoard>()?;
-    m.add("__version__", kvferry_actors::rpc::VERSION)?;
+    m.add("__version__", kvferry_client::proto::VERSION)?;
     m.add("DEFAULT_DEADLINE_S", client::DEFAULT_DEADLINE_S)?;
     Ok(())
 }

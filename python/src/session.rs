@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kvferry_actors::rpc::EngineSession;
+use kvferry_client::EngineSession;
 use pyo3::prelude::*;
 use tokio::runtime::Runtime;
 

@@ -9,8 +9,8 @@ use thiserror::Error;
 
 use kvferry_actors::model::ModelError;
 use kvferry_actors::rpc::proto::LoadCompletion;
-use kvferry_actors::rpc::{EngineClient, EngineClientError, EngineSession};
 use kvferry_actors::{BlockHash, InstanceId, LeaseId, LoadRequest, PutBlocks};
+use kvferry_client::{EngineClient, EngineClientError, EngineSession};
 use kvferry_gpu::{DeviceError, KvShape};
 
 use crate::memfd_kv::MemfdKv;

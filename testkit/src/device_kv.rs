@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-use kvferry_actors::rpc::{PlanePlacement, RegionLayer};
 use kvferry_actors::{InstanceId, Node, NodeError, RegisterInstance};
+use kvferry_client::{PlanePlacement, RegionLayer};
 use kvferry_gpu::{
     Device, DeviceBuffer, DeviceError, GroupKind, KvLayoutSpec, KvShape, LayerLayout,
 };

@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use kvferry_actors::rpc::{EngineClient, EngineClientError, MemoryRegion, RegisterRegions};
 use kvferry_actors::{InstanceId, RegisterInstance};
+use kvferry_client::{EngineClient, EngineClientError, MemoryRegion, RegisterRegions};
 use kvferry_gpu::{Device, DeviceBuffer, DeviceError, KvLayoutSpec, KvShape};
 
 use crate::device_kv::{DeviceKv, KvKind};

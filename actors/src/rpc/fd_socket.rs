@@ -26,7 +26,9 @@ use kvferry_transport::fd_passing;
 use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::UnixStream;
 use tokio::sync::watch;
-use tonic::{Code, Status};
+use tonic::Status;
+
+use kvferry_proto::fd_line::code_name;
 
 use super::engine_server::{EngineServeError, Shared};
 use super::memory_handles::{MemoryHandle, MemoryKind};
@@ -164,39 +166,6 @@ pub(crate) fn parse(line: &str) -> Result<FdRequest, Status> {
             .map(|t| (*t).to_owned())
             .unwrap_or_default(),
     })
-}
-
-/// The answer line's code word: `InvalidArgument` → `invalid-argument`.
-pub(crate) fn code_name(code: Code) -> String {
-    let mut out = String::new();
-    for (i, c) in format!("{code:?}").chars().enumerate() {
-        if c.is_ascii_uppercase() {
-            if i > 0 {
-                out.push('-');
-            }
-            out.push(c.to_ascii_lowercase());
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
-/// The code word back to a code (client side).
-pub(crate) fn code_from_name(name: &str) -> Code {
-    [
-        Code::InvalidArgument,
-        Code::NotFound,
-        Code::PermissionDenied,
-        Code::Unauthenticated,
-        Code::ResourceExhausted,
-        Code::FailedPrecondition,
-        Code::Unavailable,
-        Code::Internal,
-    ]
-    .into_iter()
-    .find(|c| code_name(*c) == name)
-    .unwrap_or(Code::Unknown)
 }
 
 /// Imports one descriptor as the request says; returns the new handle id.
@@ -383,6 +352,7 @@ async fn connection(mut stream: UnixStream, shared: Arc<Shared>, mut stop: watch
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tonic::Code;
 
     #[test]
     fn requests_parse_and_refuse_clearly() {
@@ -421,10 +391,5 @@ mod tests {
             let e = parse(bad).unwrap_err();
             assert_eq!(e.code(), Code::InvalidArgument, "{bad:?}");
         }
-        assert_eq!(code_name(Code::InvalidArgument), "invalid-argument");
-        assert_eq!(
-            code_from_name("resource-exhausted"),
-            Code::ResourceExhausted
-        );
     }
 }

@@ -6,82 +6,22 @@
 //! [`board::Board`] shows it its loads landing without an RPC, and a [`mailbox::Mailbox`]
 //! carries its queries and loads without the gRPC stack.
 
-pub mod board;
 pub mod completions;
-pub mod engine_client;
 mod engine_request;
 pub mod engine_server;
 pub mod fd_socket;
-pub mod mailbox;
 pub(crate) mod mailbox_server;
 pub mod memory_handles;
 pub mod peer_client;
 pub mod peer_server;
-mod shared_map;
 mod statuses;
 
-/// The generated `kvferry.v1` messages, client and server.
-#[allow(clippy::all, missing_docs)]
-pub mod proto {
-    tonic::include_proto!("kvferry.v1");
-}
+pub use kvferry_proto::limits::*;
+pub use kvferry_proto::shm::{board, mailbox};
+pub use kvferry_proto::v1 as proto;
 
-pub use engine_client::{
-    CompletionStream, EngineClient, EngineClientError, EngineSession, MemoryRegion, PlanePlacement,
-    QueryAnswer, RegionLayer, RegisterRegions,
-};
 pub use engine_server::{serve as serve_engine, EngineOptions, EngineServeError};
 pub use fd_socket::FdSocket;
 pub use peer_client::{PeerClient, PeerClientError, PeerHandshake, PeerInfo, PeerPin};
 pub use peer_server::{serve, DataEndpoint, NicRegistration, PeerBackend, PeerServeError};
 pub use tonic::{Code, Status};
-
-/// The peer protocol revision this build speaks.
-pub const PROTOCOL: u32 = 1;
-
-/// What this build can do for peers, announced in Hello.
-pub const CAPABILITIES: &[&str] = &["pin-blocks", "pin-ttl", "unpin"];
-
-/// Most hashes accepted in one PinBlocks request; more: RESOURCE_EXHAUSTED.
-pub const MAX_PIN_HASHES: usize = 4096;
-
-/// Largest Peer request decoded (4096 hashes of 32 bytes with framing fit well inside it);
-/// larger: RESOURCE_EXHAUSTED.
-pub const MAX_PEER_REQUEST_BYTES: usize = 256 << 10;
-
-/// The kvferry release of this build.
-pub const VERSION: &str = env!("CARGO_PKG_VERSION");
-
-/// The engine protocol revision this build speaks. 2: a registration may spread a rank's KV
-/// over many memory regions (`RegisterInstanceRequest.regions`), and cross-layer groups are
-/// accepted. Protocol 1 requests (one memory handle or CUDA IPC handle) are still served.
-/// 3: completion boards (`RegisterInstanceRequest.completion_board`, `LoadRequest.board_slot`):
-/// a load's layers and end visible in shared memory; older requests are served unchanged.
-/// 4: `QueryRequest.packed_hashes`: a query's hashes in one field; the repeated form is still
-/// served. 5: request mailboxes (`SessionRequest.mailbox`): Query, Load and Save through shared
-/// memory beside the calls. 6: fences (`fence_ns` in Save, PutBlocks and Query, see
-/// [`crate::fence`]) and `CapabilitiesResponse.monotonic_ns`; requests without one are served
-/// as before.
-pub const ENGINE_PROTOCOL: u32 = 6;
-
-// Limits on what one engine request carries, advertised in `Capabilities`; a request over
-// one is refused with RESOURCE_EXHAUSTED before it reaches the node, so the work one request
-// causes is bounded. The message as a whole is bounded by `engine.max-message-bytes`.
-
-/// Most memory regions in one registration (one per layer and K/V plane at most).
-pub const MAX_ENGINE_REGIONS: usize = 2 * MAX_ENGINE_LAYERS as usize;
-
-/// Most layers of a registered KV shape and layout.
-pub const MAX_ENGINE_LAYERS: u32 = kvferry_gpu::KvLayout::MAX_LAYERS;
-
-/// Most hashes in one engine request (Query, Save, PutBlocks).
-pub const MAX_ENGINE_HASHES: usize = 4096;
-
-/// Most block indices in one engine request (Load's destinations, Save's sources).
-pub const MAX_ENGINE_BLOCKS: usize = MAX_ENGINE_HASHES;
-
-/// Most request mailboxes attached on one node at once (a node thread each).
-pub const MAX_ENGINE_MAILBOXES: usize = 64;
-
-/// Longest block hash, in bytes (and 1 at least).
-pub const MAX_HASH_BYTES: usize = crate::model::MAX_HASH_LEN;

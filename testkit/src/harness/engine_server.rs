@@ -5,8 +5,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry_actors::rpc::{self, EngineClient, EngineOptions, EngineServeError};
+use kvferry_actors::rpc::{self, EngineOptions, EngineServeError};
 use kvferry_actors::{Clock, Node};
+use kvferry_client::EngineClient;
 use kvferry_gpu::{Device, HostDevice};
 use tokio::sync::oneshot;
 

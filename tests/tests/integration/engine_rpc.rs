@@ -11,8 +11,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry_actors::rpc::{self, proto, Code, EngineClient, EngineClientError, EngineOptions};
+use kvferry_actors::rpc::{self, proto, Code, EngineOptions};
 use kvferry_actors::{Clock, DirectGrant, LeaseId, Node, PutBlocks};
+use kvferry_client::{EngineClient, EngineClientError};
 use kvferry_gpu::{Device, HostDevice, KvShape, LayerLayout};
 use kvferry_testkit::harness::*;
 use kvferry_testkit::{DeviceKv, KvKind, MemfdRegionsKv};
@@ -280,7 +281,7 @@ fn engine_layouts_spread_over_many_memfds_load_and_save_byte_for_byte() {
 /// message naming what is wrong, the node's state unchanged; then the good one works.
 #[test]
 fn bad_region_registrations_are_refused_and_change_nothing() {
-    use kvferry_actors::rpc::{MemoryRegion, PlanePlacement};
+    use kvferry_client::{MemoryRegion, PlanePlacement};
     rt().block_on(async {
         let srv = with_token().await;
         let c = srv.client(TOKEN).await;
@@ -307,7 +308,7 @@ fn bad_region_registrations_are_refused_and_change_nothing() {
         assert_eq!((before.memory_handles, before.instances), (3, 0));
 
         let mut cases: Vec<(&str, rpc::proto::RegisterInstanceRequest, Code, &str)> = Vec::new();
-        let wire = rpc::engine_client::register_regions_request;
+        let wire = kvferry_client::register_regions_request;
         let mut r = wire(&good);
         r.memory_handle = handles[0];
         cases.push(("regions and a handle", r, Code::InvalidArgument, "not both"));
@@ -1253,7 +1254,7 @@ fn cuda_ipc_registration_is_refused_clearly_where_it_cannot_work() {
             .send_memfd(&id("eng"), 0, 0, kv.fd(), kv.len())
             .await
             .unwrap();
-        let mut msg = rpc::engine_client::register_request(&req, h);
+        let mut msg = kvferry_client::register_request(&req, h);
         msg.cuda_ipc_handle = vec![7u8; 64];
         let err = c.raw().register_instance(c.request(msg)).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument, "{err}");
@@ -1329,7 +1330,7 @@ fn child_cuda_node() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn engine_layouts_in_per_layer_cuda_allocations_of_another_process() {
-    use kvferry_actors::rpc::{MemoryRegion, RegisterRegions};
+    use kvferry_client::{MemoryRegion, RegisterRegions};
     let child = ChildTest::spawn(
         concat!(module_path!(), "::child_cuda_node"),
         &[(CHILD_ENV, "1"), ("KVFERRY_ENGINE_RPC_LOADS", "10")],

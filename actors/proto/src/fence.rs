@@ -6,7 +6,7 @@
 //! client stops waiting for the answer. The node checks it at the one point where the
 //! request takes effect — a save's blocks are sealed only if the copies out of the engine's
 //! memory completed before the fence, a query's lease is handed out only before it — and
-//! otherwise discards what it did and answers [`crate::NodeError::DeadlinePassed`].
+//! otherwise discards what it did and answers the runtime's `NodeError::DeadlinePassed`.
 //!
 //! Why that is enough for a save: every read of the source blocks ended before the fence,
 //! and the client lets its engine reuse the blocks only once the node answered or the fence
@@ -65,18 +65,7 @@ impl Fence {
 /// Now on `CLOCK_MONOTONIC`, in nanoseconds (what Python's `time.monotonic_ns()` reads on
 /// Linux, and what `std::time::Instant` is built on there).
 pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC exists on every Linux and
-    // clock_gettime writes nothing else.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    if rc != 0 {
-        // Cannot fail with a valid clock id and pointer; 0 makes every fence look unpassed
-        // rather than passed, which only keeps today's behaviour.
-        return 0;
-    }
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
     (ts.tv_sec as u64)
         .saturating_mul(1_000_000_000)
         .saturating_add(ts.tv_nsec as u64)

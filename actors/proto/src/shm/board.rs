@@ -20,10 +20,10 @@
 //! pairs one load's tag with another's state or outcome. States: 0 idle, 1 running, 2 ok,
 //! 3 failed. The 24-bit count is the layers landed while running (every layer once ok), and
 //! the failed destination blocks once failed (a load names at most
-//! [`super::MAX_ENGINE_BLOCKS`]). Version 1 boards wrote the landed layers in a failed
+//! [`crate::MAX_ENGINE_BLOCKS`]). Version 1 boards wrote the landed layers in a failed
 //! slot, which a reader of this version would take for failed blocks: the node refuses a
 //! board of any other version, and writes the version it took it as into the header, which
-//! [`super::engine_client::EngineClient::send_board`] checks (a node that did not say so is
+//! `EngineClient::send_board` (in `kvferry-client`) checks (a node that did not say so is
 //! refused on the client side).
 
 use std::os::fd::OwnedFd;
@@ -564,7 +564,7 @@ mod tests {
         assert_eq!(client.view(2).unwrap().failed_blocks, COUNT_MAX);
         // The most blocks a load may name fit.
         node.begin(2, 3, 3).unwrap();
-        let most = super::super::MAX_ENGINE_BLOCKS as u32;
+        let most = crate::MAX_ENGINE_BLOCKS as u32;
         node.finish(2, 3, Outcome::Failed { blocks: most });
         assert_eq!(client.view(2).unwrap().failed_blocks, most);
         // Another load's end never lands in the slot.

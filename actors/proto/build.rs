@@ -2,10 +2,7 @@
 //! comes from the `protoc-bin-vendored` crate so that no system protoc is needed.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = [
-        "proto/kvferry/v1/peer.proto",
-        "proto/kvferry/v1/engine.proto",
-    ];
+    let protos = ["kvferry/v1/peer.proto", "kvferry/v1/engine.proto"];
     for proto in protos {
         println!("cargo:rerun-if-changed={proto}");
     }
@@ -16,6 +13,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .bytes(".kvferry.v1.QueryRequest.hashes")
         .bytes(".kvferry.v1.QueryRequest.packed_hashes")
-        .compile_protos(&protos, &["proto"])?;
+        .compile_protos(&protos, &["."])?;
     Ok(())
 }

@@ -1,0 +1,682 @@
+//! The engine's client of `kvferry.v1.Engine`: typed calls with a deadline on each unary
+//! call, memory sent on the node's fd socket, loads started without waiting and awaited on
+//! the completion stream or by polling, and the session that ties instances to this client.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+mod fd;
+mod mailbox_link;
+
+use crate::completions::CompletionStream;
+use crate::error::EngineClientError;
+use crate::register::{register_regions_request, register_request, RegisterRegions};
+use crate::session::EngineSession;
+use mailbox_link::{LateAnswer, MailboxLink};
+use prost::Message;
+use tokio::sync::{mpsc, OnceCell};
+use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::MetadataValue;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Request, Status};
+
+use kvferry_proto::api;
+use kvferry_proto::fence::{self, Fence};
+use kvferry_proto::model::{BlockHash, InstanceId, LeaseId};
+use kvferry_proto::shm::mailbox::{self, Op};
+use kvferry_proto::v1::engine_client::EngineClient as RawClient;
+use kvferry_proto::v1::*;
+
+/// Deadline of every unary call unless [`EngineClient::with_deadline`] says otherwise.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(10);
+
+/// What a Query answered.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QueryAnswer {
+    /// Absent when nothing hit.
+    pub lease: Option<LeaseId>,
+    pub namespace: String,
+    pub local_blocks: u32,
+    /// How many of `local_blocks` came from the node's SSD tier.
+    pub ssd_blocks: u32,
+    pub remote_blocks: u32,
+    pub direct: api::DirectGrant,
+}
+
+impl QueryAnswer {
+    pub fn hit_blocks(&self) -> u32 {
+        self.local_blocks + self.remote_blocks
+    }
+}
+
+/// A connection to one node's engine service. Cloning shares the HTTP/2 connection.
+#[derive(Clone, Debug)]
+pub struct EngineClient {
+    raw: RawClient<Channel>,
+    addr: String,
+    fd_socket: Option<PathBuf>,
+    token: String,
+    deadline: Duration,
+    /// What the node's protocol offers this client (packed query hashes, fences): learnt
+    /// from Capabilities on the first query or save of this handle (and its clones).
+    traits: Arc<OnceCell<NodeTraits>>,
+    /// The request mailbox Query, Load and Save go through once attached (this handle and its
+    /// clones); detached when the last of them drops.
+    mailbox: Arc<OnceCell<MailboxLink>>,
+}
+
+/// What a node's protocol offers, as far as this client uses it.
+#[derive(Clone, Copy, Debug)]
+struct NodeTraits {
+    /// Packed query hashes (protocol 4).
+    packed: bool,
+    /// Fences (protocol 6) on a clock this process shares with the node.
+    fences: bool,
+}
+
+/// How far the node's clock may lie outside the interval its Capabilities call took and
+/// still count as this process's own (the same `CLOCK_MONOTONIC`).
+const CLOCK_SLACK: Duration = Duration::from_millis(50);
+
+/// How long an answer that arrives after its call gave up is still waited for, so a lease in
+/// it is released (a node stalled longer: its lease expires by its TTL).
+const LATE_ANSWER_WAIT: Duration = Duration::from_secs(120);
+
+/// Codes with which the node answers a request it has finished with (it refused it or
+/// it failed there); any other failure may leave the request still running on the node.
+fn node_is_done_with(e: &EngineClientError) -> bool {
+    matches!(
+        e.code(),
+        Some(
+            Code::InvalidArgument
+                | Code::NotFound
+                | Code::AlreadyExists
+                | Code::PermissionDenied
+                | Code::ResourceExhausted
+                | Code::FailedPrecondition
+                | Code::OutOfRange
+                | Code::Unimplemented
+                | Code::Unauthenticated
+        )
+    )
+}
+
+impl EngineClient {
+    /// Connects to `addr` ("host:port"); `fd_socket` is the node's fd socket (None: this
+    /// client sends no memory); `token` is the node's engine token ("" where none is set).
+    pub async fn connect(
+        addr: impl Into<String>,
+        fd_socket: Option<PathBuf>,
+        token: impl Into<String>,
+    ) -> Result<Self, EngineClientError> {
+        let addr = addr.into();
+        let deadline = DEFAULT_DEADLINE;
+        // No per-request timeout on the channel: sessions and completion streams stay open.
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| EngineClientError::Address {
+                addr: addr.clone(),
+                reason: e.to_string(),
+            })?
+            .connect_timeout(deadline)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(20))
+            .keep_alive_while_idle(true);
+        let channel = match tokio::time::timeout(deadline, endpoint.connect()).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(source)) => return Err(EngineClientError::Connect { addr, source }),
+            Err(_) => {
+                return Err(EngineClientError::ConnectTimeout {
+                    addr,
+                    after: deadline,
+                });
+            }
+        };
+        Ok(Self {
+            raw: RawClient::new(channel),
+            addr,
+            fd_socket,
+            token: token.into(),
+            deadline,
+            traits: Arc::new(OnceCell::new()),
+            mailbox: Arc::new(OnceCell::new()),
+        })
+    }
+
+    /// Sets the deadline of every later unary call made through this handle.
+    pub fn with_deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The generated client over the same connection, for requests this wrapper would
+    /// refuse to build (tests of the node's validation). Add the token with
+    /// [`Self::request`].
+    pub fn raw(&self) -> RawClient<Channel> {
+        self.raw.clone()
+    }
+
+    /// Wraps `msg` with this client's token and deadline.
+    pub fn request<T>(&self, msg: T) -> Request<T> {
+        let mut r = Request::new(msg);
+        r.set_timeout(self.deadline);
+        self.authorize(&mut r);
+        r
+    }
+
+    fn authorize<T>(&self, r: &mut Request<T>) {
+        if !self.token.is_empty() {
+            if let Ok(v) = MetadataValue::try_from(format!("Bearer {}", self.token)) {
+                r.metadata_mut().insert("authorization", v);
+            }
+        }
+    }
+
+    fn failed(&self, method: &'static str, s: Status) -> EngineClientError {
+        EngineClientError::Call {
+            addr: self.addr.clone(),
+            method,
+            code: caller_code(&s),
+            message: s.message().to_owned(),
+        }
+    }
+
+    /// Awaits a call, enforcing the deadline here too (a stalled connection never answers
+    /// the node's deadline).
+    async fn call<T>(
+        &self,
+        method: &'static str,
+        fut: impl std::future::Future<Output = Result<tonic::Response<T>, Status>>,
+    ) -> Result<T, EngineClientError> {
+        match tokio::time::timeout(self.deadline, fut).await {
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(s)) => Err(self.failed(method, s)),
+            Err(_) => Err(self.failed(
+                method,
+                Status::deadline_exceeded(format!("no answer within {:?}", self.deadline)),
+            )),
+        }
+    }
+
+    pub async fn capabilities(&self) -> Result<CapabilitiesResponse, EngineClientError> {
+        let req = self.request(CapabilitiesRequest {});
+        self.call("Capabilities", self.raw.clone().capabilities(req))
+            .await
+    }
+
+    /// Registers one rank whose KV lies in the memory of `memory_handle`; the layout's
+    /// addresses are offsets inside that memory. Returns the namespace.
+    pub async fn register(
+        &self,
+        req: &api::RegisterInstance,
+        memory_handle: u64,
+    ) -> Result<String, EngineClientError> {
+        self.register_with_board(req, memory_handle, 0).await
+    }
+
+    /// [`Self::register`] with a completion board (a handle from [`Self::send_board`]; 0:
+    /// none).
+    pub async fn register_with_board(
+        &self,
+        req: &api::RegisterInstance,
+        memory_handle: u64,
+        board: u64,
+    ) -> Result<String, EngineClientError> {
+        let mut msg = register_request(req, memory_handle);
+        msg.completion_board = board;
+        let r = self.request(msg);
+        let resp = self
+            .call("RegisterInstance", self.raw.clone().register_instance(r))
+            .await?;
+        Ok(resp.namespace)
+    }
+
+    /// Registers one rank whose KV lies in a CUDA allocation of another process (an engine
+    /// worker's), named by its 64-byte IPC handle; the layout's addresses are offsets from
+    /// the allocation's base. Returns the namespace.
+    pub async fn register_cuda_ipc(
+        &self,
+        req: &api::RegisterInstance,
+        ipc_handle: &[u8],
+    ) -> Result<String, EngineClientError> {
+        let mut msg = register_request(req, 0);
+        msg.cuda_ipc_handle = ipc_handle.to_vec();
+        let r = self.request(msg);
+        let resp = self
+            .call("RegisterInstance", self.raw.clone().register_instance(r))
+            .await?;
+        Ok(resp.namespace)
+    }
+
+    /// Registers one rank whose KV is spread over several memory regions (protocol 2): fd-socket
+    /// handles and CUDA IPC handles, each plane naming its region. Returns the namespace.
+    pub async fn register_regions(
+        &self,
+        req: &RegisterRegions,
+    ) -> Result<String, EngineClientError> {
+        self.register_regions_with_board(req, 0).await
+    }
+
+    /// [`Self::register_regions`] with a completion board (a handle from
+    /// [`Self::send_board`]; 0: none) that loads naming its slots report to (protocol 3).
+    pub async fn register_regions_with_board(
+        &self,
+        req: &RegisterRegions,
+        board: u64,
+    ) -> Result<String, EngineClientError> {
+        let mut msg = register_regions_request(req);
+        msg.completion_board = board;
+        let r = self.request(msg);
+        let resp = self
+            .call("RegisterInstance", self.raw.clone().register_instance(r))
+            .await?;
+        Ok(resp.namespace)
+    }
+
+    /// Unregisters an instance; returns how many of its leases were released.
+    pub async fn unregister(&self, instance: &InstanceId) -> Result<u32, EngineClientError> {
+        let r = self.request(UnregisterInstanceRequest {
+            instance: instance.as_str().to_owned(),
+        });
+        let resp = self
+            .call(
+                "UnregisterInstance",
+                self.raw.clone().unregister_instance(r),
+            )
+            .await?;
+        Ok(resp.leases_released)
+    }
+
+    /// Stores one rank's bytes of whole blocks; with a node of protocol 6, nothing is
+    /// stored once this call has given up.
+    pub async fn put_blocks(
+        &self,
+        req: &api::PutBlocks,
+    ) -> Result<StoreResponse, EngineClientError> {
+        let fence_ns = self.fence_ns().await?;
+        let r = self.request(PutBlocksRequest {
+            fence_ns,
+            instance: req.instance.as_str().to_owned(),
+            rank: req.rank,
+            blocks: req
+                .blocks
+                .iter()
+                .map(|(h, d)| PutBlock {
+                    hash: h.as_bytes().to_vec(),
+                    data: d.clone(),
+                })
+                .collect(),
+        });
+        self.call("PutBlocks", self.raw.clone().put_blocks(r)).await
+    }
+
+    /// Copies device blocks of one rank into host blocks. Returns only once the node is done
+    /// reading the source blocks or can no longer seal them: on success, and on a failure
+    /// after the node's answer, at once; on any other failure (the deadline, a lost
+    /// connection, a broken mailbox) not before the request's fence has passed, so the
+    /// caller may let its engine reuse the blocks whenever this returns. A node of protocol
+    /// 6 discards copies that completed after the fence (see [`kvferry_proto::fence`]); with an
+    /// older node, or one whose clock is not this process's, a save given up on may still
+    /// be sealed later.
+    pub async fn save(&self, req: &api::SaveRequest) -> Result<StoreResponse, EngineClientError> {
+        let mut msg = SaveRequest {
+            instance: req.instance.as_str().to_owned(),
+            rank: req.rank,
+            hashes: req.hashes.iter().map(|h| h.as_bytes().to_vec()).collect(),
+            src_blocks: req.src_blocks.clone(),
+            fence_ns: 0,
+        };
+        let traits = self.traits().await?;
+        // Before anything is sent: every wait below gives up at or after it.
+        let fence = Fence::after(self.deadline);
+        msg.fence_ns = if traits.fences { fence.as_ns() } else { 0 };
+        let answer = match self.through_mailbox(Op::Save, "Save", &msg, None).await {
+            Some(answer) => answer,
+            None => {
+                let r = self.request(msg);
+                self.call("Save", self.raw.clone().save(r)).await
+            }
+        };
+        if let Err(e) = &answer {
+            if !node_is_done_with(e) {
+                tokio::time::sleep(fence.left()).await;
+            }
+        }
+        answer
+    }
+
+    /// A request's fence, one deadline from now (after the node's traits are known, so a
+    /// first call's Capabilities is not counted against it), as the wire carries it: 0
+    /// where the node takes no fences or its clock is not this process's.
+    async fn fence_ns(&self) -> Result<u64, EngineClientError> {
+        let fences = self.traits().await?.fences;
+        let fence = Fence::after(self.deadline);
+        Ok(if fences { fence.as_ns() } else { 0 })
+    }
+
+    /// Leases the longest held prefix of `hashes`. With `direct_gpu`, check
+    /// [`QueryAnswer::direct`]: a refusal is never silent.
+    pub async fn query(
+        &self,
+        instance: &InstanceId,
+        hashes: &[BlockHash],
+        direct_gpu: bool,
+    ) -> Result<QueryAnswer, EngineClientError> {
+        // One buffer for every hash: sent as it is where the node takes packed hashes and
+        // they are all one length, otherwise each repeated field a slice of it.
+        let mut all = Vec::with_capacity(hashes.iter().map(|h| h.as_bytes().len()).sum());
+        let mut ends = Vec::with_capacity(hashes.len());
+        for h in hashes {
+            all.extend_from_slice(h.as_bytes());
+            ends.push(all.len());
+        }
+        let all = prost::bytes::Bytes::from(all);
+        let len = ends.first().copied().unwrap_or(0);
+        let same_len = ends.iter().zip(0..).all(|(&end, i)| end == (i + 1) * len);
+        let traits = self.traits().await?;
+        let fence = Fence::after(self.deadline);
+        let mut req = QueryRequest {
+            instance: instance.as_str().to_owned(),
+            direct_gpu,
+            fence_ns: if traits.fences { fence.as_ns() } else { 0 },
+            ..Default::default()
+        };
+        if same_len && len > 0 && traits.packed {
+            req.packed_hashes = all;
+            req.hash_len = len as u32;
+        } else {
+            let mut start = 0;
+            req.hashes = ends
+                .into_iter()
+                .map(|end| {
+                    let h = all.slice(start..end);
+                    start = end;
+                    h
+                })
+                .collect();
+        }
+        let late = self.release_late_lease();
+        let q = match self
+            .through_mailbox(Op::Query, "Query", &req, Some(late))
+            .await
+        {
+            Some(answer) => answer?,
+            None => self.query_call(req).await?,
+        };
+        let malformed = |reason: String| EngineClientError::Malformed {
+            addr: self.addr.clone(),
+            method: "Query",
+            reason,
+        };
+        let lease = if q.lease.is_empty() {
+            None
+        } else {
+            Some(LeaseId::from_hex(&q.lease).map_err(|e| malformed(e.to_string()))?)
+        };
+        let direct = match DirectGrant::try_from(q.direct) {
+            Ok(DirectGrant::DirectNotRequested) => api::DirectGrant::NotRequested,
+            Ok(DirectGrant::DirectGranted) => api::DirectGrant::Granted,
+            Ok(DirectGrant::DirectRefused) => api::DirectGrant::Refused {
+                reason: q.direct_reason,
+            },
+            Err(_) => return Err(malformed(format!("direct grant {}", q.direct))),
+        };
+        if lease.is_none() && q.local_blocks + q.remote_blocks > 0 {
+            return Err(malformed("blocks hit without a lease".into()));
+        }
+        if q.ssd_blocks > q.local_blocks {
+            return Err(malformed(format!(
+                "{} SSD blocks of {} local ones",
+                q.ssd_blocks, q.local_blocks
+            )));
+        }
+        Ok(QueryAnswer {
+            lease,
+            namespace: q.namespace,
+            local_blocks: q.local_blocks,
+            ssd_blocks: q.ssd_blocks,
+            remote_blocks: q.remote_blocks,
+            direct,
+        })
+    }
+
+    /// The Query call, run on a task of its own: an answer that comes after this call gave
+    /// up is still awaited there (for [`LATE_ANSWER_WAIT`]), and a lease in it released.
+    async fn query_call(&self, req: QueryRequest) -> Result<QueryResponse, EngineClientError> {
+        let r = self.request(req);
+        let mut raw = self.raw.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let client = self.clone();
+        tokio::spawn(async move {
+            let Ok(answer) = tokio::time::timeout(LATE_ANSWER_WAIT, raw.query(r)).await else {
+                return;
+            };
+            if let Err(Ok(late)) = tx.send(answer) {
+                client.release_late(&late.into_inner().lease).await;
+            }
+        });
+        self.call("Query", async move {
+            rx.await
+                .unwrap_or_else(|_| Err(Status::cancelled("the query's task ended")))
+        })
+        .await
+    }
+
+    /// What a mailbox thread does with a Query answer that came after the call gave up.
+    fn release_late_lease(&self) -> LateAnswer {
+        let client = self.clone();
+        let rt = tokio::runtime::Handle::current();
+        Box::new(move |a: mailbox::Answer| {
+            if a.code != 0 {
+                return;
+            }
+            if let Ok(q) = QueryResponse::decode(&a.payload[..]) {
+                rt.spawn(async move { client.release_late(&q.lease).await });
+            }
+        })
+    }
+
+    /// Releases the lease of an answer nobody waited for (empty: none).
+    async fn release_late(&self, lease: &str) {
+        if let Ok(lease) = LeaseId::from_hex(lease) {
+            // Gone already (expired, its instance unregistered) is fine.
+            let _ = self.release(lease).await;
+        }
+    }
+
+    /// What the node offers; asked once per handle (a node of an older protocol would read
+    /// a packed query as one without hashes). Fences are used only where the node's clock
+    /// reads as this process's `CLOCK_MONOTONIC`: inside the interval its answer took.
+    async fn traits(&self) -> Result<NodeTraits, EngineClientError> {
+        self.traits
+            .get_or_try_init(|| async {
+                let before = fence::monotonic_ns();
+                let caps = self.capabilities().await?;
+                let after = fence::monotonic_ns();
+                let slack = CLOCK_SLACK.as_nanos() as u64;
+                let shared = caps.monotonic_ns.saturating_add(slack) >= before
+                    && caps.monotonic_ns <= after.saturating_add(slack);
+                Ok(NodeTraits {
+                    packed: caps.protocol >= 4,
+                    fences: caps.protocol >= 6 && shared,
+                })
+            })
+            .await
+            .copied()
+    }
+
+    /// Starts a load; returns its load id as soon as the node accepted it.
+    pub async fn load(&self, req: &api::LoadRequest) -> Result<u64, EngineClientError> {
+        self.load_on_board(req, None).await
+    }
+
+    /// [`Self::load`], reporting to `board` = `(slot, tag)` of the rank's completion board:
+    /// wait on it with [`kvferry_proto::shm::board::Board::wait`] (layers landed, or the end). Its final
+    /// word is the outcome: a load that ended ok needs nothing more; a failed one's details
+    /// (the error, which blocks) come from [`Self::poll_load`].
+    pub async fn load_on_board(
+        &self,
+        req: &api::LoadRequest,
+        board: Option<(u32, u32)>,
+    ) -> Result<u64, EngineClientError> {
+        let fence_ns = self.fence_ns().await?;
+        let req = LoadRequest {
+            lease: req.lease.to_hex(),
+            instance: req.instance.as_str().to_owned(),
+            rank: req.rank,
+            dest_blocks: req.dest_blocks.clone(),
+            board_slot: board.map(|b| b.0),
+            board_tag: board.map(|b| b.1).unwrap_or(0),
+            fence_ns,
+        };
+        if let Some(answer) = self
+            .through_mailbox::<_, LoadResponse>(Op::Load, "Load", &req, None)
+            .await
+        {
+            return Ok(answer?.load_id);
+        }
+        let r = self.request(req);
+        Ok(self.call("Load", self.raw.clone().load(r)).await?.load_id)
+    }
+
+    /// The result of a load if it completed (consuming it), `None` while it runs.
+    pub async fn poll_load(
+        &self,
+        load_id: u64,
+    ) -> Result<Option<LoadCompletion>, EngineClientError> {
+        let r = self.request(PollLoadRequest { load_id });
+        let resp = self.call("PollLoad", self.raw.clone().poll_load(r)).await?;
+        match (resp.pending, resp.completion) {
+            (true, None) => Ok(None),
+            (false, Some(c)) if c.load_id == load_id => Ok(Some(c)),
+            _ => Err(EngineClientError::Malformed {
+                addr: self.addr.clone(),
+                method: "PollLoad",
+                reason: format!("no completion for load {load_id} and not pending"),
+            }),
+        }
+    }
+
+    /// Polls every `every` until load `load_id` completed or `timeout` passed.
+    pub async fn wait_polling(
+        &self,
+        load_id: u64,
+        every: Duration,
+        timeout: Duration,
+    ) -> Result<LoadCompletion, EngineClientError> {
+        let end = Instant::now() + timeout;
+        loop {
+            if let Some(c) = self.poll_load(load_id).await? {
+                return Ok(c);
+            }
+            if Instant::now() >= end {
+                return Err(EngineClientError::WaitTimeout {
+                    load_id,
+                    after: timeout,
+                });
+            }
+            tokio::time::sleep(every).await;
+        }
+    }
+
+    /// Opens the completion stream of `instance` rank `rank` (replacing an older one).
+    pub async fn completions(
+        &self,
+        instance: &InstanceId,
+        rank: u32,
+    ) -> Result<CompletionStream, EngineClientError> {
+        let mut r = Request::new(CompletionsRequest {
+            instance: instance.as_str().to_owned(),
+            rank,
+        });
+        self.authorize(&mut r);
+        let stream = self
+            .call("Completions", self.raw.clone().completions(r))
+            .await?;
+        Ok(CompletionStream {
+            stream,
+            early: Vec::new(),
+            addr: self.addr.clone(),
+        })
+    }
+
+    /// Releases a lease whatever its ranks still owe.
+    pub async fn release(&self, lease: LeaseId) -> Result<(), EngineClientError> {
+        let r = self.request(ReleaseRequest {
+            lease: lease.to_hex(),
+        });
+        self.call("Release", self.raw.clone().release(r)).await?;
+        Ok(())
+    }
+
+    pub async fn health(&self) -> Result<HealthResponse, EngineClientError> {
+        let r = self.request(HealthRequest {});
+        self.call("Health", self.raw.clone().health(r)).await
+    }
+
+    pub async fn stats(&self) -> Result<StatsResponse, EngineClientError> {
+        let r = self.request(StatsRequest {});
+        self.call("Stats", self.raw.clone().stats(r)).await
+    }
+
+    /// Opens a session and binds `instances` to it: when the session is dropped (or this
+    /// process dies), the node unregisters them and releases their leases.
+    pub async fn open_session(
+        &self,
+        instances: &[InstanceId],
+    ) -> Result<EngineSession, EngineClientError> {
+        let (tx, rx) = mpsc::channel(16);
+        let mut r = Request::new(ReceiverStream::new(rx));
+        self.authorize(&mut r);
+        let events = self.call("Session", self.raw.clone().session(r)).await?;
+        let mut s = EngineSession {
+            tx,
+            events,
+            addr: self.addr.clone(),
+            deadline: self.deadline,
+        };
+        for i in instances {
+            s.bind(i).await?;
+        }
+        Ok(s)
+    }
+}
+
+/// The code a caller sees for a failed call. The node never answers CANCELLED and this client
+/// never cancels a call it still awaits, so a CANCELLED status is made on this side by tonic:
+/// the request's own timeout ("Timeout expired"), which is the deadline passing, as when the
+/// node says so; or the connection going away under the call (a node that stopped or
+/// restarted), which is the node being unavailable — the code a caller retries or fails over
+/// on — not a cancellation it asked for.
+fn caller_code(s: &Status) -> Code {
+    match s.code() {
+        Code::Cancelled if s.message().contains("Timeout expired") => Code::DeadlineExceeded,
+        Code::Cancelled => Code::Unavailable,
+        c => c,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_made_by_tonic_read_as_what_happened_to_the_call() {
+        let timeout = Status::cancelled("Timeout expired");
+        assert_eq!(caller_code(&timeout), Code::DeadlineExceeded);
+        let gone = Status::cancelled("operation was canceled: connection closed");
+        assert_eq!(caller_code(&gone), Code::Unavailable);
+        for c in [
+            Code::NotFound,
+            Code::Unavailable,
+            Code::DeadlineExceeded,
+            Code::Internal,
+        ] {
+            assert_eq!(caller_code(&Status::new(c, "x")), c);
+        }
+    }
+}

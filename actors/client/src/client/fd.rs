@@ -1,0 +1,167 @@
+//! Memory sent on the node's fd socket: KV memfds, DMA-BUF and VMM fds, boards and
+//! mailboxes, each answered with the handle a registration names.
+
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::path::Path;
+
+use super::EngineClient;
+use crate::error::EngineClientError;
+use kvferry_transport::fd_passing;
+use tokio::io::{AsyncBufReadExt, Interest};
+use tonic::Code;
+
+use kvferry_proto::fd_line;
+use kvferry_proto::model::InstanceId;
+use kvferry_proto::shm::mailbox::Mailbox;
+
+impl EngineClient {
+    /// Sends a memfd holding `len` bytes of host KV for `instance` rank `rank` (create it
+    /// with `MFD_ALLOW_SEALING`: the node seals it against shrinking); returns the memory
+    /// handle to register with.
+    pub async fn send_memfd(
+        &self,
+        instance: &InstanceId,
+        rank: u32,
+        device: u32,
+        fd: BorrowedFd<'_>,
+        len: u64,
+    ) -> Result<u64, EngineClientError> {
+        let line = format!("memfd {instance} {rank} {device} {len}");
+        self.send_fd(line, fd).await
+    }
+
+    /// Sends a DMA-BUF of GPU KV covering `[base, base + len)` as the node addresses it;
+    /// returns the memory handle to register with.
+    pub async fn send_dmabuf(
+        &self,
+        instance: &InstanceId,
+        rank: u32,
+        device: u32,
+        fd: BorrowedFd<'_>,
+        base: u64,
+        len: u64,
+    ) -> Result<u64, EngineClientError> {
+        let line = format!("dmabuf {instance} {rank} {device} {len} {base}");
+        self.send_fd(line, fd).await
+    }
+
+    /// Sends the POSIX fd of a VMM allocation holding GPU KV (vLLM 0.34's extensible KV
+    /// cache: `cuMemExportToShareableHandle`), `len` bytes (its mapping's whole size); the node
+    /// maps it on `device`, and layout offsets are from the allocation's byte 0. Returns the
+    /// memory handle to register with.
+    pub async fn send_vmm(
+        &self,
+        instance: &InstanceId,
+        rank: u32,
+        device: u32,
+        fd: BorrowedFd<'_>,
+        len: u64,
+    ) -> Result<u64, EngineClientError> {
+        let line = format!("vmm {instance} {rank} {device} {len}");
+        self.send_fd(line, fd).await
+    }
+
+    /// Sends a completion board (see [`kvferry_proto::shm::board`]) for `instance` rank `rank`; returns
+    /// the handle to register with ([`Self::register_regions_with_board`]). Refused here
+    /// (the handle unused: it expires on the node) unless the node says it took the board as
+    /// this build's version, whose final words a client reads as outcomes.
+    pub async fn send_board(
+        &self,
+        instance: &InstanceId,
+        rank: u32,
+        board: &kvferry_proto::shm::board::Board,
+    ) -> Result<u64, EngineClientError> {
+        let line = format!("board {instance} {rank} 0 {}", board.len());
+        let handle = self.send_fd(line, board.fd()).await?;
+        board
+            .accepted()
+            .map_err(|source| EngineClientError::Board {
+                addr: self.addr.clone(),
+                handle,
+                source,
+            })?;
+        Ok(handle)
+    }
+
+    /// Sends a request mailbox (see [`kvferry_proto::shm::mailbox`]); returns the handle a session
+    /// attaches ([`EngineSession::attach`]). [`Self::attach_mailbox`] does both.
+    pub async fn send_mailbox(
+        &self,
+        instance: &InstanceId,
+        mailbox: &Mailbox,
+    ) -> Result<u64, EngineClientError> {
+        let line = format!("mailbox {instance} 0 0 {}", mailbox.len());
+        self.send_fd(line, mailbox.fd()).await
+    }
+
+    async fn send_fd(
+        &self,
+        mut line: String,
+        fd: BorrowedFd<'_>,
+    ) -> Result<u64, EngineClientError> {
+        let path = self
+            .fd_socket
+            .as_ref()
+            .ok_or(EngineClientError::NoFdSocket)?;
+        if !self.token.is_empty() {
+            line.push(' ');
+            line.push_str(&self.token);
+        }
+        line.push('\n');
+        let io = |what: &'static str| {
+            let path = path.clone();
+            move |source| EngineClientError::FdSocket { path, what, source }
+        };
+        let exchange = async {
+            let stream = tokio::net::UnixStream::connect(path)
+                .await
+                .map_err(io("connecting"))?;
+            loop {
+                stream.writable().await.map_err(io("sending"))?;
+                match stream.try_io(Interest::WRITABLE, || {
+                    fd_passing::send_with_fds(stream.as_raw_fd(), line.as_bytes(), &[fd])
+                }) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                    Err(e) => return Err(io("sending")(e)),
+                }
+            }
+            let mut answer = String::new();
+            tokio::io::BufReader::new(stream)
+                .read_line(&mut answer)
+                .await
+                .map_err(io("reading the answer"))?;
+            Ok(answer)
+        };
+        let answer = tokio::time::timeout(self.deadline, exchange)
+            .await
+            .map_err(|_| {
+                io("waiting for the answer")(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no answer within {:?}", self.deadline),
+                ))
+            })??;
+        parse_fd_answer(path, answer.trim_end())
+    }
+}
+
+fn parse_fd_answer(path: &Path, answer: &str) -> Result<u64, EngineClientError> {
+    let refused = |code, message: &str| EngineClientError::FdRefused {
+        path: path.to_owned(),
+        code,
+        message: message.to_owned(),
+    };
+    if let Some(id) = answer.strip_prefix("ok ") {
+        return id
+            .parse()
+            .map_err(|_| refused(Code::Unknown, &format!("malformed answer {answer:?}")));
+    }
+    if let Some(rest) = answer.strip_prefix("err ") {
+        let (code, message) = rest.split_once(' ').unwrap_or((rest, ""));
+        return Err(refused(fd_line::code_from_name(code), message));
+    }
+    Err(refused(
+        Code::Unknown,
+        &format!("malformed answer {answer:?}"),
+    ))
+}
