@@ -13,19 +13,32 @@
 //! Layers, as in cudarc: `ffi` makes every raw call; `CudaDevice` and the kernel wrapper own
 //! the resources.
 
+mod context;
 mod device;
+mod dmabuf;
+mod enqueue;
 mod error;
 mod ffi;
+mod host_register;
+mod ipc;
 mod kernel;
+mod lane;
 mod open;
+mod options;
 mod plan;
+mod release;
 mod shared;
+mod staging;
 mod vmm;
+mod vmm_fd;
 
-pub use device::{
-    driver_present, CudaDevice, CudaOptions, IpcHandle, VmmExport, DEFAULT_COMPLETION_SPIN,
-    DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES, DEFER_MIN_OPS,
-};
+pub use device::{driver_present, CudaDevice};
 pub use error::CudaError;
+pub use ipc::IpcHandle;
+pub use lane::DEFER_MIN_OPS;
 pub use open::{open_device, open_device_with};
+pub use options::{
+    CudaOptions, DEFAULT_COMPLETION_SPIN, DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES,
+};
 pub use plan::CopyPath;
+pub use vmm_fd::VmmExport;
