@@ -32,6 +32,32 @@ pub struct CudaDevice {
     pub(super) lanes: [Lane; 2],
 }
 
+/// An allocation of `bytes` on device `ordinal`, plain or VMM: both refuse a zero-sized one
+/// before any driver call and report a failure the same way.
+#[derive(Clone, Copy)]
+pub(super) struct AllocRequest {
+    ordinal: u32,
+    bytes: u64,
+}
+
+impl AllocRequest {
+    pub(super) fn new(ordinal: u32, bytes: u64) -> Result<Self, DeviceError> {
+        let req = Self { ordinal, bytes };
+        if bytes == 0 {
+            return Err(req.fail("zero-sized allocation".into()));
+        }
+        Ok(req)
+    }
+
+    pub(super) fn fail(self, reason: String) -> DeviceError {
+        DeviceError::Alloc {
+            ordinal: self.ordinal,
+            bytes: self.bytes,
+            reason,
+        }
+    }
+}
+
 fn no_driver(e: CudaError) -> DeviceError {
     DeviceError::NoDriver {
         reason: e.to_string(),
@@ -215,18 +241,11 @@ impl Device for CudaDevice {
 
     fn alloc(&self, bytes: u64) -> Result<DeviceBuffer, DeviceError> {
         let ordinal = self.inner.ordinal;
-        let fail = |reason: String| DeviceError::Alloc {
-            ordinal,
-            bytes,
-            reason,
-        };
-        if bytes == 0 {
-            return Err(fail("zero-sized allocation".into()));
-        }
-        let size =
-            usize::try_from(bytes).map_err(|_| fail("size exceeds the address space".into()))?;
+        let req = AllocRequest::new(ordinal, bytes)?;
+        let size = usize::try_from(bytes)
+            .map_err(|_| req.fail("size exceeds the address space".into()))?;
         self.inner.bind()?;
-        let ptr = ffi::mem_alloc(size).map_err(|e| fail(e.to_string()))?;
+        let ptr = ffi::mem_alloc(size).map_err(|e| req.fail(e.to_string()))?;
         let owner = CudaRelease {
             inner: Arc::clone(&self.inner),
             held: Some(Held::Alloc(ptr)),

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::{DeviceBuffer, DeviceError};
 
 use super::context::Context;
-use super::device::CudaDevice;
+use super::device::{AllocRequest, CudaDevice};
 use super::ffi;
 use super::release::{CudaRelease, Held};
 use super::vmm::{self, VmmMap};
@@ -32,14 +32,8 @@ impl CudaDevice {
         let inner = &self.inner;
         inner.vmm_supported("VMM allocation")?;
         let ordinal = inner.ordinal;
-        let fail = |reason: String| DeviceError::Alloc {
-            ordinal,
-            bytes,
-            reason,
-        };
-        if bytes == 0 {
-            return Err(fail("zero-sized allocation".into()));
-        }
+        let req = AllocRequest::new(ordinal, bytes)?;
+        let fail = |reason: String| req.fail(reason);
         inner.bind()?;
         let g = ffi::vmm_granularity(ordinal as i32).map_err(|e| fail(e.to_string()))? as u64;
         let size = bytes
