@@ -1,5 +1,8 @@
 //! Device memory for kvferry: the [`Device`] trait, the emulated [`HostDevice`] backend, KV
-//! layouts ([`KvShape`], [`KvLayout`], [`Scatter`], the one block scatter) and batched copies ([`CopyList`]).
+//! layouts ([`KvShape`], [`KvLayout`], [`Scatter`], the one block scatter) and batched copies:
+//! [`CopyBatch`] built from checked [`HostSpan`]s and [`DeviceSpan`]s, whose
+//! [`OwnedCopyEvent`] keeps the host memory ([`HostMemory`]) alive until the copies resolved,
+//! on top of the raw [`CopyList`] of the unsafe [`Device::submit`].
 //!
 //! The crate never links CUDA at build time; backends that need a driver load it at run time
 //! and fail with a typed error where none is present.
@@ -12,6 +15,7 @@ mod layout;
 pub mod memfd;
 mod scatter;
 mod shape;
+mod span;
 
 pub use copy::{CopyList, CopyOp};
 pub use cuda::{open_device, open_device_with, CudaDevice};
@@ -23,3 +27,4 @@ pub use host::HostDevice;
 pub use layout::{GroupKind, KvLayout, KvLayoutSpec, LayerLayout, LayoutError};
 pub use scatter::Scatter;
 pub use shape::{KvShape, ShapeError};
+pub use span::{DeviceSpan, HostMemory, HostSpan, SpanError};
