@@ -7,16 +7,20 @@
 //! The crate never links CUDA at build time; backends that need a driver load it at run time
 //! and fail with a typed error where none is present.
 
+mod batch;
 mod copy;
 pub mod cuda;
 mod device;
+mod drain;
 mod host;
 mod layout;
 pub mod memfd;
+mod owned_event;
 mod scatter;
 mod shape;
 mod span;
 
+pub use batch::CopyBatch;
 pub use copy::{CopyList, CopyOp};
 pub use cuda::{open_device, open_device_with, CudaDevice};
 pub use device::{
@@ -25,6 +29,7 @@ pub use device::{
 };
 pub use host::HostDevice;
 pub use layout::{GroupKind, KvLayout, KvLayoutSpec, LayerLayout, LayoutError};
+pub use owned_event::OwnedCopyEvent;
 pub use scatter::Scatter;
 pub use shape::{KvShape, ShapeError};
 pub use span::{DeviceSpan, HostMemory, HostSpan, SpanError};

@@ -127,6 +127,10 @@ impl HostSpan {
     pub fn guard(&self) -> &Arc<dyn HostMemory> {
         &self.guard
     }
+
+    pub(crate) fn into_guard(self) -> Arc<dyn HostMemory> {
+        self.guard
+    }
 }
 
 impl fmt::Debug for HostSpan {
