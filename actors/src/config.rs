@@ -1,5 +1,7 @@
 //! Node configuration: one TOML file, kebab-case keys, unknown keys refused.
 
+pub mod log;
+
 use std::fmt;
 use std::time::Duration;
 
@@ -230,9 +232,9 @@ pub struct NodeConfig {
     pub directory: DirectoryConfig,
     /// The SSD tier behind the host pool (`[ssd]`); absent: RAM only.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub ssd: Option<crate::ssd::SsdConfig>,
+    pub ssd: Option<crate::tier::ssd::SsdConfig>,
     /// The `kvferry` binary's log level and format (`[log]`).
-    pub log: crate::log_config::LogSection,
+    pub log: crate::config::log::LogSection,
 }
 
 /// How a node uses a Redis directory (`cluster.directory = "redis://…"`): queries never
@@ -273,8 +275,8 @@ impl Default for DirectoryConfig {
 }
 
 impl DirectoryConfig {
-    pub fn redis_options(&self) -> crate::remote::RedisOptions {
-        crate::remote::RedisOptions {
+    pub fn redis_options(&self) -> crate::peer::RedisOptions {
+        crate::peer::RedisOptions {
             connect_timeout: Duration::from_millis(self.connect_timeout_ms),
             lookup_timeout: Duration::from_millis(self.lookup_timeout_ms),
             write_timeout: Duration::from_millis(self.write_timeout_ms),
@@ -532,7 +534,7 @@ impl Default for NodeConfig {
             verbs: None,
             directory: DirectoryConfig::default(),
             ssd: None,
-            log: crate::log_config::LogSection::default(),
+            log: crate::config::log::LogSection::default(),
         }
     }
 }
@@ -833,11 +835,11 @@ impl NodeConfig {
                         "cluster.directory",
                         format!(
                             "{:?} is not static or redis://[[user]:password@]host[:port][/db]",
-                            crate::remote::redact_url(&c.directory)
+                            crate::peer::redact_url(&c.directory)
                         ),
                     );
                 }
-                if let Err(e) = crate::remote::RedisUrl::parse(&c.directory) {
+                if let Err(e) = crate::peer::RedisUrl::parse(&c.directory) {
                     return invalid(
                         "cluster.directory",
                         format!("not static or a Redis address: {e}"),
@@ -936,7 +938,7 @@ mod tests {
         let o = cfg.directory.redis_options();
         assert_eq!(o.lookup_timeout, Duration::from_millis(100));
         assert_eq!(o.reconcile_interval, Duration::from_secs(30));
-        assert_eq!(o, crate::remote::RedisOptions::default());
+        assert_eq!(o, crate::peer::RedisOptions::default());
     }
 
     #[test]

@@ -3,11 +3,11 @@
 use kvferry_gpu::{DeviceError, LayoutError, ShapeError};
 use thiserror::Error;
 
-use crate::cache::CacheError;
 use crate::config::ConfigError;
-use crate::lease::LeaseError;
+use crate::lease::table::LeaseError;
 use crate::model::{InstanceId, ModelError};
-use crate::pool::PoolError;
+use crate::tier::cache::CacheError;
+use crate::tier::pool::PoolError;
 
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -29,7 +29,7 @@ pub enum NodeError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error(transparent)]
-    Ssd(#[from] crate::ssd::SsdError),
+    Ssd(#[from] crate::tier::ssd::SsdError),
     #[error("instance {instance} is not registered")]
     UnknownInstance { instance: InstanceId },
     #[error("instance {instance} rank {rank} is not registered")]
@@ -59,7 +59,7 @@ pub enum NodeError {
     Remote {
         peer: String,
         #[source]
-        source: crate::remote::RemoteError,
+        source: crate::peer::RemoteError,
     },
     #[error("the node is shutting down ({what})")]
     Stopped { what: &'static str },
@@ -73,7 +73,7 @@ pub enum NodeError {
         failed: usize,
         blocks: usize,
         #[source]
-        source: crate::ssd::SsdError,
+        source: crate::tier::ssd::SsdError,
     },
     /// The request's fence (the moment its client gave up) passed before it took effect:
     /// what it did is discarded (a save's copies are not sealed, a query's lease is
@@ -93,7 +93,7 @@ impl NodeError {
     }
 
     /// A remote failure with `peer`.
-    pub fn remote(peer: impl Into<String>, source: crate::remote::RemoteError) -> Self {
+    pub fn remote(peer: impl Into<String>, source: crate::peer::RemoteError) -> Self {
         NodeError::Remote {
             peer: peer.into(),
             source,

@@ -1,32 +1,31 @@
-//! The kvferry runtime. [`Node`] is the in-process handle over the actors:
-//! [`store::BlockStore`] (host block cache over the [`pool::HostPool`]),
-//! [`keeper::LeaseKeeper`] (queries, leases over [`lease::LeaseTable`], loads),
-//! [`registry::InstanceRegistry`] (engine instances and their KV layouts) and
-//! [`transfer::Transfer`] (one per load or save, owning what its copies touch).
+//! The kvferry runtime, by part:
+//! - [`lease`]: queries answered with leases ([`lease::keeper::LeaseKeeper`] over the plain
+//!   [`lease::table::LeaseTable`]) and the engine instances they load into
+//!   ([`lease::registry::InstanceRegistry`]);
+//! - [`load`]: a load planned ([`load::plan`]), its bytes moved from RAM, SSD and remote
+//!   owners ([`load::transfer::Transfer`], [`load::remote`], [`load::ssd`]) and its end;
+//! - [`tier`]: the host block cache over the pool and the SSD tier below it
+//!   ([`tier::store::BlockStore`]);
+//! - [`peer`]: links to other nodes, the directory, the owner side of the Peer API;
+//! - [`service`]: the engine and peer gRPC servers, the fd socket and request mailboxes;
+//! - [`nic`]: RDMA NIC workers, pure per-peer queues and the MR registry.
+//!
+//! [`Node`] is the in-process handle over them; the wire and the ids are `kvferry-proto`'s.
 
 pub mod api;
-pub mod cache;
 pub mod clock;
 pub mod config;
 pub mod error;
-pub mod keeper;
 pub mod lease;
-pub mod log_config;
+pub mod load;
 pub(crate) mod log_limit;
 pub mod metrics;
 pub mod nic;
 pub mod node;
-pub mod plan;
-pub mod pool;
+pub mod peer;
 pub mod private_fs;
-pub mod registry;
-pub mod remote;
-pub mod rpc;
-mod slot_lru;
-pub mod ssd;
-pub mod store;
-pub mod suffix;
-pub mod transfer;
+pub mod service;
+pub mod tier;
 
 pub use api::*;
 pub use clock::{Clock, ManualClock};

@@ -505,13 +505,13 @@ impl Drop for InFlight {
 #[derive(Clone, Debug, Default)]
 pub struct Extra {
     pub peer_pins: usize,
-    pub directory: Option<crate::remote::directory::DirectoryStats>,
+    pub directory: Option<crate::peer::directory::DirectoryStats>,
     /// The node's `[[nic]]` runtime, when it has one.
     pub nic: Option<NicMetrics>,
     /// The engine service, while one serves this node.
     pub engine: Option<EngineGauges>,
     /// The SSD tier, when the node has one.
-    pub ssd: Option<crate::ssd::SsdStats>,
+    pub ssd: Option<crate::tier::ssd::SsdStats>,
 }
 
 /// What the engine service holds for its clients, as a scrape sees it.
@@ -567,7 +567,7 @@ fn record_stats(stats: &Stats, peer_pins: usize) {
     counter!(EVICTIONS).absolute(stats.evictions);
 }
 
-fn record_directory(d: &crate::remote::directory::DirectoryStats) {
+fn record_directory(d: &crate::peer::directory::DirectoryStats) {
     for (op, n) in [
         ("publish", d.publishes),
         ("withdraw", d.withdraws),
@@ -578,7 +578,7 @@ fn record_directory(d: &crate::remote::directory::DirectoryStats) {
     let Some(h) = &d.health else {
         return;
     };
-    let open = h.breaker != crate::remote::BreakerState::Closed;
+    let open = h.breaker != crate::peer::BreakerState::Closed;
     gauge!(DIRECTORY_BREAKER_OPEN).set(if open { 1.0 } else { 0.0 });
     counter!(DIRECTORY_BREAKER_TRIPS).absolute(h.trips);
     counter!(DIRECTORY_LOOKUPS_SKIPPED).absolute(h.lookups_skipped);
@@ -638,7 +638,7 @@ fn record_engine(g: &EngineGauges) {
     counter!(ENGINE_MAILBOX_REQUESTS).absolute(g.mailbox_requests);
 }
 
-fn record_ssd(s: &crate::ssd::SsdStats) {
+fn record_ssd(s: &crate::tier::ssd::SsdStats) {
     gauge!(SSD_BLOCKS).set(s.blocks as f64);
     gauge!(SSD_CAPACITY_BLOCKS).set(s.capacity_blocks as f64);
     gauge!(SSD_HELD_BLOCKS).set(s.held_blocks as f64);
@@ -706,7 +706,7 @@ fn render_with(stats: &Stats, c: &Counters, extra: &Extra, process: &Registry) -
 mod tests {
     use super::*;
     use crate::api::Stage;
-    use crate::remote::{BreakerState, DirectoryHealth, DirectoryStats};
+    use crate::peer::{BreakerState, DirectoryHealth, DirectoryStats};
 
     fn report() -> TransferReport {
         TransferReport {
@@ -841,7 +841,7 @@ mod tests {
         tracing::subscriber::with_default(subscriber, || {
             let gone = crate::error::NodeError::remote(
                 "b",
-                crate::remote::RemoteError::lost("a read", "gone"),
+                crate::peer::RemoteError::lost("a read", "gone"),
             );
             for _ in 0..5 {
                 c.log_failure("test-staged", &gone);
@@ -872,7 +872,7 @@ mod tests {
             &Stats::default(),
             &Counters::default(),
             Extra {
-                ssd: Some(crate::ssd::SsdStats {
+                ssd: Some(crate::tier::ssd::SsdStats {
                     blocks: 5,
                     capacity_blocks: 64,
                     write_bytes: 4096,
@@ -1050,7 +1050,7 @@ mod tests {
                         completions_dropped: 3,
                         ..Default::default()
                     }),
-                    ssd: Some(crate::ssd::SsdStats {
+                    ssd: Some(crate::tier::ssd::SsdStats {
                         blocks: 5,
                         damaged: [0, 0, 1],
                         hits_ssd: 3,

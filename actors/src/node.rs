@@ -16,13 +16,15 @@ use crate::clock::Clock;
 use crate::config::NodeConfig;
 use crate::error::NodeError;
 use crate::fence::Fence;
-use crate::keeper::{self, LeaseKeeper, LeaseStats, Load, Query, Release, ReleaseInstance, Sweep};
+use crate::lease::keeper::{
+    self, LeaseKeeper, LeaseStats, Load, Query, Release, ReleaseInstance, Sweep,
+};
+use crate::lease::registry::{self, CountInstances, GetRank, InstanceRegistry};
 use crate::metrics::Counters;
 use crate::model::{InstanceId, LeaseId, Namespace};
-use crate::pool::HostPool;
-use crate::registry::{self, CountInstances, GetRank, InstanceRegistry};
-use crate::remote::{LocalCluster, Peers};
-use crate::store::{self, BlockStore, GetCacheStats};
+use crate::peer::{LocalCluster, Peers};
+use crate::tier::pool::HostPool;
+use crate::tier::store::{self, BlockStore, GetCacheStats};
 
 struct Inner {
     keeper: Addr<LeaseKeeper>,
@@ -124,7 +126,7 @@ impl Node {
             Some(c) => {
                 let slot = config.pool.slot_bytes.0;
                 Some(
-                    crate::ssd::SsdTier::open(c, slot)?
+                    crate::tier::ssd::SsdTier::open(c, slot)?
                         .with_write_backlog(c.backlog_bytes(config.pool.size.0, slot)),
                 )
             }
@@ -530,7 +532,7 @@ impl Node {
     }
 
     /// The SSD tier's counters and gauges; None without `[ssd]`.
-    pub async fn ssd_stats(&self) -> Result<Option<crate::ssd::SsdStats>, NodeError> {
+    pub async fn ssd_stats(&self) -> Result<Option<crate::tier::ssd::SsdStats>, NodeError> {
         Ok(self.inner.store.send(store::GetSsdStats).await?)
     }
 
@@ -592,10 +594,10 @@ impl Drop for Inner {
 impl Node {
     /// What the owner side of `kvferry.v1.Peer` needs from this node (store, id, pool, peer
     /// pin TTL). Whoever serves the pool's data path adds it with
-    /// [`crate::rpc::PeerBackend::with_endpoint`].
-    pub fn peer_backend(&self) -> crate::rpc::PeerBackend {
+    /// [`crate::peer::PeerBackend::with_endpoint`].
+    pub fn peer_backend(&self) -> crate::peer::PeerBackend {
         let i = &self.inner;
-        let backend = crate::rpc::PeerBackend::new(
+        let backend = crate::peer::PeerBackend::new(
             i.store.clone(),
             i.config.node_id.clone(),
             i.pool_region,

@@ -7,9 +7,9 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use kvferry_actors::rpc::proto::LoadStatus;
 use kvferry_actors::BlockHash;
 use kvferry_gpu::KvShape;
+use kvferry_proto::v1::LoadStatus;
 use kvferry_testkit::Attached;
 use serde_json::json;
 

@@ -18,10 +18,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use kvferry_actors::rpc::board::{self, Board, SlotState, SlotView};
 use kvferry_actors::{BlockHash, InstanceId, LoadRequest, SaveRequest};
 use kvferry_client::{EngineClient, MemoryRegion, RegisterRegions};
 use kvferry_gpu::{Device, KvShape};
+use kvferry_proto::shm::board::{self, Board, SlotState, SlotView};
 use kvferry_testkit::{median, DeviceKv, KvKind, MemfdRegionsKv};
 use serde_json::json;
 

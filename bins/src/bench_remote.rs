@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use kvferry_actors::config::ByteSize;
-use kvferry_actors::remote::{GrpcPeers, GrpcPeersConfig, LocalCluster, Provider, StaticDirectory};
+use kvferry_actors::peer::{GrpcPeers, GrpcPeersConfig, LocalCluster, Provider, StaticDirectory};
 use kvferry_actors::{
     BlockHash, Clock, InstanceId, LeaseId, LoadRequest, Node, NodeConfig, QueryRequest,
     TransferReport,

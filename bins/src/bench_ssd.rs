@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use kvferry_actors::config::ByteSize;
-use kvferry_actors::plan::{SSD_CHUNK, SSD_STAGING_CHUNKS};
-use kvferry_actors::ssd::format::BlockHeader;
-use kvferry_actors::ssd::io::{AlignedBuf, DirIo, Op};
-use kvferry_actors::ssd::{format, io, SsdConfig, SsdDir, SsdError};
+use kvferry_actors::load::plan::{SSD_CHUNK, SSD_STAGING_CHUNKS};
+use kvferry_actors::tier::ssd::format::BlockHeader;
+use kvferry_actors::tier::ssd::io::{AlignedBuf, DirIo, Op};
+use kvferry_actors::tier::ssd::{format, io, SsdConfig, SsdDir, SsdError};
 use kvferry_actors::{
     BlockHash, InstanceId, LoadRequest, Node, NodeConfig, PutBlocks, QueryRequest,
 };

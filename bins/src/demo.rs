@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use kvferry_actors::config::ByteSize;
-use kvferry_actors::remote::{LocalCluster, Provider};
+use kvferry_actors::peer::{LocalCluster, Provider};
 use kvferry_actors::{
     BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, QueryRequest, TransferReport,
 };

@@ -5,9 +5,9 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use kvferry_actors::rpc::proto::LoadStatus;
 use kvferry_actors::BlockHash;
 use kvferry_gpu::KvShape;
+use kvferry_proto::v1::LoadStatus;
 use kvferry_testkit::Attached;
 
 use crate::demo::{print, Report, Run, DEST};

@@ -10,7 +10,7 @@
 use std::sync::OnceLock;
 
 use anyhow::Context;
-use kvferry_actors::log_config::{parse_directives, LogFormat, LogSection};
+use kvferry_actors::config::log::{parse_directives, LogFormat, LogSection};
 
 static FORMAT: OnceLock<LogFormat> = OnceLock::new();
 

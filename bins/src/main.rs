@@ -12,7 +12,7 @@ mod plot;
 mod service;
 
 use clap::{Parser, Subcommand};
-use kvferry_actors::log_config::LogSection;
+use kvferry_actors::config::log::LogSection;
 use kvferry_actors::NodeConfig;
 
 #[derive(Parser)]

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use anyhow::Context;
-use kvferry_actors::remote::{
+use kvferry_actors::peer::{
     Directory, GrpcPeers, GrpcPeersConfig, Peers, Provider, RedisDirectory, RedisError,
     StaticDirectory,
 };
@@ -83,7 +83,7 @@ fn log_config_summary(cfg: &NodeConfig, log_filter: &str) {
     let (provider, directory, peers, peer_listen) = match &cfg.cluster {
         Some(c) => (
             c.provider.as_str(),
-            kvferry_actors::remote::redact_url(&c.directory),
+            kvferry_actors::peer::redact_url(&c.directory),
             c.peers.len(),
             c.peer_listen.as_str(),
         ),
@@ -183,7 +183,7 @@ async fn start_metrics(cfg: &NodeConfig, node: &Node) -> anyhow::Result<()> {
 /// A running engine service.
 struct Engine {
     stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), kvferry_actors::rpc::EngineServeError>>,
+    task: tokio::task::JoinHandle<Result<(), kvferry_actors::service::EngineServeError>>,
 }
 
 impl Engine {
@@ -204,7 +204,7 @@ impl Engine {
 
 /// Starts the engine service if the config has an `[engine]` section.
 async fn start_engine(cfg: &NodeConfig, node: &Node) -> anyhow::Result<Option<Engine>> {
-    use kvferry_actors::rpc::{serve_engine, EngineOptions, FdSocket};
+    use kvferry_actors::service::{serve_engine, EngineOptions, FdSocket};
     let Some(e) = &cfg.engine else {
         return Ok(None);
     };
@@ -248,7 +248,7 @@ async fn start_engine(cfg: &NodeConfig, node: &Node) -> anyhow::Result<Option<En
 fn redis_directory(cfg: &NodeConfig, url: &str) -> anyhow::Result<RedisDirectory> {
     let (prefix, options) = (&cfg.directory.key_prefix, cfg.directory.redis_options());
     // Errors and logs name the address without its password.
-    let shown = kvferry_actors::remote::redact_url(url);
+    let shown = kvferry_actors::peer::redact_url(url);
     match RedisDirectory::connect_with(url, prefix, options.clone()) {
         Ok(d) => Ok(d),
         Err(e @ RedisError::Connect { .. }) => {
@@ -358,7 +358,7 @@ pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
         // On SIGTERM: stop accepting and let open calls finish, but not forever: peers keep
         // their connections open, so the drain is bounded.
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let serve = kvferry_actors::rpc::serve(listener, backend, c.token.clone(), async move {
+        let serve = kvferry_actors::peer::serve(listener, backend, c.token.clone(), async move {
             let _ = stopped.await;
         });
         tokio::pin!(serve);

@@ -76,8 +76,8 @@ fn node_with_a_cluster_serves_peers_and_stops_on_sigterm() {
         .build()
         .unwrap();
     rt.block_on(async {
-        use kvferry_actors::rpc::peer_client::PeerInfo;
-        use kvferry_actors::rpc::PeerClient;
+        use kvferry_actors::peer::client::PeerInfo;
+        use kvferry_actors::peer::PeerClient;
         let client = PeerClient::connect(addr.clone(), "t").await.unwrap();
         let info = client
             .hello(PeerInfo::local("probe", &[], &[]))
@@ -124,7 +124,7 @@ fn node_with_an_engine_section_serves_engines_and_stops_on_sigterm() {
         .build()
         .unwrap();
     rt.block_on(async {
-        use kvferry_actors::rpc::Code;
+        use kvferry_actors::service::Code;
         use kvferry_client::EngineClient;
         let client = EngineClient::connect(addr.clone(), Some(sock.clone()), "t")
             .await

@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvferry_actors::rpc::proto::{LoadCompletion, LoadStatus};
 use kvferry_actors::BlockHash;
 use kvferry_gpu::KvShape;
+use kvferry_proto::v1::{LoadCompletion, LoadStatus};
 use kvferry_testkit::harness::{free_port, wait_listening};
 use kvferry_testkit::Attached;
 

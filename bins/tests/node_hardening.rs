@@ -9,11 +9,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvferry_actors::rpc::mailbox::{self, Mailbox, Op};
-use kvferry_actors::rpc::{board, Code};
+use kvferry_actors::service::{board, Code};
 use kvferry_actors::{BlockHash, LoadRequest, PutBlocks};
 use kvferry_client::EngineClient;
 use kvferry_gpu::KvShape;
+use kvferry_proto::shm::mailbox::{self, Mailbox, Op};
 use kvferry_testkit::harness::{id, wait_listening, RedisServer};
 use kvferry_testkit::{rank_part, MemfdKv};
 

@@ -8,10 +8,10 @@ use std::time::Duration;
 use thiserror::Error;
 
 use kvferry_actors::model::ModelError;
-use kvferry_actors::rpc::proto::LoadCompletion;
 use kvferry_actors::{BlockHash, InstanceId, LeaseId, LoadRequest, PutBlocks};
 use kvferry_client::{EngineClient, EngineClientError, EngineSession};
 use kvferry_gpu::{DeviceError, KvShape};
+use kvferry_proto::v1::LoadCompletion;
 
 use crate::memfd_kv::MemfdKv;
 use crate::pattern::rank_part;

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use kvferry_actors::config::ByteSize;
-use kvferry_actors::remote::{GrpcPeers, GrpcPeersConfig, Provider, StaticDirectory};
+use kvferry_actors::peer::{GrpcPeers, GrpcPeersConfig, Provider, StaticDirectory};
 use kvferry_actors::{Clock, Node, NodeConfig, NodeError};
 use kvferry_gpu::{Device, KvShape};
 
@@ -86,7 +86,7 @@ pub fn run_owner_process(spec: OwnerSpec) -> Result<(), NodeError> {
             backend = backend.with_endpoint(e);
         }
         let (stop, stopped_rx) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(kvferry_actors::rpc::serve(
+        let server = tokio::spawn(kvferry_actors::peer::serve(
             listener,
             backend,
             spec.token.clone(),

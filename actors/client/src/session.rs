@@ -38,7 +38,7 @@ impl EngineSession {
     }
 
     /// Attaches the mailbox of fd-socket handle `handle` (what
-    /// [`EngineClient::attach_mailbox`] does); the node serves it until the session ends.
+    /// [`crate::EngineClient::attach_mailbox`] does); the node serves it until the session ends.
     pub async fn attach(&mut self, handle: u64) -> Result<(), EngineClientError> {
         let req = SessionRequest {
             bind: String::new(),

@@ -12,15 +12,15 @@ use kvferry_transport::verbs::{open_nic, Sysfs};
 use kvferry_transport::{Access, ConfigError, HostRegion, MrTable, NicConfig, NicId, ProviderKind};
 use thiserror::Error;
 
-use super::config::{validate_node_nics, NicSection, VerbsSection};
-use super::gate::verbs_refusal;
-use super::mr_registry::{
+use crate::metrics::NicMetrics;
+use crate::nic::config::{validate_node_nics, NicSection, VerbsSection};
+use crate::nic::gate::verbs_refusal;
+use crate::nic::mr_registry::{
     GetRegistryCounts, MrRegistry, RdmaSlot, RegionHandles, RegionSpec, Registry, RegistryError,
 };
-use super::stripe::NicRouting;
-use super::worker::{Gauges, NicWorker, WorkerError};
-use crate::metrics::NicMetrics;
-use crate::remote::verbs::{NicResponder, ServingNic, VerbsNicSide, VerbsSide};
+use crate::nic::stripe::NicRouting;
+use crate::nic::worker::{Gauges, NicWorker, WorkerError};
+use crate::peer::verbs::{NicResponder, ServingNic, VerbsNicSide, VerbsSide};
 
 #[derive(Debug, Error)]
 #[non_exhaustive]

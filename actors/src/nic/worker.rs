@@ -19,10 +19,10 @@ use kvferry_transport::{
 };
 use tokio::sync::oneshot;
 
-use super::peer_queues::{ConnectResult, Event, PeerQueues};
-use super::poller::{CompletionPoller, CompletionStream};
+use crate::nic::peer_queues::{ConnectResult, Event, PeerQueues};
+use crate::nic::poller::{CompletionPoller, CompletionStream};
 
-pub use super::peer_queues::{
+pub use crate::nic::peer_queues::{
     BatchResult, CompletionErrorCounts, FailureKind, QpStateCounts, WorkerError, WorkerGaugeValues,
 };
 

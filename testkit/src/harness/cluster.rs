@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kvferry_actors::remote::{LocalCluster, Provider};
+use kvferry_actors::peer::{LocalCluster, Provider};
 use kvferry_actors::{Clock, ManualClock, Node, NodeConfig};
 use kvferry_gpu::{Device, HostDevice};
 

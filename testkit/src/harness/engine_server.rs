@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry_actors::rpc::{self, EngineOptions, EngineServeError};
+use kvferry_actors::service::{self, EngineOptions, EngineServeError};
 use kvferry_actors::{Clock, Node};
 use kvferry_client::EngineClient;
 use kvferry_gpu::{Device, HostDevice};
@@ -49,12 +49,12 @@ impl EngineServer {
             std::process::id(),
             N.fetch_add(1, Ordering::Relaxed)
         ));
-        let fd = rpc::FdSocket::bind(&dir, "test").unwrap();
+        let fd = service::FdSocket::bind(&dir, "test").unwrap();
         let fd_path = fd.path().to_owned();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(rpc::serve_engine(
+        let task = tokio::spawn(service::serve_engine(
             listener,
             Some(fd),
             node.clone(),

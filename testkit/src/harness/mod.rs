@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use crate::{DeviceKv, KvKind};
 use kvferry_actors::config::ByteSize;
-use kvferry_actors::remote::{LocalCluster, Peers};
+use kvferry_actors::peer::{LocalCluster, Peers};
 use kvferry_actors::{
     BlockHash, Clock, InstanceId, LeaseId, LoadRequest, Node, NodeConfig, NodeError, QueryRequest,
     QueryResponse, Stats, TransferReport,

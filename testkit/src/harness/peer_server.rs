@@ -4,8 +4,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry_actors::remote::{Directory, GrpcPeers, GrpcPeersConfig, Provider, StaticDirectory};
-use kvferry_actors::rpc::{self, PeerBackend, PeerServeError};
+use kvferry_actors::peer::{self, PeerBackend, PeerServeError};
+use kvferry_actors::peer::{Directory, GrpcPeers, GrpcPeersConfig, Provider, StaticDirectory};
 use tokio::sync::oneshot;
 
 /// `kvferry.v1.Peer` served from `backend` on 127.0.0.1 (any port) until [`PeerServer::stop`].
@@ -22,7 +22,7 @@ impl PeerServer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(rpc::serve(listener, backend, token.into(), async move {
+        let task = tokio::spawn(peer::serve(listener, backend, token.into(), async move {
             let _ = stopped.await;
         }));
         Self {

@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry_actors::rpc::{self, proto, Code, EngineOptions};
+use kvferry_actors::service::{self, proto, Code, EngineOptions};
 use kvferry_actors::{Clock, DirectGrant, LeaseId, Node, PutBlocks};
 use kvferry_client::{EngineClient, EngineClientError};
 use kvferry_gpu::{Device, HostDevice, KvShape, LayerLayout};
@@ -90,8 +90,8 @@ fn memfd_kv_loads_with_completions_on_the_stream_and_by_poll() {
         let srv = with_token().await;
         let c = srv.client(TOKEN).await;
         let caps = c.capabilities().await.unwrap();
-        assert_eq!(caps.protocol, rpc::ENGINE_PROTOCOL);
-        assert_eq!(caps.version, rpc::VERSION);
+        assert_eq!(caps.protocol, service::ENGINE_PROTOCOL);
+        assert_eq!(caps.version, service::VERSION);
         assert_eq!((caps.device_kind.as_str(), caps.device_count), ("host", 1));
         assert_eq!(caps.memory_kinds, vec!["memfd".to_string()]);
         assert_eq!(caps.fd_socket, srv.fd_path.display().to_string());
@@ -307,7 +307,8 @@ fn bad_region_registrations_are_refused_and_change_nothing() {
         let before = c.stats().await.unwrap();
         assert_eq!((before.memory_handles, before.instances), (3, 0));
 
-        let mut cases: Vec<(&str, rpc::proto::RegisterInstanceRequest, Code, &str)> = Vec::new();
+        let mut cases: Vec<(&str, service::proto::RegisterInstanceRequest, Code, &str)> =
+            Vec::new();
         let wire = kvferry_client::register_regions_request;
         let mut r = wire(&good);
         r.memory_handle = handles[0];
@@ -375,7 +376,7 @@ fn bad_region_registrations_are_refused_and_change_nothing() {
             "region 0 names no memory",
         ));
         let mut r = wire(&good);
-        r.regions = vec![r.regions[0].clone(); rpc::MAX_ENGINE_REGIONS + 1];
+        r.regions = vec![r.regions[0].clone(); service::MAX_ENGINE_REGIONS + 1];
         cases.push(("too many regions", r, Code::ResourceExhausted, "at most"));
 
         for (what, req, code, needle) in cases {
@@ -482,7 +483,7 @@ fn code<T: std::fmt::Debug>(r: Result<T, EngineClientError>) -> Code {
     r.unwrap_err().code().expect("a status code")
 }
 
-fn raw_code<T: std::fmt::Debug>(r: Result<T, rpc::Status>) -> Code {
+fn raw_code<T: std::fmt::Debug>(r: Result<T, service::Status>) -> Code {
     r.unwrap_err().code()
 }
 
@@ -570,13 +571,13 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
             Code::InvalidArgument
         );
         unchanged("empty hashes").await;
-        let many = hashes(0..rpc::MAX_ENGINE_HASHES as u64 + 1);
+        let many = hashes(0..service::MAX_ENGINE_HASHES as u64 + 1);
         assert_eq!(
             code(c.query(&id("eng"), &many, false).await),
             Code::ResourceExhausted
         );
         unchanged("too many hashes").await;
-        let dest: Vec<u32> = (0..rpc::MAX_ENGINE_BLOCKS as u32 + 1).collect();
+        let dest: Vec<u32> = (0..service::MAX_ENGINE_BLOCKS as u32 + 1).collect();
         assert_eq!(
             code(c.load(&load_request(lease, "eng", 0, &dest)).await),
             Code::ResourceExhausted
@@ -589,7 +590,9 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
             src_blocks: vec![0; n],
             fence_ns: 0,
         };
-        let r = raw.save(c.request(save(rpc::MAX_ENGINE_HASHES + 1))).await;
+        let r = raw
+            .save(c.request(save(service::MAX_ENGINE_HASHES + 1)))
+            .await;
         assert_eq!(raw_code(r), Code::ResourceExhausted);
         unchanged("too many blocks to save").await;
         let put = proto::PutBlocksRequest {
@@ -600,7 +603,7 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
                     hash: vec![1],
                     data: vec![1],
                 };
-                rpc::MAX_ENGINE_HASHES + 1
+                service::MAX_ENGINE_HASHES + 1
             ],
             fence_ns: 0,
         };
@@ -649,7 +652,7 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
             ),
             (
                 "too many packed hashes",
-                packed(vec![], vec![1; rpc::MAX_ENGINE_HASHES + 1], 1),
+                packed(vec![], vec![1; service::MAX_ENGINE_HASHES + 1], 1),
                 Code::ResourceExhausted,
             ),
         ] {
@@ -715,7 +718,7 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
             Code::InvalidArgument
         );
         unchanged("another device").await;
-        let wide = KvShape::new(rpc::MAX_ENGINE_LAYERS + 1, 1, 2, 64).unwrap();
+        let wide = KvShape::new(service::MAX_ENGINE_LAYERS + 1, 1, 2, 64).unwrap();
         let mut layers = good.clone();
         layers.shape = wide;
         layers.layout = kvferry_gpu::KvLayoutSpec::cross_layer(0, wide.layers(), 2, 4, 64);
@@ -894,13 +897,13 @@ fn the_largest_registration_answers_quickly_and_the_limits_are_advertised() {
         let srv = with_token().await;
         let c = srv.client(TOKEN).await;
         let caps = c.capabilities().await.unwrap();
-        assert_eq!(caps.max_hashes as usize, rpc::MAX_ENGINE_HASHES);
-        assert_eq!(caps.max_blocks as usize, rpc::MAX_ENGINE_BLOCKS);
-        assert_eq!(caps.max_layers, rpc::MAX_ENGINE_LAYERS);
-        assert_eq!(caps.max_regions as usize, rpc::MAX_ENGINE_REGIONS);
+        assert_eq!(caps.max_hashes as usize, service::MAX_ENGINE_HASHES);
+        assert_eq!(caps.max_blocks as usize, service::MAX_ENGINE_BLOCKS);
+        assert_eq!(caps.max_layers, service::MAX_ENGINE_LAYERS);
+        assert_eq!(caps.max_regions as usize, service::MAX_ENGINE_REGIONS);
         assert_eq!(caps.max_hash_bytes, 32);
         assert_eq!(caps.slot_bytes, SLOT);
-        assert_eq!(caps.max_mailboxes as usize, rpc::MAX_ENGINE_MAILBOXES);
+        assert_eq!(caps.max_mailboxes as usize, service::MAX_ENGINE_MAILBOXES);
         assert!(caps.max_message_bytes > 0);
 
         let layers = caps.max_layers;
@@ -1174,7 +1177,7 @@ fn unused_handles_expire_and_a_session_outlives_the_call_deadline() {
 
 #[test]
 fn a_remote_suffix_loads_direct_when_granted_and_staged_otherwise() {
-    use kvferry_actors::remote::Provider;
+    use kvferry_actors::peer::Provider;
     rt().block_on(async {
         // The owner holds blocks 4..8; the engine's node serves the engine API.
         let nodes = Cluster::new(Provider::Tcp, &["owner", "near"]);
@@ -1558,7 +1561,7 @@ fn an_engine_workers_vmm_kv_in_another_process_through_its_fd() {
 
 #[test]
 fn a_completion_board_shows_loads_landing_without_an_rpc() {
-    use kvferry_actors::rpc::board::{Board, SlotState};
+    use kvferry_proto::shm::board::{Board, SlotState};
     rt().block_on(async {
         let srv = with_token().await;
         let c = srv.client(TOKEN).await;
@@ -1649,7 +1652,7 @@ fn a_completion_board_shows_loads_landing_without_an_rpc() {
 
 #[test]
 fn a_board_says_a_loads_outcome_failed_blocks_included_and_successes_need_no_poll() {
-    use kvferry_actors::rpc::board::{Board, Outcome, SlotState};
+    use kvferry_proto::shm::board::{Board, Outcome, SlotState};
     rt().block_on(async {
         let failing = HookedDevice::new(FailWhileSet::default());
         let srv = EngineServer::start_on(
@@ -1751,7 +1754,7 @@ async fn scraped_until(srv: &EngineServer, name: &str, want: f64) {
 /// slot refused without harm, and the node's thread gone with the client.
 #[test]
 fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
-    use kvferry_actors::rpc::mailbox::{self, Mailbox, Op};
+    use kvferry_proto::shm::mailbox::{self, Mailbox, Op};
     use prost::Message;
     rt().block_on(async {
         let srv = with_token().await;
@@ -1902,12 +1905,12 @@ fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
 /// is RESOURCE_EXHAUSTED, and a slot freed by a session's end takes the next.
 #[test]
 fn mailboxes_past_the_advertised_limit_are_refused() {
-    use kvferry_actors::rpc::mailbox::{self, Mailbox};
+    use kvferry_proto::shm::mailbox::{self, Mailbox};
     rt().block_on(async {
         let srv = with_token().await;
         let c = srv.client(TOKEN).await;
         let max = c.capabilities().await.unwrap().max_mailboxes as usize;
-        assert_eq!(max, rpc::MAX_ENGINE_MAILBOXES);
+        assert_eq!(max, service::MAX_ENGINE_MAILBOXES);
         let attach = || async {
             let m = Mailbox::create(1, mailbox::MIN_SLOT_BYTES).unwrap();
             let handle = c.send_mailbox(&id("eng"), &m).await.unwrap();

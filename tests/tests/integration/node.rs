@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry_actors::lease::LeaseError;
+use kvferry_actors::lease::table::LeaseError;
 use kvferry_actors::{
     Clock, DirectGrant, LoadRequest, NodeConfig, NodeError, RegisterInstance, SaveRequest,
 };
@@ -237,7 +237,7 @@ fn pool_exhaustion_is_typed_and_pinned_blocks_survive_eviction() {
         assert!(
             matches!(
                 err,
-                NodeError::Cache(kvferry_actors::cache::CacheError::Full { .. })
+                NodeError::Cache(kvferry_actors::tier::cache::CacheError::Full { .. })
             ),
             "{err}"
         );
@@ -418,7 +418,7 @@ fn direct_gpu_is_refused_with_a_reason() {
         assert_eq!(
             q.direct,
             DirectGrant::Refused {
-                reason: kvferry_actors::keeper::DIRECT_REFUSAL.into()
+                reason: kvferry_actors::lease::keeper::DIRECT_REFUSAL.into()
             }
         );
         node.release(q.lease.unwrap()).await.unwrap();
@@ -850,7 +850,7 @@ fn a_load_runs_while_a_save_beside_it_is_still_being_submitted() {
             config(shape.block_bytes(), 64),
             vec![Arc::clone(&dev)],
             Clock::system(),
-            None::<Arc<kvferry_actors::remote::LocalCluster>>,
+            None::<Arc<kvferry_actors::peer::LocalCluster>>,
         )
         .unwrap();
         let kv = register(&node, &dev, "beside", shape, 0, KvKind::Split, 16, 0).await;
@@ -931,7 +931,7 @@ async fn recorded_load(recording: Recording, name: &str) -> (Vec<String>, usize)
         config(shape.block_bytes(), 260),
         vec![Arc::clone(&dev)],
         Clock::system(),
-        None::<Arc<kvferry_actors::remote::LocalCluster>>,
+        None::<Arc<kvferry_actors::peer::LocalCluster>>,
     )
     .unwrap();
     let kv = register(&node, &dev, name, shape, 0, KvKind::Split, 260, 0).await;
@@ -1012,7 +1012,7 @@ fn a_save_whose_copies_end_after_its_fence_is_discarded_unsealed() {
             config(shape.block_bytes(), 32),
             vec![Arc::clone(&dev)],
             Clock::system(),
-            None::<Arc<kvferry_actors::remote::LocalCluster>>,
+            None::<Arc<kvferry_actors::peer::LocalCluster>>,
         )
         .unwrap();
         let kv = register(&node, &dev, "fenced", shape, 0, KvKind::Split, 8, 0).await;

@@ -11,12 +11,13 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvferry_actors::remote::endpoint::{endpoints_from_proto, Role};
-use kvferry_actors::remote::{Provider, VerbsPeerEndpoint, VerbsResponder};
-use kvferry_actors::rpc::peer_client::PeerInfo;
-use kvferry_actors::rpc::{
-    self, proto, Code, DataEndpoint, NicRegistration, PeerBackend, PeerClient, PeerClientError,
+use kvferry_actors::peer::client::PeerInfo;
+use kvferry_actors::peer::endpoint::{endpoints_from_proto, Role};
+use kvferry_actors::peer::{
+    DataEndpoint, NicRegistration, PeerBackend, PeerClient, PeerClientError,
 };
+use kvferry_actors::peer::{Provider, VerbsPeerEndpoint, VerbsResponder};
+use kvferry_actors::service::{self, proto, Code};
 use kvferry_actors::{BlockHash, Clock, Namespace, Node};
 use kvferry_gpu::{Device, KvShape};
 use kvferry_testkit::harness::*;
@@ -115,15 +116,15 @@ fn hello_returns_node_id_and_version() {
         let c = o.client(TOKEN).await;
         let info = c.hello(me()).await.unwrap();
         assert_eq!(info.node_id, "test");
-        assert_eq!(info.version, rpc::VERSION);
-        assert_eq!(info.protocol, rpc::PROTOCOL);
+        assert_eq!(info.version, service::VERSION);
+        assert_eq!(info.protocol, service::PROTOCOL);
         assert!(info.capabilities.iter().any(|c| c == "pin-blocks"));
         // No data path added: none is announced.
         assert!(info.providers.is_empty());
 
         // Another protocol revision is refused, not silently accepted.
         let mut old = me();
-        old.protocol = rpc::PROTOCOL + 1;
+        old.protocol = service::PROTOCOL + 1;
         assert_eq!(code(c.hello(old).await), Code::FailedPrecondition);
         // Hello without node info is malformed.
         let r = c
@@ -354,14 +355,17 @@ fn malformed_requests_are_invalid_and_change_nothing() {
             );
         }
         // Too many hashes: over a limit, not malformed.
-        let many = (0..rpc::MAX_PIN_HASHES as u64 + 1).collect::<Vec<_>>();
+        let many = (0..service::MAX_PIN_HASHES as u64 + 1).collect::<Vec<_>>();
         let e = pin(ns.clone(), hashes_bytes(&many)).await.unwrap_err();
         assert_eq!(e.code(), Code::ResourceExhausted);
         assert!(e.message().contains("4096"), "{}", e.message());
         // A request over the size limit: RESOURCE_EXHAUSTED, as the Engine service says.
-        let e = pin("m".repeat(rpc::MAX_PEER_REQUEST_BYTES), hashes_bytes(&[0]))
-            .await
-            .unwrap_err();
+        let e = pin(
+            "m".repeat(service::MAX_PEER_REQUEST_BYTES),
+            hashes_bytes(&[0]),
+        )
+        .await
+        .unwrap_err();
         assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
         // Bodies that do not decode, on every method.
         for method in ["Hello", "Handshake", "PinBlocks", "Unpin"] {
@@ -372,7 +376,7 @@ fn malformed_requests_are_invalid_and_change_nothing() {
         }
         o.unchanged().await;
         // The limit itself is fine (the present prefix is pinned).
-        let most = (0..rpc::MAX_PIN_HASHES as u64).collect::<Vec<_>>();
+        let most = (0..service::MAX_PIN_HASHES as u64).collect::<Vec<_>>();
         let ok = pin(ns.clone(), hashes_bytes(&most))
             .await
             .unwrap()
@@ -888,7 +892,7 @@ impl kvferry_transport::verbs::RdmaNic for FakeNic {
 /// the owner keeps its QP alive; a NIC that cannot make QPs is a typed handshake error.
 #[test]
 fn grpc_exchange_trades_one_qp_with_the_owner_responder() {
-    use kvferry_actors::remote::verbs::{GrpcExchange, NicResponder, ServingNic};
+    use kvferry_actors::peer::verbs::{GrpcExchange, NicResponder, ServingNic};
     use kvferry_transport::verbs::registration::Chunk;
     use kvferry_transport::verbs::{EndpointExchange, QpEndpoint};
     use kvferry_transport::{ConnectionError, NicId, NodeId, QpKey, QpNum};
@@ -977,7 +981,7 @@ fn grpc_exchange_trades_one_qp_with_the_owner_responder() {
 #[ignore = "needs an RDMA NIC"]
 fn remote_suffix_over_verbs() {
     use kvferry_actors::nic::{NicSection, VerbsSection};
-    use kvferry_actors::remote::LocalCluster;
+    use kvferry_actors::peer::LocalCluster;
     use kvferry_transport::verbs::{probe, Sysfs, VerbsCapability};
     use std::sync::Arc;
 

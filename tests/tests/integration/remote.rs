@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvferry_actors::remote::{
+use kvferry_actors::peer::{
     BreakerState, Directory, LocalCluster, Peers, Provider, RedisDirectory, RedisOptions,
 };
 use kvferry_actors::{Clock, DirectGrant, Node, NodeError};
@@ -97,8 +97,8 @@ fn worked_example_shm() {
 #[test]
 fn worked_example_with_the_redis_directory() {
     let server = RedisServer::start();
-    let dir = kvferry_actors::remote::RedisDirectory::connect(&server.addr, "kvf-test").unwrap();
-    let dir: Arc<dyn kvferry_actors::remote::Directory> = Arc::new(dir);
+    let dir = kvferry_actors::peer::RedisDirectory::connect(&server.addr, "kvf-test").unwrap();
+    let dir: Arc<dyn kvferry_actors::peer::Directory> = Arc::new(dir);
     rt().block_on(async {
         let c = Cluster::with(
             LocalCluster::with_directory(Provider::Shm, Arc::clone(&dir)),

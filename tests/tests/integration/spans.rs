@@ -246,7 +246,7 @@ const LINK_CHILD_ENV: &str = "KVFERRY_SPANS_LINK_CHILD";
 #[test]
 #[ignore = "runs only as the child process started by a_peer_link_is_made_once_in_a_span_naming_both_ends"]
 fn child_peer_link_spans() {
-    use kvferry_actors::remote::Provider;
+    use kvferry_actors::peer::Provider;
     if std::env::var_os(LINK_CHILD_ENV).is_none() {
         return;
     }

@@ -10,11 +10,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvferry_actors::config::ByteSize;
-use kvferry_actors::lease::LeaseError;
-use kvferry_actors::remote::{LocalCluster, Provider};
-use kvferry_actors::ssd::error::ReadFailure;
-use kvferry_actors::ssd::format::{self, BlockHeader, Damage};
-use kvferry_actors::ssd::{SsdConfig, SsdDir, SsdError, SsdStats};
+use kvferry_actors::lease::table::LeaseError;
+use kvferry_actors::peer::{LocalCluster, Provider};
+use kvferry_actors::tier::ssd::error::ReadFailure;
+use kvferry_actors::tier::ssd::format::{self, BlockHeader, Damage};
+use kvferry_actors::tier::ssd::{SsdConfig, SsdDir, SsdError, SsdStats};
 use kvferry_actors::{
     BlockHash, Clock, LoadRequest, Node, NodeConfig, NodeError, QueryRequest, TransferPath,
     TransferReport,

@@ -887,7 +887,7 @@ fn verbs_without_a_device_refuses_direct_gpu_with_the_reason() {
         let (node, dev) = harness::start(
             cfg,
             kvferry_actors::Clock::system(),
-            None::<Arc<kvferry_actors::remote::LocalCluster>>,
+            None::<Arc<kvferry_actors::peer::LocalCluster>>,
         );
         let nics = node.nics().expect("the [[nic]] actors run");
         let e = nics.pool.as_ref().unwrap_err();
@@ -1148,7 +1148,7 @@ fn nic_metrics_pass_promtool() {
         let (node, _dev) = harness::start(
             cfg,
             kvferry_actors::Clock::system(),
-            None::<Arc<kvferry_actors::remote::LocalCluster>>,
+            None::<Arc<kvferry_actors::peer::LocalCluster>>,
         );
         let text = node.metrics_text().await.unwrap();
         for family in [

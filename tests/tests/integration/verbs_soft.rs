@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use kvferry_actors::nic::{NicSection, VerbsSection};
-use kvferry_actors::remote::{Directory, DirectoryStats, LocalCluster, Provider};
-use kvferry_actors::rpc;
+use kvferry_actors::peer;
+use kvferry_actors::peer::{Directory, DirectoryStats, LocalCluster, Provider};
 use kvferry_actors::{BlockHash, Clock, Namespace, Node};
 use kvferry_gpu::{Device, KvShape};
 use kvferry_testkit::harness::*;
@@ -63,7 +63,7 @@ impl Owner {
         nics: &[&str],
         verbs: VerbsSection,
         ids: std::ops::Range<u64>,
-        serve: impl FnOnce(&Node, rpc::PeerBackend) -> rpc::PeerBackend,
+        serve: impl FnOnce(&Node, peer::PeerBackend) -> peer::PeerBackend,
     ) -> Self {
         let s = shape();
         let (node, dev) = start(
@@ -121,7 +121,7 @@ impl Directory for SplitDirectory {
         _: &Namespace,
         hashes: &[BlockHash],
         _exclude: &str,
-    ) -> kvferry_actors::remote::link::BoxFut<Vec<Vec<String>>> {
+    ) -> kvferry_actors::peer::link::BoxFut<Vec<Vec<String>>> {
         let out = hashes
             .iter()
             .map(|h| {
@@ -521,7 +521,7 @@ fn two_processes_over_soft_verbs() {
 /// reset and posts nothing; its load fails typed and its gauges return to zero.
 #[test]
 fn answers_contradicting_the_announced_port_are_refused_before_posting() {
-    use kvferry_actors::remote::{VerbsPeerEndpoint, VerbsResponder};
+    use kvferry_actors::peer::{VerbsPeerEndpoint, VerbsResponder};
 
     #[derive(Debug)]
     struct Tamper {

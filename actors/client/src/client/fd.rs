@@ -84,7 +84,7 @@ impl EngineClient {
     }
 
     /// Sends a request mailbox (see [`kvferry_proto::shm::mailbox`]); returns the handle a session
-    /// attaches ([`EngineSession::attach`]). [`Self::attach_mailbox`] does both.
+    /// attaches ([`crate::EngineSession::attach`]). [`Self::attach_mailbox`] does both.
     pub async fn send_mailbox(
         &self,
         instance: &InstanceId,

@@ -766,7 +766,7 @@ fn shutdown_answers_everything_once() {
 /// in batches of 8: 32 against 24).
 #[test]
 fn batches_cut_evenly_share_the_qps_equally() {
-    use crate::remote::batches::even_batches;
+    use crate::peer::batches::even_batches;
 
     let per_qp = |cuts: Vec<std::ops::Range<usize>>| {
         let mut w = World::new(config(128, 16, 2), 1024);

@@ -1,0 +1,9 @@
+//! A load, from plan to end: [`plan`] (pure: local copies, SSD reads, remote reads per
+//! owner, staging), [`transfer::Transfer`] (one actor per load or save, owning what its
+//! copies touch, replying once), the remote suffix's reads ([`remote`]) and the SSD
+//! prefix's reads ([`ssd`]).
+
+pub mod plan;
+pub mod remote;
+pub mod ssd;
+pub mod transfer;

@@ -1,0 +1,228 @@
+//! The remote suffix of one rank's load, as the [`crate::load::transfer::Transfer`] runs it next to
+//! the local copies: each owner segment in prefix order, each block's rank part read as one
+//! remote range scattered into its layer segments, straight into device KV (direct) or
+//! through pool slots (staged). Direct errors are load failures: nothing falls back to
+//! staging.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix::Addr;
+use kvferry_gpu::{CopyDirection, CopyList, CopyOp, Scatter};
+
+use crate::api::{Stage, StageName};
+use crate::error::NodeError;
+use crate::lease::keeper::LeasePlan;
+use crate::lease::registry::RankHandle;
+use crate::load::plan::RemotePart;
+use crate::load::transfer::PartDone;
+use crate::model::BlockHash;
+use crate::nic::stripe::{ReadRoute, StripePlan};
+use crate::peer::batches::even_batches;
+use crate::peer::link::{BoxFut, Drained, Keep, ReadStats};
+use crate::tier::store::{BlockStore, ReserveFetch};
+
+/// Most blocks per pipeline step of a staged load: reads of later chunks overlap the device
+/// copy of earlier ones. A segment is cut into equal chunks, as many per lane of its link
+/// ([`even_batches`]).
+pub const STAGED_CHUNK: usize = 8;
+
+/// Everything the suffix needs, owned (it runs as a future of the transfer).
+pub struct Suffix {
+    pub parts: Vec<RemotePart>,
+    pub share: LeasePlan,
+    pub handle: Arc<RankHandle>,
+    pub store: Addr<BlockStore>,
+    pub route: Option<StripePlan>,
+}
+
+impl Suffix {
+    /// Bytes moved and stages spent.
+    pub fn run(self) -> BoxFut<Result<PartDone, NodeError>> {
+        Box::pin(async move {
+            let (bytes, stages) = if self.share.direct {
+                self.direct().await?
+            } else {
+                self.staged().await?
+            };
+            Ok(PartDone {
+                bytes,
+                stages,
+                spans: Vec::new(),
+            })
+        })
+    }
+
+    async fn direct(self) -> Result<(u64, Vec<Stage>), NodeError> {
+        let Suffix {
+            parts,
+            share,
+            handle,
+            route,
+            ..
+        } = self;
+        let shape = handle.shape;
+        let rank = handle.rank;
+        let planes: Vec<(u64, u64)> = handle
+            .layout
+            .planes()?
+            .iter()
+            .map(|p| (p.start, p.extent))
+            .collect();
+        let mut total = ReadStats::default();
+        let mut next_read = 0;
+        let mut bytes = 0;
+        for part in parts {
+            let seg = &share.remote[part.segment];
+            let list = part.direct.unwrap_or_default();
+            // This segment's reads, each with the NIC the stripe plan assigned it.
+            let seg_route = route.as_ref().map(|r| ReadRoute {
+                nics: r.nics.clone(),
+                reads: seg
+                    .blocks
+                    .iter()
+                    .zip(r.per_read.iter().skip(next_read))
+                    .map(|(b, nic)| (b.addr + shape.rank_offset(rank), shape.rank_bytes(), *nic))
+                    .collect(),
+            });
+            next_read += seg.blocks.len();
+            bytes += list.bytes();
+            let keep: Keep = Box::new(Arc::clone(&handle));
+            let r = seg
+                .link
+                .read_device_routed(
+                    Arc::clone(&handle.device),
+                    list,
+                    planes.clone(),
+                    &handle.plane_regs,
+                    keep,
+                    seg_route,
+                )
+                .await?;
+            total.register += r.register;
+            total.post += r.post;
+            total.wire += r.wire;
+        }
+        let mut stages: Vec<Stage> = [
+            (StageName::Register, total.register),
+            (StageName::Post, total.post),
+            (StageName::Wire, total.wire),
+        ]
+        .into_iter()
+        .map(|(name, seconds)| Stage { name, seconds })
+        .collect();
+        let t = Instant::now();
+        handle.device.flush_direct_writes()?;
+        stages.push(Stage {
+            name: StageName::Fence,
+            seconds: t.elapsed().as_secs_f64(),
+        });
+        Ok((bytes, stages))
+    }
+
+    /// Reserve slots, read each chunk into them, copy each chunk to the device as soon as it
+    /// has landed; later reads run while earlier chunks copy.
+    async fn staged(self) -> Result<(u64, Vec<Stage>), NodeError> {
+        let Suffix {
+            parts,
+            share,
+            handle,
+            store,
+            ..
+        } = self;
+        let shape = handle.shape;
+        let rank = handle.rank;
+        let sc = Scatter::new(&handle.shape, &handle.layout, rank);
+        let (mut wire, mut h2d, mut post) = (0.0f64, 0.0f64, 0.0f64);
+        let mut bytes = 0;
+        let mut copies = Vec::new();
+        for part in parts {
+            let seg = &share.remote[part.segment];
+            let hashes: Vec<BlockHash> = seg.blocks.iter().map(|b| b.hash).collect();
+            let (slots, guard) = store
+                .send(ReserveFetch {
+                    namespace: share.namespace.clone(),
+                    tp: shape.tp_size(),
+                    rank,
+                    block_bytes: shape.block_bytes(),
+                    hashes,
+                })
+                .await??;
+            let memory = Arc::clone(guard.memory());
+            let chunks = even_batches(seg.blocks.len(), seg.link.lanes(), STAGED_CHUNK);
+            let mut reads = Vec::new();
+            for chunk in &chunks {
+                let ops: Vec<CopyOp> = seg.blocks[chunk.clone()]
+                    .iter()
+                    .zip(&slots[chunk.start..])
+                    .filter(|(_, s)| s.must_write)
+                    .map(|(b, s)| CopyOp {
+                        src: b.addr + shape.rank_offset(rank),
+                        dst: s.addr + shape.rank_offset(rank),
+                        len: shape.rank_bytes(),
+                    })
+                    .collect();
+                let keep: Keep = Box::new(Arc::clone(&memory));
+                reads.push(tokio::spawn(seg.link.read_host(ops, keep)));
+            }
+            // The first failure is returned, but only once every read of the segment has been
+            // reported and every copy out of its slots has landed: the slots go back to the
+            // pool with `guard`, and nothing may still write into them or read out of them
+            // (errors drain before release).
+            let mut failed: Option<NodeError> = None;
+            for (chunk, read) in chunks.into_iter().zip(reads) {
+                // Time spent waiting here is the part of the wire the pipeline did not hide.
+                let tr = Instant::now();
+                let r = read
+                    .await
+                    .map_err(|_| NodeError::Stopped {
+                        what: "remote read",
+                    })
+                    .and_then(|r| r);
+                wire += tr.elapsed().as_secs_f64();
+                let r = match (r, &failed) {
+                    (Ok(r), None) => r,
+                    (Err(e), None) => {
+                        failed = Some(e);
+                        continue;
+                    }
+                    (_, Some(_)) => continue,
+                };
+                post += r.post;
+                let (lo, hi) = (chunk.start, chunk.end.min(slots.len()));
+                let mut list = CopyList::with_capacity((hi - lo) * sc.copies_per_block());
+                for (s, &dst) in slots[lo..hi].iter().zip(&part.dest[lo..hi]) {
+                    sc.push_block(&mut list, CopyDirection::HostToDevice, s.addr, dst);
+                }
+                bytes += list.bytes();
+                // SAFETY: sources are pool slots pinned by `guard` (kept until every copy of
+                // this segment resolved, below) in memory kept mapped by `memory`;
+                // destinations are device KV held by `handle`.
+                match unsafe { handle.device.submit(CopyDirection::HostToDevice, list) } {
+                    Ok(ev) => copies.push(Drained::new(ev, vec![Box::new(Arc::clone(&memory))])),
+                    Err(e) => failed = Some(e.into()),
+                }
+            }
+            let th = Instant::now();
+            for c in copies.drain(..) {
+                if let Err(e) = c.await {
+                    failed.get_or_insert(e);
+                }
+            }
+            h2d += th.elapsed().as_secs_f64();
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            guard.finish();
+        }
+        let stages = [
+            (StageName::Post, post),
+            (StageName::Wire, wire),
+            (StageName::H2d, h2d),
+        ]
+        .into_iter()
+        .map(|(name, seconds)| Stage { name, seconds })
+        .collect();
+        Ok((bytes, stages))
+    }
+}

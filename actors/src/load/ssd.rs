@@ -1,0 +1,271 @@
+//! The SSD part of one rank's load, as the [`crate::load::transfer::Transfer`] runs it beside the
+//! RAM copies and the remote suffix: the lease's SSD blocks are read, a chunk at a time,
+//! into a ring of pool slots borrowed for the load, and each chunk is copied to the device
+//! as soon as it has landed, while the disk reads the next chunks.
+//!
+//! The staging slots go back to the pool after the copies, instead of becoming RAM cache
+//! entries: each TP rank reads and copies on its own (a promotion would have to share one
+//! slot between ranks, and a damaged read must never touch an entry another rank copies
+//! from), a load never evicts RAM to hold a prefix of any length (it borrows one ring), and
+//! the disk reads of a load do not queue behind write-behind writes of blocks it evicted.
+//! The block stays on disk, most recently used there.
+//!
+//! A block that does not come back intact fails the load with
+//! [`SsdError::Unreadable`] naming it; its destination is never written.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix::Addr;
+use futures::future::{select, Either};
+use kvferry_gpu::{CopyDirection, CopyList, Scatter};
+
+use crate::api::{Span, Stage, StageName};
+use crate::error::NodeError;
+use crate::lease::registry::RankHandle;
+use crate::load::plan::SsdPart;
+use crate::load::transfer::PartDone;
+use crate::model::{BlockHash, Namespace};
+use crate::peer::link::{BoxFut, Drained, Keep};
+use crate::tier::ssd::error::{ReadFailure, SsdError};
+use crate::tier::store::{BlockStore, ReadFail, ReadSsd, ReserveStaging, StagingGuard};
+
+/// Everything the SSD part needs, owned (it runs as a future of the transfer).
+pub struct SsdLoad {
+    pub namespace: Namespace,
+    /// The lease's SSD blocks, in prefix order (`part.dest` gives their destinations).
+    pub hashes: Vec<BlockHash>,
+    pub part: SsdPart,
+    pub handle: Arc<RankHandle>,
+    pub store: Addr<BlockStore>,
+    /// When the transfer started: the spans are seconds since then.
+    pub started: Instant,
+}
+
+/// One chunk's reads in flight: its blocks, its slots and when it was queued.
+struct Reading {
+    blocks: Range<usize>,
+    slots: Vec<u64>,
+    /// Boxed: a request is not `Unpin`, and it is raced against the oldest copy.
+    reply: Pin<Box<actix::dev::Request<BlockStore, ReadSsd>>>,
+    start: f64,
+}
+
+/// One chunk's copy to the device in flight.
+struct Copying {
+    slots: Vec<u64>,
+    copy: Drained,
+    start: f64,
+}
+
+/// What happened first: the oldest chunk's reads landed, or the oldest copy drained.
+enum Event {
+    Landed(Result<Vec<Result<(), ReadFail>>, actix::MailboxError>),
+    Copied(Result<u64, NodeError>),
+}
+
+/// The pipeline's state between events.
+#[derive(Default)]
+struct Pipe {
+    free: VecDeque<u64>,
+    reading: VecDeque<Reading>,
+    copying: VecDeque<Copying>,
+    next: usize,
+    spans: Vec<Span>,
+    failed: Vec<(BlockHash, ReadFailure)>,
+    io_error: Option<SsdError>,
+    error: Option<NodeError>,
+    bytes: u64,
+    disk: f64,
+    h2d: f64,
+}
+
+impl Pipe {
+    fn stopping(&self) -> bool {
+        self.error.is_some() || !self.failed.is_empty()
+    }
+}
+
+impl SsdLoad {
+    pub fn run(self) -> BoxFut<Result<PartDone, NodeError>> {
+        Box::pin(self.pipeline())
+    }
+
+    fn now(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    /// Keeps the ring's chunks of reads queued on the disk; whichever comes first — the
+    /// oldest chunk's reads landing (its copy is submitted at once, behind the copies
+    /// already queued on the device) or the oldest copy draining (its slots take the next
+    /// chunk's reads) — is handled first, so neither the disk nor the copy engine waits for
+    /// the other. On the first failure nothing more is queued, and the part returns only
+    /// after every read and copy already started has finished (errors drain first).
+    async fn pipeline(self) -> Result<PartDone, NodeError> {
+        let n = self.hashes.len().min(self.part.dest.len());
+        let (addrs, staging) = self
+            .store
+            .send(ReserveStaging {
+                want: self.part.staging_slots.max(1),
+            })
+            .await??;
+        // Two chunks at least, so one reads while the other copies.
+        let chunk = self.part.chunk.min(addrs.len() / 2).max(1);
+        let sc = Scatter::new(&self.handle.shape, &self.handle.layout, self.handle.rank);
+        let mut p = Pipe {
+            free: addrs.into(),
+            ..Default::default()
+        };
+        loop {
+            while !p.stopping() && p.next < n {
+                let k = chunk.min(n - p.next);
+                if p.free.len() < k {
+                    break;
+                }
+                let slots: Vec<u64> = p.free.drain(..k).collect();
+                let blocks = p.next..p.next + k;
+                let reads = self.hashes[blocks.clone()]
+                    .iter()
+                    .copied()
+                    .zip(slots.iter().copied())
+                    .collect();
+                let reply = Box::pin(self.store.send(ReadSsd {
+                    namespace: self.namespace.clone(),
+                    reads,
+                    staging: Arc::clone(&staging),
+                }));
+                p.reading.push_back(Reading {
+                    blocks,
+                    slots,
+                    reply,
+                    start: self.now(),
+                });
+                p.next += k;
+            }
+            let t = Instant::now();
+            let event = match (p.reading.front_mut(), p.copying.front_mut()) {
+                (None, None) => break,
+                (Some(r), None) => Event::Landed((&mut r.reply).await),
+                (None, Some(c)) => Event::Copied((&mut c.copy).await),
+                (Some(r), Some(c)) => match select(&mut r.reply, &mut c.copy).await {
+                    Either::Left((o, _)) => Event::Landed(o),
+                    Either::Right((o, _)) => Event::Copied(o),
+                },
+            };
+            let waited = t.elapsed().as_secs_f64();
+            match event {
+                Event::Landed(outcomes) => {
+                    p.disk += waited;
+                    if let Some(r) = p.reading.pop_front() {
+                        self.landed(&mut p, r, outcomes, &sc, &staging);
+                    }
+                }
+                Event::Copied(out) => {
+                    p.h2d += waited;
+                    if let Some(c) = p.copying.pop_front() {
+                        p.spans.push(Span {
+                            name: "ssd_h2d",
+                            start: c.start,
+                            end: self.now(),
+                        });
+                        match out {
+                            Ok(_) => p.free.extend(c.slots),
+                            Err(e) => {
+                                p.error.get_or_insert(e);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(e) = p.error {
+            return Err(e);
+        }
+        if !p.failed.is_empty() {
+            return Err(SsdError::Unreadable {
+                blocks: p.failed,
+                source: p.io_error.map(Box::new),
+            }
+            .into());
+        }
+        Ok(PartDone {
+            bytes: p.bytes,
+            stages: vec![
+                Stage {
+                    name: StageName::Disk,
+                    seconds: p.disk,
+                },
+                Stage {
+                    name: StageName::H2d,
+                    seconds: p.h2d,
+                },
+            ],
+            spans: p.spans,
+        })
+    }
+
+    /// A chunk's reads are all done (the store replied after the last one): its copy is
+    /// submitted, unless a block of it (or of an earlier chunk) failed.
+    fn landed(
+        &self,
+        p: &mut Pipe,
+        r: Reading,
+        outcomes: Result<Vec<Result<(), ReadFail>>, actix::MailboxError>,
+        sc: &Scatter<'_>,
+        staging: &Arc<StagingGuard>,
+    ) {
+        p.spans.push(Span {
+            name: "ssd_read",
+            start: r.start,
+            end: self.now(),
+        });
+        let outcomes = match outcomes {
+            Ok(o) => o,
+            Err(e) => {
+                // The store is gone: its reads may still land in these slots, so they are
+                // not reused (the staging guard keeps them until then).
+                p.error.get_or_insert(e.into());
+                return;
+            }
+        };
+        for (i, o) in r.blocks.clone().zip(outcomes) {
+            if let Err(f) = o {
+                p.failed.push((self.hashes[i], f.failure));
+                if let Some(src) = f.source {
+                    p.io_error.get_or_insert(src);
+                }
+            }
+        }
+        if p.stopping() {
+            p.free.extend(r.slots);
+            return;
+        }
+        let mut list = CopyList::with_capacity(r.slots.len() * sc.copies_per_block());
+        for (&slot, &dst) in r.slots.iter().zip(&self.part.dest[r.blocks.clone()]) {
+            sc.push_block(&mut list, CopyDirection::HostToDevice, slot, dst);
+        }
+        let chunk_bytes = list.bytes();
+        let start = self.now();
+        // SAFETY: sources are staging slots whose reads are done, lent to this load by
+        // `staging` (held by the copy below until it drained) in pool memory it keeps
+        // mapped; destinations are device KV held by `handle`.
+        match unsafe { self.handle.device.submit(CopyDirection::HostToDevice, list) } {
+            Ok(ev) => {
+                let keep: Keep = Box::new(Arc::clone(staging));
+                p.copying.push_back(Copying {
+                    slots: r.slots,
+                    copy: Drained::new(ev, vec![keep, Box::new(Arc::clone(&self.handle))]),
+                    start,
+                });
+                p.bytes += chunk_bytes;
+            }
+            Err(e) => {
+                p.error.get_or_insert(e.into());
+                p.free.extend(r.slots);
+            }
+        }
+    }
+}

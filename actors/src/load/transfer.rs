@@ -1,0 +1,627 @@
+//! The Transfer actor: one per load or save. It owns everything its copies touch (lease
+//! share, rank handle, pool memory, writer pins) until every batch it submitted has been
+//! reported, and only then releases them and replies, once.
+//!
+//! A load runs its [`LoadPlan`]: the local prefix's RAM blocks as layer batches submitted
+//! back to back (each reported as it lands, so an engine can start on early layers), and
+//! beside them its parts: the SSD blocks ([`SsdLoad`]) and the remote suffix ([`Suffix`])
+//! (their destinations are other blocks); it replies when all are done.
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{self, Poll};
+use std::time::Instant;
+
+use actix::fut::ActorFutureExt;
+use actix::{Actor, ActorContext, ActorFuture, Addr, AsyncContext, Context};
+use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, CopyStats, Device, DeviceError, Landed};
+use tokio::sync::oneshot;
+
+use crate::api::{LoadObserver, Span, Stage, StageName, TransferPath, TransferReport};
+use crate::error::NodeError;
+use crate::lease::keeper::LeasePlan;
+use crate::lease::registry::RankHandle;
+use crate::load::plan::LoadPlan;
+use crate::load::remote::Suffix;
+use crate::load::ssd::SsdLoad;
+use crate::metrics::InFlight;
+use crate::nic::stripe::StripePlan;
+use crate::peer::link::BoxFut;
+use crate::tier::store::BlockStore;
+
+/// Batches a transfer keeps queued on the device (see `Transfer::submit_ahead`).
+const SUBMIT_AHEAD: usize = 2;
+
+/// Size of one batch of a save (or put) transfer. Planning a batch costs ~0.1 us per copy on
+/// the H200's host before the device starts on it (the device's submit thread does it for
+/// large batches): a 256-block save in one batch (14,336 copies, 448 MiB) started ~1 ms
+/// late. Two staging chunks' worth: each batch's device time (~1.2 ms) covers the next one's
+/// planning.
+const SAVE_BATCH_BYTES: u64 = 64 << 20;
+
+/// The first batch of a save: small, so the device starts after ~30 us of planning rather
+/// than ~230 (a 64 MiB batch); the next ones double up to [`SAVE_BATCH_BYTES`], each planned
+/// while the one before copies.
+const SAVE_FIRST_BATCH_BYTES: u64 = 8 << 20;
+
+/// Tells a load's observer the layers that have landed, from whichever thread learns it
+/// first: the device's completion thread as a batch lands (the actor thread may be busy
+/// submitting the next batch, hundreds of microseconds for a large one), or the actor as a
+/// part ends. Counts reach the observer growing, never repeated.
+struct LayerGate {
+    observer: Arc<dyn LoadObserver>,
+    total: u32,
+    /// Parts (SSD, remote) still running: their blocks hold every layer, so no layer is
+    /// visible before they end.
+    parts_running: AtomicUsize,
+    /// A batch or a part failed: nothing more is reported as landed.
+    failed: AtomicBool,
+    /// The count the observer was told last; the lock orders concurrent reports.
+    told: Mutex<u32>,
+}
+
+impl LayerGate {
+    fn report(&self, layers: u32) {
+        if layers == 0
+            || self.failed.load(Ordering::Acquire)
+            || self.parts_running.load(Ordering::Acquire) > 0
+        {
+            return;
+        }
+        let mut told = match self.told.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        if layers > *told {
+            *told = layers;
+            self.observer.layers_landed(layers, self.total);
+        }
+    }
+
+    fn fail(&self) {
+        self.failed.store(true, Ordering::Release);
+    }
+
+    /// What runs on the completion thread when a batch ending at `layers` resolves.
+    fn on_batch(self: &Arc<Self>, layers: u32) -> Landed {
+        let gate = Arc::clone(self);
+        Box::new(move |r| match r {
+            Ok(_) => gate.report(layers),
+            Err(_) => gate.fail(),
+        })
+    }
+}
+
+/// Something a transfer keeps alive until its copies have drained.
+pub type Hold = Box<dyn Any + Send>;
+
+/// Runs once the batch completed successfully (commits written blocks).
+pub type OnSuccess = Box<dyn FnOnce() + Send>;
+
+pub type ReportTx = oneshot::Sender<Result<TransferReport, NodeError>>;
+
+/// Work that runs beside the device batches (a load's SSD part and remote suffix).
+pub type Then = BoxFut<Result<PartDone, NodeError>>;
+
+/// What a part that ran beside the device batches did: bytes it moved, the stages it
+/// spent, and its own timeline (seconds since the transfer started).
+#[derive(Debug, Default)]
+pub struct PartDone {
+    pub bytes: u64,
+    pub stages: Vec<Stage>,
+    pub spans: Vec<Span>,
+}
+
+pub struct Transfer {
+    path: TransferPath,
+    dir: CopyDirection,
+    device: Arc<dyn Device>,
+    /// Batches not yet submitted, each with the layer count that has landed once it has.
+    batches: VecDeque<(u32, CopyList)>,
+    /// Submitted and not yet reported, in submission order (the device completes a lane's
+    /// batches in that order).
+    pending: VecDeque<(u32, CopyEvent)>,
+    blocks: usize,
+    holds: Vec<Hold>,
+    on_success: Option<OnSuccess>,
+    reply: Option<ReportTx>,
+    stages: Vec<Stage>,
+    started: Instant,
+    submitted: Option<Instant>,
+    in_flight: Option<InFlight>,
+    /// Parts not started yet, each with the span name it runs under.
+    then: Vec<(&'static str, Then)>,
+    /// Parts started and not finished.
+    parts_running: usize,
+    /// What the finished parts did together, and their first error.
+    parts: PartDone,
+    part_error: Option<NodeError>,
+    /// What the device batches did so far, and their first error.
+    local: CopyStats,
+    local_error: Option<DeviceError>,
+    local_seconds: f64,
+    layers: u32,
+    landed: u32,
+    observer: Option<Arc<dyn LoadObserver>>,
+    /// Reports landed layers to `observer` (loads with an observer).
+    gate: Option<Arc<LayerGate>>,
+    /// The parts' timeline, in seconds since `started`.
+    spans: Vec<Span>,
+    /// The load's (or save's) tracing span: what it logs carries its instance, rank, path
+    /// and blocks.
+    trace: tracing::Span,
+}
+
+/// Everything a save (or put) transfer needs, built by whoever accepted the request.
+pub struct TransferSpec {
+    pub path: TransferPath,
+    pub dir: CopyDirection,
+    pub device: Arc<dyn Device>,
+    pub list: CopyList,
+    pub blocks: usize,
+    pub holds: Vec<Hold>,
+    pub on_success: Option<OnSuccess>,
+    /// Stages already spent before the transfer started (plan, pin).
+    pub stages: Vec<Stage>,
+    pub started: Instant,
+    pub in_flight: InFlight,
+    pub then: Option<Then>,
+}
+
+/// One rank's load: its plan and what executing it needs.
+pub struct LoadJob {
+    pub plan: LoadPlan,
+    pub share: LeasePlan,
+    pub handle: Arc<RankHandle>,
+    pub store: Addr<BlockStore>,
+    pub route: Option<StripePlan>,
+    pub observer: Option<Arc<dyn LoadObserver>>,
+    pub stages: Vec<Stage>,
+    pub started: Instant,
+    pub in_flight: InFlight,
+}
+
+impl Transfer {
+    pub fn new(spec: TransferSpec, reply: ReportTx) -> Self {
+        Self {
+            path: spec.path,
+            dir: spec.dir,
+            device: spec.device,
+            // In parts, so the device starts on the first while the rest are planned.
+            batches: spec
+                .list
+                .split_ramped(SAVE_FIRST_BATCH_BYTES, SAVE_BATCH_BYTES)
+                .into_iter()
+                .map(|l| (0, l))
+                .collect(),
+            pending: VecDeque::new(),
+            blocks: spec.blocks,
+            holds: spec.holds,
+            on_success: spec.on_success,
+            reply: Some(reply),
+            stages: spec.stages,
+            started: spec.started,
+            submitted: None,
+            in_flight: Some(spec.in_flight),
+            then: spec.then.map(|t| ("remote", t)).into_iter().collect(),
+            parts_running: 0,
+            parts: PartDone::default(),
+            part_error: None,
+            local: CopyStats::default(),
+            local_error: None,
+            local_seconds: 0.0,
+            layers: 0,
+            landed: 0,
+            observer: None,
+            gate: None,
+            spans: Vec::new(),
+            trace: tracing::info_span!("transfer", path = spec.path.as_str(), blocks = spec.blocks),
+        }
+    }
+
+    /// A load: the local layer batches, the SSD part and the remote suffix, started together.
+    pub fn load(job: LoadJob, reply: ReportTx) -> Self {
+        let LoadJob {
+            mut plan,
+            share,
+            handle,
+            store,
+            route,
+            observer,
+            stages,
+            started,
+            in_flight,
+        } = job;
+        let trace = tracing::info_span!(
+            "load",
+            instance = %handle.instance,
+            rank = handle.rank,
+            path = plan.path.as_str(),
+            blocks = plan.blocks,
+            remote_blocks = plan.remote_blocks(),
+            ssd_blocks = plan.ssd_blocks(),
+        );
+        use tracing::Instrument;
+        let mut then: Vec<(&'static str, Then)> = Vec::new();
+        // The SSD part first: its disk reads start while the rest is set up.
+        if let Some(part) = plan.ssd.take() {
+            let f = SsdLoad {
+                namespace: share.namespace.clone(),
+                hashes: share.ssd.iter().map(|b| b.hash).collect(),
+                part,
+                handle: Arc::clone(&handle),
+                store: store.clone(),
+                started,
+            }
+            .run()
+            .instrument(trace.clone());
+            then.push(("ssd", Box::pin(f)));
+        }
+        // The suffix takes the remote parts (their scatter lists can be long): nothing else
+        // reads them.
+        let remote = std::mem::take(&mut plan.remote);
+        if !remote.is_empty() {
+            let f = Suffix {
+                parts: remote,
+                share: share.clone(),
+                handle: Arc::clone(&handle),
+                store,
+                route,
+            }
+            .run()
+            .instrument(trace.clone());
+            then.push(("remote", Box::pin(f)));
+        }
+        let batches = plan
+            .local
+            .into_iter()
+            .map(|b| (b.layers.end, b.list))
+            .collect();
+        let gate = observer.as_ref().map(|o| {
+            Arc::new(LayerGate {
+                observer: Arc::clone(o),
+                total: plan.layers,
+                parts_running: AtomicUsize::new(then.len()),
+                failed: AtomicBool::new(false),
+                told: Mutex::new(0),
+            })
+        });
+        Self {
+            path: plan.path,
+            dir: CopyDirection::HostToDevice,
+            device: Arc::clone(&handle.device),
+            batches,
+            pending: VecDeque::new(),
+            blocks: plan.blocks,
+            holds: vec![Box::new(share), Box::new(handle)],
+            on_success: None,
+            reply: Some(reply),
+            stages,
+            started,
+            submitted: None,
+            in_flight: Some(in_flight),
+            then,
+            parts_running: 0,
+            parts: PartDone::default(),
+            part_error: None,
+            local: CopyStats::default(),
+            local_error: None,
+            local_seconds: 0.0,
+            layers: plan.layers,
+            landed: 0,
+            observer,
+            gate,
+            spans: Vec::new(),
+            trace,
+        }
+    }
+
+    /// Seconds since the transfer started.
+    fn now(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    fn end_span(&mut self, name: &'static str) {
+        let end = self.now();
+        if let Some(s) = self.spans.iter_mut().find(|s| s.name == name) {
+            s.end = end;
+        }
+    }
+
+    fn copy_stage(&self) -> StageName {
+        match self.dir {
+            CopyDirection::HostToDevice => StageName::H2d,
+            CopyDirection::DeviceToHost => StageName::D2h,
+        }
+    }
+
+    /// Layers that have landed in every destination: none while a part (SSD, remote) runs
+    /// (its blocks hold every layer), the local batches' count once they are done. The
+    /// completion thread reports each batch as it lands; this covers what only the actor
+    /// learns (a part ended, empty batches skipped).
+    fn report_layers(&mut self) {
+        let Some(gate) = &self.gate else {
+            return;
+        };
+        if self.local_error.is_some() || self.part_error.is_some() {
+            gate.fail();
+            return;
+        }
+        let local = if self.pending.is_empty() && self.batches.is_empty() {
+            self.layers
+        } else {
+            self.landed
+        };
+        gate.report(local);
+    }
+
+    /// One batch resolved.
+    fn batch_done(
+        &mut self,
+        layers: u32,
+        r: Result<CopyStats, DeviceError>,
+        ctx: &mut Context<Self>,
+    ) {
+        match r {
+            Ok(s) => {
+                self.local.bytes += s.bytes;
+                self.local.ops += s.ops;
+                self.landed = self.landed.max(layers);
+            }
+            Err(e) => {
+                self.local_error.get_or_insert(e);
+                // Nothing more is submitted; what was is still awaited.
+                self.batches.clear();
+            }
+        }
+        // Usually told already by the completion thread; not while a part was running then.
+        self.report_layers();
+        self.submit_ahead();
+        if self.pending.is_empty() {
+            self.local_seconds = self
+                .submitted
+                .map(|t| t.elapsed().as_secs_f64())
+                .unwrap_or(0.0);
+            self.end_span("local");
+            self.report_layers();
+        } else {
+            ctx.spawn(
+                AwaitFront.map(|(layers, r), act: &mut Self, ctx| act.batch_done(layers, r, ctx)),
+            );
+        }
+        self.maybe_finish(ctx);
+    }
+
+    /// Submits batches in order until [`SUBMIT_AHEAD`] are queued on the device. A window
+    /// rather than all at once: submitting a large batch takes the actor thread hundreds of
+    /// microseconds, during which no completion is handled (on the H200 a 256-block load
+    /// showed layer 0 at 1.0 ms with every batch submitted up front, its copy having ended at
+    /// 0.48 ms; the layers are now reported from the completion thread, but the window still
+    /// bounds what a failed batch leaves queued). Two queued batches keep the device busy: the
+    /// next is submitted while the second still copies.
+    fn submit_ahead(&mut self) {
+        while self.pending.len() < SUBMIT_AHEAD {
+            let Some((layers, list)) = self.batches.pop_front() else {
+                return;
+            };
+            if list.is_empty() {
+                self.landed = self.landed.max(layers);
+                continue;
+            }
+            let landed = self.gate.as_ref().map(|g| g.on_batch(layers));
+            // SAFETY: every host range in `list` lies in pool slots kept alive by
+            // `self.holds` (the pool memory `Arc` and the pins on those slots), and the holds
+            // are released only after every submitted event has resolved: in `maybe_finish`,
+            // or by the drain thread in `Drop`.
+            match unsafe { self.device.submit_then(self.dir, list, landed) } {
+                Ok(ev) => self.pending.push_back((layers, ev)),
+                Err(e) => {
+                    // Nothing more is submitted; what was is still awaited.
+                    if let Some(g) = &self.gate {
+                        g.fail();
+                    }
+                    self.local_error = Some(e);
+                    self.batches.clear();
+                }
+            }
+        }
+    }
+
+    fn part_done(
+        &mut self,
+        name: &'static str,
+        r: Result<PartDone, NodeError>,
+        ctx: &mut Context<Self>,
+    ) {
+        self.parts_running = self.parts_running.saturating_sub(1);
+        self.end_span(name);
+        match r {
+            Ok(p) => {
+                self.parts.bytes += p.bytes;
+                self.parts.stages.extend(p.stages);
+                self.spans.extend(p.spans);
+            }
+            Err(e) => {
+                self.part_error.get_or_insert(e);
+            }
+        }
+        if let Some(g) = &self.gate {
+            if self.part_error.is_some() {
+                g.fail();
+            }
+            g.parts_running.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.report_layers();
+        self.maybe_finish(ctx);
+    }
+
+    /// Replies once the device batches and every part have finished.
+    fn maybe_finish(&mut self, ctx: &mut Context<Self>) {
+        if !self.pending.is_empty() || self.parts_running > 0 {
+            return;
+        }
+        let out = if let Some(source) = self.local_error.take() {
+            Err(NodeError::Transfer {
+                path: self.path.as_str(),
+                source,
+            })
+        } else {
+            if let Some(e) = self.part_error.take() {
+                self.reply_with(Err(e), ctx);
+                return;
+            }
+            let bytes = self.local.bytes + self.parts.bytes;
+            let remote_stages = std::mem::take(&mut self.parts.stages);
+            if let Some(f) = self.on_success.take() {
+                f();
+            }
+            if self.local.ops > 0 || remote_stages.is_empty() {
+                self.stages.push(Stage {
+                    name: self.copy_stage(),
+                    seconds: self.local_seconds,
+                });
+            }
+            // One entry per stage: the prefix's and the parts' device copies add up.
+            for st in remote_stages {
+                match self.stages.iter_mut().find(|s| s.name == st.name) {
+                    Some(s) => s.seconds += st.seconds,
+                    None => self.stages.push(st),
+                }
+            }
+            Ok(TransferReport {
+                path: self.path,
+                blocks: self.blocks,
+                bytes,
+                copies: self.local.ops,
+                seconds: self.started.elapsed().as_secs_f64(),
+                stages: std::mem::take(&mut self.stages),
+                spans: std::mem::take(&mut self.spans),
+            })
+        };
+        self.reply_with(out, ctx);
+    }
+
+    fn reply_with(&mut self, out: Result<TransferReport, NodeError>, ctx: &mut Context<Self>) {
+        let _in_span = self.trace.clone().entered();
+        match &out {
+            Ok(r) => tracing::debug!(bytes = r.bytes, seconds = r.seconds, "transfer done"),
+            Err(e) => tracing::debug!(error = %e, "transfer failed"),
+        }
+        if let Some(f) = &self.in_flight {
+            if self.dir == CopyDirection::HostToDevice {
+                f.0.load(out.is_ok(), out.as_ref().map(|r| r.bytes).unwrap_or(0));
+            }
+            f.0.transfer(self.path.as_str(), out.as_ref().map_err(|_| ()));
+            if let Err(e) = &out {
+                f.0.log_failure(self.path.as_str(), e);
+            }
+        }
+        // Release before replying, so a caller that sees the reply sees the pins gone.
+        self.on_success = None;
+        self.holds.clear();
+        self.in_flight = None;
+        if let Some(obs) = &self.observer {
+            obs.finished(&out);
+        }
+        if let Some(tx) = self.reply.take() {
+            let _ = tx.send(out);
+        }
+        ctx.stop();
+    }
+}
+
+/// Polls the oldest pending batch from inside the actor, so the event (and what it
+/// protects) stays owned by the actor until it resolves.
+struct AwaitFront;
+
+impl ActorFuture<Transfer> for AwaitFront {
+    type Output = (u32, Result<CopyStats, DeviceError>);
+
+    fn poll(
+        self: Pin<&mut Self>,
+        act: &mut Transfer,
+        _ctx: &mut Context<Transfer>,
+        cx: &mut task::Context<'_>,
+    ) -> Poll<Self::Output> {
+        let ordinal = act.device.ordinal();
+        match act.pending.front_mut() {
+            Some((layers, ev)) => {
+                let layers = *layers;
+                match Pin::new(ev).poll(cx) {
+                    Poll::Ready(r) => {
+                        act.pending.pop_front();
+                        Poll::Ready((layers, r))
+                    }
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+            None => Poll::Ready((0, Err(DeviceError::Stopped { ordinal }))),
+        }
+    }
+}
+
+impl Actor for Transfer {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        // The parts first: their reads start while the local batches are submitted.
+        for (name, then) in std::mem::take(&mut self.then) {
+            self.parts_running += 1;
+            let start = self.now();
+            self.spans.push(Span {
+                name,
+                start,
+                end: start,
+            });
+            ctx.spawn(
+                actix::fut::wrap_future(then)
+                    .map(move |r, act: &mut Self, ctx| act.part_done(name, r, ctx)),
+            );
+        }
+        self.submitted = Some(Instant::now());
+        let start = self.now();
+        self.spans.push(Span {
+            name: "local",
+            start,
+            end: start,
+        });
+        self.submit_ahead();
+        if self.pending.is_empty() {
+            self.local_seconds = 0.0;
+            self.end_span("local");
+            self.report_layers();
+            self.maybe_finish(ctx);
+        } else {
+            ctx.spawn(
+                AwaitFront.map(|(layers, r), act: &mut Self, ctx| act.batch_done(layers, r, ctx)),
+            );
+        }
+    }
+}
+
+impl Drop for Transfer {
+    fn drop(&mut self) {
+        // Stopped with batches still in flight (the system is shutting down): the device may
+        // still read or write the held memory, so keep it until they drain.
+        if !self.pending.is_empty() {
+            let pending = std::mem::take(&mut self.pending);
+            // ManuallyDrop: if the thread cannot start, the closure is dropped unrun and the
+            // holds leak, which is safe, instead of freeing memory a copy may still use.
+            let holds = std::mem::ManuallyDrop::new(std::mem::take(&mut self.holds));
+            let in_flight = self.in_flight.take();
+            let _ = std::thread::Builder::new()
+                .name("kvferry-drain".into())
+                .spawn(move || {
+                    for (_, ev) in pending {
+                        let _ = ev.wait_blocking();
+                    }
+                    drop(std::mem::ManuallyDrop::into_inner(holds));
+                    drop(in_flight);
+                });
+        }
+    }
+}

@@ -1,0 +1,419 @@
+//! The requester's link to one owner: pinning on the owner, and one-sided reads of the
+//! owner's host pool into local host memory (staged) or device memory (direct).
+
+use std::any::Any;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
+use actix::Addr;
+use futures::future::BoxFuture;
+use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, CopyOp, Device, HostRegistration};
+
+use crate::error::NodeError;
+use crate::model::{BlockHash, Namespace};
+use crate::peer::plane_regs::PlaneRegs;
+use crate::peer::RemoteError;
+use crate::tier::store::{BlockStore, PinForPeer, UnpinForPeer};
+
+/// The futures links and directories return (object-safe traits); the name stays for the
+/// many signatures that use it.
+pub type BoxFut<T> = BoxFuture<'static, T>;
+
+/// Kept alive until a read has fully landed (pins, slot guards, mappings).
+pub type Keep = Box<dyn Any + Send>;
+
+/// One pinned block on an owner: where its bytes are in the owner's address space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RemoteBlock {
+    pub hash: BlockHash,
+    pub addr: u64,
+}
+
+/// What an owner answered to a pin request: possibly fewer blocks than asked (blocks that
+/// vanished between lookup and pin shorten the hit; they are not an error).
+#[derive(Clone, Debug)]
+pub struct PinnedRemote {
+    pub pin_id: u64,
+    pub blocks: Vec<RemoteBlock>,
+}
+
+/// What one read batch did, with the time its stages took (seconds).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ReadStats {
+    pub bytes: u64,
+    /// Making destinations (or the owner's mapping) usable by the provider or device.
+    pub register: f64,
+    /// Handing the batch to the provider or device.
+    pub post: f64,
+    /// Until every byte landed.
+    pub wire: f64,
+}
+
+/// A link to one owner.
+pub trait PeerLink: Send + Sync + fmt::Debug {
+    fn node_id(&self) -> &str;
+    fn provider(&self) -> &'static str;
+    /// How many reads the link runs side by side (connections or QPs to the owner): callers
+    /// cut a plan's reads into batches of equal size, as many per lane
+    /// ([`crate::peer::batches::even_batches`]).
+    fn lanes(&self) -> usize {
+        1
+    }
+    /// Pins the present prefix of `hashes` on the owner.
+    fn pin(&self, ns: Namespace, hashes: Vec<BlockHash>)
+        -> BoxFut<Result<PinnedRemote, NodeError>>;
+    /// Releases a pin (control: fire and forget).
+    fn unpin(&self, pin_id: u64);
+    /// Reads `(owner address → local host address, len)` ranges; `keep` lives until done.
+    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, NodeError>>;
+    /// Reads owner ranges straight into device memory (`src` = owner address); `regions`
+    /// are the destination planes `(base, len)` (registered for local write where the
+    /// provider needs it; a verbs NIC's registrations are made once and kept in `held`, the
+    /// rank's); `keep` lives until the device reports the batch landed.
+    fn read_device(
+        &self,
+        device: Arc<dyn Device>,
+        list: CopyList,
+        regions: Vec<(u64, u64)>,
+        held: &PlaneRegs,
+        keep: Keep,
+    ) -> BoxFut<Result<ReadStats, NodeError>>;
+    /// [`PeerLink::read_device`] with the NIC each block's read goes through, as the
+    /// planner striped them. Links with a single data path (loopback, shm, tcp) have nothing
+    /// to choose and ignore it.
+    fn read_device_routed(
+        &self,
+        device: Arc<dyn Device>,
+        list: CopyList,
+        regions: Vec<(u64, u64)>,
+        held: &PlaneRegs,
+        keep: Keep,
+        route: Option<crate::nic::ReadRoute>,
+    ) -> BoxFut<Result<ReadStats, NodeError>> {
+        let _ = route;
+        self.read_device(device, list, regions, held, keep)
+    }
+}
+
+/// The control path to an owner: its block store's address (same process) or its Peer
+/// service (another process).
+#[derive(Clone, Debug)]
+pub enum Control {
+    Actor(Addr<BlockStore>),
+    Grpc {
+        client: crate::peer::client::PeerClient,
+        /// The runtime unpins are spawned on (they are fire and forget, often from `Drop`).
+        runtime: tokio::runtime::Handle,
+    },
+}
+
+impl Control {
+    pub fn pin(
+        &self,
+        peer: &str,
+        ns: Namespace,
+        hashes: Vec<BlockHash>,
+    ) -> BoxFut<Result<PinnedRemote, NodeError>> {
+        let peer = peer.to_owned();
+        match self.clone() {
+            Control::Actor(owner) => Box::pin(async move {
+                owner
+                    .send(PinForPeer {
+                        namespace: ns,
+                        hashes,
+                    })
+                    .await
+                    .map_err(|_| {
+                        NodeError::remote(
+                            peer,
+                            RemoteError::Connect {
+                                what: "the owner's block store is gone".into(),
+                                source: None,
+                            },
+                        )
+                    })
+            }),
+            Control::Grpc { client, .. } => Box::pin(async move {
+                client
+                    .pin_blocks(&ns, &hashes)
+                    .await
+                    .map(|p| p.to_remote())
+                    .map_err(|e| NodeError::remote(peer, RemoteError::lost("a pin", e)))
+            }),
+        }
+    }
+
+    pub fn unpin(&self, pin_id: u64) {
+        if pin_id == 0 {
+            return;
+        }
+        match self {
+            Control::Actor(owner) => owner.do_send(UnpinForPeer(pin_id)),
+            Control::Grpc { client, runtime } => {
+                let client = client.clone();
+                // An unpin that fails leaves the pin to expire on the owner (its TTL).
+                runtime.spawn(async move {
+                    let _ = client.unpin(pin_id).await;
+                });
+            }
+        }
+    }
+}
+
+/// Releases an owner pin when the last holder (the lease or a transfer's share) drops it.
+pub struct RemotePin {
+    pub link: Arc<dyn PeerLink>,
+    pub pin_id: u64,
+}
+
+impl Drop for RemotePin {
+    fn drop(&mut self) {
+        self.link.unpin(self.pin_id);
+    }
+}
+
+impl fmt::Debug for RemotePin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RemotePin({}@{})", self.pin_id, self.link.node_id())
+    }
+}
+
+/// An owner pool this process can address: the owner's own mapping (in-process loopback) or
+/// a read-only shm mapping of its memfd. Reads are copies out of the view.
+pub struct MappedView {
+    /// Keeps the mapping alive.
+    pub holder: Arc<dyn Any + Send + Sync>,
+    pub remote_base: u64,
+    pub local_base: u64,
+    pub len: u64,
+}
+
+impl MappedView {
+    fn translate(&self, addr: u64, len: u64) -> Result<u64, NodeError> {
+        let off = addr.checked_sub(self.remote_base);
+        match off {
+            Some(o) if o.checked_add(len).is_some_and(|e| e <= self.len) => Ok(self.local_base + o),
+            _ => Err(NodeError::remote(
+                String::new(),
+                RemoteError::refused(format!("range {addr:#x}+{len} is outside the owner's pool")),
+            )),
+        }
+    }
+}
+
+/// A link whose data path is a mapping (loopback in one process, shm across processes) and
+/// whose control path is the owner's block store.
+pub struct MappedLink {
+    pub node_id: String,
+    pub provider: &'static str,
+    pub control: Control,
+    pub view: Arc<MappedView>,
+    /// Device registrations of the view (read-only), made lazily once per device.
+    registered: Mutex<Vec<(u32, HostRegistration)>>,
+}
+
+impl MappedLink {
+    pub fn new(
+        node_id: String,
+        provider: &'static str,
+        control: Control,
+        view: MappedView,
+    ) -> Self {
+        Self {
+            node_id,
+            provider,
+            control,
+            view: Arc::new(view),
+            registered: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn register_with(&self, device: &dyn Device) -> Result<(), NodeError> {
+        let mut regs = self
+            .registered
+            .lock()
+            .map_err(|_| NodeError::Stopped { what: "link" })?;
+        if !regs.iter().any(|(o, _)| *o == device.ordinal()) {
+            let r = device.register_host(self.view.local_base, self.view.len, true)?;
+            regs.push((device.ordinal(), r));
+        }
+        Ok(())
+    }
+
+    fn remote_err(&self, e: NodeError) -> NodeError {
+        match e {
+            NodeError::Remote { source, .. } => NodeError::remote(self.node_id.clone(), source),
+            other => other,
+        }
+    }
+}
+
+impl fmt::Debug for MappedLink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MappedLink")
+            .field("node", &self.node_id)
+            .field("provider", &self.provider)
+            .finish()
+    }
+}
+
+impl PeerLink for MappedLink {
+    fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    fn provider(&self) -> &'static str {
+        self.provider
+    }
+
+    fn pin(
+        &self,
+        ns: Namespace,
+        hashes: Vec<BlockHash>,
+    ) -> BoxFut<Result<PinnedRemote, NodeError>> {
+        self.control.pin(&self.node_id, ns, hashes)
+    }
+
+    fn unpin(&self, pin_id: u64) {
+        self.control.unpin(pin_id);
+    }
+
+    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, NodeError>> {
+        let translated: Result<Vec<CopyOp>, NodeError> = ops
+            .iter()
+            .map(|op| {
+                Ok(CopyOp {
+                    src: self.view.translate(op.src, op.len)?,
+                    ..*op
+                })
+            })
+            .collect();
+        let view = Arc::clone(&self.view);
+        let translated = translated.map_err(|e| self.remote_err(e));
+        Box::pin(async move {
+            let ops = translated?;
+            let t = std::time::Instant::now();
+            let done = tokio::task::spawn_blocking(move || {
+                let mut bytes = 0;
+                for op in &ops {
+                    // SAFETY: the source lies inside the owner's mapping (translated and
+                    // bounds-checked above; `view` keeps it mapped); the destination is local
+                    // host memory whose owner (`keep`: pool memory and writer pins) outlives
+                    // this closure. The two never overlap: one is the peer's pool mapping,
+                    // the other this node's pool.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            op.src as usize as *const u8,
+                            op.dst as usize as *mut u8,
+                            op.len as usize,
+                        )
+                    };
+                    bytes += op.len;
+                }
+                drop(keep);
+                drop(view);
+                bytes
+            });
+            let bytes = done.await.map_err(|_| NodeError::Stopped {
+                what: "remote read thread",
+            })?;
+            Ok(ReadStats {
+                bytes,
+                wire: t.elapsed().as_secs_f64(),
+                ..Default::default()
+            })
+        })
+    }
+
+    fn read_device(
+        &self,
+        device: Arc<dyn Device>,
+        list: CopyList,
+        _regions: Vec<(u64, u64)>,
+        _held: &PlaneRegs,
+        keep: Keep,
+    ) -> BoxFut<Result<ReadStats, NodeError>> {
+        let t = std::time::Instant::now();
+        let registered = self.register_with(device.as_ref());
+        let register = t.elapsed().as_secs_f64();
+        let prepared = (|| {
+            registered?;
+            let mut out = CopyList::with_capacity(list.len());
+            for op in list.ops() {
+                out.push(self.view.translate(op.src, op.len)?, op.dst, op.len);
+            }
+            Ok::<_, NodeError>(out)
+        })()
+        .map_err(|e| self.remote_err(e));
+        let view = Arc::clone(&self.view);
+        Box::pin(async move {
+            let list = prepared?;
+            let t = std::time::Instant::now();
+            // SAFETY: sources lie in the owner's mapping kept alive by `view` (moved into the
+            // guard below until the event resolves); destinations are device memory held by
+            // the transfer's rank handle.
+            let ev = unsafe { device.submit(CopyDirection::HostToDevice, list) }?;
+            let post = t.elapsed().as_secs_f64();
+            let t = std::time::Instant::now();
+            let bytes = Drained::new(ev, vec![Box::new(view), keep]).await?;
+            Ok(ReadStats {
+                bytes,
+                register,
+                post,
+                wire: t.elapsed().as_secs_f64(),
+            })
+        })
+    }
+}
+
+/// Awaits a copy event; if dropped first, a thread waits for the event before releasing
+/// what the copy uses.
+pub struct Drained {
+    ev: Option<CopyEvent>,
+    keep: Vec<Keep>,
+}
+
+impl Drained {
+    pub fn new(ev: CopyEvent, keep: Vec<Keep>) -> Self {
+        Self { ev: Some(ev), keep }
+    }
+}
+
+impl Future for Drained {
+    type Output = Result<u64, NodeError>;
+
+    fn poll(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let Some(ev) = self.ev.as_mut() else {
+            return std::task::Poll::Ready(Err(NodeError::Stopped {
+                what: "copy already awaited",
+            }));
+        };
+        match Pin::new(ev).poll(cx) {
+            std::task::Poll::Pending => std::task::Poll::Pending,
+            std::task::Poll::Ready(r) => {
+                self.ev = None;
+                self.keep.clear();
+                std::task::Poll::Ready(r.map(|s| s.bytes).map_err(NodeError::from))
+            }
+        }
+    }
+}
+
+impl Drop for Drained {
+    fn drop(&mut self) {
+        if let Some(ev) = self.ev.take() {
+            let keep = std::mem::ManuallyDrop::new(std::mem::take(&mut self.keep));
+            let _ = std::thread::Builder::new()
+                .name("kvferry-drain".into())
+                .spawn(move || {
+                    let _ = ev.wait_blocking();
+                    drop(std::mem::ManuallyDrop::into_inner(keep));
+                });
+        }
+    }
+}

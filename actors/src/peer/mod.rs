@@ -1,0 +1,66 @@
+//! Other nodes: the directory, links to owners ([`link::PeerLink`] over tcp, shm, verbs),
+//! the Peer API's client ([`client::PeerClient`]) and owner side ([`server`]: Hello,
+//! Handshake, PinBlocks, Unpin), owner-side pins and the in-process cluster.
+
+pub mod batches;
+pub mod bounce;
+pub mod breaker;
+pub mod client;
+pub mod cluster;
+pub mod directory;
+pub mod endpoint;
+pub mod error;
+pub mod grpc;
+pub mod link;
+pub mod pins;
+pub mod plane_regs;
+pub mod redis;
+pub mod redis_url;
+pub mod server;
+pub mod tcp;
+pub mod verbs;
+
+pub use breaker::BreakerState;
+pub use client::{PeerClient, PeerClientError, PeerHandshake, PeerInfo, PeerPin};
+pub use cluster::{LocalCluster, Provider};
+pub use directory::{
+    Directory, DirectoryHealth, DirectoryStats, EmbeddedDirectory, Segment, StaticDirectory,
+};
+pub use endpoint::{EndpointError, VerbsPeerEndpoint, VerbsResponder};
+pub use error::RemoteError;
+pub use grpc::{GrpcPeers, GrpcPeersConfig};
+pub use link::{PeerLink, PinnedRemote, RemoteBlock, RemotePin};
+pub use redis::{RedisDirectory, RedisError, RedisOptions};
+pub use redis_url::{redact_url, RedisUrl, RedisUrlError};
+pub use server::{serve, DataEndpoint, NicRegistration, PeerBackend, PeerServeError};
+
+use std::sync::Arc;
+
+use actix::Addr;
+use kvferry_transport::HostRegion;
+
+use crate::error::NodeError;
+use crate::tier::store::BlockStore;
+
+/// How a node reaches its peers: the directory it shares with them, and a link to each.
+/// [`LocalCluster`] is the in-process implementation.
+pub trait Peers: Send + Sync + std::fmt::Debug {
+    fn directory(&self) -> &Arc<dyn Directory>;
+    /// A link from node `from` to owner `to` (made once and shared; making one may take a
+    /// round trip to the owner).
+    fn link(&self, from: &str, to: &str) -> link::BoxFut<Result<Arc<dyn PeerLink>, NodeError>>;
+    /// Makes `node`'s pool reachable to the others.
+    fn join(
+        &self,
+        node: &str,
+        store: Addr<BlockStore>,
+        memory: Arc<HostRegion>,
+    ) -> Result<(), NodeError>;
+    /// Withdraws `node`: its directory entries go and links to it are dropped.
+    fn leave(&self, node: &str);
+    /// The RDMA NICs a joined node reads peers with, for links over verbs. Peers that do
+    /// not read over verbs ignore it.
+    fn attach_verbs(&self, side: verbs::VerbsSide) {
+        let _ = side;
+    }
+}

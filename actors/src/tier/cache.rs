@@ -1,0 +1,683 @@
+//! The block cache: which host slot holds which block, sealing, pins and LRU eviction.
+//!
+//! Plain state, no actor: [`crate::tier::store::BlockStore`] drives it.
+
+use hashbrown::{Equivalent, HashMap};
+use thiserror::Error;
+
+use crate::model::{BlockHash, BlockKey, Namespace};
+use crate::tier::pool::{HostPool, PoolError};
+use crate::tier::slot_lru::SlotLru;
+
+/// Eviction class: fetched copies go before blocks this node saved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockClass {
+    /// Saved here by a local engine.
+    Retained,
+    /// A copy fetched from a peer; evicted first.
+    Reclaimable,
+}
+
+impl BlockClass {
+    fn idx(self) -> usize {
+        match self {
+            BlockClass::Reclaimable => 0,
+            BlockClass::Retained => 1,
+        }
+    }
+}
+
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum CacheError {
+    #[error("block of {need} bytes does not fit a {slot}-byte pool slot")]
+    BlockTooLarge { need: u64, slot: u64 },
+    #[error("host pool full: {capacity} slots, {pinned} pinned, nothing evictable")]
+    Full { capacity: usize, pinned: usize },
+    #[error("rank {rank} out of range for tp {tp}")]
+    RankOutOfRange { rank: u32, tp: u32 },
+    #[error("block {hash:?} was stored with tp {stored}, written now with tp {tp}")]
+    TpMismatch {
+        hash: BlockHash,
+        stored: u32,
+        tp: u32,
+    },
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+}
+
+#[derive(Debug)]
+struct Entry {
+    slot: usize,
+    tp: u32,
+    written: u64,
+    pins: u32,
+    class: BlockClass,
+}
+
+impl Entry {
+    fn sealed(&self) -> bool {
+        self.written == full_mask(self.tp)
+    }
+}
+
+fn full_mask(tp: u32) -> u64 {
+    if tp >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << tp) - 1
+    }
+}
+
+/// One pinned block as handed to a lease or a writer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotRef {
+    pub hash: BlockHash,
+    pub slot: usize,
+    pub addr: u64,
+}
+
+/// Result of reserving a block for writing one rank's part.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reservation {
+    /// Write this rank's part here; the block is pinned until commit or abort.
+    Write(SlotRef),
+    /// This rank's part is already present; nothing to write, nothing pinned.
+    Present,
+}
+
+/// A sealed block that left the cache. Its slot is free, but its bytes stay as they were
+/// until the slot's next writer writes (the store copies them to the SSD tier before that).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Evicted {
+    pub key: BlockKey,
+    pub slot: usize,
+    pub tp: u32,
+}
+
+/// Gauges an operator asks about.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub blocks: usize,
+    pub sealed: usize,
+    pub pinned_blocks: usize,
+    pub pins: u64,
+    pub capacity: usize,
+    pub evictions: u64,
+}
+
+/// A borrowed [`BlockKey`]: looks an entry up without cloning the namespace. It hashes as
+/// the key does (the derived `Hash` of both writes the namespace, then the hash).
+#[derive(Hash)]
+struct KeyRef<'a> {
+    namespace: &'a Namespace,
+    hash: &'a BlockHash,
+}
+
+impl Equivalent<BlockKey> for KeyRef<'_> {
+    fn equivalent(&self, key: &BlockKey) -> bool {
+        *self.hash == key.hash && *self.namespace == key.namespace
+    }
+}
+
+// A query of 1,024 hashes looks each up once: SipHash over namespace and hash was the
+// largest part of its cost, so the map uses hashbrown's default (foldhash). The keys are
+// the engine's prefix hashes, not chosen by an attacker who could flood one bucket.
+pub struct BlockCache {
+    pool: HostPool,
+    map: HashMap<BlockKey, Entry>,
+    /// Unpinned blocks by class, oldest first; an entry is listed exactly while it has
+    /// no pins.
+    lru: SlotLru<BlockKey, 2>,
+    /// Entries with every rank written (kept here: `stats` is asked on every Health call).
+    sealed: usize,
+    pinned_blocks: usize,
+    pins: u64,
+    evictions: u64,
+    /// Sealed blocks evicted since the last `take_evicted` (to withdraw from the directory).
+    evicted: Vec<Evicted>,
+}
+
+impl BlockCache {
+    pub fn new(pool: HostPool) -> Self {
+        Self {
+            pool,
+            map: HashMap::new(),
+            lru: SlotLru::default(),
+            sealed: 0,
+            pinned_blocks: 0,
+            pins: 0,
+            evictions: 0,
+            evicted: Vec::new(),
+        }
+    }
+
+    /// Sealed blocks evicted since the last call.
+    pub fn take_evicted(&mut self) -> Vec<Evicted> {
+        std::mem::take(&mut self.evicted)
+    }
+
+    pub fn pool(&self) -> &HostPool {
+        &self.pool
+    }
+
+    fn key(ns: &Namespace, hash: BlockHash) -> BlockKey {
+        BlockKey {
+            namespace: ns.clone(),
+            hash,
+        }
+    }
+
+    fn get(&self, ns: &Namespace, hash: &BlockHash) -> Option<&Entry> {
+        self.map.get(&KeyRef {
+            namespace: ns,
+            hash,
+        })
+    }
+
+    fn slot_ref(&self, hash: BlockHash, slot: usize) -> SlotRef {
+        SlotRef {
+            hash,
+            slot,
+            addr: self.pool.slot_addr(slot),
+        }
+    }
+
+    /// Takes one pin on an entry, moving it out of the LRU on its first pin.
+    fn pin_entry(&mut self, key: &BlockKey) {
+        let Some(e) = self.map.get_mut(key) else {
+            return;
+        };
+        if e.pins == 0 {
+            self.lru.remove(e.slot);
+            self.pinned_blocks += 1;
+        }
+        e.pins += 1;
+        self.pins += 1;
+    }
+
+    /// [`Self::unpin_ref`] by an owned key.
+    fn unpin_entry(&mut self, key: &BlockKey) {
+        self.unpin_ref(&key.namespace, &key.hash);
+    }
+
+    /// Length of the sealed prefix of `hashes` held here.
+    pub fn prefix_len(&self, ns: &Namespace, hashes: &[BlockHash]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.get(ns, h).is_some_and(Entry::sealed))
+            .count()
+    }
+
+    /// Pins the sealed prefix of `hashes` and returns its slots, in order.
+    pub fn pin_prefix(&mut self, ns: &Namespace, hashes: &[BlockHash]) -> Vec<SlotRef> {
+        let mut out = Vec::new();
+        for h in hashes {
+            match self.pin_sealed(ns, h) {
+                Some(s) => out.push(s),
+                None => break,
+            }
+        }
+        out
+    }
+
+    /// Pins one block if it is held here and sealed: one lookup, no allocation.
+    pub fn pin_sealed(&mut self, ns: &Namespace, hash: &BlockHash) -> Option<SlotRef> {
+        let e = self.map.get_mut(&KeyRef {
+            namespace: ns,
+            hash,
+        })?;
+        if !e.sealed() {
+            return None;
+        }
+        if e.pins == 0 {
+            self.lru.remove(e.slot);
+            self.pinned_blocks += 1;
+        }
+        e.pins += 1;
+        self.pins += 1;
+        let slot = e.slot;
+        Some(self.slot_ref(*hash, slot))
+    }
+
+    /// Releases one pin on each block (blocks evicted meanwhile are skipped).
+    pub fn unpin(&mut self, ns: &Namespace, hashes: &[BlockHash]) {
+        for h in hashes {
+            self.unpin_ref(ns, h);
+        }
+    }
+
+    /// Drops one pin; the last one puts the entry back at the young end of its LRU.
+    fn unpin_ref(&mut self, ns: &Namespace, hash: &BlockHash) {
+        let Some((key, e)) = self.map.get_key_value_mut(&KeyRef {
+            namespace: ns,
+            hash,
+        }) else {
+            return;
+        };
+        if e.pins == 0 {
+            return;
+        }
+        e.pins -= 1;
+        self.pins -= 1;
+        if e.pins == 0 {
+            self.pinned_blocks -= 1;
+            self.lru.push_young(e.class.idx(), e.slot, key.clone());
+        }
+    }
+
+    fn evict_one(&mut self) -> bool {
+        for class in 0..2 {
+            if let Some((_, key)) = self.lru.pop_oldest(class) {
+                if let Some(e) = self.map.remove(&key) {
+                    debug_assert_eq!(e.pins, 0);
+                    self.pool.free(e.slot);
+                    self.evictions += 1;
+                    if e.sealed() {
+                        self.sealed -= 1;
+                        self.evicted.push(Evicted {
+                            key,
+                            slot: e.slot,
+                            tp: e.tp,
+                        });
+                    }
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    fn alloc_slot(&mut self) -> Result<usize, CacheError> {
+        loop {
+            match self.pool.alloc() {
+                Ok(s) => return Ok(s),
+                Err(PoolError::Exhausted { capacity }) => {
+                    if !self.evict_one() {
+                        return Err(CacheError::Full {
+                            capacity,
+                            pinned: self.pinned_blocks,
+                        });
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Reserves `rank`'s part of a block of `block_bytes` for writing: pins the block
+    /// (allocating and evicting as needed) unless that part is already present.
+    pub fn reserve(
+        &mut self,
+        ns: &Namespace,
+        hash: BlockHash,
+        tp: u32,
+        rank: u32,
+        block_bytes: u64,
+        class: BlockClass,
+    ) -> Result<Reservation, CacheError> {
+        if rank >= tp {
+            return Err(CacheError::RankOutOfRange { rank, tp });
+        }
+        if block_bytes > self.pool.slot_bytes() {
+            return Err(CacheError::BlockTooLarge {
+                need: block_bytes,
+                slot: self.pool.slot_bytes(),
+            });
+        }
+        let key = Self::key(ns, hash);
+        if let Some(e) = self.map.get_mut(&key) {
+            if e.tp != tp {
+                return Err(CacheError::TpMismatch {
+                    hash,
+                    stored: e.tp,
+                    tp,
+                });
+            }
+            if class == BlockClass::Retained && e.class == BlockClass::Reclaimable {
+                // Saved here now: it joins the retained class as its youngest member.
+                if e.pins == 0 {
+                    self.lru
+                        .push_young(BlockClass::Retained.idx(), e.slot, key.clone());
+                }
+                e.class = BlockClass::Retained;
+            }
+            if e.written & (1 << rank) != 0 {
+                return Ok(Reservation::Present);
+            }
+            let slot = e.slot;
+            self.pin_entry(&key);
+            return Ok(Reservation::Write(self.slot_ref(hash, slot)));
+        }
+        let slot = self.alloc_slot()?;
+        self.map.insert(
+            key.clone(),
+            Entry {
+                slot,
+                tp,
+                written: 0,
+                pins: 0,
+                class,
+            },
+        );
+        self.pin_entry(&key);
+        Ok(Reservation::Write(self.slot_ref(hash, slot)))
+    }
+
+    /// Like [`Self::reserve`] for a fetched copy, but a part that is already present is
+    /// pinned too and returned, so the caller can copy it to the device: `(slot, must_write)`.
+    pub fn reserve_fetch(
+        &mut self,
+        ns: &Namespace,
+        hash: BlockHash,
+        tp: u32,
+        rank: u32,
+        block_bytes: u64,
+    ) -> Result<(SlotRef, bool), CacheError> {
+        match self.reserve(ns, hash, tp, rank, block_bytes, BlockClass::Reclaimable)? {
+            Reservation::Write(slot) => Ok((slot, true)),
+            Reservation::Present => {
+                let key = Self::key(ns, hash);
+                self.pin_entry(&key);
+                let slot = self.map[&key].slot;
+                Ok((self.slot_ref(hash, slot), false))
+            }
+        }
+    }
+
+    /// A slot outside the map, evicting as needed: a load's staging slot for an SSD read
+    /// (its bytes are copied to the device and the slot goes back with [`Self::free_staging`]).
+    pub fn alloc_staging(&mut self) -> Result<SlotRef, CacheError> {
+        let slot = self.alloc_slot()?;
+        Ok(self.slot_ref(BlockHash::from_u64(0), slot))
+    }
+
+    /// Returns a slot from [`Self::alloc_staging`] to the pool.
+    pub fn free_staging(&mut self, slot: usize) {
+        self.pool.free(slot);
+    }
+
+    /// Drops one pin on a block without marking anything written.
+    pub fn unpin_one(&mut self, ns: &Namespace, hash: BlockHash) {
+        self.unpin_ref(ns, &hash);
+    }
+
+    /// Evicts every unpinned reclaimable block (fetched copies); returns how many.
+    pub fn drop_reclaimable(&mut self) -> usize {
+        let class = BlockClass::Reclaimable.idx();
+        let mut keys = Vec::with_capacity(self.lru.len(class));
+        while let Some((_, key)) = self.lru.pop_oldest(class) {
+            keys.push(key);
+        }
+        for key in &keys {
+            if let Some(e) = self.map.remove(key) {
+                self.pool.free(e.slot);
+                self.evictions += 1;
+                if e.sealed() {
+                    self.sealed -= 1;
+                    self.evicted.push(Evicted {
+                        key: key.clone(),
+                        slot: e.slot,
+                        tp: e.tp,
+                    });
+                }
+            }
+        }
+        keys.len()
+    }
+
+    /// Marks `rank`'s part written and drops the writer pin. Returns true when this sealed
+    /// the block.
+    pub fn commit(&mut self, ns: &Namespace, hash: BlockHash, rank: u32) -> bool {
+        let key = Self::key(ns, hash);
+        let sealed_now = match self.map.get_mut(&key) {
+            Some(e) => {
+                let was = e.sealed();
+                e.written |= 1 << rank;
+                !was && e.sealed()
+            }
+            None => false,
+        };
+        if sealed_now {
+            self.sealed += 1;
+        }
+        self.unpin_entry(&key);
+        sealed_now
+    }
+
+    /// Drops a writer pin without marking anything written; a block left with nothing
+    /// written and no pins is freed at once.
+    pub fn abort(&mut self, ns: &Namespace, hash: BlockHash) {
+        let key = Self::key(ns, hash);
+        self.unpin_entry(&key);
+        if let Some(e) = self.map.get(&key) {
+            if e.written == 0 && e.pins == 0 {
+                let slot = e.slot;
+                self.lru.remove(slot);
+                self.map.remove(&key);
+                self.pool.free(slot);
+            }
+        }
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            blocks: self.map.len(),
+            sealed: self.sealed,
+            pinned_blocks: self.pinned_blocks,
+            pins: self.pins,
+            capacity: self.pool.capacity(),
+            evictions: self.evictions,
+        }
+    }
+
+    /// Every sealed block with its slot and TP size (a stopping store writes them to SSD).
+    pub fn sealed_blocks(&self) -> impl Iterator<Item = (&BlockKey, usize, u32)> + '_ {
+        self.map
+            .iter()
+            .filter(|(_, e)| e.sealed())
+            .map(|(k, e)| (k, e.slot, e.tp))
+    }
+
+    /// Whether a block is currently held (sealed or not).
+    pub fn contains(&self, ns: &Namespace, hash: BlockHash) -> bool {
+        self.get(ns, &hash).is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ns() -> Namespace {
+        Namespace::new("m", "bf16", "t").unwrap()
+    }
+
+    fn h(i: u64) -> BlockHash {
+        BlockHash::from_u64(i)
+    }
+
+    fn cache(slots: u64) -> BlockCache {
+        BlockCache::new(HostPool::new(slots * 4096, 4096, false).unwrap())
+    }
+
+    fn put(c: &mut BlockCache, i: u64, class: BlockClass) {
+        match c.reserve(&ns(), h(i), 1, 0, 4096, class).unwrap() {
+            Reservation::Write(_) => assert!(c.commit(&ns(), h(i), 0)),
+            Reservation::Present => {}
+        }
+    }
+
+    #[test]
+    fn seals_when_every_rank_is_written() {
+        let mut c = cache(4);
+        let Reservation::Write(a) = c
+            .reserve(&ns(), h(1), 2, 0, 4096, BlockClass::Retained)
+            .unwrap()
+        else {
+            panic!("expected a write reservation")
+        };
+        assert!(!c.commit(&ns(), h(1), 0));
+        assert_eq!(
+            c.prefix_len(&ns(), &[h(1)]),
+            0,
+            "half-written block is not a hit"
+        );
+        assert_eq!(
+            c.reserve(&ns(), h(1), 2, 0, 4096, BlockClass::Retained)
+                .unwrap(),
+            Reservation::Present
+        );
+        let Reservation::Write(b) = c
+            .reserve(&ns(), h(1), 2, 1, 4096, BlockClass::Retained)
+            .unwrap()
+        else {
+            panic!("expected a write reservation")
+        };
+        assert_eq!(a.slot, b.slot, "every rank of one block shares one slot");
+        assert!(c.commit(&ns(), h(1), 1));
+        assert_eq!(c.prefix_len(&ns(), &[h(1), h(2)]), 1);
+        assert!(matches!(
+            c.reserve(&ns(), h(1), 1, 0, 4096, BlockClass::Retained),
+            Err(CacheError::TpMismatch {
+                stored: 2,
+                tp: 1,
+                ..
+            })
+        ));
+        assert!(matches!(
+            c.reserve(&ns(), h(9), 2, 2, 4096, BlockClass::Retained),
+            Err(CacheError::RankOutOfRange { rank: 2, tp: 2 })
+        ));
+        assert!(matches!(
+            c.reserve(&ns(), h(9), 1, 0, 8192, BlockClass::Retained),
+            Err(CacheError::BlockTooLarge {
+                need: 8192,
+                slot: 4096
+            })
+        ));
+    }
+
+    #[test]
+    fn prefix_stops_at_first_miss() {
+        let mut c = cache(8);
+        for i in [0, 1, 2, 4] {
+            put(&mut c, i, BlockClass::Retained);
+        }
+        let hashes: Vec<_> = (0..5).map(h).collect();
+        assert_eq!(c.prefix_len(&ns(), &hashes), 3);
+        let other = Namespace::new("m", "fp8", "t").unwrap();
+        assert_eq!(c.prefix_len(&other, &hashes), 0, "namespaces do not mix");
+    }
+
+    #[test]
+    fn eviction_never_touches_pinned_blocks_and_prefers_reclaimable() {
+        let mut c = cache(3);
+        put(&mut c, 0, BlockClass::Retained);
+        put(&mut c, 1, BlockClass::Reclaimable);
+        put(&mut c, 2, BlockClass::Retained);
+        let pinned = c.pin_prefix(&ns(), &[h(0)]);
+        assert_eq!(pinned.len(), 1);
+        // Needs a slot: the reclaimable block 1 goes first although block 0 is older.
+        put(&mut c, 3, BlockClass::Retained);
+        assert!(!c.contains(&ns(), h(1)));
+        assert!(c.contains(&ns(), h(0)) && c.contains(&ns(), h(2)));
+        // Next: oldest unpinned retained block is 2 (0 is pinned).
+        put(&mut c, 4, BlockClass::Retained);
+        assert!(!c.contains(&ns(), h(2)));
+        assert!(c.contains(&ns(), h(0)));
+        // Pin everything: the pool is full and nothing is evictable.
+        let all = c.pin_prefix(&ns(), &[h(3)]);
+        let all2 = c.pin_prefix(&ns(), &[h(4)]);
+        assert_eq!(all.len() + all2.len(), 2);
+        let err = c
+            .reserve(&ns(), h(5), 1, 0, 4096, BlockClass::Retained)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CacheError::Full {
+                    capacity: 3,
+                    pinned: 3
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(c.stats().pinned_blocks, 3);
+        // The failed reservation changed nothing.
+        assert_eq!(c.stats().blocks, 3);
+        c.unpin(&ns(), &[h(0), h(3), h(4)]);
+        assert_eq!(c.stats().pinned_blocks, 0);
+        assert_eq!(c.stats().pins, 0);
+        put(&mut c, 5, BlockClass::Retained);
+        assert!(
+            !c.contains(&ns(), h(0)),
+            "block 0 was unpinned first, so it is oldest"
+        );
+        assert_eq!(c.stats().evictions, 3);
+    }
+
+    #[test]
+    fn the_sealed_count_follows_seals_evictions_and_drops() {
+        let walk = |c: &BlockCache| c.sealed_blocks().count();
+        let mut c = cache(3);
+        put(&mut c, 0, BlockClass::Retained);
+        put(&mut c, 1, BlockClass::Reclaimable);
+        // Half of a TP-2 block: held, not sealed.
+        c.reserve(&ns(), h(2), 2, 0, 4096, BlockClass::Retained)
+            .unwrap();
+        c.commit(&ns(), h(2), 0);
+        assert_eq!((c.stats().sealed, walk(&c)), (2, 2));
+        // Committing a rank again seals nothing new.
+        c.reserve(&ns(), h(2), 2, 1, 4096, BlockClass::Retained)
+            .unwrap();
+        c.commit(&ns(), h(2), 1);
+        c.commit(&ns(), h(2), 1);
+        assert_eq!((c.stats().sealed, walk(&c)), (3, 3));
+        put(&mut c, 3, BlockClass::Retained); // evicts the reclaimable block 1
+        assert_eq!((c.stats().sealed, walk(&c)), (3, 3));
+        put(&mut c, 4, BlockClass::Reclaimable);
+        assert_eq!(c.drop_reclaimable(), 1);
+        assert_eq!((c.stats().sealed, walk(&c)), (2, 2));
+        // An aborted reservation (in the slot block 4 left) seals nothing.
+        c.reserve(&ns(), h(5), 1, 0, 4096, BlockClass::Retained)
+            .unwrap();
+        c.abort(&ns(), h(5));
+        assert_eq!((c.stats().sealed, walk(&c)), (2, 2));
+    }
+
+    #[test]
+    fn abort_frees_an_unwritten_block() {
+        let mut c = cache(1);
+        let r = c
+            .reserve(&ns(), h(1), 1, 0, 4096, BlockClass::Retained)
+            .unwrap();
+        assert!(matches!(r, Reservation::Write(_)));
+        c.abort(&ns(), h(1));
+        assert_eq!(
+            c.stats(),
+            CacheStats {
+                capacity: 1,
+                ..Default::default()
+            }
+        );
+        put(&mut c, 2, BlockClass::Retained);
+        assert!(c.contains(&ns(), h(2)));
+    }
+
+    #[test]
+    fn reclaimable_saved_locally_becomes_retained() {
+        let mut c = cache(2);
+        put(&mut c, 0, BlockClass::Reclaimable);
+        put(&mut c, 1, BlockClass::Retained);
+        // Saving block 0 here moves it to the retained class: block 1 (older retained) goes.
+        assert_eq!(
+            c.reserve(&ns(), h(0), 1, 0, 4096, BlockClass::Retained)
+                .unwrap(),
+            Reservation::Present
+        );
+        put(&mut c, 2, BlockClass::Retained);
+        assert!(c.contains(&ns(), h(0)));
+        assert!(!c.contains(&ns(), h(1)));
+    }
+}

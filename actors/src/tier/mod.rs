@@ -1,0 +1,9 @@
+//! Where blocks live on this node: the host pool ([`pool::HostPool`]), the RAM block cache
+//! over it ([`cache`], `slot_lru`), the SSD tier below ([`ssd`]) and the store actor that
+//! drives them ([`store::BlockStore`]).
+
+pub mod cache;
+pub mod pool;
+pub(crate) mod slot_lru;
+pub mod ssd;
+pub mod store;
