@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use kvferry_actors::{BlockHash, InstanceId, LoadRequest, SaveRequest};
 use kvferry_client::{EngineClient, MemoryRegion, RegisterRegions};
+use kvferry_client::{LoadOptions, Registration};
 use kvferry_gpu::{Device, KvShape};
 use kvferry_proto::shm::board::{self, Board, SlotState, SlotView};
 use kvferry_testkit::{median, DeviceKv, KvKind, MemfdRegionsKv};
@@ -227,7 +228,8 @@ async fn register(c: &EngineClient, kv: &Kv, board: u64) -> anyhow::Result<()> {
             layers: layers.clone(),
         },
     };
-    c.register_regions_with_board(&req, board).await?;
+    c.register(Registration::regions(&req).with_board(board))
+        .await?;
     Ok(())
 }
 
@@ -297,7 +299,7 @@ async fn load_watched(
         let (board, refused) = (Arc::clone(board), Arc::clone(&refused));
         tokio::task::spawn_blocking(move || watch_board(&board, spin, tag, t, &refused))
     };
-    let r = c.load_on_board(&req, Some((0, tag))).await;
+    let r = c.load(&req, LoadOptions::on_board(0, tag)).await;
     if r.is_err() {
         refused.store(true, Ordering::Release);
     }

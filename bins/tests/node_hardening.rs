@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use kvferry_actors::service::{board, Code};
 use kvferry_actors::{BlockHash, LoadRequest, PutBlocks};
 use kvferry_client::EngineClient;
+use kvferry_client::{LoadOptions, Registration};
 use kvferry_gpu::KvShape;
 use kvferry_proto::shm::mailbox::{self, Mailbox, Op};
 use kvferry_testkit::harness::{id, wait_listening, RedisServer};
@@ -238,8 +239,8 @@ async fn put_and_load(
         dest_blocks: dest.clone(),
     };
     let load = match slot {
-        Some(s) => c.load_on_board(&req, Some(s)).await.unwrap(),
-        None => c.load(&req).await.unwrap(),
+        Some(s) => c.load(&req, LoadOptions::board(Some(s))).await.unwrap(),
+        None => c.load(&req, LoadOptions::default()).await.unwrap(),
     };
     let done = c
         .wait_polling(load, Duration::from_millis(2), Duration::from_secs(10))
@@ -276,9 +277,12 @@ fn a_client_cannot_shrink_its_board_or_mailbox_under_the_node() {
             &format!("board a 0 0 {board_len}\n"),
             board_fd.as_fd(),
         ));
-        a.register_with_board(&kv_a.register_request(&id("a"), "m", 0), kv_handle, b)
-            .await
-            .unwrap();
+        a.register(
+            Registration::in_handle(&kv_a.register_request(&id("a"), "m", 0), kv_handle)
+                .with_board(b),
+        )
+        .await
+        .unwrap();
         let (mb_fd, mb_len) = mailbox_memfd(libc::MFD_ALLOW_SEALING);
         let m = handle_of(&send_raw(
             &sock,

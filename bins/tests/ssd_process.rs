@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use kvferry_actors::{BlockHash, LoadRequest, PutBlocks};
-use kvferry_client::EngineClient;
+use kvferry_client::{EngineClient, LoadOptions};
 use kvferry_gpu::KvShape;
 use kvferry_testkit::harness::id;
 use kvferry_testkit::{rank_part, MemfdKv};
@@ -79,12 +79,15 @@ fn blocks_survive_sigterm_and_a_restart_on_the_same_directory() {
         assert_eq!(q.ssd_blocks, 12);
         let dest: Vec<u32> = (0..12).map(|i| 15 - i).collect();
         let load = c
-            .load(&LoadRequest {
-                lease: q.lease.unwrap(),
-                instance: id("eng"),
-                rank: 0,
-                dest_blocks: dest.clone(),
-            })
+            .load(
+                &LoadRequest {
+                    lease: q.lease.unwrap(),
+                    instance: id("eng"),
+                    rank: 0,
+                    dest_blocks: dest.clone(),
+                },
+                LoadOptions::default(),
+            )
             .await
             .unwrap();
         let done = c

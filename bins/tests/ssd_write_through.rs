@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use kvferry_actors::{BlockHash, LoadRequest, PutBlocks};
-use kvferry_client::EngineClient;
+use kvferry_client::{EngineClient, LoadOptions};
 use kvferry_gpu::KvShape;
 use kvferry_testkit::harness::id;
 use kvferry_testkit::{rank_part, MemfdKv};
@@ -105,12 +105,15 @@ fn write_through_loses_no_acknowledged_block_to_sigkill() {
             );
             let dest: Vec<u32> = (0..PER_PUT as u32).collect();
             let load = c
-                .load(&LoadRequest {
-                    lease: q.lease.unwrap(),
-                    instance: id("eng"),
-                    rank: 0,
-                    dest_blocks: dest.clone(),
-                })
+                .load(
+                    &LoadRequest {
+                        lease: q.lease.unwrap(),
+                        instance: id("eng"),
+                        rank: 0,
+                        dest_blocks: dest.clone(),
+                    },
+                    LoadOptions::default(),
+                )
                 .await
                 .unwrap();
             let done = c

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use kvferry_client::proto::api;
 use kvferry_client::proto::shm::board::Board;
 use kvferry_client::{EngineClient as RustClient, EngineClientError, RegisterRegions};
+use kvferry_client::{LoadOptions, Registration};
 use kvferry_gpu::KvShape;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -317,7 +318,12 @@ impl EngineClient {
             layers,
         };
         let board = board.map(|b| b.handle).unwrap_or(0);
-        self.wait(py, M, self.inner.register_regions_with_board(&req, board))
+        self.wait(
+            py,
+            M,
+            self.inner
+                .register(Registration::regions(&req).with_board(board)),
+        )
     }
 
     /// Unregisters an instance; returns how many of its leases were released.
@@ -387,7 +393,7 @@ impl EngineClient {
             dest_blocks,
         };
         let board = board_slot.map(|slot| (slot, board_tag));
-        self.wait(py, "load", self.inner.load_on_board(&req, board))
+        self.wait(py, "load", self.inner.load(&req, LoadOptions::board(board)))
     }
 
     /// The completion of `load_id` (consuming it), or None while it runs.

@@ -9,7 +9,7 @@ use thiserror::Error;
 
 use kvferry_actors::model::ModelError;
 use kvferry_actors::{BlockHash, InstanceId, LeaseId, LoadRequest, PutBlocks};
-use kvferry_client::{EngineClient, EngineClientError, EngineSession};
+use kvferry_client::{EngineClient, EngineClientError, EngineSession, LoadOptions};
 use kvferry_gpu::{DeviceError, KvShape};
 use kvferry_proto::v1::LoadCompletion;
 
@@ -131,12 +131,15 @@ impl Attached {
     /// Starts rank 0's load of `lease` into `dest`; returns its load id.
     pub async fn start_load(&self, lease: LeaseId, dest: &[u32]) -> Result<u64, EngineClientError> {
         self.client
-            .load(&LoadRequest {
-                lease,
-                instance: self.instance.clone(),
-                rank: 0,
-                dest_blocks: dest.to_vec(),
-            })
+            .load(
+                &LoadRequest {
+                    lease,
+                    instance: self.instance.clone(),
+                    rank: 0,
+                    dest_blocks: dest.to_vec(),
+                },
+                LoadOptions::default(),
+            )
             .await
     }
 }

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use kvferry_actors::{InstanceId, RegisterInstance};
+use kvferry_client::Registration;
 use kvferry_client::{EngineClient, EngineClientError, MemoryRegion, RegisterRegions};
 use kvferry_gpu::{Device, DeviceBuffer, DeviceError, KvLayoutSpec, KvShape};
 
@@ -107,7 +108,10 @@ impl MemfdKv {
             .send_memfd(instance, rank, 0, self.fd(), self.len())
             .await?;
         client
-            .register(&self.register_request(instance, model, rank), handle)
+            .register(Registration::in_handle(
+                &self.register_request(instance, model, rank),
+                handle,
+            ))
             .await
     }
 }
@@ -203,7 +207,9 @@ impl MemfdRegionsKv {
             );
         }
         client
-            .register_regions(&self.registration(instance, model, rank, &handles))
+            .register(Registration::regions(
+                &self.registration(instance, model, rank, &handles),
+            ))
             .await
     }
 }

@@ -11,7 +11,7 @@ mod mailbox_link;
 
 use crate::completions::CompletionStream;
 use crate::error::EngineClientError;
-use crate::register::{register_regions_request, register_request, RegisterRegions};
+use crate::register::{LoadOptions, Registration};
 use crate::session::EngineSession;
 use mailbox_link::{LateAnswer, MailboxLink};
 use prost::Message;
@@ -208,71 +208,14 @@ impl EngineClient {
             .await
     }
 
-    /// Registers one rank whose KV lies in the memory of `memory_handle`; the layout's
-    /// addresses are offsets inside that memory. Returns the namespace.
-    pub async fn register(
-        &self,
-        req: &api::RegisterInstance,
-        memory_handle: u64,
-    ) -> Result<String, EngineClientError> {
-        self.register_with_board(req, memory_handle, 0).await
-    }
-
-    /// [`Self::register`] with a completion board (a handle from [`Self::send_board`]; 0:
-    /// none).
-    pub async fn register_with_board(
-        &self,
-        req: &api::RegisterInstance,
-        memory_handle: u64,
-        board: u64,
-    ) -> Result<String, EngineClientError> {
-        let mut msg = register_request(req, memory_handle);
-        msg.completion_board = board;
-        let r = self.request(msg);
+    /// Registers one rank (see [`Registration`] for where its KV may lie and a completion
+    /// board); returns the namespace its blocks are kept under.
+    pub async fn register(&self, r: Registration<'_>) -> Result<String, EngineClientError> {
+        let mut msg = r.request();
+        msg.completion_board = r.board;
+        let req = self.request(msg);
         let resp = self
-            .call("RegisterInstance", self.raw.clone().register_instance(r))
-            .await?;
-        Ok(resp.namespace)
-    }
-
-    /// Registers one rank whose KV lies in a CUDA allocation of another process (an engine
-    /// worker's), named by its 64-byte IPC handle; the layout's addresses are offsets from
-    /// the allocation's base. Returns the namespace.
-    pub async fn register_cuda_ipc(
-        &self,
-        req: &api::RegisterInstance,
-        ipc_handle: &[u8],
-    ) -> Result<String, EngineClientError> {
-        let mut msg = register_request(req, 0);
-        msg.cuda_ipc_handle = ipc_handle.to_vec();
-        let r = self.request(msg);
-        let resp = self
-            .call("RegisterInstance", self.raw.clone().register_instance(r))
-            .await?;
-        Ok(resp.namespace)
-    }
-
-    /// Registers one rank whose KV is spread over several memory regions (protocol 2): fd-socket
-    /// handles and CUDA IPC handles, each plane naming its region. Returns the namespace.
-    pub async fn register_regions(
-        &self,
-        req: &RegisterRegions,
-    ) -> Result<String, EngineClientError> {
-        self.register_regions_with_board(req, 0).await
-    }
-
-    /// [`Self::register_regions`] with a completion board (a handle from
-    /// [`Self::send_board`]; 0: none) that loads naming its slots report to (protocol 3).
-    pub async fn register_regions_with_board(
-        &self,
-        req: &RegisterRegions,
-        board: u64,
-    ) -> Result<String, EngineClientError> {
-        let mut msg = register_regions_request(req);
-        msg.completion_board = board;
-        let r = self.request(msg);
-        let resp = self
-            .call("RegisterInstance", self.raw.clone().register_instance(r))
+            .call("RegisterInstance", self.raw.clone().register_instance(req))
             .await?;
         Ok(resp.namespace)
     }
@@ -509,20 +452,17 @@ impl EngineClient {
             .copied()
     }
 
-    /// Starts a load; returns its load id as soon as the node accepted it.
-    pub async fn load(&self, req: &api::LoadRequest) -> Result<u64, EngineClientError> {
-        self.load_on_board(req, None).await
-    }
-
-    /// [`Self::load`], reporting to `board` = `(slot, tag)` of the rank's completion board:
-    /// wait on it with [`kvferry_proto::shm::board::Board::wait`] (layers landed, or the end). Its final
-    /// word is the outcome: a load that ended ok needs nothing more; a failed one's details
-    /// (the error, which blocks) come from [`Self::poll_load`].
-    pub async fn load_on_board(
+    /// Starts a load; returns its load id as soon as the node accepted it. With
+    /// [`LoadOptions::on_board`] the load reports to that slot of the rank's completion board:
+    /// wait on it with [`kvferry_proto::shm::board::Board::wait`] (layers landed, or the
+    /// end). Its final word is the outcome: a load that ended ok needs nothing more; a failed
+    /// one's details (the error, which blocks) come from [`Self::poll_load`].
+    pub async fn load(
         &self,
         req: &api::LoadRequest,
-        board: Option<(u32, u32)>,
+        options: LoadOptions,
     ) -> Result<u64, EngineClientError> {
+        let board = options.board;
         let fence_ns = self.fence_ns().await?;
         let req = LoadRequest {
             lease: req.lease.to_hex(),

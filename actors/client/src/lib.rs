@@ -16,8 +16,8 @@ pub use completions::CompletionStream;
 pub use error::EngineClientError;
 pub use kvferry_proto as proto;
 pub use register::{
-    register_regions_request, register_request, MemoryRegion, PlanePlacement, RegionLayer,
-    RegisterRegions,
+    register_regions_request, register_request, LoadOptions, MemoryRegion, PlanePlacement,
+    RegionLayer, RegisterRegions, Registration,
 };
 pub use session::EngineSession;
 pub use tonic::{Code, Status};

@@ -166,3 +166,81 @@ pub fn register_regions_request(r: &RegisterRegions) -> RegisterInstanceRequest 
         .collect();
     msg
 }
+
+/// What one rank registers, for [`crate::EngineClient::register`]: where its KV lies and,
+/// optionally, the completion board its loads report to.
+#[derive(Clone, Copy, Debug)]
+pub struct Registration<'a> {
+    kv: RegisteredKv<'a>,
+    pub(crate) board: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum RegisteredKv<'a> {
+    Handle(&'a api::RegisterInstance, u64),
+    CudaIpc(&'a api::RegisterInstance, &'a [u8]),
+    Regions(&'a RegisterRegions),
+}
+
+impl<'a> Registration<'a> {
+    /// KV in the memory of one fd-socket handle (a memfd, DMA-BUF or VMM fd sent with
+    /// `send_*`); the layout's addresses are offsets inside that memory.
+    pub fn in_handle(req: &'a api::RegisterInstance, memory_handle: u64) -> Self {
+        Self::of(RegisteredKv::Handle(req, memory_handle))
+    }
+
+    /// KV in a CUDA allocation of another process (an engine worker's), named by its 64-byte
+    /// IPC handle; the layout's addresses are offsets from the allocation's base.
+    pub fn cuda_ipc(req: &'a api::RegisterInstance, ipc_handle: &'a [u8]) -> Self {
+        Self::of(RegisteredKv::CudaIpc(req, ipc_handle))
+    }
+
+    /// KV spread over several memory regions (protocol 2): fd-socket handles and CUDA IPC
+    /// handles, each plane naming its region.
+    pub fn regions(req: &'a RegisterRegions) -> Self {
+        Self::of(RegisteredKv::Regions(req))
+    }
+
+    /// Loads that name a slot report to this completion board (a handle from `send_board`;
+    /// protocol 3). 0: none, as without.
+    pub fn with_board(mut self, board: u64) -> Self {
+        self.board = board;
+        self
+    }
+
+    fn of(kv: RegisteredKv<'a>) -> Self {
+        Self { kv, board: 0 }
+    }
+
+    pub(crate) fn request(&self) -> RegisterInstanceRequest {
+        match self.kv {
+            RegisteredKv::Handle(req, handle) => register_request(req, handle),
+            RegisteredKv::CudaIpc(req, ipc) => {
+                let mut msg = register_request(req, 0);
+                msg.cuda_ipc_handle = ipc.to_vec();
+                msg
+            }
+            RegisteredKv::Regions(req) => register_regions_request(req),
+        }
+    }
+}
+
+/// How one load is started, for [`crate::EngineClient::load`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    pub(crate) board: Option<(u32, u32)>,
+}
+
+impl LoadOptions {
+    /// The load reports to `slot` of the rank's completion board, its words tagged `tag`.
+    pub fn on_board(slot: u32, tag: u32) -> Self {
+        Self {
+            board: Some((slot, tag)),
+        }
+    }
+
+    /// As [`Self::on_board`] where `board` is `Some((slot, tag))`; as without otherwise.
+    pub fn board(board: Option<(u32, u32)>) -> Self {
+        Self { board }
+    }
+}

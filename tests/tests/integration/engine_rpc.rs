@@ -14,6 +14,7 @@ use std::time::Duration;
 use kvferry_actors::service::{self, proto, Code, EngineOptions};
 use kvferry_actors::{Clock, DirectGrant, LeaseId, Node, PutBlocks};
 use kvferry_client::{EngineClient, EngineClientError};
+use kvferry_client::{LoadOptions, Registration};
 use kvferry_gpu::{Device, HostDevice, KvShape, LayerLayout};
 use kvferry_testkit::harness::*;
 use kvferry_testkit::{DeviceKv, KvKind, MemfdRegionsKv};
@@ -113,7 +114,10 @@ fn memfd_kv_loads_with_completions_on_the_stream_and_by_poll() {
         let mut stream = c.completions(&id("eng"), 0).await.unwrap();
         let lease = lease_for(&c, "eng", 0..3).await;
         let first = c
-            .load(&load_request(lease, "eng", 0, &[3, 5, 7]))
+            .load(
+                &load_request(lease, "eng", 0, &[3, 5, 7]),
+                LoadOptions::default(),
+            )
             .await
             .unwrap();
         let done = stream.wait_for(first, WAIT).await.unwrap();
@@ -135,12 +139,10 @@ fn memfd_kv_loads_with_completions_on_the_stream_and_by_poll() {
             }
         );
         let second = c
-            .load(&load_request(
-                q.lease.unwrap(),
-                "eng",
-                0,
-                &[10, 11, 12, 13, 14, 15],
-            ))
+            .load(
+                &load_request(q.lease.unwrap(), "eng", 0, &[10, 11, 12, 13, 14, 15]),
+                LoadOptions::default(),
+            )
             .await
             .unwrap();
         let done = c
@@ -188,7 +190,7 @@ async fn round_trip(c: &EngineClient, kv: &DeviceKv, instance: &str, what: &str)
     let load_ok = |lease: Option<LeaseId>, dest: &[u32]| {
         let req = load_request(lease.expect("a lease"), instance, 0, dest);
         async move {
-            let l = c.load(&req).await.unwrap();
+            let l = c.load(&req, LoadOptions::default()).await.unwrap();
             let done = c
                 .wait_polling(l, Duration::from_millis(1), WAIT)
                 .await
@@ -391,7 +393,7 @@ fn bad_region_registrations_are_refused_and_change_nothing() {
             assert_eq!(now, before, "{what} changed the node's state");
         }
         // The good registration still works with the same handles.
-        c.register_regions(&good).await.unwrap();
+        c.register(Registration::regions(&good)).await.unwrap();
         let s = c.stats().await.unwrap();
         assert_eq!(
             (s.instances, s.memory_handles),
@@ -401,7 +403,10 @@ fn bad_region_registrations_are_refused_and_change_nothing() {
         put_over_grpc(&c, shape, "eng", vec![1]).await;
         let q = c.query(&id("eng"), &hashes(1..2), false).await.unwrap();
         let l = c
-            .load(&load_request(q.lease.unwrap(), "eng", 0, &[6]))
+            .load(
+                &load_request(q.lease.unwrap(), "eng", 0, &[6]),
+                LoadOptions::default(),
+            )
             .await
             .unwrap();
         let done = c
@@ -464,7 +469,10 @@ fn closing_the_session_unregisters_and_releases_leases() {
         let _session = c.open_session(&[id("eng")]).await.unwrap();
         let lease = lease_for(&c, "eng", 0..4).await;
         let l = c
-            .load(&load_request(lease, "eng", 0, &[8, 9, 10, 11]))
+            .load(
+                &load_request(lease, "eng", 0, &[8, 9, 10, 11]),
+                LoadOptions::default(),
+            )
             .await
             .unwrap();
         ok(
@@ -525,31 +533,61 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         // Loads.
         let unknown = LeaseId::random();
         assert_eq!(
-            code(c.load(&load_request(unknown, "eng", 0, &[0, 1, 2])).await),
+            code(
+                c.load(
+                    &load_request(unknown, "eng", 0, &[0, 1, 2]),
+                    LoadOptions::default()
+                )
+                .await
+            ),
             Code::NotFound
         );
         unchanged("unknown lease").await;
         assert_eq!(
-            code(c.load(&load_request(lease, "other", 0, &[0, 1, 2])).await),
+            code(
+                c.load(
+                    &load_request(lease, "other", 0, &[0, 1, 2]),
+                    LoadOptions::default()
+                )
+                .await
+            ),
             Code::PermissionDenied
         );
         unchanged("wrong instance").await;
         let mut rank = load_request(lease, "eng", 0, &[0, 1, 2]);
         rank.rank = 5;
-        assert_eq!(code(c.load(&rank).await), Code::NotFound);
+        assert_eq!(
+            code(c.load(&rank, LoadOptions::default()).await),
+            Code::NotFound
+        );
         unchanged("rank out of range").await;
         assert_eq!(
-            code(c.load(&load_request(lease, "eng", 0, &[0, 1, 99])).await),
+            code(
+                c.load(
+                    &load_request(lease, "eng", 0, &[0, 1, 99]),
+                    LoadOptions::default()
+                )
+                .await
+            ),
             Code::InvalidArgument
         );
         unchanged("out-of-range destination block").await;
         assert_eq!(
-            code(c.load(&load_request(lease, "eng", 0, &[0, 1])).await),
+            code(
+                c.load(
+                    &load_request(lease, "eng", 0, &[0, 1]),
+                    LoadOptions::default()
+                )
+                .await
+            ),
             Code::InvalidArgument
         );
         unchanged("too few destination blocks").await;
         assert_eq!(
-            code(c.load(&load_request(lease, "eng", 0, &[])).await),
+            code(
+                c.load(&load_request(lease, "eng", 0, &[]), LoadOptions::default())
+                    .await
+            ),
             Code::InvalidArgument
         );
         unchanged("no destination blocks").await;
@@ -579,7 +617,13 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         unchanged("too many hashes").await;
         let dest: Vec<u32> = (0..service::MAX_ENGINE_BLOCKS as u32 + 1).collect();
         assert_eq!(
-            code(c.load(&load_request(lease, "eng", 0, &dest)).await),
+            code(
+                c.load(
+                    &load_request(lease, "eng", 0, &dest),
+                    LoadOptions::default()
+                )
+                .await
+            ),
             Code::ResourceExhausted
         );
         unchanged("too many destination blocks").await;
@@ -676,14 +720,14 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
             };
         }
         assert_eq!(
-            code(c.register(&overlap, handle).await),
+            code(c.register(Registration::in_handle(&overlap, handle)).await),
             Code::InvalidArgument
         );
         unchanged("overlapping layers").await;
         let mut outside = good.clone();
         outside.layout.view_offset = 8192;
         assert_eq!(
-            code(c.register(&outside, handle).await),
+            code(c.register(Registration::in_handle(&outside, handle)).await),
             Code::InvalidArgument
         );
         unchanged("layout outside the memfd").await;
@@ -693,28 +737,37 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
             v_base: spare.len() + (64 << 10),
         };
         assert_eq!(
-            code(c.register(&beyond, handle).await),
+            code(c.register(Registration::in_handle(&beyond, handle)).await),
             Code::InvalidArgument
         );
         unchanged("planes past the memfd's end").await;
         let mut rank = good.clone();
         rank.rank = 1;
-        assert_eq!(code(c.register(&rank, handle).await), Code::InvalidArgument);
+        assert_eq!(
+            code(c.register(Registration::in_handle(&rank, handle)).await),
+            Code::InvalidArgument
+        );
         unchanged("registration rank out of range").await;
-        assert_eq!(code(c.register(&good, handle ^ 1).await), Code::NotFound);
+        assert_eq!(
+            code(c.register(Registration::in_handle(&good, handle ^ 1)).await),
+            Code::NotFound
+        );
         unchanged("unknown memory handle").await;
-        assert_eq!(code(c.register(&good, 0).await), Code::InvalidArgument);
+        assert_eq!(
+            code(c.register(Registration::in_handle(&good, 0)).await),
+            Code::InvalidArgument
+        );
         unchanged("no memory handle").await;
         let thief = kv.register_request(&id("thief"), "m", 0);
         assert_eq!(
-            code(c.register(&thief, handle).await),
+            code(c.register(Registration::in_handle(&thief, handle)).await),
             Code::PermissionDenied
         );
         unchanged("another instance's memory handle").await;
         let mut device = good.clone();
         device.device = 1;
         assert_eq!(
-            code(c.register(&device, handle).await),
+            code(c.register(Registration::in_handle(&device, handle)).await),
             Code::InvalidArgument
         );
         unchanged("another device").await;
@@ -722,7 +775,10 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         let mut layers = good.clone();
         layers.shape = wide;
         layers.layout = kvferry_gpu::KvLayoutSpec::cross_layer(0, wide.layers(), 2, 4, 64);
-        let e = c.register(&layers, handle).await.unwrap_err();
+        let e = c
+            .register(Registration::in_handle(&layers, handle))
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), Some(Code::ResourceExhausted), "{e}");
         assert!(e.to_string().contains("at most 512"), "{e}");
         unchanged("too many layers").await;
@@ -731,7 +787,10 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         let mut slot = good.clone();
         slot.shape = big;
         slot.layout = kvferry_gpu::KvLayoutSpec::flash_attn(&[0, 1 << 20, 2 << 20], 4, 16 << 10);
-        let e = c.register(&slot, handle).await.unwrap_err();
+        let e = c
+            .register(Registration::in_handle(&slot, handle))
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), Some(Code::FailedPrecondition), "{e}");
         let says = e.to_string();
         assert!(
@@ -867,7 +926,10 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
 
         // After all that, the lease loads and the spare handle registers.
         let l = c
-            .load(&load_request(lease, "eng", 0, &[0, 1, 2]))
+            .load(
+                &load_request(lease, "eng", 0, &[0, 1, 2]),
+                LoadOptions::default(),
+            )
             .await
             .unwrap();
         ok(
@@ -878,7 +940,9 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         );
         kv.verify(&[(0, 0), (1, 1), (2, 2)], 0).unwrap();
         other.verify(&[], 0).unwrap();
-        c.register(&good, handle).await.unwrap();
+        c.register(Registration::in_handle(&good, handle))
+            .await
+            .unwrap();
         spare.verify(&[], 0).unwrap();
         let s = c.stats().await.unwrap();
         assert_eq!((s.leases_live, s.instances, s.memory_handles), (0, 3, 0));
@@ -917,7 +981,9 @@ fn the_largest_registration_answers_quickly_and_the_limits_are_advertised() {
         let mut req = kv.register_request(&id("wide"), "m", 0);
         req.layout = kvferry_gpu::KvLayoutSpec::cross_layer(0, layers, 2, 4, 64);
         let t = std::time::Instant::now();
-        c.register(&req, handle).await.unwrap();
+        c.register(Registration::in_handle(&req, handle))
+            .await
+            .unwrap();
         let took = t.elapsed();
         assert!(
             took < Duration::from_secs(1),
@@ -985,7 +1051,10 @@ fn a_client_process_loads_into_its_memfd_through_a_node_process() {
         let mut stream = c.completions(&id("far"), 0).await.unwrap();
         let lease = lease_for(&c, "far", 0..4).await;
         let l = c
-            .load(&load_request(lease, "far", 0, &[15, 0, 7, 8]))
+            .load(
+                &load_request(lease, "far", 0, &[15, 0, 7, 8]),
+                LoadOptions::default(),
+            )
             .await
             .unwrap();
         ok(&stream.wait_for(l, WAIT).await.unwrap(), 4);
@@ -1044,7 +1113,10 @@ fn a_failed_load_completes_failed_with_its_blocks_and_the_next_one_works() {
         failing.hook.0.store(true, Ordering::Relaxed);
         let lease = lease_for(&c, "eng", 0..4).await;
         let l = c
-            .load(&load_request(lease, "eng", 0, &[9, 3, 4, 12]))
+            .load(
+                &load_request(lease, "eng", 0, &[9, 3, 4, 12]),
+                LoadOptions::default(),
+            )
             .await
             .unwrap();
         let done = stream.wait_for(l, WAIT).await.unwrap();
@@ -1070,7 +1142,10 @@ fn a_failed_load_completes_failed_with_its_blocks_and_the_next_one_works() {
         failing.hook.0.store(false, Ordering::Relaxed);
         let lease = lease_for(&c, "eng", 0..4).await;
         let l = c
-            .load(&load_request(lease, "eng", 0, &[9, 3, 4, 12]))
+            .load(
+                &load_request(lease, "eng", 0, &[9, 3, 4, 12]),
+                LoadOptions::default(),
+            )
             .await
             .unwrap();
         ok(&stream.wait_for(l, WAIT).await.unwrap(), 4);
@@ -1113,7 +1188,10 @@ fn save_stores_the_clients_blocks_from_its_memfd() {
         assert_eq!(code(mismatched), Code::InvalidArgument);
         let lease = lease_for(&c, "eng", 20..23).await;
         let l = c
-            .load(&load_request(lease, "eng", 0, &[0, 1, 2]))
+            .load(
+                &load_request(lease, "eng", 0, &[0, 1, 2]),
+                LoadOptions::default(),
+            )
             .await
             .unwrap();
         ok(
@@ -1158,8 +1236,11 @@ fn unused_handles_expire_and_a_session_outlives_the_call_deadline() {
         );
         assert_eq!(
             code(
-                c.register(&spare.register_request(&id("late"), "m", 0), handle)
-                    .await
+                c.register(Registration::in_handle(
+                    &spare.register_request(&id("late"), "m", 0),
+                    handle
+                ))
+                .await
             ),
             Code::NotFound
         );
@@ -1214,7 +1295,10 @@ fn a_remote_suffix_loads_direct_when_granted_and_staged_otherwise() {
             };
             assert_eq!(q.direct, grant);
             let l = c
-                .load(&load_request(q.lease.unwrap(), "eng", 0, &dest))
+                .load(
+                    &load_request(q.lease.unwrap(), "eng", 0, &dest),
+                    LoadOptions::default(),
+                )
                 .await
                 .unwrap();
             let done = c
@@ -1246,11 +1330,17 @@ fn cuda_ipc_registration_is_refused_clearly_where_it_cannot_work() {
         let before = c.stats().await.unwrap();
         let req = kv.register_request(&id("eng"), "m", 0);
         // The host device maps no CUDA memory.
-        let err = c.register_cuda_ipc(&req, &[7u8; 64]).await.unwrap_err();
+        let err = c
+            .register(Registration::cuda_ipc(&req, &[7u8; 64]))
+            .await
+            .unwrap_err();
         assert_eq!(err.code(), Some(Code::FailedPrecondition), "{err}");
         assert!(err.to_string().contains("CUDA IPC"), "{err}");
         // Not a handle at all.
-        let err = c.register_cuda_ipc(&req, &[7u8; 4096]).await.unwrap_err();
+        let err = c
+            .register(Registration::cuda_ipc(&req, &[7u8; 4096]))
+            .await
+            .unwrap_err();
         assert_eq!(err.code(), Some(Code::InvalidArgument), "{err}");
         // A memory handle and an IPC handle at once.
         let h = c
@@ -1264,7 +1354,7 @@ fn cuda_ipc_registration_is_refused_clearly_where_it_cannot_work() {
         let after = c.stats().await.unwrap();
         assert_eq!(after.instances, before.instances);
         // The memfd handle is still there to register with.
-        c.register(&req, h).await.unwrap();
+        c.register(Registration::in_handle(&req, h)).await.unwrap();
         srv.stop().await;
     });
 }
@@ -1294,9 +1384,12 @@ fn a_vmm_fd_is_refused_clearly_where_it_cannot_be_mapped() {
             .send_memfd(&id("eng"), 0, 0, kv.fd(), kv.len())
             .await
             .unwrap();
-        c.register(&kv.register_request(&id("eng"), "m", 0), h)
-            .await
-            .unwrap();
+        c.register(Registration::in_handle(
+            &kv.register_request(&id("eng"), "m", 0),
+            h,
+        ))
+        .await
+        .unwrap();
         srv.stop().await;
     });
 }
@@ -1384,7 +1477,7 @@ fn engine_layouts_in_per_layer_cuda_allocations_of_another_process() {
                 regions: regions.into_iter().map(|(r, _)| r).collect(),
                 layers: layers_at,
             };
-            c.register_regions(&reg)
+            c.register(Registration::regions(&reg))
                 .await
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
             round_trip(&c, &kv, &instance, &what).await;
@@ -1433,7 +1526,9 @@ fn an_engine_workers_cuda_kv_in_another_process_through_an_ipc_handle() {
             device: 0,
             layout: kv.spec_from(kv.base()),
         };
-        c.register_cuda_ipc(&req, &ipc.bytes).await.unwrap();
+        c.register(Registration::cuda_ipc(&req, &ipc.bytes))
+            .await
+            .unwrap();
         let _session = c.open_session(&[id("gpu-eng")]).await.unwrap();
         put_over_grpc(&c, shape(), "gpu-eng", 0..4).await;
         let dest = [9u32, 3, 4, 12];
@@ -1442,13 +1537,19 @@ fn an_engine_workers_cuda_kv_in_another_process_through_an_ipc_handle() {
             let done = if by_stream {
                 let mut stream = c.completions(&id("gpu-eng"), 0).await.unwrap();
                 let l = c
-                    .load(&load_request(lease, "gpu-eng", 0, &dest))
+                    .load(
+                        &load_request(lease, "gpu-eng", 0, &dest),
+                        LoadOptions::default(),
+                    )
                     .await
                     .unwrap();
                 stream.wait_for(l, WAIT).await.unwrap()
             } else {
                 let l = c
-                    .load(&load_request(lease, "gpu-eng", 0, &dest))
+                    .load(
+                        &load_request(lease, "gpu-eng", 0, &dest),
+                        LoadOptions::default(),
+                    )
                     .await
                     .unwrap();
                 c.wait_polling(l, Duration::from_millis(1), WAIT)
@@ -1513,7 +1614,7 @@ fn an_engine_workers_vmm_kv_in_another_process_through_its_fd() {
             device: 0,
             layout: kv.spec_from(kv.base()),
         };
-        c.register(&req, h).await.unwrap();
+        c.register(Registration::in_handle(&req, h)).await.unwrap();
         let _session = c.open_session(&[id("vmm-eng")]).await.unwrap();
         put_over_grpc(&c, shape(), "vmm-eng", 0..4).await;
         let dest = [9u32, 3, 4, 12];
@@ -1522,13 +1623,19 @@ fn an_engine_workers_vmm_kv_in_another_process_through_its_fd() {
             let done = if by_stream {
                 let mut stream = c.completions(&id("vmm-eng"), 0).await.unwrap();
                 let l = c
-                    .load(&load_request(lease, "vmm-eng", 0, &dest))
+                    .load(
+                        &load_request(lease, "vmm-eng", 0, &dest),
+                        LoadOptions::default(),
+                    )
                     .await
                     .unwrap();
                 stream.wait_for(l, WAIT).await.unwrap()
             } else {
                 let l = c
-                    .load(&load_request(lease, "vmm-eng", 0, &dest))
+                    .load(
+                        &load_request(lease, "vmm-eng", 0, &dest),
+                        LoadOptions::default(),
+                    )
                     .await
                     .unwrap();
                 c.wait_polling(l, Duration::from_millis(1), WAIT)
@@ -1574,18 +1681,29 @@ fn a_completion_board_shows_loads_landing_without_an_rpc() {
             .unwrap();
         // A board is not KV memory, and KV memory is not a board.
         let req = kv.register_request(&id("eng"), "m", 0);
-        assert_eq!(code(c.register(&req, b).await), Code::InvalidArgument);
         assert_eq!(
-            code(c.register_with_board(&req, handle, handle).await),
+            code(c.register(Registration::in_handle(&req, b)).await),
             Code::InvalidArgument
         );
-        c.register_with_board(&req, handle, b).await.unwrap();
+        assert_eq!(
+            code(
+                c.register(Registration::in_handle(&req, handle).with_board(handle))
+                    .await
+            ),
+            Code::InvalidArgument
+        );
+        c.register(Registration::in_handle(&req, handle).with_board(b))
+            .await
+            .unwrap();
         put_over_grpc(&c, shape(), "eng", 0..6).await;
 
         let lease = lease_for(&c, "eng", 0..4).await;
         let dest = [9, 2, 14, 5];
         let first = c
-            .load_on_board(&load_request(lease, "eng", 0, &dest), Some((3, 41)))
+            .load(
+                &load_request(lease, "eng", 0, &dest),
+                LoadOptions::on_board(3, 41),
+            )
             .await
             .unwrap();
         // Every layer, then the end, without an RPC; the result is then in PollLoad.
@@ -1606,14 +1724,20 @@ fn a_completion_board_shows_loads_landing_without_an_rpc() {
         // a board slot for a rank that registered no board. The lease survives each.
         let lease = lease_for(&c, "eng", 0..2).await;
         let r = c
-            .load_on_board(&load_request(lease, "eng", 0, &[0, 1]), Some((8, 1)))
+            .load(
+                &load_request(lease, "eng", 0, &[0, 1]),
+                LoadOptions::on_board(8, 1),
+            )
             .await;
         assert_eq!(code(r), Code::InvalidArgument);
         // A running slot: what the node writes is what it checks, so fake one.
         let fake = Board::create(8).unwrap();
         let _ = fake;
         let second = c
-            .load_on_board(&load_request(lease, "eng", 0, &[0, 1]), Some((3, 42)))
+            .load(
+                &load_request(lease, "eng", 0, &[0, 1]),
+                LoadOptions::on_board(3, 42),
+            )
             .await
             .unwrap();
         assert_eq!(
@@ -1626,11 +1750,17 @@ fn a_completion_board_shows_loads_landing_without_an_rpc() {
         kv2.register_with(&c, &id("plain"), "m", 0).await.unwrap();
         let lease = lease_for(&c, "plain", 0..2).await;
         let r = c
-            .load_on_board(&load_request(lease, "plain", 0, &[0, 1]), Some((0, 1)))
+            .load(
+                &load_request(lease, "plain", 0, &[0, 1]),
+                LoadOptions::on_board(0, 1),
+            )
             .await;
         assert_eq!(code(r), Code::FailedPrecondition);
         let third = c
-            .load(&load_request(lease, "plain", 0, &[0, 1]))
+            .load(
+                &load_request(lease, "plain", 0, &[0, 1]),
+                LoadOptions::default(),
+            )
             .await
             .unwrap();
         ok(
@@ -1675,16 +1805,18 @@ fn a_board_says_a_loads_outcome_failed_blocks_included_and_successes_need_no_pol
             .await
             .unwrap();
         let req = kv.register_request(&id("eng"), "m", 0);
-        c.register_with_board(&req, handle, b).await.unwrap();
+        c.register(Registration::in_handle(&req, handle).with_board(b))
+            .await
+            .unwrap();
         put_over_grpc(&c, shape(), "eng", 0..4).await;
 
         // More successes than the node retains, none polled: the board's word is their
         // delivery, so none counts as dropped undelivered nor waits in the book.
         for tag in 1..=3 {
             let lease = lease_for(&c, "eng", 0..4).await;
-            c.load_on_board(
+            c.load(
                 &load_request(lease, "eng", 0, &[9, 3, 4, 12]),
-                Some((1, tag)),
+                LoadOptions::on_board(1, tag),
             )
             .await
             .unwrap();
@@ -1705,7 +1837,10 @@ fn a_board_says_a_loads_outcome_failed_blocks_included_and_successes_need_no_pol
         failing.hook.0.store(true, Ordering::Relaxed);
         let lease = lease_for(&c, "eng", 0..3).await;
         let l = c
-            .load_on_board(&load_request(lease, "eng", 0, &[7, 8, 10]), Some((2, 40)))
+            .load(
+                &load_request(lease, "eng", 0, &[7, 8, 10]),
+                LoadOptions::on_board(2, 40),
+            )
             .await
             .unwrap();
         let v = board.wait(2, 40, u32::MAX, WAIT).unwrap();
@@ -1772,7 +1907,10 @@ fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
         assert_eq!((q.local_blocks, q.remote_blocks), (4, 0));
         let dest = [9, 2, 14, 5];
         let l = c
-            .load(&load_request(q.lease.unwrap(), "eng", 0, &dest))
+            .load(
+                &load_request(q.lease.unwrap(), "eng", 0, &dest),
+                LoadOptions::default(),
+            )
             .await
             .unwrap();
         ok(
@@ -1795,7 +1933,13 @@ fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
             .unwrap();
         assert_eq!(saved.written, 1);
         let lease = lease_for(&c, "eng", 900..901).await;
-        let l = c.load(&load_request(lease, "eng", 0, &[11])).await.unwrap();
+        let l = c
+            .load(
+                &load_request(lease, "eng", 0, &[11]),
+                LoadOptions::default(),
+            )
+            .await
+            .unwrap();
         ok(
             &c.wait_polling(l, Duration::from_millis(1), WAIT)
                 .await
@@ -1809,7 +1953,9 @@ fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
         assert_eq!((miss.lease, miss.local_blocks), (None, 0));
         let gone = LeaseId::from_hex("00112233445566778899aabbccddeeff").unwrap();
         for (who, client) in [("mailbox", &c), ("call", &plain)] {
-            let r = client.load(&load_request(gone, "eng", 0, &[1])).await;
+            let r = client
+                .load(&load_request(gone, "eng", 0, &[1]), LoadOptions::default())
+                .await;
             assert_eq!(code(r), Code::NotFound, "{who}");
             let r = client.query(&id("nobody"), &hashes(0..1), false).await;
             assert_eq!(code(r), Code::NotFound, "{who}");
@@ -1836,7 +1982,10 @@ fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
         assert_eq!(code(refused.attach(memfd).await), Code::InvalidArgument);
         // A mailbox is not KV memory.
         let req = kv.register_request(&id("eng"), "m", 0);
-        let e = plain.register(&req, handle).await.unwrap_err();
+        let e = plain
+            .register(Registration::in_handle(&req, handle))
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), Some(Code::InvalidArgument), "{e}");
         assert!(e.to_string().contains("is a mailbox, not KV memory"), "{e}");
         let mut session = plain.open_session(&[]).await.unwrap();
@@ -1883,7 +2032,10 @@ fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
         scraped_until(&srv, "kvferry_engine_mailboxes", 0.0).await;
         let lease = lease_for(&plain, "eng", 0..2).await;
         let l = plain
-            .load(&load_request(lease, "eng", 0, &[3, 4]))
+            .load(
+                &load_request(lease, "eng", 0, &[3, 4]),
+                LoadOptions::default(),
+            )
             .await
             .unwrap();
         ok(

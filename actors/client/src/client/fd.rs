@@ -62,7 +62,7 @@ impl EngineClient {
     }
 
     /// Sends a completion board (see [`kvferry_proto::shm::board`]) for `instance` rank `rank`; returns
-    /// the handle to register with ([`Self::register_regions_with_board`]). Refused here
+    /// the handle to register with ([`crate::Registration::with_board`]). Refused here
     /// (the handle unused: it expires on the node) unless the node says it took the board as
     /// this build's version, whose final words a client reads as outcomes.
     pub async fn send_board(
