@@ -61,6 +61,13 @@ pub enum NodeError {
         #[source]
         source: crate::peer::RemoteError,
     },
+    /// A direct load with a remote suffix that no verbs NIC near its GPU can read (direct is
+    /// direct: there is no fallback to staging). A local failure: no peer was asked.
+    #[error("no verbs nic can carry this direct load: {source}")]
+    Unroutable {
+        #[source]
+        source: kvferry_transport::verbs::AffinityError,
+    },
     #[error("the node is shutting down ({what})")]
     Stopped { what: &'static str },
     /// Write-through: sealed blocks of this request are in RAM but not on disk, so a crash

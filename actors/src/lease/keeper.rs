@@ -1,5 +1,5 @@
 //! The LeaseKeeper actor: answers queries with leases, hands each rank its share at load
-//! time (planned by [`LoadPlan`], executed by the Transfer that owns it), sweeps expired
+//! time (planned by [`crate::load::share::prepare`], executed by the Transfer that owns it), sweeps expired
 //! leases, and owns the instance registry.
 
 use std::sync::Arc;
@@ -20,56 +20,19 @@ use crate::error::NodeError;
 use crate::fence::{monotonic_ns, Fence};
 use crate::lease::registry::InstanceRegistry;
 use crate::lease::table::LeaseTable;
-use crate::load::plan::{LoadPlan, PlanInput, MIN_LAYER_GROUP_BYTES};
+use crate::load::share::prepare;
+pub use crate::load::share::{LeasePlan, RemoteSeg};
 use crate::load::transfer::{LoadJob, Transfer};
 use crate::metrics::{Counters, InFlight};
 use crate::model::BlockHash;
 use crate::model::{InstanceId, LeaseId, Namespace};
-use crate::nic::stripe::{NicRouting, StripePlan};
+use crate::nic::stripe::NicRouting;
 use crate::peer::directory::segments;
-use crate::peer::{PeerLink, Peers, RemoteBlock, RemotePin};
-use crate::tier::cache::SlotRef;
-use crate::tier::store::{BlockStore, PinGuard, PinPrefix, SsdBlock};
+use crate::peer::{Peers, RemotePin};
+use crate::tier::store::{BlockStore, PinPrefix};
 
 /// Why a direct-GPU request is refused on a node without peers.
 pub const DIRECT_REFUSAL: &str = "remote suffix not supported: this node has no peers";
-
-/// One owner's part of a remote suffix: its pinned blocks, in block order.
-#[derive(Debug)]
-pub struct RemoteSeg {
-    pub link: Arc<dyn PeerLink>,
-    pub blocks: Vec<RemoteBlock>,
-    /// Released (the owner unpins) when the lease and every share are gone.
-    pub pin: Option<RemotePin>,
-}
-
-/// What a lease holds: the pinned local prefix (RAM blocks pinned, SSD blocks held on disk)
-/// and the ordered remote plan. Each rank's share is a clone; the pins and holds go when
-/// the lease and every share are gone.
-#[derive(Clone, Debug)]
-pub struct LeasePlan {
-    pub namespace: Namespace,
-    /// The local prefix's RAM blocks.
-    pub local: Arc<Vec<SlotRef>>,
-    /// The local prefix's SSD blocks (with their positions in it).
-    pub ssd: Arc<Vec<SsdBlock>>,
-    pub pins: Option<Arc<PinGuard>>,
-    pub remote: Arc<Vec<RemoteSeg>>,
-    /// The query asked for direct loads and was granted them.
-    pub direct: bool,
-    /// Seconds the query spent pinning on owners.
-    pub pin_seconds: f64,
-}
-
-impl LeasePlan {
-    pub fn remote_blocks(&self) -> usize {
-        self.remote.iter().map(|s| s.blocks.len()).sum()
-    }
-
-    pub fn blocks(&self) -> usize {
-        self.local.len() + self.ssd.len() + self.remote_blocks()
-    }
-}
 
 pub struct LeaseKeeper {
     table: LeaseTable<LeasePlan>,
@@ -327,34 +290,8 @@ impl Handler<Load> for LeaseKeeper {
         // Validate and plan everything before consuming, so a bad request changes nothing.
         let share = self.table.check(req.lease, &req.instance, req.rank, now)?;
         handle.layout.check_blocks(&req.dest_blocks)?;
-        let local: Vec<u64> = share.local.iter().map(|b| b.addr).collect();
-        let ssd_at: Vec<usize> = share.ssd.iter().map(|b| b.at).collect();
-        let remote: Vec<Vec<u64>> = share
-            .remote
-            .iter()
-            .map(|s| s.blocks.iter().map(|b| b.addr).collect())
-            .collect();
-        let plan = LoadPlan::build(PlanInput {
-            shape: &handle.shape,
-            layout: &handle.layout,
-            rank: req.rank,
-            local: &local,
-            ssd_at: &ssd_at,
-            remote: &remote,
-            direct: share.direct,
-            dest: &req.dest_blocks,
-            min_group_bytes: MIN_LAYER_GROUP_BYTES,
-        })
-        .map_err(|e| NodeError::bad(e.to_string()))?;
         // Routed before consuming too: a plan no NIC can carry changes nothing.
-        let route = match (&self.routing, share.direct) {
-            (Some(r), true) if !share.remote.is_empty() => Some(
-                route_reads(r, share, handle.shape.rank_bytes(), handle.device.ordinal()).map_err(
-                    |reason| NodeError::remote("verbs", crate::peer::RemoteError::no_path(reason)),
-                )?,
-            ),
-            _ => None,
-        };
+        let (plan, route) = prepare(share, &handle, &req, self.routing.as_deref())?;
         let share = self
             .table
             .consume(req.lease, &req.instance, req.rank, now)?
@@ -449,19 +386,4 @@ impl Handler<Shutdown> for LeaseKeeper {
     fn handle(&mut self, _: Shutdown, ctx: &mut Context<Self>) {
         ctx.stop();
     }
-}
-
-/// The NIC of every remote read of a direct load (one read per block's rank part, in plan
-/// order), from the NICs nearest the destination GPU; a plan that cannot be routed fails the
-/// load (direct is direct: no fallback to staging).
-pub fn route_reads(
-    routing: &NicRouting,
-    share: &LeasePlan,
-    rank_bytes: u64,
-    ordinal: u32,
-) -> Result<StripePlan, String> {
-    let lens = vec![rank_bytes; share.remote_blocks()];
-    routing
-        .route(&lens, ordinal)
-        .map_err(|e| format!("no verbs nic for this direct load: {e}"))
 }

@@ -5,5 +5,6 @@
 
 pub mod plan;
 pub mod remote;
+pub mod share;
 pub mod ssd;
 pub mod transfer;

@@ -329,6 +329,7 @@ pub(crate) fn status(method: &str, e: NodeError) -> Status {
         NodeError::Remote { source, .. } if !source.is_link_failure() => {
             Status::failed_precondition(msg)
         }
+        NodeError::Unroutable { .. } => Status::failed_precondition(msg),
         NodeError::Remote { .. } | NodeError::Stopped { .. } => Status::unavailable(msg),
         NodeError::DeadlinePassed { .. } => Status::deadline_exceeded(msg),
         _ => Status::internal(msg),
@@ -340,6 +341,8 @@ pub(crate) fn error_kind(e: &NodeError) -> &'static str {
     match e {
         NodeError::Transfer { .. } => "transfer",
         NodeError::Remote { source, .. } => source.kind(),
+        // As a peer's missing data path was reported before it was its own variant.
+        NodeError::Unroutable { .. } => "no_data_path",
         NodeError::Stopped { .. } => "stopped",
         NodeError::DeadlinePassed { .. } => "deadline",
         NodeError::Device(_) => "device",
