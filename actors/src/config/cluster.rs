@@ -1,0 +1,44 @@
+//! `[cluster]`: how a node serves its pool to peers and reaches theirs.
+
+use serde::{Deserialize, Serialize};
+
+/// How a node serves its pool to peers and reaches theirs.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case", default)]
+pub struct ClusterConfig {
+    /// Data path between nodes: `tcp` or `shm` (same host).
+    pub provider: String,
+    /// Where this node serves `kvferry.v1.Peer`.
+    pub peer_listen: String,
+    /// Where the tcp data server listens (port 0: any).
+    pub data_listen: String,
+    /// Where the shm socket is created.
+    pub shm_dir: String,
+    /// Shared secret every peer RPC must carry; empty: not checked.
+    pub token: String,
+    /// `static` (ask the listed peers in order) or `redis://host:port`.
+    pub directory: String,
+    pub peers: Vec<PeerConfig>,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct PeerConfig {
+    pub node_id: String,
+    /// The peer's `peer-listen` address.
+    pub address: String,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            provider: "tcp".into(),
+            peer_listen: "127.0.0.1:7100".into(),
+            data_listen: "127.0.0.1:0".into(),
+            shm_dir: std::env::temp_dir().join("kvferry").display().to_string(),
+            token: String::new(),
+            directory: "static".into(),
+            peers: Vec::new(),
+        }
+    }
+}

@@ -1,0 +1,36 @@
+//! Node configuration: one TOML file, kebab-case keys, unknown keys refused.
+//!
+//! [`NodeConfig`] is the file; each `[section]` has a type of its own ([`PoolConfig`],
+//! [`EngineConfig`], [`ClusterConfig`], …) with its defaults, and [`NodeConfig::validate`]
+//! checks every value and the rules across sections, naming the key that breaks one.
+//! Sizes are [`ByteSize`]s. Secrets (tokens, a Redis password) never reach `Debug`.
+
+mod bytes;
+mod cluster;
+mod device;
+mod directory;
+mod engine;
+mod error;
+mod host;
+mod lease;
+mod limits;
+pub mod log;
+mod metrics;
+mod node;
+mod pool;
+
+pub use bytes::ByteSize;
+pub use cluster::{ClusterConfig, PeerConfig};
+pub use device::DeviceConfig;
+pub use directory::DirectoryConfig;
+pub use engine::EngineConfig;
+pub use error::ConfigError;
+pub use host::HostMemory;
+pub use lease::LeaseConfig;
+pub use limits::{MAX_SLOT_BYTES, MAX_SOCKET_PATH, MAX_TTL_SECS};
+pub use metrics::MetricsConfig;
+pub use node::NodeConfig;
+pub use pool::PoolConfig;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,356 @@
+use std::time::Duration;
+
+use super::*;
+
+#[test]
+fn the_redis_sample_documents_the_directory_defaults() {
+    let text = include_str!("../../../config/cluster-redis.toml");
+    let cfg = NodeConfig::from_toml(text, "cluster-redis.toml").unwrap();
+    assert_eq!(cfg.directory, DirectoryConfig::default());
+    let o = cfg.directory.redis_options();
+    assert_eq!(o.lookup_timeout, Duration::from_millis(100));
+    assert_eq!(o.reconcile_interval, Duration::from_secs(30));
+    assert_eq!(o, crate::peer::RedisOptions::default());
+}
+
+#[test]
+fn defaults_validate_and_sizes_parse() {
+    NodeConfig::default().validate().unwrap();
+    assert_eq!(ByteSize::parse("64MiB").unwrap(), ByteSize(64 << 20));
+    assert_eq!(ByteSize::parse("1 GiB").unwrap(), ByteSize(1 << 30));
+    assert_eq!(ByteSize::parse("4096").unwrap(), ByteSize(4096));
+    assert!(ByteSize::parse("12 parsecs").is_err());
+    assert_eq!(ByteSize(3 << 20).to_string(), "3MiB");
+}
+
+#[test]
+fn sizes_in_binary_and_decimal_units_and_their_limits() {
+    let ok = |s: &str| ByteSize::parse(s).unwrap().0;
+    assert_eq!(ok("2KiB"), 2048);
+    assert_eq!(ok("  8 mib "), 8 << 20);
+    assert_eq!(ok("1.5GiB"), 3 << 29);
+    assert_eq!(ok("3 TiB"), 3 << 40);
+    assert_eq!(ok("64MB"), 64_000_000);
+    assert_eq!(ok("2G"), 2_000_000_000);
+    assert_eq!(ok("512 B"), 512);
+    for bad in ["", "MiB", "-1MiB", "1 parsec", "0x100", "1e3"] {
+        let e = ByteSize::parse(bad).unwrap_err();
+        assert!(e.contains("not a byte size"), "{bad:?}: {e}");
+    }
+    // bytesize saturates on overflow; that must be an error here, not u64::MAX.
+    let e = ByteSize::parse("99999999999 TiB").unwrap_err();
+    assert!(e.contains("larger than"), "{e}");
+    assert_eq!(ok("8388607 TiB"), 8388607 << 40);
+    // What a config prints reads back as the same size.
+    for v in [0, 1, 4095, 4096, 3 << 20, (5 << 30) + 1, ByteSize::MAX] {
+        assert_eq!(ok(&ByteSize(v).to_string()), v);
+    }
+    let cfg = NodeConfig::from_toml("[pool]\nsize = \"-5\"\n", "x.toml");
+    assert!(cfg.is_err());
+}
+
+#[test]
+fn unknown_key_names_line_and_column() {
+    let err = NodeConfig::from_toml(
+        "node-id = \"a\"\n[pool]\nsize = \"1GiB\"\nslots = 3\n",
+        "x.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("slots"), "{err}");
+    assert!(err.contains("line 4"), "{err}");
+    assert!(err.contains("column 1"), "{err}");
+}
+
+#[test]
+fn engine_section_defaults_and_unknown_keys() {
+    let cfg = NodeConfig::from_toml("[engine]\n", "e.toml").unwrap();
+    assert_eq!(cfg.engine, Some(EngineConfig::default()));
+    assert!(NodeConfig::from_toml("", "e.toml")
+        .unwrap()
+        .engine
+        .is_none());
+    let err = NodeConfig::from_toml("[engine]\nlisen = \"x\"\n", "e.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("lisen") && err.contains("line 2"), "{err}");
+}
+
+#[test]
+fn the_device_section_names_the_gpu_copy_options() {
+    use kvferry_gpu::cuda::{CopyPath, DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES};
+    let o = NodeConfig::default().device.cuda_options();
+    assert_eq!(o.copy_path, CopyPath::Auto);
+    assert_eq!(o.staging_chunk_bytes, DEFAULT_STAGING_CHUNK_BYTES);
+    assert_eq!(o.staging_chunks, DEFAULT_STAGING_CHUNKS);
+    assert_eq!(
+        o.completion_spin,
+        kvferry_gpu::cuda::DEFAULT_COMPLETION_SPIN
+    );
+    let cfg = NodeConfig::from_toml(
+        "[device]\ncopy-path = \"per-op\"\nstaging-chunk = \"8MiB\"\nstaging-chunks = 4\n\
+         completion-spin-us = 0\n",
+        "d.toml",
+    )
+    .unwrap();
+    let o = cfg.device.cuda_options();
+    assert_eq!(o.copy_path, CopyPath::PerOp);
+    assert_eq!((o.staging_chunk_bytes, o.staging_chunks), (8 << 20, 4));
+    assert!(o.completion_spin.is_zero());
+}
+
+#[test]
+fn cross_field_rules_name_the_key() {
+    let cases = [
+        (
+            "[pool]\nsize = \"1MiB\"\nslot-bytes = \"2MiB\"\n",
+            "pool.size",
+        ),
+        ("[pool]\nslot-bytes = 100\n", "pool.slot-bytes"),
+        (
+            "[lease]\nttl-secs = 10\nsweep-interval-secs = 30\n",
+            "lease.sweep-interval-secs",
+        ),
+        ("[device]\nkind = \"tpu\"\n", "device.kind"),
+        ("[device]\ncopy-path = \"dma\"\n", "device.copy-path"),
+        ("[device]\nstaging-chunks = 1\n", "device.staging-chunks"),
+        (
+            "[device]\ncompletion-spin-us = 1000001\n",
+            "device.completion-spin-us",
+        ),
+        (
+            "[device]\nstaging-chunk = \"1KiB\"\n",
+            "device.staging-chunk",
+        ),
+        ("[cluster]\nprovider = \"verbs\"\n", "cluster.provider"),
+        ("[cluster]\nprovider = \"udp\"\n", "cluster.provider"),
+        (
+            "[cluster]\npeer-listen = \"nowhere\"\n",
+            "cluster.peer-listen",
+        ),
+        ("[cluster]\ndirectory = \"etcd\"\n", "cluster.directory"),
+        ("[engine]\nlisten = \"nowhere\"\n", "engine.listen"),
+        ("[engine]\nfd-dir = \"relative\"\n", "engine.fd-dir"),
+        ("[engine]\ntoken = \"two words\"\n", "engine.token"),
+        (
+            "[engine]\nmax-message-bytes = \"2GiB\"\n",
+            "engine.max-message-bytes",
+        ),
+        (
+            "[engine]\ncompletion-retention = 0\n",
+            "engine.completion-retention",
+        ),
+        ("[engine]\nhandle-ttl-secs = 0\n", "engine.handle-ttl-secs"),
+        (
+            "[engine]\nmailbox-spin-us = 1000001\n",
+            "engine.mailbox-spin-us",
+        ),
+        (
+            "[directory]\nlookup-timeout-ms = 0\n",
+            "directory.lookup-timeout-ms",
+        ),
+        (
+            "[directory]\nbreaker-failures = 0\n",
+            "directory.breaker-failures",
+        ),
+        (
+            "[directory]\nreconcile-interval-secs = 0\n",
+            "directory.reconcile-interval-secs",
+        ),
+        ("[directory]\nkey-prefix = \"\"\n", "directory.key-prefix"),
+        (
+            "[cluster]\n[[cluster.peers]]\nnode-id = \"node-0\"\naddress = \"127.0.0.1:1\"\n",
+            "cluster.peers",
+        ),
+    ];
+    for (text, key) in cases {
+        let err = NodeConfig::from_toml(text, "t.toml").unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::Invalid { key: k, .. } if *k == key),
+            "{err}"
+        );
+    }
+}
+
+fn invalid_key(text: &str, host: &HostMemory) -> (&'static str, String) {
+    let cfg: NodeConfig = toml::from_str(text).unwrap();
+    match cfg.validate_on(host).unwrap_err() {
+        ConfigError::Invalid { key, reason } => (key, reason),
+        e => panic!("{text}: {e}"),
+    }
+}
+
+/// Issue 15: every value `--check-config` used to pass and the node then failed on
+/// (or panicked on) is refused, naming the key and saying why.
+#[test]
+fn check_config_refuses_what_would_not_start() {
+    let host = HostMemory {
+        total: Some(64 << 30),
+        cgroup: None,
+        hugepages_free: Some(0),
+    };
+    let long_dir = format!("/tmp/{}", "d".repeat(100));
+    let peers = "[cluster]\npeer-listen = \"127.0.0.1:7100\"\n";
+    let cases = [
+        ("[lease]\nttl-secs = 9223372036854775807\n", "lease.ttl-secs", "86400"),
+        (
+            "[lease]\npeer-pin-ttl-secs = 9223372036854775807\n",
+            "lease.peer-pin-ttl-secs",
+            "86400",
+        ),
+        (
+            "[engine]\nhandle-ttl-secs = 9223372036854775807\n",
+            "engine.handle-ttl-secs",
+            "86400",
+        ),
+        ("[pool]\nsize = 9223372036854775807\n", "pool.size", "physical memory"),
+        ("[pool]\nsize = \"1048576TiB\"\n", "pool.size", "physical memory"),
+        ("[pool]\nsize = \"65GiB\"\n", "pool.size", "physical memory"),
+        (
+            "[pool]\nsize = \"8GiB\"\nslot-bytes = \"2GiB\"\n",
+            "pool.slot-bytes",
+            "at most 1GiB",
+        ),
+        ("[cluster]\ndirectory = \"redis://\"\n", "cluster.directory", "redis://"),
+        ("[cluster]\ndirectory = \"redis://:6379\"\n", "cluster.directory", "redis://"),
+        ("[cluster]\ndirectory = \"rediss://h:1\"\n", "cluster.directory", "TLS"),
+        (
+            "[cluster]\ndirectory = \"redis://h:6379/db\"\n",
+            "cluster.directory",
+            "Invalid database number",
+        ),
+        (
+            "[cluster]\ndirectory = \"redis://h:65536\"\n",
+            "cluster.directory",
+            "redis://",
+        ),
+        ("[cluster]\ntoken = \"two words\"\n", "cluster.token", "without spaces"),
+        ("[cluster]\ntoken = \"a\\u0007b\"\n", "cluster.token", "printable"),
+        ("[engine]\ntoken = \"a\\tb\"\n", "engine.token", "printable"),
+        (
+            &format!("[engine]\nfd-dir = \"{long_dir}\"\n"),
+            "engine.fd-dir",
+            "at most 107",
+        ),
+        (
+            &format!("[cluster]\nprovider = \"shm\"\nshm-dir = \"{long_dir}\"\n"),
+            "cluster.shm-dir",
+            "at most 107",
+        ),
+        (
+            &format!("{peers}[[cluster.peers]]\nnode-id = \"b\"\naddress = \"127.0.0.1:7100\"\n"),
+            "cluster.peers",
+            "own cluster.peer-listen",
+        ),
+        (
+            "[cluster]\npeer-listen = \"0.0.0.0:7100\"\n[[cluster.peers]]\nnode-id = \"b\"\n\
+             address = \"127.0.0.1:7100\"\n",
+            "cluster.peers",
+            "own cluster.peer-listen",
+        ),
+        (
+            &format!(
+                "{peers}[[cluster.peers]]\nnode-id = \"b\"\naddress = \"127.0.0.1:7101\"\n\
+                 [[cluster.peers]]\nnode-id = \"c\"\naddress = \"127.0.0.1:7101\"\n"
+            ),
+            "cluster.peers",
+            "b and c have one address",
+        ),
+        (
+            &format!("{peers}[[cluster.peers]]\nnode-id = \"b\"\naddress = \"127.0.0.1:0\"\n"),
+            "cluster.peers",
+            "no port",
+        ),
+        ("node-id = \"a/b\"\n", "node-id", "'/'"),
+        (
+            "[pool]\nsize = \"64MiB\"\nslot-bytes = \"1MiB\"\nhugepages = true\n",
+            "pool.hugepages",
+            "needs 32 free 2 MiB hugepages, the system has 0",
+        ),
+        (
+            "[engine]\nlisten = \"127.0.0.1:7200\"\n[cluster]\npeer-listen = \"0.0.0.0:7200\"\n",
+            "cluster.peer-listen",
+            "also engine.listen",
+        ),
+        (
+            "[metrics]\nlisten = \"127.0.0.1:9100\"\n[cluster]\ndata-listen = \"127.0.0.1:9100\"\n",
+            "cluster.data-listen",
+            "also metrics.listen",
+        ),
+        (
+            "[[nic]]\nname = \"n0\"\nprovider = \"udp\"\n",
+            "nic",
+            "key `provider` is invalid: unknown provider \"udp\" (expected loopback, tcp, shm or verbs)",
+        ),
+    ];
+    for (text, key, why) in cases {
+        let (k, reason) = invalid_key(text, &host);
+        assert_eq!(k, key, "{text}: {reason}");
+        assert!(reason.contains(why), "{text}: {reason}");
+    }
+    // The cgroup limit when it is the tighter one.
+    let small = HostMemory {
+        total: Some(64 << 30),
+        cgroup: Some(1 << 30),
+        hugepages_free: Some(32),
+    };
+    let (k, reason) = invalid_key("[pool]\nsize = \"2GiB\"\n", &small);
+    assert_eq!(k, "pool.size");
+    assert!(reason.contains("cgroup"), "{reason}");
+    // The SSD write backlog's copies count on top of the pool.
+    let ssd =
+        "[ssd]\nwrite-backlog = \"512MiB\"\n[[ssd.dir]]\npath = \"/d\"\ncapacity = \"1GiB\"\n";
+    let (k, reason) = invalid_key(&format!("[pool]\nsize = \"768MiB\"\n{ssd}"), &small);
+    assert_eq!(k, "ssd.write-backlog");
+    assert!(reason.contains("cgroup"), "{reason}");
+    let ok: NodeConfig = toml::from_str(&format!("[pool]\nsize = \"256MiB\"\n{ssd}")).unwrap();
+    ok.validate_on(&small).unwrap();
+    // Within every limit: accepted.
+    let ok: NodeConfig = toml::from_str(
+        "[pool]\nsize = \"1GiB\"\n[lease]\nttl-secs = 86400\npeer-pin-ttl-secs = 86400\n\
+         [cluster]\ndirectory = \"redis://h:6379/2\"\n",
+    )
+    .unwrap();
+    ok.validate_on(&small).unwrap();
+    let ok: NodeConfig = toml::from_str(
+        "[pool]\nsize = \"64MiB\"\nslot-bytes = \"1MiB\"\nhugepages = true\n\
+         [engine]\nlisten = \"127.0.0.1:0\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n\
+         [cluster]\npeer-listen = \"127.0.0.1:7100\"\ndata-listen = \"127.0.0.1:7101\"\n",
+    )
+    .unwrap();
+    ok.validate_on(&small).unwrap();
+}
+
+#[test]
+fn a_size_of_the_wrong_type_says_what_a_size_is() {
+    for text in [
+        "[pool]\nsize = true\n",
+        "[pool]\nsize = 1.5\n",
+        "[pool]\nsize = [1]\n",
+    ] {
+        let err = NodeConfig::from_toml(text, "t.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("expected a size like \"64MiB\" or a number of bytes"),
+            "{err}"
+        );
+        assert!(err.contains("size") && err.contains("line 2"), "{err}");
+        assert!(!err.contains("untagged"), "{err}");
+    }
+    let err = NodeConfig::from_toml("[pool]\nsize = -1\n", "t.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("negative"), "{err}");
+    let cfg = NodeConfig::from_toml("[pool]\nsize = 16777216\n", "t.toml").unwrap();
+    assert_eq!(cfg.pool.size, ByteSize(16 << 20));
+}
+
+/// The sample configs and the defaults stay inside the limits.
+#[test]
+fn defaults_are_inside_the_limits() {
+    let d = NodeConfig::default();
+    assert!(d.lease.ttl_secs <= MAX_TTL_SECS);
+    assert!(EngineConfig::default().handle_ttl_secs <= MAX_TTL_SECS);
+    assert!(d.pool.slot_bytes.0 <= MAX_SLOT_BYTES);
+}
