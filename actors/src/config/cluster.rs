@@ -1,9 +1,13 @@
 //! `[cluster]`: how a node serves its pool to peers and reaches theirs.
 
+use std::fmt;
+
 use serde::{Deserialize, Serialize};
 
+use crate::config::redact::{Redacted, RedactedUrl};
+
 /// How a node serves its pool to peers and reaches theirs.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case", default)]
 pub struct ClusterConfig {
     /// Data path between nodes: `tcp` or `shm` (same host).
@@ -27,6 +31,30 @@ pub struct PeerConfig {
     pub node_id: String,
     /// The peer's `peer-listen` address.
     pub address: String,
+}
+
+impl fmt::Debug for ClusterConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Taken apart so that a new field is a compile error here, not a silent leak.
+        let Self {
+            provider,
+            peer_listen,
+            data_listen,
+            shm_dir,
+            token,
+            directory,
+            peers,
+        } = self;
+        f.debug_struct("ClusterConfig")
+            .field("provider", provider)
+            .field("peer_listen", peer_listen)
+            .field("data_listen", data_listen)
+            .field("shm_dir", shm_dir)
+            .field("token", &Redacted(token))
+            .field("directory", &RedactedUrl(directory))
+            .field("peers", peers)
+            .finish()
+    }
 }
 
 impl Default for ClusterConfig {

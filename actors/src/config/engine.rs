@@ -1,14 +1,16 @@
 //! `[engine]`: the gRPC engine API and its fd socket.
 
+use std::fmt;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use crate::config::limits::{check_socket_dir, check_token, check_ttl};
+use crate::config::redact::Redacted;
 use crate::config::{ByteSize, ConfigError};
 
 /// Where and how `kvferry node` serves `kvferry.v1.Engine` and its fd socket.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case", default)]
 pub struct EngineConfig {
     /// "host:port" of the gRPC service.
@@ -42,6 +44,30 @@ impl Default for EngineConfig {
             handle_ttl_secs: 30,
             mailbox_spin_us: 2000,
         }
+    }
+}
+
+impl fmt::Debug for EngineConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Taken apart so that a new field is a compile error here, not a silent leak.
+        let Self {
+            listen,
+            fd_dir,
+            token,
+            max_message_bytes,
+            completion_retention,
+            handle_ttl_secs,
+            mailbox_spin_us,
+        } = self;
+        f.debug_struct("EngineConfig")
+            .field("listen", listen)
+            .field("fd_dir", fd_dir)
+            .field("token", &Redacted(token))
+            .field("max_message_bytes", max_message_bytes)
+            .field("completion_retention", completion_retention)
+            .field("handle_ttl_secs", handle_ttl_secs)
+            .field("mailbox_spin_us", mailbox_spin_us)
+            .finish()
     }
 }
 

@@ -18,6 +18,7 @@ pub mod log;
 mod metrics;
 mod node;
 mod pool;
+pub(crate) mod redact;
 
 pub use bytes::ByteSize;
 pub use cluster::{ClusterConfig, PeerConfig};

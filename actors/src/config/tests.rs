@@ -354,3 +354,30 @@ fn defaults_are_inside_the_limits() {
     assert!(EngineConfig::default().handle_ttl_secs <= MAX_TTL_SECS);
     assert!(d.pool.slot_bytes.0 <= MAX_SLOT_BYTES);
 }
+
+/// A config is printed (a failed test, a log line, `--check-config` on error paths): its
+/// tokens and its Redis password must not be.
+#[test]
+fn debug_hides_tokens_and_the_redis_password() {
+    let cfg: NodeConfig = toml::from_str(
+        "[engine]\ntoken = \"engine-secret\"\n\
+         [cluster]\ntoken = \"cluster-secret\"\n\
+         directory = \"redis://kv:redis-secret@h:6379/2\"\n",
+    )
+    .unwrap();
+    for debug in [format!("{cfg:?}"), format!("{cfg:#?}")] {
+        for secret in ["engine-secret", "cluster-secret", "redis-secret"] {
+            assert!(!debug.contains(secret), "{secret}: {debug}");
+        }
+        assert!(debug.contains("<redacted>"), "{debug}");
+        // Where the directory is stays visible; only its password is masked.
+        assert!(debug.contains("redis://kv:***@h:6379/2"), "{debug}");
+    }
+    // An unset token shows as unset: "not checked" is worth seeing.
+    let open = format!(
+        "{:?}",
+        NodeConfig::from_toml("[engine]\n", "e.toml").unwrap()
+    );
+    assert!(open.contains("token: \"\""), "{open}");
+    assert!(!open.contains("<redacted>"), "{open}");
+}
