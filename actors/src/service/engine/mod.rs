@@ -5,10 +5,17 @@
 
 pub mod completions;
 pub mod fd_socket;
+mod info;
+mod load;
 pub(crate) mod mailbox;
 pub mod memory_handles;
+mod registration;
 mod request;
+mod save;
 pub mod server;
+mod service;
+mod session;
+mod shared;
 
 pub use fd_socket::FdSocket;
 pub use server::{serve, EngineOptions, EngineServeError};
