@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvferry_client::proto::api;
 use kvferry_client::proto::shm::board::Board;
+use kvferry_client::proto::InstanceId;
 use kvferry_client::{EngineClient as RustClient, EngineClientError, RegisterRegions};
 use kvferry_client::{LoadOptions, Registration};
 use kvferry_gpu::KvShape;
@@ -64,6 +65,20 @@ fn own_fd(py: Python<'_>, method: &str, fd: i32) -> PyResult<OwnedFd> {
     }
     // SAFETY: `dup` is a descriptor fcntl just created for us; nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(dup) })
+}
+
+/// What every `send_*` of an fd checks first: the instance it is for, and the caller's fd,
+/// duplicated so that it stays theirs.
+fn instance_and_fd(
+    py: Python<'_>,
+    method: &str,
+    instance: &str,
+    fd: i32,
+) -> PyResult<(InstanceId, OwnedFd)> {
+    Ok((
+        convert::instance(py, method, instance)?,
+        own_fd(py, method, fd)?,
+    ))
 }
 
 impl EngineClient {
@@ -197,8 +212,7 @@ impl EngineClient {
         length: u64,
     ) -> PyResult<u64> {
         const M: &str = "send_memfd";
-        let id = convert::instance(py, M, instance)?;
-        let owned = own_fd(py, M, fd)?;
+        let (id, owned) = instance_and_fd(py, M, instance, fd)?;
         let fut = self
             .inner
             .send_memfd(&id, rank, device, owned.as_fd(), length);
@@ -219,8 +233,7 @@ impl EngineClient {
         length: u64,
     ) -> PyResult<u64> {
         const M: &str = "send_dmabuf";
-        let id = convert::instance(py, M, instance)?;
-        let owned = own_fd(py, M, fd)?;
+        let (id, owned) = instance_and_fd(py, M, instance, fd)?;
         let fut = self
             .inner
             .send_dmabuf(&id, rank, device, owned.as_fd(), base, length);
@@ -240,8 +253,7 @@ impl EngineClient {
         length: u64,
     ) -> PyResult<u64> {
         const M: &str = "send_vmm";
-        let id = convert::instance(py, M, instance)?;
-        let owned = own_fd(py, M, fd)?;
+        let (id, owned) = instance_and_fd(py, M, instance, fd)?;
         let fut = self
             .inner
             .send_vmm(&id, rank, device, owned.as_fd(), length);
