@@ -66,7 +66,7 @@ pub enum EngineServeError {
 }
 
 /// How the engine service runs.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct EngineOptions {
     /// Bearer token every call must carry; empty: not checked.
     pub token: String,
@@ -79,6 +79,28 @@ pub struct EngineOptions {
     pub call_timeout: Duration,
     /// How long a mailbox thread polls after a request (`engine.mailbox-spin-us`).
     pub mailbox_spin: Duration,
+}
+
+impl std::fmt::Debug for EngineOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // As the config's: the token is a secret. Taken apart so no field is missed.
+        let Self {
+            token,
+            max_message_bytes,
+            completion_retention,
+            handle_ttl,
+            call_timeout,
+            mailbox_spin,
+        } = self;
+        f.debug_struct("EngineOptions")
+            .field("token", &crate::config::redact::Redacted(token))
+            .field("max_message_bytes", max_message_bytes)
+            .field("completion_retention", completion_retention)
+            .field("handle_ttl", handle_ttl)
+            .field("call_timeout", call_timeout)
+            .field("mailbox_spin", mailbox_spin)
+            .finish()
+    }
 }
 
 impl Default for EngineOptions {
