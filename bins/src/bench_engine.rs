@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use kvferry_actors::{BlockHash, InstanceId, LoadRequest, SaveRequest};
+use kvferry_client::KvFd;
 use kvferry_client::{EngineClient, MemoryRegion, RegisterRegions};
 use kvferry_client::{LoadOptions, Registration};
 use kvferry_gpu::{Device, KvShape};
@@ -210,7 +211,10 @@ async fn register(c: &EngineClient, kv: &Kv, board: u64) -> anyhow::Result<()> {
         Kv::Host(k) => {
             let mut handles = Vec::new();
             for (i, len) in k.buffer_lens().into_iter().enumerate() {
-                handles.push(c.send_memfd(&id, 0, 0, k.fd_of(i), len).await?);
+                handles.push(
+                    c.send_kv(&id, 0, 0, k.fd_of(i), KvFd::Memfd { len })
+                        .await?,
+                );
             }
             k.registration(&id, "bench", 0, &handles)
         }

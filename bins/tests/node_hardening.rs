@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use kvferry_actors::service::{board, Code};
 use kvferry_actors::{BlockHash, LoadRequest, PutBlocks};
 use kvferry_client::EngineClient;
+use kvferry_client::KvFd;
 use kvferry_client::{LoadOptions, Registration};
 use kvferry_gpu::KvShape;
 use kvferry_proto::shm::mailbox::{self, Mailbox, Op};
@@ -268,7 +269,7 @@ fn a_client_cannot_shrink_its_board_or_mailbox_under_the_node() {
         let a = connect().await.unwrap();
         let kv_a = MemfdKv::create(shape(), 16, 0).unwrap();
         let kv_handle = a
-            .send_memfd(&id("a"), 0, 0, kv_a.fd(), kv_a.len())
+            .send_kv(&id("a"), 0, 0, kv_a.fd(), KvFd::Memfd { len: kv_a.len() })
             .await
             .unwrap();
         let (board_fd, board_len) = board_memfd(libc::MFD_ALLOW_SEALING, 4);

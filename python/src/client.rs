@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use kvferry_client::proto::api;
 use kvferry_client::proto::shm::board::Board;
 use kvferry_client::proto::InstanceId;
+use kvferry_client::KvFd;
 use kvferry_client::{EngineClient as RustClient, EngineClientError, RegisterRegions};
 use kvferry_client::{LoadOptions, Registration};
 use kvferry_gpu::KvShape;
@@ -213,9 +214,13 @@ impl EngineClient {
     ) -> PyResult<u64> {
         const M: &str = "send_memfd";
         let (id, owned) = instance_and_fd(py, M, instance, fd)?;
-        let fut = self
-            .inner
-            .send_memfd(&id, rank, device, owned.as_fd(), length);
+        let fut = self.inner.send_kv(
+            &id,
+            rank,
+            device,
+            owned.as_fd(),
+            KvFd::Memfd { len: length },
+        );
         self.wait(py, M, fut)
     }
 
@@ -234,9 +239,13 @@ impl EngineClient {
     ) -> PyResult<u64> {
         const M: &str = "send_dmabuf";
         let (id, owned) = instance_and_fd(py, M, instance, fd)?;
-        let fut = self
-            .inner
-            .send_dmabuf(&id, rank, device, owned.as_fd(), base, length);
+        let fut = self.inner.send_kv(
+            &id,
+            rank,
+            device,
+            owned.as_fd(),
+            KvFd::Dmabuf { base, len: length },
+        );
         self.wait(py, M, fut)
     }
 
@@ -256,7 +265,7 @@ impl EngineClient {
         let (id, owned) = instance_and_fd(py, M, instance, fd)?;
         let fut = self
             .inner
-            .send_vmm(&id, rank, device, owned.as_fd(), length);
+            .send_kv(&id, rank, device, owned.as_fd(), KvFd::Vmm { len: length });
         self.wait(py, M, fut)
     }
 

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use kvferry_actors::{InstanceId, RegisterInstance};
+use kvferry_client::KvFd;
 use kvferry_client::Registration;
 use kvferry_client::{EngineClient, EngineClientError, MemoryRegion, RegisterRegions};
 use kvferry_gpu::{Device, DeviceBuffer, DeviceError, KvLayoutSpec, KvShape};
@@ -105,7 +106,13 @@ impl MemfdKv {
         rank: u32,
     ) -> Result<String, EngineClientError> {
         let handle = client
-            .send_memfd(instance, rank, 0, self.fd(), self.len())
+            .send_kv(
+                instance,
+                rank,
+                0,
+                self.fd(),
+                KvFd::Memfd { len: self.len() },
+            )
             .await?;
         client
             .register(Registration::in_handle(
@@ -202,7 +209,7 @@ impl MemfdRegionsKv {
             use std::os::fd::AsFd;
             handles.push(
                 client
-                    .send_memfd(instance, rank, 0, fd.as_fd(), len)
+                    .send_kv(instance, rank, 0, fd.as_fd(), KvFd::Memfd { len })
                     .await?,
             );
         }

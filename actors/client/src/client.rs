@@ -7,6 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod fd;
+
+pub use fd::KvFd;
 mod mailbox_link;
 
 use crate::completions::CompletionStream;

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use kvferry_actors::service::{self, proto, Code, EngineOptions};
 use kvferry_actors::{Clock, DirectGrant, LeaseId, Node, PutBlocks};
+use kvferry_client::KvFd;
 use kvferry_client::{EngineClient, EngineClientError};
 use kvferry_client::{LoadOptions, Registration};
 use kvferry_gpu::{Device, HostDevice, KvShape, LayerLayout};
@@ -295,14 +296,14 @@ fn bad_region_registrations_are_refused_and_change_nothing() {
         for i in 0..2 {
             let len = kv.buffer_lens()[i];
             handles.push(
-                c.send_memfd(&id("eng"), 0, 0, kv.fd_of(i), len)
+                c.send_kv(&id("eng"), 0, 0, kv.fd_of(i), KvFd::Memfd { len })
                     .await
                     .unwrap(),
             );
         }
         let len = other.buffer_lens()[0];
         let foreign = c // sent for rank 1
-            .send_memfd(&id("eng"), 1, 0, other.fd_of(0), len)
+            .send_kv(&id("eng"), 1, 0, other.fd_of(0), KvFd::Memfd { len })
             .await
             .unwrap();
         let good = kv.registration(&id("eng"), "m", 0, &handles);
@@ -432,9 +433,15 @@ fn closing_the_session_unregisters_and_releases_leases() {
         let _lease = lease_for(&c, "eng", 0..4).await;
         // A second memfd sent for the instance and never registered.
         let spare = MemfdKv::create(shape(), 4, 0).unwrap();
-        c.send_memfd(&id("eng"), 0, 0, spare.fd(), spare.len())
-            .await
-            .unwrap();
+        c.send_kv(
+            &id("eng"),
+            0,
+            0,
+            spare.fd(),
+            KvFd::Memfd { len: spare.len() },
+        )
+        .await
+        .unwrap();
         let s = c.stats().await.unwrap();
         assert_eq!((s.leases_live, s.instances, s.sessions), (1, 1, 1));
         assert_eq!((s.pinned_blocks, s.memory_handles), (4, 1));
@@ -515,7 +522,13 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         // A handle waiting for its registration.
         let spare = MemfdKv::create(shape(), 16, 0).unwrap();
         let handle = c
-            .send_memfd(&id("spare"), 0, 0, spare.fd(), spare.len())
+            .send_kv(
+                &id("spare"),
+                0,
+                0,
+                spare.fd(),
+                KvFd::Memfd { len: spare.len() },
+            )
             .await
             .unwrap();
         let before = c.stats().await.unwrap();
@@ -829,7 +842,13 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         assert_eq!(
             code(
                 wrong
-                    .send_memfd(&id("eng"), 0, 0, spare.fd(), spare.len())
+                    .send_kv(
+                        &id("eng"),
+                        0,
+                        0,
+                        spare.fd(),
+                        KvFd::Memfd { len: spare.len() }
+                    )
                     .await
             ),
             Code::Unauthenticated
@@ -844,25 +863,51 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
 
         // The fd socket refuses what the host device cannot use.
         assert_eq!(
-            code(c.send_dmabuf(&id("eng"), 0, 0, spare.fd(), 0, 4096).await),
+            code(
+                c.send_kv(
+                    &id("eng"),
+                    0,
+                    0,
+                    spare.fd(),
+                    KvFd::Dmabuf { base: 0, len: 4096 }
+                )
+                .await
+            ),
             Code::FailedPrecondition
         );
         let file = std::fs::File::open("/proc/self/stat").unwrap();
         assert_eq!(
-            code(c.send_memfd(&id("eng"), 0, 0, file.as_fd(), 4096).await),
-            Code::InvalidArgument
-        );
-        assert_eq!(
             code(
-                c.send_memfd(&id("eng"), 0, 0, spare.fd(), spare.len() * 2)
+                c.send_kv(&id("eng"), 0, 0, file.as_fd(), KvFd::Memfd { len: 4096 })
                     .await
             ),
             Code::InvalidArgument
         );
         assert_eq!(
             code(
-                c.send_memfd(&id("eng"), 0, 7, spare.fd(), spare.len())
-                    .await
+                c.send_kv(
+                    &id("eng"),
+                    0,
+                    0,
+                    spare.fd(),
+                    KvFd::Memfd {
+                        len: spare.len() * 2
+                    }
+                )
+                .await
+            ),
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            code(
+                c.send_kv(
+                    &id("eng"),
+                    0,
+                    7,
+                    spare.fd(),
+                    KvFd::Memfd { len: spare.len() }
+                )
+                .await
             ),
             Code::InvalidArgument
         );
@@ -975,7 +1020,7 @@ fn the_largest_registration_answers_quickly_and_the_limits_are_advertised() {
         let shape = KvShape::new(layers, 1, 2, 64).unwrap();
         let kv = MemfdKv::create(shape, 4, 0).unwrap();
         let handle = c
-            .send_memfd(&id("wide"), 0, 0, kv.fd(), kv.len())
+            .send_kv(&id("wide"), 0, 0, kv.fd(), KvFd::Memfd { len: kv.len() })
             .await
             .unwrap();
         let mut req = kv.register_request(&id("wide"), "m", 0);
@@ -1222,7 +1267,13 @@ fn unused_handles_expire_and_a_session_outlives_the_call_deadline() {
         let mut session = c.open_session(&[id("eng")]).await.unwrap();
         let spare = MemfdKv::create(shape(), 16, 0).unwrap();
         let handle = c
-            .send_memfd(&id("late"), 0, 0, spare.fd(), spare.len())
+            .send_kv(
+                &id("late"),
+                0,
+                0,
+                spare.fd(),
+                KvFd::Memfd { len: spare.len() },
+            )
             .await
             .unwrap();
         assert_eq!(srv.dev.live_allocations(), 2);
@@ -1344,7 +1395,7 @@ fn cuda_ipc_registration_is_refused_clearly_where_it_cannot_work() {
         assert_eq!(err.code(), Some(Code::InvalidArgument), "{err}");
         // A memory handle and an IPC handle at once.
         let h = c
-            .send_memfd(&id("eng"), 0, 0, kv.fd(), kv.len())
+            .send_kv(&id("eng"), 0, 0, kv.fd(), KvFd::Memfd { len: kv.len() })
             .await
             .unwrap();
         let mut msg = kvferry_client::register_request(&req, h);
@@ -1369,19 +1420,19 @@ fn a_vmm_fd_is_refused_clearly_where_it_cannot_be_mapped() {
         let c = srv.client(TOKEN).await;
         let kv = MemfdKv::create(shape(), 16, 0).unwrap();
         let err = c
-            .send_vmm(&id("eng"), 0, 0, kv.fd(), 2 << 20)
+            .send_kv(&id("eng"), 0, 0, kv.fd(), KvFd::Vmm { len: 2 << 20 })
             .await
             .unwrap_err();
         assert_eq!(err.code(), Some(Code::FailedPrecondition), "{err}");
         assert!(err.to_string().contains("VMM"), "{err}");
         // A device the node does not have.
         let err = c
-            .send_vmm(&id("eng"), 0, 9, kv.fd(), 2 << 20)
+            .send_kv(&id("eng"), 0, 9, kv.fd(), KvFd::Vmm { len: 2 << 20 })
             .await
             .unwrap_err();
         assert_eq!(err.code(), Some(Code::InvalidArgument), "{err}");
         let h = c
-            .send_memfd(&id("eng"), 0, 0, kv.fd(), kv.len())
+            .send_kv(&id("eng"), 0, 0, kv.fd(), KvFd::Memfd { len: kv.len() })
             .await
             .unwrap();
         c.register(Registration::in_handle(
@@ -1601,7 +1652,7 @@ fn an_engine_workers_vmm_kv_in_another_process_through_its_fd() {
         assert_eq!(e.offset, 0);
         // The fd is the only thing that crosses; this process keeps its copy until sent.
         let h = c
-            .send_vmm(&id("vmm-eng"), 0, 0, e.fd.as_fd(), e.len)
+            .send_kv(&id("vmm-eng"), 0, 0, e.fd.as_fd(), KvFd::Vmm { len: e.len })
             .await
             .unwrap();
         drop(e);
@@ -1657,7 +1708,13 @@ fn an_engine_workers_vmm_kv_in_another_process_through_its_fd() {
         // Not a multiple of the granularity: refused on the socket, typed.
         let e = cuda.export_vmm(kv.base()).unwrap();
         let err = c
-            .send_vmm(&id("vmm-eng"), 0, 0, e.fd.as_fd(), e.len - 4096)
+            .send_kv(
+                &id("vmm-eng"),
+                0,
+                0,
+                e.fd.as_fd(),
+                KvFd::Vmm { len: e.len - 4096 },
+            )
             .await
             .unwrap_err();
         assert_eq!(err.code(), Some(Code::InvalidArgument), "{err}");
@@ -1676,7 +1733,7 @@ fn a_completion_board_shows_loads_landing_without_an_rpc() {
         let board = Board::create(8).unwrap();
         let b = c.send_board(&id("eng"), 0, &board).await.unwrap();
         let handle = c
-            .send_memfd(&id("eng"), 0, 0, kv.fd(), kv.len())
+            .send_kv(&id("eng"), 0, 0, kv.fd(), KvFd::Memfd { len: kv.len() })
             .await
             .unwrap();
         // A board is not KV memory, and KV memory is not a board.
@@ -1801,7 +1858,7 @@ fn a_board_says_a_loads_outcome_failed_blocks_included_and_successes_need_no_pol
         // The node said it writes this build's board.
         board.accepted().unwrap();
         let handle = c
-            .send_memfd(&id("eng"), 0, 0, kv.fd(), kv.len())
+            .send_kv(&id("eng"), 0, 0, kv.fd(), KvFd::Memfd { len: kv.len() })
             .await
             .unwrap();
         let req = kv.register_request(&id("eng"), "m", 0);
@@ -1976,7 +2033,7 @@ fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
         assert_eq!(code(refused.attach(handle + 1000).await), Code::NotFound);
         let mut refused = plain.open_session(&[]).await.unwrap();
         let memfd = plain
-            .send_memfd(&id("eng"), 0, 0, kv.fd(), kv.len())
+            .send_kv(&id("eng"), 0, 0, kv.fd(), KvFd::Memfd { len: kv.len() })
             .await
             .unwrap();
         assert_eq!(code(refused.attach(memfd).await), Code::InvalidArgument);

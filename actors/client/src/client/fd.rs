@@ -14,50 +14,36 @@ use kvferry_proto::fd_line;
 use kvferry_proto::model::InstanceId;
 use kvferry_proto::shm::mailbox::Mailbox;
 
+/// What an fd sent with [`EngineClient::send_kv`] holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvFd {
+    /// A memfd holding `len` bytes of host KV (create it with `MFD_ALLOW_SEALING`: the node
+    /// seals it against shrinking).
+    Memfd { len: u64 },
+    /// A DMA-BUF of GPU KV covering `[base, base + len)` as the node addresses it.
+    Dmabuf { base: u64, len: u64 },
+    /// The POSIX fd of a VMM allocation holding GPU KV (vLLM 0.34's extensible KV cache:
+    /// `cuMemExportToShareableHandle`), `len` bytes (its mapping's whole size); the node maps
+    /// it on the device, and layout offsets are from the allocation's byte 0.
+    Vmm { len: u64 },
+}
+
 impl EngineClient {
-    /// Sends a memfd holding `len` bytes of host KV for `instance` rank `rank` (create it
-    /// with `MFD_ALLOW_SEALING`: the node seals it against shrinking); returns the memory
-    /// handle to register with.
-    pub async fn send_memfd(
+    /// Sends the memory of `instance` rank `rank`'s KV on `device` (see [`KvFd`]); returns
+    /// the memory handle to register with.
+    pub async fn send_kv(
         &self,
         instance: &InstanceId,
         rank: u32,
         device: u32,
         fd: BorrowedFd<'_>,
-        len: u64,
+        kv: KvFd,
     ) -> Result<u64, EngineClientError> {
-        let line = format!("memfd {instance} {rank} {device} {len}");
-        self.send_fd(line, fd).await
-    }
-
-    /// Sends a DMA-BUF of GPU KV covering `[base, base + len)` as the node addresses it;
-    /// returns the memory handle to register with.
-    pub async fn send_dmabuf(
-        &self,
-        instance: &InstanceId,
-        rank: u32,
-        device: u32,
-        fd: BorrowedFd<'_>,
-        base: u64,
-        len: u64,
-    ) -> Result<u64, EngineClientError> {
-        let line = format!("dmabuf {instance} {rank} {device} {len} {base}");
-        self.send_fd(line, fd).await
-    }
-
-    /// Sends the POSIX fd of a VMM allocation holding GPU KV (vLLM 0.34's extensible KV
-    /// cache: `cuMemExportToShareableHandle`), `len` bytes (its mapping's whole size); the node
-    /// maps it on `device`, and layout offsets are from the allocation's byte 0. Returns the
-    /// memory handle to register with.
-    pub async fn send_vmm(
-        &self,
-        instance: &InstanceId,
-        rank: u32,
-        device: u32,
-        fd: BorrowedFd<'_>,
-        len: u64,
-    ) -> Result<u64, EngineClientError> {
-        let line = format!("vmm {instance} {rank} {device} {len}");
+        let line = match kv {
+            KvFd::Memfd { len } => format!("memfd {instance} {rank} {device} {len}"),
+            KvFd::Dmabuf { base, len } => format!("dmabuf {instance} {rank} {device} {len} {base}"),
+            KvFd::Vmm { len } => format!("vmm {instance} {rank} {device} {len}"),
+        };
         self.send_fd(line, fd).await
     }
 
