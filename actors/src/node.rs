@@ -21,8 +21,9 @@ use crate::lease::keeper::{
 };
 use crate::lease::registry::{self, CountInstances, GetRank, InstanceRegistry};
 use crate::metrics::Counters;
-use crate::model::{InstanceId, LeaseId, Namespace};
-use crate::peer::{LocalCluster, Peers};
+use crate::model::{BlockHash, InstanceId, LeaseId, Namespace};
+use crate::peer::link::BoxFut;
+use crate::peer::{LocalCluster, Peers, PinService, PinServiceError, PinnedRemote};
 use crate::tier::pool::HostPool;
 use crate::tier::store::{self, BlockStore, GetCacheStats};
 
@@ -201,7 +202,8 @@ impl Node {
             // On the actor thread: what the data side starts with actix (its NIC workers)
             // joins this node's System.
             let joined = {
-                let (c, id, store) = (Arc::clone(c), config.node_id.clone(), store.clone());
+                let store: Arc<dyn PinService> = Arc::new(store.clone());
+                let (c, id) = (Arc::clone(c), config.node_id.clone());
                 crate::nic::run_on_system(&system, move || c.join(&id, store, memory)).unwrap_or(
                     Err(NodeError::Stopped {
                         what: "the actor system stopped during start",
@@ -598,7 +600,7 @@ impl Node {
     pub fn peer_backend(&self) -> crate::peer::PeerBackend {
         let i = &self.inner;
         let backend = crate::peer::PeerBackend::new(
-            i.store.clone(),
+            Arc::new(i.store.clone()),
             i.config.node_id.clone(),
             i.pool_region,
             i.config.pool.slot_bytes.0,
@@ -609,6 +611,38 @@ impl Node {
             Some(r) => backend.with_verbs(r),
             None => backend,
         }
+    }
+}
+
+/// Peers pin through the store's mailbox. Each message is sent when its future is first
+/// polled, as the peer side's callers expect of a lazy future.
+impl PinService for Addr<BlockStore> {
+    fn pin(
+        &self,
+        namespace: Namespace,
+        hashes: Vec<BlockHash>,
+    ) -> BoxFut<Result<PinnedRemote, PinServiceError>> {
+        let store = self.clone();
+        Box::pin(async move {
+            store
+                .send(store::PinForPeer { namespace, hashes })
+                .await
+                .map_err(|_| PinServiceError::PinStopped)
+        })
+    }
+
+    fn unpin(&self, pin_id: u64) -> BoxFut<Result<(), PinServiceError>> {
+        let store = self.clone();
+        Box::pin(async move {
+            store
+                .send(store::UnpinForPeer(pin_id))
+                .await
+                .map_err(|_| PinServiceError::UnpinStopped { pin_id })
+        })
+    }
+
+    fn unpin_detached(&self, pin_id: u64) {
+        self.do_send(store::UnpinForPeer(pin_id));
     }
 }
 

@@ -9,7 +9,6 @@ use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use actix::Addr;
 use kvferry_transport::shm::{ShmConnector, ShmOwner};
 use kvferry_transport::tcp::TcpOwner;
 use kvferry_transport::{Access, HostRegion, MrHandle, MrTable, NicConfig, NodeId, ProviderKind};
@@ -19,8 +18,8 @@ use crate::nic::runtime::NicRuntime;
 use crate::peer::directory::{Directory, EmbeddedDirectory};
 use crate::peer::error::RemoteError;
 use crate::peer::link::{Control, MappedLink, MappedView, PeerLink};
+use crate::peer::pin_service::PinService;
 use crate::peer::tcp::{TcpEndpoints, TcpLink};
-use crate::tier::store::BlockStore;
 
 /// Scatter entries per tcp read (the most a NIC config allows): a rank part of up to 32
 /// layers x K/V in one request.
@@ -214,7 +213,7 @@ impl DataSide {
 }
 
 struct Member {
-    store: Addr<BlockStore>,
+    store: Arc<dyn PinService>,
     side: DataSide,
 }
 
@@ -285,7 +284,7 @@ impl LocalCluster {
     fn join_member(
         &self,
         node: &str,
-        store: Addr<BlockStore>,
+        store: Arc<dyn PinService>,
         memory: Arc<HostRegion>,
     ) -> Result<(), NodeError> {
         let side = DataSide::start(node, self.provider, memory, &self.dir, "127.0.0.1:0")?;
@@ -336,7 +335,7 @@ impl LocalCluster {
                     Arc::new(TcpLink::new(
                         to.to_owned(),
                         TcpEndpoints {
-                            control: Control::Actor(m.store.clone()),
+                            control: Control::Local(Arc::clone(&m.store)),
                             rkey: m.side.mr.key(),
                             local: transport_id(from),
                             peer: transport_id(to),
@@ -377,7 +376,7 @@ impl LocalCluster {
                     Arc::new(MappedLink::new(
                         to.to_owned(),
                         "shm",
-                        Control::Actor(m.store.clone()),
+                        Control::Local(Arc::clone(&m.store)),
                         view,
                     ))
                 }
@@ -391,7 +390,7 @@ impl LocalCluster {
                     Arc::new(MappedLink::new(
                         to.to_owned(),
                         "loopback",
-                        Control::Actor(m.store.clone()),
+                        Control::Local(Arc::clone(&m.store)),
                         view,
                     ))
                 }
@@ -427,7 +426,7 @@ impl super::Peers for LocalCluster {
     fn join(
         &self,
         node: &str,
-        store: Addr<BlockStore>,
+        store: Arc<dyn PinService>,
         memory: Arc<HostRegion>,
     ) -> Result<(), NodeError> {
         self.join_member(node, store, memory)

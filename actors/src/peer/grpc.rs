@@ -6,7 +6,6 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Weak};
 
-use actix::Addr;
 use kvferry_transport::shm::ShmConnector;
 use kvferry_transport::{HostRegion, MrKey};
 
@@ -17,9 +16,9 @@ use crate::peer::cluster::{transport_id, DataSide, Provider};
 use crate::peer::directory::Directory;
 use crate::peer::error::RemoteError;
 use crate::peer::link::{BoxFut, Control, MappedLink, MappedView, PeerLink};
+use crate::peer::pin_service::PinService;
 use crate::peer::tcp::{TcpEndpoints, TcpLink};
 use crate::peer::{DataEndpoint, NicRegistration};
-use crate::tier::store::BlockStore;
 
 /// A node's view of peers in other processes.
 pub struct GrpcPeers {
@@ -305,7 +304,7 @@ impl Peers for GrpcPeers {
     fn join(
         &self,
         node: &str,
-        _store: Addr<BlockStore>,
+        _store: Arc<dyn PinService>,
         memory: Arc<HostRegion>,
     ) -> Result<(), NodeError> {
         let side = DataSide::start(

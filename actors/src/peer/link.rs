@@ -7,15 +7,14 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
-use actix::Addr;
 use futures::future::BoxFuture;
 use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, CopyOp, Device, HostRegistration};
 
 use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
+use crate::peer::pin_service::PinService;
 use crate::peer::plane_regs::PlaneRegs;
 use crate::peer::RemoteError;
-use crate::tier::store::{BlockStore, PinForPeer, UnpinForPeer};
 
 /// The futures links and directories return (object-safe traits); the name stays for the
 /// many signatures that use it.
@@ -97,11 +96,11 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
     }
 }
 
-/// The control path to an owner: its block store's address (same process) or its Peer
-/// service (another process).
+/// The control path to an owner: its block store's pins (same process) or its Peer service
+/// (another process).
 #[derive(Clone, Debug)]
 pub enum Control {
-    Actor(Addr<BlockStore>),
+    Local(Arc<dyn PinService>),
     Grpc {
         client: crate::peer::client::PeerClient,
         /// The runtime unpins are spawned on (they are fire and forget, often from `Drop`).
@@ -118,22 +117,16 @@ impl Control {
     ) -> BoxFut<Result<PinnedRemote, NodeError>> {
         let peer = peer.to_owned();
         match self.clone() {
-            Control::Actor(owner) => Box::pin(async move {
-                owner
-                    .send(PinForPeer {
-                        namespace: ns,
-                        hashes,
-                    })
-                    .await
-                    .map_err(|_| {
-                        NodeError::remote(
-                            peer,
-                            RemoteError::Connect {
-                                what: "the owner's block store is gone".into(),
-                                source: None,
-                            },
-                        )
-                    })
+            Control::Local(owner) => Box::pin(async move {
+                owner.pin(ns, hashes).await.map_err(|_| {
+                    NodeError::remote(
+                        peer,
+                        RemoteError::Connect {
+                            what: "the owner's block store is gone".into(),
+                            source: None,
+                        },
+                    )
+                })
             }),
             Control::Grpc { client, .. } => Box::pin(async move {
                 client
@@ -150,7 +143,7 @@ impl Control {
             return;
         }
         match self {
-            Control::Actor(owner) => owner.do_send(UnpinForPeer(pin_id)),
+            Control::Local(owner) => owner.unpin_detached(pin_id),
             Control::Grpc { client, runtime } => {
                 let client = client.clone();
                 // An unpin that fails leaves the pin to expire on the owner (its TTL).

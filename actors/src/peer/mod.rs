@@ -12,6 +12,7 @@ pub mod endpoint;
 pub mod error;
 pub mod grpc;
 pub mod link;
+pub mod pin_service;
 pub mod pins;
 pub mod plane_regs;
 pub mod redis;
@@ -30,17 +31,16 @@ pub use endpoint::{EndpointError, VerbsPeerEndpoint, VerbsResponder};
 pub use error::RemoteError;
 pub use grpc::{GrpcPeers, GrpcPeersConfig};
 pub use link::{PeerLink, PinnedRemote, RemoteBlock, RemotePin};
+pub use pin_service::{PinService, PinServiceError};
 pub use redis::{RedisDirectory, RedisError, RedisOptions};
 pub use redis_url::{redact_url, RedisUrl, RedisUrlError};
 pub use server::{serve, DataEndpoint, NicRegistration, PeerBackend, PeerServeError};
 
 use std::sync::Arc;
 
-use actix::Addr;
 use kvferry_transport::HostRegion;
 
 use crate::error::NodeError;
-use crate::tier::store::BlockStore;
 
 /// How a node reaches its peers: the directory it shares with them, and a link to each.
 /// [`LocalCluster`] is the in-process implementation.
@@ -49,11 +49,11 @@ pub trait Peers: Send + Sync + std::fmt::Debug {
     /// A link from node `from` to owner `to` (made once and shared; making one may take a
     /// round trip to the owner).
     fn link(&self, from: &str, to: &str) -> link::BoxFut<Result<Arc<dyn PeerLink>, NodeError>>;
-    /// Makes `node`'s pool reachable to the others.
+    /// Makes `node`'s pool reachable to the others; `store` pins its blocks for them.
     fn join(
         &self,
         node: &str,
-        store: Addr<BlockStore>,
+        store: Arc<dyn PinService>,
         memory: Arc<HostRegion>,
     ) -> Result<(), NodeError>;
     /// Withdraws `node`: its directory entries go and links to it are dropped.

@@ -1,15 +1,14 @@
 //! The owner side of `kvferry.v1.Peer`: requesters in other processes exchange versions,
-//! learn where this node's pool is read, and pin blocks through the node's `BlockStore`.
+//! learn where this node's pool is read, and pin blocks through the node's [`PinService`].
 //!
 //! Every request is checked (token, then shape) before it reaches the store, so a refused
 //! request changes nothing. The server runs on the caller's tokio runtime; the store lives
-//! on the node's actix thread and is reached through its `Addr`.
+//! on the node's actix thread, and its pins are awaited, never blocked on.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix::Addr;
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
@@ -17,9 +16,9 @@ use tonic::{Request, Response, Status};
 
 use crate::model::{BlockHash, ModelError, Namespace};
 use crate::peer::endpoint::{check_answer, endpoints_from_proto, Role, VerbsResponder};
+use crate::peer::pin_service::PinService;
 use crate::peer::Provider;
 use crate::service::statuses::AsPromised;
-use crate::tier::store::{BlockStore, PinForPeer, UnpinForPeer};
 use kvferry_proto::v1::peer_server::{Peer, PeerServer};
 use kvferry_proto::v1::{
     HandshakeRequest, HandshakeResponse, HelloRequest, HelloResponse, NodeInfo, PinBlocksRequest,
@@ -67,7 +66,7 @@ pub struct DataEndpoint {
 /// data paths whoever serves the pool has added. `Node::peer_backend` makes one.
 #[derive(Clone, Debug)]
 pub struct PeerBackend {
-    store: Addr<BlockStore>,
+    store: Arc<dyn PinService>,
     node_id: String,
     pool_addr: u64,
     pool_len: u64,
@@ -97,7 +96,7 @@ impl PeerBackend {
     /// `pool` is the host pool's `(addr, len)`; `slot_bytes` is what each pinned block's
     /// address may be read for.
     pub fn new(
-        store: Addr<BlockStore>,
+        store: Arc<dyn PinService>,
         node_id: String,
         pool: (u64, u64),
         slot_bytes: u64,
@@ -422,7 +421,7 @@ impl Peer for PeerService {
         let pinned = self
             .backend
             .store
-            .send(PinForPeer { namespace, hashes })
+            .pin(namespace, hashes)
             .await
             .map_err(|_| self.stopped())?;
         let len = self.backend.slot_bytes;
@@ -446,10 +445,10 @@ impl Peer for PeerService {
         let req = req.into_inner();
         self.check_token(&req.token)?;
         if req.pin_id != 0 {
-            // `send`, not `do_send`: the pin is gone when the requester sees the answer.
+            // Awaited, not detached: the pin is gone when the requester sees the answer.
             self.backend
                 .store
-                .send(UnpinForPeer(req.pin_id))
+                .unpin(req.pin_id)
                 .await
                 .map_err(|_| self.stopped())?;
         }
