@@ -12,6 +12,7 @@ pub mod gate;
 pub mod mr_registry;
 pub mod peer_queues;
 pub mod poller;
+pub mod responder;
 pub mod runtime;
 pub mod stripe;
 pub mod worker;
@@ -24,8 +25,10 @@ pub use mr_registry::{
 };
 pub use peer_queues::{ConnectJob, ConnectResult, Connected, Event, FailureKind, PeerQueues};
 pub use poller::{CompletionPoller, CompletionStream};
+pub use responder::{NicResponder, ServingNic};
 pub use runtime::{
-    run_on_system, NicRuntime, NodeNics, PreparedNics, PreparedRuntime, RuntimeError,
+    run_on_system, NicRuntime, NodeNics, PreparedNics, PreparedRuntime, RuntimeError, VerbsNicSide,
+    VerbsSide,
 };
 pub use stripe::{stripe_plan, NicRouting, ReadRoute, RoutingError, StripePlan};
 pub use worker::{

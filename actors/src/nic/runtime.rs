@@ -8,8 +8,10 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use actix::{Actor, Addr, Arbiter, System};
-use kvferry_transport::verbs::{open_nic, Sysfs};
-use kvferry_transport::{Access, ConfigError, HostRegion, MrTable, NicConfig, NicId, ProviderKind};
+use kvferry_transport::verbs::{open_nic, RdmaNic, Sysfs};
+use kvferry_transport::{
+    Access, ConfigError, HostRegion, MrKey, MrTable, NicConfig, NicId, ProviderKind,
+};
 use thiserror::Error;
 
 use crate::metrics::NicMetrics;
@@ -18,9 +20,9 @@ use crate::nic::gate::verbs_refusal;
 use crate::nic::mr_registry::{
     GetRegistryCounts, MrRegistry, RdmaSlot, RegionHandles, RegionSpec, Registry, RegistryError,
 };
+use crate::nic::responder::{NicResponder, ServingNic};
 use crate::nic::stripe::NicRouting;
 use crate::nic::worker::{Gauges, NicWorker, WorkerError};
-use crate::peer::verbs::{NicResponder, ServingNic, VerbsNicSide, VerbsSide};
 
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -360,6 +362,34 @@ impl std::fmt::Debug for NodeNics {
             .field("direct_refusal", &self.direct_refusal)
             .field("responder", &self.responder)
             .finish()
+    }
+}
+
+/// What a node reads peers with over one of its RDMA NICs.
+#[derive(Clone)]
+pub struct VerbsNicSide {
+    pub name: String,
+    pub nic: Arc<dyn RdmaNic>,
+    pub worker: Addr<NicWorker>,
+    /// The NIC's MR table, which destinations are checked against.
+    pub table: MrTable,
+    /// The host pool's key in that table (staged reads land in pool slots).
+    pub pool_lkey: MrKey,
+    pub max_sge: usize,
+    /// QPs opened to each peer (`qps-per-peer`).
+    pub qps: usize,
+}
+
+/// Every RDMA NIC a node reads peers with (at least one).
+#[derive(Clone)]
+pub struct VerbsSide {
+    pub nics: Vec<VerbsNicSide>,
+}
+
+impl std::fmt::Debug for VerbsSide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.nics.iter().map(|n| n.name.as_str()).collect();
+        f.debug_struct("VerbsSide").field("nics", &names).finish()
     }
 }
 

@@ -31,7 +31,7 @@ pub struct GrpcPeers {
     shm_dir: PathBuf,
     data_listen: String,
     side: Mutex<Option<DataSide>>,
-    verbs: Mutex<Option<crate::peer::verbs::VerbsSide>>,
+    verbs: Mutex<Option<crate::nic::runtime::VerbsSide>>,
     links: Mutex<HashMap<String, Arc<dyn PeerLink>>>,
     /// The Peer client each link pins through: once it saw the owner restart, the link (its
     /// data connection or mapping, its keys) is of the old owner and is made again.
@@ -321,7 +321,7 @@ impl Peers for GrpcPeers {
         Ok(())
     }
 
-    fn attach_verbs(&self, side: crate::peer::verbs::VerbsSide) {
+    fn attach_verbs(&self, side: crate::nic::runtime::VerbsSide) {
         if let Ok(mut v) = self.verbs.lock() {
             *v = Some(side);
         }

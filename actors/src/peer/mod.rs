@@ -60,7 +60,7 @@ pub trait Peers: Send + Sync + std::fmt::Debug {
     fn leave(&self, node: &str);
     /// The RDMA NICs a joined node reads peers with, for links over verbs. Peers that do
     /// not read over verbs ignore it.
-    fn attach_verbs(&self, side: verbs::VerbsSide) {
+    fn attach_verbs(&self, side: crate::nic::runtime::VerbsSide) {
         let _ = side;
     }
 }

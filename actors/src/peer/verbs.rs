@@ -1,7 +1,8 @@
 //! The verbs data path between nodes, over the endpoint exchange of the Peer RPC.
 //!
-//! Owner side: [`NicResponder`] answers verbs Handshakes with new QPs on its RDMA NICs
-//! (brought to ready-to-send against the requester's) and the pool's MRs with their rkeys.
+//! Owner side: the node's [`NicResponder`] answers verbs Handshakes with new QPs on its RDMA
+//! NICs (brought to ready-to-send against the requester's) and the pool's MRs with their
+//! rkeys; this translates the Handshake's endpoints for it.
 //! Requester side: [`GrpcExchange`] trades one QP's endpoint per Handshake for the
 //! transport's `VerbsConnector`, and [`VerbsLink`] reads through one RC link per NIC,
 //! striping direct loads across them as the planner routed them.
@@ -11,20 +12,18 @@
 //! `direct_gpu`. The code compiles in every build; the rdma-core calls behind it are the
 //! transport's, under its `verbs` feature.
 
-use std::any::Any;
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use actix::Addr;
 use kvferry_gpu::{CopyList, CopyOp, Device};
-use kvferry_transport::verbs::registration::{Chunk, KeyMap};
-use kvferry_transport::verbs::{EndpointExchange, QpEndpoint, RdmaNic};
-use kvferry_transport::{ConnectionError, MrKey, MrTable, NodeId, QpKey};
+use kvferry_transport::verbs::registration::KeyMap;
+use kvferry_transport::verbs::{EndpointExchange, QpEndpoint};
+use kvferry_transport::{ConnectionError, MrKey, NodeId, QpKey};
 
 use super::VerbsResponder;
 use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
-use crate::nic::worker::NicWorker;
+use crate::nic::responder::{NicResponder, QpRequest, ServedPort};
+use crate::nic::runtime::VerbsSide;
 use crate::nic::ReadRoute;
 use crate::peer::client::{PeerClient, PeerInfo};
 use crate::peer::endpoint::{check_announced, VerbsPeerEndpoint};
@@ -32,126 +31,25 @@ use crate::peer::link::{BoxFut, Keep, PeerLink, PinnedRemote, ReadStats};
 use crate::peer::plane_regs::PlaneRegs;
 use crate::peer::tcp::TcpLink;
 
-/// What a node reads peers with over one of its RDMA NICs.
-#[derive(Clone)]
-pub struct VerbsNicSide {
-    pub name: String,
-    pub nic: Arc<dyn RdmaNic>,
-    pub worker: Addr<NicWorker>,
-    /// The NIC's MR table, which destinations are checked against.
-    pub table: MrTable,
-    /// The host pool's key in that table (staged reads land in pool slots).
-    pub pool_lkey: MrKey,
-    pub max_sge: usize,
-    /// QPs opened to each peer (`qps-per-peer`).
-    pub qps: usize,
-}
-
-/// Every RDMA NIC a node reads peers with (at least one).
-#[derive(Clone)]
-pub struct VerbsSide {
-    pub nics: Vec<VerbsNicSide>,
-}
-
-impl std::fmt::Debug for VerbsSide {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let names: Vec<&str> = self.nics.iter().map(|n| n.name.as_str()).collect();
-        f.debug_struct("VerbsSide").field("nics", &names).finish()
+/// An announced port as the Peer RPC carries it (no QPs, slots or regions).
+fn announced(p: ServedPort) -> VerbsPeerEndpoint {
+    VerbsPeerEndpoint {
+        nic: p.nic,
+        gid: p.address.gid,
+        lid: p.address.lid,
+        mtu: p.address.mtu,
+        responder_depth: p.responder_depth,
+        qps: Vec::new(),
+        slots: Vec::new(),
+        regions: Vec::new(),
     }
 }
 
-/// One RDMA NIC serving the pool: the device, the pool's MRs on it, the configured depth it
-/// answers reads with (advertised clamped to what the device accepts).
-pub struct ServingNic {
-    pub nic: Arc<dyn RdmaNic>,
-    pub regions: Vec<(Chunk, u32)>,
-    pub responder_depth: u8,
-}
-
-/// Which owner QP serves which requester QP: (requester node, requester NIC, its slot).
-type SlotKey = (String, String, u32);
-
-/// The owner side of verbs Handshakes over a node's open RDMA NICs.
-///
-/// Owner QPs are kept per requester QP slot: a requester that rebuilds a QP handshakes for
-/// the same slot again, and the new owner QP replaces the old one, so owner QPs never pile
-/// up and no live QP is destroyed for room (at most 16 NICs × 64 slots per requester).
-pub struct NicResponder {
-    nics: Vec<ServingNic>,
-    held: Mutex<HashMap<SlotKey, Box<dyn Any + Send + Sync>>>,
-}
-
-impl std::fmt::Debug for NicResponder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let names: Vec<&str> = self.nics.iter().map(|n| n.nic.name()).collect();
-        f.debug_struct("NicResponder")
-            .field("nics", &names)
-            .finish()
-    }
-}
-
-impl NicResponder {
-    /// `None` without a NIC to serve on.
-    pub fn new(nics: Vec<ServingNic>) -> Option<Self> {
-        (!nics.is_empty()).then(|| NicResponder {
-            nics,
-            held: Mutex::new(HashMap::new()),
-        })
-    }
-
-    /// The NIC answering a requester's NIC: the one of the same name, else by position.
-    fn serving(&self, i: usize, requester_nic: &str) -> &ServingNic {
-        self.nics
-            .iter()
-            .find(|n| n.nic.name() == requester_nic)
-            .unwrap_or(&self.nics[i % self.nics.len()])
-    }
-
-    fn port(n: &ServingNic) -> VerbsPeerEndpoint {
-        let a = n.nic.address();
-        // Advertise what the device accepts, not what was configured: a requester issuing
-        // more reads than the responder holds gets remote invalid-request errors.
-        let depth = n
-            .nic
-            .responder_depth()
-            .map_or(n.responder_depth, |d| d.min(n.responder_depth));
-        VerbsPeerEndpoint {
-            nic: n.nic.name().to_string(),
-            gid: a.gid,
-            lid: a.lid,
-            mtu: a.mtu,
-            responder_depth: depth.max(1),
-            qps: Vec::new(),
-            slots: Vec::new(),
-            regions: Vec::new(),
-        }
-    }
-
-    /// Owner QPs alive (one per requester QP slot served).
-    pub fn qps(&self) -> usize {
-        self.held
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .len()
-    }
-
-    /// Drops every owner QP of `peer` (it left or restarted).
-    pub fn forget(&self, peer: &str) {
-        let gone: Vec<_> = {
-            let mut held = self
-                .held
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let keys: Vec<SlotKey> = held.keys().filter(|k| k.0 == peer).cloned().collect();
-            keys.into_iter().filter_map(|k| held.remove(&k)).collect()
-        };
-        drop(gone);
-    }
-}
-
+/// The Handshake's side of the node's responder: its endpoints in, its answers out, each
+/// answer naming the requester's NIC it answers and carrying the serving NIC's regions.
 impl VerbsResponder for NicResponder {
     fn ports(&self) -> Vec<VerbsPeerEndpoint> {
-        self.nics.iter().map(Self::port).collect()
+        self.served_ports().into_iter().map(announced).collect()
     }
 
     fn accept(
@@ -159,49 +57,35 @@ impl VerbsResponder for NicResponder {
         peer: &str,
         request: &[VerbsPeerEndpoint],
     ) -> Result<Vec<VerbsPeerEndpoint>, String> {
-        let mut guards = Vec::new();
-        let mut answer = Vec::with_capacity(request.len());
-        for (i, asked) in request.iter().enumerate() {
-            let serving = self.serving(i, &asked.nic);
-            let mut e = Self::port(serving);
-            // The answer names the requester's NIC it answers; the regions are this NIC's.
-            e.nic = asked.nic.clone();
-            e.regions = serving.regions.clone();
-            for q in 0..asked.qps.len() {
-                let remote = asked
-                    .qp_endpoint(q)
-                    .ok_or_else(|| "requester QP vanished".to_string())?;
-                let (local, guard) = Arc::clone(&serving.nic)
-                    .accept(remote)
-                    .map_err(|e| e.to_string())?;
-                e.qps.push((local.qpn, local.psn));
-                e.slots.push(0);
-                let slot = asked.slots.get(q).copied().unwrap_or(0);
-                guards.push(((peer.to_string(), asked.nic.clone(), slot), guard));
-            }
-            answer.push(e);
-        }
-        // Replaced QPs are destroyed outside the lock (destroying waits for nothing, but
-        // keeps the critical section a map update).
-        let replaced: Vec<_> = {
-            let mut held = self
-                .held
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            guards
-                .into_iter()
-                .filter_map(|(k, g)| held.insert(k, g))
-                .collect()
-        };
-        if !replaced.is_empty() {
-            tracing::info!(
-                peer,
-                qps = replaced.len(),
-                "verbs: owner QPs of rebuilt requester QPs replaced"
-            );
-        }
-        drop(replaced);
-        Ok(answer)
+        let asked = request
+            .iter()
+            .map(|e| {
+                let qps = (0..e.qps.len())
+                    .map(|q| {
+                        let remote = e
+                            .qp_endpoint(q)
+                            .ok_or_else(|| "requester QP vanished".to_string())?;
+                        Ok((remote, e.slots.get(q).copied().unwrap_or(0)))
+                    })
+                    .collect::<Result<_, String>>()?;
+                Ok(QpRequest {
+                    nic: e.nic.clone(),
+                    qps,
+                })
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        let answers = self.accept_qps(peer, &asked).map_err(|e| e.to_string())?;
+        Ok(request
+            .iter()
+            .zip(answers)
+            .map(|(asked, a)| VerbsPeerEndpoint {
+                nic: asked.nic.clone(),
+                regions: a.regions,
+                slots: vec![0; a.qps.len()],
+                qps: a.qps,
+                ..announced(a.port)
+            })
+            .collect())
     }
 }
 
@@ -489,7 +373,13 @@ impl PeerLink for VerbsLink {
 
 #[cfg(test)]
 mod tests {
+    use std::any::Any;
+
+    use kvferry_transport::verbs::registration::Chunk;
+    use kvferry_transport::verbs::RdmaNic;
+
     use super::*;
+    use crate::nic::responder::ServingNic;
 
     #[test]
     fn routes_split_the_list_read_by_read() {

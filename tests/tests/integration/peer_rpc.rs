@@ -892,7 +892,8 @@ impl kvferry_transport::verbs::RdmaNic for FakeNic {
 /// the owner keeps its QP alive; a NIC that cannot make QPs is a typed handshake error.
 #[test]
 fn grpc_exchange_trades_one_qp_with_the_owner_responder() {
-    use kvferry_actors::peer::verbs::{GrpcExchange, NicResponder, ServingNic};
+    use kvferry_actors::nic::{NicResponder, ServingNic};
+    use kvferry_actors::peer::verbs::GrpcExchange;
     use kvferry_transport::verbs::registration::Chunk;
     use kvferry_transport::verbs::{EndpointExchange, QpEndpoint};
     use kvferry_transport::{ConnectionError, NicId, NodeId, QpKey, QpNum};
