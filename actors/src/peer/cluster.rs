@@ -19,7 +19,7 @@ use crate::peer::directory::{Directory, EmbeddedDirectory};
 use crate::peer::error::RemoteError;
 use crate::peer::link::{Control, MappedLink, MappedView, PeerLink};
 use crate::peer::pin_service::PinService;
-use crate::peer::tcp::{TcpEndpoints, TcpLink};
+use crate::peer::rc_link::{RcEndpoints, RcLink};
 
 /// Scatter entries per tcp read (the most a NIC config allows): a rank part of up to 32
 /// layers x K/V in one request.
@@ -332,9 +332,9 @@ impl LocalCluster {
                                 RemoteError::no_path(format!("{from} has no tcp endpoint")),
                             )
                         })?;
-                    Arc::new(TcpLink::new(
+                    Arc::new(RcLink::new(
                         to.to_owned(),
-                        TcpEndpoints {
+                        RcEndpoints {
                             control: Control::Local(Arc::clone(&m.store)),
                             rkey: m.side.mr.key(),
                             local: transport_id(from),

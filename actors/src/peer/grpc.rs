@@ -17,7 +17,7 @@ use crate::peer::directory::Directory;
 use crate::peer::error::RemoteError;
 use crate::peer::link::{BoxFut, Control, MappedLink, MappedView, PeerLink};
 use crate::peer::pin_service::PinService;
-use crate::peer::tcp::{TcpEndpoints, TcpLink};
+use crate::peer::rc_link::{RcEndpoints, RcLink};
 use crate::peer::{DataEndpoint, NicRegistration};
 
 /// A node's view of peers in other processes.
@@ -222,9 +222,9 @@ impl GrpcPeers {
                         RemoteError::refused(format!("bad tcp endpoint {:?}", hs.endpoint)),
                     )
                 })?;
-                Arc::new(TcpLink::new(
+                Arc::new(RcLink::new(
                     to.to_owned(),
-                    TcpEndpoints {
+                    RcEndpoints {
                         control,
                         rkey: MrKey(region.rkey),
                         local: transport_id(from),

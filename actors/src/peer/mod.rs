@@ -1,4 +1,5 @@
-//! Other nodes: the directory, links to owners ([`link::PeerLink`] over tcp, shm, verbs),
+//! Other nodes: the directory, links to owners ([`link::PeerLink`]: mapped for loopback and
+//! shm, [`rc_link::RcLink`] over tcp or a verbs NIC, bundled per NIC by [`verbs::VerbsLink`]),
 //! the Peer API's client ([`client::PeerClient`]) and owner side ([`server`]: Hello,
 //! Handshake, PinBlocks, Unpin), owner-side pins and the in-process cluster.
 
@@ -15,10 +16,10 @@ pub mod link;
 pub mod pin_service;
 pub mod pins;
 pub mod plane_regs;
+pub mod rc_link;
 pub mod redis;
 pub mod redis_url;
 pub mod server;
-pub mod tcp;
 pub mod verbs;
 
 pub use breaker::BreakerState;

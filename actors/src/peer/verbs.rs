@@ -29,7 +29,7 @@ use crate::peer::client::{PeerClient, PeerInfo};
 use crate::peer::endpoint::{check_announced, VerbsPeerEndpoint};
 use crate::peer::link::{BoxFut, Keep, PeerLink, PinnedRemote, ReadStats};
 use crate::peer::plane_regs::PlaneRegs;
-use crate::peer::tcp::TcpLink;
+use crate::peer::rc_link::RcLink;
 
 /// An announced port as the Peer RPC carries it (no QPs, slots or regions).
 fn announced(p: ServedPort) -> VerbsPeerEndpoint {
@@ -163,7 +163,7 @@ impl EndpointExchange for GrpcExchange {
 pub struct VerbsLink {
     node_id: String,
     nics: Vec<String>,
-    links: Vec<TcpLink>,
+    links: Vec<RcLink>,
 }
 
 impl std::fmt::Debug for VerbsLink {
@@ -177,7 +177,7 @@ impl std::fmt::Debug for VerbsLink {
 
 impl VerbsLink {
     /// `links[i]` reads through NIC `nics[i]`; at least one.
-    pub fn new(node_id: String, nics: Vec<String>, links: Vec<TcpLink>) -> Result<Self, NodeError> {
+    pub fn new(node_id: String, nics: Vec<String>, links: Vec<RcLink>) -> Result<Self, NodeError> {
         if links.is_empty() || links.len() != nics.len() {
             return Err(NodeError::remote(
                 node_id,
@@ -226,9 +226,9 @@ pub fn connect_link(
                     )),
                 )
             })?;
-        links.push(TcpLink::new(
+        links.push(RcLink::new(
             to.to_string(),
-            crate::peer::tcp::TcpEndpoints {
+            crate::peer::rc_link::RcEndpoints {
                 control: control.clone(),
                 // Verbs reads name the owner's MRs by address (the rkeys came with the
                 // handshake); the provider-neutral key is not used on the wire.

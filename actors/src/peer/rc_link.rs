@@ -39,7 +39,9 @@ const DIRECT_READ_BYTES: u64 = crate::peer::bounce::SLOT_BYTES as u64;
 /// a run of adjacent blocks): the staged path's chunk, for the same spread over QPs.
 const DIRECT_BATCH: usize = crate::load::remote::STAGED_CHUNK;
 
-pub struct TcpLink {
+/// A link to one owner through the transport's RC queue contract on one local NIC: a tcp
+/// connection per lane, or (with a verbs connector) RC QPs on an RDMA NIC.
+pub struct RcLink {
     node_id: String,
     control: Control,
     rkey: MrKey,
@@ -60,17 +62,17 @@ pub struct TcpLink {
     rings: RingPool,
 }
 
-impl std::fmt::Debug for TcpLink {
+impl std::fmt::Debug for RcLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TcpLink")
+        f.debug_struct("RcLink")
             .field("node", &self.node_id)
             .field("addr", &self.addr)
             .finish()
     }
 }
 
-/// Where a tcp link reaches its owner and how it addresses local memory.
-pub struct TcpEndpoints {
+/// Where an RC link reaches its owner and how it addresses local memory.
+pub struct RcEndpoints {
     pub control: Control,
     pub rkey: MrKey,
     pub local: NodeId,
@@ -91,8 +93,8 @@ pub struct TcpEndpoints {
     pub rdma: Option<Arc<dyn RdmaNic>>,
 }
 
-impl TcpLink {
-    pub fn new(node_id: String, e: TcpEndpoints) -> Self {
+impl RcLink {
+    pub fn new(node_id: String, e: RcEndpoints) -> Self {
         Self {
             node_id,
             control: e.control,
@@ -270,7 +272,7 @@ impl TcpLink {
     }
 }
 
-impl PeerLink for TcpLink {
+impl PeerLink for RcLink {
     fn node_id(&self) -> &str {
         &self.node_id
     }
