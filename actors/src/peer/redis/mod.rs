@@ -4,11 +4,11 @@
 //!
 //! - `{prefix}:blk:{namespace}:{hex hash}` — the set of node ids holding that block;
 //! - `{prefix}:node:{node}` — the set of block keys the node published, so that
-//!   [`Directory::withdraw_node`] can remove a departed node without scanning, and a node
+//!   [`crate::peer::Directory::withdraw_node`] can remove a departed node without scanning, and a node
 //!   can reconcile what the server lists for it with what it holds.
 //!
 //! [`RedisDirectory`] never lets Redis stall a node. It owns a thread with a small tokio
-//! runtime and one `redis` [`ConnectionManager`] (pipelined, reconnecting):
+//! runtime and one `redis` [`ConnectionManager`](redis::aio::ConnectionManager) (pipelined, reconnecting):
 //!
 //! - `publish` / `withdraw` / `withdraw_node` record the change in a ledger of what each of
 //!   this process's nodes holds and queue it; the thread writes everything queued in one
@@ -16,7 +16,7 @@
 //! - a lookup is one pipeline of SMEMBERS run on that thread under `lookup_timeout`; the
 //!   caller awaits the answer, never the network, and gets empty owner lists when the
 //!   directory is down, slow or skipped.
-//! - a [`Breaker`] opens after `breaker_failures` failed calls in a row or one call past its
+//! - a [`Breaker`](crate::peer::breaker::Breaker) opens after `breaker_failures` failed calls in a row or one call past its
 //!   deadline; while it is open lookups are answered empty at once and queued writes are
 //!   dropped (the ledger keeps the truth). Every `probe_interval` the thread asks the
 //!   server for its `run_id`: that is the half-open probe while open, and a heartbeat that

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-/// Deadlines and breaker of a [`RedisDirectory`] (the `[directory]` config section).
+/// Deadlines and breaker of a [`RedisDirectory`](super::RedisDirectory) (the `[directory]` config section).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RedisOptions {
     /// One connection attempt (and the PING at start).
