@@ -7,7 +7,9 @@
 
 use std::ops::Range;
 
-use crate::{CopyDirection, CopyList, KvLayout, KvShape};
+use crate::{
+    CopyBatch, CopyDirection, CopyList, Device, DeviceSpan, HostSpan, KvLayout, KvShape, SpanError,
+};
 
 /// One rank's scatter between host block slots and its device KV.
 #[derive(Clone, Debug)]
@@ -105,6 +107,62 @@ impl<'a> Scatter<'a> {
         for &(slot, block) in pairs {
             self.push(list, dir, segments.clone(), slot, block);
         }
+    }
+}
+
+impl Scatter<'_> {
+    /// Every segment's device plane (all blocks of it), in host order, checked by `device`:
+    /// one query per plane for a whole load, where one per copy would cost microseconds each
+    /// on CUDA. [`Self::push_block_into`] cuts its copies out of them.
+    pub fn device_planes<D: Device + ?Sized>(
+        &self,
+        device: &D,
+    ) -> Result<Vec<DeviceSpan>, SpanError> {
+        let blocks = u64::from(self.layout.num_blocks().max(1));
+        // Cannot overflow: the layout was validated with these planes.
+        let extent = (blocks - 1) * self.layout.block_stride() + self.shape.segment_bytes();
+        self.table
+            .iter()
+            .map(|&(_, dev)| DeviceSpan::new(device, dev, extent))
+            .collect()
+    }
+
+    /// [`Self::push_block`] into a batch of checked spans: the slot is the bytes at `slot` in
+    /// `host` (the block's start, all ranks), the device side sub-spans of `planes`, from
+    /// [`Self::device_planes`]. Nothing is pushed where a copy falls outside its span.
+    pub fn push_block_into(
+        &self,
+        batch: &mut CopyBatch,
+        host: &HostSpan,
+        slot: u64,
+        planes: &[DeviceSpan],
+        block: u32,
+    ) -> Result<(), SpanError> {
+        if planes.len() != self.table.len() {
+            return Err(SpanError::PlaneCount {
+                want: self.table.len(),
+                given: planes.len(),
+            });
+        }
+        let len = self.shape.segment_bytes();
+        let at = u64::from(block).saturating_mul(self.layout.block_stride());
+        // Every span is checked before anything is pushed, so a refused block leaves the
+        // batch as it was.
+        if !crate::span::inside(host.len(), slot, self.shape.block_bytes()) {
+            return Err(SpanError::OutsideSpan {
+                side: "host",
+                span_len: host.len(),
+                offset: slot,
+                len: self.shape.block_bytes(),
+            });
+        }
+        for plane in planes {
+            plane.sub(at, len)?;
+        }
+        for (&(off, _), plane) in self.table.iter().zip(planes) {
+            batch.push_within(host, slot + off, plane.sub(at, len)?)?;
+        }
+        Ok(())
     }
 }
 
@@ -209,5 +267,109 @@ mod tests {
         }
         assert_eq!(l.len(), 2);
         assert_eq!(l.bytes(), 2 * shape.rank_bytes());
+    }
+
+    /// Host memory owned through a raw pointer, as a pool is.
+    struct Raw(*mut [u8]);
+    // SAFETY: owned by this value alone and only touched through raw pointers.
+    unsafe impl Send for Raw {}
+    // SAFETY: as above.
+    unsafe impl Sync for Raw {}
+    // SAFETY: a live heap allocation freed only in `Drop`, read back only with no batch in
+    // flight.
+    unsafe impl crate::HostMemory for Raw {
+        fn span(&self) -> (u64, u64) {
+            (self.0 as *mut u8 as u64, self.0.len() as u64)
+        }
+    }
+    impl Drop for Raw {
+        fn drop(&mut self) {
+            // SAFETY: from `Box::into_raw`, freed once.
+            drop(unsafe { Box::from_raw(self.0) });
+        }
+    }
+
+    #[test]
+    fn a_block_into_a_batch_is_the_block_scatter_over_checked_planes() {
+        let dev = crate::HostDevice::new(0);
+        let (layers, blocks, seg) = (3u32, 8u32, 64u64);
+        let plane = seg * u64::from(blocks);
+        let kv = dev.alloc(2 * u64::from(layers) * plane + 4096).unwrap();
+        dev.write(kv.ptr(), &vec![0xa5; kv.len() as usize]).unwrap();
+        let shape = KvShape::new(layers, 2, 2, seg).unwrap();
+        let layout = KvLayout::new(
+            KvLayoutSpec {
+                kind: GroupKind::Attention,
+                layers: (0..u64::from(layers))
+                    .map(|l| LayerLayout::Split {
+                        k_base: kv.ptr() + 2 * l * plane,
+                        v_base: kv.ptr() + (2 * l + 1) * plane,
+                    })
+                    .collect(),
+                block_stride: seg,
+                num_blocks: blocks,
+                view_offset: 0,
+            },
+            &shape,
+        )
+        .unwrap();
+        let sc = Scatter::new(&shape, &layout, 1);
+        let planes = sc.device_planes(&*dev).unwrap();
+        assert_eq!(planes.len(), sc.copies_per_block());
+        // Two slots of host memory, filled with a pattern.
+        let slots: Box<[u8]> = (0..2 * shape.block_bytes())
+            .map(|i| (i % 241) as u8)
+            .collect();
+        let want = slots.to_vec();
+        let mem: std::sync::Arc<dyn crate::HostMemory> =
+            std::sync::Arc::new(Raw(Box::into_raw(slots)));
+        let host = HostSpan::new(mem, 0, 2 * shape.block_bytes()).unwrap();
+        let mut batch = CopyBatch::new(CopyDirection::HostToDevice);
+        let mut list = CopyList::default();
+        for (slot, block) in [(0, 5), (shape.block_bytes(), 2)] {
+            sc.push_block_into(&mut batch, &host, slot, &planes, block)
+                .unwrap();
+            sc.push_block(
+                &mut list,
+                CopyDirection::HostToDevice,
+                host.addr() + slot,
+                block,
+            );
+        }
+        assert_eq!(batch.list(), &list, "the same copies as the raw scatter");
+        // A slot past the span, a block past the planes, planes of another scatter: refused,
+        // nothing pushed.
+        let before = batch.list().clone();
+        assert!(sc
+            .push_block_into(&mut batch, &host, shape.block_bytes() + 1, &planes, 0)
+            .is_err());
+        assert!(sc
+            .push_block_into(&mut batch, &host, 0, &planes, blocks)
+            .is_err());
+        assert!(matches!(
+            sc.push_block_into(&mut batch, &host, 0, &planes[1..], 0),
+            Err(SpanError::PlaneCount { want: 6, given: 5 })
+        ));
+        assert_eq!(batch.list(), &before);
+        batch.submit(&*dev, None).unwrap().wait_blocking().unwrap();
+        let mut back = vec![0u8; kv.len() as usize];
+        dev.read(kv.ptr(), &mut back).unwrap();
+        let mut expect = vec![0xa5u8; kv.len() as usize];
+        for op in list.ops() {
+            let (s, d) = (
+                (op.src - host.addr()) as usize,
+                (op.dst - kv.ptr()) as usize,
+            );
+            expect[d..d + op.len as usize].copy_from_slice(&want[s..s + op.len as usize]);
+        }
+        assert!(
+            back == expect,
+            "bytes land where the scatter says, canaries elsewhere"
+        );
+        // Planes outside device memory are refused when checked.
+        let off = KvLayout::new(KvLayoutSpec::cross_layer(0x40_0000, 3, 2, 8, 64), &shape);
+        if let Ok(off) = off {
+            assert!(Scatter::new(&shape, &off, 0).device_planes(&*dev).is_err());
+        }
     }
 }

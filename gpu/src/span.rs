@@ -58,10 +58,12 @@ pub enum SpanError {
     },
     #[error("a host span of {host} bytes paired with a device span of {device} bytes")]
     LengthMismatch { host: u64, device: u64 },
+    #[error("{given} device planes given for a scatter of {want} segments")]
+    PlaneCount { want: usize, given: usize },
 }
 
 /// `[offset, offset + len)` inside `size` bytes, without overflow.
-fn inside(size: u64, offset: u64, len: u64) -> bool {
+pub(crate) fn inside(size: u64, offset: u64, len: u64) -> bool {
     offset.checked_add(len).is_some_and(|end| end <= size)
 }
 
@@ -126,10 +128,6 @@ impl HostSpan {
 
     pub fn guard(&self) -> &Arc<dyn HostMemory> {
         &self.guard
-    }
-
-    pub(crate) fn into_guard(self) -> Arc<dyn HostMemory> {
-        self.guard
     }
 }
 

@@ -307,3 +307,74 @@ fn a_refused_batch_copies_nothing_and_releases_its_guards() {
     );
     assert_eq!(Arc::strong_count(&src), 1);
 }
+
+#[test]
+fn pushes_within_a_span_and_lists_built_elsewhere_are_checked_against_it() {
+    let dev = HostDevice::new(0);
+    let buf = dev.alloc(4096).unwrap();
+    dev.write(buf.ptr(), &[0xa5; 4096]).unwrap();
+    let log = Log::default();
+    let src = Recorded::new(|i| (i % 253) as u8, 2048, &log);
+    let base = src.span().0;
+    let host = HostSpan::new(guard(&src), 1024, 1024).unwrap();
+    let dspan = DeviceSpan::new(&*dev, buf.ptr(), 4096).unwrap();
+
+    let mut batch = CopyBatch::new(CopyDirection::HostToDevice);
+    let err = batch
+        .push_within(&host, 1000, dspan.sub(0, 25).unwrap())
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        SpanError::OutsideSpan {
+            side: "host",
+            offset: 1000,
+            len: 25,
+            ..
+        }
+    ));
+    assert!(batch.is_empty());
+    batch
+        .push_within(&host, 0, dspan.sub(0, 100).unwrap())
+        .unwrap();
+    batch
+        .push_within(&host, 200, dspan.sub(300, 100).unwrap())
+        .unwrap();
+    assert_eq!((batch.len(), batch.bytes()), (2, 200));
+    assert_eq!(Arc::strong_count(&src), 3, "one guard for both copies");
+    batch.submit(&*dev, None).unwrap().wait_blocking().unwrap();
+    let mut back = vec![0u8; 4096];
+    dev.read(buf.ptr(), &mut back).unwrap();
+    let want = src.bytes();
+    assert_eq!(&back[..100], &want[1024..1124]);
+    assert!(back[100..300].iter().all(|b| *b == 0xa5), "canary between");
+    assert_eq!(&back[300..400], &want[1224..1324]);
+    assert!(back[400..].iter().all(|b| *b == 0xa5), "canary after");
+
+    // A list whose host side leaves the span (below it, past it) is refused whole.
+    for (addr, len) in [
+        (base + 1000, 100),
+        (base + 2000, 100),
+        (base + 1024, 0x1_0000),
+    ] {
+        let mut list = CopyList::default();
+        list.push(base + 1024, buf.ptr(), 16);
+        list.push(addr, buf.ptr() + 512, len);
+        let err = CopyBatch::from_list(CopyDirection::HostToDevice, list, &host).unwrap_err();
+        assert!(
+            matches!(err, SpanError::OutsideSpan { side: "host", .. }),
+            "{err}"
+        );
+    }
+    // The host side is the destination of a device-to-host list.
+    let mut list = CopyList::default();
+    list.push(buf.ptr(), base + 1024 + 512, 256);
+    assert!(CopyBatch::from_list(CopyDirection::HostToDevice, list.clone(), &host).is_err());
+    let batch = CopyBatch::from_list(CopyDirection::DeviceToHost, list, &host).unwrap();
+    assert_eq!((batch.len(), batch.bytes()), (1, 256));
+    batch.submit(&*dev, None).unwrap().wait_blocking().unwrap();
+    let got = src.bytes();
+    assert_eq!(&got[1536..1792], &back[..256]);
+    assert_eq!(&got[1792..], &want[1792..], "nothing past the copy written");
+    drop(host);
+    assert_eq!(Arc::strong_count(&src), 1, "every guard released");
+}
