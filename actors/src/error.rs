@@ -1,6 +1,6 @@
 //! The error every `Node` operation returns.
 
-use kvferry_gpu::{DeviceError, LayoutError, ShapeError};
+use kvferry_gpu::{DeviceError, LayoutError, ShapeError, SpanError};
 use thiserror::Error;
 
 use crate::config::ConfigError;
@@ -55,6 +55,14 @@ pub enum NodeError {
         #[source]
         source: DeviceError,
     },
+    /// A copy batch refused a span before anything was copied: a range outside the memory
+    /// that guards it (device memory a driver refused is [`NodeError::Device`]).
+    #[error("{what}: copy refused: {source}")]
+    Span {
+        what: &'static str,
+        #[source]
+        source: SpanError,
+    },
     #[error("peer {peer}: {source}")]
     Remote {
         peer: String,
@@ -104,6 +112,17 @@ impl NodeError {
         NodeError::Remote {
             peer: peer.into(),
             source,
+        }
+    }
+}
+
+impl NodeError {
+    /// A span refused while building `what`'s copies. Device memory the driver refused is
+    /// reported as the device error it is, as when the backend refuses it at submission.
+    pub(crate) fn span(what: &'static str, e: SpanError) -> Self {
+        match e {
+            SpanError::NotDeviceRange { source, .. } => NodeError::Device(source),
+            source => NodeError::Span { what, source },
         }
     }
 }

@@ -8,18 +8,19 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use actix::Addr;
-use kvferry_gpu::{CopyDirection, CopyList, CopyOp, Scatter};
+use kvferry_gpu::{CopyBatch, CopyDirection, CopyOp, OwnedCopyEvent, Scatter};
 
 use crate::api::{Stage, StageName};
 use crate::error::NodeError;
 use crate::lease::keeper::LeasePlan;
 use crate::lease::registry::RankHandle;
+use crate::load::memory::PoolGuard;
 use crate::load::plan::RemotePart;
 use crate::load::transfer::PartDone;
 use crate::model::BlockHash;
 use crate::nic::stripe::{ReadRoute, StripePlan};
 use crate::peer::batches::even_batches;
-use crate::peer::link::{BoxFut, Drained, Keep, ReadStats};
+use crate::peer::link::{BoxFut, Keep, ReadStats};
 use crate::tier::store::{BlockStore, ReserveFetch};
 
 /// Most blocks per pipeline step of a staged load: reads of later chunks overlap the device
@@ -133,9 +134,12 @@ impl Suffix {
         let shape = handle.shape;
         let rank = handle.rank;
         let sc = Scatter::new(&handle.shape, &handle.layout, rank);
+        let span = |e| NodeError::span("remote", e);
+        // Checked once for the whole suffix, when its first chunk is copied.
+        let mut planes = None;
         let (mut wire, mut h2d, mut post) = (0.0f64, 0.0f64, 0.0f64);
         let mut bytes = 0;
-        let mut copies = Vec::new();
+        let mut copies: Vec<OwnedCopyEvent> = Vec::new();
         for part in parts {
             let seg = &share.remote[part.segment];
             let hashes: Vec<BlockHash> = seg.blocks.iter().map(|b| b.hash).collect();
@@ -149,6 +153,11 @@ impl Suffix {
                 })
                 .await??;
             let memory = Arc::clone(guard.memory());
+            // The copies out of the slots hold the pool memory and the destinations' handle
+            // until they resolved; the pins stay with `guard`, released after them (below).
+            let host = PoolGuard::whole(Arc::clone(&memory), Arc::clone(&handle))
+                .into_span()
+                .map_err(span)?;
             let chunks = even_batches(seg.blocks.len(), seg.link.lanes(), STAGED_CHUNK);
             let mut reads = Vec::new();
             for chunk in &chunks {
@@ -190,23 +199,39 @@ impl Suffix {
                 };
                 post += r.post;
                 let (lo, hi) = (chunk.start, chunk.end.min(slots.len()));
-                let mut list = CopyList::with_capacity((hi - lo) * sc.copies_per_block());
-                for (s, &dst) in slots[lo..hi].iter().zip(&part.dest[lo..hi]) {
-                    sc.push_block(&mut list, CopyDirection::HostToDevice, s.addr, dst);
-                }
-                bytes += list.bytes();
-                // SAFETY: sources are pool slots pinned by `guard` (kept until every copy of
-                // this segment resolved, below) in memory kept mapped by `memory`;
-                // destinations are device KV held by `handle`.
-                match unsafe { handle.device.submit(CopyDirection::HostToDevice, list) } {
-                    Ok(ev) => copies.push(Drained::new(ev, vec![Box::new(Arc::clone(&memory))])),
-                    Err(e) => failed = Some(e.into()),
+                let built = (|| {
+                    let planes = match &mut planes {
+                        Some(planes) => planes,
+                        none => {
+                            none.insert(sc.device_planes(handle.device.as_ref()).map_err(span)?)
+                        }
+                    };
+                    let mut batch = CopyBatch::with_capacity(
+                        CopyDirection::HostToDevice,
+                        (hi - lo) * sc.copies_per_block(),
+                    );
+                    for (s, &dst) in slots[lo..hi].iter().zip(&part.dest[lo..hi]) {
+                        let at = s.addr.wrapping_sub(host.addr());
+                        sc.push_block_into(&mut batch, &host, at, planes, dst)
+                            .map_err(span)?;
+                    }
+                    Ok::<_, NodeError>(batch)
+                })();
+                match built.and_then(|b| {
+                    let n = b.bytes();
+                    Ok((b.submit(handle.device.as_ref(), None)?, n))
+                }) {
+                    Ok((ev, n)) => {
+                        bytes += n;
+                        copies.push(ev);
+                    }
+                    Err(e) => failed = Some(e),
                 }
             }
             let th = Instant::now();
             for c in copies.drain(..) {
                 if let Err(e) = c.await {
-                    failed.get_or_insert(e);
+                    failed.get_or_insert(e.into());
                 }
             }
             h2d += th.elapsed().as_secs_f64();

@@ -21,17 +21,20 @@ use std::time::Instant;
 
 use actix::Addr;
 use futures::future::{select, Either};
-use kvferry_gpu::{CopyDirection, CopyList, Scatter};
+use kvferry_gpu::{
+    CopyBatch, CopyDirection, CopyStats, DeviceError, DeviceSpan, HostSpan, OwnedCopyEvent, Scatter,
+};
 
 use crate::api::{Span, Stage, StageName};
 use crate::error::NodeError;
 use crate::lease::registry::RankHandle;
+use crate::load::memory::PoolGuard;
 use crate::load::plan::SsdPart;
 use crate::load::transfer::PartDone;
 use crate::model::{BlockHash, Namespace};
-use crate::peer::link::{BoxFut, Drained, Keep};
+use crate::peer::link::BoxFut;
 use crate::tier::ssd::error::{ReadFailure, SsdError};
-use crate::tier::store::{BlockStore, ReadFail, ReadSsd, ReserveStaging, StagingGuard};
+use crate::tier::store::{BlockStore, ReadFail, ReadSsd, ReserveStaging};
 
 /// Everything the SSD part needs, owned (it runs as a future of the transfer).
 pub struct SsdLoad {
@@ -57,14 +60,15 @@ struct Reading {
 /// One chunk's copy to the device in flight.
 struct Copying {
     slots: Vec<u64>,
-    copy: Drained,
+    /// Holds the staging slots and the rank handle until it resolved, however it ends.
+    copy: OwnedCopyEvent,
     start: f64,
 }
 
 /// What happened first: the oldest chunk's reads landed, or the oldest copy drained.
 enum Event {
     Landed(Result<Vec<Result<(), ReadFail>>, actix::MailboxError>),
-    Copied(Result<u64, NodeError>),
+    Copied(Result<CopyStats, DeviceError>),
 }
 
 /// The pipeline's state between events.
@@ -78,6 +82,8 @@ struct Pipe {
     failed: Vec<(BlockHash, ReadFailure)>,
     io_error: Option<SsdError>,
     error: Option<NodeError>,
+    /// The destination planes, checked by the device when the first chunk is copied.
+    planes: Option<Vec<DeviceSpan>>,
     bytes: u64,
     disk: f64,
     h2d: f64,
@@ -115,6 +121,17 @@ impl SsdLoad {
         // Two chunks at least, so one reads while the other copies.
         let chunk = self.part.chunk.min(addrs.len() / 2).max(1);
         let sc = Scatter::new(&self.handle.shape, &self.handle.layout, self.handle.rank);
+        let block_bytes = self.handle.shape.block_bytes();
+        // SAFETY: the staging guard lends these pool slots to this load and keeps the pool
+        // memory mapped; the copies' guard takes it (and the rank handle) with it.
+        let guard = unsafe {
+            PoolGuard::slots(
+                addrs.iter().copied(),
+                block_bytes,
+                (Arc::clone(&staging), Arc::clone(&self.handle)),
+            )
+        };
+        let host = guard.into_span().map_err(|e| NodeError::span("ssd", e))?;
         let mut p = Pipe {
             free: addrs.into(),
             ..Default::default()
@@ -160,7 +177,7 @@ impl SsdLoad {
                 Event::Landed(outcomes) => {
                     p.disk += waited;
                     if let Some(r) = p.reading.pop_front() {
-                        self.landed(&mut p, r, outcomes, &sc, &staging);
+                        self.landed(&mut p, r, outcomes, &sc, &host);
                     }
                 }
                 Event::Copied(out) => {
@@ -174,7 +191,7 @@ impl SsdLoad {
                         match out {
                             Ok(_) => p.free.extend(c.slots),
                             Err(e) => {
-                                p.error.get_or_insert(e);
+                                p.error.get_or_insert(e.into());
                             }
                         }
                     }
@@ -215,7 +232,7 @@ impl SsdLoad {
         r: Reading,
         outcomes: Result<Vec<Result<(), ReadFail>>, actix::MailboxError>,
         sc: &Scatter<'_>,
-        staging: &Arc<StagingGuard>,
+        host: &HostSpan,
     ) {
         p.spans.push(Span {
             name: "ssd_read",
@@ -243,29 +260,55 @@ impl SsdLoad {
             p.free.extend(r.slots);
             return;
         }
-        let mut list = CopyList::with_capacity(r.slots.len() * sc.copies_per_block());
-        for (&slot, &dst) in r.slots.iter().zip(&self.part.dest[r.blocks.clone()]) {
-            sc.push_block(&mut list, CopyDirection::HostToDevice, slot, dst);
-        }
-        let chunk_bytes = list.bytes();
+        let built = self.batch(p, r.slots.iter().copied(), &r.blocks, sc, host);
         let start = self.now();
-        // SAFETY: sources are staging slots whose reads are done, lent to this load by
-        // `staging` (held by the copy below until it drained) in pool memory it keeps
-        // mapped; destinations are device KV held by `handle`.
-        match unsafe { self.handle.device.submit(CopyDirection::HostToDevice, list) } {
-            Ok(ev) => {
-                let keep: Keep = Box::new(Arc::clone(staging));
+        let submitted = built.and_then(|b| {
+            let bytes = b.bytes();
+            let ev = b.submit(self.handle.device.as_ref(), None)?;
+            Ok((ev, bytes))
+        });
+        match submitted {
+            Ok((copy, chunk_bytes)) => {
                 p.copying.push_back(Copying {
                     slots: r.slots,
-                    copy: Drained::new(ev, vec![keep, Box::new(Arc::clone(&self.handle))]),
+                    copy,
                     start,
                 });
                 p.bytes += chunk_bytes;
             }
             Err(e) => {
-                p.error.get_or_insert(e.into());
+                p.error.get_or_insert(e);
                 p.free.extend(r.slots);
             }
         }
+    }
+
+    /// The copies of a chunk: each slot's block scattered to its destination.
+    fn batch(
+        &self,
+        p: &mut Pipe,
+        slots: impl ExactSizeIterator<Item = u64>,
+        blocks: &Range<usize>,
+        sc: &Scatter<'_>,
+        host: &HostSpan,
+    ) -> Result<CopyBatch, NodeError> {
+        let span = |e| NodeError::span("ssd", e);
+        let planes = match &mut p.planes {
+            Some(planes) => planes,
+            none => none.insert(
+                sc.device_planes(self.handle.device.as_ref())
+                    .map_err(span)?,
+            ),
+        };
+        let mut batch = CopyBatch::with_capacity(
+            CopyDirection::HostToDevice,
+            slots.len() * sc.copies_per_block(),
+        );
+        for (slot, &dst) in slots.zip(&self.part.dest[blocks.clone()]) {
+            let at = slot.wrapping_sub(host.addr());
+            sc.push_block_into(&mut batch, host, at, planes, dst)
+                .map_err(span)?;
+        }
+        Ok(batch)
     }
 }

@@ -7,7 +7,6 @@
 //! beside them its parts: the SSD blocks ([`SsdLoad`]) and the remote suffix ([`Suffix`])
 //! (their destinations are other blocks); it replies when all are done.
 
-use std::any::Any;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
@@ -18,19 +17,24 @@ use std::time::Instant;
 
 use actix::fut::ActorFutureExt;
 use actix::{Actor, ActorContext, ActorFuture, Addr, AsyncContext, Context};
-use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, CopyStats, Device, DeviceError, Landed};
+use kvferry_gpu::{
+    CopyBatch, CopyDirection, CopyList, CopyStats, Device, DeviceError, HostSpan, Landed,
+    OwnedCopyEvent, SpanError,
+};
 use tokio::sync::oneshot;
 
 use crate::api::{LoadObserver, Span, Stage, StageName, TransferPath, TransferReport};
 use crate::error::NodeError;
 use crate::lease::keeper::LeasePlan;
 use crate::lease::registry::RankHandle;
+use crate::load::memory::PoolGuard;
 use crate::load::plan::LoadPlan;
 use crate::load::remote::Suffix;
 use crate::load::ssd::SsdLoad;
 use crate::metrics::InFlight;
 use crate::nic::stripe::StripePlan;
 use crate::peer::link::BoxFut;
+use crate::tier::pool::PoolMemory;
 use crate::tier::store::BlockStore;
 
 /// Batches a transfer keeps queued on the device (see `Transfer::submit_ahead`).
@@ -96,8 +100,9 @@ impl LayerGate {
     }
 }
 
-/// Something a transfer keeps alive until its copies have drained.
-pub type Hold = Box<dyn Any + Send>;
+/// Something a save's spec hands over to be kept until its copies have resolved (the rank
+/// handle, the pool memory); it becomes part of the guard every batch of the save holds.
+pub type Hold = Box<dyn std::any::Any + Send>;
 
 /// Runs once the batch completed successfully (commits written blocks).
 pub type OnSuccess = Box<dyn FnOnce() + Send>;
@@ -124,9 +129,13 @@ pub struct Transfer {
     batches: VecDeque<(u32, CopyList)>,
     /// Submitted and not yet reported, in submission order (the device completes a lane's
     /// batches in that order).
-    pending: VecDeque<(u32, CopyEvent)>,
+    /// Each owns the transfer's guard until it resolved, however it ends: dropped pending
+    /// (the actor stopped), it hands the guard to the gpu crate's drain thread.
+    pending: VecDeque<(u32, OwnedCopyEvent)>,
     blocks: usize,
-    holds: Vec<Hold>,
+    /// Every batch's host side lies in this span; its guard owns the pool memory, the pins
+    /// and the rank handle the copies touch.
+    host: Option<HostSpan>,
     on_success: Option<OnSuccess>,
     reply: Option<ReportTx>,
     stages: Vec<Stage>,
@@ -142,7 +151,7 @@ pub struct Transfer {
     part_error: Option<NodeError>,
     /// What the device batches did so far, and their first error.
     local: CopyStats,
-    local_error: Option<DeviceError>,
+    local_error: Option<NodeError>,
     local_seconds: f64,
     layers: u32,
     landed: u32,
@@ -187,6 +196,10 @@ pub struct LoadJob {
 
 impl Transfer {
     pub fn new(spec: TransferSpec, reply: ReportTx) -> Self {
+        let (host, local_error) = match save_span(spec.holds, spec.list.bytes()) {
+            Ok(h) => (Some(h), None),
+            Err(e) => (None, Some(NodeError::span(spec.path.as_str(), e))),
+        };
         Self {
             path: spec.path,
             dir: spec.dir,
@@ -200,7 +213,7 @@ impl Transfer {
                 .collect(),
             pending: VecDeque::new(),
             blocks: spec.blocks,
-            holds: spec.holds,
+            host,
             on_success: spec.on_success,
             reply: Some(reply),
             stages: spec.stages,
@@ -212,7 +225,7 @@ impl Transfer {
             parts: PartDone::default(),
             part_error: None,
             local: CopyStats::default(),
-            local_error: None,
+            local_error,
             local_seconds: 0.0,
             layers: 0,
             landed: 0,
@@ -290,14 +303,24 @@ impl Transfer {
                 told: Mutex::new(0),
             })
         });
+        let device = Arc::clone(&handle.device);
+        let slots: Vec<u64> = share.local.iter().map(|s| s.addr).collect();
+        let block_bytes = handle.shape.block_bytes();
+        // SAFETY: the local prefix's slots are pool slots pinned by the share's pin guard,
+        // which also keeps the pool memory mapped; the guard takes the share with it.
+        let guard = unsafe { PoolGuard::slots(slots, block_bytes, (share, handle)) };
+        let (host, local_error) = match guard.into_span() {
+            Ok(h) => (Some(h), None),
+            Err(e) => (None, Some(NodeError::span(plan.path.as_str(), e))),
+        };
         Self {
             path: plan.path,
             dir: CopyDirection::HostToDevice,
-            device: Arc::clone(&handle.device),
+            device,
             batches,
             pending: VecDeque::new(),
             blocks: plan.blocks,
-            holds: vec![Box::new(share), Box::new(handle)],
+            host,
             on_success: None,
             reply: Some(reply),
             stages,
@@ -309,7 +332,7 @@ impl Transfer {
             parts: PartDone::default(),
             part_error: None,
             local: CopyStats::default(),
-            local_error: None,
+            local_error,
             local_seconds: 0.0,
             layers: plan.layers,
             landed: 0,
@@ -372,8 +395,11 @@ impl Transfer {
                 self.local.ops += s.ops;
                 self.landed = self.landed.max(layers);
             }
-            Err(e) => {
-                self.local_error.get_or_insert(e);
+            Err(source) => {
+                self.local_error.get_or_insert(NodeError::Transfer {
+                    path: self.path.as_str(),
+                    source,
+                });
                 // Nothing more is submitted; what was is still awaited.
                 self.batches.clear();
             }
@@ -404,6 +430,10 @@ impl Transfer {
     /// bounds what a failed batch leaves queued). Two queued batches keep the device busy: the
     /// next is submitted while the second still copies.
     fn submit_ahead(&mut self) {
+        if self.local_error.is_some() {
+            // Refused before anything was submitted (its memory could not be spanned).
+            self.batches.clear();
+        }
         while self.pending.len() < SUBMIT_AHEAD {
             let Some((layers, list)) = self.batches.pop_front() else {
                 return;
@@ -413,11 +443,19 @@ impl Transfer {
                 continue;
             }
             let landed = self.gate.as_ref().map(|g| g.on_batch(layers));
-            // SAFETY: every host range in `list` lies in pool slots kept alive by
-            // `self.holds` (the pool memory `Arc` and the pins on those slots), and the holds
-            // are released only after every submitted event has resolved: in `maybe_finish`,
-            // or by the drain thread in `Drop`.
-            match unsafe { self.device.submit_then(self.dir, list, landed) } {
+            let path = self.path.as_str();
+            let submitted = match &self.host {
+                Some(host) => CopyBatch::from_list(self.dir, list, host)
+                    .map_err(|e| NodeError::span(path, e))
+                    .and_then(|b| {
+                        b.submit(self.device.as_ref(), landed)
+                            .map_err(|source| NodeError::Transfer { path, source })
+                    }),
+                None => Err(NodeError::Stopped {
+                    what: "transfer memory",
+                }),
+            };
+            match submitted {
                 Ok(ev) => self.pending.push_back((layers, ev)),
                 Err(e) => {
                     // Nothing more is submitted; what was is still awaited.
@@ -464,11 +502,8 @@ impl Transfer {
         if !self.pending.is_empty() || self.parts_running > 0 {
             return;
         }
-        let out = if let Some(source) = self.local_error.take() {
-            Err(NodeError::Transfer {
-                path: self.path.as_str(),
-                source,
-            })
+        let out = if let Some(e) = self.local_error.take() {
+            Err(e)
         } else {
             if let Some(e) = self.part_error.take() {
                 self.reply_with(Err(e), ctx);
@@ -522,7 +557,7 @@ impl Transfer {
         }
         // Release before replying, so a caller that sees the reply sees the pins gone.
         self.on_success = None;
-        self.holds.clear();
+        self.host = None;
         self.in_flight = None;
         if let Some(obs) = &self.observer {
             obs.finished(&out);
@@ -603,25 +638,20 @@ impl Actor for Transfer {
     }
 }
 
-impl Drop for Transfer {
-    fn drop(&mut self) {
-        // Stopped with batches still in flight (the system is shutting down): the device may
-        // still read or write the held memory, so keep it until they drain.
-        if !self.pending.is_empty() {
-            let pending = std::mem::take(&mut self.pending);
-            // ManuallyDrop: if the thread cannot start, the closure is dropped unrun and the
-            // holds leak, which is safe, instead of freeing memory a copy may still use.
-            let holds = std::mem::ManuallyDrop::new(std::mem::take(&mut self.holds));
-            let in_flight = self.in_flight.take();
-            let _ = std::thread::Builder::new()
-                .name("kvferry-drain".into())
-                .spawn(move || {
-                    for (_, ev) in pending {
-                        let _ = ev.wait_blocking();
-                    }
-                    drop(std::mem::ManuallyDrop::into_inner(holds));
-                    drop(in_flight);
-                });
-        }
+/// The span a save's copies land in: the pool memory among `holds`, with all of them as its
+/// guard. Without one, every copy is outside any guard and refused.
+fn save_span(holds: Vec<Hold>, bytes: u64) -> Result<HostSpan, SpanError> {
+    let memory = holds
+        .iter()
+        .find_map(|h| h.downcast_ref::<Arc<PoolMemory>>())
+        .cloned();
+    match memory {
+        Some(m) => PoolGuard::whole(m, Mutex::new(holds)).into_span(),
+        None => Err(SpanError::OutsideGuard {
+            base: 0,
+            size: 0,
+            offset: 0,
+            len: bytes,
+        }),
     }
 }

@@ -13,45 +13,65 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::ThreadId;
 
-use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, Device, DeviceError, HostRegistration};
-use kvferry_transport::{DeviceSink, SinkError, StagingArea};
+use kvferry_gpu::{
+    CopyBatch, CopyDirection, CopyList, Device, DeviceError, HostMemory, HostRegistration,
+    HostSpan, OwnedCopyEvent,
+};
+use kvferry_transport::{DeviceSink, HostRegion, SinkError, StagingArea};
 
 /// Bytes of one slot: one copy batch.
 pub(crate) const SLOT_BYTES: usize = 4 << 20;
 /// Slots per ring: how many batches may be in flight while the next one fills.
 const SLOTS: usize = 4;
 
-/// Pinned staging memory registered with one device.
+/// Pinned staging memory registered with one device. Shared: every batch out of it holds
+/// it until its copies have resolved, so it is unregistered and freed only after them.
 pub struct Ring {
     // Field order: the registration is undone before the memory is freed.
     _reg: HostRegistration,
-    mem: Vec<u8>,
+    /// Reached only through raw-pointer copies (a region hands out no references), as the
+    /// device reads one slot while the receive thread fills the next.
+    mem: HostRegion,
 }
 
 impl Ring {
     fn new(device: &dyn Device) -> Result<Self, DeviceError> {
-        let mem = vec![0u8; SLOT_BYTES * SLOTS];
-        let reg = device.register_host(mem.as_ptr() as u64, mem.len() as u64, false)?;
+        let len = SLOT_BYTES * SLOTS;
+        let mem = HostRegion::anonymous(len).map_err(|e| DeviceError::HostRegister {
+            addr: 0,
+            len: len as u64,
+            reason: format!("mapping a bounce ring: {e}"),
+        })?;
+        let reg = device.register_host(mem.addr(), mem.len() as u64, false)?;
         Ok(Self { _reg: reg, mem })
     }
 
-    fn slot(&mut self, i: usize) -> &mut [u8] {
-        &mut self.mem[i * SLOT_BYTES..(i + 1) * SLOT_BYTES]
+    /// Host address of byte `at` of slot `i`.
+    fn addr(&self, i: usize, at: usize) -> u64 {
+        self.mem.addr() + (i * SLOT_BYTES + at) as u64
+    }
+}
+
+// SAFETY: the region is this ring's own mapping, unmapped only when the ring drops, and
+// never handed out as a reference (`HostRegion` copies in and out).
+unsafe impl HostMemory for Ring {
+    fn span(&self) -> (u64, u64) {
+        (self.mem.addr(), self.mem.len() as u64)
     }
 }
 
 /// Idle rings by device ordinal, owned by a link.
-pub type RingPool = Arc<Mutex<HashMap<u32, Vec<Ring>>>>;
+pub type RingPool = Arc<Mutex<HashMap<u32, Vec<Arc<Ring>>>>>;
 
 /// One provider thread's ring and where it is in it.
 struct Lane {
-    ring: Option<Ring>,
+    ring: Option<Arc<Ring>>,
     /// The slot being filled and how far.
     cur: usize,
     fill: usize,
     list: CopyList,
-    /// Submitted slots, oldest first.
-    pending: VecDeque<(usize, CopyEvent)>,
+    /// Submitted slots, oldest first; each holds the ring until it resolved.
+    pending: VecDeque<(usize, OwnedCopyEvent)>,
     /// Bytes of the current slot lent to this lane's thread (from `fill`).
     lent: Option<usize>,
 }
@@ -62,7 +82,7 @@ pub struct BounceSink {
     pool: RingPool,
     /// A lane per provider thread that wrote; a ring taken at creation waits for the first.
     lanes: Mutex<Vec<(ThreadId, Arc<Mutex<Lane>>)>>,
-    spare: Mutex<Option<Ring>>,
+    spare: Mutex<Option<Arc<Ring>>>,
     /// The first failure; every later call reports it.
     failed: OnceLock<SinkError>,
 }
@@ -136,20 +156,20 @@ impl BounceSink {
     }
 }
 
-fn take_ring(device: &Arc<dyn Device>, pool: &RingPool) -> Result<Ring, DeviceError> {
+fn take_ring(device: &Arc<dyn Device>, pool: &RingPool) -> Result<Arc<Ring>, DeviceError> {
     let reused = pool
         .lock()
         .ok()
         .and_then(|mut p| p.get_mut(&device.ordinal()).and_then(Vec::pop));
     match reused {
         Some(r) => Ok(r),
-        None => Ring::new(device.as_ref()),
+        None => Ring::new(device.as_ref()).map(Arc::new),
     }
 }
 
 /// Waits for one batch. Provider threads may block; a thread inside an async runtime must
 /// not park on the event's channel, so it polls instead (only teardown paths get there).
-fn wait(ev: CopyEvent) -> Result<(), DeviceError> {
+fn wait(ev: OwnedCopyEvent) -> Result<(), DeviceError> {
     if tokio::runtime::Handle::try_current().is_err() {
         return ev.wait_blocking().map(|_| ());
     }
@@ -182,21 +202,23 @@ impl Lane {
         }
         let list = std::mem::take(&mut self.list);
         let (ops, bytes) = (list.len(), list.bytes());
-        // Detached: the receive thread goes back to its socket without planning the copies.
-        // SAFETY: every source lies in the lane's current slot, which is not written again
-        // until this event has completed (the slot cycles back only after `wait_oldest`),
-        // and the ring outlives the event: drain and drop wait for every pending one.
-        let ev = unsafe {
-            sink.device
-                .submit_detached(CopyDirection::HostToDevice, list)
-        }
-        .map_err(|e| {
+        let refused = |reason: String| {
             sink.fail(SinkError::Write {
                 dst: 0,
                 len: bytes,
-                reason: format!("submitting {ops} copies: {e}"),
+                reason,
             })
-        })?;
+        };
+        // Every source lies in the current slot, which is not written again until this
+        // batch has resolved (the slot cycles back only after `wait_oldest`).
+        let ring = Arc::clone(self.ring()?);
+        let batch = HostSpan::new(ring, (self.cur * SLOT_BYTES) as u64, SLOT_BYTES as u64)
+            .and_then(|slot| CopyBatch::from_list(CopyDirection::HostToDevice, list, &slot))
+            .map_err(|e| refused(format!("copies of {ops} pieces: {e}")))?;
+        // Detached: the receive thread goes back to its socket without planning the copies.
+        let ev = batch
+            .submit_detached(sink.device.as_ref())
+            .map_err(|e| refused(format!("submitting {ops} copies: {e}")))?;
         self.pending.push_back((self.cur, ev));
         self.cur = (self.cur + 1) % SLOTS;
         self.fill = 0;
@@ -206,8 +228,8 @@ impl Lane {
         Ok(())
     }
 
-    fn ring(&mut self) -> Result<&mut Ring, SinkError> {
-        self.ring.as_mut().ok_or_else(|| SinkError::Flush {
+    fn ring(&self) -> Result<&Arc<Ring>, SinkError> {
+        self.ring.as_ref().ok_or_else(|| SinkError::Flush {
             reason: "bounce ring gone".into(),
         })
     }
@@ -224,9 +246,16 @@ impl DeviceSink for BounceSink {
         while done < data.len() {
             let n = (data.len() - done).min(SLOT_BYTES - st.fill);
             let (cur, fill) = (st.cur, st.fill);
-            let slot = st.ring()?.slot(cur);
-            slot[fill..fill + n].copy_from_slice(&data[done..done + n]);
-            let src = slot[fill..].as_ptr() as u64;
+            let ring = st.ring()?;
+            // The slot is not in flight: it is the one being filled.
+            ring.mem
+                .write_at(cur * SLOT_BYTES + fill, &data[done..done + n])
+                .map_err(|e| SinkError::Write {
+                    dst,
+                    len: n as u64,
+                    reason: e.to_string(),
+                })?;
+            let src = ring.addr(cur, fill);
             st.list.push(src, dst + done as u64, n as u64);
             st.fill += n;
             done += n;
@@ -250,7 +279,7 @@ impl DeviceSink for BounceSink {
         }
         let (cur, fill) = (st.cur, st.fill);
         let len = max.min(SLOT_BYTES - fill);
-        let ptr = st.ring.as_mut()?.slot(cur)[fill..].as_mut_ptr();
+        let ptr = st.ring.as_ref()?.addr(cur, fill) as usize as *mut u8;
         st.lent = Some(len);
         Some(StagingArea { ptr, len })
     }
@@ -270,7 +299,7 @@ impl DeviceSink for BounceSink {
             }
         };
         let (cur, fill) = (st.cur, st.fill);
-        let src = st.ring()?.slot(cur)[fill..].as_ptr() as u64;
+        let src = st.ring()?.addr(cur, fill);
         st.list.push(src, dst, len as u64);
         st.fill += len;
         st.lent = Some(left - len);
@@ -332,34 +361,20 @@ impl Drop for BounceSink {
     fn drop(&mut self) {
         let spare = lock(&self.spare).take();
         let lanes = std::mem::take(&mut *lock(&self.lanes));
-        let mut idle: Vec<Ring> = spare.into_iter().collect();
-        let mut busy: Vec<(Ring, Vec<CopyEvent>)> = Vec::new();
+        let mut idle: Vec<Arc<Ring>> = spare.into_iter().collect();
         for (_, lane) in lanes {
             let mut st = lock(&lane);
             let Some(ring) = st.ring.take() else { continue };
-            let pending: Vec<CopyEvent> = st.pending.drain(..).map(|(_, ev)| ev).collect();
-            if pending.is_empty() {
+            // A read that failed mid-way leaves copies from the ring running: their events,
+            // dropped here, keep the ring (unregistered and freed only after them); it does
+            // not go back to the pool.
+            if st.pending.is_empty() {
                 idle.push(ring);
-            } else {
-                busy.push((ring, pending));
             }
+            st.pending.clear();
         }
         if let Ok(mut p) = self.pool.lock() {
             p.entry(self.device.ordinal()).or_default().extend(idle);
-        }
-        for (ring, pending) in busy {
-            // A read that failed mid-way: copies from the ring may still run. The ring goes
-            // (unregistered and freed) only after they have, on a thread that may block; if
-            // no thread can be started, it is leaked rather than freed under a copy.
-            let ring = std::mem::ManuallyDrop::new(ring);
-            let _ = std::thread::Builder::new()
-                .name("kvferry-bounce-drain".into())
-                .spawn(move || {
-                    for ev in pending {
-                        let _ = ev.wait_blocking();
-                    }
-                    drop(std::mem::ManuallyDrop::into_inner(ring));
-                });
         }
     }
 }

@@ -3,12 +3,12 @@
 
 use std::any::Any;
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
-use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, CopyOp, Device, HostRegistration};
+use kvferry_gpu::{
+    CopyBatch, CopyDirection, CopyList, CopyOp, Device, HostMemory, HostRegistration, HostSpan,
+};
 
 use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
@@ -20,7 +20,8 @@ use crate::peer::RemoteError;
 /// many signatures that use it.
 pub type BoxFut<T> = BoxFuture<'static, T>;
 
-/// Kept alive until a read has fully landed (pins, slot guards, mappings).
+/// What a provider's read keeps alive until it has fully landed (pins, slot guards, memory
+/// registrations). Device copies keep theirs in their batch's guard ([`ViewGuard`] here).
 pub type Keep = Box<dyn Any + Send>;
 
 /// One pinned block on an owner: where its bytes are in the owner's address space.
@@ -340,17 +341,23 @@ impl PeerLink for MappedLink {
             Ok::<_, NodeError>(out)
         })()
         .map_err(|e| self.remote_err(e));
-        let view = Arc::clone(&self.view);
+        let guard = ViewGuard {
+            view: Arc::clone(&self.view),
+            _keep: Mutex::new(keep),
+        };
         Box::pin(async move {
             let list = prepared?;
             let t = std::time::Instant::now();
-            // SAFETY: sources lie in the owner's mapping kept alive by `view` (moved into the
-            // guard below until the event resolves); destinations are device memory held by
-            // the transfer's rank handle.
-            let ev = unsafe { device.submit(CopyDirection::HostToDevice, list) }?;
+            let len = guard.view.len;
+            let host = HostSpan::new(Arc::new(guard), 0, len)
+                .map_err(|e| NodeError::span("direct read", e))?;
+            let batch = CopyBatch::from_list(CopyDirection::HostToDevice, list, &host)
+                .map_err(|e| NodeError::span("direct read", e))?;
+            drop(host);
+            let ev = batch.submit(device.as_ref(), None)?;
             let post = t.elapsed().as_secs_f64();
             let t = std::time::Instant::now();
-            let bytes = Drained::new(ev, vec![Box::new(view), keep]).await?;
+            let bytes = ev.await?.bytes;
             Ok(ReadStats {
                 bytes,
                 register,
@@ -361,52 +368,19 @@ impl PeerLink for MappedLink {
     }
 }
 
-/// Awaits a copy event; if dropped first, a thread waits for the event before releasing
-/// what the copy uses.
-pub struct Drained {
-    ev: Option<CopyEvent>,
-    keep: Vec<Keep>,
+/// An owner's mapped pool as the host side of device copies, with what the caller keeps
+/// until they have landed (the rank handle of the destinations).
+struct ViewGuard {
+    view: Arc<MappedView>,
+    _keep: Mutex<Keep>,
 }
 
-impl Drained {
-    pub fn new(ev: CopyEvent, keep: Vec<Keep>) -> Self {
-        Self { ev: Some(ev), keep }
-    }
-}
-
-impl Future for Drained {
-    type Output = Result<u64, NodeError>;
-
-    fn poll(
-        mut self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Self::Output> {
-        let Some(ev) = self.ev.as_mut() else {
-            return std::task::Poll::Ready(Err(NodeError::Stopped {
-                what: "copy already awaited",
-            }));
-        };
-        match Pin::new(ev).poll(cx) {
-            std::task::Poll::Pending => std::task::Poll::Pending,
-            std::task::Poll::Ready(r) => {
-                self.ev = None;
-                self.keep.clear();
-                std::task::Poll::Ready(r.map(|s| s.bytes).map_err(NodeError::from))
-            }
-        }
-    }
-}
-
-impl Drop for Drained {
-    fn drop(&mut self) {
-        if let Some(ev) = self.ev.take() {
-            let keep = std::mem::ManuallyDrop::new(std::mem::take(&mut self.keep));
-            let _ = std::thread::Builder::new()
-                .name("kvferry-drain".into())
-                .spawn(move || {
-                    let _ = ev.wait_blocking();
-                    drop(std::mem::ManuallyDrop::into_inner(keep));
-                });
-        }
+// SAFETY: `[local_base, local_base + len)` is the owner's pool as mapped in this process,
+// kept mapped by `view.holder` while the guard lives, and a pool is only reached through raw
+// pointers. A shm view is mapped read-only: only host-to-device batches are built over it
+// (here), which never write their host side.
+unsafe impl HostMemory for ViewGuard {
+    fn span(&self) -> (u64, u64) {
+        (self.view.local_base, self.view.len)
     }
 }

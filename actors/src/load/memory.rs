@@ -1,0 +1,69 @@
+//! The host memory a transfer's copies touch, as the guard its batches hold: pool memory
+//! together with whatever keeps its slots pinned and the destination KV registered, so a
+//! batch dropped while it runs (an actor stopped mid-load) keeps all of it until the copies
+//! have resolved, on the gpu crate's drain thread.
+
+use std::sync::Arc;
+
+use kvferry_gpu::{HostMemory, HostSpan, SpanError};
+
+use crate::tier::pool::PoolMemory;
+
+/// Pool memory `[addr, addr + len)` and `K`, what keeps it mapped and its slots pinned (a
+/// lease share, a staging or fetch guard, the rank handle of the destinations).
+pub struct PoolGuard<K> {
+    addr: u64,
+    len: u64,
+    _memory: Option<Arc<PoolMemory>>,
+    _keep: K,
+}
+
+impl<K: Send + Sync + 'static> PoolGuard<K> {
+    /// The whole pool mapping, kept mapped by this guard itself.
+    pub fn whole(memory: Arc<PoolMemory>, keep: K) -> Self {
+        Self {
+            addr: memory.addr(),
+            len: memory.len() as u64,
+            _memory: Some(memory),
+            _keep: keep,
+        }
+    }
+
+    /// The pool slots at `slots`, `slot_len` bytes each, kept mapped by `keep` (a pin or
+    /// staging guard owns the pool memory but does not hand it out): the span runs from the
+    /// lowest slot to the end of the highest, empty where there is none.
+    ///
+    /// # Safety
+    /// Every slot must lie in pool memory that `keep` keeps mapped for as long as it lives,
+    /// and whose bytes are only reached through raw pointers (the pool's rule).
+    pub unsafe fn slots(slots: impl IntoIterator<Item = u64>, slot_len: u64, keep: K) -> Self {
+        let (mut lo, mut hi) = (u64::MAX, 0);
+        for s in slots {
+            lo = lo.min(s);
+            hi = hi.max(s.saturating_add(slot_len));
+        }
+        let (addr, len) = if hi > lo { (lo, hi - lo) } else { (0, 0) };
+        Self {
+            addr,
+            len,
+            _memory: None,
+            _keep: keep,
+        }
+    }
+
+    /// One span over all of it: the host side every batch of the transfer is checked against.
+    pub fn into_span(self) -> Result<HostSpan, SpanError> {
+        let len = self.len;
+        HostSpan::new(Arc::new(self), 0, len)
+    }
+}
+
+// SAFETY: the range is fixed at construction and lies in pool memory: the whole mapping,
+// kept by `_memory`, or slots that `_keep` keeps mapped (the contract of `slots`). The pool is
+// a `HostRegion`, which never hands out references to its bytes; who writes which slot when
+// is the pins' protocol, as the trait leaves it.
+unsafe impl<K: Send + Sync + 'static> HostMemory for PoolGuard<K> {
+    fn span(&self) -> (u64, u64) {
+        (self.addr, self.len)
+    }
+}
