@@ -25,6 +25,7 @@ pub mod node;
 pub mod peer;
 pub mod private_fs;
 pub mod service;
+pub(crate) mod statuses;
 pub mod tier;
 
 pub use api::*;

@@ -23,10 +23,7 @@ use crate::peer::batches::even_batches;
 use crate::peer::link::{BoxFut, Keep, ReadStats};
 use crate::tier::store::{BlockStore, ReserveFetch};
 
-/// Most blocks per pipeline step of a staged load: reads of later chunks overlap the device
-/// copy of earlier ones. A segment is cut into equal chunks, as many per lane of its link
-/// ([`even_batches`]).
-pub const STAGED_CHUNK: usize = 8;
+pub use crate::peer::batches::STAGED_CHUNK;
 
 /// Everything the suffix needs, owned (it runs as a future of the transfer).
 pub struct Suffix {

@@ -37,7 +37,7 @@ const DIRECT_READ_BYTES: u64 = crate::peer::bounce::SLOT_BYTES as u64;
 
 /// Most reads per batch of a direct load (a read is a block's rank part, or an equal share of
 /// a run of adjacent blocks): the staged path's chunk, for the same spread over QPs.
-const DIRECT_BATCH: usize = crate::load::remote::STAGED_CHUNK;
+const DIRECT_BATCH: usize = crate::peer::batches::STAGED_CHUNK;
 
 /// A link to one owner through the transport's RC queue contract on one local NIC: a tcp
 /// connection per lane, or (with a verbs connector) RC QPs on an RDMA NIC.

@@ -18,7 +18,7 @@ use crate::model::{BlockHash, ModelError, Namespace};
 use crate::peer::endpoint::{check_answer, endpoints_from_proto, Role, VerbsResponder};
 use crate::peer::pin_service::PinService;
 use crate::peer::Provider;
-use crate::service::statuses::AsPromised;
+use crate::statuses::{same_token, AsPromised};
 use kvferry_proto::v1::peer_server::{Peer, PeerServer};
 use kvferry_proto::v1::{
     HandshakeRequest, HandshakeResponse, HelloRequest, HelloResponse, NodeInfo, PinBlocksRequest,
@@ -217,17 +217,6 @@ static BAD_TOKENS: crate::log_limit::LogLimit =
 struct PeerService {
     backend: PeerBackend,
     token: String,
-}
-
-/// Compares without stopping at the first differing byte, so response time does not tell
-/// how much of a guessed token was right.
-pub(crate) fn same_token(expected: &[u8], got: &[u8]) -> bool {
-    expected.len() == got.len()
-        && expected
-            .iter()
-            .zip(got)
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
 }
 
 /// `model/dtype/fingerprint`, as `Namespace` displays itself.

@@ -1,9 +1,8 @@
 //! The node's servers: the engine service ([`engine`]: gRPC, fd socket, mailboxes) and the
-//! statuses both it and the Peer server answer with. The Peer server is `crate::peer::server`;
+//! statuses it answers with are `crate::statuses`, shared with the Peer server. The Peer server is `crate::peer::server`;
 //! the engine's client is the `kvferry-client` crate.
 
 pub mod engine;
-pub(crate) mod statuses;
 
 pub use kvferry_proto::limits::*;
 pub use kvferry_proto::shm::{board, mailbox};

@@ -22,7 +22,7 @@ use crate::node::Node;
 use crate::service::engine::completions::CompletionBook;
 use crate::service::engine::fd_socket::{self, FdSocket};
 use crate::service::engine::memory_handles::MemoryHandles;
-use crate::service::statuses::AsPromised;
+use crate::statuses::AsPromised;
 use kvferry_proto::v1::engine_server::EngineServer;
 
 // Where the fd socket and the mailboxes name them.

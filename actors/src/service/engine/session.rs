@@ -12,7 +12,7 @@ use crate::model::InstanceId;
 use crate::service::engine::mailbox::{self as mailbox_thread, MailboxThread};
 use crate::service::engine::request::{self as check, status};
 use crate::service::engine::service::{EngineService, EventStream};
-use crate::service::statuses;
+use crate::statuses;
 use kvferry_proto::shm::mailbox::Mailbox;
 use kvferry_proto::v1::*;
 

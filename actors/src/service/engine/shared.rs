@@ -10,10 +10,10 @@ use tonic::Status;
 
 use crate::model::InstanceId;
 use crate::node::Node;
-use crate::peer::server::same_token;
 use crate::service::engine::completions::{CompletionBook, RankKey};
 use crate::service::engine::memory_handles::MemoryHandles;
 use crate::service::engine::server::EngineOptions;
+use crate::statuses::same_token;
 use kvferry_proto::shm::board::Board;
 
 /// What the gRPC service and the fd socket share.

@@ -1,5 +1,6 @@
-//! The statuses both services promise for requests their handlers never see: tonic's codec
-//! answers OUT_OF_RANGE for a message over the size limit and INTERNAL for a body that does
+//! What the engine and Peer services share: the token check ([`same_token`]) and the
+//! statuses both promise for requests their handlers never see: tonic's codec answers
+//! OUT_OF_RANGE for a message over the size limit and INTERNAL for a body that does
 //! not decode, where the protos (and gRPC for the first) say RESOURCE_EXHAUSTED and
 //! INVALID_ARGUMENT. [`AsPromised`] rewrites those two in the headers of a trailers-only
 //! response (how tonic answers a refused unary request). No handler of either service answers
@@ -65,6 +66,17 @@ where
             Ok(resp)
         })
     }
+}
+
+/// Compares without stopping at the first differing byte, so response time does not tell
+/// how much of a guessed token was right.
+pub(crate) fn same_token(expected: &[u8], got: &[u8]) -> bool {
+    expected.len() == got.len()
+        && expected
+            .iter()
+            .zip(got)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
 }
 
 #[cfg(test)]
