@@ -16,17 +16,16 @@
 
 use std::ops::Range;
 
-/// Cuts `0..n` into consecutive, non-empty ranges of at most `max` items, as many as a
-/// multiple of `lanes` where `n` allows it (else one item each), their sizes differing by at
-/// most one, the larger first. Posted in order to `lanes` queues that each take the next
-/// range while they hold the fewest items, every queue gets the same number of items, to
-/// within one.
-
 /// Most blocks per pipeline step of a staged load: reads of later chunks overlap the device
 /// copy of earlier ones. A segment is cut into equal chunks, as many per lane of its link
 /// ([`even_batches`]); a direct load's batches are as large, for the same spread over QPs.
 pub const STAGED_CHUNK: usize = 8;
 
+/// Cuts `0..n` into consecutive, non-empty ranges of at most `max` items, as many as a
+/// multiple of `lanes` where `n` allows it (else one item each), their sizes differing by at
+/// most one, the larger first. Posted in order to `lanes` queues that each take the next
+/// range while they hold the fewest items, every queue gets the same number of items, to
+/// within one.
 pub fn even_batches(n: usize, lanes: usize, max: usize) -> Vec<Range<usize>> {
     if n == 0 {
         return Vec::new();
