@@ -3,6 +3,7 @@
 //! drives them ([`store::BlockStore`]).
 
 pub mod cache;
+pub mod policy;
 pub mod pool;
 pub(crate) mod slot_lru;
 pub mod ssd;

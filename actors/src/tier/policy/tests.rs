@@ -1,0 +1,530 @@
+//! The policy on a fake disk: an [`SsdIndex`] (the real one) with a byte map for a file and
+//! a backlog counter, whose writes and reads finish when the test says so, as it says.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+use kvferry_gpu::KvShape;
+
+use super::*;
+use crate::tier::ssd::format::Damage;
+use crate::tier::ssd::index::{Entry as SsdEntry, Loc, NoSlot, SsdIndex};
+use crate::tier::ssd::io::{ReadInto, ReadOutcome};
+use crate::tier::ssd::tier::{PendingRead, WriteSkip};
+use crate::tier::ssd::SsdMetrics;
+
+const BLOCK: u64 = 4096;
+const TTL: Duration = Duration::from_secs(30);
+
+struct FakeDisk {
+    index: SsdIndex,
+    write_through: bool,
+    /// Bytes queued writes may hold at once (`ssd.write-backlog`).
+    backlog_limit: u64,
+    backlog: u64,
+    /// What each write copied out of RAM, by disk slot.
+    file: HashMap<Loc, Vec<u8>>,
+    charged: HashMap<Loc, u64>,
+    metrics: SsdMetrics,
+}
+
+impl FakeDisk {
+    fn new(slots: u64) -> Self {
+        Self {
+            index: SsdIndex::new(&[slots]),
+            write_through: false,
+            backlog_limit: u64::MAX,
+            backlog: 0,
+            file: HashMap::new(),
+            charged: HashMap::new(),
+            metrics: SsdMetrics::default(),
+        }
+    }
+
+    fn writing_through(mut self) -> Self {
+        self.write_through = true;
+        self
+    }
+
+    fn with_backlog(mut self, bytes: u64) -> Self {
+        self.backlog_limit = bytes;
+        self
+    }
+
+    fn bytes_of(&self, key: &BlockKey) -> Option<&Vec<u8>> {
+        self.file.get(&self.index.get(key)?.loc)
+    }
+}
+
+impl Disk for FakeDisk {
+    type WriteWait = ();
+    type ReadWait = ();
+
+    fn contains(&self, key: &BlockKey) -> bool {
+        self.index.contains(key)
+    }
+
+    fn is_writing(&self, key: &BlockKey) -> bool {
+        self.index.get(key).is_some_and(SsdEntry::is_writing)
+    }
+
+    fn write_through(&self) -> bool {
+        self.write_through
+    }
+
+    fn write(
+        &mut self,
+        key: &BlockKey,
+        tp: u32,
+        len: u64,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<(PendingWrite, (), Option<BlockKey>), WriteSkip> {
+        if self.index.contains(key) {
+            return Err(WriteSkip::Present);
+        }
+        if self.backlog + len > self.backlog_limit {
+            return Err(WriteSkip::Backlog);
+        }
+        let plan = match self.index.begin_write(key, tp, len) {
+            Ok(p) => p,
+            Err(NoSlot::Present) => return Err(WriteSkip::Present),
+            Err(NoSlot::AllBusy) => return Err(WriteSkip::Busy),
+        };
+        let mut data = vec![0; len as usize];
+        fill(&mut data);
+        self.file.insert(plan.loc, data);
+        self.charged.insert(plan.loc, len);
+        self.backlog += len;
+        let w = PendingWrite {
+            key: key.clone(),
+            loc: plan.loc,
+        };
+        Ok((w, (), plan.evicted))
+    }
+
+    fn skipped_for_backlog(&self, _: &BlockKey) {
+        self.metrics.writes_skipped_backlog.fetch_add(1, Relaxed);
+    }
+
+    fn write_done(&mut self, w: &PendingWrite, out: Result<(), SsdError>) -> Result<(), SsdError> {
+        self.backlog -= self.charged.remove(&w.loc).unwrap_or(0);
+        let full = out.as_ref().err().is_some_and(SsdError::is_disk_full);
+        self.index.end_write(&w.key, w.loc, out.is_ok(), full);
+        out
+    }
+
+    fn hold(&mut self, key: &BlockKey) -> Option<SsdEntry> {
+        self.index.begin_read(key)
+    }
+
+    fn release(&mut self, key: &BlockKey, e: &SsdEntry) {
+        self.index.end_read(key, e.loc, true);
+    }
+
+    fn read_held(
+        &mut self,
+        key: &BlockKey,
+        e: SsdEntry,
+        into: ReadInto,
+    ) -> Option<(PendingRead, ())> {
+        if e.len > into.cap {
+            self.index.end_read(key, e.loc, true);
+            return None;
+        }
+        let r = PendingRead {
+            key: key.clone(),
+            loc: e.loc,
+            len: e.len,
+        };
+        Some((r, ()))
+    }
+
+    fn read_done(&mut self, r: &PendingRead, out: Option<&ReadOutcome>) -> (bool, bool) {
+        match out {
+            Some(ReadOutcome::Ok) => {
+                self.index.end_read(&r.key, r.loc, true);
+                (true, false)
+            }
+            Some(_) => (false, self.index.end_read(&r.key, r.loc, false)),
+            None => {
+                self.index.end_read(&r.key, r.loc, true);
+                (false, false)
+            }
+        }
+    }
+
+    fn metrics(&self) -> &SsdMetrics {
+        &self.metrics
+    }
+}
+
+fn ns() -> Namespace {
+    Namespace::new("m", "bf16", "t").unwrap()
+}
+
+fn h(i: u64) -> BlockHash {
+    BlockHash::from_u64(i)
+}
+
+fn key(i: u64) -> BlockKey {
+    BlockKey {
+        namespace: ns(),
+        hash: h(i),
+    }
+}
+
+fn shape() -> KvShape {
+    KvShape::new(1, 1, 1, BLOCK).unwrap()
+}
+
+/// RAM of `slots` blocks over `disk`.
+fn tiers(slots: u64, disk: Option<FakeDisk>) -> Tiers<FakeDisk> {
+    Tiers::new(
+        HostPool::new(slots * BLOCK, BLOCK, false).unwrap(),
+        disk,
+        TTL,
+    )
+}
+
+fn bytes(i: u64) -> Vec<u8> {
+    vec![i as u8; BLOCK as usize]
+}
+
+/// Puts blocks `ids`, each filled with its id; returns the keys to wait for.
+fn put(t: &mut Tiers<FakeDisk>, ids: &[u64]) -> Vec<BlockKey> {
+    let blocks: Vec<_> = ids.iter().map(|&i| (h(i), bytes(i))).collect();
+    t.put(&ns(), &shape(), 0, &blocks).unwrap().1
+}
+
+fn writes(fx: &[Effect<()>]) -> Vec<BlockKey> {
+    fx.iter()
+        .filter_map(|e| match e {
+            Effect::Watch { write, .. } => Some(write.key.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn withdrawn(fx: &[Effect<()>]) -> Vec<BlockHash> {
+    fx.iter()
+        .flat_map(|e| match e {
+            Effect::Withdraw { hashes, .. } => hashes.clone(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+fn durable(fx: &[Effect<()>]) -> Vec<(BlockKey, Result<(), String>)> {
+    fx.iter()
+        .filter_map(|e| match e {
+            Effect::Durable { key, out } => Some((
+                key.clone(),
+                out.as_ref().map_err(|e| e.to_string()).copied(),
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+fn pending(fx: Vec<Effect<()>>) -> Vec<PendingWrite> {
+    fx.into_iter()
+        .filter_map(|e| match e {
+            Effect::Watch { write, .. } => Some(write),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn sealed_blocks_are_admitted_to_ram_and_published_without_a_disk_write() {
+    let mut t = tiers(4, Some(FakeDisk::new(8)));
+    let keys = put(&mut t, &[1, 2]);
+    assert!(keys.is_empty(), "write-behind: nobody waits for the disk");
+    let fx = t.take_effects();
+    assert!(matches!(&fx[..], [Effect::Publish { hashes, .. }] if *hashes == vec![h(1), h(2)]));
+    assert!(t.cache().contains(&ns(), h(1)));
+    assert!(
+        !t.ssd().unwrap().contains(&key(1)),
+        "nothing evicted, nothing written"
+    );
+}
+
+#[test]
+fn a_put_of_the_wrong_size_changes_nothing() {
+    let mut t = tiers(4, None);
+    let err = t.put(&ns(), &shape(), 0, &[(h(1), bytes(1)), (h(2), vec![0; 10])]);
+    assert!(err.is_err());
+    assert!(
+        !t.cache().contains(&ns(), h(1)),
+        "validated before anything is written"
+    );
+    assert!(t.take_effects().is_empty());
+}
+
+#[test]
+fn ram_only_an_evicted_block_is_withdrawn() {
+    let mut t = tiers(2, None);
+    put(&mut t, &[1, 2, 3]);
+    let fx = t.take_effects();
+    assert_eq!(withdrawn(&fx), vec![h(1)], "the oldest block left the node");
+    assert!(writes(&fx).is_empty());
+}
+
+#[test]
+fn an_evicted_block_is_written_to_ssd_with_its_bytes_and_stays_advertised() {
+    let mut t = tiers(2, Some(FakeDisk::new(8)));
+    put(&mut t, &[1, 2, 3]);
+    let fx = t.take_effects();
+    assert_eq!(writes(&fx), vec![key(1)]);
+    assert!(withdrawn(&fx).is_empty(), "on disk: still served");
+    let disk = t.ssd().unwrap();
+    assert_eq!(
+        disk.bytes_of(&key(1)),
+        Some(&bytes(1)),
+        "copied out before reuse"
+    );
+    assert!(disk.is_writing(&key(1)));
+    for w in pending(fx) {
+        t.handle_write_done(w, Ok(()));
+    }
+    assert!(t
+        .take_effects()
+        .iter()
+        .all(|e| !matches!(e, Effect::Withdraw { .. })));
+    assert!(!t.ssd().unwrap().is_writing(&key(1)));
+    assert!(t.ssd().unwrap().contains(&key(1)));
+}
+
+#[test]
+fn a_failed_write_behind_withdraws_the_block() {
+    let mut t = tiers(2, Some(FakeDisk::new(8)));
+    put(&mut t, &[1, 2, 3]);
+    let w = pending(t.take_effects()).pop().unwrap();
+    t.handle_write_done(w, Err(disk_full()));
+    let fx = t.take_effects();
+    assert_eq!(withdrawn(&fx), vec![h(1)], "in no tier any more");
+    assert!(!t.ssd().unwrap().contains(&key(1)));
+}
+
+fn disk_full() -> SsdError {
+    SsdError::DiskFull {
+        path: "/fake".into(),
+        offset: 0,
+        bytes: BLOCK,
+    }
+}
+
+#[test]
+fn a_read_back_hit_promotes_an_ssd_block_into_ram_pinned() {
+    let mut t = tiers(2, Some(FakeDisk::new(8)));
+    put(&mut t, &[1, 2, 3]);
+    for w in pending(t.take_effects()) {
+        t.handle_write_done(w, Ok(()));
+    }
+    t.take_effects();
+    // Block 1 on SSD only, 2 and 3 in RAM: a peer's lookup of 1, 2.
+    let (pin, waits) = t.begin_pin_local(&ns(), &[h(1), h(2)]);
+    assert_eq!(waits.len(), 1, "one read: block 1");
+    // Block 2 is pinned, so room for 1 came from 3, which went to disk.
+    assert_eq!(writes(&t.take_effects()), vec![key(3)]);
+    let (blocks, from_ssd) = t.finish_pin_local(pin, vec![Some(ReadOutcome::Ok)]);
+    assert_eq!(
+        blocks.iter().map(|b| b.hash).collect::<Vec<_>>(),
+        vec![h(1), h(2)]
+    );
+    assert_eq!(from_ssd, 1);
+    assert!(t.cache().contains(&ns(), h(1)));
+    assert_eq!(t.cache().stats().pinned_blocks, 2);
+}
+
+#[test]
+fn a_damaged_read_ends_the_prefix_and_leaves_the_tier() {
+    let mut t = tiers(3, Some(FakeDisk::new(8)));
+    put(&mut t, &[1, 2, 3, 4]);
+    for w in pending(t.take_effects()) {
+        t.handle_write_done(w, Ok(()));
+    }
+    t.take_effects();
+    let (pin, waits) = t.begin_pin_local(&ns(), &[h(1), h(2)]);
+    assert_eq!(waits.len(), 1);
+    t.take_effects();
+    let damaged = Some(ReadOutcome::Damaged(Damage::Checksum));
+    let (blocks, from_ssd) = t.finish_pin_local(pin, vec![damaged]);
+    assert!(
+        blocks.is_empty(),
+        "the prefix ends at block 1: block 2 is unpinned again"
+    );
+    assert_eq!(from_ssd, 0);
+    assert_eq!(t.cache().stats().pinned_blocks, 0);
+    assert_eq!(withdrawn(&t.take_effects()), vec![h(1)]);
+    assert!(!t.ssd().unwrap().contains(&key(1)));
+    assert!(!t.cache().contains(&ns(), h(1)), "its RAM slot is freed");
+}
+
+#[test]
+fn a_lease_pins_ram_blocks_and_holds_ssd_blocks_in_prefix_order() {
+    let mut t = tiers(2, Some(FakeDisk::new(8)));
+    put(&mut t, &[1, 2, 3]);
+    for w in pending(t.take_effects()) {
+        t.handle_write_done(w, Ok(()));
+    }
+    let pin = t.pin_prefix(&ns(), &[h(1), h(2), h(9), h(3)]);
+    assert_eq!(pin.ssd, vec![SsdBlock { hash: h(1), at: 0 }]);
+    assert_eq!(
+        pin.blocks.iter().map(|b| b.hash).collect::<Vec<_>>(),
+        vec![h(2)]
+    );
+    assert_eq!(t.ssd_held(), 1, "the prefix ends at 9, which no tier holds");
+    let disk = t.ssd().unwrap();
+    assert_eq!(disk.metrics().hits_ssd.load(Relaxed), 1);
+    assert_eq!(disk.metrics().hits_ram.load(Relaxed), 1);
+    let hashes: Vec<_> = pin.blocks.iter().map(|b| b.hash).collect();
+    t.unpin(&ns(), &hashes, &pin.holds);
+    assert_eq!(t.ssd_held(), 0);
+    assert_eq!(t.cache().stats().pinned_blocks, 0);
+}
+
+#[test]
+fn pinned_blocks_are_not_evicted() {
+    let mut t = tiers(2, None);
+    put(&mut t, &[1, 2]);
+    let pin = t.pin_prefix(&ns(), &[h(1)]);
+    t.take_effects();
+    put(&mut t, &[3]);
+    assert_eq!(
+        withdrawn(&t.take_effects()),
+        vec![h(2)],
+        "1 is pinned: 2 goes"
+    );
+    assert!(t.cache().contains(&ns(), h(1)));
+    t.unpin(&ns(), &[h(1)], &pin.holds);
+    put(&mut t, &[4, 5]);
+    let gone = withdrawn(&t.take_effects());
+    assert!(gone.contains(&h(1)), "unpinned: evictable again ({gone:?})");
+}
+
+#[test]
+fn a_peer_pin_holds_blocks_until_its_ttl() {
+    let mut t = tiers(2, None);
+    let now = Instant::now();
+    put(&mut t, &[1, 2]);
+    let (pin, waits) = t.begin_pin_local(&ns(), &[h(1)]);
+    assert!(waits.is_empty(), "in RAM: nothing to read");
+    let (blocks, _) = t.finish_pin_local(pin, Vec::new());
+    let id = t.pin_for_peer(ns(), &blocks, now);
+    assert_eq!(t.peer_pin_count(), 1);
+    assert_eq!(t.sweep_peer_pins(now + TTL / 2), 0);
+    assert_eq!(t.cache().stats().pinned_blocks, 1);
+    assert_eq!(t.sweep_peer_pins(now + TTL + Duration::from_secs(1)), 1);
+    assert_eq!(
+        t.cache().stats().pinned_blocks,
+        0,
+        "expired pins release their blocks"
+    );
+    t.unpin_peer(id);
+    assert_eq!(
+        t.cache().stats().pinned_blocks,
+        0,
+        "an expired id is ignored"
+    );
+}
+
+#[test]
+fn write_through_is_durable_once_the_write_is_done() {
+    let mut t = tiers(4, Some(FakeDisk::new(8).writing_through()));
+    let keys = put(&mut t, &[1]);
+    assert_eq!(keys, vec![key(1)]);
+    let fx = t.take_effects();
+    assert_eq!(writes(&fx), vec![key(1)]);
+    assert!(durable(&fx).is_empty(), "not on disk yet");
+    t.handle_write_done(pending(fx).pop().unwrap(), Ok(()));
+    assert_eq!(durable(&t.take_effects()), vec![(key(1), Ok(()))]);
+    assert_eq!(t.cache().stats().pinned_blocks, 0, "unpinned once queued");
+}
+
+#[test]
+fn a_write_that_fails_with_enospc_is_not_durable() {
+    let mut t = tiers(4, Some(FakeDisk::new(8).writing_through()));
+    put(&mut t, &[1]);
+    let w = pending(t.take_effects()).pop().unwrap();
+    t.handle_write_done(w, Err(disk_full()));
+    let fx = t.take_effects();
+    let d = durable(&fx);
+    assert_eq!(d.len(), 1);
+    assert_eq!(d[0].0, key(1));
+    assert!(d[0].1.is_err(), "the caller hears it is not on disk");
+    assert!(withdrawn(&fx).is_empty(), "still in RAM: still served");
+    assert!(!t.ssd().unwrap().contains(&key(1)));
+}
+
+#[test]
+fn write_through_blocks_wait_in_order_for_room_in_the_backlog() {
+    let disk = FakeDisk::new(8).writing_through().with_backlog(BLOCK);
+    let mut t = tiers(4, Some(disk));
+    let keys = put(&mut t, &[1, 2, 3]);
+    assert_eq!(keys, vec![key(1), key(2), key(3)]);
+    let fx = t.take_effects();
+    assert_eq!(writes(&fx), vec![key(1)], "one block's copy fits");
+    assert_eq!(
+        t.cache().stats().pinned_blocks,
+        2,
+        "the waiting ones stay in RAM"
+    );
+    let mut w = pending(fx).pop().unwrap();
+    for next in [2, 3] {
+        t.handle_write_done(w, Ok(()));
+        let fx = t.take_effects();
+        assert_eq!(writes(&fx), vec![key(next)], "room for the next, in order");
+        w = pending(fx).pop().unwrap();
+    }
+    t.handle_write_done(w, Ok(()));
+    assert_eq!(durable(&t.take_effects()), vec![(key(3), Ok(()))]);
+    assert_eq!(t.cache().stats().pinned_blocks, 0);
+}
+
+#[test]
+fn a_full_backlog_drops_an_evicted_block_and_counts_it() {
+    let mut t = tiers(2, Some(FakeDisk::new(8).with_backlog(BLOCK)));
+    put(&mut t, &[1, 2, 3, 4]);
+    let fx = t.take_effects();
+    assert_eq!(writes(&fx), vec![key(1)]);
+    assert_eq!(
+        withdrawn(&fx),
+        vec![h(2)],
+        "no room to write it: it left the node"
+    );
+    let disk = t.ssd().unwrap();
+    assert_eq!(disk.metrics().writes_skipped_backlog.load(Relaxed), 1);
+    assert!(!disk.contains(&key(2)));
+}
+
+#[test]
+fn a_disk_eviction_withdraws_the_block_it_replaced() {
+    let mut t = tiers(1, Some(FakeDisk::new(1)));
+    put(&mut t, &[1, 2]);
+    for w in pending(t.take_effects()) {
+        t.handle_write_done(w, Ok(()));
+    }
+    t.take_effects();
+    put(&mut t, &[3]);
+    let fx = t.take_effects();
+    assert_eq!(writes(&fx), vec![key(2)]);
+    assert_eq!(withdrawn(&fx), vec![h(1)], "its disk slot went to block 2");
+}
+
+#[test]
+fn staging_slots_are_counted_until_freed() {
+    let mut t = tiers(2, None);
+    put(&mut t, &[1]);
+    let slots = t.reserve_staging(4).unwrap();
+    assert_eq!(
+        slots.len(),
+        2,
+        "fewer slots: a shorter pipeline, block 1 evicted"
+    );
+    assert_eq!(t.staging(), 2);
+    assert_eq!(withdrawn(&t.take_effects()), vec![h(1)]);
+    t.free_staging(slots.iter().map(|s| s.slot).collect());
+    assert_eq!(t.staging(), 0);
+}
