@@ -10,6 +10,7 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+#[cfg(test)]
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -20,121 +21,10 @@ use slab::Slab;
 use tokio::sync::oneshot;
 
 use crate::model::BlockKey;
+pub use crate::tier::ssd::aligned::AlignedBuf;
+pub use crate::tier::ssd::backlog::{Backlog, Charge};
 use crate::tier::ssd::error::{is_no_space, SsdError};
 use crate::tier::ssd::format::{round_up, BlockHeader, Damage, ALIGN, HEADER};
-
-/// A zeroed, `ALIGN`-aligned heap buffer (what `O_DIRECT` reads and writes need).
-pub struct AlignedBuf {
-    ptr: std::ptr::NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: the buffer is plain owned heap memory with no thread affinity; `&AlignedBuf` only
-// gives shared reads.
-unsafe impl Send for AlignedBuf {}
-// SAFETY: as above: shared access is read-only.
-unsafe impl Sync for AlignedBuf {}
-
-impl AlignedBuf {
-    pub fn new(len: usize) -> Self {
-        let len = len.max(ALIGN as usize);
-        let Ok(layout) = std::alloc::Layout::from_size_align(len, ALIGN as usize) else {
-            std::alloc::handle_alloc_error(std::alloc::Layout::new::<u8>())
-        };
-        // SAFETY: `layout` has a nonzero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let Some(ptr) = std::ptr::NonNull::new(ptr) else {
-            std::alloc::handle_alloc_error(layout)
-        };
-        Self { ptr, len }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr` is a live allocation of `len` initialized (zeroed) bytes.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as above, and `&mut self` makes this the only access.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-
-    fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.ptr.as_ptr()
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        if let Ok(layout) = std::alloc::Layout::from_size_align(self.len, ALIGN as usize) {
-            // SAFETY: allocated in `new` with this very layout.
-            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
-        }
-    }
-}
-
-/// Bytes of block copies queued for a tier's disks (every queued write holds one): charged
-/// when a write is queued, given back by the I/O thread as soon as it is done with the copy
-/// (written or failed), before the write's answer goes out.
-#[derive(Debug, Default)]
-pub struct Backlog {
-    bytes: AtomicU64,
-    peak: AtomicU64,
-}
-
-impl Backlog {
-    /// Bytes held by queued writes now.
-    pub fn bytes(&self) -> u64 {
-        self.bytes.load(Relaxed)
-    }
-
-    /// The most [`Self::bytes`] ever was.
-    pub fn peak(&self) -> u64 {
-        self.peak.load(Relaxed)
-    }
-
-    /// Charges `bytes` if the backlog stays within `limit`; None (nothing charged) if not.
-    pub fn try_charge(self: &Arc<Self>, bytes: u64, limit: u64) -> Option<Charge> {
-        let mut now = self.bytes.load(Relaxed);
-        loop {
-            let next = now.checked_add(bytes).filter(|n| *n <= limit)?;
-            match self
-                .bytes
-                .compare_exchange_weak(now, next, Relaxed, Relaxed)
-            {
-                Ok(_) => {
-                    self.peak.fetch_max(next, Relaxed);
-                    return Some(Charge {
-                        backlog: Arc::clone(self),
-                        bytes,
-                    });
-                }
-                Err(seen) => now = seen,
-            }
-        }
-    }
-}
-
-/// One queued write's share of the [`Backlog`], given back when dropped.
-#[derive(Debug)]
-pub struct Charge {
-    backlog: Arc<Backlog>,
-    bytes: u64,
-}
-
-impl Drop for Charge {
-    fn drop(&mut self) {
-        self.backlog.bytes.fetch_sub(self.bytes, Relaxed);
-    }
-}
 
 /// How a directory's file is read and written, as found when it was opened.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -512,13 +402,9 @@ impl DirIo {
                 buf,
                 reply,
                 charge,
-            } => {
-                let len = buf.len() as u64;
-                std::mem::forget(buf);
-                // Leaked, not queued: the backlog bounds what waits for the disk.
-                drop(charge);
-                let _ = reply.send(Err(self.io_err("write", offset, len, errno)));
-            }
+            } => end_write(buf, charge, Buffer::Leak, reply, |len| {
+                Err(self.io_err("write", offset, len, errno))
+            }),
             Op::Read {
                 offset, len, reply, ..
             } => {
@@ -687,23 +573,20 @@ impl DirIo {
                         pending.push_front(op);
                     }
                 }
-                let bytes = buf.len() as u64;
-                // The copy is freed before the answer: whoever reads it sees the room.
-                drop(buf);
-                drop(charge);
-                let out = if errno == 0 {
-                    Ok(())
-                } else if short {
-                    // A short write is how a disk that just filled up answers.
-                    Err(SsdError::DiskFull {
-                        path: self.path.clone(),
-                        offset,
-                        bytes,
-                    })
-                } else {
-                    Err(self.io_err("write", offset, bytes, errno))
-                };
-                let _ = reply.send(out);
+                end_write(buf, charge, Buffer::Free, reply, |bytes| {
+                    if errno == 0 {
+                        Ok(())
+                    } else if short {
+                        // A short write is how a disk that just filled up answers.
+                        Err(SsdError::DiskFull {
+                            path: self.path.clone(),
+                            offset,
+                            bytes,
+                        })
+                    } else {
+                        Err(self.io_err("write", offset, bytes, errno))
+                    }
+                });
             }
             Op::Raw { offset, buf, reply } => {
                 let out = if errno == 0 {
@@ -738,6 +621,33 @@ impl DirIo {
             }
         }
     }
+}
+
+/// What becomes of a finished write's buffer.
+#[derive(Clone, Copy)]
+enum Buffer {
+    Free,
+    /// A dead ring may still hold it: leaked, never freed under the kernel.
+    Leak,
+}
+
+/// Ends a block write, done or failed: its copy and its backlog charge go first, so whoever
+/// reads the answer sees the room (a leaked copy is not queued any more either: the backlog
+/// bounds what waits for the disk), then the answer `out` makes from the copy's size.
+fn end_write(
+    buf: AlignedBuf,
+    charge: Option<Charge>,
+    buffer: Buffer,
+    reply: oneshot::Sender<Result<(), SsdError>>,
+    out: impl FnOnce(u64) -> Result<(), SsdError>,
+) {
+    let bytes = buf.len() as u64;
+    match buffer {
+        Buffer::Free => drop(buf),
+        Buffer::Leak => std::mem::forget(buf),
+    }
+    drop(charge);
+    let _ = reply.send(out(bytes));
 }
 
 /// Checks a finished read against its header; copies bounced bytes into place if good.
@@ -854,152 +764,4 @@ pub fn raw_read(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_filesystem_refusing_o_direct_gets_buffered_io_and_a_reason() {
-        let path = std::env::temp_dir().join(format!("kvferry-odirect-{}", std::process::id()));
-        let open = |flags: i32| {
-            if flags & libc::O_DIRECT != 0 {
-                return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
-            }
-            OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .open(&path)
-        };
-        let (_, mode) = open_with(&path, true, open).unwrap();
-        let why = mode.unwrap_err();
-        assert!(why.contains("refuses O_DIRECT"), "{why}");
-        // Other errors are not papered over.
-        let denied = |_: i32| Err(std::io::Error::from_raw_os_error(libc::EACCES));
-        assert!(matches!(
-            open_with(&path, true, denied),
-            Err(SsdError::Open { .. })
-        ));
-        let _ = std::fs::remove_file(&path);
-    }
-
-    /// A file header write (its used mark tells a restart how far to scan) runs alone: the
-    /// block writes queued before it are done when it starts, those after it wait for it,
-    /// so no block past the mark is on disk before the mark.
-    #[test]
-    fn a_file_header_write_is_a_fence() {
-        let path = std::env::temp_dir().join(format!("kvferry-fence-{}", std::process::id()));
-        let (file, direct) = open_file(&path, true).unwrap();
-        file.set_len(1 << 20).unwrap();
-        let (mut io, uring) = DirIo::new(path.clone(), file, direct.is_ok(), 8);
-        assert!(uring.is_ok(), "{uring:?}");
-        let company = Arc::new(AtomicU64::new(0));
-        io.fence_company = Some(Arc::clone(&company));
-        let (tx, rx) = mpsc::channel();
-        let t = std::thread::spawn(move || io.run(rx));
-        let write = |offset: u64| {
-            let (reply, done) = oneshot::channel();
-            tx.send(Op::Write {
-                offset,
-                buf: AlignedBuf::new(8192),
-                reply,
-                charge: None,
-            })
-            .unwrap();
-            done
-        };
-        let mut done: Vec<_> = (1..=6).map(|i| write(i * 16384)).collect();
-        done.push(write(0));
-        done.extend((7..=12).map(|i| write(i * 16384)));
-        for d in done {
-            d.blocking_recv().unwrap().unwrap();
-        }
-        assert_eq!(
-            company.load(Relaxed),
-            1,
-            "the header write ran beside others"
-        );
-        drop(tx);
-        t.join().unwrap();
-        let _ = std::fs::remove_file(&path);
-    }
-
-    /// A block read queued behind a write of its slot sees the written bytes, on every
-    /// round, on io_uring.
-    #[test]
-    fn block_reads_wait_behind_a_write_of_their_slot() {
-        reads_after_writes(true);
-    }
-
-    /// The same without io_uring: the pread/pwrite fallback (what a kernel or seccomp
-    /// profile without io_uring gets).
-    #[test]
-    fn the_pread_pwrite_fallback_reads_and_writes_the_same() {
-        reads_after_writes(false);
-    }
-
-    fn reads_after_writes(uring: bool) {
-        use crate::model::{BlockHash, Namespace};
-        let path =
-            std::env::temp_dir().join(format!("kvferry-order-{uring}-{}", std::process::id()));
-        let (file, direct) = open_file(&path, true).unwrap();
-        file.set_len(1 << 20).unwrap();
-        let (mut io, _) = DirIo::new(path.clone(), file, direct.is_ok(), 8);
-        if !uring {
-            io.ring = None;
-        }
-        let (tx, rx) = mpsc::channel();
-        let t = std::thread::spawn(move || io.run(rx));
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        let key = BlockKey {
-            namespace: Namespace::new("m", "d", "f").unwrap(),
-            hash: BlockHash::from_u64(1),
-        };
-        let dest = Arc::new(AlignedBuf::new(8192));
-        for round in 0..50u8 {
-            let mut buf = AlignedBuf::new(2 * 4096);
-            let data = vec![round; 4096];
-            let (head, body) = buf.as_mut_slice().split_at_mut(4096);
-            body.copy_from_slice(&data);
-            BlockHeader::new(key.clone(), 1, &data, round as u64).encode(head);
-            let (wr, wrx) = oneshot::channel();
-            tx.send(Op::Write {
-                offset: 8192,
-                buf,
-                reply: wr,
-                charge: None,
-            })
-            .unwrap();
-            let (rr, rrx) = oneshot::channel();
-            let into = ReadInto {
-                addr: dest.as_slice().as_ptr() as u64,
-                cap: 8192,
-                keep: Arc::clone(&dest) as Arc<dyn Send + Sync>,
-            };
-            tx.send(Op::Read {
-                offset: 8192,
-                key: key.clone(),
-                len: 4096,
-                into,
-                reply: rr,
-            })
-            .unwrap();
-            rt.block_on(async {
-                wrx.await.unwrap().unwrap();
-                assert!(
-                    matches!(rrx.await.unwrap(), ReadOutcome::Ok),
-                    "round {round}"
-                );
-            });
-            assert!(dest.as_slice()[..4096].iter().all(|b| *b == round));
-        }
-        let (br, brx) = oneshot::channel();
-        tx.send(Op::Barrier { reply: br }).unwrap();
-        rt.block_on(brx).unwrap();
-        drop(tx);
-        t.join().unwrap();
-        let _ = std::fs::remove_file(&path);
-    }
-}
+mod tests;

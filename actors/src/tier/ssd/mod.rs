@@ -6,6 +6,9 @@
 //! not). Every block on disk carries its key and an xxh3 checksum ([`format`](mod@format)): a torn or
 //! corrupt block is a miss, never wrong bytes. [`SsdConfig`] is the `[ssd]` config section.
 
+mod aligned;
+mod backlog;
+mod block_file;
 pub mod config;
 pub mod error;
 pub mod format;
