@@ -1,6 +1,7 @@
 //! Where blocks live on this node: the host pool ([`pool::HostPool`]), the RAM block cache
-//! over it ([`cache`], `slot_lru`), the SSD tier below ([`ssd`]) and the store actor that
-//! drives them ([`store::BlockStore`]).
+//! over it ([`cache`], `slot_lru`), the SSD tier below ([`ssd`]), the policy that decides
+//! what moves between them ([`policy::Tiers`]: plain state that returns effects) and the
+//! store actor that drives it ([`store::BlockStore`]).
 
 pub mod cache;
 pub mod policy;

@@ -3,8 +3,8 @@
 //! send back to it, the directory calls, the futures that wait on the disks and on save
 //! transfers, and the answers of callers waiting for their blocks to be durable.
 //!
-//! Its messages, by concept: pins for leases and peers ([`pins`]), puts and saves
-//! ([`save`]), staged remote fetches ([`fetch`]), SSD reads of loads ([`ssd_read`]); the
+//! Its messages, by concept: pins for leases and peers (`store/pins.rs`), puts and saves
+//! (`save.rs`), staged remote fetches (`fetch.rs`), SSD reads of loads (`ssd_read.rs`); the
 //! queries are here.
 
 use std::collections::HashMap;

@@ -528,3 +528,48 @@ fn staging_slots_are_counted_until_freed() {
     t.free_staging(slots.iter().map(|s| s.slot).collect());
     assert_eq!(t.staging(), 0);
 }
+
+/// Block 1 written through and evicted from RAM, then saved again: it is on disk already.
+/// Returns the save's keys, what it did, and block 1's first write if still in flight.
+fn save_again(
+    done_first: bool,
+) -> (
+    Tiers<FakeDisk>,
+    Vec<BlockKey>,
+    Vec<Effect<()>>,
+    Option<PendingWrite>,
+) {
+    let mut t = tiers(1, Some(FakeDisk::new(8).writing_through()));
+    put(&mut t, &[1]);
+    let mut first = pending(t.take_effects()).pop();
+    if done_first {
+        t.handle_write_done(first.take().unwrap(), Ok(()));
+    }
+    put(&mut t, &[2]);
+    t.take_effects();
+    assert!(!t.cache().contains(&ns(), h(1)), "evicted, on disk");
+    let (slots, present) = t.reserve_save(&ns(), 1, 0, BLOCK, &[h(1)]).unwrap();
+    assert_eq!((slots.len(), present), (1, 0));
+    let (sealed, keys) = t.commit(&ns(), 0, &[h(1)]);
+    assert_eq!(sealed, 1);
+    let fx = t.take_effects();
+    (t, keys, fx, first)
+}
+
+#[test]
+fn write_through_of_a_block_on_disk_is_answered_at_once() {
+    let (_, keys, fx, _) = save_again(true);
+    assert_eq!(keys, vec![key(1)]);
+    assert!(writes(&fx).is_empty(), "not written twice");
+    assert_eq!(durable(&fx), vec![(key(1), Ok(()))]);
+}
+
+#[test]
+fn write_through_of_a_block_being_written_waits_for_that_write() {
+    let (mut t, keys, fx, first) = save_again(false);
+    assert_eq!(keys, vec![key(1)]);
+    assert!(writes(&fx).is_empty(), "not written twice");
+    assert!(durable(&fx).is_empty(), "not on disk yet");
+    t.handle_write_done(first.unwrap(), Ok(()));
+    assert_eq!(durable(&t.take_effects()), vec![(key(1), Ok(()))]);
+}
