@@ -29,23 +29,11 @@ impl<K: Send + Sync + 'static> PoolGuard<K> {
         }
     }
 
-    /// The pool slots at `slots`, `slot_len` bytes each, kept mapped by `keep` (a pin or
-    /// staging guard owns the pool memory but does not hand it out): the span runs from the
-    /// lowest slot to the end of the highest, empty where there is none.
-    ///
-    /// # Safety
-    /// Every slot must lie in pool memory that `keep` keeps mapped for as long as it lives,
-    /// and whose bytes are only reached through raw pointers (the pool's rule).
-    pub unsafe fn slots(slots: impl IntoIterator<Item = u64>, slot_len: u64, keep: K) -> Self {
-        let (mut lo, mut hi) = (u64::MAX, 0);
-        for s in slots {
-            lo = lo.min(s);
-            hi = hi.max(s.saturating_add(slot_len));
-        }
-        let (addr, len) = if hi > lo { (lo, hi - lo) } else { (0, 0) };
+    /// No pool memory (a load without a local prefix): an empty span.
+    pub fn none(keep: K) -> Self {
         Self {
-            addr,
-            len,
+            addr: 0,
+            len: 0,
             _memory: None,
             _keep: keep,
         }
@@ -58,8 +46,8 @@ impl<K: Send + Sync + 'static> PoolGuard<K> {
     }
 }
 
-// SAFETY: the range is fixed at construction and lies in pool memory: the whole mapping,
-// kept by `_memory`, or slots that `_keep` keeps mapped (the contract of `slots`). The pool is
+// SAFETY: the range is fixed at construction and is the whole pool mapping, kept mapped by
+// `_memory`, or empty. The pool is
 // a `HostRegion`, which never hands out references to its bytes; who writes which slot when
 // is the pins' protocol, as the trait leaves it.
 unsafe impl<K: Send + Sync + 'static> HostMemory for PoolGuard<K> {

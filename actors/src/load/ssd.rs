@@ -121,16 +121,12 @@ impl SsdLoad {
         // Two chunks at least, so one reads while the other copies.
         let chunk = self.part.chunk.min(addrs.len() / 2).max(1);
         let sc = Scatter::new(&self.handle.shape, &self.handle.layout, self.handle.rank);
-        let block_bytes = self.handle.shape.block_bytes();
-        // SAFETY: the staging guard lends these pool slots to this load and keeps the pool
-        // memory mapped; the copies' guard takes it (and the rank handle) with it.
-        let guard = unsafe {
-            PoolGuard::slots(
-                addrs.iter().copied(),
-                block_bytes,
-                (Arc::clone(&staging), Arc::clone(&self.handle)),
-            )
-        };
+        // The staging guard lends these pool slots to this load; the copies' guard takes it
+        // (and the rank handle) with it.
+        let guard = PoolGuard::whole(
+            Arc::clone(staging.memory()),
+            (Arc::clone(&staging), Arc::clone(&self.handle)),
+        );
         let host = guard.into_span().map_err(|e| NodeError::span("ssd", e))?;
         let mut p = Pipe {
             free: addrs.into(),

@@ -304,11 +304,12 @@ impl Transfer {
             })
         });
         let device = Arc::clone(&handle.device);
-        let slots: Vec<u64> = share.local.iter().map(|s| s.addr).collect();
-        let block_bytes = handle.shape.block_bytes();
-        // SAFETY: the local prefix's slots are pool slots pinned by the share's pin guard,
-        // which also keeps the pool memory mapped; the guard takes the share with it.
-        let guard = unsafe { PoolGuard::slots(slots, block_bytes, (share, handle)) };
+        // The local prefix's slots are pinned by the share's pin guard; the copies' guard
+        // takes the share (and so the pins) with it.
+        let guard = match share.pins.as_ref().map(|p| Arc::clone(p.memory())) {
+            Some(memory) => PoolGuard::whole(memory, (share, handle)),
+            None => PoolGuard::none((share, handle)),
+        };
         let (host, local_error) = match guard.into_span() {
             Ok(h) => (Some(h), None),
             Err(e) => (None, Some(NodeError::span(plan.path.as_str(), e))),

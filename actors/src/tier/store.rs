@@ -37,7 +37,7 @@ pub(crate) use fetch::ReserveFetch;
 pub use pins::{PeerPinCount, PinForPeer, PinGuard, PinPrefix, PinnedPrefix, SweepPeerPins};
 pub use pins::{Unpin, UnpinForPeer};
 pub use save::{Put, Save};
-pub(crate) use ssd_read::{ReadSsd, ReserveStaging, StagingGuard};
+pub(crate) use ssd_read::{ReadSsd, ReserveStaging};
 
 pub struct BlockStore {
     tiers: Tiers<SsdTier>,

@@ -22,7 +22,14 @@ pub struct PinGuard {
     namespace: Namespace,
     hashes: Vec<BlockHash>,
     ssd: Vec<(BlockKey, SsdEntry)>,
-    _memory: Arc<PoolMemory>,
+    memory: Arc<PoolMemory>,
+}
+
+impl PinGuard {
+    /// The pool memory the pinned blocks lie in, mapped while this guard lives.
+    pub(crate) fn memory(&self) -> &Arc<PoolMemory> {
+        &self.memory
+    }
 }
 
 impl Drop for PinGuard {
@@ -93,7 +100,7 @@ impl Handler<PinPrefix> for BlockStore {
                 namespace: m.namespace,
                 hashes: blocks.iter().map(|b| b.hash).collect(),
                 ssd: holds,
-                _memory: Arc::clone(self.tiers.pool().memory()),
+                memory: Arc::clone(self.tiers.pool().memory()),
             })
         });
         actix::MessageResult(PinnedPrefix {

@@ -19,7 +19,14 @@ pub(crate) struct StagingGuard {
     store: Addr<BlockStore>,
     slots: Vec<usize>,
     /// The slots' memory stays mapped while anything may still read or write them.
-    _memory: Arc<PoolMemory>,
+    memory: Arc<PoolMemory>,
+}
+
+impl StagingGuard {
+    /// The pool memory the lent slots lie in, mapped while this guard lives.
+    pub(crate) fn memory(&self) -> &Arc<PoolMemory> {
+        &self.memory
+    }
 }
 
 impl Drop for StagingGuard {
@@ -55,7 +62,7 @@ impl Handler<ReserveStaging> for BlockStore {
             Arc::new(StagingGuard {
                 store: ctx.address(),
                 slots: slots.iter().map(|s| s.slot).collect(),
-                _memory: Arc::clone(self.tiers.pool().memory()),
+                memory: Arc::clone(self.tiers.pool().memory()),
             }),
         )))
     }
