@@ -10,7 +10,7 @@
 //! wait in a backlog while the send queue is full, and are posted as completions free it.
 //!
 //! Completions are polled by one thread per NIC and pushed, one per request, into the QP's
-//! [`CompletionSink`]. The same thread reads the device's asynchronous events: a CQ overrun
+//! [`CompletionSink`](crate::CompletionSink). The same thread reads the device's asynchronous events: a CQ overrun
 //! fails every request on that CQ as a transport error (their QPs are unusable; the worker
 //! rebuilds them) and gives new QPs a fresh CQ, so the NIC recovers without a restart.
 //! `abort` moves the QP to error, so every outstanding read completes flushed (the shared

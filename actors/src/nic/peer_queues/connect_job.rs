@@ -7,7 +7,7 @@ use kvferry_transport::{CompletionSink, Connector, Qp, QpError, QpKey};
 
 /// One QP to bring from reset to ready-to-send: the connection and the handshake block on
 /// the network, so the driver runs [`ConnectJob::run`] off its thread and feeds the outcome
-/// back with [`PeerQueues::handle_connected`].
+/// back with [`PeerQueues::handle_connected`](super::PeerQueues::handle_connected).
 pub struct ConnectJob {
     pub(super) qp: Qp,
     pub(super) connector: Arc<dyn Connector>,
