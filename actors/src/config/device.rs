@@ -31,7 +31,7 @@ pub struct DeviceConfig {
 pub(super) const MAX_COMPLETION_SPIN_US: u32 = 1_000_000;
 
 impl DeviceConfig {
-    /// The GPU options this section names (after [`NodeConfig::validate`]).
+    /// The GPU options this section names (after [`crate::config::NodeConfig::validate`]).
     pub fn cuda_options(&self) -> kvferry_gpu::cuda::CudaOptions {
         let path = kvferry_gpu::cuda::CopyPath::from_name(&self.copy_path).unwrap_or_default();
         let mut o = kvferry_gpu::cuda::CudaOptions::with_copy_path(path)

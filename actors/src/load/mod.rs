@@ -1,7 +1,7 @@
 //! A load, from plan to end: [`plan`] (pure: local copies, SSD reads, remote reads per
 //! owner, staging), [`transfer::Transfer`] (one actor per load or save, owning what its
 //! copies touch, replying once), the remote suffix's reads ([`remote`]) and the SSD
-//! prefix's reads ([`ssd`]); [`memory`] is the guard their copy batches hold.
+//! prefix's reads ([`ssd`]); `memory` is the guard their copy batches hold.
 
 mod memory;
 pub mod plan;

@@ -21,7 +21,7 @@ use crate::peer::RemoteError;
 pub type BoxFut<T> = BoxFuture<'static, T>;
 
 /// What a provider's read keeps alive until it has fully landed (pins, slot guards, memory
-/// registrations). Device copies keep theirs in their batch's guard ([`ViewGuard`] here).
+/// registrations). Device copies keep theirs in their batch's guard (`ViewGuard` here).
 pub type Keep = Box<dyn Any + Send>;
 
 /// One pinned block on an owner: where its bytes are in the owner's address space.

@@ -1,9 +1,9 @@
-//! `kvferry.v1.Engine` over a [`Node`](crate::node::Node): what inference engines call.
-//! [`serve`] puts the [`EngineService`] behind the token check and the connection limits
+//! `kvferry.v1.Engine` over a [`crate::node::Node`]: what inference engines call.
+//! [`serve`] puts the `EngineService` behind the token check and the connection limits
 //! on a bound listener, starts the [`FdSocket`] and the handle sweep, and drains on
 //! shutdown. Every request is checked (token, then each field) before it reaches the node,
 //! so a refused request changes nothing; the handlers are grouped by what they serve
-//! (`info`, `registration`, `load`, `save`, `session`) over the [`Shared`] state.
+//! (`info`, `registration`, `load`, `save`, `session`) over the `Shared` state.
 
 use std::collections::HashMap;
 use std::future::Future;
