@@ -21,7 +21,7 @@ use crate::fence::{monotonic_ns, Fence};
 use crate::lease::registry::InstanceRegistry;
 use crate::lease::table::LeaseTable;
 use crate::load::share::prepare;
-pub use crate::load::share::{LeasePlan, RemoteSeg};
+use crate::load::share::{LeasePlan, RemoteSeg};
 use crate::load::transfer::{LoadJob, Transfer};
 use crate::metrics::{Counters, InFlight};
 use crate::model::BlockHash;

@@ -13,54 +13,10 @@ use tokio::sync::oneshot;
 use crate::api::RegisterInstance;
 use crate::error::NodeError;
 use crate::lease::keeper::LeaseKeeper;
+use crate::load::rank::RankKv;
 use crate::model::{InstanceId, Namespace};
-use crate::peer::plane_regs::PlaneRegs;
 
-/// Sends once when dropped: the drain signal of a rank handle.
-#[derive(Debug)]
-struct DrainSignal(Option<oneshot::Sender<()>>);
-
-impl Drop for DrainSignal {
-    fn drop(&mut self) {
-        if let Some(tx) = self.0.take() {
-            let _ = tx.send(());
-        }
-    }
-}
-
-/// Memory a registration keeps alive for as long as any transfer may touch it: a client's
-/// memfd mapped as device memory, an imported DMA-BUF.
-pub type Memory = Arc<dyn std::any::Any + Send + Sync>;
-
-/// One registered rank: what a transfer needs to address its device KV. Transfers hold an
-/// `Arc` of it for their whole life.
-pub struct RankHandle {
-    pub instance: InstanceId,
-    pub rank: u32,
-    pub namespace: Namespace,
-    pub shape: KvShape,
-    pub layout: KvLayout,
-    pub device: Arc<dyn Device>,
-    /// The planes' registrations with verbs NICs, made by the first direct load through
-    /// each. Declared before the memory: deregistered before it is let go.
-    pub plane_regs: PlaneRegs,
-    // Declared before the drain signal: fields drop in order, so the memory is released
-    // before an unregister waiting on the signal returns.
-    _memory: Vec<Memory>,
-    _drain: DrainSignal,
-}
-
-impl std::fmt::Debug for RankHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RankHandle")
-            .field("instance", &self.instance)
-            .field("rank", &self.rank)
-            .field("namespace", &self.namespace)
-            .field("memory_regions", &self._memory.len())
-            .field("plane_regs", &self.plane_regs)
-            .finish()
-    }
-}
+pub use crate::load::rank::{Memory, RankHandle};
 
 #[derive(Debug)]
 struct Instance {
@@ -174,17 +130,18 @@ impl InstanceRegistry {
         }
         let layout = KvLayout::new_on(req.layout, &req.shape, device.as_ref())?;
         let (tx, rx) = oneshot::channel();
-        let handle = Arc::new(RankHandle {
-            instance: req.instance.clone(),
-            rank: req.rank,
-            namespace: namespace.clone(),
-            shape: req.shape,
-            layout,
-            device,
-            plane_regs: PlaneRegs::default(),
-            _memory: memory,
-            _drain: DrainSignal(Some(tx)),
-        });
+        let handle = Arc::new(RankHandle::new(
+            RankKv {
+                instance: req.instance.clone(),
+                rank: req.rank,
+                namespace: namespace.clone(),
+                shape: req.shape,
+                layout,
+                device,
+            },
+            memory,
+            tx,
+        ));
         let inst = self
             .instances
             .entry(req.instance)

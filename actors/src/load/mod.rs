@@ -5,6 +5,7 @@
 
 mod memory;
 pub mod plan;
+pub mod rank;
 pub mod remote;
 pub mod share;
 pub mod ssd;

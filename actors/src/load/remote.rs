@@ -12,10 +12,10 @@ use kvferry_gpu::{CopyBatch, CopyDirection, CopyOp, OwnedCopyEvent, Scatter};
 
 use crate::api::{Stage, StageName};
 use crate::error::NodeError;
-use crate::lease::keeper::LeasePlan;
-use crate::lease::registry::RankHandle;
 use crate::load::memory::PoolGuard;
 use crate::load::plan::RemotePart;
+use crate::load::rank::RankHandle;
+use crate::load::share::LeasePlan;
 use crate::load::transfer::PartDone;
 use crate::model::BlockHash;
 use crate::nic::stripe::{ReadRoute, StripePlan};

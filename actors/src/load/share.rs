@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use crate::api::LoadRequest;
 use crate::error::NodeError;
-use crate::lease::registry::RankHandle;
 use crate::load::plan::{LoadPlan, PlanInput, MIN_LAYER_GROUP_BYTES};
+use crate::load::rank::RankHandle;
 use crate::model::Namespace;
 use crate::nic::stripe::{NicRouting, StripePlan};
 use crate::peer::{PeerLink, RemoteBlock, RemotePin};

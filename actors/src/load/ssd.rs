@@ -27,9 +27,9 @@ use kvferry_gpu::{
 
 use crate::api::{Span, Stage, StageName};
 use crate::error::NodeError;
-use crate::lease::registry::RankHandle;
 use crate::load::memory::PoolGuard;
 use crate::load::plan::SsdPart;
+use crate::load::rank::RankHandle;
 use crate::load::transfer::PartDone;
 use crate::model::{BlockHash, Namespace};
 use crate::peer::link::BoxFut;

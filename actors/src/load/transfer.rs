@@ -25,11 +25,11 @@ use tokio::sync::oneshot;
 
 use crate::api::{LoadObserver, Span, Stage, StageName, TransferPath, TransferReport};
 use crate::error::NodeError;
-use crate::lease::keeper::LeasePlan;
-use crate::lease::registry::RankHandle;
 use crate::load::memory::PoolGuard;
 use crate::load::plan::LoadPlan;
+use crate::load::rank::RankHandle;
 use crate::load::remote::Suffix;
+use crate::load::share::LeasePlan;
 use crate::load::ssd::SsdLoad;
 use crate::metrics::InFlight;
 use crate::nic::stripe::StripePlan;

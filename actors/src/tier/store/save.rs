@@ -12,7 +12,7 @@ use super::{durable, BlockStore, Durable};
 use crate::api::{Stage, StageName, StoreReport, TransferPath};
 use crate::error::NodeError;
 use crate::fence::{monotonic_ns, Fence};
-use crate::lease::registry::RankHandle;
+use crate::load::rank::RankHandle;
 use crate::load::transfer::{Transfer, TransferSpec};
 use crate::metrics::InFlight;
 use crate::model::{BlockHash, Namespace};

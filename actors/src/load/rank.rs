@@ -1,0 +1,84 @@
+//! The destination of a load: one registered rank's device KV ([`RankHandle`]), held by
+//! every transfer that reads or writes it until the transfer has drained.
+
+use std::sync::Arc;
+
+use kvferry_gpu::{Device, KvLayout, KvShape};
+use tokio::sync::oneshot;
+
+use crate::model::{InstanceId, Namespace};
+use crate::peer::plane_regs::PlaneRegs;
+
+/// Sends once when dropped: the drain signal of a rank handle.
+#[derive(Debug)]
+struct DrainSignal(Option<oneshot::Sender<()>>);
+
+impl Drop for DrainSignal {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// Memory a registration keeps alive for as long as any transfer may touch it: a client's
+/// memfd mapped as device memory, an imported DMA-BUF.
+pub type Memory = Arc<dyn std::any::Any + Send + Sync>;
+
+/// One registered rank: what a transfer needs to address its device KV. Transfers hold an
+/// `Arc` of it for their whole life.
+pub struct RankHandle {
+    pub instance: InstanceId,
+    pub rank: u32,
+    pub namespace: Namespace,
+    pub shape: KvShape,
+    pub layout: KvLayout,
+    pub device: Arc<dyn Device>,
+    /// The planes' registrations with verbs NICs, made by the first direct load through
+    /// each. Declared before the memory: deregistered before it is let go.
+    pub plane_regs: PlaneRegs,
+    // Declared before the drain signal: fields drop in order, so the memory is released
+    // before an unregister waiting on the signal returns.
+    _memory: Vec<Memory>,
+    _drain: DrainSignal,
+}
+
+impl std::fmt::Debug for RankHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankHandle")
+            .field("instance", &self.instance)
+            .field("rank", &self.rank)
+            .field("namespace", &self.namespace)
+            .field("memory_regions", &self._memory.len())
+            .field("plane_regs", &self.plane_regs)
+            .finish()
+    }
+}
+
+/// What a registration resolved a rank's KV to, for [`RankHandle::new`].
+pub struct RankKv {
+    pub instance: InstanceId,
+    pub rank: u32,
+    pub namespace: Namespace,
+    pub shape: KvShape,
+    pub layout: KvLayout,
+    pub device: Arc<dyn Device>,
+}
+
+impl RankHandle {
+    /// A handle over `kv` that keeps `memory` alive and sends on `drained` once the last
+    /// holder has let it go (after the memory was released).
+    pub fn new(kv: RankKv, memory: Vec<Memory>, drained: oneshot::Sender<()>) -> Self {
+        Self {
+            instance: kv.instance,
+            rank: kv.rank,
+            namespace: kv.namespace,
+            shape: kv.shape,
+            layout: kv.layout,
+            device: kv.device,
+            plane_regs: PlaneRegs::default(),
+            _memory: memory,
+            _drain: DrainSignal(Some(drained)),
+        }
+    }
+}
