@@ -498,13 +498,18 @@ impl Node {
     /// Everything an operator scrapes, in the Prometheus text format.
     pub async fn metrics_text(&self) -> Result<String, NodeError> {
         let stats = self.stats().await?;
+        let mut sampled: Vec<Box<dyn crate::metrics::Sampled>> = Vec::new();
+        if let Some(c) = &self.inner.cluster {
+            sampled.push(Box::new(c.directory().stats()));
+        }
+        if let Some(n) = &self.inner.nics {
+            sampled.push(Box::new(n.runtime.metrics().await));
+        }
+        if let Some(s) = self.ssd_stats().await? {
+            sampled.push(Box::new(s));
+        }
         let extra = crate::metrics::Extra {
             peer_pins: self.peer_pins().await?,
-            directory: self.inner.cluster.as_ref().map(|c| c.directory().stats()),
-            nic: match &self.inner.nics {
-                Some(n) => Some(n.runtime.metrics().await),
-                None => None,
-            },
             engine: self
                 .inner
                 .engine
@@ -512,7 +517,7 @@ impl Node {
                 .ok()
                 .and_then(|e| e.as_ref().and_then(std::sync::Weak::upgrade))
                 .map(|p| p.engine_gauges()),
-            ssd: self.ssd_stats().await?,
+            sampled,
         };
         Ok(crate::metrics::render(&stats, &self.inner.counters, extra))
     }

@@ -13,7 +13,7 @@
 //! shown in the scrape of every node that uses a networked directory.
 
 mod counters;
-mod names;
+pub mod names;
 mod registry;
 mod render;
 mod scrape;
@@ -22,7 +22,7 @@ pub use counters::{Counters, InFlight, FAILURE_LOG_PERIOD};
 pub use names::*;
 pub use registry::{directory_call, STAGE_BUCKETS};
 pub use render::render;
-pub use scrape::{EngineGauges, EngineProbe, Extra, NicMetrics};
+pub use scrape::{EngineGauges, EngineProbe, Extra, Sampled};
 
 #[cfg(test)]
 mod tests;

@@ -21,7 +21,7 @@ pub(super) fn render_with(
 ) -> String {
     c.registry.record(|| record_scrape(stats, extra));
     let mut text = c.registry.render();
-    if extra.directory.as_ref().is_some_and(|d| d.health.is_some()) {
+    if extra.sampled.iter().any(|s| s.with_process_latencies()) {
         text.push_str(&process.render());
     }
     text

@@ -1,5 +1,6 @@
-//! What a scrape samples from outside the counters (the actors, the NIC runtime, the
-//! directory, the engine service, the SSD tier), and how each area is recorded.
+//! What a scrape samples from outside the counters: the node's stats and the engine
+//! service's gauges recorded here, and the other areas' totals through [`Sampled`], which
+//! each area implements beside its own stats.
 
 use ::metrics::{counter, gauge};
 
@@ -7,16 +8,28 @@ use crate::api::Stats;
 use crate::metrics::names::*;
 
 /// Values that live outside the counters, gathered by the node for a scrape.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 pub struct Extra {
     pub peer_pins: usize,
-    pub directory: Option<crate::peer::directory::DirectoryStats>,
-    /// The node's `[[nic]]` runtime, when it has one.
-    pub nic: Option<NicMetrics>,
     /// The engine service, while one serves this node.
     pub engine: Option<EngineGauges>,
-    /// The SSD tier, when the node has one.
-    pub ssd: Option<crate::tier::ssd::SsdStats>,
+    /// The other areas' totals (the directory, the node's `[[nic]]` runtime, the SSD tier),
+    /// each recorded by the area's own code.
+    pub sampled: Vec<Box<dyn Sampled>>,
+}
+
+/// Totals an area keeps and a scrape samples, recorded by the area that knows them, so this
+/// module names no area's types (the areas import it, not the other way round).
+pub trait Sampled: Send + Sync + std::fmt::Debug {
+    /// Records these totals into the recorder in effect: counters with `absolute`, gauges
+    /// with `set`.
+    fn record(&self);
+
+    /// The scrape should also carry the process's call latencies of this area (a directory
+    /// across the network); none by default.
+    fn with_process_latencies(&self) -> bool {
+        false
+    }
 }
 
 /// What the engine service holds for its clients, as a scrape sees it.
@@ -41,15 +54,6 @@ pub trait EngineProbe: Send + Sync {
     fn engine_gauges(&self) -> EngineGauges;
 }
 
-/// What the NIC actors report for a scrape: memory registrations by NIC, kind and failure
-/// reason; each NIC worker's QPs by state and completion errors by status.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct NicMetrics {
-    pub registry: crate::nic::RegistryCounts,
-    /// (nic, its worker's gauges).
-    pub workers: Vec<(String, crate::nic::WorkerGaugeValues)>,
-}
-
 // Values sampled at scrape time are totals kept elsewhere: counters take them with
 // `absolute` (the exporter keeps the larger, so a total never goes back), gauges with `set`.
 // `as f64`: gauges are small counts, exact in an f64.
@@ -72,63 +76,6 @@ fn record_stats(stats: &Stats, peer_pins: usize) {
     counter!(EVICTIONS).absolute(stats.evictions);
 }
 
-fn record_directory(d: &crate::peer::directory::DirectoryStats) {
-    for (op, n) in [
-        ("publish", d.publishes),
-        ("withdraw", d.withdraws),
-        ("lookup", d.lookups),
-    ] {
-        counter!(DIRECTORY_OPERATIONS, "op" => op).absolute(n);
-    }
-    let Some(h) = &d.health else {
-        return;
-    };
-    let open = h.breaker != crate::peer::BreakerState::Closed;
-    gauge!(DIRECTORY_BREAKER_OPEN).set(if open { 1.0 } else { 0.0 });
-    counter!(DIRECTORY_BREAKER_TRIPS).absolute(h.trips);
-    counter!(DIRECTORY_LOOKUPS_SKIPPED).absolute(h.lookups_skipped);
-    counter!(DIRECTORY_REANNOUNCES).absolute(h.reannounces);
-    for (op, n) in [
-        ("lookup", h.lookup_failures),
-        ("write", h.write_failures),
-        ("probe", h.probe_failures),
-    ] {
-        counter!(DIRECTORY_FAILURES, "op" => op).absolute(n);
-    }
-    gauge!(DIRECTORY_PENDING).set(h.pending as f64);
-}
-
-/// The kinds of memory a NIC registers (`nic::mr_registry`'s `MrKind`).
-const MR_KINDS: [&str; 2] = ["host", "device"];
-
-fn record_nic(m: &NicMetrics) {
-    // Every NIC's registration series exist from its first scrape, at 0 until one is made,
-    // so that `rate()` and alerts see the first registration.
-    for (nic, _) in &m.registry.registered {
-        for kind in MR_KINDS {
-            counter!(MR_REGISTRATIONS, "nic" => nic.clone(), "kind" => kind).absolute(0);
-        }
-    }
-    for (nic, kind, n) in &m.registry.made {
-        counter!(MR_REGISTRATIONS, "nic" => nic.clone(), "kind" => *kind).absolute(*n);
-    }
-    for (nic, kind, reason, n) in &m.registry.failed {
-        counter!(MR_REGISTRATION_FAILURES, "nic" => nic.clone(), "kind" => *kind, "reason" => *reason)
-            .absolute(*n);
-    }
-    for (nic, n) in &m.registry.registered {
-        gauge!(MRS_REGISTERED, "nic" => nic.clone()).set(*n as f64);
-    }
-    for (nic, g) in &m.workers {
-        for (state, n) in g.states.labelled() {
-            gauge!(QPS, "nic" => nic.clone(), "state" => state).set(n as f64);
-        }
-        for (status, n) in g.completion_errors.labelled() {
-            counter!(COMPLETION_ERRORS, "nic" => nic.clone(), "status" => status).absolute(n);
-        }
-    }
-}
-
 fn record_engine(g: &EngineGauges) {
     for (name, v) in [
         (ENGINE_SESSIONS, g.sessions),
@@ -143,49 +90,13 @@ fn record_engine(g: &EngineGauges) {
     counter!(ENGINE_MAILBOX_REQUESTS).absolute(g.mailbox_requests);
 }
 
-fn record_ssd(s: &crate::tier::ssd::SsdStats) {
-    gauge!(SSD_BLOCKS).set(s.blocks as f64);
-    gauge!(SSD_CAPACITY_BLOCKS).set(s.capacity_blocks as f64);
-    gauge!(SSD_HELD_BLOCKS).set(s.held_blocks as f64);
-    gauge!(SSD_STAGING_SLOTS).set(s.staging_slots as f64);
-    gauge!(SSD_WRITE_BACKLOG_BYTES).set(s.write_backlog_bytes as f64);
-    gauge!(SSD_WRITE_BACKLOG_PEAK_BYTES).set(s.write_backlog_peak_bytes as f64);
-    gauge!(SSD_WRITE_BACKLOG_LIMIT_BYTES).set(s.write_backlog_limit_bytes as f64);
-    for (name, v) in [
-        (SSD_EVICTIONS, s.evictions),
-        (SSD_WRITES, s.writes),
-        (SSD_WRITE_BYTES, s.write_bytes),
-        (SSD_WRITE_ERRORS, s.write_errors),
-        (SSD_DISK_FULL, s.disk_full),
-        (SSD_READS, s.reads),
-        (SSD_READ_BYTES, s.read_bytes),
-        (SSD_READ_ERRORS, s.read_errors),
-        (SSD_PROMOTE_NO_ROOM, s.promote_no_room),
-    ] {
-        counter!(name).absolute(v);
-    }
-    for (damage, v) in ["header", "key", "checksum"].into_iter().zip(s.damaged) {
-        counter!(SSD_DAMAGED_BLOCKS, "damage" => damage).absolute(v);
-    }
-    counter!(SSD_WRITES_SKIPPED, "reason" => "busy").absolute(s.writes_skipped);
-    counter!(SSD_WRITES_SKIPPED, "reason" => "backlog").absolute(s.writes_skipped_backlog);
-    counter!(SSD_HIT_BLOCKS, "tier" => "ram").absolute(s.hits_ram);
-    counter!(SSD_HIT_BLOCKS, "tier" => "ssd").absolute(s.hits_ssd);
-}
-
 /// Records a scrape's sampled values into the recorder in effect.
 pub(super) fn record_scrape(stats: &Stats, extra: &Extra) {
     record_stats(stats, extra.peer_pins);
-    if let Some(d) = &extra.directory {
-        record_directory(d);
-    }
-    if let Some(m) = &extra.nic {
-        record_nic(m);
-    }
     if let Some(g) = &extra.engine {
         record_engine(g);
     }
-    if let Some(s) = &extra.ssd {
-        record_ssd(s);
+    for s in &extra.sampled {
+        s.record();
     }
 }

@@ -7,6 +7,7 @@ use super::scrape::record_scrape;
 use super::*;
 use crate::api::Stage;
 use crate::api::{Stats, TransferReport};
+use crate::nic::NicMetrics;
 use crate::peer::{BreakerState, DirectoryHealth, DirectoryStats};
 
 fn report() -> TransferReport {
@@ -171,14 +172,14 @@ fn renders_the_ssd_tier() {
         &Stats::default(),
         &Counters::default(),
         Extra {
-            ssd: Some(crate::tier::ssd::SsdStats {
+            sampled: vec![Box::new(crate::tier::ssd::SsdStats {
                 blocks: 5,
                 capacity_blocks: 64,
                 write_bytes: 4096,
                 damaged: [0, 0, 1],
                 hits_ssd: 3,
                 ..Default::default()
-            }),
+            })],
             ..Extra::default()
         },
     );
@@ -244,7 +245,7 @@ fn renders_nic_families_once_with_low_cardinality_labels() {
         &Stats::default(),
         &Counters::default(),
         Extra {
-            nic: Some(nic_metrics()),
+            sampled: vec![Box::new(nic_metrics())],
             ..Extra::default()
         },
     );
@@ -286,7 +287,7 @@ fn renders_the_directory_breaker_failures_and_latency() {
         record_directory_call("write", 0.0001);
     });
     let extra = Extra {
-        directory: Some(directory_stats()),
+        sampled: vec![Box::new(directory_stats())],
         ..Extra::default()
     };
     let text = render_with(&Stats::default(), &Counters::default(), &extra, &process);
@@ -308,7 +309,7 @@ fn renders_the_directory_breaker_failures_and_latency() {
     assert_declared_once(&text);
     // In-process directories have no breaker and no call latencies to show.
     let extra = Extra {
-        directory: Some(DirectoryStats::default()),
+        sampled: vec![Box::new(DirectoryStats::default())],
         ..Extra::default()
     };
     let text = render_with(&Stats::default(), &Counters::default(), &extra, &process);
@@ -342,19 +343,21 @@ fn exported_names_kinds_and_labels_through_the_debugging_recorder() {
             },
             &Extra {
                 peer_pins: 1,
-                directory: Some(directory_stats()),
-                nic: Some(nic_metrics()),
                 engine: Some(EngineGauges {
                     sessions: 1,
                     completions_dropped: 3,
                     ..Default::default()
                 }),
-                ssd: Some(crate::tier::ssd::SsdStats {
-                    blocks: 5,
-                    damaged: [0, 0, 1],
-                    hits_ssd: 3,
-                    ..Default::default()
-                }),
+                sampled: vec![
+                    Box::new(directory_stats()),
+                    Box::new(nic_metrics()),
+                    Box::new(crate::tier::ssd::SsdStats {
+                        blocks: 5,
+                        damaged: [0, 0, 1],
+                        hits_ssd: 3,
+                        ..Default::default()
+                    }),
+                ],
             },
         );
     });

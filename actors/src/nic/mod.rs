@@ -9,6 +9,7 @@
 
 pub mod config;
 pub mod gate;
+pub mod metrics;
 pub mod mr_registry;
 pub mod peer_queues;
 pub mod poller;
@@ -19,6 +20,7 @@ pub mod worker;
 
 pub use config::{parse_nics, NicSection, NicSectionError, VerbsSection};
 pub use gate::verbs_refusal;
+pub use metrics::NicMetrics;
 pub use mr_registry::{
     GetRegistryCounts, MrRegistry, RdmaSlot, RegionHandles, RegionId, RegionSpec, RegisterRegion,
     Registry, RegistryCounts, RegistryError, RegistryFailures, RegistryGaugeValues, RegistryGauges,

@@ -14,9 +14,9 @@ use kvferry_transport::{
 };
 use thiserror::Error;
 
-use crate::metrics::NicMetrics;
 use crate::nic::config::{validate_node_nics, NicSection, VerbsSection};
 use crate::nic::gate::verbs_refusal;
+use crate::nic::metrics::NicMetrics;
 use crate::nic::mr_registry::{
     GetRegistryCounts, MrRegistry, RdmaSlot, RegionHandles, RegionSpec, Registry, RegistryError,
 };

@@ -10,7 +10,12 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use crate::metrics::STAGE_BUCKETS;
+use ::metrics::{counter, gauge};
+
+use crate::metrics::{
+    DIRECTORY_BREAKER_OPEN, DIRECTORY_BREAKER_TRIPS, DIRECTORY_FAILURES, DIRECTORY_LOOKUPS_SKIPPED,
+    DIRECTORY_OPERATIONS, DIRECTORY_PENDING, DIRECTORY_REANNOUNCES, STAGE_BUCKETS,
+};
 use crate::model::{BlockHash, Namespace};
 use crate::peer::breaker::BreakerState;
 use crate::peer::link::BoxFut;
@@ -278,6 +283,39 @@ impl Directory for StaticDirectory {
             lookups: self.lookups.load(Ordering::Relaxed),
             ..Default::default()
         }
+    }
+}
+
+impl crate::metrics::Sampled for DirectoryStats {
+    fn record(&self) {
+        for (op, n) in [
+            ("publish", self.publishes),
+            ("withdraw", self.withdraws),
+            ("lookup", self.lookups),
+        ] {
+            counter!(DIRECTORY_OPERATIONS, "op" => op).absolute(n);
+        }
+        let Some(h) = &self.health else {
+            return;
+        };
+        let open = h.breaker != BreakerState::Closed;
+        gauge!(DIRECTORY_BREAKER_OPEN).set(if open { 1.0 } else { 0.0 });
+        counter!(DIRECTORY_BREAKER_TRIPS).absolute(h.trips);
+        counter!(DIRECTORY_LOOKUPS_SKIPPED).absolute(h.lookups_skipped);
+        counter!(DIRECTORY_REANNOUNCES).absolute(h.reannounces);
+        for (op, n) in [
+            ("lookup", h.lookup_failures),
+            ("write", h.write_failures),
+            ("probe", h.probe_failures),
+        ] {
+            counter!(DIRECTORY_FAILURES, "op" => op).absolute(n);
+        }
+        gauge!(DIRECTORY_PENDING).set(h.pending as f64);
+    }
+
+    /// Only a directory across the network reports health, and has call latencies.
+    fn with_process_latencies(&self) -> bool {
+        self.health.is_some()
     }
 }
 

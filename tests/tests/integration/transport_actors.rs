@@ -796,7 +796,7 @@ fn pool_registered_on_every_nic_split_and_failures_counted() {
 
         let m = rt.metrics().await;
         let text = metrics::render(&Default::default(), &Default::default(), metrics::Extra {
-            nic: Some(m),
+            sampled: vec![Box::new(m)],
             ..Default::default()
         });
         assert_eq!(
@@ -828,7 +828,7 @@ fn pool_registered_on_every_nic_split_and_failures_counted() {
         let g = rt.registry.send(RegistryGauges).await.unwrap();
         assert_eq!((g.failures.rdma, g.per_nic[0].registered), (1, 0), "{g:?}");
         let text = metrics::render(&Default::default(), &Default::default(), metrics::Extra {
-            nic: Some(rt.metrics().await),
+            sampled: vec![Box::new(rt.metrics().await)],
             ..Default::default()
         });
         assert_eq!(
@@ -953,7 +953,7 @@ fn nic_metrics_move_under_faults_and_qp_gauges_return_after_drain() {
                 &Default::default(),
                 &Default::default(),
                 metrics::Extra {
-                    nic: Some(m),
+                    sampled: vec![Box::new(m)],
                     ..Default::default()
                 },
             )

@@ -3,6 +3,9 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+use ::metrics::{counter, gauge};
+
+use crate::metrics::names::*;
 use crate::tier::ssd::format::Damage;
 
 /// Counters the tier and the store bump; read as an [`SsdStats`] snapshot.
@@ -107,6 +110,38 @@ impl SsdStats {
             m.damaged_checksum.load(Relaxed),
         ];
         self.promote_no_room = m.promote_no_room.load(Relaxed);
+    }
+}
+
+impl crate::metrics::Sampled for SsdStats {
+    fn record(&self) {
+        gauge!(SSD_BLOCKS).set(self.blocks as f64);
+        gauge!(SSD_CAPACITY_BLOCKS).set(self.capacity_blocks as f64);
+        gauge!(SSD_HELD_BLOCKS).set(self.held_blocks as f64);
+        gauge!(SSD_STAGING_SLOTS).set(self.staging_slots as f64);
+        gauge!(SSD_WRITE_BACKLOG_BYTES).set(self.write_backlog_bytes as f64);
+        gauge!(SSD_WRITE_BACKLOG_PEAK_BYTES).set(self.write_backlog_peak_bytes as f64);
+        gauge!(SSD_WRITE_BACKLOG_LIMIT_BYTES).set(self.write_backlog_limit_bytes as f64);
+        for (name, v) in [
+            (SSD_EVICTIONS, self.evictions),
+            (SSD_WRITES, self.writes),
+            (SSD_WRITE_BYTES, self.write_bytes),
+            (SSD_WRITE_ERRORS, self.write_errors),
+            (SSD_DISK_FULL, self.disk_full),
+            (SSD_READS, self.reads),
+            (SSD_READ_BYTES, self.read_bytes),
+            (SSD_READ_ERRORS, self.read_errors),
+            (SSD_PROMOTE_NO_ROOM, self.promote_no_room),
+        ] {
+            counter!(name).absolute(v);
+        }
+        for (damage, v) in ["header", "key", "checksum"].into_iter().zip(self.damaged) {
+            counter!(SSD_DAMAGED_BLOCKS, "damage" => damage).absolute(v);
+        }
+        counter!(SSD_WRITES_SKIPPED, "reason" => "busy").absolute(self.writes_skipped);
+        counter!(SSD_WRITES_SKIPPED, "reason" => "backlog").absolute(self.writes_skipped_backlog);
+        counter!(SSD_HIT_BLOCKS, "tier" => "ram").absolute(self.hits_ram);
+        counter!(SSD_HIT_BLOCKS, "tier" => "ssd").absolute(self.hits_ssd);
     }
 }
 
