@@ -185,14 +185,15 @@ pub struct MappedView {
 }
 
 impl MappedView {
-    fn translate(&self, addr: u64, len: u64) -> Result<u64, NodeError> {
+    /// Where `[addr, addr + len)` of the owner's pool lies in this mapping; a range outside it
+    /// is refused (the caller names the owner).
+    fn translate(&self, addr: u64, len: u64) -> Result<u64, RemoteError> {
         let off = addr.checked_sub(self.remote_base);
         match off {
             Some(o) if o.checked_add(len).is_some_and(|e| e <= self.len) => Ok(self.local_base + o),
-            _ => Err(NodeError::remote(
-                String::new(),
-                RemoteError::refused(format!("range {addr:#x}+{len} is outside the owner's pool")),
-            )),
+            _ => Err(RemoteError::refused(format!(
+                "range {addr:#x}+{len} is outside the owner's pool"
+            ))),
         }
     }
 }
@@ -279,7 +280,10 @@ impl PeerLink for MappedLink {
             .iter()
             .map(|op| {
                 Ok(CopyOp {
-                    src: self.view.translate(op.src, op.len)?,
+                    src: self
+                        .view
+                        .translate(op.src, op.len)
+                        .map_err(|e| NodeError::remote(self.node_id.clone(), e))?,
                     ..*op
                 })
             })
@@ -336,7 +340,11 @@ impl PeerLink for MappedLink {
             registered?;
             let mut out = CopyList::with_capacity(list.len());
             for op in list.ops() {
-                out.push(self.view.translate(op.src, op.len)?, op.dst, op.len);
+                let src = self
+                    .view
+                    .translate(op.src, op.len)
+                    .map_err(|e| NodeError::remote(self.node_id.clone(), e))?;
+                out.push(src, op.dst, op.len);
             }
             Ok::<_, NodeError>(out)
         })()
