@@ -212,16 +212,14 @@ impl EngineClient {
         fd: i32,
         length: u64,
     ) -> PyResult<u64> {
-        const M: &str = "send_memfd";
-        let (id, owned) = instance_and_fd(py, M, instance, fd)?;
-        let fut = self.inner.send_kv(
-            &id,
-            rank,
-            device,
-            owned.as_fd(),
+        self.send_kv_fd(
+            py,
+            "send_memfd",
+            instance,
+            (rank, device),
+            fd,
             KvFd::Memfd { len: length },
-        );
-        self.wait(py, M, fut)
+        )
     }
 
     /// Sends a DMA-BUF `fd` of GPU KV covering `[base, base + length)` as the node addresses
@@ -237,16 +235,14 @@ impl EngineClient {
         base: u64,
         length: u64,
     ) -> PyResult<u64> {
-        const M: &str = "send_dmabuf";
-        let (id, owned) = instance_and_fd(py, M, instance, fd)?;
-        let fut = self.inner.send_kv(
-            &id,
-            rank,
-            device,
-            owned.as_fd(),
+        self.send_kv_fd(
+            py,
+            "send_dmabuf",
+            instance,
+            (rank, device),
+            fd,
             KvFd::Dmabuf { base, len: length },
-        );
-        self.wait(py, M, fut)
+        )
     }
 
     /// Sends the POSIX fd of a VMM allocation of GPU KV (`cuMemExportToShareableHandle`),
@@ -261,12 +257,14 @@ impl EngineClient {
         fd: i32,
         length: u64,
     ) -> PyResult<u64> {
-        const M: &str = "send_vmm";
-        let (id, owned) = instance_and_fd(py, M, instance, fd)?;
-        let fut = self
-            .inner
-            .send_kv(&id, rank, device, owned.as_fd(), KvFd::Vmm { len: length });
-        self.wait(py, M, fut)
+        self.send_kv_fd(
+            py,
+            "send_vmm",
+            instance,
+            (rank, device),
+            fd,
+            KvFd::Vmm { len: length },
+        )
     }
 
     /// Creates a completion board of `slots` slots for `instance` rank `rank` and sends it
@@ -533,5 +531,23 @@ impl EngineClient {
     fn release(&self, py: Python<'_>, lease: &str) -> PyResult<()> {
         let lease = convert::lease(py, "release", lease)?;
         self.wait(py, "release", self.inner.release(lease))
+    }
+}
+
+impl EngineClient {
+    /// One `send_*` of a KV fd: the instance name and the fd checked, the fd duplicated for
+    /// the call (it stays the caller's), and the node's answer.
+    fn send_kv_fd(
+        &self,
+        py: Python<'_>,
+        method: &'static str,
+        instance: &str,
+        (rank, device): (u32, u32),
+        fd: i32,
+        kv: KvFd,
+    ) -> PyResult<u64> {
+        let (id, owned) = instance_and_fd(py, method, instance, fd)?;
+        let fut = self.inner.send_kv(&id, rank, device, owned.as_fd(), kv);
+        self.wait(py, method, fut)
     }
 }
