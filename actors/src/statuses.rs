@@ -1,6 +1,6 @@
-//! What the engine and Peer services share: the token check ([`same_token`]) and the
-//! statuses both promise for requests their handlers never see: tonic's codec answers
-//! OUT_OF_RANGE for a message over the size limit and INTERNAL for a body that does
+//! What the engine and Peer services share: the token check ([`same_token`]), how `Debug`
+//! shows a token ([`Redacted`]), and the statuses both promise for requests their handlers
+//! never see: tonic's codec answers OUT_OF_RANGE for a message over the size limit and INTERNAL for a body that does
 //! not decode, where the protos (and gRPC for the first) say RESOURCE_EXHAUSTED and
 //! INVALID_ARGUMENT. [`AsPromised`] rewrites those two in the headers of a trailers-only
 //! response (how tonic answers a refused unary request). No handler of either service answers
@@ -8,6 +8,7 @@
 //! text. A `Session` stream's messages are decoded inside its handler, which maps them with
 //! [`inbound`].
 
+use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 
@@ -79,9 +80,50 @@ pub(crate) fn same_token(expected: &[u8], got: &[u8]) -> bool {
             == 0
 }
 
+/// A token as `Debug` shows it: `""` where none is set (so "not checked" stays visible),
+/// else `<redacted>`.
+pub(crate) struct Redacted<'a>(pub(crate) &'a str);
+
+impl fmt::Debug for Redacted<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            f.write_str("\"\"")
+        } else {
+            f.write_str("<redacted>")
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_never_shows_a_token() {
+        assert_eq!(format!("{:?}", Redacted("s3cr3t")), "<redacted>");
+        assert_eq!(format!("{:?}", Redacted("")), "\"\"");
+        let peers = crate::peer::GrpcPeersConfig {
+            node_id: "a".into(),
+            provider: crate::peer::Provider::Tcp,
+            token: "s3cr3t".into(),
+            peers: vec![("b".into(), "127.0.0.1:1".into())],
+            shm_dir: "/tmp".into(),
+            data_listen: "127.0.0.1:0".into(),
+        };
+        for text in [format!("{peers:?}"), format!("{peers:#?}")] {
+            assert!(
+                !text.contains("s3cr3t") && text.contains("<redacted>"),
+                "{text}"
+            );
+            assert!(text.contains("127.0.0.1:1"), "{text}");
+        }
+        let req = crate::service::engine::fd_socket::parse("memfd eng 1 0 4096 s3cr3t").unwrap();
+        let text = format!("{req:?}");
+        assert!(
+            !text.contains("s3cr3t") && text.contains("<redacted>"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn codec_refusals_are_mapped_and_handler_statuses_kept() {

@@ -4,19 +4,7 @@
 
 use std::fmt;
 
-/// A token as `Debug` shows it: `""` where none is set (so "not checked" stays visible),
-/// else `<redacted>`.
-pub(crate) struct Redacted<'a>(pub(crate) &'a str);
-
-impl fmt::Debug for Redacted<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.0.is_empty() {
-            f.write_str("\"\"")
-        } else {
-            f.write_str("<redacted>")
-        }
-    }
-}
+pub(crate) use crate::statuses::Redacted;
 
 /// A directory address as `Debug` shows it: the URL with its password masked.
 pub(crate) struct RedactedUrl<'a>(pub(crate) &'a str);

@@ -51,7 +51,7 @@ impl std::fmt::Debug for GrpcPeers {
 }
 
 /// How a [`GrpcPeers`] reaches the others and serves its own pool.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct GrpcPeersConfig {
     pub node_id: String,
     pub provider: Provider,
@@ -62,6 +62,29 @@ pub struct GrpcPeersConfig {
     pub shm_dir: PathBuf,
     /// Where this node's tcp data server listens ("127.0.0.1:0" for any port).
     pub data_listen: String,
+}
+
+// Written out so that the peer token never reaches a log line or a failed test's output;
+// every field is listed, so a new one cannot be left out silently.
+impl std::fmt::Debug for GrpcPeersConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let GrpcPeersConfig {
+            node_id,
+            provider,
+            token,
+            peers,
+            shm_dir,
+            data_listen,
+        } = self;
+        f.debug_struct("GrpcPeersConfig")
+            .field("node_id", node_id)
+            .field("provider", provider)
+            .field("token", &crate::statuses::Redacted(token))
+            .field("peers", peers)
+            .field("shm_dir", shm_dir)
+            .field("data_listen", data_listen)
+            .finish()
+    }
 }
 
 /// How often a failing link to one peer is logged.
