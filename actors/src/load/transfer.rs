@@ -19,7 +19,7 @@ use actix::fut::ActorFutureExt;
 use actix::{Actor, ActorContext, ActorFuture, Addr, AsyncContext, Context};
 use kvferry_gpu::{
     CopyBatch, CopyDirection, CopyList, CopyStats, Device, DeviceError, HostSpan, Landed,
-    OwnedCopyEvent, SpanError,
+    OwnedCopyEvent,
 };
 use tokio::sync::oneshot;
 
@@ -100,10 +100,6 @@ impl LayerGate {
     }
 }
 
-/// Something a save's spec hands over to be kept until its copies have resolved (the rank
-/// handle, the pool memory); it becomes part of the guard every batch of the save holds.
-pub type Hold = Box<dyn std::any::Any + Send>;
-
 /// Runs once the batch completed successfully (commits written blocks).
 pub type OnSuccess = Box<dyn FnOnce() + Send>;
 
@@ -172,7 +168,10 @@ pub struct TransferSpec {
     pub device: Arc<dyn Device>,
     pub list: CopyList,
     pub blocks: usize,
-    pub holds: Vec<Hold>,
+    /// The pool memory the copies land in, kept mapped until every copy has resolved.
+    pub memory: Arc<PoolMemory>,
+    /// The rank whose KV the copies read, kept registered as long.
+    pub rank: Arc<RankHandle>,
     pub on_success: Option<OnSuccess>,
     /// Stages already spent before the transfer started (plan, pin).
     pub stages: Vec<Stage>,
@@ -196,7 +195,7 @@ pub struct LoadJob {
 
 impl Transfer {
     pub fn new(spec: TransferSpec, reply: ReportTx) -> Self {
-        let (host, local_error) = match save_span(spec.holds, spec.list.bytes()) {
+        let (host, local_error) = match PoolGuard::whole(spec.memory, spec.rank).into_span() {
             Ok(h) => (Some(h), None),
             Err(e) => (None, Some(NodeError::span(spec.path.as_str(), e))),
         };
@@ -636,23 +635,5 @@ impl Actor for Transfer {
                 AwaitFront.map(|(layers, r), act: &mut Self, ctx| act.batch_done(layers, r, ctx)),
             );
         }
-    }
-}
-
-/// The span a save's copies land in: the pool memory among `holds`, with all of them as its
-/// guard. Without one, every copy is outside any guard and refused.
-fn save_span(holds: Vec<Hold>, bytes: u64) -> Result<HostSpan, SpanError> {
-    let memory = holds
-        .iter()
-        .find_map(|h| h.downcast_ref::<Arc<PoolMemory>>())
-        .cloned();
-    match memory {
-        Some(m) => PoolGuard::whole(m, Mutex::new(holds)).into_span(),
-        None => Err(SpanError::OutsideGuard {
-            base: 0,
-            size: 0,
-            offset: 0,
-            len: bytes,
-        }),
     }
 }

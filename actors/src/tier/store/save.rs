@@ -198,10 +198,8 @@ impl Handler<Save> for BlockStore {
             device: Arc::clone(&m.handle.device),
             list,
             blocks: guards.len(),
-            holds: vec![
-                Box::new(Arc::clone(&m.handle)),
-                Box::new(Arc::clone(self.tiers.pool().memory())),
-            ],
+            memory: Arc::clone(self.tiers.pool().memory()),
+            rank: Arc::clone(&m.handle),
             on_success: None,
             stages: vec![Stage {
                 name: StageName::Plan,
