@@ -119,6 +119,26 @@ pub struct PartDone {
 
 pub struct Transfer {
     path: TransferPath,
+    blocks: usize,
+    /// The device copies, a load's and a save's alike.
+    queue: BatchQueue,
+    /// The parts that run beside the copies (a load's SSD prefix and remote suffix).
+    parts: Parts,
+    /// Layers landed, for a load's observer.
+    progress: Progress,
+    on_success: Option<OnSuccess>,
+    reply: Option<ReportTx>,
+    stages: Vec<Stage>,
+    started: Instant,
+    in_flight: Option<InFlight>,
+    /// The load's (or save's) tracing span: what it logs carries its instance, rank, path
+    /// and blocks.
+    trace: tracing::Span,
+}
+
+/// One batch queue of device copies: what is still to submit, what is submitted, the span
+/// every batch's host side lies in, and what the batches did.
+struct BatchQueue {
     dir: CopyDirection,
     device: Arc<dyn Device>,
     /// Batches not yet submitted, each with the layer count that has landed once it has.
@@ -128,37 +148,63 @@ pub struct Transfer {
     /// Each owns the transfer's guard until it resolved, however it ends: dropped pending
     /// (the actor stopped), it hands the guard to the gpu crate's drain thread.
     pending: VecDeque<(u32, OwnedCopyEvent)>,
-    blocks: usize,
     /// Every batch's host side lies in this span; its guard owns the pool memory, the pins
     /// and the rank handle the copies touch.
     host: Option<HostSpan>,
-    on_success: Option<OnSuccess>,
-    reply: Option<ReportTx>,
-    stages: Vec<Stage>,
-    started: Instant,
     submitted: Option<Instant>,
-    in_flight: Option<InFlight>,
-    /// Parts not started yet, each with the span name it runs under.
-    then: Vec<(&'static str, Then)>,
-    /// Parts started and not finished.
-    parts_running: usize,
-    /// What the finished parts did together, and their first error.
-    parts: PartDone,
-    part_error: Option<NodeError>,
     /// What the device batches did so far, and their first error.
-    local: CopyStats,
-    local_error: Option<NodeError>,
-    local_seconds: f64,
+    stats: CopyStats,
+    error: Option<NodeError>,
+    seconds: f64,
+}
+
+impl BatchQueue {
+    fn new(
+        dir: CopyDirection,
+        device: Arc<dyn Device>,
+        batches: VecDeque<(u32, CopyList)>,
+        host: Result<HostSpan, NodeError>,
+    ) -> Self {
+        let (host, error) = match host {
+            Ok(h) => (Some(h), None),
+            Err(e) => (None, Some(e)),
+        };
+        Self {
+            dir,
+            device,
+            batches,
+            pending: VecDeque::new(),
+            host,
+            submitted: None,
+            stats: CopyStats::default(),
+            error,
+            seconds: 0.0,
+        }
+    }
+}
+
+/// The parts of a transfer that are not device copies of its own.
+#[derive(Default)]
+struct Parts {
+    /// Not started yet, each with the span name it runs under.
+    waiting: Vec<(&'static str, Then)>,
+    /// Started and not finished.
+    running: usize,
+    /// What the finished parts did together, and their first error.
+    done: PartDone,
+    error: Option<NodeError>,
+    /// The parts' timeline, in seconds since the transfer started.
+    spans: Vec<Span>,
+}
+
+/// How many layers have landed everywhere, and who is told.
+#[derive(Default)]
+struct Progress {
     layers: u32,
     landed: u32,
     observer: Option<Arc<dyn LoadObserver>>,
     /// Reports landed layers to `observer` (loads with an observer).
     gate: Option<Arc<LayerGate>>,
-    /// The parts' timeline, in seconds since `started`.
-    spans: Vec<Span>,
-    /// The load's (or save's) tracing span: what it logs carries its instance, rank, path
-    /// and blocks.
-    trace: tracing::Span,
 }
 
 /// Everything a save (or put) transfer needs, built by whoever accepted the request.
@@ -195,43 +241,32 @@ pub struct LoadJob {
 
 impl Transfer {
     pub fn new(spec: TransferSpec, reply: ReportTx) -> Self {
-        let (host, local_error) = match PoolGuard::whole(spec.memory, spec.rank).into_span() {
-            Ok(h) => (Some(h), None),
-            Err(e) => (None, Some(NodeError::span(spec.path.as_str(), e))),
-        };
+        let path = spec.path;
+        let host = PoolGuard::whole(spec.memory, spec.rank)
+            .into_span()
+            .map_err(|e| NodeError::span(path.as_str(), e));
+        // In parts, so the device starts on the first while the rest are planned.
+        let batches = spec
+            .list
+            .split_ramped(SAVE_FIRST_BATCH_BYTES, SAVE_BATCH_BYTES)
+            .into_iter()
+            .map(|l| (0, l))
+            .collect();
         Self {
-            path: spec.path,
-            dir: spec.dir,
-            device: spec.device,
-            // In parts, so the device starts on the first while the rest are planned.
-            batches: spec
-                .list
-                .split_ramped(SAVE_FIRST_BATCH_BYTES, SAVE_BATCH_BYTES)
-                .into_iter()
-                .map(|l| (0, l))
-                .collect(),
-            pending: VecDeque::new(),
+            path,
             blocks: spec.blocks,
-            host,
+            queue: BatchQueue::new(spec.dir, spec.device, batches, host),
+            parts: Parts {
+                waiting: spec.then.map(|t| ("remote", t)).into_iter().collect(),
+                ..Parts::default()
+            },
+            progress: Progress::default(),
             on_success: spec.on_success,
             reply: Some(reply),
             stages: spec.stages,
             started: spec.started,
-            submitted: None,
             in_flight: Some(spec.in_flight),
-            then: spec.then.map(|t| ("remote", t)).into_iter().collect(),
-            parts_running: 0,
-            parts: PartDone::default(),
-            part_error: None,
-            local: CopyStats::default(),
-            local_error,
-            local_seconds: 0.0,
-            layers: 0,
-            landed: 0,
-            observer: None,
-            gate: None,
-            spans: Vec::new(),
-            trace: tracing::info_span!("transfer", path = spec.path.as_str(), blocks = spec.blocks),
+            trace: tracing::info_span!("transfer", path = path.as_str(), blocks = spec.blocks),
         }
     }
 
@@ -309,36 +344,28 @@ impl Transfer {
             Some(memory) => PoolGuard::whole(memory, (share, handle)),
             None => PoolGuard::none((share, handle)),
         };
-        let (host, local_error) = match guard.into_span() {
-            Ok(h) => (Some(h), None),
-            Err(e) => (None, Some(NodeError::span(plan.path.as_str(), e))),
-        };
+        let host = guard
+            .into_span()
+            .map_err(|e| NodeError::span(plan.path.as_str(), e));
         Self {
             path: plan.path,
-            dir: CopyDirection::HostToDevice,
-            device,
-            batches,
-            pending: VecDeque::new(),
             blocks: plan.blocks,
-            host,
+            queue: BatchQueue::new(CopyDirection::HostToDevice, device, batches, host),
+            parts: Parts {
+                waiting: then,
+                ..Parts::default()
+            },
+            progress: Progress {
+                layers: plan.layers,
+                landed: 0,
+                observer,
+                gate,
+            },
             on_success: None,
             reply: Some(reply),
             stages,
             started,
-            submitted: None,
             in_flight: Some(in_flight),
-            then,
-            parts_running: 0,
-            parts: PartDone::default(),
-            part_error: None,
-            local: CopyStats::default(),
-            local_error,
-            local_seconds: 0.0,
-            layers: plan.layers,
-            landed: 0,
-            observer,
-            gate,
-            spans: Vec::new(),
             trace,
         }
     }
@@ -350,13 +377,13 @@ impl Transfer {
 
     fn end_span(&mut self, name: &'static str) {
         let end = self.now();
-        if let Some(s) = self.spans.iter_mut().find(|s| s.name == name) {
+        if let Some(s) = self.parts.spans.iter_mut().find(|s| s.name == name) {
             s.end = end;
         }
     }
 
     fn copy_stage(&self) -> StageName {
-        match self.dir {
+        match self.queue.dir {
             CopyDirection::HostToDevice => StageName::H2d,
             CopyDirection::DeviceToHost => StageName::D2h,
         }
@@ -367,17 +394,17 @@ impl Transfer {
     /// completion thread reports each batch as it lands; this covers what only the actor
     /// learns (a part ended, empty batches skipped).
     fn report_layers(&mut self) {
-        let Some(gate) = &self.gate else {
+        let Some(gate) = &self.progress.gate else {
             return;
         };
-        if self.local_error.is_some() || self.part_error.is_some() {
+        if self.queue.error.is_some() || self.parts.error.is_some() {
             gate.fail();
             return;
         }
-        let local = if self.pending.is_empty() && self.batches.is_empty() {
-            self.layers
+        let local = if self.queue.pending.is_empty() && self.queue.batches.is_empty() {
+            self.progress.layers
         } else {
-            self.landed
+            self.progress.landed
         };
         gate.report(local);
     }
@@ -391,24 +418,25 @@ impl Transfer {
     ) {
         match r {
             Ok(s) => {
-                self.local.bytes += s.bytes;
-                self.local.ops += s.ops;
-                self.landed = self.landed.max(layers);
+                self.queue.stats.bytes += s.bytes;
+                self.queue.stats.ops += s.ops;
+                self.progress.landed = self.progress.landed.max(layers);
             }
             Err(source) => {
-                self.local_error.get_or_insert(NodeError::Transfer {
+                self.queue.error.get_or_insert(NodeError::Transfer {
                     path: self.path.as_str(),
                     source,
                 });
                 // Nothing more is submitted; what was is still awaited.
-                self.batches.clear();
+                self.queue.batches.clear();
             }
         }
         // Usually told already by the completion thread; not while a part was running then.
         self.report_layers();
         self.submit_ahead();
-        if self.pending.is_empty() {
-            self.local_seconds = self
+        if self.queue.pending.is_empty() {
+            self.queue.seconds = self
+                .queue
                 .submitted
                 .map(|t| t.elapsed().as_secs_f64())
                 .unwrap_or(0.0);
@@ -430,25 +458,25 @@ impl Transfer {
     /// bounds what a failed batch leaves queued). Two queued batches keep the device busy: the
     /// next is submitted while the second still copies.
     fn submit_ahead(&mut self) {
-        if self.local_error.is_some() {
+        if self.queue.error.is_some() {
             // Refused before anything was submitted (its memory could not be spanned).
-            self.batches.clear();
+            self.queue.batches.clear();
         }
-        while self.pending.len() < SUBMIT_AHEAD {
-            let Some((layers, list)) = self.batches.pop_front() else {
+        while self.queue.pending.len() < SUBMIT_AHEAD {
+            let Some((layers, list)) = self.queue.batches.pop_front() else {
                 return;
             };
             if list.is_empty() {
-                self.landed = self.landed.max(layers);
+                self.progress.landed = self.progress.landed.max(layers);
                 continue;
             }
-            let landed = self.gate.as_ref().map(|g| g.on_batch(layers));
+            let landed = self.progress.gate.as_ref().map(|g| g.on_batch(layers));
             let path = self.path.as_str();
-            let submitted = match &self.host {
-                Some(host) => CopyBatch::from_list(self.dir, list, host)
+            let submitted = match &self.queue.host {
+                Some(host) => CopyBatch::from_list(self.queue.dir, list, host)
                     .map_err(|e| NodeError::span(path, e))
                     .and_then(|b| {
-                        b.submit(self.device.as_ref(), landed)
+                        b.submit(self.queue.device.as_ref(), landed)
                             .map_err(|source| NodeError::Transfer { path, source })
                     }),
                 None => Err(NodeError::Stopped {
@@ -456,14 +484,14 @@ impl Transfer {
                 }),
             };
             match submitted {
-                Ok(ev) => self.pending.push_back((layers, ev)),
+                Ok(ev) => self.queue.pending.push_back((layers, ev)),
                 Err(e) => {
                     // Nothing more is submitted; what was is still awaited.
-                    if let Some(g) = &self.gate {
+                    if let Some(g) = &self.progress.gate {
                         g.fail();
                     }
-                    self.local_error = Some(e);
-                    self.batches.clear();
+                    self.queue.error = Some(e);
+                    self.queue.batches.clear();
                 }
             }
         }
@@ -475,20 +503,20 @@ impl Transfer {
         r: Result<PartDone, NodeError>,
         ctx: &mut Context<Self>,
     ) {
-        self.parts_running = self.parts_running.saturating_sub(1);
+        self.parts.running = self.parts.running.saturating_sub(1);
         self.end_span(name);
         match r {
             Ok(p) => {
-                self.parts.bytes += p.bytes;
-                self.parts.stages.extend(p.stages);
-                self.spans.extend(p.spans);
+                self.parts.done.bytes += p.bytes;
+                self.parts.done.stages.extend(p.stages);
+                self.parts.spans.extend(p.spans);
             }
             Err(e) => {
-                self.part_error.get_or_insert(e);
+                self.parts.error.get_or_insert(e);
             }
         }
-        if let Some(g) = &self.gate {
-            if self.part_error.is_some() {
+        if let Some(g) = &self.progress.gate {
+            if self.parts.error.is_some() {
                 g.fail();
             }
             g.parts_running.fetch_sub(1, Ordering::AcqRel);
@@ -499,25 +527,25 @@ impl Transfer {
 
     /// Replies once the device batches and every part have finished.
     fn maybe_finish(&mut self, ctx: &mut Context<Self>) {
-        if !self.pending.is_empty() || self.parts_running > 0 {
+        if !self.queue.pending.is_empty() || self.parts.running > 0 {
             return;
         }
-        let out = if let Some(e) = self.local_error.take() {
+        let out = if let Some(e) = self.queue.error.take() {
             Err(e)
         } else {
-            if let Some(e) = self.part_error.take() {
+            if let Some(e) = self.parts.error.take() {
                 self.reply_with(Err(e), ctx);
                 return;
             }
-            let bytes = self.local.bytes + self.parts.bytes;
-            let remote_stages = std::mem::take(&mut self.parts.stages);
+            let bytes = self.queue.stats.bytes + self.parts.done.bytes;
+            let remote_stages = std::mem::take(&mut self.parts.done.stages);
             if let Some(f) = self.on_success.take() {
                 f();
             }
-            if self.local.ops > 0 || remote_stages.is_empty() {
+            if self.queue.stats.ops > 0 || remote_stages.is_empty() {
                 self.stages.push(Stage {
                     name: self.copy_stage(),
-                    seconds: self.local_seconds,
+                    seconds: self.queue.seconds,
                 });
             }
             // One entry per stage: the prefix's and the parts' device copies add up.
@@ -531,10 +559,10 @@ impl Transfer {
                 path: self.path,
                 blocks: self.blocks,
                 bytes,
-                copies: self.local.ops,
+                copies: self.queue.stats.ops,
                 seconds: self.started.elapsed().as_secs_f64(),
                 stages: std::mem::take(&mut self.stages),
-                spans: std::mem::take(&mut self.spans),
+                spans: std::mem::take(&mut self.parts.spans),
             })
         };
         self.reply_with(out, ctx);
@@ -547,7 +575,7 @@ impl Transfer {
             Err(e) => tracing::debug!(error = %e, "transfer failed"),
         }
         if let Some(f) = &self.in_flight {
-            if self.dir == CopyDirection::HostToDevice {
+            if self.queue.dir == CopyDirection::HostToDevice {
                 f.0.load(out.is_ok(), out.as_ref().map(|r| r.bytes).unwrap_or(0));
             }
             f.0.transfer(self.path.as_str(), out.as_ref().map_err(|_| ()));
@@ -557,9 +585,9 @@ impl Transfer {
         }
         // Release before replying, so a caller that sees the reply sees the pins gone.
         self.on_success = None;
-        self.host = None;
+        self.queue.host = None;
         self.in_flight = None;
-        if let Some(obs) = &self.observer {
+        if let Some(obs) = &self.progress.observer {
             obs.finished(&out);
         }
         if let Some(tx) = self.reply.take() {
@@ -582,13 +610,13 @@ impl ActorFuture<Transfer> for AwaitFront {
         _ctx: &mut Context<Transfer>,
         cx: &mut task::Context<'_>,
     ) -> Poll<Self::Output> {
-        let ordinal = act.device.ordinal();
-        match act.pending.front_mut() {
+        let ordinal = act.queue.device.ordinal();
+        match act.queue.pending.front_mut() {
             Some((layers, ev)) => {
                 let layers = *layers;
                 match Pin::new(ev).poll(cx) {
                     Poll::Ready(r) => {
-                        act.pending.pop_front();
+                        act.queue.pending.pop_front();
                         Poll::Ready((layers, r))
                     }
                     Poll::Pending => Poll::Pending,
@@ -604,10 +632,10 @@ impl Actor for Transfer {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         // The parts first: their reads start while the local batches are submitted.
-        for (name, then) in std::mem::take(&mut self.then) {
-            self.parts_running += 1;
+        for (name, then) in std::mem::take(&mut self.parts.waiting) {
+            self.parts.running += 1;
             let start = self.now();
-            self.spans.push(Span {
+            self.parts.spans.push(Span {
                 name,
                 start,
                 end: start,
@@ -617,16 +645,16 @@ impl Actor for Transfer {
                     .map(move |r, act: &mut Self, ctx| act.part_done(name, r, ctx)),
             );
         }
-        self.submitted = Some(Instant::now());
+        self.queue.submitted = Some(Instant::now());
         let start = self.now();
-        self.spans.push(Span {
+        self.parts.spans.push(Span {
             name: "local",
             start,
             end: start,
         });
         self.submit_ahead();
-        if self.pending.is_empty() {
-            self.local_seconds = 0.0;
+        if self.queue.pending.is_empty() {
+            self.queue.seconds = 0.0;
             self.end_span("local");
             self.report_layers();
             self.maybe_finish(ctx);
