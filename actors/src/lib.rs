@@ -13,6 +13,7 @@
 //! [`Node`] is the in-process handle over them; the wire and the ids are `kvferry-proto`'s.
 
 pub mod api;
+pub mod bytes;
 pub mod clock;
 pub mod config;
 pub mod error;

@@ -5,7 +5,6 @@
 //! checks every value and the rules across sections, naming the key that breaks one.
 //! Sizes are [`ByteSize`]s. Secrets (tokens, a Redis password) never reach `Debug`.
 
-mod bytes;
 mod cluster;
 mod device;
 mod directory;
@@ -20,7 +19,7 @@ mod node;
 mod pool;
 pub(crate) mod redact;
 
-pub use bytes::ByteSize;
+pub use crate::bytes::ByteSize;
 pub use cluster::{ClusterConfig, PeerConfig};
 pub use device::DeviceConfig;
 pub use directory::DirectoryConfig;

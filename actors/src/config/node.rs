@@ -367,7 +367,11 @@ impl NodeConfig {
         }
         self.directory.validate()?;
         if let Some(ssd) = &self.ssd {
-            ssd.validate(self.pool.slot_bytes.0)?;
+            ssd.validate(self.pool.slot_bytes.0)
+                .map_err(|e| ConfigError::Invalid {
+                    key: e.key,
+                    reason: e.reason,
+                })?;
             // The backlog's copies come on top of the pool (the default is a share of it).
             if let (Some(b), Some((limit, what))) = (ssd.write_backlog, host.limit()) {
                 if self.pool.size.0.saturating_add(b.0) > limit {

@@ -5,9 +5,20 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ByteSize, ConfigError};
+use thiserror::Error;
+
+use crate::bytes::ByteSize;
 
 use crate::tier::ssd::format;
+
+/// A value of the `[ssd]` section that does not hold, naming its key (the node's config
+/// reports it as that key's error).
+#[derive(Debug, Error)]
+#[error("config key {key}: {reason}")]
+pub struct InvalidSsdConfig {
+    pub key: &'static str,
+    pub reason: String,
+}
 
 /// The deepest io_uring queue a directory may ask for (a ring of this many entries is a few
 /// hundred KiB of kernel memory; deeper queues buy nothing on one NVMe disk).
@@ -90,8 +101,8 @@ impl SsdConfig {
 
     /// Range and cross-field checks; `slot_bytes` is the host pool's slot size (the largest
     /// block the node holds, so the size of one block slot on disk).
-    pub fn validate(&self, slot_bytes: u64) -> Result<(), ConfigError> {
-        let invalid = |key, reason: String| Err(ConfigError::Invalid { key, reason });
+    pub fn validate(&self, slot_bytes: u64) -> Result<(), InvalidSsdConfig> {
+        let invalid = |key, reason: String| Err(InvalidSsdConfig { key, reason });
         if self.dir.is_empty() {
             return invalid(
                 "ssd.dir",
@@ -198,7 +209,7 @@ mod tests {
             ..Default::default()
         };
         let key = |c: &SsdConfig| match c.validate(1 << 20) {
-            Err(ConfigError::Invalid { key, .. }) => key,
+            Err(InvalidSsdConfig { key, .. }) => key,
             other => panic!("{other:?}"),
         };
         assert_eq!(key(&SsdConfig::default()), "ssd.dir");
