@@ -1,9 +1,9 @@
 //! The destination of a load: one registered rank's device KV ([`RankHandle`]), held by
 //! every transfer that reads or writes it until the transfer has drained.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use kvferry_gpu::{Device, KvLayout, KvShape};
+use kvferry_gpu::{Device, DeviceSpan, KvLayout, KvShape, Scatter, SpanError};
 use tokio::sync::oneshot;
 
 use crate::model::{InstanceId, Namespace};
@@ -37,6 +37,9 @@ pub struct RankHandle {
     /// The planes' registrations with verbs NICs, made by the first direct load through
     /// each. Declared before the memory: deregistered before it is let go.
     pub plane_regs: PlaneRegs,
+    /// This rank's planes as checked device spans, checked on the device once (a driver query
+    /// per plane on CUDA) by the first load that scatters into them.
+    planes: OnceLock<Vec<DeviceSpan>>,
     // Declared before the drain signal: fields drop in order, so the memory is released
     // before an unregister waiting on the signal returns.
     _memory: Vec<Memory>,
@@ -77,8 +80,21 @@ impl RankHandle {
             layout: kv.layout,
             device: kv.device,
             plane_regs: PlaneRegs::default(),
+            planes: OnceLock::new(),
             _memory: memory,
             _drain: DrainSignal(Some(drained)),
         }
+    }
+
+    /// This rank's device planes as checked spans, for `Scatter::push_block_into`: checked
+    /// once, then shared by every load into this rank (the memory stays mapped while the
+    /// handle lives).
+    pub fn device_planes(&self) -> Result<&[DeviceSpan], SpanError> {
+        if let Some(p) = self.planes.get() {
+            return Ok(p);
+        }
+        let checked = Scatter::new(&self.shape, &self.layout, self.rank)
+            .device_planes(self.device.as_ref())?;
+        Ok(self.planes.get_or_init(|| checked))
     }
 }

@@ -133,7 +133,6 @@ impl Suffix {
         let sc = Scatter::new(&handle.shape, &handle.layout, rank);
         let span = |e| NodeError::span("remote", e);
         // Checked once for the whole suffix, when its first chunk is copied.
-        let mut planes = None;
         let (mut wire, mut h2d, mut post) = (0.0f64, 0.0f64, 0.0f64);
         let mut bytes = 0;
         let mut copies: Vec<OwnedCopyEvent> = Vec::new();
@@ -197,12 +196,7 @@ impl Suffix {
                 post += r.post;
                 let (lo, hi) = (chunk.start, chunk.end.min(slots.len()));
                 let built = (|| {
-                    let planes = match &mut planes {
-                        Some(planes) => planes,
-                        none => {
-                            none.insert(sc.device_planes(handle.device.as_ref()).map_err(span)?)
-                        }
-                    };
+                    let planes = handle.device_planes().map_err(span)?;
                     let mut batch = CopyBatch::with_capacity(
                         CopyDirection::HostToDevice,
                         (hi - lo) * sc.copies_per_block(),

@@ -22,7 +22,7 @@ use std::time::Instant;
 use actix::Addr;
 use futures::future::{select, Either};
 use kvferry_gpu::{
-    CopyBatch, CopyDirection, CopyStats, DeviceError, DeviceSpan, HostSpan, OwnedCopyEvent, Scatter,
+    CopyBatch, CopyDirection, CopyStats, DeviceError, HostSpan, OwnedCopyEvent, Scatter,
 };
 
 use crate::api::{Span, Stage, StageName};
@@ -82,8 +82,6 @@ struct Pipe {
     failed: Vec<(BlockHash, ReadFailure)>,
     io_error: Option<SsdError>,
     error: Option<NodeError>,
-    /// The destination planes, checked by the device when the first chunk is copied.
-    planes: Option<Vec<DeviceSpan>>,
     bytes: u64,
     disk: f64,
     h2d: f64,
@@ -256,7 +254,7 @@ impl SsdLoad {
             p.free.extend(r.slots);
             return;
         }
-        let built = self.batch(p, r.slots.iter().copied(), &r.blocks, sc, host);
+        let built = self.batch(r.slots.iter().copied(), &r.blocks, sc, host);
         let start = self.now();
         let submitted = built.and_then(|b| {
             let bytes = b.bytes();
@@ -282,20 +280,13 @@ impl SsdLoad {
     /// The copies of a chunk: each slot's block scattered to its destination.
     fn batch(
         &self,
-        p: &mut Pipe,
         slots: impl ExactSizeIterator<Item = u64>,
         blocks: &Range<usize>,
         sc: &Scatter<'_>,
         host: &HostSpan,
     ) -> Result<CopyBatch, NodeError> {
         let span = |e| NodeError::span("ssd", e);
-        let planes = match &mut p.planes {
-            Some(planes) => planes,
-            none => none.insert(
-                sc.device_planes(self.handle.device.as_ref())
-                    .map_err(span)?,
-            ),
-        };
+        let planes = self.handle.device_planes().map_err(span)?;
         let mut batch = CopyBatch::with_capacity(
             CopyDirection::HostToDevice,
             slots.len() * sc.copies_per_block(),
