@@ -119,3 +119,25 @@ class Node:
     def stop_signal(self, sig: int) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, sig)
+
+    def pause(self) -> None:
+        """SIGSTOP, returning once every thread of the node is stopped: the signal lands a
+        moment after kill() returns (later on a loaded machine), and a request sent in between
+        would still be served."""
+        assert self.proc is not None
+        import signal
+
+        self.stop_signal(signal.SIGSTOP)
+        task = Path(f"/proc/{self.proc.pid}/task")
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            states = []
+            for t in task.iterdir():
+                try:
+                    states.append((t / "stat").read_text().rsplit(")", 1)[1].split()[0])
+                except OSError:
+                    pass
+            if states and all(st in "Tt" for st in states):
+                return
+            time.sleep(0.001)
+        raise AssertionError(f"node {self.name} did not stop")

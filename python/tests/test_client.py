@@ -512,7 +512,7 @@ def test_a_stopped_node_is_deadline_exceeded_then_answers_again(fresh_node):
 
     c = kvferry.EngineClient(fresh_node.addr, deadline_s=0.5)
     assert c.health()
-    os.kill(fresh_node.proc.pid, signal.SIGSTOP)
+    fresh_node.pause()
     try:
         t = time.monotonic()
         with pytest.raises(kvferry.DeadlineExceeded) as e:

@@ -73,25 +73,6 @@ def settled(n: Node, timeout: float = 10.0) -> dict:
         time.sleep(0.05)
 
 
-def stop(n: Node) -> None:
-    """SIGSTOP, returning once every thread of the node is stopped (the signal lands a moment
-    after kill() returns: a request sent in between would still be served)."""
-    n.stop_signal(signal.SIGSTOP)
-    task = Path(f"/proc/{n.proc.pid}/task")
-    end = time.monotonic() + 10
-    while time.monotonic() < end:
-        states = []
-        for t in task.iterdir():
-            try:
-                states.append((t / "stat").read_text().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                pass
-        if states and all(st in "Tt" for st in states):
-            return
-        time.sleep(0.001)
-    raise AssertionError(f"node {n.name} did not stop")
-
-
 def abandoned(n: Node, op: str) -> float:
     for line in n.metrics().splitlines():
         if line.startswith(f'kvferry_abandoned_total{{op="{op}"}}'):
@@ -118,7 +99,7 @@ def test_a_stalled_node_resuming_seals_no_abandoned_save_and_keeps_no_abandoned_
 
         def stall(so):
             # a's prefill is scheduled: its save goes to a node that no longer answers.
-            stop(node)
+            node.pause()
             stalled_at["t"] = time.monotonic()
 
         eng.step(before_worker=stall)
@@ -281,7 +262,7 @@ def test_a_load_whose_node_is_killed_fails_within_a_second(tmp_path):
                 # A leased B's blocks (pinned there); B stops answering, so A's load of
                 # them stays in flight until A is killed.
                 planned["loads"] = list(so.kv_connector_metadata.loads)
-                stop(nb)
+                nb.pause()
 
             eng.step(before_worker=stall_owner)
             b = eng.requests["b"]
