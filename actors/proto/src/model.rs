@@ -13,19 +13,53 @@ pub const MAX_HASH_LEN: usize = 32;
 pub enum ModelError {
     #[error("block hash #{index} has {len} bytes; hashes must be 1 to 32 bytes")]
     HashLength { index: usize, len: usize },
-    #[error("namespace {field} must be 1 to 128 printable characters without '/', got {value:?}")]
-    Namespace { field: &'static str, value: String },
-    #[error("namespace must be model/dtype/fingerprint (three parts separated by '/'), got {0:?}")]
+    /// `value` is [`shown`]: escaped and cut, never the raw bytes a client sent.
+    #[error(
+        "namespace {field} must be 1 to 128 printable ASCII characters without '/' \
+         (no spaces or control characters; {len} bytes given), got {value}"
+    )]
+    Namespace {
+        field: &'static str,
+        value: String,
+        len: usize,
+    },
+    #[error("namespace must be model/dtype/fingerprint (three parts separated by '/'), got {0}")]
     NamespaceParts(String),
-    #[error("instance id must be 1 to 128 printable characters, got {0:?}")]
+    #[error("instance id must be 1 to 128 printable characters, got {0}")]
     InstanceId(String),
-    #[error("lease id must be 32 hex characters, got {0:?}")]
+    #[error("lease id must be 32 hex characters, got {0}")]
     LeaseId(String),
 }
 
 /// What blocks are comparable across nodes: model, dtype and a layout fingerprint.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Namespace(Arc<str>);
+
+/// Longest part of a refused name that an error (and so a log line) repeats.
+pub const SHOWN_CHARS: usize = 64;
+
+/// `s` as an error or a log line may show it: quoted, every control and non-ASCII character
+/// escaped (`\u{1b}`), cut after [`SHOWN_CHARS`] characters with `...` — a client's bytes
+/// never reach a terminal or a log raw, and a huge name costs a log line its prefix only.
+pub fn shown(s: &str) -> String {
+    let mut out = String::from("\"");
+    for (i, c) in s.chars().enumerate() {
+        if i == SHOWN_CHARS {
+            out.push_str("...");
+            break;
+        }
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' '..='~' => out.push(c),
+            _ => out.extend(c.escape_unicode()),
+        }
+    }
+    out.push('"');
+    out
+}
 
 fn printable(s: &str) -> bool {
     !s.is_empty() && s.len() <= 128 && s.chars().all(|c| c.is_ascii_graphic() && c != '/')
@@ -42,7 +76,8 @@ impl Namespace {
             if !printable(value) {
                 return Err(ModelError::Namespace {
                     field,
-                    value: value.to_owned(),
+                    value: shown(value),
+                    len: value.len(),
                 });
             }
         }
@@ -140,7 +175,7 @@ pub struct InstanceId(Arc<str>);
 impl InstanceId {
     pub fn new(id: &str) -> Result<Self, ModelError> {
         if id.is_empty() || id.len() > 128 || !id.chars().all(|c| c.is_ascii_graphic()) {
-            return Err(ModelError::InstanceId(id.to_owned()));
+            return Err(ModelError::InstanceId(shown(id)));
         }
         Ok(Self(id.into()))
     }
@@ -184,7 +219,7 @@ impl LeaseId {
     }
 
     pub fn from_hex(s: &str) -> Result<Self, ModelError> {
-        let bad = || ModelError::LeaseId(s.to_owned());
+        let bad = || ModelError::LeaseId(shown(s));
         if s.len() != 32 || !s.is_ascii() {
             return Err(bad());
         }
@@ -242,9 +277,57 @@ mod tests {
         assert!(Namespace::new("a/b", "bf16", "x").is_err());
         assert!(Namespace::new("", "bf16", "x").is_err());
         assert!(InstanceId::new("engine 0").is_err());
+        assert!(
+            Namespace::new("m", "bf16", "x").unwrap() != Namespace::new("m", "bf16", "y").unwrap()
+        );
         let id = LeaseId::random();
         assert_eq!(LeaseId::from_hex(&id.to_hex()).unwrap(), id);
         assert_ne!(LeaseId::random(), id);
         assert!(LeaseId::from_hex("zz").is_err());
+    }
+
+    #[test]
+    fn control_characters_are_refused_and_never_shown_raw() {
+        for bad in [
+            "\u{1b}[31mred",
+            "\n",
+            "a\u{0}b",
+            "\u{7f}",
+            "tab\there",
+            "caf\u{e9}",
+        ] {
+            let e = Namespace::new(bad, "bf16", "x").unwrap_err();
+            let text = e.to_string();
+            assert!(
+                matches!(e, ModelError::Namespace { field: "model", .. }),
+                "{e:?}"
+            );
+            assert!(text.contains("control characters"), "{text}");
+            assert!(
+                text.chars().all(|c| c.is_ascii() && !c.is_ascii_control()),
+                "raw bytes in {text:?}"
+            );
+        }
+        let e = Namespace::new("\u{1b}[2J", "bf16", "x")
+            .unwrap_err()
+            .to_string();
+        assert!(e.ends_with(r#"got "\u{1b}[2J""#), "{e}");
+        // A huge name is cut: the error says how long it was, and shows a prefix only.
+        let huge = "\u{7}".repeat(100_000);
+        let e = Namespace::new("m", &huge, "x").unwrap_err();
+        let text = e.to_string();
+        assert!(text.len() < 600, "{} bytes", text.len());
+        assert!(
+            text.contains("100000 bytes given") && text.contains("dtype"),
+            "{text}"
+        );
+        assert!(InstanceId::new("a\u{1b}b")
+            .unwrap_err()
+            .to_string()
+            .contains(r"\u{1b}"));
+        assert!(!LeaseId::from_hex("\r")
+            .unwrap_err()
+            .to_string()
+            .contains('\r'));
     }
 }

@@ -226,7 +226,7 @@ pub fn parse_namespace(s: &str) -> Result<Namespace, ModelError> {
         (Some(model), Some(dtype), Some(fingerprint), None) => {
             Namespace::new(model, dtype, fingerprint)
         }
-        _ => Err(ModelError::NamespaceParts(s.to_owned())),
+        _ => Err(ModelError::NamespaceParts(crate::model::shown(s))),
     }
 }
 
