@@ -489,6 +489,56 @@ def test_two_models_never_share_blocks(tmp_path, node):
         two.shutdown()
 
 
+def _tenant(kind: str, which: str) -> dict:
+    from vllm.lora.request import LoRARequest
+
+    if kind == "lora":
+        # Two adapters on one base model; their ids and paths as `--lora-modules` gives them.
+        lid = {"a": 1, "b": 2}[which]
+        return {"lora_request": LoRARequest(f"adapter-{which}", lid, f"/adapters/{which}")}
+    if kind == "lora-repointed":
+        # One adapter name pointed at another adapter (vLLM 0.34 salts with the path too).
+        return {"lora_request": LoRARequest("adapter", 1, f"/adapters/{which}")}
+    return {"cache_salt": f"tenant-{which}"}
+
+
+@pytest.mark.parametrize("kind", ["lora", "lora-repointed", "cache-salt"])
+def test_two_tenants_with_equal_tokens_never_hit_each_others_blocks(tmp_path, node, kind):
+    toks = prompt(80, seed=31)
+    eng = engine(tmp_path, node.addr)
+    try:
+        eng.add("a1", toks, **_tenant(kind, "a"))
+        eng.run()
+        assert eng.stats.get("saved_blocks") == 5, eng.stats
+        # Only kvferry could serve what follows.
+        assert eng.scheduler.reset_prefix_cache()
+        eng.stats = {}
+        eng.add("b1", toks, **_tenant(kind, "b"))
+        eng.step()
+        assert status(eng.requests["b1"]) != "WAITING_FOR_REMOTE_KVS"
+        eng.run()
+        assert eng.stats.get("queries") and not eng.stats.get("hit_tokens"), eng.stats
+        assert eng.scheduled_tokens["b1"] >= 80  # computed, not loaded
+        # b's own blocks are now saved beside a's: both tenants hit their own, and only those.
+        assert eng.stats.get("saved_blocks") == 5, eng.stats
+        for rid, which in [("a2", "a"), ("b2", "b")]:
+            assert eng.scheduler.reset_prefix_cache()
+            eng.stats = {}
+            eng.add(rid, toks, **_tenant(kind, which))
+            eng.run()
+            assert eng.stats.get("hit_tokens") == 80 - 1 - (80 - 1) % BS, (rid, eng.stats)
+            assert eng.invalid_reported == set()
+            assert eng.outputs[rid] == eng.outputs["a1"]
+        # No tenant at all is a tenant of its own too.
+        assert eng.scheduler.reset_prefix_cache()
+        eng.stats = {}
+        eng.add("plain", toks)
+        eng.run()
+        assert not eng.stats.get("hit_tokens"), eng.stats
+    finally:
+        eng.shutdown()
+
+
 def test_a_registration_the_node_refuses_stops_the_engine_at_start(tmp_path, node,
                                                                    monkeypatch):
     import kvferry.vllm.worker as worker_mod

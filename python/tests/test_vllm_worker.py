@@ -494,7 +494,7 @@ def test_released_kv_is_forgotten_by_the_node_and_registered_again_on_restore(
 
 
 def test_multimodal_inputs_and_salts_change_the_hashes():
-    from kvferry.vllm.hashing import ChainHasher, engine_salt, request_salt
+    from kvferry.vllm.hashing import ChainHasher, engine_salt, lora_key, request_salt
 
     base = engine_salt("m", "bfloat16;LBNHC", 16, 1)
     toks = [7] * 64
@@ -505,9 +505,27 @@ def test_multimodal_inputs_and_salts_change_the_hashes():
     assert cat[0] == dog[0] == plain[0]  # block 0 lies before the image
     assert cat[1] != dog[1] and cat[1] != plain[1]
     assert cat[3] != dog[3]  # chained: every later block differs too
-    assert ChainHasher(request_salt(base, "lora-a", None), 16).upto(toks, 1) != plain[:1]
+    lora_a = ("lora-a", 1, "/adapters/a")
+    assert ChainHasher(request_salt(base, lora_a, None), 16).upto(toks, 1) != plain[:1]
     assert ChainHasher(request_salt(base, None, "salt"), 16).upto(toks, 1) != plain[:1]
     assert request_salt(base, None, None) == base
+    # Every tenant field counts, and no two tenants' fields run together.
+    salts = [
+        request_salt(base, t, s)
+        for t, s in [
+            (lora_a, None), (("lora-b", 1, "/adapters/a"), None),
+            (("lora-a", 2, "/adapters/a"), None), (("lora-a", 1, "/adapters/b"), None),
+            (("lora-a", 1, ""), None), (("", 0, ""), None), (None, "s1"), (None, "s2"),
+            (lora_a, "s1"), (("lora-a", 1, "/adapters/as1"), None), (None, None),
+            (("ab", 0, "c"), None), (("a", 0, "bc"), None),
+        ]
+    ]
+    assert len(set(salts)) == len(salts)
+    assert request_salt(base, None, "") == base  # an empty cache salt is no salt (as vLLM)
+    assert lora_key(None) is None
+    lr = NS(lora_name="sql", lora_int_id=3, lora_path="/a/sql")
+    assert lora_key(lr) == ("sql", 3, "/a/sql")
+    assert lora_key(NS(lora_name="sql")) == ("sql", 0, "")  # a release without id or path
 
 
 def test_requests_kvferry_cannot_name_are_never_queried():

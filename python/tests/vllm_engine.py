@@ -246,13 +246,15 @@ class Engine:
     def connector(self):
         return self.scheduler.connector
 
-    def add(self, req_id: str, tokens: List[int], max_tokens: int = 2) -> Any:
+    def add(self, req_id: str, tokens: List[int], max_tokens: int = 2, **req_kw: Any) -> Any:
+        """Adds a request; ``req_kw`` go to vLLM's ``Request`` (``lora_request``,
+        ``cache_salt``)."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         req = Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=sp,
-                      pooling_params=None, block_hasher=self.block_hasher)
+                      pooling_params=None, block_hasher=self.block_hasher, **req_kw)
         self.scheduler.add_request(req)
         self.requests[req_id] = req
         self.outputs[req_id] = []

@@ -4,11 +4,19 @@ vLLM's own block hashes start from a per-process random seed (unless ``PYTHONHAS
 set), so two engines, or one engine after a restart, would never find each other's blocks.
 The connector therefore names blocks by its own chained content hash:
 
-    salt   = SHA-256("kvferry-vllm-v1" | model | KV dtype | block size | TP size
-                     | LoRA name | cache salt)
+    base   = SHA-256("kvferry-vllm-v1" | model | KV dtype | block size | TP size)
+    salt   = base                                  (no LoRA adapter, no cache salt), else
+             SHA-256(base | LoRA adapter (name, id, path) or none | cache salt or none)
     h[-1]  = salt
     h[i]   = SHA-256(h[i-1] | token ids of block i as little-endian int64
                      | multimodal inputs overlapping block i (content hash, offset))
+
+The salt is what keeps tenants apart on a node shared by many: vLLM salts its own block
+hashes with the request's LoRA adapter (0.34: its name and path), its ``cache_salt`` and its
+multimodal inputs, and so does this, with the adapter's id as well, so that blocks of two
+adapters, two salts or two images never share a key even where the token ids are equal
+(every field is length-prefixed and tagged, so no two tenants' fields run together into
+the same bytes). Prompt embeddings are not hashed: such requests are not named at all.
 
 Only full blocks are hashed. ``h[i]`` names the whole prefix up to block ``i``, so a node
 answering "the longest prefix of these hashes" answers a prefix hit. Nothing here imports
@@ -21,14 +29,17 @@ import hashlib
 import struct
 import sys
 from array import array
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
-__all__ = ["HASH_VERSION", "ChainHasher", "chain_hashes", "engine_salt"]
+__all__ = ["HASH_VERSION", "ChainHasher", "LoraKey", "chain_hashes", "engine_salt", "lora_key",
+           "request_salt"]
 
 HASH_VERSION = b"kvferry-vllm-v1"
 
 # (content identifier, offset, length) of one multimodal input in the token sequence.
 MmSpan = Tuple[str, int, int]
+# (name, id, path) of a LoRA adapter.
+LoraKey = Tuple[str, int, str]
 
 
 def _field(b: bytes) -> bytes:
@@ -45,12 +56,40 @@ def engine_salt(model: str, kv_dtype: str, block_size: int, tp_size: int) -> byt
     return h.digest()
 
 
-def request_salt(base: bytes, lora_name: Optional[str], cache_salt: Optional[str]) -> bytes:
-    if not lora_name and not cache_salt:
+def lora_key(lora_request: Any) -> Optional[LoraKey]:
+    """A vLLM ``LoRARequest`` as the salt names it: name, integer id and path (any of them
+    absent in a release reads as empty); None without an adapter."""
+    if not lora_request:
+        return None
+    name = getattr(lora_request, "lora_name", None) or ""
+    lid = getattr(lora_request, "lora_int_id", None)
+    path = getattr(lora_request, "lora_path", None) or ""
+    try:
+        lid = int(lid) if lid is not None else 0
+    except (TypeError, ValueError):
+        lid = 0
+    return (str(name), lid, str(path))
+
+
+def request_salt(base: bytes, lora: Optional[LoraKey], cache_salt: Optional[str]) -> bytes:
+    """The salt of one request's chain: ``base`` itself for a request without a LoRA
+    adapter and without a cache salt, else a hash of both (see the module doc)."""
+    if lora is None and not cache_salt:
         return base
     h = hashlib.sha256(base)
-    h.update(_field((lora_name or "").encode()))
-    h.update(_field((cache_salt or "").encode()))
+    if lora is None:
+        h.update(b"\x00")
+    else:
+        name, lid, path = lora
+        h.update(b"\x01")
+        h.update(_field(name.encode("utf-8", "surrogatepass")))
+        h.update(struct.pack("<q", lid))
+        h.update(_field(path.encode("utf-8", "surrogatepass")))
+    if cache_salt:
+        h.update(b"\x01")
+        h.update(_field(str(cache_salt).encode("utf-8", "surrogatepass")))
+    else:
+        h.update(b"\x00")
     return h.digest()
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .config import KvferryConfig
-from .hashing import ChainHasher, MmSpan, engine_salt, request_salt
+from .hashing import ChainHasher, MmSpan, engine_salt, lora_key, request_salt
 from .link import NodeDown, NodeLink
 from .metadata import LoadSpec, SaveSpec, StepMetadata
 from .stats import Counters
@@ -130,10 +130,9 @@ class SchedulerSide:
             hasher = None
             mm = _mm_spans(request)
             if getattr(request, "prompt_embeds", None) is None and mm is not None:
-                lora = getattr(request, "lora_request", None)
                 salt = request_salt(
                     self._salt,
-                    getattr(lora, "lora_name", None) if lora is not None else None,
+                    lora_key(getattr(request, "lora_request", None)),
                     getattr(request, "cache_salt", None),
                 )
                 hasher = ChainHasher(salt, self.block_size, mm)
