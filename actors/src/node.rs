@@ -134,6 +134,7 @@ impl Node {
             None => None,
         };
         let counters = Arc::new(Counters::default());
+        counters.set_namespace_labels(config.tenants.metric_namespaces);
         let (tx, rx) = std::sync::mpsc::channel();
         let cfg = config.clone();
         let devs = devices.clone();
@@ -163,6 +164,7 @@ impl Node {
                         cfg.lease.peer_pin_ttl(),
                     )
                     .with_ssd(ssd)
+                    .with_quotas(cfg.tenants.rules())
                     .with_save_arbiter(Some(saves.handle()))
                     .start();
                     let keeper = LeaseKeeper::new(
@@ -508,6 +510,8 @@ impl Node {
         if let Some(s) = self.ssd_stats().await? {
             sampled.push(Box::new(s));
         }
+        let usage = self.inner.store.send(store::GetNamespaceUsage).await?;
+        sampled.push(Box::new(self.inner.counters.namespace_usage(&usage)));
         let extra = crate::metrics::Extra {
             peer_pins: self.peer_pins().await?,
             engine: self

@@ -18,6 +18,7 @@ mod metrics;
 mod node;
 mod pool;
 pub(crate) mod redact;
+mod tenants;
 
 pub use crate::bytes::ByteSize;
 pub use cluster::{ClusterConfig, PeerConfig};
@@ -31,6 +32,7 @@ pub use limits::{MAX_SLOT_BYTES, MAX_SOCKET_PATH, MAX_TTL_SECS};
 pub use metrics::MetricsConfig;
 pub use node::NodeConfig;
 pub use pool::PoolConfig;
+pub use tenants::{QuotaSection, TenantsConfig, MAX_METRIC_NAMESPACES};
 
 #[cfg(test)]
 mod tests;

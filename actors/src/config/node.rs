@@ -37,6 +37,8 @@ pub struct NodeConfig {
     pub ssd: Option<crate::tier::ssd::SsdConfig>,
     /// The `kvferry` binary's log level and format (`[log]`).
     pub log: crate::config::log::LogSection,
+    /// RAM quotas per namespace and the namespaces metrics name (`[tenants]`).
+    pub tenants: crate::config::TenantsConfig,
 }
 
 impl Default for NodeConfig {
@@ -54,6 +56,7 @@ impl Default for NodeConfig {
             directory: DirectoryConfig::default(),
             ssd: None,
             log: crate::config::log::LogSection::default(),
+            tenants: crate::config::TenantsConfig::default(),
         }
     }
 }
@@ -386,6 +389,8 @@ impl NodeConfig {
             }
         }
         self.log.validate()?;
+        self.tenants
+            .validate(self.pool.size.0, self.pool.slot_bytes.0)?;
         self.check_listeners_differ()?;
         crate::nic::config::validate_node_nics(&self.nic, self.verbs.as_ref())
             .map_err(|(key, reason)| ConfigError::Invalid { key, reason })?;

@@ -381,3 +381,111 @@ fn debug_hides_tokens_and_the_redis_password() {
     assert!(open.contains("token: \"\""), "{open}");
     assert!(!open.contains("<redacted>"), "{open}");
 }
+
+#[test]
+fn the_tenants_sample_gives_the_cache_its_quotas() {
+    use crate::tier::quota::NsMatch;
+    let text = include_str!("../../../config/tenants.toml");
+    let cfg = NodeConfig::from_toml(text, "tenants.toml").unwrap();
+    assert_eq!(cfg.tenants.metric_namespaces, 32);
+    let rules = cfg.tenants.rules();
+    assert_eq!(rules.default_ram, Some(256 << 20));
+    assert_eq!(
+        rules.rules[0].matches,
+        NsMatch::Prefix("meta-llama%2FLlama-3.1-8B-Instruct/".into())
+    );
+    assert_eq!(
+        rules.ram_for("meta-llama%2FLlama-3.1-8B-Instruct/bfloat16/x"),
+        Some(384 << 20)
+    );
+    assert_eq!(rules.ram_for("scratch/bfloat16/l2-kv8-hd64-b16"), Some(0));
+    assert_eq!(rules.ram_for("qwen/bfloat16/x"), Some(256 << 20));
+    // Without a [tenants] section: no quota, 32 namespaces named.
+    let plain = NodeConfig::from_toml("", "plain.toml").unwrap();
+    assert_eq!(plain.tenants, TenantsConfig::default());
+    assert_eq!(plain.tenants.rules().ram_for("m/d/f"), None);
+}
+
+#[test]
+fn bad_tenant_quotas_are_refused_naming_the_key() {
+    let host = HostMemory {
+        total: Some(64 << 30),
+        cgroup: None,
+        hugepages_free: Some(0),
+    };
+    // The default pool: 256 MiB of 1 MiB slots.
+    let q = |body: &str| format!("[[tenants.quota]]\n{body}\n");
+    let cases = [
+        (
+            q("prefix = \"m/\"\nram = \"1GiB\""),
+            "tenants.quota.ram",
+            "larger than the whole pool",
+        ),
+        (
+            q("prefix = \"m/\"\nram = 4096"),
+            "tenants.quota.ram",
+            "less than one pool slot",
+        ),
+        (
+            "[tenants]\ndefault-ram = \"300MiB\"\n".to_owned(),
+            "tenants.default-ram",
+            "pool.size = 256MiB",
+        ),
+        (
+            q("prefix = \"m/\"\nnamespace = \"m/d/f\"\nram = 0"),
+            "tenants.quota",
+            "quota #0 must name exactly one of namespace and prefix",
+        ),
+        (q("ram = 0"), "tenants.quota", "exactly one"),
+        (
+            q("prefix = \"\"\nram = 0"),
+            "tenants.quota.prefix",
+            "1 to 386 printable",
+        ),
+        (
+            q("prefix = \"\\u001b[2Jm\\u0007\"\nram = 0"),
+            "tenants.quota.prefix",
+            r#""\u{1b}[2Jm\u{7}""#,
+        ),
+        (
+            q("namespace = \"just-a-model\"\nram = 0"),
+            "tenants.quota.namespace",
+            "model/dtype/fingerprint",
+        ),
+        (
+            format!(
+                "{}{}",
+                q("prefix = \"m/\"\nram = 0"),
+                q("prefix = \"m/\"\nram = \"2MiB\"")
+            ),
+            "tenants.quota.prefix",
+            "quota #1: \"m/\" is named by an earlier quota",
+        ),
+        (
+            "[tenants]\nmetric-namespaces = 5000\n".to_owned(),
+            "tenants.metric-namespaces",
+            "more than 1024",
+        ),
+    ];
+    for (text, want_key, want) in cases {
+        let (key, reason) = invalid_key(&text, &host);
+        assert_eq!(key, want_key, "{text}: {reason}");
+        assert!(reason.contains(want), "{text}: {reason}");
+        assert!(
+            !reason.chars().any(|c| c.is_control()),
+            "raw control characters: {reason:?}"
+        );
+    }
+    // A quota of 0 and a quota of the whole pool are fine.
+    let ok = format!(
+        "{}{}",
+        q("prefix = \"a/\"\nram = 0"),
+        q("prefix = \"b/\"\nram = \"256MiB\"")
+    );
+    let cfg: NodeConfig = toml::from_str(&ok).unwrap();
+    cfg.validate_on(&host).unwrap();
+    // Unknown keys in a quota are refused by the parser.
+    let e = NodeConfig::from_toml(&q("prefix = \"a/\"\nram = 0\nssd = \"1GiB\""), "t.toml")
+        .unwrap_err();
+    assert!(e.to_string().contains("unknown field `ssd`"), "{e}");
+}

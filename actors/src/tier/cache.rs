@@ -1,12 +1,15 @@
 //! The block cache: which host slot holds which block, sealing, pins and LRU eviction.
 //!
-//! Plain state, no actor: [`crate::tier::store::BlockStore`] drives it.
+//! Plain state, no actor: [`crate::tier::store::BlockStore`] drives it. Every namespace's
+//! RAM use is counted, and a namespace under a quota is admitted by the rules of
+//! [`crate::tier::quota`].
 
 use hashbrown::{Equivalent, HashMap};
 use thiserror::Error;
 
 use crate::model::{BlockHash, BlockKey, Namespace};
 use crate::tier::pool::{HostPool, PoolError};
+use crate::tier::quota::{Admission, QuotaRules, TenantId, TenantUsage, Tenants};
 use crate::tier::slot_lru::SlotLru;
 
 /// Eviction class: fetched copies go before blocks this node saved.
@@ -42,8 +45,32 @@ pub enum CacheError {
         stored: u32,
         tp: u32,
     },
+    /// The namespace holds its whole RAM quota and every block of it is pinned (by leases
+    /// or writers): the block is refused, the others' blocks are never taken instead.
+    #[error(
+        "namespace {namespace} holds its RAM quota ({quota} bytes, {blocks} blocks) and all \
+         of it is pinned"
+    )]
+    OverQuota {
+        namespace: Namespace,
+        quota: u64,
+        blocks: usize,
+    },
+    /// The namespace's RAM quota is 0: it is never cached here.
+    #[error("namespace {namespace} has a RAM quota of 0: its blocks are never admitted")]
+    NotAdmitted { namespace: Namespace },
     #[error(transparent)]
     Pool(#[from] PoolError),
+}
+
+impl CacheError {
+    /// Refused for the namespace's quota (the request keeps the blocks admitted before).
+    pub fn is_quota(&self) -> bool {
+        matches!(
+            self,
+            CacheError::OverQuota { .. } | CacheError::NotAdmitted { .. }
+        )
+    }
 }
 
 #[derive(Debug)]
@@ -53,6 +80,7 @@ struct Entry {
     written: u64,
     pins: u32,
     class: BlockClass,
+    tenant: TenantId,
 }
 
 impl Entry {
@@ -128,7 +156,11 @@ pub struct BlockCache {
     map: HashMap<BlockKey, Entry>,
     /// Unpinned blocks by class, oldest first; an entry is listed exactly while it has
     /// no pins.
-    lru: SlotLru<BlockKey, 2>,
+    lru: SlotLru<BlockKey>,
+    /// The same entries of namespaces under a quota, by namespace and class (list
+    /// [`own_list`]): what a namespace at its quota gives up first.
+    own: SlotLru<BlockKey>,
+    tenants: Tenants,
     /// Entries with every rank written (kept here: `stats` is asked on every Health call).
     sealed: usize,
     pinned_blocks: usize,
@@ -138,18 +170,87 @@ pub struct BlockCache {
     evicted: Vec<Evicted>,
 }
 
+/// The list of `tenant`'s unpinned blocks of `class` in [`BlockCache::own`].
+fn own_list(tenant: TenantId, class: usize) -> usize {
+    tenant as usize * 2 + class
+}
+
 impl BlockCache {
     pub fn new(pool: HostPool) -> Self {
+        Self::with_quotas(pool, QuotaRules::default())
+    }
+
+    /// A cache whose namespaces are held to `rules` (see [`crate::tier::quota`]).
+    pub fn with_quotas(pool: HostPool, rules: QuotaRules) -> Self {
+        let tenants = Tenants::new(rules, pool.slot_bytes());
         Self {
             pool,
             map: HashMap::new(),
-            lru: SlotLru::default(),
+            lru: SlotLru::with_lists(2),
+            own: SlotLru::with_lists(0),
+            tenants,
             sealed: 0,
             pinned_blocks: 0,
             pins: 0,
             evictions: 0,
             evicted: Vec::new(),
         }
+    }
+
+    /// Lists an unpinned entry as the youngest of its class (and of its namespace's).
+    fn list_young(&mut self, class: BlockClass, tenant: TenantId, slot: usize, key: BlockKey) {
+        if self.tenants.has_quota(tenant) {
+            self.own
+                .push_young(own_list(tenant, class.idx()), slot, key.clone());
+        }
+        self.lru.push_young(class.idx(), slot, key);
+    }
+
+    /// Unlists an entry (it was pinned or it goes).
+    fn unlist(&mut self, slot: usize) {
+        self.own.remove(slot);
+        self.lru.remove(slot);
+    }
+
+    /// Removes an unlisted, unpinned entry and frees its slot, as an eviction.
+    fn drop_entry(&mut self, key: BlockKey) {
+        if let Some(e) = self.map.remove(&key) {
+            debug_assert_eq!(e.pins, 0);
+            self.pool.free(e.slot);
+            self.tenants.dropped(e.tenant);
+            self.evictions += 1;
+            if e.sealed() {
+                self.sealed -= 1;
+                self.evicted.push(Evicted {
+                    key,
+                    slot: e.slot,
+                    tp: e.tp,
+                });
+            }
+        }
+    }
+
+    /// Evicts `tenant`'s oldest unpinned block, fetched copies first; false if it has none.
+    fn evict_own(&mut self, tenant: TenantId) -> bool {
+        for class in 0..2 {
+            if let Some((slot, key)) = self.own.pop_oldest(own_list(tenant, class)) {
+                self.lru.remove(slot);
+                self.drop_entry(key);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Holds the namespaces to `rules` from now on. Meant for the start: a namespace that
+    /// gets a quota here while it has blocks can give up only those it stores from now on.
+    pub fn set_quotas(&mut self, rules: QuotaRules) {
+        self.tenants.set_rules(rules);
+    }
+
+    /// Every namespace's use of RAM, with its quota.
+    pub fn usage(&self) -> Vec<TenantUsage> {
+        self.tenants.usage()
     }
 
     /// Sealed blocks evicted since the last call.
@@ -188,12 +289,14 @@ impl BlockCache {
         let Some(e) = self.map.get_mut(key) else {
             return;
         };
-        if e.pins == 0 {
-            self.lru.remove(e.slot);
-            self.pinned_blocks += 1;
-        }
+        let first = e.pins == 0;
+        let slot = e.slot;
         e.pins += 1;
         self.pins += 1;
+        if first {
+            self.pinned_blocks += 1;
+            self.unlist(slot);
+        }
     }
 
     /// [`Self::unpin_ref`] by an owned key.
@@ -230,14 +333,26 @@ impl BlockCache {
         if !e.sealed() {
             return None;
         }
-        if e.pins == 0 {
-            self.lru.remove(e.slot);
-            self.pinned_blocks += 1;
-        }
+        let first = e.pins == 0;
         e.pins += 1;
         self.pins += 1;
         let slot = e.slot;
+        if first {
+            self.pinned_blocks += 1;
+            self.unlist(slot);
+        }
         Some(self.slot_ref(*hash, slot))
+    }
+
+    /// Whether `ns` is held to a quota.
+    pub fn has_quota(&self, ns: &Namespace) -> bool {
+        self.tenants.known(ns).is_some_and(|t| self.tenants.has_quota(t))
+    }
+
+    /// Takes one more pin on a block held here, sealed or not (released with
+    /// [`Self::unpin`]).
+    pub fn hold(&mut self, ns: &Namespace, hash: BlockHash) {
+        self.pin_entry(&Self::key(ns, hash));
     }
 
     /// Releases one pin on each block (blocks evicted meanwhile are skipped).
@@ -262,27 +377,17 @@ impl BlockCache {
         self.pins -= 1;
         if e.pins == 0 {
             self.pinned_blocks -= 1;
-            self.lru.push_young(e.class.idx(), e.slot, key.clone());
+            let (class, tenant, slot, key) = (e.class, e.tenant, e.slot, key.clone());
+            self.list_young(class, tenant, slot, key);
         }
     }
 
     fn evict_one(&mut self) -> bool {
         for class in 0..2 {
-            if let Some((_, key)) = self.lru.pop_oldest(class) {
-                if let Some(e) = self.map.remove(&key) {
-                    debug_assert_eq!(e.pins, 0);
-                    self.pool.free(e.slot);
-                    self.evictions += 1;
-                    if e.sealed() {
-                        self.sealed -= 1;
-                        self.evicted.push(Evicted {
-                            key,
-                            slot: e.slot,
-                            tp: e.tp,
-                        });
-                    }
-                    return true;
-                }
+            if let Some((slot, key)) = self.lru.pop_oldest(class) {
+                self.own.remove(slot);
+                self.drop_entry(key);
+                return true;
             }
         }
         false
@@ -334,22 +439,45 @@ impl BlockCache {
                     tp,
                 });
             }
-            if class == BlockClass::Retained && e.class == BlockClass::Reclaimable {
-                // Saved here now: it joins the retained class as its youngest member.
-                if e.pins == 0 {
-                    self.lru
-                        .push_young(BlockClass::Retained.idx(), e.slot, key.clone());
-                }
+            let relist = class == BlockClass::Retained && e.class == BlockClass::Reclaimable;
+            if relist {
                 e.class = BlockClass::Retained;
             }
-            if e.written & (1 << rank) != 0 {
+            let (present, slot, unpinned, tenant) =
+                (e.written & (1 << rank) != 0, e.slot, e.pins == 0, e.tenant);
+            if relist && unpinned {
+                // Saved here now: it joins the retained class as its youngest member.
+                self.list_young(BlockClass::Retained, tenant, slot, key.clone());
+            }
+            if present {
                 return Ok(Reservation::Present);
             }
-            let slot = e.slot;
             self.pin_entry(&key);
             return Ok(Reservation::Write(self.slot_ref(hash, slot)));
         }
+        let tenant = self.tenants.id(ns);
+        match self.tenants.admission(tenant) {
+            Admission::Admit => {}
+            Admission::Never => {
+                self.tenants.refused(tenant);
+                return Err(CacheError::NotAdmitted {
+                    namespace: ns.clone(),
+                });
+            }
+            // At its quota: one of its own blocks makes room, never another namespace's.
+            Admission::ReplaceOwn { quota_slots } => {
+                if !self.evict_own(tenant) {
+                    self.tenants.refused(tenant);
+                    return Err(CacheError::OverQuota {
+                        namespace: ns.clone(),
+                        quota: (quota_slots as u64).saturating_mul(self.pool.slot_bytes()),
+                        blocks: self.tenants.used(tenant),
+                    });
+                }
+            }
+        }
         let slot = self.alloc_slot()?;
+        self.tenants.stored(tenant);
         self.map.insert(
             key.clone(),
             Entry {
@@ -358,6 +486,7 @@ impl BlockCache {
                 written: 0,
                 pins: 0,
                 class,
+                tenant,
             },
         );
         self.pin_entry(&key);
@@ -406,24 +535,15 @@ impl BlockCache {
     pub fn drop_reclaimable(&mut self) -> usize {
         let class = BlockClass::Reclaimable.idx();
         let mut keys = Vec::with_capacity(self.lru.len(class));
-        while let Some((_, key)) = self.lru.pop_oldest(class) {
+        while let Some((slot, key)) = self.lru.pop_oldest(class) {
+            self.own.remove(slot);
             keys.push(key);
         }
-        for key in &keys {
-            if let Some(e) = self.map.remove(key) {
-                self.pool.free(e.slot);
-                self.evictions += 1;
-                if e.sealed() {
-                    self.sealed -= 1;
-                    self.evicted.push(Evicted {
-                        key: key.clone(),
-                        slot: e.slot,
-                        tp: e.tp,
-                    });
-                }
-            }
+        let n = keys.len();
+        for key in keys {
+            self.drop_entry(key);
         }
-        keys.len()
+        n
     }
 
     /// Marks `rank`'s part written and drops the writer pin. Returns true when this sealed
@@ -452,10 +572,11 @@ impl BlockCache {
         self.unpin_entry(&key);
         if let Some(e) = self.map.get(&key) {
             if e.written == 0 && e.pins == 0 {
-                let slot = e.slot;
-                self.lru.remove(slot);
+                let (slot, tenant) = (e.slot, e.tenant);
+                self.unlist(slot);
                 self.map.remove(&key);
                 self.pool.free(slot);
+                self.tenants.dropped(tenant);
             }
         }
     }

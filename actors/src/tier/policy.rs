@@ -16,6 +16,10 @@
 //!   RAM, which writes evicted blocks to disk, cannot evict them), then get RAM slots and
 //!   are read into them; the prefix ends at the first block that got no slot or whose read
 //!   was bad, and a damaged block leaves the tier.
+//! - **Quotas**: a namespace at its RAM quota replaces its own oldest block
+//!   ([`crate::tier::quota`]); a block refused for its quota ends a put or a save there —
+//!   the blocks before it are kept and answered as written, the rest are not stored (a
+//!   prefix is what a later query can use).
 //! - **Pins**: a lease's RAM blocks are pinned and its SSD blocks held on disk; a peer's pin
 //!   expires after its TTL. Pinned blocks are never evicted.
 
@@ -30,6 +34,7 @@ use crate::model::{BlockHash, BlockKey, Namespace};
 use crate::peer::pins::PeerPins;
 use crate::tier::cache::{BlockCache, BlockClass, CacheError, Reservation, SlotRef};
 use crate::tier::pool::HostPool;
+use crate::tier::quota::QuotaRules;
 use crate::tier::ssd::tier::PendingWrite;
 use crate::tier::ssd::{SsdError, SsdTier};
 
@@ -44,6 +49,8 @@ pub use promote::LocalPin;
 pub(crate) use promote::ReadFail;
 use spill::WaitingWrite;
 
+#[cfg(test)]
+mod quota_tests;
 #[cfg(test)]
 mod tests;
 
@@ -89,8 +96,18 @@ pub struct Tiers<D: Disk> {
 
 impl<D: Disk> Tiers<D> {
     pub fn new(pool: HostPool, ssd: Option<D>, peer_pin_ttl: Duration) -> Self {
+        Self::with_quotas(pool, ssd, peer_pin_ttl, QuotaRules::default())
+    }
+
+    /// Like [`Self::new`], with the namespaces' RAM quotas.
+    pub fn with_quotas(
+        pool: HostPool,
+        ssd: Option<D>,
+        peer_pin_ttl: Duration,
+        quotas: QuotaRules,
+    ) -> Self {
         Self {
-            cache: BlockCache::new(pool),
+            cache: BlockCache::with_quotas(pool, quotas),
             ssd,
             shapes: HashMap::new(),
             ssd_held: 0,
@@ -99,6 +116,12 @@ impl<D: Disk> Tiers<D> {
             peer_pins: PeerPins::new(peer_pin_ttl),
             effects: Vec::new(),
         }
+    }
+
+    /// The namespaces' RAM quotas; before any block is stored (see
+    /// [`BlockCache::set_quotas`]).
+    pub fn set_quotas(&mut self, rules: QuotaRules) {
+        self.cache.set_quotas(rules);
     }
 
     pub fn set_ssd(&mut self, ssd: Option<D>) {
@@ -181,6 +204,7 @@ impl<D: Disk> Tiers<D> {
         let mut report = StoreReport::default();
         let offset = shape.rank_offset(rank);
         let mut sealed = Vec::new();
+        let mut held = Vec::new();
         for (hash, data) in blocks {
             let r = self.cache.reserve(
                 ns,
@@ -193,14 +217,26 @@ impl<D: Disk> Tiers<D> {
             // Before the slot is written: an evicted block's bytes are still in it.
             self.handle_evictions();
             match r {
+                // The quota ends the put here: what it wrote before is answered below
+                // (nothing written: the quota's error is the answer).
+                Err(e) if e.is_quota() && report.written > 0 => break,
                 Err(e) => {
                     // The blocks sealed so far are kept; nobody waits for their disk writes.
+                    self.cache.unpin(ns, &held);
                     self.handle_sealed(ns, &sealed);
                     return Err(e.into());
                 }
                 Ok(Reservation::Present) => report.present += 1,
                 Ok(Reservation::Write(slot)) => {
                     self.cache.pool().write(slot.slot, offset, data);
+                    // Under a quota, held until the put ends as a save's reservations are:
+                    // a namespace at its quota gives up older blocks, never this request's
+                    // prefix. (Without one, a put larger than the pool evicts its own
+                    // first blocks, as it always did.)
+                    if self.cache.has_quota(ns) {
+                        self.cache.hold(ns, *hash);
+                        held.push(*hash);
+                    }
                     if self.cache.commit(ns, *hash, rank) {
                         sealed.push(*hash);
                     }
@@ -209,14 +245,16 @@ impl<D: Disk> Tiers<D> {
                 }
             }
         }
+        self.cache.unpin(ns, &held);
         report.sealed = sealed.len();
         let keys = self.handle_sealed(ns, &sealed);
         Ok((report, keys))
     }
 
     /// Reserves RAM for a save's blocks (class retained); returns the slots to copy into
-    /// (with each block's index in `hashes`) and how many were present. On an error every
-    /// reservation made is aborted.
+    /// (with each block's index in `hashes`) and how many were present. A block refused for
+    /// its namespace's quota ends the list there (the caller copies what was reserved; with
+    /// nothing reserved it is the error); on any error every reservation made is aborted.
     pub fn reserve_save(
         &mut self,
         ns: &Namespace,
@@ -236,6 +274,9 @@ impl<D: Disk> Tiers<D> {
             match r {
                 Ok(Reservation::Present) => present += 1,
                 Ok(Reservation::Write(slot)) => slots.push((i, slot)),
+                // The quota ends the save here: the blocks before it are copied (none:
+                // the quota's error is the answer).
+                Err(e) if e.is_quota() && !slots.is_empty() => break,
                 Err(e) => {
                     // Aborted synchronously so the error leaves no state.
                     for (i, _) in slots {

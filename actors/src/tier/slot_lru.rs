@@ -1,5 +1,5 @@
-//! The cache's eviction order: per class, a doubly linked list threaded through pool slot
-//! indices, oldest first.
+//! The cache's eviction order: lists (one per class, and one per class and namespace
+//! under a quota), each doubly linked through pool slot indices, oldest first.
 //!
 //! A block leaves the list when it is pinned and comes back at the young end when its last
 //! pin goes. A query pins every block of its prefix and its release unpins them, so both
@@ -28,33 +28,38 @@ impl<K> Default for Link<K> {
     }
 }
 
-/// `CLASSES` LRU lists over slot indices; a slot is in at most one of them.
-pub struct SlotLru<K, const CLASSES: usize> {
+/// LRU lists over slot indices; a slot is in at most one of them. A list index past the
+/// last list reads as an empty list (and pushing to it adds the lists up to it).
+pub struct SlotLru<K> {
     links: Vec<Link<K>>,
-    head: [usize; CLASSES],
-    tail: [usize; CLASSES],
-    len: [usize; CLASSES],
+    head: Vec<usize>,
+    tail: Vec<usize>,
+    len: Vec<usize>,
 }
 
-impl<K: Clone, const CLASSES: usize> Default for SlotLru<K, CLASSES> {
-    fn default() -> Self {
+impl<K: Clone> SlotLru<K> {
+    /// `lists` empty lists.
+    pub fn with_lists(lists: usize) -> Self {
         Self {
             links: Vec::new(),
-            head: [NIL; CLASSES],
-            tail: [NIL; CLASSES],
-            len: [0; CLASSES],
+            head: vec![NIL; lists],
+            tail: vec![NIL; lists],
+            len: vec![0; lists],
         }
     }
-}
 
-impl<K: Clone, const CLASSES: usize> SlotLru<K, CLASSES> {
     pub fn len(&self, class: usize) -> usize {
-        self.len[class]
+        self.len.get(class).copied().unwrap_or(0)
     }
 
     /// Lists `slot` (holding `key`) as the youngest of `class`; a slot already listed moves.
     pub fn push_young(&mut self, class: usize, slot: usize, key: K) {
         self.remove(slot);
+        if class >= self.head.len() {
+            self.head.resize(class + 1, NIL);
+            self.tail.resize(class + 1, NIL);
+            self.len.resize(class + 1, 0);
+        }
         if slot >= self.links.len() {
             self.links.resize_with(slot + 1, Link::default);
         }
@@ -94,7 +99,7 @@ impl<K: Clone, const CLASSES: usize> SlotLru<K, CLASSES> {
 
     /// Unlists and returns the oldest slot of `class`.
     pub fn pop_oldest(&mut self, class: usize) -> Option<(usize, K)> {
-        let slot = self.head[class];
+        let slot = *self.head.get(class)?;
         if slot == NIL {
             return None;
         }
@@ -104,7 +109,7 @@ impl<K: Clone, const CLASSES: usize> SlotLru<K, CLASSES> {
     /// The slots of `class`, oldest first.
     #[cfg(test)]
     pub fn iter(&self, class: usize) -> impl Iterator<Item = (usize, &K)> + '_ {
-        let mut at = self.head[class];
+        let mut at = self.head.get(class).copied().unwrap_or(NIL);
         std::iter::from_fn(move || {
             if at == NIL {
                 return None;
@@ -121,13 +126,13 @@ impl<K: Clone, const CLASSES: usize> SlotLru<K, CLASSES> {
 mod tests {
     use super::*;
 
-    fn order(l: &SlotLru<u32, 2>, class: usize) -> Vec<usize> {
+    fn order(l: &SlotLru<u32>, class: usize) -> Vec<usize> {
         l.iter(class).map(|(s, _)| s).collect()
     }
 
     #[test]
     fn oldest_first_per_class_and_moves_on_push() {
-        let mut l: SlotLru<u32, 2> = SlotLru::default();
+        let mut l: SlotLru<u32> = SlotLru::with_lists(2);
         l.push_young(0, 5, 50);
         l.push_young(0, 2, 20);
         l.push_young(1, 9, 90);
@@ -146,7 +151,7 @@ mod tests {
 
     #[test]
     fn remove_from_the_middle_and_the_ends_keeps_the_links() {
-        let mut l: SlotLru<u32, 2> = SlotLru::default();
+        let mut l: SlotLru<u32> = SlotLru::with_lists(2);
         for s in 0..5 {
             l.push_young(0, s, s as u32);
         }
@@ -163,5 +168,17 @@ mod tests {
         assert_eq!(l.pop_oldest(0), Some((0, 0)));
         assert_eq!(l.len(0), 0);
         assert_eq!(l.pop_oldest(0), None);
+    }
+
+    #[test]
+    fn lists_past_the_last_are_empty_until_pushed() {
+        let mut l: SlotLru<u32> = SlotLru::with_lists(0);
+        assert_eq!((l.len(7), l.pop_oldest(7)), (0, None));
+        l.push_young(7, 3, 30);
+        l.push_young(2, 4, 40);
+        assert_eq!((l.len(7), l.len(2), l.len(5)), (1, 1, 0));
+        assert_eq!(order(&l, 7), vec![3]);
+        assert_eq!(l.pop_oldest(7), Some((3, 30)));
+        assert_eq!(l.remove(4), Some(40));
     }
 }

@@ -102,6 +102,13 @@ impl BlockStore {
         }
     }
 
+    /// Holds the namespaces to RAM quotas ([`crate::tier::quota`]); before any block is
+    /// stored (the node's start).
+    pub fn with_quotas(mut self, rules: crate::tier::quota::QuotaRules) -> Self {
+        self.tiers.set_quotas(rules);
+        self
+    }
+
     /// Runs save transfers on `arbiter` (see the field); without one they run here.
     pub fn with_save_arbiter(mut self, arbiter: Option<actix::ArbiterHandle>) -> Self {
         self.saves = arbiter;
@@ -222,6 +229,19 @@ impl Handler<GetCacheStats> for BlockStore {
 
     fn handle(&mut self, _: GetCacheStats, _: &mut Context<Self>) -> Self::Result {
         actix::MessageResult(self.tiers.cache().stats())
+    }
+}
+
+/// Every namespace's use of RAM, with its quota (metrics and operators).
+#[derive(Message)]
+#[rtype(result = "Vec<crate::tier::quota::TenantUsage>")]
+pub struct GetNamespaceUsage;
+
+impl Handler<GetNamespaceUsage> for BlockStore {
+    type Result = actix::MessageResult<GetNamespaceUsage>;
+
+    fn handle(&mut self, _: GetNamespaceUsage, _: &mut Context<Self>) -> Self::Result {
+        actix::MessageResult(self.tiers.cache().usage())
     }
 }
 

@@ -319,7 +319,11 @@ pub(crate) fn status(method: &str, e: NodeError) -> Status {
         NodeError::UnknownInstance { .. } | NodeError::UnknownRank { .. } => Status::not_found(msg),
         NodeError::RankRegistered { .. } => Status::already_exists(msg),
         NodeError::InstanceMismatch { .. } => Status::failed_precondition(msg),
-        NodeError::Cache(crate::tier::cache::CacheError::Full { .. })
+        NodeError::Cache(
+            crate::tier::cache::CacheError::Full { .. }
+            | crate::tier::cache::CacheError::OverQuota { .. }
+            | crate::tier::cache::CacheError::NotAdmitted { .. },
+        )
         | NodeError::Pool(crate::tier::pool::PoolError::Exhausted { .. }) => {
             Status::resource_exhausted(msg)
         }
