@@ -176,6 +176,11 @@ impl Handler<Query> for LeaseKeeper {
                 remote_blocks,
                 queried.saturating_sub(local_blocks + remote_blocks),
             );
+            act.counters.namespace_query(
+                &namespace,
+                local_blocks + remote_blocks,
+                queried.saturating_sub(local_blocks + remote_blocks),
+            );
             let lease = (local_blocks + remote_blocks > 0).then(|| {
                 let plan = LeasePlan {
                     namespace: namespace.clone(),

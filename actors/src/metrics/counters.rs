@@ -6,8 +6,12 @@ use std::sync::Arc;
 use ::metrics::{counter, histogram};
 
 use crate::api::TransferReport;
+use crate::metrics::namespaces::{NamespaceLabels, NamespaceUsage};
 use crate::metrics::registry::Registry;
-use crate::metrics::{ABANDONED, BYTES, LOADS, QUERIES, QUERY_BLOCKS, STAGE_SECONDS};
+use crate::metrics::STAGE_SECONDS;
+use crate::metrics::{ABANDONED, BYTES, LOADS, NAMESPACE_QUERY_BLOCKS, QUERIES, QUERY_BLOCKS};
+use crate::model::Namespace;
+use crate::tier::quota::TenantUsage;
 
 /// How often one kind of failed transfer is logged per path.
 pub const FAILURE_LOG_PERIOD: std::time::Duration = std::time::Duration::from_secs(10);
@@ -23,6 +27,8 @@ pub struct Counters {
     pub loads_failed: AtomicU64,
     pub bytes_loaded: AtomicU64,
     pub(super) registry: Registry,
+    /// Which namespaces the per-namespace families name.
+    namespaces: NamespaceLabels,
 }
 
 impl Default for Counters {
@@ -33,6 +39,7 @@ impl Default for Counters {
             loads_failed: AtomicU64::new(0),
             bytes_loaded: AtomicU64::new(0),
             registry: Registry::new(),
+            namespaces: NamespaceLabels::new(32),
         }
     }
 }
@@ -87,6 +94,27 @@ impl Counters {
                 "the client gave up before the request took effect; discarded"
             );
         }
+    }
+
+    /// How many namespaces the per-namespace families name (the rest are "other").
+    pub fn set_namespace_labels(&self, cap: usize) {
+        self.namespaces.set_cap(cap);
+    }
+
+    /// Records a query's hit and missed blocks under its namespace's label.
+    pub fn namespace_query(&self, ns: &Namespace, hit: usize, miss: usize) {
+        let label = self.namespaces.label(ns);
+        self.registry.record(|| {
+            for (result, n) in [("hit", hit), ("miss", miss)] {
+                counter!(NAMESPACE_QUERY_BLOCKS, "namespace" => label.clone(), "result" => result)
+                    .increment(n as u64);
+            }
+        });
+    }
+
+    /// The namespaces' RAM use under their labels, for a scrape.
+    pub fn namespace_usage(&self, usage: &[TenantUsage]) -> NamespaceUsage {
+        NamespaceUsage::of(&self.namespaces, usage)
     }
 
     /// Records where a query's blocks were found: this node's RAM or SSD, a peer, nowhere.

@@ -14,6 +14,7 @@
 
 mod counters;
 pub mod names;
+pub mod namespaces;
 mod registry;
 mod render;
 mod scrape;

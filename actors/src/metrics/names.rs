@@ -16,6 +16,11 @@ pub const LEASES_EXPIRED: &str = "kvferry_leases_expired_total";
 pub const EVICTIONS: &str = "kvferry_evictions_total";
 pub const QUERIES: &str = "kvferry_queries_total";
 pub const QUERY_BLOCKS: &str = "kvferry_query_blocks_total";
+/// Per namespace (label `namespace`, bounded: see `metrics/namespaces.rs`).
+pub const NAMESPACE_QUERY_BLOCKS: &str = "kvferry_namespace_query_blocks_total";
+pub const NAMESPACE_RAM_BYTES: &str = "kvferry_namespace_ram_bytes";
+pub const NAMESPACE_RAM_QUOTA_BYTES: &str = "kvferry_namespace_ram_quota_bytes";
+pub const NAMESPACE_REFUSED: &str = "kvferry_namespace_refused_blocks_total";
 pub const ABANDONED: &str = "kvferry_abandoned_total";
 pub const LOADS: &str = "kvferry_loads_total";
 pub const BYTES: &str = "kvferry_bytes_total";
@@ -130,6 +135,15 @@ pub fn describe() {
             SSD_STAGING_SLOTS,
             "Pool slots lent to loads for their SSD reads.",
         ),
+        (
+            NAMESPACE_RAM_BYTES,
+            "Pool bytes held by each namespace's blocks (whole slots), by namespace (the first \
+             tenants.metric-namespaces seen by name, the rest as \"other\").",
+        ),
+        (
+            NAMESPACE_RAM_QUOTA_BYTES,
+            "RAM quota of each namespace that has one ([[tenants.quota]]), by namespace.",
+        ),
     ] {
         describe_gauge!(name, help);
     }
@@ -145,6 +159,15 @@ pub fn describe() {
         (
             QUERY_BLOCKS,
             "Queried blocks by where they were found (ram, ssd, remote, miss); they sum to the hashes queried.",
+        ),
+        (
+            NAMESPACE_QUERY_BLOCKS,
+            "Queried blocks by namespace and result (hit: found on this node or a peer, miss).",
+        ),
+        (
+            NAMESPACE_REFUSED,
+            "Blocks refused for their namespace's RAM quota (all of its blocks pinned, or a \
+             quota of 0), by namespace.",
         ),
         (
             LOADS,
