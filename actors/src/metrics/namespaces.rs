@@ -130,3 +130,103 @@ impl Sampled for NamespaceUsage {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::Stats;
+    use crate::metrics::{render, Counters, Extra};
+
+    fn ns(model: &str) -> Namespace {
+        Namespace::new(model, "bf16", "t").unwrap()
+    }
+
+    fn usage(model: &str, blocks: usize, quota: Option<u64>, refused: u64) -> TenantUsage {
+        TenantUsage {
+            namespace: ns(model),
+            blocks,
+            bytes: blocks as u64 * 4096,
+            quota_bytes: quota,
+            refused,
+        }
+    }
+
+    #[test]
+    fn past_the_cap_namespaces_are_other_and_sum_there() {
+        let c = Counters::default();
+        c.set_namespace_labels(2);
+        c.namespace_query(&ns("a"), 3, 1);
+        c.namespace_query(&ns("b"), 0, 4);
+        c.namespace_query(&ns("c"), 2, 0);
+        c.namespace_query(&ns("d"), 1, 1);
+        c.namespace_query(&ns("a"), 1, 0);
+        let u = c.namespace_usage(&[
+            usage("a", 2, Some(8192), 0),
+            usage("b", 1, None, 0),
+            usage("c", 3, Some(4096), 5),
+            usage("d", 4, None, 1),
+        ]);
+        let text = render(
+            &Stats::default(),
+            &c,
+            Extra {
+                sampled: vec![Box::new(u)],
+                ..Default::default()
+            },
+        );
+        for line in [
+            "kvferry_namespace_query_blocks_total{namespace=\"a/bf16/t\",result=\"hit\"} 4\n",
+            "kvferry_namespace_query_blocks_total{namespace=\"a/bf16/t\",result=\"miss\"} 1\n",
+            "kvferry_namespace_query_blocks_total{namespace=\"b/bf16/t\",result=\"miss\"} 4\n",
+            "kvferry_namespace_query_blocks_total{namespace=\"other\",result=\"hit\"} 3\n",
+            "kvferry_namespace_query_blocks_total{namespace=\"other\",result=\"miss\"} 1\n",
+            "kvferry_namespace_ram_bytes{namespace=\"a/bf16/t\"} 8192\n",
+            "kvferry_namespace_ram_bytes{namespace=\"b/bf16/t\"} 4096\n",
+            "kvferry_namespace_ram_bytes{namespace=\"other\"} 28672\n",
+            "kvferry_namespace_ram_quota_bytes{namespace=\"a/bf16/t\"} 8192\n",
+            "kvferry_namespace_ram_quota_bytes{namespace=\"other\"} 4096\n",
+            "kvferry_namespace_refused_blocks_total{namespace=\"other\"} 6\n",
+            "# TYPE kvferry_namespace_ram_bytes gauge\n",
+        ] {
+            assert!(text.contains(line), "{line}{text}");
+        }
+        assert!(
+            !text.contains("c/bf16/t") && !text.contains("d/bf16/t"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("kvferry_namespace_ram_quota_bytes{namespace=\"b/bf16/t\"}"),
+            "{text}"
+        );
+        // However many namespaces come, the families hold cap + 1 label values.
+        for i in 0..500 {
+            c.namespace_query(&ns(&format!("m{i}")), 1, 0);
+        }
+        let text = render(&Stats::default(), &c, Extra::default());
+        let series = text
+            .lines()
+            .filter(|l| l.starts_with("kvferry_namespace_query_blocks_total{"))
+            .count();
+        assert_eq!(series, 6, "{text}");
+        assert!(
+            text.contains(
+                "kvferry_namespace_query_blocks_total{namespace=\"other\",result=\"hit\"} 503\n"
+            ),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn long_names_are_cut_with_a_hash_so_they_stay_apart() {
+        let long = "m".repeat(128);
+        let (a, b) = (format!("{long}/bf16/aaaa"), format!("{long}/bf16/bbbb"));
+        let (la, lb) = (label_text(&a), label_text(&b));
+        assert_ne!(la, lb);
+        assert_eq!(la.chars().count(), LABEL_CHARS);
+        assert!(la.starts_with("mmmm") && la.contains('~'), "{la}");
+        assert_eq!(label_text("llama/bf16/t"), "llama/bf16/t");
+        // Zero: every namespace is "other".
+        let labels = NamespaceLabels::new(0);
+        assert_eq!(labels.label(&ns("a")), OTHER);
+    }
+}

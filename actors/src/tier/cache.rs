@@ -346,7 +346,9 @@ impl BlockCache {
 
     /// Whether `ns` is held to a quota.
     pub fn has_quota(&self, ns: &Namespace) -> bool {
-        self.tenants.known(ns).is_some_and(|t| self.tenants.has_quota(t))
+        self.tenants
+            .known(ns)
+            .is_some_and(|t| self.tenants.has_quota(t))
     }
 
     /// Takes one more pin on a block held here, sealed or not (released with
