@@ -8,5 +8,6 @@ mod peer_rpc;
 mod remote;
 mod spans;
 mod ssd;
+mod tenants;
 mod transport_actors;
 mod verbs_soft;

@@ -1,0 +1,145 @@
+//! Tenants on a whole node: two namespaces with equal block hashes never hit each other's
+//! blocks, a RAM quota is enforced at admission through the store actor, and the
+//! per-namespace metrics show both.
+
+use kvferry_actors::config::{ByteSize, QuotaSection};
+use kvferry_actors::tier::cache::CacheError;
+use kvferry_actors::{BlockHash, Clock, NodeError, PutBlocks};
+use kvferry_gpu::KvShape;
+use kvferry_testkit::harness::*;
+use kvferry_testkit::{DeviceKv, KvKind};
+
+fn put_blocks(instance: &str, shape: &KvShape, ids: std::ops::Range<u64>) -> PutBlocks {
+    PutBlocks {
+        instance: id(instance),
+        rank: 0,
+        blocks: ids
+            .map(|i| {
+                (
+                    BlockHash::from_u64(i),
+                    kvferry_testkit::rank_part(shape, i, 0),
+                )
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn equal_hashes_of_two_tenants_never_meet_and_a_quota_caps_one() {
+    rt().block_on(async {
+        let shape = KvShape::new(2, 1, 2, 1024).unwrap();
+        let slot = shape.block_bytes();
+        let mut cfg = config(slot, 16);
+        cfg.tenants.quota.push(QuotaSection {
+            namespace: None,
+            prefix: Some("small/".into()),
+            ram: ByteSize(2 * slot),
+        });
+        cfg.tenants.quota.push(QuotaSection {
+            namespace: None,
+            prefix: Some("off/".into()),
+            ram: ByteSize(0),
+        });
+        let (node, dev) = start(
+            cfg,
+            Clock::system(),
+            None::<std::sync::Arc<kvferry_actors::peer::LocalCluster>>,
+        );
+        let mut kvs = Vec::new();
+        for (instance, model) in [("a", "small"), ("b", "big"), ("c", "off")] {
+            let kv = DeviceKv::alloc(
+                dev.clone(),
+                shape,
+                KvKind::Split,
+                16,
+                shape.segment_bytes(),
+                0,
+            )
+            .unwrap();
+            kv.register(&node, instance, model, 0).await.unwrap();
+            kvs.push(kv);
+        }
+        // a's put of 5 blocks keeps its first 2 (its quota) and refuses the rest.
+        let r = node
+            .put_blocks(put_blocks("a", &shape, 0..5))
+            .await
+            .unwrap();
+        assert_eq!(r.written, 2);
+        // b has the same hashes: none of a's blocks is a hit for it.
+        let q = query(&node, "b", 0..5, false).await;
+        assert_eq!((q.local_blocks, q.remote_blocks), (0, 0));
+        assert!(q.lease.is_none());
+        let r = node
+            .put_blocks(put_blocks("b", &shape, 0..5))
+            .await
+            .unwrap();
+        assert_eq!(r.written, 5);
+        // Each finds its own, and b's blocks are b's bytes in b's KV.
+        let qa = query(&node, "a", 0..5, false).await;
+        assert_eq!(qa.local_blocks, 2);
+        node.release(qa.lease.unwrap()).await.unwrap();
+        let qb = query(&node, "b", 0..5, false).await;
+        assert_eq!(qb.local_blocks, 5);
+        load_and_verify(
+            &node,
+            &kvs[1],
+            load_request(qb.lease.unwrap(), "b", 0, &[3, 4, 5, 6, 7]),
+            0,
+            "b's blocks",
+        )
+        .await;
+        // a saving on churns only its own blocks: b keeps all five.
+        node.put_blocks(put_blocks("a", &shape, 10..12))
+            .await
+            .unwrap();
+        let qa = query(&node, "a", 10..12, false).await;
+        assert_eq!(qa.local_blocks, 2);
+        node.release(qa.lease.unwrap()).await.unwrap();
+        assert_eq!(query(&node, "a", 0..2, false).await.local_blocks, 0);
+        let qb = query(&node, "b", 0..5, false).await;
+        assert_eq!(qb.local_blocks, 5);
+        node.release(qb.lease.unwrap()).await.unwrap();
+        // A quota of 0: never admitted, a typed error naming the namespace.
+        let e = node
+            .put_blocks(put_blocks("c", &shape, 0..1))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, NodeError::Cache(CacheError::NotAdmitted { namespace })
+                if namespace.as_str().starts_with("off/")),
+            "{e}"
+        );
+        let s = settled(&node).await;
+        assert_eq!((s.blocks, s.pinned_blocks, s.leases_live), (7, 0, 0));
+        let text = node.metrics_text().await.unwrap();
+        let ns_a = format!("small/bf16/{}", shape.fingerprint());
+        let ns_b = format!("big/bf16/{}", shape.fingerprint());
+        for line in [
+            format!(
+                "kvferry_namespace_ram_bytes{{namespace=\"{ns_a}\"}} {}\n",
+                2 * slot
+            ),
+            format!(
+                "kvferry_namespace_ram_quota_bytes{{namespace=\"{ns_a}\"}} {}\n",
+                2 * slot
+            ),
+            format!("kvferry_namespace_refused_blocks_total{{namespace=\"{ns_a}\"}} 1\n"),
+            format!(
+                "kvferry_namespace_ram_bytes{{namespace=\"{ns_b}\"}} {}\n",
+                5 * slot
+            ),
+            format!(
+                "kvferry_namespace_query_blocks_total{{namespace=\"{ns_b}\",result=\"hit\"}} 10\n"
+            ),
+            format!(
+                "kvferry_namespace_query_blocks_total{{namespace=\"{ns_b}\",result=\"miss\"}} 5\n"
+            ),
+        ] {
+            assert!(text.contains(&line), "{line}{text}");
+        }
+        // b has no quota: no quota series for it.
+        assert!(!text.contains(&format!(
+            "kvferry_namespace_ram_quota_bytes{{namespace=\"{ns_b}\"}}"
+        )));
+    });
+}
