@@ -15,8 +15,8 @@ pub enum ModelError {
     HashLength { index: usize, len: usize },
     /// `value` is [`shown`]: escaped and cut, never the raw bytes a client sent.
     #[error(
-        "namespace {field} must be 1 to 128 printable ASCII characters without '/' \
-         (no spaces or control characters; {len} bytes given), got {value}"
+        "namespace {field} must be 1 to 128 printable characters (ASCII, without '/', \
+         spaces or control characters; {len} bytes given), got {value}"
     )]
     Namespace {
         field: &'static str,

@@ -301,8 +301,8 @@ impl Peer for PeerService {
             .ok_or_else(|| Status::invalid_argument("Hello carries no node info"))?;
         if !valid_node_id(&peer.node_id) {
             return Err(Status::invalid_argument(format!(
-                "Hello: node id must be 1 to 128 printable characters, got {:?}",
-                peer.node_id
+                "Hello: node id must be 1 to 128 printable characters, got {}",
+                crate::model::shown(&peer.node_id)
             )));
         }
         if peer.protocol != PROTOCOL {
@@ -333,8 +333,8 @@ impl Peer for PeerService {
         self.check_token(&req.token)?;
         if !valid_node_id(&req.node_id) {
             return Err(Status::invalid_argument(format!(
-                "Handshake: node id must be 1 to 128 printable characters, got {:?}",
-                req.node_id
+                "Handshake: node id must be 1 to 128 printable characters, got {}",
+                crate::model::shown(&req.node_id)
             )));
         }
         let provider = Provider::parse(&req.provider)
