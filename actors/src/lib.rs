@@ -28,6 +28,7 @@ pub mod private_fs;
 pub mod service;
 pub(crate) mod statuses;
 pub mod tier;
+pub mod tls;
 
 pub use api::*;
 pub use clock::{Clock, ManualClock};

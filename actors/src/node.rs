@@ -44,6 +44,8 @@ struct Inner {
     nics: Option<crate::nic::NodeNics>,
     /// The engine service serving this node, for its gauges in a scrape.
     engine: Mutex<Option<std::sync::Weak<dyn crate::metrics::EngineProbe>>>,
+    /// The TLS counters of the listeners serving this node (`[tls]`), while attached.
+    tls: Mutex<Option<Arc<crate::tls::TlsStats>>>,
     _registrations: Vec<HostRegistration>,
 }
 
@@ -243,6 +245,7 @@ impl Node {
                 pool_region,
                 nics,
                 engine: Mutex::new(None),
+                tls: Mutex::new(None),
                 _registrations: registrations,
             }),
         })
@@ -488,6 +491,13 @@ impl Node {
         }
     }
 
+    /// Shows the TLS counters of `stats` (failed handshakes, reloads) in this node's scrapes.
+    pub fn attach_tls(&self, stats: Arc<crate::tls::TlsStats>) {
+        if let Ok(mut t) = self.inner.tls.lock() {
+            *t = Some(stats);
+        }
+    }
+
     /// Whether an engine service's gauges are attached (it has started serving).
     pub fn engine_attached(&self) -> bool {
         self.inner
@@ -512,6 +522,9 @@ impl Node {
         }
         let usage = self.inner.store.send(store::GetNamespaceUsage).await?;
         sampled.push(Box::new(self.inner.counters.namespace_usage(&usage)));
+        if let Some(t) = self.inner.tls.lock().ok().and_then(|t| t.clone()) {
+            sampled.push(Box::new(t.sample()));
+        }
         let extra = crate::metrics::Extra {
             peer_pins: self.peer_pins().await?,
             engine: self

@@ -9,6 +9,8 @@ use kvferry_actors::peer::{
     Directory, GrpcPeers, GrpcPeersConfig, Peers, Provider, RedisDirectory, RedisError,
     StaticDirectory,
 };
+use kvferry_actors::config::{ClientAuth, TlsListener};
+use kvferry_actors::tls::{TlsContext, TlsServing, TlsSide};
 use kvferry_actors::{node::open_devices, Clock, Node, NodeConfig};
 
 use crate::logging::lifecycle;
@@ -202,8 +204,67 @@ impl Engine {
     }
 }
 
+/// The TLS context of `[tls]`, loaded once at start (the files were checked by
+/// `validate`, so this fails only if they changed since).
+fn load_tls(cfg: &NodeConfig) -> anyhow::Result<Option<TlsContext>> {
+    match &cfg.tls {
+        Some(t) => Ok(Some(
+            TlsContext::load(t.files()).context("loading the [tls] files")?,
+        )),
+        None => Ok(None),
+    }
+}
+
+/// Shows `ctx`'s counters in the node's scrapes and watches its reload triggers (SIGHUP,
+/// file changes) until the process ends. Inside the runtime.
+fn watch_tls(cfg: &NodeConfig, node: &Node, ctx: &TlsContext) {
+    node.attach_tls(Arc::clone(ctx.stats()));
+    let Some(t) = &cfg.tls else { return };
+    let (watched, sighup, poll) = (
+        ctx.clone(),
+        t.reload_on_sighup,
+        std::time::Duration::from_secs(t.reload_poll_secs),
+    );
+    tokio::spawn(async move {
+        let stop = std::future::pending();
+        if let Err(e) = kvferry_actors::tls::reload::watch(watched, sighup, poll, stop).await {
+            tracing::warn!(error = %e, "cannot watch for SIGHUP; TLS files are not reloaded");
+        }
+    });
+}
+
+/// How `listener` serves TLS, if `[tls]` puts it on it.
+fn tls_serving(
+    cfg: &NodeConfig,
+    ctx: Option<&TlsContext>,
+    listener: TlsListener,
+) -> anyhow::Result<Option<TlsServing>> {
+    let (Some(t), Some(ctx)) = (&cfg.tls, ctx) else {
+        return Ok(None);
+    };
+    if !t.covers(listener) {
+        return Ok(None);
+    }
+    let (auth, side) = match listener {
+        TlsListener::Engine => (t.engine_client_cert, TlsSide::Engine),
+        TlsListener::Peer => (ClientAuth::Required, TlsSide::Peer),
+        TlsListener::Data => (ClientAuth::Required, TlsSide::Data),
+        TlsListener::Metrics => (ClientAuth::None, TlsSide::Metrics),
+    };
+    Ok(Some(TlsServing {
+        config: ctx.server_config(auth, &[kvferry_actors::tls::ALPN_H2])?,
+        side,
+        handshake_timeout: t.handshake_timeout(),
+        stats: Arc::clone(ctx.stats()),
+    }))
+}
+
 /// Starts the engine service if the config has an `[engine]` section.
-async fn start_engine(cfg: &NodeConfig, node: &Node) -> anyhow::Result<Option<Engine>> {
+async fn start_engine(
+    cfg: &NodeConfig,
+    node: &Node,
+    tls: Option<&TlsContext>,
+) -> anyhow::Result<Option<Engine>> {
     use kvferry_actors::service::{serve_engine, EngineOptions, FdSocket};
     let Some(e) = &cfg.engine else {
         return Ok(None);
@@ -221,11 +282,13 @@ async fn start_engine(cfg: &NodeConfig, node: &Node) -> anyhow::Result<Option<En
         println!("listening engine-fd={}", f.path().display());
     }
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let mut options = EngineOptions::from_config(e);
+    options.tls = tls_serving(cfg, tls, TlsListener::Engine)?;
     let task = tokio::spawn(serve_engine(
         listener,
         fd,
         node.clone(),
-        EngineOptions::from_config(e),
+        options,
         async move {
             let _ = stopped.await;
         },
@@ -278,7 +341,11 @@ pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
             Node::start_with(cfg.clone(), devices, Clock::system()).context("starting the node")?;
         let served = rt.block_on(async {
             let stop = shutdown_signal()?;
-            let engine = start_engine(&cfg, &node).await?;
+            let tls = load_tls(&cfg)?;
+            if let Some(ctx) = &tls {
+                watch_tls(&cfg, &node, ctx);
+            }
+            let engine = start_engine(&cfg, &node, tls.as_ref()).await?;
             start_metrics(&cfg, &node).await?;
             announce_started(&node, "running on its own; Ctrl-C or SIGTERM stops it");
             let stopped = until_stopped(stop, &node).await;
@@ -301,8 +368,9 @@ pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
     } else {
         Arc::new(redis_directory(&cfg, &c.directory)?)
     };
-    let peers = GrpcPeers::new(
-        GrpcPeersConfig {
+    // Loaded before the node, so that its calls to peers use it.
+    let tls = load_tls(&cfg)?;
+    let peers_config = GrpcPeersConfig {
             node_id: cfg.node_id.clone(),
             provider,
             token: c.token.clone(),
@@ -313,9 +381,13 @@ pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
                 .collect(),
             shm_dir: c.shm_dir.clone().into(),
             data_listen: c.data_listen.clone(),
-        },
-        directory,
-    );
+    };
+    let peers = match &tls {
+        Some(ctx) if cfg.tls_on(TlsListener::Peer) => {
+            GrpcPeers::new_with_tls(peers_config, directory, ctx.clone())?
+        }
+        _ => GrpcPeers::new(peers_config, directory),
+    };
     let node = Node::start_in(
         cfg.clone(),
         devices,
@@ -325,7 +397,10 @@ pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
     .context("starting the node")?;
     let served = rt.block_on(async {
         let stop_signal = shutdown_signal()?;
-        let engine = start_engine(&cfg, &node).await?;
+        if let Some(ctx) = &tls {
+            watch_tls(&cfg, &node, ctx);
+        }
+        let engine = start_engine(&cfg, &node, tls.as_ref()).await?;
         start_metrics(&cfg, &node).await?;
         let listener = tokio::net::TcpListener::bind(&c.peer_listen)
             .await
@@ -358,9 +433,16 @@ pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
         // On SIGTERM: stop accepting and let open calls finish, but not forever: peers keep
         // their connections open, so the drain is bounded.
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let serve = kvferry_actors::peer::serve(listener, backend, c.token.clone(), async move {
-            let _ = stopped.await;
-        });
+        let peer_tls = tls_serving(&cfg, tls.as_ref(), TlsListener::Peer)?;
+        let serve = kvferry_actors::peer::serve_with_tls(
+            listener,
+            backend,
+            c.token.clone(),
+            peer_tls,
+            async move {
+                let _ = stopped.await;
+            },
+        );
         tokio::pin!(serve);
         let stopped = tokio::select! {
             r = &mut serve => { r?; Ok(()) }

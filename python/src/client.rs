@@ -113,9 +113,13 @@ impl EngineClient {
 impl EngineClient {
     /// Connects to the engine service at `addr` ("host:port"). `token`: the node's engine
     /// token; `deadline_s`: of every call; `fd_socket`: the node's fd socket path where it
-    /// differs from what the node announces (another mount namespace).
+    /// differs from what the node announces (another mount namespace). `tls_ca`: the PEM
+    /// file of the CA that signed the node's certificate, for a node whose engine listener
+    /// speaks TLS; `tls_server_name`: the name that certificate carries (default: the
+    /// address's host); `tls_cert` and `tls_key`: a client certificate to present.
     #[new]
-    #[pyo3(signature = (addr, token=None, deadline_s=DEFAULT_DEADLINE_S, connect_timeout_s=5.0, fd_socket=None))]
+    #[pyo3(signature = (addr, token=None, deadline_s=DEFAULT_DEADLINE_S, connect_timeout_s=5.0, fd_socket=None, *, tls_ca=None, tls_server_name=None, tls_cert=None, tls_key=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         addr: String,
@@ -123,7 +127,33 @@ impl EngineClient {
         deadline_s: f64,
         connect_timeout_s: f64,
         fd_socket: Option<PathBuf>,
+        tls_ca: Option<PathBuf>,
+        tls_server_name: Option<String>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
     ) -> PyResult<Self> {
+        let tls = match (&tls_ca, &tls_cert, &tls_key) {
+            (None, None, None) => None,
+            (None, _, _) => {
+                return Err(pyo3::exceptions::PyValueError::new_err(
+                    "tls_cert and tls_key need tls_ca (the CA of the node's certificate)",
+                ))
+            }
+            (Some(_), Some(_), None) | (Some(_), None, Some(_)) => {
+                return Err(pyo3::exceptions::PyValueError::new_err(
+                    "tls_cert and tls_key go together",
+                ))
+            }
+            (Some(ca), cert, key) => {
+                let identity = cert.as_deref().zip(key.as_deref());
+                let name = tls_server_name.as_deref().unwrap_or("");
+                Some(
+                    kvferry_client::EngineTls::from_files(ca, name, identity).map_err(|e| {
+                        pyo3::exceptions::PyOSError::new_err(format!("kvferry TLS files: {e}"))
+                    })?,
+                )
+            }
+        };
         let deadline = seconds(py, "deadline_s", deadline_s)?;
         let connect_timeout = seconds(py, "connect_timeout_s", connect_timeout_s)?;
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -138,10 +168,10 @@ impl EngineClient {
         // The Rust client bounds a connect by its own default deadline; this bounds it by
         // `connect_timeout_s`, so a host that drops packets costs no more than that.
         let connect = |fd: Option<PathBuf>| {
-            let (addr, token) = (addr.clone(), token.clone());
+            let (addr, token, tls) = (addr.clone(), token.clone(), tls.clone());
             async move {
-                match tokio::time::timeout(connect_timeout, RustClient::connect(&addr, fd, token))
-                    .await
+                let connecting = RustClient::connect_tls(&addr, fd, token, tls.as_ref());
+                match tokio::time::timeout(connect_timeout, connecting).await
                 {
                     Ok(c) => Ok(c?.with_deadline(deadline)),
                     Err(_) => Err(EngineClientError::ConnectTimeout {

@@ -104,6 +104,54 @@ fn node_is_done_with(e: &EngineClientError) -> bool {
     )
 }
 
+/// TLS to a node's engine listener: the CA that signed the node's certificate, the name
+/// the certificate must carry, and optionally a client certificate (for a node with
+/// `engine-client-cert = "required"`). PEM throughout.
+#[derive(Clone, Debug, Default)]
+pub struct EngineTls {
+    pub ca_pem: Vec<u8>,
+    /// The name the node's certificate must carry; empty: the host part of the address.
+    pub server_name: String,
+    /// (certificate chain, private key) this client presents.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl EngineTls {
+    /// Reads the CA (and the client certificate and key, if given) from PEM files.
+    pub fn from_files(
+        ca: &std::path::Path,
+        server_name: &str,
+        identity: Option<(&std::path::Path, &std::path::Path)>,
+    ) -> std::io::Result<Self> {
+        let identity = match identity {
+            Some((c, k)) => Some((std::fs::read(c)?, std::fs::read(k)?)),
+            None => None,
+        };
+        Ok(Self {
+            ca_pem: std::fs::read(ca)?,
+            server_name: server_name.to_owned(),
+            identity,
+        })
+    }
+
+    fn to_tonic(&self, addr: &str) -> tonic::transport::ClientTlsConfig {
+        let name = if self.server_name.is_empty() {
+            // "host:port", "[v6]:port": the host without brackets.
+            let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+            host.trim_matches(|c| c == '[' || c == ']').to_owned()
+        } else {
+            self.server_name.clone()
+        };
+        let mut c = tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(&self.ca_pem))
+            .domain_name(name);
+        if let Some((cert, key)) = &self.identity {
+            c = c.identity(tonic::transport::Identity::from_pem(cert, key));
+        }
+        c
+    }
+}
+
 impl EngineClient {
     /// Connects to `addr` ("host:port"); `fd_socket` is the node's fd socket (None: this
     /// client sends no memory); `token` is the node's engine token ("" where none is set).
@@ -112,10 +160,22 @@ impl EngineClient {
         fd_socket: Option<PathBuf>,
         token: impl Into<String>,
     ) -> Result<Self, EngineClientError> {
+        Self::connect_tls(addr, fd_socket, token, None).await
+    }
+
+    /// [`Self::connect`], over TLS where `tls` is given (a node whose `[tls]` puts TLS on
+    /// the engine listener).
+    pub async fn connect_tls(
+        addr: impl Into<String>,
+        fd_socket: Option<PathBuf>,
+        token: impl Into<String>,
+        tls: Option<&EngineTls>,
+    ) -> Result<Self, EngineClientError> {
         let addr = addr.into();
         let deadline = DEFAULT_DEADLINE;
         // No per-request timeout on the channel: sessions and completion streams stay open.
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))
             .map_err(|e| EngineClientError::Address {
                 addr: addr.clone(),
                 reason: e.to_string(),
@@ -124,6 +184,15 @@ impl EngineClient {
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(20))
             .keep_alive_while_idle(true);
+        let endpoint = match tls {
+            Some(t) => endpoint.tls_config(t.to_tonic(&addr)).map_err(|source| {
+                EngineClientError::Connect {
+                    addr: addr.clone(),
+                    source,
+                }
+            })?,
+            None => endpoint,
+        };
         let channel = match tokio::time::timeout(deadline, endpoint.connect()).await {
             Ok(Ok(c)) => c,
             Ok(Err(source)) => return Err(EngineClientError::Connect { addr, source }),

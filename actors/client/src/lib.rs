@@ -11,7 +11,7 @@ mod error;
 mod register;
 mod session;
 
-pub use client::{EngineClient, KvFd, QueryAnswer, DEFAULT_DEADLINE};
+pub use client::{EngineClient, EngineTls, KvFd, QueryAnswer, DEFAULT_DEADLINE};
 pub use completions::CompletionStream;
 pub use error::EngineClientError;
 pub use kvferry_proto as proto;

@@ -23,6 +23,9 @@ pub struct ClusterConfig {
     /// `static` (ask the listed peers in order) or `redis://host:port`.
     pub directory: String,
     pub peers: Vec<PeerConfig>,
+    /// Serve a peer listener reachable from other hosts without a token or mutual TLS (labs
+    /// only; a non-loopback `peer-listen` is refused otherwise).
+    pub allow_unauthenticated: bool,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -44,6 +47,7 @@ impl fmt::Debug for ClusterConfig {
             token,
             directory,
             peers,
+            allow_unauthenticated,
         } = self;
         f.debug_struct("ClusterConfig")
             .field("provider", provider)
@@ -53,6 +57,7 @@ impl fmt::Debug for ClusterConfig {
             .field("token", &Redacted(token))
             .field("directory", &RedactedUrl(directory))
             .field("peers", peers)
+            .field("allow_unauthenticated", allow_unauthenticated)
             .finish()
     }
 }
@@ -67,6 +72,7 @@ impl Default for ClusterConfig {
             token: String::new(),
             directory: "static".into(),
             peers: Vec::new(),
+            allow_unauthenticated: false,
         }
     }
 }

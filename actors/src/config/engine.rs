@@ -31,6 +31,9 @@ pub struct EngineConfig {
     /// sleeps on the doorbell (a woken thread answers tens of microseconds later; a polling
     /// one at once, for a core's time while it polls). 0: sleep at once. At most 1 s.
     pub mailbox_spin_us: u64,
+    /// Serve a listener reachable from other hosts without a token or client certificates
+    /// (labs only; a non-loopback `listen` is refused otherwise).
+    pub allow_unauthenticated: bool,
 }
 
 impl Default for EngineConfig {
@@ -43,6 +46,7 @@ impl Default for EngineConfig {
             completion_retention: 1024,
             handle_ttl_secs: 30,
             mailbox_spin_us: 2000,
+            allow_unauthenticated: false,
         }
     }
 }
@@ -58,6 +62,7 @@ impl fmt::Debug for EngineConfig {
             completion_retention,
             handle_ttl_secs,
             mailbox_spin_us,
+            allow_unauthenticated,
         } = self;
         f.debug_struct("EngineConfig")
             .field("listen", listen)
@@ -67,6 +72,7 @@ impl fmt::Debug for EngineConfig {
             .field("completion_retention", completion_retention)
             .field("handle_ttl_secs", handle_ttl_secs)
             .field("mailbox_spin_us", mailbox_spin_us)
+            .field("allow_unauthenticated", allow_unauthenticated)
             .finish()
     }
 }

@@ -19,6 +19,7 @@ mod node;
 mod pool;
 pub(crate) mod redact;
 mod tenants;
+mod tls;
 
 pub use crate::bytes::ByteSize;
 pub use cluster::{ClusterConfig, PeerConfig};
@@ -33,6 +34,7 @@ pub use metrics::MetricsConfig;
 pub use node::NodeConfig;
 pub use pool::PoolConfig;
 pub use tenants::{QuotaSection, TenantsConfig, MAX_METRIC_NAMESPACES};
+pub use tls::{ClientAuth, TlsConfig, TlsListener, MAX_HANDSHAKE_TIMEOUT_MS};
 
 #[cfg(test)]
 mod tests;

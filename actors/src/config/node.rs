@@ -6,7 +6,7 @@ use crate::config::device::MAX_COMPLETION_SPIN_US;
 use crate::config::limits::{check_socket_dir, check_token, check_ttl};
 use crate::config::{
     ByteSize, ClusterConfig, ConfigError, DeviceConfig, DirectoryConfig, EngineConfig, HostMemory,
-    LeaseConfig, MetricsConfig, PoolConfig, MAX_SLOT_BYTES,
+    LeaseConfig, MetricsConfig, PoolConfig, TlsConfig, TlsListener, MAX_SLOT_BYTES,
 };
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -39,6 +39,9 @@ pub struct NodeConfig {
     pub log: crate::config::log::LogSection,
     /// RAM quotas per namespace and the namespaces metrics name (`[tenants]`).
     pub tenants: crate::config::TenantsConfig,
+    /// TLS on the TCP listeners and between nodes (`[tls]`); absent: plaintext.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsConfig>,
 }
 
 impl Default for NodeConfig {
@@ -57,6 +60,7 @@ impl Default for NodeConfig {
             ssd: None,
             log: crate::config::log::LogSection::default(),
             tenants: crate::config::TenantsConfig::default(),
+            tls: None,
         }
     }
 }
@@ -118,12 +122,72 @@ impl NodeConfig {
         Ok(cfg)
     }
 
+    /// Reads, parses and validates the file at `path`; relative `[tls]` paths are taken
+    /// from the file's directory.
     pub fn load(path: &str) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
-        Self::from_toml(&text, path)
+        let mut cfg: NodeConfig = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?;
+        if let Some(t) = &mut cfg.tls {
+            let base = std::path::Path::new(path)
+                .parent()
+                .unwrap_or(std::path::Path::new(""));
+            t.resolve_relative(base);
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Whether `listener` speaks TLS in this config.
+    pub fn tls_on(&self, listener: TlsListener) -> bool {
+        self.tls.as_ref().is_some_and(|t| t.covers(listener))
+    }
+
+    /// A listener reachable from other hosts must authenticate its callers: the engine
+    /// listener by `engine.token` or required client certificates, the peer listener by
+    /// `cluster.token` or mutual TLS, unless the section says `allow-unauthenticated`.
+    fn check_exposed_listeners(&self) -> Result<(), ConfigError> {
+        let exposed = |a: &str| {
+            a.parse::<std::net::SocketAddr>()
+                .is_ok_and(|a| !a.ip().is_loopback())
+        };
+        if let Some(e) = &self.engine {
+            let mutual = self.tls.as_ref().is_some_and(TlsConfig::engine_mutual);
+            if exposed(&e.listen) && e.token.is_empty() && !mutual && !e.allow_unauthenticated {
+                return Err(ConfigError::Invalid {
+                    key: "engine.listen",
+                    reason: format!(
+                        "{} is reachable from other hosts but nothing authenticates its \
+                         callers: set engine.token, or [tls] with \"engine\" in listeners and \
+                         engine-client-cert = \"required\", or bind a loopback address \
+                         (engine.allow-unauthenticated = true serves it open, for labs)",
+                        e.listen
+                    ),
+                });
+            }
+        }
+        if let Some(c) = &self.cluster {
+            let mutual = self.tls_on(TlsListener::Peer);
+            if exposed(&c.peer_listen) && c.token.is_empty() && !mutual && !c.allow_unauthenticated
+            {
+                return Err(ConfigError::Invalid {
+                    key: "cluster.peer-listen",
+                    reason: format!(
+                        "{} is reachable from other hosts but nothing authenticates peers: \
+                         set cluster.token, or [tls] with \"peer\" in listeners (mutual TLS), \
+                         or bind a loopback address (cluster.allow-unauthenticated = true \
+                         serves it open, for labs)",
+                        c.peer_listen
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Every value range-checked and the cross-field rules, against this host's memory: a
@@ -392,6 +456,24 @@ impl NodeConfig {
         self.tenants
             .validate(self.pool.size.0, self.pool.slot_bytes.0)?;
         self.check_listeners_differ()?;
+        if let Some(t) = &self.tls {
+            t.validate()?;
+            if let Some(c) = &self.cluster {
+                for p in &c.peers {
+                    if t.covers(TlsListener::Peer) && crate::tls::peer_server_name(&p.node_id).is_err() {
+                        return invalid(
+                            "cluster.peers",
+                            format!(
+                                "node id {:?} is not a DNS name: with TLS a peer's certificate \
+                                 must name its node id",
+                                p.node_id
+                            ),
+                        );
+                    }
+                }
+            }
+        }
+        self.check_exposed_listeners()?;
         crate::nic::config::validate_node_nics(&self.nic, self.verbs.as_ref())
             .map_err(|(key, reason)| ConfigError::Invalid { key, reason })?;
         if self.device.count == 0 || self.device.count > 64 {

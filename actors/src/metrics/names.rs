@@ -39,6 +39,8 @@ pub const MR_REGISTRATION_FAILURES: &str = "kvferry_mr_registration_failures_tot
 pub const MRS_REGISTERED: &str = "kvferry_mrs_registered";
 pub const QPS: &str = "kvferry_qps";
 pub const COMPLETION_ERRORS: &str = "kvferry_completion_errors_total";
+pub const TLS_HANDSHAKE_FAILURES: &str = "kvferry_tls_handshake_failures_total";
+pub const TLS_RELOADS: &str = "kvferry_tls_reloads_total";
 pub const ENGINE_SESSIONS: &str = "kvferry_engine_sessions";
 pub const ENGINE_MEMORY_HANDLES: &str = "kvferry_engine_memory_handles";
 pub const ENGINE_LOADS_PENDING: &str = "kvferry_engine_loads_pending";
@@ -209,6 +211,15 @@ pub fn describe() {
         (
             ENGINE_MAILBOX_REQUESTS,
             "Query and Load requests served from request mailboxes.",
+        ),
+        (
+            TLS_HANDSHAKE_FAILURES,
+            "TLS handshakes that failed or missed their deadline, by listener (engine, peer, \
+             data, metrics; peer-client and data-client: this node calling its peers).",
+        ),
+        (
+            TLS_RELOADS,
+            "Rereads of the TLS certificate, key and CA, by result (ok, failed: the old ones stay).",
         ),
         (SSD_EVICTIONS, "Blocks evicted from SSD by capacity."),
         (SSD_WRITES, "Blocks written to SSD."),

@@ -220,6 +220,17 @@ impl PeerClient {
         token: impl Into<String>,
         deadline: Duration,
     ) -> Result<Self, PeerClientError> {
+        Self::connect_over(addr, token, deadline, None).await
+    }
+
+    /// [`Self::connect_with_deadline`], over TLS where `tls` is given: this node presents
+    /// its certificate and checks the owner's against the cluster CA and the name in `tls`.
+    pub async fn connect_over(
+        addr: impl Into<String>,
+        token: impl Into<String>,
+        deadline: Duration,
+        tls: Option<crate::tls::TlsDial>,
+    ) -> Result<Self, PeerClientError> {
         let addr = addr.into();
         let endpoint = Endpoint::from_shared(format!("http://{addr}"))
             .map_err(|e| PeerClientError::Address {
@@ -229,7 +240,13 @@ impl PeerClient {
             .connect_timeout(deadline)
             .timeout(deadline)
             .tcp_nodelay(true);
-        let channel = match tokio::time::timeout(deadline, endpoint.connect()).await {
+        let connect = async {
+            match tls {
+                Some(dial) => crate::tls::connect_tls(endpoint, dial).await,
+                None => endpoint.connect().await,
+            }
+        };
+        let channel = match tokio::time::timeout(deadline, connect).await {
             Ok(Ok(c)) => c,
             Ok(Err(source)) => {
                 return Err(PeerClientError::Connect {

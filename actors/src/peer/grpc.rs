@@ -38,6 +38,15 @@ pub struct GrpcPeers {
     clients: Mutex<HashMap<String, PeerClient>>,
     /// Links are built in futures that outlive the call that started them.
     me: Weak<GrpcPeers>,
+    /// TLS to the peers' Peer services (`[tls]` with "peer"); none: plaintext.
+    tls: Option<PeerTls>,
+}
+
+/// How a node calls its peers over TLS.
+#[derive(Clone, Debug)]
+struct PeerTls {
+    ctx: crate::tls::TlsContext,
+    config: Arc<rustls::ClientConfig>,
 }
 
 impl std::fmt::Debug for GrpcPeers {
@@ -98,7 +107,31 @@ fn remote(peer: &str, e: RemoteError) -> NodeError {
 
 impl GrpcPeers {
     pub fn new(cfg: GrpcPeersConfig, directory: Arc<dyn Directory>) -> Arc<Self> {
+        Self::build(cfg, directory, None)
+    }
+
+    /// [`Self::new`] with the Peer calls over TLS: this node presents the certificate of
+    /// `tls` and accepts only owners whose certificate the CA signed for their node id.
+    pub fn new_with_tls(
+        cfg: GrpcPeersConfig,
+        directory: Arc<dyn Directory>,
+        tls: crate::tls::TlsContext,
+    ) -> Result<Arc<Self>, crate::tls::TlsError> {
+        let config = tls.client_config(&[crate::tls::ALPN_H2])?;
+        Ok(Self::build(
+            cfg,
+            directory,
+            Some(PeerTls { ctx: tls, config }),
+        ))
+    }
+
+    fn build(
+        cfg: GrpcPeersConfig,
+        directory: Arc<dyn Directory>,
+        tls: Option<PeerTls>,
+    ) -> Arc<Self> {
         Arc::new_cyclic(|me| Self {
+            tls,
             me: me.clone(),
             node_id: cfg.node_id,
             provider: cfg.provider,
@@ -165,9 +198,20 @@ impl GrpcPeers {
             .peers
             .get(to)
             .ok_or_else(|| remote(to, RemoteError::no_path("not in this node's peer list")))?;
-        let client = PeerClient::connect(addr.clone(), self.token.clone())
-            .await
-            .map_err(|e| remote(to, RemoteError::connect("the Peer service", e)))?;
+        let dial = match &self.tls {
+            Some(t) => Some(crate::tls::TlsDial {
+                config: Arc::clone(&t.config),
+                server_name: crate::tls::peer_server_name(to)
+                    .map_err(|e| remote(to, RemoteError::connect("the Peer service's name", e)))?,
+                stats: Arc::clone(t.ctx.stats()),
+                side: crate::tls::TlsSide::PeerClient,
+            }),
+            None => None,
+        };
+        let client =
+            PeerClient::connect_over(addr.clone(), self.token.clone(), crate::peer::client::DEFAULT_DEADLINE, dial)
+                .await
+                .map_err(|e| remote(to, RemoteError::connect("the Peer service", e)))?;
         if let Ok(mut c) = self.clients.lock() {
             c.insert(to.to_owned(), client.clone());
         }

@@ -186,6 +186,18 @@ pub async fn serve(
     token: String,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), PeerServeError> {
+    serve_with_tls(listener, backend, token, None, shutdown).await
+}
+
+/// [`serve`], over TLS where `tls` is given (with mutual TLS, only peers whose certificate
+/// the cluster CA signed get past the handshake).
+pub async fn serve_with_tls(
+    listener: TcpListener,
+    backend: PeerBackend,
+    token: String,
+    tls: Option<crate::tls::TlsServing>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), PeerServeError> {
     let addr = listener
         .local_addr()
         .map(|a| a.to_string())
@@ -199,15 +211,25 @@ pub async fn serve(
         PeerServer::new(PeerService { backend, token })
             .max_decoding_message_size(MAX_PEER_REQUEST_BYTES),
     );
-    tonic::transport::Server::builder()
-        .concurrency_limit_per_connection(MAX_IN_FLIGHT_PER_CONNECTION)
-        .serve_with_incoming_shutdown(
-            service,
-            TcpIncoming::from(listener).with_nodelay(Some(true)),
-            shutdown,
-        )
-        .await
-        .map_err(|source| PeerServeError::Serve { addr, source })
+    let builder =
+        tonic::transport::Server::builder().concurrency_limit_per_connection(MAX_IN_FLIGHT_PER_CONNECTION);
+    match tls {
+        Some(tls) => {
+            builder
+                .serve_with_incoming_shutdown(service, crate::tls::tls_incoming(listener, tls), shutdown)
+                .await
+        }
+        None => {
+            builder
+                .serve_with_incoming_shutdown(
+                    service,
+                    TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    shutdown,
+                )
+                .await
+        }
+    }
+    .map_err(|source| PeerServeError::Serve { addr, source })
 }
 
 /// Wrong-token calls, logged at most once a minute (a misconfigured peer retries).

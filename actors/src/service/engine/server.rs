@@ -79,6 +79,8 @@ pub struct EngineOptions {
     pub call_timeout: Duration,
     /// How long a mailbox thread polls after a request (`engine.mailbox-spin-us`).
     pub mailbox_spin: Duration,
+    /// TLS on the listener (`[tls]` with "engine"); none: plaintext.
+    pub tls: Option<crate::tls::TlsServing>,
 }
 
 impl std::fmt::Debug for EngineOptions {
@@ -91,6 +93,7 @@ impl std::fmt::Debug for EngineOptions {
             handle_ttl,
             call_timeout,
             mailbox_spin,
+            tls,
         } = self;
         f.debug_struct("EngineOptions")
             .field("token", &crate::config::redact::Redacted(token))
@@ -99,6 +102,7 @@ impl std::fmt::Debug for EngineOptions {
             .field("handle_ttl", handle_ttl)
             .field("call_timeout", call_timeout)
             .field("mailbox_spin", mailbox_spin)
+            .field("tls", &tls.as_ref().map(|t| t.side))
             .finish()
     }
 }
@@ -118,6 +122,7 @@ impl EngineOptions {
             handle_ttl: c.handle_ttl(),
             call_timeout: Duration::from_secs(30),
             mailbox_spin: c.mailbox_spin(),
+            tls: None,
         }
     }
 }
@@ -177,28 +182,43 @@ pub async fn serve(
             auth.check_token(got)?;
             Ok(req)
         });
-    let served = tonic::transport::Server::builder()
+    let builder = tonic::transport::Server::builder()
         .concurrency_limit_per_connection(MAX_IN_FLIGHT_PER_CONNECTION)
         .timeout(options.call_timeout)
         // A client that vanished without closing its session is noticed within ~40 s.
         .http2_keepalive_interval(Some(Duration::from_secs(20)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
-        .serve_with_incoming_shutdown(
-            AsPromised(service),
-            TcpIncoming::from(listener).with_nodelay(Some(true)),
-            async {
-                shutdown.await;
-                // No new memory is taken, and sessions and completion streams end, so the
-                // drain can finish.
-                let _ = stop_tx.send(true);
-                closing.book().close_streams();
-                if let Some(p) = &fd_path {
-                    let _ = std::fs::remove_file(p);
-                }
-            },
-        )
-        .await
-        .map_err(|source| EngineServeError::Serve { addr, source });
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)));
+    let shutdown = async {
+        shutdown.await;
+        // No new memory is taken, and sessions and completion streams end, so the
+        // drain can finish.
+        let _ = stop_tx.send(true);
+        closing.book().close_streams();
+        if let Some(p) = &fd_path {
+            let _ = std::fs::remove_file(p);
+        }
+    };
+    let served = match options.tls.clone() {
+        Some(tls) => {
+            builder
+                .serve_with_incoming_shutdown(
+                    AsPromised(service),
+                    crate::tls::tls_incoming(listener, tls),
+                    shutdown,
+                )
+                .await
+        }
+        None => {
+            builder
+                .serve_with_incoming_shutdown(
+                    AsPromised(service),
+                    TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    shutdown,
+                )
+                .await
+        }
+    }
+    .map_err(|source| EngineServeError::Serve { addr, source });
     let _ = stop_tx.send(true);
     if let Some(p) = &fd_path {
         let _ = std::fs::remove_file(p);
