@@ -488,4 +488,132 @@ fn bad_tenant_quotas_are_refused_naming_the_key() {
     let e = NodeConfig::from_toml(&q("prefix = \"a/\"\nram = 0\nssd = \"1GiB\""), "t.toml")
         .unwrap_err();
     assert!(e.to_string().contains("unknown field `ssd`"), "{e}");
+/// Issue 29: a listener other hosts can reach, with nothing that authenticates its callers,
+/// refuses to start, naming its key; a token, mutual TLS or an explicit lab switch lets it.
+#[test]
+fn exposed_listeners_without_authentication_are_refused_naming_the_key() {
+    let refused = |text: &str, key: &str| {
+        let err = NodeConfig::from_toml(text, "t.toml").unwrap_err().to_string();
+        assert!(err.contains(&format!("config key {key}:")), "{text}: {err}");
+        assert!(err.contains("allow-unauthenticated"), "{err}");
+    };
+    refused("[engine]\nlisten = \"0.0.0.0:7200\"\n", "engine.listen");
+    refused("[engine]\nlisten = \"[::]:7200\"\n", "engine.listen");
+    refused("[engine]\nlisten = \"10.1.2.3:7200\"\n", "engine.listen");
+    refused("[cluster]\npeer-listen = \"0.0.0.0:7100\"\n", "cluster.peer-listen");
+    refused("[cluster]\npeer-listen = \"192.0.2.7:7100\"\n", "cluster.peer-listen");
+    let ok = |text: &str| {
+        NodeConfig::from_toml(text, "t.toml").unwrap_or_else(|e| panic!("{text}: {e}"));
+    };
+    // Loopback (the defaults), a token, or the lab switch.
+    ok("[engine]\n[cluster]\n");
+    ok("[engine]\nlisten = \"127.0.0.2:7200\"\n[cluster]\npeer-listen = \"[::1]:7100\"\n");
+    ok("[engine]\nlisten = \"0.0.0.0:7200\"\ntoken = \"t\"\n");
+    ok("[cluster]\npeer-listen = \"0.0.0.0:7100\"\ntoken = \"t\"\n");
+    ok("[engine]\nlisten = \"0.0.0.0:7200\"\nallow-unauthenticated = true\n");
+    ok("[cluster]\npeer-listen = \"0.0.0.0:7100\"\nallow-unauthenticated = true\n");
+}
+
+/// Writes a lab CA and node `a`'s certificate and key; returns the `[tls]` lines naming them.
+fn tls_section(dir: &std::path::Path, extra: &str) -> String {
+    let ca = crate::tls::tests::TestCa::new(dir, "config test CA");
+    let f = ca.node("a", "a", false);
+    format!(
+        "[tls]\ncert = \"{}\"\nkey = \"{}\"\nca = \"{}\"\n{extra}",
+        f.cert.display(),
+        f.key.display(),
+        f.ca.display()
+    )
+}
+
+/// Mutual TLS authenticates an exposed listener too: every node-to-node call on the peer
+/// listener, and the engine listener where client certificates are required (optional ones
+/// leave it open).
+#[test]
+fn mutual_tls_authenticates_exposed_listeners() {
+    let dir = crate::tls::tests::temp_dir("config-mtls");
+    let tls = tls_section(&dir, "");
+    let peer = format!("node-id = \"z\"\n[cluster]\npeer-listen = \"0.0.0.0:7100\"\n{tls}");
+    NodeConfig::from_toml(&peer, "t.toml").unwrap();
+    let engine_optional = format!("[engine]\nlisten = \"0.0.0.0:7200\"\n{tls}");
+    let err = NodeConfig::from_toml(&engine_optional, "t.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("config key engine.listen:"), "{err}");
+    let required = tls_section(&dir.join("r"), "engine-client-cert = \"required\"\n");
+    let engine_required = format!("[engine]\nlisten = \"0.0.0.0:7200\"\n{required}");
+    NodeConfig::from_toml(&engine_required, "t.toml").unwrap();
+    // TLS that leaves the peer listener out authenticates nothing there.
+    let engine_only = tls_section(&dir.join("e"), "listeners = [\"engine\"]\n");
+    let err = NodeConfig::from_toml(
+        &format!("[cluster]\npeer-listen = \"0.0.0.0:7100\"\n{engine_only}"),
+        "t.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("config key cluster.peer-listen:"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `[tls]` is checked at start: each file read and parsed, the key matched to the
+/// certificate, every other value in range; each refusal names its key.
+#[test]
+fn the_tls_section_is_checked_naming_the_key() {
+    let dir = crate::tls::tests::temp_dir("config-tls");
+    let good = tls_section(&dir, "");
+    let cfg = NodeConfig::from_toml(&good, "t.toml").unwrap();
+    let t = cfg.tls.unwrap();
+    assert_eq!(t.listeners, vec![TlsListener::Engine, TlsListener::Peer]);
+    assert_eq!(t.engine_client_cert, ClientAuth::Optional);
+    let refused = |text: String, key: &str| {
+        let err = NodeConfig::from_toml(&text, "t.toml").unwrap_err().to_string();
+        assert!(err.contains(key), "{text}: {err}");
+    };
+    let other = crate::tls::tests::TestCa::new(&dir.join("other"), "other").node("b", "b", false);
+    let with = |k: &str, v: &std::path::Path| {
+        good.lines()
+            .map(|l| {
+                if l.starts_with(&format!("{k} =")) {
+                    format!("{k} = \"{}\"", v.display())
+                } else {
+                    l.to_owned()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    refused(with("cert", &dir.join("missing.pem")), "config key tls.cert:");
+    refused(with("key", &other.key), "config key tls.key:");
+    let junk = dir.join("junk.pem");
+    std::fs::write(&junk, "garbage").unwrap();
+    refused(with("ca", &junk), "config key tls.ca:");
+    refused("[tls]\nkey = \"/k\"\nca = \"/c\"\n".into(), "config key tls.cert:");
+    refused(format!("{good}listeners = [\"peer\", \"peer\"]\n"), "config key tls.listeners:");
+    refused(format!("{good}listeners = [\"data\"]\n"), "config key tls.listeners:");
+    refused(format!("{good}listeners = [\"smtp\"]\n"), "smtp");
+    refused(format!("{good}handshake-timeout-ms = 0\n"), "config key tls.handshake-timeout-ms:");
+    refused(format!("{good}reload-poll-secs = 100000\n"), "config key tls.reload-poll-secs:");
+    refused(format!("{good}engine-client-cert = \"maybe\"\n"), "maybe");
+    refused(format!("{good}certs = \"x\"\n"), "certs");
+    // With TLS between nodes, a peer's node id must be a name its certificate can carry.
+    refused(
+        format!("[cluster]\n[[cluster.peers]]\nnode-id = \"b_!x\"\naddress = \"127.0.0.1:7102\"\n{good}"),
+        "config key cluster.peers:",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The TLS sample starts as it is (its files read from beside it).
+#[test]
+fn the_tls_sample_loads_with_its_files_beside_it() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/cluster-tls.toml");
+    let cfg = NodeConfig::load(path).unwrap();
+    let t = cfg.tls.as_ref().unwrap();
+    assert!(t.cert.is_absolute() && t.cert.ends_with("tls-lab/a.pem"), "{t:?}");
+    assert!(cfg.tls_on(TlsListener::Peer) && cfg.tls_on(TlsListener::Engine));
+    assert!(t.reload_on_sighup);
+    // The same text read from elsewhere finds no files: relative paths are the file's.
+    let text = std::fs::read_to_string(path).unwrap();
+    let err = NodeConfig::from_toml(&text, "elsewhere.toml").unwrap_err().to_string();
+    assert!(err.contains("config key tls.cert:"), "{err}");
 }

@@ -169,6 +169,11 @@ impl TlsContext {
             }))
             .with_cert_resolver(Arc::new(Resolver(self.clone())));
         c.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        // No resumption: a resumed session skips the certificate checks, so a client
+        // refused by a reloaded CA (or one whose certificate expired) could come back on
+        // an old session. Connections are long-lived; a full handshake each costs little.
+        c.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+        c.send_tls13_tickets = 0;
         Ok(Arc::new(c))
     }
 

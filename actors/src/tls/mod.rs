@@ -24,4 +24,4 @@ pub use material::{TlsFiles, TlsMaterial};
 pub use stats::{TlsSample, TlsSide, TlsStats};
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

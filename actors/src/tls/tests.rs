@@ -157,8 +157,9 @@ fn anonymous_client(ca: &Path) -> Arc<rustls::ClientConfig> {
     )
 }
 
-/// The error a refused client sees: rustls' alert or a closed connection, on the handshake
-/// or (TLS 1.3 sends the server's verdict after the client's Finished) on the first read.
+/// The error a refused client sees: the server's alert, on the handshake or (TLS 1.3 sends
+/// the server's verdict on a client certificate after the client's Finished) on the first
+/// read.
 async fn refused(addr: std::net::SocketAddr, config: Arc<rustls::ClientConfig>) -> String {
     match dial(addr, config, "owner").await {
         Err(e) => e.to_string(),
@@ -203,21 +204,12 @@ async fn mutual_tls_serves_the_cluster_and_refuses_other_cas_expired_and_anonymo
     stranger_files.ca = ca.ca_path(); // trusts the owner, but the owner does not trust it
     let stranger = TlsContext::load(stranger_files).unwrap();
     let e = refused(addr, stranger.client_config(&[]).unwrap()).await;
-    assert!(
-        e.contains("UnknownCA") || e.contains("unknown") || e.contains("reset") || e.contains("close"),
-        "{e}"
-    );
+    assert!(e.contains("received fatal alert: UnknownCA"), "{e}");
     let expired = TlsContext::load(ca.node("member", "expired", true)).unwrap();
     let e = refused(addr, expired.client_config(&[]).unwrap()).await;
-    assert!(
-        e.contains("CertificateExpired") || e.contains("expired") || e.contains("reset") || e.contains("close"),
-        "{e}"
-    );
+    assert!(e.contains("received fatal alert: CertificateExpired"), "{e}");
     let e = refused(addr, anonymous_client(&ca.ca_path())).await;
-    assert!(
-        e.contains("CertificateRequired") || e.contains("required") || e.contains("reset") || e.contains("close"),
-        "{e}"
-    );
+    assert!(e.contains("received fatal alert: CertificateRequired"), "{e}");
     failures_reach(&owner, TlsSide::Peer, 3).await;
 
     // The client side refuses an owner it does not trust: a member that trusts another CA.
@@ -232,7 +224,7 @@ async fn mutual_tls_serves_the_cluster_and_refuses_other_cas_expired_and_anonymo
     let e = dial(addr, member.client_config(&[]).unwrap(), "someone-else")
         .await
         .unwrap_err();
-    assert!(e.to_string().contains("NotValidForName"), "{e}");
+    assert!(e.to_string().contains("not valid for name"), "{e}");
 
     // The member's connection was never disturbed, and a new one works.
     assert_eq!(echo(&mut s, b"still").await.unwrap(), b"still");
