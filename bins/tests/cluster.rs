@@ -722,3 +722,124 @@ fn python_with_kvferry(root: &Path) -> PathBuf {
         })
         .clone()
 }
+
+/// A CA for the TLS cluster test: signs node certificates naming their node id.
+struct Ca {
+    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+    pem: PathBuf,
+}
+
+impl Ca {
+    fn new(dir: &Path, name: &str) -> Self {
+        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        p.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::CrlSign,
+        ];
+        let issuer =
+            rcgen::CertifiedIssuer::self_signed(p, rcgen::KeyPair::generate().unwrap()).unwrap();
+        let pem = dir.join(format!("{name}.pem"));
+        std::fs::write(&pem, issuer.pem()).unwrap();
+        Self { issuer, pem }
+    }
+
+    /// (Re)writes `<dir>/<node>.pem` and `.key`: a fresh key and certificate for `node`.
+    fn issue(&self, dir: &Path, node: &str) {
+        let mut p = rcgen::CertificateParams::new(vec![node.to_owned()]).unwrap();
+        p.extended_key_usages = vec![
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = p.signed_by(&key, &self.issuer).unwrap();
+        // Written beside, then renamed over: a reload never reads half a file.
+        for (ext, text) in [("key", key.serialize_pem()), ("pem", cert.pem())] {
+            let tmp = dir.join(format!("{node}.{ext}.new"));
+            std::fs::write(&tmp, text).unwrap();
+            std::fs::rename(&tmp, dir.join(format!("{node}.{ext}"))).unwrap();
+        }
+    }
+}
+
+fn sighup(node: &NodeProc) {
+    let pid = node.child.as_ref().unwrap().id() as i32;
+    // SAFETY: signalling our own child process by its pid.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGHUP) }, 0);
+}
+
+/// Issue 29: the Peer calls between nodes over mutual TLS. B and A hold certificates of the
+/// cluster CA, C one of another CA (it trusts the cluster's). B reads A's blocks over mTLS
+/// while C's are out of reach (B refuses C's certificate), and A refuses C's calls. Then
+/// A's and B's certificates are rotated and reloaded on SIGHUP: B's link to A, made before,
+/// keeps loading, and A's first link to B, made after, handshakes with the new ones.
+#[test]
+fn three_nodes_with_mutual_tls_a_stranger_refused_and_a_rotation() {
+    let dir = std::env::temp_dir().join(format!("kvferry-cluster-tls-certs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cluster = Ca::new(&dir, "cluster-ca");
+    let other = Ca::new(&dir, "other-ca");
+    cluster.issue(&dir, "b");
+    cluster.issue(&dir, "a");
+    other.issue(&dir, "c");
+    let names = ["b", "a", "c"];
+    let (node_dir, mut nodes) = start_three("tls", "tcp", |i| {
+        format!(
+            "[tls]\ncert = \"{d}/{n}.pem\"\nkey = \"{d}/{n}.key\"\nca = \"{ca}\"\n\
+             listeners = [\"peer\"]\n",
+            d = dir.display(),
+            n = names[i],
+            ca = cluster.pem.display()
+        )
+    });
+    let rt = runtime();
+    rt.block_on(async {
+        let mut engines = Vec::new();
+        for n in &nodes {
+            engines.push(attach(n).await);
+        }
+        engines[0].put_pattern(0..4).await.unwrap();
+        engines[1].put_pattern(4..8).await.unwrap();
+        engines[2].put_pattern(8..12).await.unwrap();
+        let (b, a, c) = (&engines[0], &engines[1], &engines[2]);
+
+        // B: its own 4 and A's 4; C's certificate is refused, so its 4 are not reachable.
+        let ids: Vec<u64> = (0..12).collect();
+        let (done, dest) = query_and_load(b, &ids, false, 8).await;
+        assert_eq!(done.status(), LoadStatus::LoadOk, "{done:?}");
+        assert_eq!(verify(b, &ids[..8], &dest), 8 * shape().rank_bytes());
+        settled(b).await;
+        // C cannot reach A: A refuses its certificate.
+        let q = c.client.query(&c.instance, &hashes(&[4, 5, 6, 7]), false).await.unwrap();
+        assert_eq!(q.hit_blocks(), 0, "{q:?}");
+
+        // Rotate A's and B's certificates and keys; SIGHUP rereads them.
+        cluster.issue(&dir, "a");
+        cluster.issue(&dir, "b");
+        sighup(&nodes[0]);
+        sighup(&nodes[1]);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // B's link to A, made before the rotation, goes on loading (A's staged copies at B
+        // are dropped first, so the 4 come from A again).
+        b.client.stats().await.unwrap();
+        let (done, dest) = query_and_load(b, &ids[..8], true, 8).await;
+        assert_eq!(done.status(), LoadStatus::LoadOk, "{done:?}");
+        assert_eq!(verify(b, &ids[..8], &dest), 8 * shape().rank_bytes());
+        settled(b).await;
+        // A's first link to B handshakes now, both sides presenting rotated certificates.
+        let (done, dest) = query_and_load(a, &[0, 1, 2, 3, 4, 5, 6, 7], false, 8).await;
+        assert_eq!(done.status(), LoadStatus::LoadOk, "{done:?}");
+        assert_eq!(verify(a, &ids[..8], &dest), 8 * shape().rank_bytes());
+        settled(a).await;
+    });
+    // Both survived SIGHUP (a node without the handler would have died of it) and stop
+    // cleanly.
+    for n in &mut nodes {
+        n.stop();
+    }
+    let _ = std::fs::remove_dir_all(&node_dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
