@@ -9,5 +9,6 @@ mod remote;
 mod spans;
 mod ssd;
 mod tenants;
+mod tls;
 mod transport_actors;
 mod verbs_soft;

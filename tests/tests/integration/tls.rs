@@ -1,0 +1,299 @@
+//! Issue 29: `kvferry.v1.Engine` and `kvferry.v1.Peer` over TLS on loopback, with
+//! certificates made here. The Rust engine client over TLS (CA only, and with a client
+//! certificate where the node requires one); clients that are refused — plaintext, another
+//! CA, no certificate — see a connect or Unavailable error and the node counts them; the
+//! Peer service over mutual TLS keeps answering calls on an open connection while its
+//! certificate is rotated, and new connections get the new one.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvferry_actors::peer::client::PeerInfo;
+use kvferry_actors::peer::{PeerClient, PeerClientError, Provider};
+use kvferry_actors::service::{Code, EngineOptions};
+use kvferry_actors::tls::{
+    peer_server_name, ClientAuth, TlsContext, TlsDial, TlsFiles, TlsServing, TlsSide, ALPN_H2,
+};
+use kvferry_actors::Clock;
+use kvferry_client::{EngineClient, EngineClientError, EngineTls};
+use kvferry_testkit::harness::*;
+
+struct Ca {
+    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+    dir: PathBuf,
+}
+
+impl Ca {
+    fn new(dir: &Path) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        p.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::CrlSign,
+        ];
+        let issuer =
+            rcgen::CertifiedIssuer::self_signed(p, rcgen::KeyPair::generate().unwrap()).unwrap();
+        std::fs::write(dir.join("ca.pem"), issuer.pem()).unwrap();
+        Self {
+            issuer,
+            dir: dir.to_owned(),
+        }
+    }
+
+    fn ca(&self) -> PathBuf {
+        self.dir.join("ca.pem")
+    }
+
+    /// A certificate naming `name` (and localhost), written as `<name>.pem` / `.key`.
+    fn issue(&self, name: &str) -> TlsFiles {
+        let mut p =
+            rcgen::CertificateParams::new(vec![name.to_owned(), "localhost".to_owned()]).unwrap();
+        p.extended_key_usages = vec![
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = p.signed_by(&key, &self.issuer).unwrap();
+        let files = TlsFiles {
+            cert: self.dir.join(format!("{name}.pem")),
+            key: self.dir.join(format!("{name}.key")),
+            ca: self.ca(),
+        };
+        std::fs::write(&files.cert, cert.pem()).unwrap();
+        std::fs::write(&files.key, key.serialize_pem()).unwrap();
+        files
+    }
+}
+
+fn temp(what: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("kvferry-tls-it-{what}-{}", std::process::id()))
+}
+
+fn serving(ctx: &TlsContext, auth: ClientAuth, side: TlsSide) -> TlsServing {
+    TlsServing {
+        config: ctx.server_config(auth, &[ALPN_H2]).unwrap(),
+        side,
+        handshake_timeout: Duration::from_secs(2),
+        stats: Arc::clone(ctx.stats()),
+    }
+}
+
+async fn failures_reach(ctx: &TlsContext, side: TlsSide, n: u64) {
+    for _ in 0..300 {
+        if ctx.stats().handshake_failures(side) >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!(
+        "{} {} failures, expected {n}",
+        ctx.stats().handshake_failures(side),
+        side.as_str()
+    );
+}
+
+/// What tonic reports for a connection the server's TLS closed: no answer, a transport
+/// failure.
+fn transport_failure(code: Code, message: &str) {
+    assert!(
+        code == Code::Unavailable || (code == Code::Unknown && message.contains("transport error")),
+        "{code:?}: {message}"
+    );
+}
+
+/// A refused engine client: the connect fails, or (a plaintext channel connects lazily; TLS
+/// 1.3 judges the client's certificate after the client's side is done) its first call
+/// fails in transport.
+async fn refused_engine(addr: &str, tls: Option<&EngineTls>) {
+    match EngineClient::connect_tls(addr, None, "", tls).await {
+        Err(EngineClientError::Connect { .. }) => {}
+        Err(e) => panic!("unexpected error: {e:?}"),
+        Ok(c) => {
+            match c.health().await.unwrap_err() {
+                EngineClientError::Call { code, message, .. } => transport_failure(code, &message),
+                other => panic!("unexpected error: {other:?}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn the_engine_service_over_tls_serves_the_rust_client_and_refuses_the_rest() {
+    let dir = temp("engine");
+    let ca = Ca::new(&dir.join("ca"));
+    let node_files = ca.issue("node");
+    let node_tls = TlsContext::load(node_files).unwrap();
+    let engine_files = ca.issue("engine");
+    rt().block_on(async {
+        let srv = EngineServer::start(EngineOptions {
+            tls: Some(serving(&node_tls, ClientAuth::Optional, TlsSide::Engine)),
+            ..Default::default()
+        })
+        .await;
+        let port = srv.addr.rsplit_once(':').unwrap().1.to_owned();
+        // The address is 127.0.0.1; the certificate names "node" and localhost.
+        let by_ca = EngineTls::from_files(&ca.ca(), "node", None).unwrap();
+        let c = EngineClient::connect_tls(&srv.addr, None, "", Some(&by_ca))
+            .await
+            .unwrap();
+        assert!(c.capabilities().await.unwrap().protocol >= 6);
+        c.health().await.unwrap();
+        // The host part of the address is the default name.
+        let localhost = EngineTls::from_files(&ca.ca(), "", None).unwrap();
+        let c2 = EngineClient::connect_tls(format!("localhost:{port}"), None, "", Some(&localhost))
+            .await
+            .unwrap();
+        c2.health().await.unwrap();
+
+        // Plaintext to a TLS listener; a client trusting another CA; a wrong name.
+        let before = node_tls.stats().handshake_failures(TlsSide::Engine);
+        refused_engine(&srv.addr, None).await;
+        failures_reach(&node_tls, TlsSide::Engine, before + 1).await;
+        let other = Ca::new(&dir.join("other"));
+        let by_other = EngineTls::from_files(&other.ca(), "node", None).unwrap();
+        refused_engine(&srv.addr, Some(&by_other)).await;
+        let wrong_name = EngineTls::from_files(&ca.ca(), "someone-else", None).unwrap();
+        refused_engine(&srv.addr, Some(&wrong_name)).await;
+        // The clients that connected are still served.
+        c.health().await.unwrap();
+        c2.health().await.unwrap();
+        drop((c, c2));
+        srv.stop().await;
+
+        // Client certificates required: one of the CA is served, none or another CA's is not.
+        let srv = EngineServer::start(EngineOptions {
+            tls: Some(serving(&node_tls, ClientAuth::Required, TlsSide::Engine)),
+            ..Default::default()
+        })
+        .await;
+        let with_cert = EngineTls::from_files(
+            &ca.ca(),
+            "node",
+            Some((&engine_files.cert, &engine_files.key)),
+        )
+        .unwrap();
+        let c = EngineClient::connect_tls(&srv.addr, None, "", Some(&with_cert))
+            .await
+            .unwrap();
+        c.health().await.unwrap();
+        let before = node_tls.stats().handshake_failures(TlsSide::Engine);
+        refused_engine(&srv.addr, Some(&by_ca)).await;
+        let stranger = other.issue("engine");
+        let with_other_cert =
+            EngineTls::from_files(&ca.ca(), "node", Some((&stranger.cert, &stranger.key)))
+                .unwrap();
+        refused_engine(&srv.addr, Some(&with_other_cert)).await;
+        failures_reach(&node_tls, TlsSide::Engine, before + 2).await;
+        c.health().await.unwrap();
+        drop(c);
+        srv.stop().await;
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn me() -> PeerInfo {
+    PeerInfo::local("member", &[Provider::Tcp], &[])
+}
+
+#[test]
+fn peer_calls_over_mutual_tls_go_on_through_a_rotation() {
+    let dir = temp("peer");
+    let ca = Ca::new(&dir.join("ca"));
+    let owner_tls = TlsContext::load(ca.issue("owner")).unwrap();
+    let member_tls = TlsContext::load(ca.issue("member")).unwrap();
+    let (node, _dev) = node(64 << 10, 16, Clock::system());
+    rt().block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(kvferry_actors::peer::serve_with_tls(
+            listener,
+            node.peer_backend(),
+            "t0ken".into(),
+            Some(serving(&owner_tls, ClientAuth::Required, TlsSide::Peer)),
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        let dial = |ctx: &TlsContext, name: &str| TlsDial {
+            config: ctx.client_config(&[ALPN_H2]).unwrap(),
+            server_name: peer_server_name(name).unwrap(),
+            stats: Arc::clone(ctx.stats()),
+            side: TlsSide::PeerClient,
+        };
+        let connect = |d: TlsDial| {
+            PeerClient::connect_over(addr.clone(), "t0ken", Duration::from_secs(5), Some(d))
+        };
+        let member = connect(dial(&member_tls, "owner")).await.unwrap();
+        assert_eq!(member.hello(me()).await.unwrap().node_id, "test");
+
+        // A peer of another CA is refused by the owner; a plaintext one too.
+        let other = Ca::new(&dir.join("other"));
+        let mut stranger_files = other.issue("member");
+        stranger_files.ca = ca.ca();
+        let stranger = TlsContext::load(stranger_files).unwrap();
+        let before = owner_tls.stats().handshake_failures(TlsSide::Peer);
+        match connect(dial(&stranger, "owner")).await {
+            Err(PeerClientError::Connect { .. }) => {}
+            Err(e) => panic!("{e:?}"),
+            Ok(c) => match c.hello(me()).await {
+                Err(PeerClientError::Call { code, message, .. }) => transport_failure(code, &message),
+                other => panic!("a stranger was answered: {other:?}"),
+            },
+        }
+        match PeerClient::connect(addr.clone(), "t0ken").await {
+            Err(PeerClientError::Connect { .. }) => {}
+            Err(e) => panic!("{e:?}"),
+            Ok(c) => match c.hello(me()).await {
+                Err(PeerClientError::Call { code, message, .. }) => transport_failure(code, &message),
+                other => panic!("a plaintext peer was answered: {other:?}"),
+            },
+        }
+        failures_reach(&owner_tls, TlsSide::Peer, before + 2).await;
+        // The member refuses an owner whose certificate names another node.
+        let before = member_tls.stats().handshake_failures(TlsSide::PeerClient);
+        assert!(matches!(
+            connect(dial(&member_tls, "someone-else")).await,
+            Err(PeerClientError::Connect { .. })
+        ));
+        assert_eq!(
+            member_tls.stats().handshake_failures(TlsSide::PeerClient),
+            before + 1
+        );
+
+        // Calls on the open connection while the owner's certificate is rotated: none fails.
+        let calls = {
+            let member = member.clone();
+            tokio::spawn(async move {
+                let mut ok = 0u32;
+                for _ in 0..200 {
+                    member.hello(me()).await.unwrap();
+                    ok += 1;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                ok
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let old = owner_tls.certified_key().cert[0].clone();
+        ca.issue("owner");
+        owner_tls.reload().unwrap();
+        assert_ne!(owner_tls.certified_key().cert[0], old);
+        // A new connection handshakes against the new certificate and is served.
+        let fresh = connect(dial(&member_tls, "owner")).await.unwrap();
+        assert_eq!(fresh.hello(me()).await.unwrap().node_id, "test");
+        assert_eq!(calls.await.unwrap(), 200);
+        member.hello(me()).await.unwrap();
+        drop((member, fresh));
+        let _ = stop.send(());
+        tokio::time::timeout(Duration::from_secs(10), server)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    });
+    node.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+}
