@@ -195,6 +195,10 @@ fn bad_configs_are_refused_naming_the_key() {
             "cluster.peer-listen",
         ),
         ("[pool]\nsize = true\n", "expected a size like \"64MiB\" or a number of bytes"),
+        // Issue 29: reachable from other hosts with nothing authenticating the callers.
+        ("[engine]\nlisten = \"0.0.0.0:7200\"\n", "config key engine.listen:"),
+        ("[cluster]\npeer-listen = \"0.0.0.0:7100\"\n", "config key cluster.peer-listen:"),
+        ("[tls]\ncert = \"/nonexistent/a.pem\"\nkey = \"/k\"\nca = \"/c\"\n", "config key tls.cert:"),
     ] {
         let cfg = dir.join("bad.toml");
         std::fs::write(&cfg, text).unwrap();
