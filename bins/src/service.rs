@@ -5,11 +5,11 @@
 use std::sync::Arc;
 
 use anyhow::Context;
+use kvferry_actors::config::{ClientAuth, TlsListener};
 use kvferry_actors::peer::{
     Directory, GrpcPeers, GrpcPeersConfig, Peers, Provider, RedisDirectory, RedisError,
     StaticDirectory,
 };
-use kvferry_actors::config::{ClientAuth, TlsListener};
 use kvferry_actors::tls::{TlsContext, TlsServing, TlsSide};
 use kvferry_actors::{node::open_devices, Clock, Node, NodeConfig};
 
@@ -371,16 +371,16 @@ pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
     // Loaded before the node, so that its calls to peers use it.
     let tls = load_tls(&cfg)?;
     let peers_config = GrpcPeersConfig {
-            node_id: cfg.node_id.clone(),
-            provider,
-            token: c.token.clone(),
-            peers: c
-                .peers
-                .iter()
-                .map(|p| (p.node_id.clone(), p.address.clone()))
-                .collect(),
-            shm_dir: c.shm_dir.clone().into(),
-            data_listen: c.data_listen.clone(),
+        node_id: cfg.node_id.clone(),
+        provider,
+        token: c.token.clone(),
+        peers: c
+            .peers
+            .iter()
+            .map(|p| (p.node_id.clone(), p.address.clone()))
+            .collect(),
+        shm_dir: c.shm_dir.clone().into(),
+        data_listen: c.data_listen.clone(),
     };
     let peers = match &tls {
         Some(ctx) if cfg.tls_on(TlsListener::Peer) => {

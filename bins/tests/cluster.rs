@@ -135,7 +135,11 @@ fn write_config_at(dir: &Path, name: &str, hosts: &[(&str, &str, u16)], provider
         dir = dir.display(),
         // The engines of this test send no token; on a namespace's address that is refused
         // unless said to be meant.
-        open = if ip.starts_with("127.") { "" } else { "allow-unauthenticated = true\n" },
+        open = if ip.starts_with("127.") {
+            ""
+        } else {
+            "allow-unauthenticated = true\n"
+        },
     );
     for (peer, peer_ip, p) in hosts.iter().filter(|(n, _, _)| *n != name) {
         text.push_str(&format!(
@@ -732,8 +736,7 @@ struct Ca {
 impl Ca {
     fn new(dir: &Path, name: &str) -> Self {
         let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        p.distinguished_name
-            .push(rcgen::DnType::CommonName, name);
+        p.distinguished_name.push(rcgen::DnType::CommonName, name);
         p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
         p.key_usages = vec![
             rcgen::KeyUsagePurpose::KeyCertSign,
@@ -777,7 +780,8 @@ fn sighup(node: &NodeProc) {
 /// keeps loading, and A's first link to B, made after, handshakes with the new ones.
 #[test]
 fn three_nodes_with_mutual_tls_a_stranger_refused_and_a_rotation() {
-    let dir = std::env::temp_dir().join(format!("kvferry-cluster-tls-certs-{}", std::process::id()));
+    let dir =
+        std::env::temp_dir().join(format!("kvferry-cluster-tls-certs-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let cluster = Ca::new(&dir, "cluster-ca");
@@ -813,7 +817,11 @@ fn three_nodes_with_mutual_tls_a_stranger_refused_and_a_rotation() {
         assert_eq!(verify(b, &ids[..8], &dest), 8 * shape().rank_bytes());
         settled(b).await;
         // C cannot reach A: A refuses its certificate.
-        let q = c.client.query(&c.instance, &hashes(&[4, 5, 6, 7]), false).await.unwrap();
+        let q = c
+            .client
+            .query(&c.instance, &hashes(&[4, 5, 6, 7]), false)
+            .await
+            .unwrap();
         assert_eq!(q.hit_blocks(), 0, "{q:?}");
 
         // Rotate A's and B's certificates and keys; SIGHUP rereads them.

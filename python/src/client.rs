@@ -171,8 +171,7 @@ impl EngineClient {
             let (addr, token, tls) = (addr.clone(), token.clone(), tls.clone());
             async move {
                 let connecting = RustClient::connect_tls(&addr, fd, token, tls.as_ref());
-                match tokio::time::timeout(connect_timeout, connecting).await
-                {
+                match tokio::time::timeout(connect_timeout, connecting).await {
                     Ok(c) => Ok(c?.with_deadline(deadline)),
                     Err(_) => Err(EngineClientError::ConnectTimeout {
                         addr,

@@ -460,7 +460,9 @@ impl NodeConfig {
             t.validate()?;
             if let Some(c) = &self.cluster {
                 for p in &c.peers {
-                    if t.covers(TlsListener::Peer) && crate::tls::peer_server_name(&p.node_id).is_err() {
+                    if t.covers(TlsListener::Peer)
+                        && crate::tls::peer_server_name(&p.node_id).is_err()
+                    {
                         return invalid(
                             "cluster.peers",
                             format!(

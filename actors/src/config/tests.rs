@@ -493,15 +493,23 @@ fn bad_tenant_quotas_are_refused_naming_the_key() {
 #[test]
 fn exposed_listeners_without_authentication_are_refused_naming_the_key() {
     let refused = |text: &str, key: &str| {
-        let err = NodeConfig::from_toml(text, "t.toml").unwrap_err().to_string();
+        let err = NodeConfig::from_toml(text, "t.toml")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains(&format!("config key {key}:")), "{text}: {err}");
         assert!(err.contains("allow-unauthenticated"), "{err}");
     };
     refused("[engine]\nlisten = \"0.0.0.0:7200\"\n", "engine.listen");
     refused("[engine]\nlisten = \"[::]:7200\"\n", "engine.listen");
     refused("[engine]\nlisten = \"10.1.2.3:7200\"\n", "engine.listen");
-    refused("[cluster]\npeer-listen = \"0.0.0.0:7100\"\n", "cluster.peer-listen");
-    refused("[cluster]\npeer-listen = \"192.0.2.7:7100\"\n", "cluster.peer-listen");
+    refused(
+        "[cluster]\npeer-listen = \"0.0.0.0:7100\"\n",
+        "cluster.peer-listen",
+    );
+    refused(
+        "[cluster]\npeer-listen = \"192.0.2.7:7100\"\n",
+        "cluster.peer-listen",
+    );
     let ok = |text: &str| {
         NodeConfig::from_toml(text, "t.toml").unwrap_or_else(|e| panic!("{text}: {e}"));
     };
@@ -566,7 +574,9 @@ fn the_tls_section_is_checked_naming_the_key() {
     assert_eq!(t.listeners, vec![TlsListener::Engine, TlsListener::Peer]);
     assert_eq!(t.engine_client_cert, ClientAuth::Optional);
     let refused = |text: String, key: &str| {
-        let err = NodeConfig::from_toml(&text, "t.toml").unwrap_err().to_string();
+        let err = NodeConfig::from_toml(&text, "t.toml")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains(key), "{text}: {err}");
     };
     let other = crate::tls::tests::TestCa::new(&dir.join("other"), "other").node("b", "b", false);
@@ -582,17 +592,35 @@ fn the_tls_section_is_checked_naming_the_key() {
             .collect::<Vec<_>>()
             .join("\n")
     };
-    refused(with("cert", &dir.join("missing.pem")), "config key tls.cert:");
+    refused(
+        with("cert", &dir.join("missing.pem")),
+        "config key tls.cert:",
+    );
     refused(with("key", &other.key), "config key tls.key:");
     let junk = dir.join("junk.pem");
     std::fs::write(&junk, "garbage").unwrap();
     refused(with("ca", &junk), "config key tls.ca:");
-    refused("[tls]\nkey = \"/k\"\nca = \"/c\"\n".into(), "config key tls.cert:");
-    refused(format!("{good}listeners = [\"peer\", \"peer\"]\n"), "config key tls.listeners:");
-    refused(format!("{good}listeners = [\"data\"]\n"), "config key tls.listeners:");
+    refused(
+        "[tls]\nkey = \"/k\"\nca = \"/c\"\n".into(),
+        "config key tls.cert:",
+    );
+    refused(
+        format!("{good}listeners = [\"peer\", \"peer\"]\n"),
+        "config key tls.listeners:",
+    );
+    refused(
+        format!("{good}listeners = [\"data\"]\n"),
+        "config key tls.listeners:",
+    );
     refused(format!("{good}listeners = [\"smtp\"]\n"), "smtp");
-    refused(format!("{good}handshake-timeout-ms = 0\n"), "config key tls.handshake-timeout-ms:");
-    refused(format!("{good}reload-poll-secs = 100000\n"), "config key tls.reload-poll-secs:");
+    refused(
+        format!("{good}handshake-timeout-ms = 0\n"),
+        "config key tls.handshake-timeout-ms:",
+    );
+    refused(
+        format!("{good}reload-poll-secs = 100000\n"),
+        "config key tls.reload-poll-secs:",
+    );
     refused(format!("{good}engine-client-cert = \"maybe\"\n"), "maybe");
     refused(format!("{good}certs = \"x\"\n"), "certs");
     // With TLS between nodes, a peer's node id must be a name its certificate can carry.
@@ -609,11 +637,16 @@ fn the_tls_sample_loads_with_its_files_beside_it() {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/cluster-tls.toml");
     let cfg = NodeConfig::load(path).unwrap();
     let t = cfg.tls.as_ref().unwrap();
-    assert!(t.cert.is_absolute() && t.cert.ends_with("tls-lab/a.pem"), "{t:?}");
+    assert!(
+        t.cert.is_absolute() && t.cert.ends_with("tls-lab/a.pem"),
+        "{t:?}"
+    );
     assert!(cfg.tls_on(TlsListener::Peer) && cfg.tls_on(TlsListener::Engine));
     assert!(t.reload_on_sighup);
     // The same text read from elsewhere finds no files: relative paths are the file's.
     let text = std::fs::read_to_string(path).unwrap();
-    let err = NodeConfig::from_toml(&text, "elsewhere.toml").unwrap_err().to_string();
+    let err = NodeConfig::from_toml(&text, "elsewhere.toml")
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("config key tls.cert:"), "{err}");
 }

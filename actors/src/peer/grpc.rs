@@ -208,10 +208,14 @@ impl GrpcPeers {
             }),
             None => None,
         };
-        let client =
-            PeerClient::connect_over(addr.clone(), self.token.clone(), crate::peer::client::DEFAULT_DEADLINE, dial)
-                .await
-                .map_err(|e| remote(to, RemoteError::connect("the Peer service", e)))?;
+        let client = PeerClient::connect_over(
+            addr.clone(),
+            self.token.clone(),
+            crate::peer::client::DEFAULT_DEADLINE,
+            dial,
+        )
+        .await
+        .map_err(|e| remote(to, RemoteError::connect("the Peer service", e)))?;
         if let Ok(mut c) = self.clients.lock() {
             c.insert(to.to_owned(), client.clone());
         }

@@ -35,7 +35,9 @@ pub use link::{PeerLink, PinnedRemote, RemoteBlock, RemotePin};
 pub use pin_service::{PinService, PinServiceError};
 pub use redis::{RedisDirectory, RedisError, RedisOptions};
 pub use redis_url::{redact_url, RedisUrl, RedisUrlError};
-pub use server::{serve, serve_with_tls, DataEndpoint, NicRegistration, PeerBackend, PeerServeError};
+pub use server::{
+    serve, serve_with_tls, DataEndpoint, NicRegistration, PeerBackend, PeerServeError,
+};
 
 use std::sync::Arc;
 

@@ -211,12 +211,16 @@ pub async fn serve_with_tls(
         PeerServer::new(PeerService { backend, token })
             .max_decoding_message_size(MAX_PEER_REQUEST_BYTES),
     );
-    let builder =
-        tonic::transport::Server::builder().concurrency_limit_per_connection(MAX_IN_FLIGHT_PER_CONNECTION);
+    let builder = tonic::transport::Server::builder()
+        .concurrency_limit_per_connection(MAX_IN_FLIGHT_PER_CONNECTION);
     match tls {
         Some(tls) => {
             builder
-                .serve_with_incoming_shutdown(service, crate::tls::tls_incoming(listener, tls), shutdown)
+                .serve_with_incoming_shutdown(
+                    service,
+                    crate::tls::tls_incoming(listener, tls),
+                    shutdown,
+                )
                 .await
         }
         None => {

@@ -26,11 +26,18 @@ pub struct TlsDial {
 }
 
 /// Connects `endpoint` (an `http://host:port` URI) through TLS.
-pub async fn connect_tls(endpoint: Endpoint, dial: TlsDial) -> Result<Channel, tonic::transport::Error> {
+pub async fn connect_tls(
+    endpoint: Endpoint,
+    dial: TlsDial,
+) -> Result<Channel, tonic::transport::Error> {
     let connector = tower::service_fn(move |uri: Uri| {
         let dial = dial.clone();
         async move {
-            let host = uri.host().unwrap_or("").trim_matches(|c| c == '[' || c == ']').to_owned();
+            let host = uri
+                .host()
+                .unwrap_or("")
+                .trim_matches(|c| c == '[' || c == ']')
+                .to_owned();
             let port = uri.port_u16().unwrap_or(443);
             let tcp = TcpStream::connect((host.as_str(), port)).await?;
             let _ = tcp.set_nodelay(true);

@@ -22,7 +22,8 @@ use crate::tls::{TlsSide, TlsStats};
 pub const MAX_PENDING_HANDSHAKES: usize = 512;
 
 /// Handshake failures, logged at most once per listener and reason kind each period.
-static FAILED: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new(Duration::from_secs(10));
+static FAILED: crate::log_limit::LogLimit =
+    crate::log_limit::LogLimit::new(Duration::from_secs(10));
 
 /// How a listener serves TLS.
 #[derive(Clone, Debug)]

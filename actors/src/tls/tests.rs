@@ -83,7 +83,11 @@ fn rand_u64() -> u64 {
 }
 
 /// A TLS echo server on 127.0.0.1 over `tls_incoming`: each connection echoes what it reads.
-async fn echo_server(ctx: &TlsContext, auth: ClientAuth, timeout: Duration) -> std::net::SocketAddr {
+async fn echo_server(
+    ctx: &TlsContext,
+    auth: ClientAuth,
+    timeout: Duration,
+) -> std::net::SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let serving = TlsServing {
@@ -207,9 +211,15 @@ async fn mutual_tls_serves_the_cluster_and_refuses_other_cas_expired_and_anonymo
     assert!(e.contains("received fatal alert: UnknownCA"), "{e}");
     let expired = TlsContext::load(ca.node("member", "expired", true)).unwrap();
     let e = refused(addr, expired.client_config(&[]).unwrap()).await;
-    assert!(e.contains("received fatal alert: CertificateExpired"), "{e}");
+    assert!(
+        e.contains("received fatal alert: CertificateExpired"),
+        "{e}"
+    );
     let e = refused(addr, anonymous_client(&ca.ca_path())).await;
-    assert!(e.contains("received fatal alert: CertificateRequired"), "{e}");
+    assert!(
+        e.contains("received fatal alert: CertificateRequired"),
+        "{e}"
+    );
     failures_reach(&owner, TlsSide::Peer, 3).await;
 
     // The client side refuses an owner it does not trust: a member that trusts another CA.
@@ -257,7 +267,10 @@ async fn rotation_serves_new_handshakes_the_new_certificate_and_keeps_open_conne
 
     let mut new = dial(addr, Arc::clone(&client), "owner").await.unwrap();
     let new_cert = new.get_ref().1.peer_certificates().unwrap()[0].clone();
-    assert_ne!(old_cert, new_cert, "a new handshake still got the old certificate");
+    assert_ne!(
+        old_cert, new_cert,
+        "a new handshake still got the old certificate"
+    );
     assert_eq!(
         new_cert,
         owner.certified_key().cert[0],
@@ -316,7 +329,11 @@ async fn the_reload_watch_picks_up_changed_files() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_ne!(owner.certified_key().cert[0], first, "the changed files were not reloaded");
+    assert_ne!(
+        owner.certified_key().cert[0],
+        first,
+        "the changed files were not reloaded"
+    );
     assert_eq!(owner.stats().reloads().1, 0);
     let _ = stop.send(());
     task.await.unwrap().unwrap();
@@ -411,9 +428,27 @@ fn loading_names_the_file_at_fault() {
     assert_eq!(key_of(&missing), "tls.cert");
     let junk = dir.join("junk.pem");
     std::fs::write(&junk, b"not a certificate at all").unwrap();
-    assert_eq!(key_of(&TlsFiles { cert: junk.clone(), ..good.clone() }), "tls.cert");
-    assert_eq!(key_of(&TlsFiles { key: junk.clone(), ..good.clone() }), "tls.key");
-    assert_eq!(key_of(&TlsFiles { ca: junk.clone(), ..good.clone() }), "tls.ca");
+    assert_eq!(
+        key_of(&TlsFiles {
+            cert: junk.clone(),
+            ..good.clone()
+        }),
+        "tls.cert"
+    );
+    assert_eq!(
+        key_of(&TlsFiles {
+            key: junk.clone(),
+            ..good.clone()
+        }),
+        "tls.key"
+    );
+    assert_eq!(
+        key_of(&TlsFiles {
+            ca: junk.clone(),
+            ..good.clone()
+        }),
+        "tls.ca"
+    );
     // b's key with a's certificate.
     let mismatch = TlsFiles {
         key: other.key.clone(),
@@ -426,6 +461,12 @@ fn loading_names_the_file_at_fault() {
     let pem = std::fs::read_to_string(&good.cert).unwrap();
     let cut = dir.join("cut.pem");
     std::fs::write(&cut, &pem[..pem.len() / 2]).unwrap();
-    assert_eq!(key_of(&TlsFiles { cert: cut, ..good.clone() }), "tls.cert");
+    assert_eq!(
+        key_of(&TlsFiles {
+            cert: cut,
+            ..good.clone()
+        }),
+        "tls.cert"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -110,12 +110,10 @@ async fn refused_engine(addr: &str, tls: Option<&EngineTls>) {
     match EngineClient::connect_tls(addr, None, "", tls).await {
         Err(EngineClientError::Connect { .. }) => {}
         Err(e) => panic!("unexpected error: {e:?}"),
-        Ok(c) => {
-            match c.health().await.unwrap_err() {
-                EngineClientError::Call { code, message, .. } => transport_failure(code, &message),
-                other => panic!("unexpected error: {other:?}"),
-            }
-        }
+        Ok(c) => match c.health().await.unwrap_err() {
+            EngineClientError::Call { code, message, .. } => transport_failure(code, &message),
+            other => panic!("unexpected error: {other:?}"),
+        },
     }
 }
 
@@ -182,8 +180,7 @@ fn the_engine_service_over_tls_serves_the_rust_client_and_refuses_the_rest() {
         refused_engine(&srv.addr, Some(&by_ca)).await;
         let stranger = other.issue("engine");
         let with_other_cert =
-            EngineTls::from_files(&ca.ca(), "node", Some((&stranger.cert, &stranger.key)))
-                .unwrap();
+            EngineTls::from_files(&ca.ca(), "node", Some((&stranger.cert, &stranger.key))).unwrap();
         refused_engine(&srv.addr, Some(&with_other_cert)).await;
         failures_reach(&node_tls, TlsSide::Engine, before + 2).await;
         c.health().await.unwrap();
@@ -239,7 +236,9 @@ fn peer_calls_over_mutual_tls_go_on_through_a_rotation() {
             Err(PeerClientError::Connect { .. }) => {}
             Err(e) => panic!("{e:?}"),
             Ok(c) => match c.hello(me()).await {
-                Err(PeerClientError::Call { code, message, .. }) => transport_failure(code, &message),
+                Err(PeerClientError::Call { code, message, .. }) => {
+                    transport_failure(code, &message)
+                }
                 other => panic!("a stranger was answered: {other:?}"),
             },
         }
@@ -247,7 +246,9 @@ fn peer_calls_over_mutual_tls_go_on_through_a_rotation() {
             Err(PeerClientError::Connect { .. }) => {}
             Err(e) => panic!("{e:?}"),
             Ok(c) => match c.hello(me()).await {
-                Err(PeerClientError::Call { code, message, .. }) => transport_failure(code, &message),
+                Err(PeerClientError::Call { code, message, .. }) => {
+                    transport_failure(code, &message)
+                }
                 other => panic!("a plaintext peer was answered: {other:?}"),
             },
         }
