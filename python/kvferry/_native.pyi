@@ -55,6 +55,11 @@ class EngineClient:
         deadline_s: float = 10.0,
         connect_timeout_s: float = 5.0,
         fd_socket: Optional[str] = None,
+        *,
+        tls_ca: Optional[str] = None,
+        tls_server_name: Optional[str] = None,
+        tls_cert: Optional[str] = None,
+        tls_key: Optional[str] = None,
     ) -> None: ...
     @property
     def addr(self) -> str: ...
