@@ -10,7 +10,7 @@ use kvferry_actors::peer::{
     Directory, GrpcPeers, GrpcPeersConfig, Peers, Provider, RedisDirectory, RedisError,
     StaticDirectory,
 };
-use kvferry_actors::tls::{TlsContext, TlsServing, TlsSide};
+use kvferry_actors::tls::{TlsAccept, TlsContext, TlsServing, TlsSide};
 use kvferry_actors::{node::open_devices, Clock, Node, NodeConfig};
 
 use crate::logging::lifecycle;
@@ -163,8 +163,12 @@ fn metrics_router(node: Node) -> axum::Router {
         .with_state(node)
 }
 
-/// Starts the metrics endpoint if the config names one.
-async fn start_metrics(cfg: &NodeConfig, node: &Node) -> anyhow::Result<()> {
+/// Starts the metrics endpoint if the config names one (over TLS where `[tls]` says so).
+async fn start_metrics(
+    cfg: &NodeConfig,
+    node: &Node,
+    tls: Option<&TlsContext>,
+) -> anyhow::Result<()> {
     if cfg.metrics.listen.is_empty() {
         return Ok(());
     }
@@ -173,13 +177,38 @@ async fn start_metrics(cfg: &NodeConfig, node: &Node) -> anyhow::Result<()> {
         .with_context(|| format!("binding metrics.listen {}", cfg.metrics.listen))?;
     println!("listening metrics={}", listener.local_addr()?);
     let app = metrics_router(node.clone());
+    let served = tls_serving(cfg, tls, TlsListener::Metrics)?;
     tokio::spawn(async move {
         // axum retries failed accepts itself; an end is an error worth a line.
-        if let Err(e) = axum::serve(listener, app).await {
+        let r = match served {
+            Some(t) => axum::serve(MetricsTls(TlsAccept::new(listener, t)), app).await,
+            None => axum::serve(listener, app).await,
+        };
+        if let Err(e) = r {
             tracing::error!(error = %e, "the metrics endpoint stopped serving");
         }
     });
     Ok(())
+}
+
+/// The metrics listener over TLS, as axum takes a listener.
+struct MetricsTls(TlsAccept);
+
+impl axum::serve::Listener for MetricsTls {
+    type Io = kvferry_actors::tls::ServerTlsStream;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.0.accept().await {
+            Some(c) => c,
+            // The accept loop ended (it does not on its own): serve nothing more.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.0.local_addr()
+    }
 }
 
 /// A running engine service.
@@ -251,8 +280,14 @@ fn tls_serving(
         TlsListener::Data => (ClientAuth::Required, TlsSide::Data),
         TlsListener::Metrics => (ClientAuth::None, TlsSide::Metrics),
     };
+    // gRPC is HTTP/2 only; the metrics endpoint (axum's http1) HTTP/1.1.
+    let alpn: &[u8] = if listener == TlsListener::Metrics {
+        b"http/1.1"
+    } else {
+        kvferry_actors::tls::ALPN_H2
+    };
     Ok(Some(TlsServing {
-        config: ctx.server_config(auth, &[kvferry_actors::tls::ALPN_H2])?,
+        config: ctx.server_config(auth, &[alpn])?,
         side,
         handshake_timeout: t.handshake_timeout(),
         stats: Arc::clone(ctx.stats()),
@@ -346,7 +381,7 @@ pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
                 watch_tls(&cfg, &node, ctx);
             }
             let engine = start_engine(&cfg, &node, tls.as_ref()).await?;
-            start_metrics(&cfg, &node).await?;
+            start_metrics(&cfg, &node, tls.as_ref()).await?;
             announce_started(&node, "running on its own; Ctrl-C or SIGTERM stops it");
             let stopped = until_stopped(stop, &node).await;
             if let Some(e) = engine {
@@ -401,7 +436,7 @@ pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
             watch_tls(&cfg, &node, ctx);
         }
         let engine = start_engine(&cfg, &node, tls.as_ref()).await?;
-        start_metrics(&cfg, &node).await?;
+        start_metrics(&cfg, &node, tls.as_ref()).await?;
         let listener = tokio::net::TcpListener::bind(&c.peer_listen)
             .await
             .with_context(|| format!("binding cluster.peer-listen {}", c.peer_listen))?;

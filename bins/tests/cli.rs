@@ -2,6 +2,7 @@
 //! service and stops cleanly on SIGTERM; bad configs are refused with the key named.
 
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -284,6 +285,97 @@ fn metrics_and_health_are_served_and_pass_promtool() {
     let (status, _) = http_get(&addr, "/nope");
     assert!(status.contains("404"), "{status}");
     promtool_check(&body);
+    // SAFETY: signalling our own child process by its pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// GETs `path` over TLS from a server whose certificate `ca_pem` signed for `name`.
+fn https_get(addr: &str, ca_pem: &Path, name: &str, path: &str) -> std::io::Result<String> {
+    use rustls::pki_types::pem::PemObject;
+    use std::io::{Read, Write};
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls::pki_types::CertificateDer::pem_file_iter(ca_pem).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let conn = rustls::ClientConnection::new(
+        std::sync::Arc::new(config),
+        name.to_owned().try_into().unwrap(),
+    )
+    .unwrap();
+    let mut tls = rustls::StreamOwned::new(conn, std::net::TcpStream::connect(addr)?);
+    write!(
+        tls,
+        "GET {path} HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut text = String::new();
+    match tls.read_to_string(&mut text) {
+        Ok(_) => Ok(text),
+        // The server closed without close_notify after a complete answer: take it.
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !text.is_empty() => Ok(text),
+        Err(e) => Err(e),
+    }
+}
+
+/// `[tls]` with "metrics": /metrics over TLS (the lab certificate of `config/tls-lab`); a
+/// plaintext GET gets no answer and is counted as a failed handshake on that listener.
+#[test]
+fn metrics_over_tls() {
+    let dir = std::env::temp_dir().join(format!("kvferry-cli-metrics-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let lab = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../config/tls-lab"));
+    let cfg = dir.join("node.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "node-id = \"a\"\n[pool]\nsize = \"8MiB\"\nslot-bytes = \"1MiB\"\n[device]\n\
+             kind = \"host\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n\
+             [tls]\ncert = \"{l}/a.pem\"\nkey = \"{l}/a.key\"\nca = \"{l}/ca.pem\"\n\
+             listeners = [\"metrics\"]\n",
+            l = lab.display()
+        ),
+    )
+    .unwrap();
+    let (mut child, addr) = start_node(&cfg, "metrics");
+    let ca = lab.join("ca.pem");
+    let health = https_get(&addr, &ca, "a", "/health").unwrap();
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    // Plaintext: the server reads no TLS record and closes the connection.
+    {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: a\r\n\r\n")
+            .unwrap();
+        let mut back = Vec::new();
+        let _ = s.read_to_end(&mut back);
+        assert!(!String::from_utf8_lossy(&back).contains("HTTP/1.1 200"));
+    }
+    let mut seen = String::new();
+    for _ in 0..100 {
+        seen = https_get(&addr, &ca, "a", "/metrics").unwrap();
+        if seen.contains("kvferry_tls_handshake_failures_total{listener=\"metrics\"} 1") {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(
+        seen.contains("kvferry_tls_handshake_failures_total{listener=\"metrics\"} 1"),
+        "{seen}"
+    );
+    assert!(
+        seen.contains("kvferry_tls_reloads_total{result=\"failed\"} 0"),
+        "{seen}"
+    );
     // SAFETY: signalling our own child process by its pid.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     assert!(child.wait().unwrap().success());

@@ -53,8 +53,8 @@ pub struct TlsConfig {
     /// The cluster CA (PEM, one or more certificates): peers must present a certificate it
     /// signed, and so must engines that present one.
     pub ca: PathBuf,
-    /// Which listeners speak TLS (`engine`, `peer`; `data` and `metrics` are refused until
-    /// they do). `peer` also makes this node's own Peer calls TLS.
+    /// Which listeners speak TLS (`engine`, `peer`, `metrics`; `data` is refused until it
+    /// does). `peer` also makes this node's own Peer calls TLS.
     pub listeners: Vec<TlsListener>,
     /// Whether the engine listener asks engines for a certificate.
     pub engine_client_cert: ClientAuth,
@@ -132,12 +132,12 @@ impl TlsConfig {
                 return invalid("tls.listeners", format!("{:?} is listed twice", l.as_str()));
             }
             // Refused rather than served in clear: a listener named here must speak TLS.
-            if matches!(l, TlsListener::Data | TlsListener::Metrics) {
+            if *l == TlsListener::Data {
                 return invalid(
                     "tls.listeners",
                     format!(
-                        "{:?}: this build does not serve that listener over TLS yet (engine \
-                         and peer only)",
+                        "{:?}: this build does not serve the tcp data plane over TLS yet \
+                         (engine, peer and metrics only)",
                         l.as_str()
                     ),
                 );

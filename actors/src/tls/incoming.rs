@@ -56,15 +56,53 @@ pub(crate) fn handshake_failed(
     }
 }
 
+/// A server-side TLS connection of a listener.
+pub type ServerTlsStream = TlsStream<TcpStream>;
+
 /// Accepts on `listener` and yields the connections whose handshake completed. The accept
 /// loop ends when the stream is dropped (the server shutting down).
 pub fn tls_incoming(
     listener: TcpListener,
     tls: TlsServing,
-) -> impl Stream<Item = Result<TlsStream<TcpStream>, std::io::Error>> + Send + 'static {
-    let (tx, mut rx) = mpsc::channel::<TlsStream<TcpStream>>(64);
-    tokio::spawn(accept_loop(listener, tls, tx));
-    futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|c| c.map(Ok)))
+) -> impl Stream<Item = Result<ServerTlsStream, std::io::Error>> + Send + 'static {
+    let mut accept = TlsAccept::new(listener, tls);
+    futures::stream::poll_fn(move |cx| accept.rx.poll_recv(cx).map(|c| c.map(Ok)))
+}
+
+/// [`tls_incoming`] as a listener with an `accept` of its own, for servers that take one
+/// (axum's `Listener`).
+#[derive(Debug)]
+pub struct TlsAccept {
+    rx: mpsc::Receiver<ServerTlsStream>,
+    local: std::io::Result<std::net::SocketAddr>,
+}
+
+impl TlsAccept {
+    pub fn new(listener: TcpListener, tls: TlsServing) -> Self {
+        let local = listener.local_addr();
+        let (tx, rx) = mpsc::channel::<ServerTlsStream>(64);
+        tokio::spawn(accept_loop(listener, tls, tx));
+        Self { rx, local }
+    }
+
+    /// The next connection whose handshake completed, with its peer's address; None once
+    /// the accept loop ended.
+    pub async fn accept(&mut self) -> Option<(ServerTlsStream, std::net::SocketAddr)> {
+        loop {
+            let s = self.rx.recv().await?;
+            // A connection reset since its handshake has no address: skip it.
+            if let Ok(peer) = s.get_ref().0.peer_addr() {
+                return Some((s, peer));
+            }
+        }
+    }
+
+    pub fn local_addr(&self) -> std::io::Result<std::net::SocketAddr> {
+        match &self.local {
+            Ok(a) => Ok(*a),
+            Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
+        }
+    }
 }
 
 async fn accept_loop(
