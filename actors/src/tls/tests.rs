@@ -347,7 +347,8 @@ async fn slow_silent_and_garbage_clients_are_closed_and_others_are_served() {
     let dir = temp_dir("slow");
     let ca = TestCa::new(&dir.join("ca"), "cluster CA");
     let owner = TlsContext::load(ca.node("owner", "owner", false)).unwrap();
-    let deadline = Duration::from_millis(300);
+    // Long enough that a member queued behind the slow clients would show it.
+    let deadline = Duration::from_millis(1000);
     let addr = echo_server(&owner, ClientAuth::Required, deadline).await;
     let member = TlsContext::load(ca.node("member", "member", false)).unwrap();
 
