@@ -488,6 +488,8 @@ fn bad_tenant_quotas_are_refused_naming_the_key() {
     let e = NodeConfig::from_toml(&q("prefix = \"a/\"\nram = 0\nssd = \"1GiB\""), "t.toml")
         .unwrap_err();
     assert!(e.to_string().contains("unknown field `ssd`"), "{e}");
+}
+
 /// Issue 29: a listener other hosts can reach, with nothing that authenticates its callers,
 /// refuses to start, naming its key; a token, mutual TLS or an explicit lab switch lets it.
 #[test]
