@@ -37,6 +37,10 @@ pub enum ConnectionError {
         ours: u16,
         theirs: u16,
     },
+    /// The owner refused this requester's link grant (unknown, revoked or expired, or a
+    /// proof that does not match): a new grant from the owner's Handshake is needed.
+    #[error("owner {peer} refused the data link (unknown, revoked or expired): handshake again")]
+    Unauthorized { peer: NodeId },
     #[error("connection to {peer} is lost")]
     ConnectionLost { peer: NodeId },
     #[error("peer {peer} is unreachable")]

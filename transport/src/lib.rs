@@ -12,6 +12,7 @@ mod completion;
 mod config;
 mod connection;
 mod cq;
+pub mod data_auth;
 mod descriptor;
 mod mr_table;
 mod owner_loop;
@@ -34,6 +35,7 @@ pub use completion::{CompletionSink, CompletionStatus, WorkCompletion};
 pub use config::{ConfigError, NicConfig, ProviderKind};
 pub use connection::{Connection, ConnectionError, Connector, WorkRequest};
 pub use cq::CompletionQueue;
+pub use data_auth::{DataAuth, DataAuthError, LinkGrant, LinkSecret, Reject, Rejections};
 pub use descriptor::{LocalSegment, ReadRequest, RemoteDescriptor};
 pub use mr_table::{
     Access, MrError, MrExport, MrGauges, MrHandle, MrKey, MrKind, MrTable, RemoteSource,

@@ -14,12 +14,16 @@ use crate::region::HostRegion;
 use crate::sink::DeviceSink;
 
 /// Local and remote key of a region (one key serves both, as lkey/rkey would on a NIC).
+///
+/// 64 bits, drawn from the OS CSPRNG for every registration ([`MrTable`]): over tcp a key is
+/// what a connection names to read pool memory, so it must not be guessable at line rate.
+/// (Verbs rkeys are the NIC's own 32-bit keys and do not come from here.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct MrKey(pub u32);
+pub struct MrKey(pub u64);
 
 impl fmt::Display for MrKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:#010x}", self.0)
+        write!(f, "{:#018x}", self.0)
     }
 }
 
@@ -70,6 +74,8 @@ pub enum MrError {
     InvalidAccess { kind: MrKind, wanted: &'static str },
     #[error("device range {base:#x}+{len} is empty or wraps")]
     InvalidRange { base: u64, len: u64 },
+    #[error("the OS random source failed, so no unguessable key can be drawn")]
+    NoRandomness,
 }
 
 enum Backing {
@@ -105,8 +111,7 @@ impl Entry {
 }
 
 struct Inner {
-    entries: HashMap<u32, Entry>,
-    next: u32,
+    entries: HashMap<u64, Entry>,
     deregistered: u64,
 }
 
@@ -305,18 +310,10 @@ impl fmt::Debug for MrTable {
 
 impl MrTable {
     pub fn new() -> Self {
-        // Keys start at an unpredictable point so a stale or guessed key from another run is
-        // unlikely to name a live region.
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos() ^ (d.as_secs() as u32))
-            .unwrap_or(0);
-        let salt = nanos ^ std::process::id().rotate_left(16);
         MrTable {
             shared: Arc::new(Shared {
                 inner: Mutex::new(Inner {
                     entries: HashMap::new(),
-                    next: salt,
                     deregistered: 0,
                 }),
             }),
@@ -330,11 +327,14 @@ impl MrTable {
         len: u64,
         access: Access,
         kind: MrKind,
-    ) -> MrHandle {
+    ) -> Result<MrHandle, MrError> {
         let mut inner = self.shared.lock();
+        // Every key is 64 fresh random bits: a peer that knows one key (or a stale one) learns
+        // nothing about another, and guessing one takes 2^63 tries on average.
         let key = loop {
-            inner.next = inner.next.wrapping_add(0x9E37_79B9);
-            let k = inner.next;
+            let mut b = [0u8; 8];
+            getrandom::fill(&mut b).map_err(|_| MrError::NoRandomness)?;
+            let k = u64::from_le_bytes(b);
             if k != 0 && !inner.entries.contains_key(&k) {
                 break k;
             }
@@ -351,14 +351,14 @@ impl MrTable {
                 deregistering: false,
             },
         );
-        MrHandle {
+        Ok(MrHandle {
             shared: self.shared.clone(),
             key: MrKey(key),
             addr,
             len,
             access,
             kind,
-        }
+        })
     }
 
     /// Registers a whole host region.
@@ -374,7 +374,7 @@ impl MrTable {
             });
         }
         let (addr, len) = (region.addr(), region.len() as u64);
-        Ok(self.insert(Backing::Host(region), addr, len, access, MrKind::Host))
+        self.insert(Backing::Host(region), addr, len, access, MrKind::Host)
     }
 
     /// Registers a device range for local write; its bytes are delivered through `sink`.
@@ -388,13 +388,13 @@ impl MrTable {
         if len == 0 || base.checked_add(len).is_none() {
             return Err(MrError::InvalidRange { base, len });
         }
-        Ok(self.insert(
+        self.insert(
             Backing::Device(sink),
             base,
             len,
             Access::LOCAL_WRITE,
             MrKind::Device,
-        ))
+        )
     }
 
     /// Owner side: checks key, access and bounds of a peer's read and pins the region until the
@@ -568,6 +568,33 @@ mod tests {
         }
         fn flush(&self) -> Result<(), crate::sink::SinkError> {
             Ok(())
+        }
+    }
+
+    #[test]
+    fn keys_are_random_64_bit() {
+        let t = MrTable::new();
+        let pool = Arc::new(HostRegion::anonymous(4096).unwrap());
+        let hs: Vec<MrHandle> = (0..64)
+            .map(|_| t.register_host(pool.clone(), Access::REMOTE_READ).unwrap())
+            .collect();
+        let keys: std::collections::HashSet<u64> = hs.iter().map(|h| h.key().0).collect();
+        assert_eq!(keys.len(), 64, "keys repeat");
+        // Sequential or 32-bit keys would leave the high half constant or zero.
+        let highs: std::collections::HashSet<u64> = keys.iter().map(|k| k >> 32).collect();
+        assert!(highs.len() > 60, "high halves {highs:?}");
+        // Neighbours of a live key name nothing.
+        let k = hs[0].key().0;
+        for guess in [
+            k ^ 1,
+            k.wrapping_add(1),
+            k.wrapping_sub(1),
+            k >> 32,
+            k & 0xffff_ffff,
+        ] {
+            if !keys.contains(&guess) {
+                assert!(t.acquire_remote_read(MrKey(guess), pool.addr(), 1).is_err());
+            }
         }
     }
 

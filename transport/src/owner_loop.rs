@@ -11,9 +11,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::mr_table::MrTable;
-use crate::qp_key::NodeId;
-
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
 
 /// Live connections: a clone of each stream (to shut it down) and its serving thread.
@@ -68,8 +65,11 @@ impl OwnerListener for UnixListener {
     }
 }
 
-/// What serves one connection.
-pub(crate) type Serve<S> = fn(S, NodeId, u32, &MrTable) -> io::Result<()>;
+/// What serves one connection (its stream and QP number), on the connection's own thread.
+pub(crate) type Serve<S> = Arc<dyn Fn(S, u32) + Send + Sync>;
+/// Decides on the accept thread whether a new connection gets a thread at all (a source that
+/// is refused, too many connections in their hello); a refused stream is dropped (closed).
+pub(crate) type Admit<S> = Box<dyn Fn(&S) -> bool + Send>;
 
 /// A running owner server; stops (closing every connection and joining the threads) on
 /// `stop` or drop.
@@ -85,9 +85,8 @@ impl<S: Send + 'static> OwnerServer<S> {
     /// Serves `listener` on threads named `name`-owner and `name`-serve.
     pub(crate) fn spawn<L: OwnerListener<Stream = S>>(
         listener: L,
-        node: NodeId,
-        table: MrTable,
         name: &'static str,
+        admit: Option<Admit<S>>,
         serve: Serve<S>,
     ) -> io::Result<Self> {
         listener.set_nonblocking()?;
@@ -98,7 +97,7 @@ impl<S: Send + 'static> OwnerServer<S> {
             let (stop, conns, live) = (stop.clone(), conns.clone(), live.clone());
             std::thread::Builder::new()
                 .name(format!("{name}-owner"))
-                .spawn(move || accept_loop(listener, node, table, stop, conns, live, name, serve))?
+                .spawn(move || accept_loop(listener, stop, conns, live, name, admit, serve))?
         };
         Ok(Self {
             stop,
@@ -149,15 +148,13 @@ impl<S: Send + 'static> Drop for OwnerServer<S> {
 }
 
 /// Accepts until `stop` is set. Each connection is served on a thread named `name`-serve.
-#[allow(clippy::too_many_arguments)] // the owner's shared state, handed over once
 fn accept_loop<L: OwnerListener>(
     listener: L,
-    node: NodeId,
-    table: MrTable,
     stop: Arc<AtomicBool>,
     conns: Conns<L::Stream>,
     live: Arc<AtomicUsize>,
     name: &'static str,
+    admit: Option<Admit<L::Stream>>,
     serve: Serve<L::Stream>,
 ) {
     let next_qp = AtomicU32::new(1);
@@ -172,16 +169,19 @@ fn accept_loop<L: OwnerListener>(
         let Ok(stream) = listener.accept_one() else {
             continue;
         };
+        if admit.as_ref().is_some_and(|a| !a(&stream)) {
+            continue;
+        }
         let Ok(handle_copy) = L::clone_stream(&stream) else {
             continue;
         };
         let qp = next_qp.fetch_add(1, Ordering::Relaxed);
-        let (table, live2) = (table.clone(), live.clone());
+        let (serve, live2) = (serve.clone(), live.clone());
         live.fetch_add(1, Ordering::Relaxed);
         let spawned = std::thread::Builder::new()
             .name(format!("{name}-serve"))
             .spawn(move || {
-                let _ = serve(stream, node, qp, &table);
+                serve(stream, qp);
                 live2.fetch_sub(1, Ordering::Relaxed);
             });
         let mut list = conns.lock().unwrap_or_else(PoisonError::into_inner);

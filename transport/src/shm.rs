@@ -37,7 +37,14 @@ impl ShmOwner {
     /// Starts serving on an already-bound listener.
     pub fn spawn(listener: UnixListener, node: NodeId, table: MrTable) -> io::Result<ShmOwner> {
         Ok(ShmOwner {
-            server: OwnerServer::spawn(listener, node, table, "kvferry-shm", serve)?,
+            server: OwnerServer::spawn(
+                listener,
+                "kvferry-shm",
+                None,
+                Arc::new(move |s, qp| {
+                    let _ = serve(s, node, qp, &table);
+                }),
+            )?,
         })
     }
 
@@ -204,7 +211,7 @@ impl ShmConnector {
             got = HelloAck::LEN;
         }
         let ack = HelloAck::decode(&buf[..HelloAck::LEN]);
-        check_ack(&ack, peer)?;
+        check_ack(&ack, peer, wire::VERSION)?;
         let count = ack.count as usize;
         if count > MAX_FDS || fds.len() != count {
             return Err(ConnectionError::Handshake {

@@ -1,24 +1,32 @@
-//! Cross-process provider over TCP. The owner checks key, access and bounds of every read
-//! against its MR table and streams the bytes from its registered memory; the requester
-//! receives them straight into the destination region (device pieces through a bounce buffer
-//! and the sink).
+//! Cross-process provider over TCP. A data connection proves a link grant the owner's Peer
+//! service issued ([`crate::data_auth`]) before anything is read; the owner then checks key,
+//! access and bounds of every read against its MR table and streams the bytes from its
+//! registered memory; the requester receives them straight into the destination region
+//! (device pieces through a bounce buffer and the sink). A connection that fails its hello or
+//! names a read the owner does not serve is closed and counted ([`Rejections`]), and a source
+//! that keeps failing is refused for a while ([`SourceGuard`]).
 
 use std::collections::VecDeque;
 use std::io::{self, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::completion::{CompletionSink, CompletionStatus, WorkCompletion};
 use crate::connection::{Connection, ConnectionError, Connector, WorkRequest};
+use crate::data_auth::{
+    self, Admitted, DataAuth, GrantRefusal, LinkGrant, ProofContext, Reject, Rejections,
+    SourceGuard, NONCE_LEN, PROOF_LEN,
+};
 use crate::mr_table::MrTable;
 use crate::owner_loop::OwnerServer;
 use crate::qp_key::{NodeId, QpKey};
 use crate::scatter::{Scatter, ScatterError};
-use crate::wire::{self, Hello, HelloAck, ReadReq, ReadResp, RecvError};
+use crate::wire::{self, Challenge, Hello, HelloAck, Proof, ReadReq, ReadResp, RecvError};
 
 /// How often blocked receivers wake to check for aborts and timeouts.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
@@ -31,9 +39,55 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Serves reads of `table`'s remote-readable regions to requesters.
+/// The whole hello (challenge, hello, proof, answer) must be done within this long by
+/// default: a client that connects and sends nothing, or a byte at a time, holds a thread
+/// for no longer.
+pub const HELLO_DEADLINE: Duration = Duration::from_secs(5);
+/// Connections in their hello at once by default; more are closed on accept.
+pub const MAX_PENDING_HELLOS: usize = 64;
+
+/// Refusals the owner reports as they happen (the node counts them in its metrics and writes
+/// a rate-limited log line): the source address and why.
+pub type RejectHook = Arc<dyn Fn(Option<SocketAddr>, Reject) + Send + Sync>;
+
+/// How a [`TcpOwner`] admits connections.
+#[derive(Clone)]
+pub struct TcpOwnerOptions {
+    /// The grants data connections must prove (issued by the Peer service's Handshake).
+    pub auth: DataAuth,
+    pub hello_deadline: Duration,
+    pub max_pending: usize,
+    /// Sources that keep failing are refused for a while.
+    pub guard: Arc<Mutex<SourceGuard>>,
+    pub on_reject: Option<RejectHook>,
+}
+
+impl TcpOwnerOptions {
+    pub fn new(auth: DataAuth) -> Self {
+        Self {
+            auth,
+            hello_deadline: HELLO_DEADLINE,
+            max_pending: MAX_PENDING_HELLOS,
+            guard: Arc::new(Mutex::new(SourceGuard::default())),
+            on_reject: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for TcpOwnerOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpOwnerOptions")
+            .field("hello_deadline", &self.hello_deadline)
+            .field("max_pending", &self.max_pending)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Serves reads of `table`'s remote-readable regions to requesters that prove a link grant
+/// of its [`DataAuth`].
 pub struct TcpOwner {
     local_addr: SocketAddr,
+    rejections: Arc<Rejections>,
     server: OwnerServer<TcpStream>,
 }
 
@@ -46,13 +100,84 @@ impl std::fmt::Debug for TcpOwner {
     }
 }
 
+/// What every serving thread of one owner shares.
+struct OwnerCtx {
+    node: NodeId,
+    table: MrTable,
+    opts: TcpOwnerOptions,
+    pending: AtomicUsize,
+    rejections: Arc<Rejections>,
+}
+
+impl OwnerCtx {
+    fn reject(&self, from: Option<SocketAddr>, why: Reject) {
+        self.rejections.count(why);
+        if let (Some(a), true) = (from, why.counts_against_source()) {
+            lock(&self.opts.guard).failed(a.ip(), Instant::now());
+        }
+        if let Some(h) = &self.opts.on_reject {
+            h(from, why);
+        }
+    }
+}
+
+/// Counts a connection in its hello until it is done with it.
+struct Pending<'a>(&'a AtomicUsize);
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 impl TcpOwner {
-    /// Starts serving on an already-bound listener (tests bind `127.0.0.1:0`).
-    pub fn spawn(listener: TcpListener, node: NodeId, table: MrTable) -> io::Result<TcpOwner> {
+    /// Starts serving on an already-bound listener (tests bind `127.0.0.1:0`); connections
+    /// must prove a grant of `auth`.
+    pub fn spawn(
+        listener: TcpListener,
+        node: NodeId,
+        table: MrTable,
+        auth: DataAuth,
+    ) -> io::Result<TcpOwner> {
+        Self::spawn_with(listener, node, table, TcpOwnerOptions::new(auth))
+    }
+
+    pub fn spawn_with(
+        listener: TcpListener,
+        node: NodeId,
+        table: MrTable,
+        opts: TcpOwnerOptions,
+    ) -> io::Result<TcpOwner> {
         let local_addr = listener.local_addr()?;
+        let rejections = Arc::new(Rejections::default());
+        let ctx = Arc::new(OwnerCtx {
+            node,
+            table,
+            opts,
+            pending: AtomicUsize::new(0),
+            rejections: rejections.clone(),
+        });
+        let admit = {
+            let ctx = ctx.clone();
+            Box::new(move |s: &TcpStream| {
+                let from = s.peer_addr().ok();
+                if from.is_some_and(|a| lock(&ctx.opts.guard).is_refused(a.ip(), Instant::now())) {
+                    ctx.reject(from, Reject::Banned);
+                    return false;
+                }
+                if ctx.pending.fetch_add(1, Ordering::AcqRel) >= ctx.opts.max_pending {
+                    ctx.pending.fetch_sub(1, Ordering::AcqRel);
+                    ctx.reject(from, Reject::Busy);
+                    return false;
+                }
+                true
+            })
+        };
+        let serve = Arc::new(move |s: TcpStream, qp: u32| serve(s, qp, &ctx));
         Ok(TcpOwner {
             local_addr,
-            server: OwnerServer::spawn(listener, node, table, "kvferry-tcp", serve)?,
+            rejections,
+            server: OwnerServer::spawn(listener, "kvferry-tcp", Some(admit), serve)?,
         })
     }
 
@@ -60,9 +185,14 @@ impl TcpOwner {
         self.local_addr
     }
 
-    /// Requester connections currently served.
+    /// Requester connections currently served (those in their hello included).
     pub fn connections(&self) -> usize {
         self.server.connections()
+    }
+
+    /// Connections refused or closed, by reason.
+    pub fn rejections(&self) -> Arc<Rejections> {
+        self.rejections.clone()
     }
 
     /// Closes every connection (requesters see a lost connection) and keeps accepting.
@@ -76,45 +206,169 @@ impl TcpOwner {
     }
 }
 
-fn serve(mut stream: TcpStream, node: NodeId, qp: u32, table: &MrTable) -> io::Result<()> {
-    stream.set_nonblocking(false)?;
-    stream.set_nodelay(true)?;
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    stream.set_write_timeout(Some(Duration::from_secs(5)))?;
-    let fd = stream.as_raw_fd();
-    let mut hb = [0u8; Hello::LEN];
-    wire::recv_exact(fd, &mut hb, || false).map_err(|_| io::ErrorKind::UnexpectedEof)?;
-    let hello = Hello::decode(&hb);
-    let status = if hello.magic != wire::MAGIC || hello.version != wire::VERSION {
-        wire::ACK_BAD_VERSION
-    } else if hello.kind != wire::KIND_TCP {
-        wire::ACK_WRONG_KIND
-    } else if hello.expected_peer != node {
-        wire::ACK_WRONG_PEER
-    } else {
-        wire::ACK_OK
-    };
-    let ack = HelloAck {
-        magic: wire::MAGIC,
-        version: wire::VERSION,
-        status,
-        node,
-        qp,
-        count: 0,
-    };
-    stream.write_all(&ack.encode())?;
-    if status != wire::ACK_OK {
-        return Ok(());
+/// Receives exactly `buf.len()` bytes before `deadline`, however slowly they come.
+fn recv_before(fd: RawFd, buf: &mut [u8], deadline: Instant) -> Result<(), Reject> {
+    let mut done = 0;
+    while done < buf.len() {
+        if Instant::now() >= deadline {
+            return Err(Reject::HelloTimeout);
+        }
+        let rest = &mut buf[done..];
+        // SAFETY: `rest` is a valid writable buffer of `rest.len()` bytes.
+        let r = unsafe { libc::recv(fd, rest.as_mut_ptr().cast(), rest.len(), 0) };
+        if r > 0 {
+            done += r as usize;
+            continue;
+        }
+        if r == 0 {
+            // Closed before the hello was complete: a truncated hello.
+            return Err(Reject::BadHello);
+        }
+        match io::Error::last_os_error().kind() {
+            io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {}
+            _ => return Err(Reject::BadHello),
+        }
     }
+    Ok(())
+}
+
+/// The owner's side of the hello: challenge, check the hello and its proof, answer. On
+/// refusal the requester gets a status where one helps it (a version or peer mismatch,
+/// unauthorised) and the connection is closed.
+fn owner_hello(
+    stream: &mut TcpStream,
+    qp: u32,
+    ctx: &OwnerCtx,
+    deadline: Instant,
+) -> Result<(u64, Admitted), Reject> {
+    let fd = stream.as_raw_fd();
+    let setup = |_| Reject::BadHello;
+    stream.set_nonblocking(false).map_err(setup)?;
+    stream.set_nodelay(true).map_err(setup)?;
+    // Short receive timeouts, so the deadline is checked while a client sends nothing.
+    stream
+        .set_read_timeout(Some(POLL_INTERVAL))
+        .map_err(setup)?;
+    stream
+        .set_write_timeout(Some(ctx.opts.hello_deadline))
+        .map_err(setup)?;
+    let mut nonce = [0u8; NONCE_LEN];
+    data_auth::random(&mut nonce).map_err(|_| Reject::BadHello)?;
+    let challenge = Challenge {
+        magic: wire::MAGIC,
+        version: wire::TCP_VERSION,
+        node: ctx.node,
+        nonce,
+    };
+    stream.write_all(&challenge.encode()).map_err(setup)?;
+    let mut hb = [0u8; Hello::LEN + Proof::LEN];
+    recv_before(fd, &mut hb, deadline)?;
+    let mut h = [0u8; Hello::LEN];
+    h.copy_from_slice(&hb[..Hello::LEN]);
+    let hello = Hello::decode(&h);
+    let mut p = [0u8; Proof::LEN];
+    p.copy_from_slice(&hb[Hello::LEN..]);
+    let proof = Proof::decode(&p);
+    let answer = |stream: &mut TcpStream, status: u8, mac: [u8; PROOF_LEN]| {
+        let ack = HelloAck {
+            magic: wire::MAGIC,
+            version: wire::TCP_VERSION,
+            status,
+            node: ctx.node,
+            qp,
+            count: 0,
+        };
+        let mut b = [0u8; HelloAck::LEN + PROOF_LEN];
+        b[..HelloAck::LEN].copy_from_slice(&ack.encode());
+        b[HelloAck::LEN..].copy_from_slice(&mac);
+        stream.write_all(&b)
+    };
+    let refuse = |stream: &mut TcpStream, status: u8, why: Reject| {
+        let _ = answer(stream, status, [0; PROOF_LEN]);
+        Err(why)
+    };
+    if hello.magic != wire::MAGIC || hello.version != wire::TCP_VERSION {
+        return refuse(stream, wire::ACK_BAD_VERSION, Reject::BadHello);
+    }
+    if hello.kind != wire::KIND_TCP {
+        return refuse(stream, wire::ACK_WRONG_KIND, Reject::BadHello);
+    }
+    if hello.expected_peer != ctx.node {
+        return refuse(stream, wire::ACK_WRONG_PEER, Reject::WrongPeer);
+    }
+    let admitted = match ctx.opts.auth.lookup(proof.link, hello.node) {
+        Ok(a) => a,
+        Err(r) => {
+            let why = match r {
+                GrantRefusal::Stale => Reject::StaleLink,
+                GrantRefusal::Unknown | GrantRefusal::WrongPeer => Reject::UnknownLink,
+            };
+            return refuse(stream, wire::ACK_UNAUTHORIZED, why);
+        }
+    };
+    let pc = ProofContext {
+        owner_nonce: nonce,
+        requester_nonce: proof.nonce,
+        link: proof.link,
+        requester: hello.node,
+        owner: ctx.node,
+        qp: hello.qp,
+    };
+    if !pc.check_requester(&admitted.secret, &proof.mac) {
+        return refuse(stream, wire::ACK_UNAUTHORIZED, Reject::BadProof);
+    }
+    answer(stream, wire::ACK_OK, pc.owner_proof(&admitted.secret)).map_err(setup)?;
+    Ok((proof.link, admitted))
+}
+
+fn serve(mut stream: TcpStream, qp: u32, ctx: &OwnerCtx) {
+    // Admission counted this connection as pending; it stays so until its hello is done.
+    let pending = Pending(&ctx.pending);
+    let from = stream.peer_addr().ok();
+    let deadline = Instant::now() + ctx.opts.hello_deadline;
+    let hello = owner_hello(&mut stream, qp, ctx, deadline);
+    drop(pending);
+    let (link, admitted) = match hello {
+        Ok(a) => a,
+        Err(why) => {
+            // The owner server keeps a clone of the stream until it reaps this thread, so
+            // dropping ours would not close the connection: shut it down.
+            let _ = stream.shutdown(Shutdown::Both);
+            ctx.reject(from, why);
+            return;
+        }
+    };
+    if let Some(a) = from {
+        lock(&ctx.opts.guard).succeeded(a.ip());
+    }
+    ctx.opts.auth.attach(link);
+    let ended = serve_reads(&mut stream, ctx, &admitted);
+    let _ = stream.shutdown(Shutdown::Both);
+    ctx.opts.auth.detach(link);
+    if let Some(why) = ended {
+        ctx.reject(from, why);
+    }
+}
+
+/// Serves read requests until the requester closes or errs; `Some` when the owner closed the
+/// connection for a reason worth counting.
+fn serve_reads(stream: &mut TcpStream, ctx: &OwnerCtx, admitted: &Admitted) -> Option<Reject> {
+    let fd = stream.as_raw_fd();
     // Idle requesters are fine; a shutdown from `TcpOwner` ends the read.
-    stream.set_read_timeout(None)?;
+    if stream.set_read_timeout(None).is_err() {
+        return None;
+    }
     let mut rb = [0u8; ReadReq::LEN];
     loop {
         if wire::recv_exact(fd, &mut rb, || true).is_err() {
-            return Ok(());
+            return None;
+        }
+        // A revoked or expired link is served no further, whatever the request.
+        if admitted.revoked.load(Ordering::Acquire) {
+            return Some(Reject::StaleLink);
         }
         let req = ReadReq::decode(&rb);
-        match table.acquire_remote_read(req.rkey, req.addr, req.len) {
+        match ctx.table.acquire_remote_read(req.rkey, req.addr, req.len) {
             Ok(src) => {
                 let head = ReadResp {
                     wr_id: req.wr_id,
@@ -124,16 +378,22 @@ fn serve(mut stream: TcpStream, node: NodeId, qp: u32, table: &MrTable) -> io::R
                 .encode();
                 // SAFETY: `src` pins the region and the table checked the range, so
                 // `src.ptr()..+len` stays readable while we send.
-                unsafe { wire::send_head_and_body(fd, &head, src.ptr(), src.len())? };
+                if unsafe { wire::send_head_and_body(fd, &head, src.ptr(), src.len()) }.is_err() {
+                    return None;
+                }
             }
             Err(_) => {
+                // The requester learns its read was refused, then the connection closes: a
+                // guessed key or address gets one answer per connection, not a stream of them.
                 let head = ReadResp {
                     wr_id: req.wr_id,
                     len: 0,
                     status: wire::RESP_ACCESS,
                 }
                 .encode();
-                stream.write_all(&head)?;
+                let _ = stream.write_all(&head);
+                let _ = stream.shutdown(Shutdown::Both);
+                return Some(Reject::BadRead);
             }
         }
     }
@@ -145,16 +405,19 @@ pub struct TcpConnector {
     local: NodeId,
     peer: NodeId,
     addr: SocketAddr,
+    grant: LinkGrant,
     connect_timeout: Duration,
     io_timeout: Duration,
 }
 
 impl TcpConnector {
-    pub fn new(local: NodeId, peer: NodeId, addr: SocketAddr) -> Self {
+    /// Connections prove `grant` (from the owner's Handshake) in their hello.
+    pub fn new(local: NodeId, peer: NodeId, addr: SocketAddr, grant: LinkGrant) -> Self {
         TcpConnector {
             local,
             peer,
             addr,
+            grant,
             connect_timeout: Duration::from_secs(2),
             io_timeout: Duration::from_secs(5),
         }
@@ -181,38 +444,101 @@ impl TcpConnector {
         stream
             .set_write_timeout(Some(self.io_timeout))
             .map_err(io_err)?;
+        let fd = stream.as_raw_fd();
+        let no_answer = |what: &str| {
+            let what = what.to_owned();
+            move |e| match e {
+                RecvError::Io(source) => ConnectionError::HandshakeIo { peer, source },
+                _ => ConnectionError::Handshake {
+                    peer,
+                    reason: format!("no {what}"),
+                },
+            }
+        };
+        let mut cb = [0u8; Challenge::LEN];
+        wire::recv_exact(fd, &mut cb, || false).map_err(no_answer("challenge"))?;
+        let challenge = Challenge::decode(&cb);
+        if challenge.magic != wire::MAGIC {
+            return Err(ConnectionError::Handshake {
+                peer,
+                reason: "bad magic".into(),
+            });
+        }
+        if challenge.version != wire::TCP_VERSION {
+            return Err(ConnectionError::VersionMismatch {
+                peer,
+                ours: wire::TCP_VERSION,
+                theirs: challenge.version,
+            });
+        }
+        if challenge.node != peer {
+            return Err(ConnectionError::PeerMismatch {
+                expected: peer,
+                found: challenge.node,
+            });
+        }
+        let mut nonce = [0u8; NONCE_LEN];
+        data_auth::random(&mut nonce).map_err(|e| ConnectionError::Handshake {
+            peer,
+            reason: e.to_string(),
+        })?;
+        let pc = ProofContext {
+            owner_nonce: challenge.nonce,
+            requester_nonce: nonce,
+            link: self.grant.link,
+            requester: self.local,
+            owner: peer,
+            qp: qp.qp.0,
+        };
         let hello = Hello {
             magic: wire::MAGIC,
-            version: wire::VERSION,
+            version: wire::TCP_VERSION,
             kind: wire::KIND_TCP,
             node: self.local,
             expected_peer: peer,
             qp: qp.qp.0,
         };
-        stream.write_all(&hello.encode()).map_err(io_err)?;
-        let mut ab = [0u8; HelloAck::LEN];
-        wire::recv_exact(stream.as_raw_fd(), &mut ab, || false).map_err(|e| match e {
-            RecvError::Io(source) => ConnectionError::HandshakeIo { peer, source },
-            _ => ConnectionError::Handshake {
+        let proof = Proof {
+            link: self.grant.link,
+            nonce,
+            mac: pc.requester_proof(&self.grant.secret),
+        };
+        let mut out = [0u8; Hello::LEN + Proof::LEN];
+        out[..Hello::LEN].copy_from_slice(&hello.encode());
+        out[Hello::LEN..].copy_from_slice(&proof.encode());
+        stream.write_all(&out).map_err(io_err)?;
+        let mut ab = [0u8; HelloAck::LEN + PROOF_LEN];
+        wire::recv_exact(fd, &mut ab, || false).map_err(no_answer("answer to hello"))?;
+        let ack = HelloAck::decode(&ab[..HelloAck::LEN]);
+        if ack.magic == wire::MAGIC && ack.status == wire::ACK_UNAUTHORIZED {
+            return Err(ConnectionError::Unauthorized { peer });
+        }
+        check_ack(&ack, peer, wire::TCP_VERSION)?;
+        let mut mac = [0u8; PROOF_LEN];
+        mac.copy_from_slice(&ab[HelloAck::LEN..]);
+        // Only the owner that issued the grant knows its secret: anything else listening on
+        // the owner's address is not it.
+        if !pc.check_owner(&self.grant.secret, &mac) {
+            return Err(ConnectionError::Handshake {
                 peer,
-                reason: "no answer to hello".into(),
-            },
-        })?;
-        check_ack(&HelloAck::decode(&ab), peer)
+                reason: "the owner did not prove the link's secret".into(),
+            });
+        }
+        Ok(())
     }
 }
 
-pub(crate) fn check_ack(ack: &HelloAck, peer: NodeId) -> Result<(), ConnectionError> {
+pub(crate) fn check_ack(ack: &HelloAck, peer: NodeId, version: u16) -> Result<(), ConnectionError> {
     if ack.magic != wire::MAGIC {
         return Err(ConnectionError::Handshake {
             peer,
             reason: "bad magic".into(),
         });
     }
-    if ack.version != wire::VERSION || ack.status == wire::ACK_BAD_VERSION {
+    if ack.version != version || ack.status == wire::ACK_BAD_VERSION {
         return Err(ConnectionError::VersionMismatch {
             peer,
-            ours: wire::VERSION,
+            ours: version,
             theirs: ack.version,
         });
     }
@@ -384,6 +710,7 @@ fn receive_loop(
             bytes,
         })
     };
+    let mut refused = false;
     // The entry being received stays at the front of the queue until its completion is pushed,
     // so the timeout check and the drain below always see it.
     loop {
@@ -413,7 +740,11 @@ fn receive_loop(
                     Err(_) => break,
                 }
             }
-            other => other,
+            other => {
+                // The owner closes after refusing a read: what is still queued only flushes.
+                refused = true;
+                other
+            }
         };
         let bytes = scatter.len();
         drop(scatter);
@@ -428,7 +759,7 @@ fn receive_loop(
         std::mem::take(&mut inf.queue)
     };
     let aborted = shared.closing.load(Ordering::Relaxed);
-    let mut blamed = aborted;
+    let mut blamed = aborted || refused;
     let mut finish = |e: Entry| {
         let status = if blamed {
             CompletionStatus::Flushed

@@ -1,15 +1,23 @@
 //! Frames shared by the tcp and shm providers: the hello exchange, read requests and read
 //! responses. Little-endian, fixed size.
+//!
+//! shm (version 1): requester [`Hello`], owner [`HelloAck`] and its exports. tcp (version 2,
+//! [`TCP_VERSION`]): owner [`Challenge`] (a fresh nonce), requester [`Hello`] + [`Proof`]
+//! (the link id, its own nonce, an HMAC over both and the connection's identity), owner
+//! [`HelloAck`] + its own HMAC ([`crate::data_auth`]); then [`ReadReq`]s and [`ReadResp`]s.
 
 use std::io;
 use std::os::fd::RawFd;
 
 use crate::completion::CompletionStatus;
+use crate::data_auth::{NONCE_LEN, PROOF_LEN};
 use crate::mr_table::MrKey;
 use crate::qp_key::NodeId;
 
 pub(crate) const MAGIC: u32 = 0x4B56_4654; // "KVFT"
 pub(crate) const VERSION: u16 = 1;
+/// The tcp data plane's revision: 2 proves a link grant in the hello and names 64-bit keys.
+pub(crate) const TCP_VERSION: u16 = 2;
 
 pub(crate) const KIND_TCP: u8 = 1;
 pub(crate) const KIND_SHM: u8 = 2;
@@ -18,6 +26,72 @@ pub(crate) const ACK_OK: u8 = 0;
 pub(crate) const ACK_WRONG_PEER: u8 = 1;
 pub(crate) const ACK_BAD_VERSION: u8 = 2;
 pub(crate) const ACK_WRONG_KIND: u8 = 3;
+/// tcp: the link is unknown, stale, or the proof does not match (which one is not said).
+pub(crate) const ACK_UNAUTHORIZED: u8 = 4;
+
+/// Owner → requester, first on a tcp data connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Challenge {
+    pub magic: u32,
+    pub version: u16,
+    pub node: NodeId,
+    pub nonce: [u8; NONCE_LEN],
+}
+
+impl Challenge {
+    pub const LEN: usize = 16 + NONCE_LEN;
+
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[0..4].copy_from_slice(&self.magic.to_le_bytes());
+        b[4..6].copy_from_slice(&self.version.to_le_bytes());
+        b[8..16].copy_from_slice(&self.node.0.to_le_bytes());
+        b[16..].copy_from_slice(&self.nonce);
+        b
+    }
+
+    pub fn decode(b: &[u8; Self::LEN]) -> Self {
+        let mut nonce = [0u8; NONCE_LEN];
+        nonce.copy_from_slice(&b[16..]);
+        Challenge {
+            magic: u32_at(b, 0),
+            version: u16_at(b, 4),
+            node: NodeId(u64_at(b, 8)),
+            nonce,
+        }
+    }
+}
+
+/// Requester → owner right after its [`Hello`] on tcp: which link, and the proof.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Proof {
+    pub link: u64,
+    pub nonce: [u8; NONCE_LEN],
+    pub mac: [u8; PROOF_LEN],
+}
+
+impl Proof {
+    pub const LEN: usize = 8 + NONCE_LEN + PROOF_LEN;
+
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[0..8].copy_from_slice(&self.link.to_le_bytes());
+        b[8..8 + NONCE_LEN].copy_from_slice(&self.nonce);
+        b[8 + NONCE_LEN..].copy_from_slice(&self.mac);
+        b
+    }
+
+    pub fn decode(b: &[u8; Self::LEN]) -> Self {
+        let (mut nonce, mut mac) = ([0u8; NONCE_LEN], [0u8; PROOF_LEN]);
+        nonce.copy_from_slice(&b[8..8 + NONCE_LEN]);
+        mac.copy_from_slice(&b[8 + NONCE_LEN..]);
+        Proof {
+            link: u64_at(b, 0),
+            nonce,
+            mac,
+        }
+    }
+}
 
 fn u16_at(b: &[u8], at: usize) -> u16 {
     u16::from_le_bytes([b[at], b[at + 1]])
@@ -120,14 +194,13 @@ impl Export {
 
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.key.0.to_le_bytes());
-        out.extend_from_slice(&[0u8; 4]);
         out.extend_from_slice(&self.addr.to_le_bytes());
         out.extend_from_slice(&self.len.to_le_bytes());
     }
 
     pub fn decode(b: &[u8]) -> Self {
         Export {
-            key: MrKey(u32_at(b, 0)),
+            key: MrKey(u64_at(b, 0)),
             addr: u64_at(b, 8),
             len: u64_at(b, 16),
         }
@@ -151,7 +224,7 @@ impl ReadReq {
         b[0..8].copy_from_slice(&self.wr_id.to_le_bytes());
         b[8..16].copy_from_slice(&self.addr.to_le_bytes());
         b[16..24].copy_from_slice(&self.len.to_le_bytes());
-        b[24..28].copy_from_slice(&self.rkey.0.to_le_bytes());
+        b[24..32].copy_from_slice(&self.rkey.0.to_le_bytes());
         b
     }
 
@@ -160,7 +233,7 @@ impl ReadReq {
             wr_id: u64_at(b, 0),
             addr: u64_at(b, 8),
             len: u64_at(b, 16),
-            rkey: MrKey(u32_at(b, 24)),
+            rkey: MrKey(u64_at(b, 24)),
         }
     }
 }
@@ -321,9 +394,22 @@ mod tests {
             wr_id: 1,
             addr: 0xdead_beef,
             len: 4096,
-            rkey: MrKey(42),
+            rkey: MrKey(0xfedc_ba98_7654_3210),
         };
         assert_eq!(ReadReq::decode(&r.encode()), r);
+        let c = Challenge {
+            magic: MAGIC,
+            version: TCP_VERSION,
+            node: NodeId(9),
+            nonce: [7; NONCE_LEN],
+        };
+        assert_eq!(Challenge::decode(&c.encode()), c);
+        let p = Proof {
+            link: u64::MAX - 1,
+            nonce: [3; NONCE_LEN],
+            mac: [4; PROOF_LEN],
+        };
+        assert_eq!(Proof::decode(&p.encode()), p);
         let a = HelloAck {
             magic: MAGIC,
             version: VERSION,
@@ -335,7 +421,7 @@ mod tests {
         assert_eq!(HelloAck::decode(&a.encode()), a);
         let mut v = Vec::new();
         let e = Export {
-            key: MrKey(5),
+            key: MrKey(u64::MAX - 5),
             addr: 10,
             len: 20,
         };
