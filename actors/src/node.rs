@@ -513,6 +513,9 @@ impl Node {
         let mut sampled: Vec<Box<dyn crate::metrics::Sampled>> = Vec::new();
         if let Some(c) = &self.inner.cluster {
             sampled.push(Box::new(c.directory().stats()));
+            if let Some(r) = c.data_rejections(&self.inner.config.node_id) {
+                sampled.push(Box::new(crate::peer::cluster::DataRejections(r)));
+            }
         }
         if let Some(n) = &self.inner.nics {
             sampled.push(Box::new(n.runtime.metrics().await));

@@ -249,9 +249,15 @@ pub fn tcp_vs_socket(cfg: &BenchConfig) -> Result<ThroughputResult, BenchError> 
     let owner = owner_pool(pool_len)?;
     let dst = destination(pool_len)?;
     let listener = TcpListener::bind("127.0.0.1:0").map_err(setup("tcp listener"))?;
+    // The data plane as a node serves it: every connection proves a link grant.
+    let auth = kvferry_transport::DataAuth::new();
+    let grant = auth.issue(ME).map_err(|e| BenchError::Setup {
+        what: "link grant",
+        source: std::io::Error::other(e),
+    })?;
     let server =
-        TcpOwner::spawn(listener, OWNER, owner.table.clone()).map_err(setup("tcp owner"))?;
-    let connector = TcpConnector::new(ME, OWNER, server.local_addr());
+        TcpOwner::spawn(listener, OWNER, owner.table.clone(), auth).map_err(setup("tcp owner"))?;
+    let connector = TcpConnector::new(ME, OWNER, server.local_addr(), grant);
     let provider = provider_medians(cfg, &owner, &dst, &connector)?;
     server.shutdown();
 

@@ -22,6 +22,7 @@ pub const NAMESPACE_RAM_BYTES: &str = "kvferry_namespace_ram_bytes";
 pub const NAMESPACE_RAM_QUOTA_BYTES: &str = "kvferry_namespace_ram_quota_bytes";
 pub const NAMESPACE_REFUSED: &str = "kvferry_namespace_refused_blocks_total";
 pub const ABANDONED: &str = "kvferry_abandoned_total";
+pub const DATA_REJECTED: &str = "kvferry_data_rejected_total";
 pub const LOADS: &str = "kvferry_loads_total";
 pub const BYTES: &str = "kvferry_bytes_total";
 pub const STAGE_SECONDS: &str = "kvferry_stage_seconds";
@@ -174,6 +175,12 @@ pub fn describe() {
         (
             LOADS,
             "Transfers by path (local, direct, staged, save) and status.",
+        ),
+        (
+            DATA_REJECTED,
+            "Connections the tcp data server refused or closed, by reason (bad_hello, \
+             hello_timeout, wrong_peer, unknown_link, stale_link, bad_proof, bad_read, banned, \
+             busy, tls).",
         ),
         (DIRECTORY_OPERATIONS, "Directory operations by kind."),
         (

@@ -2,6 +2,8 @@
 //! as `grpc-timeout` and enforced here), and every answer is checked before it is believed:
 //! a pin answer must be a prefix of what was asked, in order.
 
+use kvferry_transport::data_auth::SECRET_LEN;
+use kvferry_transport::{LinkGrant, LinkSecret};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -128,7 +130,7 @@ pub struct RemoteRegion {
     pub nic: String,
     pub addr: u64,
     pub len: u64,
-    pub rkey: u32,
+    pub rkey: u64,
 }
 
 /// Where and how the owner's pool is read over one provider.
@@ -141,6 +143,8 @@ pub struct PeerHandshake {
     pub regions: Vec<RemoteRegion>,
     /// Verbs: the owner's QPs and pool MRs per NIC, checked against what was asked.
     pub verbs: Vec<VerbsPeerEndpoint>,
+    /// tcp: the data link this handshake authorised (its connections prove the secret).
+    pub grant: Option<LinkGrant>,
 }
 
 /// One block pinned on the owner.
@@ -437,6 +441,27 @@ impl PeerClient {
         if resp.incarnation == 0 {
             return Err(self.malformed("Handshake", "no incarnation"));
         }
+        let grant = match (provider, resp.data_link) {
+            (Provider::Tcp, 0) => {
+                return Err(self.malformed(
+                    "Handshake",
+                    "a tcp answer authorises no data link (an owner of an older release?)",
+                ))
+            }
+            (Provider::Tcp, link) => Some(LinkGrant {
+                link,
+                secret: LinkSecret::from_bytes(&resp.data_secret).ok_or_else(|| {
+                    self.malformed(
+                        "Handshake",
+                        format!(
+                            "a data link secret of {} bytes, not {SECRET_LEN}",
+                            resp.data_secret.len()
+                        ),
+                    )
+                })?,
+            }),
+            _ => None,
+        };
         let was = self
             .inner
             .life
@@ -452,6 +477,7 @@ impl PeerClient {
         Ok(PeerHandshake {
             incarnation: resp.incarnation,
             provider,
+            grant,
             verbs,
             endpoint: resp.endpoint,
             regions: resp

@@ -10,8 +10,11 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use kvferry_transport::shm::{ShmConnector, ShmOwner};
-use kvferry_transport::tcp::TcpOwner;
-use kvferry_transport::{Access, HostRegion, MrHandle, MrTable, NicConfig, NodeId, ProviderKind};
+use kvferry_transport::tcp::{TcpOwner, TcpOwnerOptions};
+use kvferry_transport::{
+    Access, DataAuth, HostRegion, MrHandle, MrTable, NicConfig, NodeId, ProviderKind, Reject,
+    Rejections,
+};
 
 use crate::error::NodeError;
 use crate::nic::runtime::NicRuntime;
@@ -59,6 +62,37 @@ impl Provider {
     }
 }
 
+/// Data-plane refusals, logged at most once a minute per reason (a scanner or a client
+/// guessing keys retries at line rate); every one is counted in
+/// `kvferry_data_rejected_total`.
+static DATA_REJECTIONS: crate::log_limit::LogLimit =
+    crate::log_limit::LogLimit::new(std::time::Duration::from_secs(60));
+
+fn log_rejection(node: &str, from: Option<std::net::SocketAddr>, why: Reject) {
+    if let Some(held_back) = DATA_REJECTIONS.allow(why.as_str()) {
+        let from = from.map_or_else(|| "?".to_owned(), |a| a.to_string());
+        tracing::warn!(
+            node,
+            from = %from,
+            reason = why.as_str(),
+            held_back,
+            "tcp data plane refused a connection"
+        );
+    }
+}
+
+/// Data-plane refusals by reason, for a scrape.
+#[derive(Clone, Debug)]
+pub struct DataRejections(pub Arc<Rejections>);
+
+impl crate::metrics::Sampled for DataRejections {
+    fn record(&self) {
+        for (reason, n) in self.0.labelled() {
+            ::metrics::counter!(crate::metrics::DATA_REJECTED, "reason" => reason).absolute(n);
+        }
+    }
+}
+
 /// The transport node id of a kvferry node id.
 pub fn transport_id(node: &str) -> NodeId {
     let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -70,6 +104,9 @@ pub fn transport_id(node: &str) -> NodeId {
 /// NIC) with its pool registered for local write, for the reads it makes.
 pub(crate) struct TcpSide {
     owner: Option<TcpOwner>,
+    /// The data links the Peer service's Handshakes authorised; the server checks them.
+    pub(crate) auth: DataAuth,
+    pub(crate) rejections: Arc<Rejections>,
     pub(crate) addr: std::net::SocketAddr,
     pub(crate) pool_mr: MrHandle,
     pub(crate) max_sge: usize,
@@ -147,11 +184,16 @@ impl DataSide {
                 let listener = std::net::TcpListener::bind(tcp_listen).map_err(|e| {
                     remote(node, RemoteError::local(format!("binding {tcp_listen}"), e))
                 })?;
-                let owner =
-                    TcpOwner::spawn(listener, transport_id(node), table.clone()).map_err(|e| {
+                let auth = DataAuth::new();
+                let mut opts = TcpOwnerOptions::new(auth.clone());
+                let me = node.to_owned();
+                opts.on_reject = Some(Arc::new(move |from, why| log_rejection(&me, from, why)));
+                let owner = TcpOwner::spawn_with(listener, transport_id(node), table.clone(), opts)
+                    .map_err(|e| {
                         remote(node, RemoteError::local("serving the pool over tcp", e))
                     })?;
                 let addr = owner.local_addr();
+                let rejections = owner.rejections();
                 let nic_cfg = NicConfig {
                     name: format!("{node}-tcp0"),
                     provider: ProviderKind::Tcp,
@@ -169,6 +211,8 @@ impl DataSide {
                     .map_err(|e| remote(node, RemoteError::local("registering the pool", e)))?;
                 Some(TcpSide {
                     owner: Some(owner),
+                    auth,
+                    rejections,
                     addr,
                     pool_mr,
                     max_sge,
@@ -353,6 +397,10 @@ impl LocalCluster {
                                 .unwrap_or_default(),
                             connector: None,
                             rdma: None,
+                            // In one process the owner's grant is issued directly.
+                            grant: Some(t.auth.issue(transport_id(from)).map_err(|e| {
+                                remote(to, RemoteError::local("authorising the data link", e))
+                            })?),
                         },
                     ))
                 }
@@ -412,6 +460,11 @@ impl LocalCluster {
 impl super::Peers for LocalCluster {
     fn directory(&self) -> &Arc<dyn Directory> {
         &self.directory
+    }
+
+    fn data_rejections(&self, node: &str) -> Option<Arc<Rejections>> {
+        let members = self.members.lock().ok()?;
+        Some(members.get(node)?.side.tcp.as_ref()?.rejections.clone())
     }
 
     fn link(

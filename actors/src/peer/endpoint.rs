@@ -224,15 +224,11 @@ impl VerbsPeerEndpoint {
                 addr: r.addr,
                 len: r.len,
             };
-            keys.insert(
-                chunk,
-                NicKeys {
-                    lkey: 0,
-                    rkey: r.rkey,
-                },
-            )
-            .map_err(|_| bad("overlaps another region"))?;
-            regions.push((chunk, r.rkey));
+            // A NIC's rkeys are 32 bits; the field is wider for tcp's keys.
+            let rkey = u32::try_from(r.rkey).map_err(|_| bad("has an rkey over 32 bits"))?;
+            keys.insert(chunk, NicKeys { lkey: 0, rkey })
+                .map_err(|_| bad("overlaps another region"))?;
+            regions.push((chunk, rkey));
         }
         Ok(VerbsPeerEndpoint {
             nic,
@@ -270,7 +266,7 @@ impl VerbsPeerEndpoint {
                     nic: self.nic.clone(),
                     addr: c.addr,
                     len: c.len,
-                    rkey: *rkey,
+                    rkey: u64::from(*rkey),
                 })
                 .collect(),
         }

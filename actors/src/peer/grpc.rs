@@ -159,6 +159,7 @@ impl GrpcPeers {
                 nic: "pool".into(),
                 rkey: side.mr.key().0,
             }],
+            auth: side.tcp.as_ref().map(|t| t.auth.clone()),
         })
     }
 
@@ -309,6 +310,7 @@ impl GrpcPeers {
                         faults: Vec::new(),
                         connector: None,
                         rdma: None,
+                        grant: hs.grant.clone(),
                     },
                 ))
             }
@@ -344,6 +346,22 @@ impl Peers for GrpcPeers {
             .ok()
             .and_then(|c| c.get(to).map(PeerClient::restarted))
             .unwrap_or(false);
+        let stale = self
+            .links
+            .lock()
+            .ok()
+            .and_then(|l| l.get(to).map(|l| l.stale()))
+            .unwrap_or(false);
+        if stale && !restarted {
+            tracing::warn!(
+                node = from,
+                peer = to,
+                "the owner refused this node's data link (revoked or expired): re-linking"
+            );
+            if let Ok(mut l) = self.links.lock() {
+                l.remove(to);
+            }
+        }
         if restarted {
             tracing::warn!(
                 node = from,
@@ -390,6 +408,11 @@ impl Peers for GrpcPeers {
             .lock()
             .map_err(|_| NodeError::Stopped { what: "peers" })? = Some(side);
         Ok(())
+    }
+
+    fn data_rejections(&self, _node: &str) -> Option<Arc<kvferry_transport::Rejections>> {
+        let side = self.side.lock().ok()?;
+        Some(side.as_ref()?.tcp.as_ref()?.rejections.clone())
     }
 
     fn attach_verbs(&self, side: crate::nic::runtime::VerbsSide) {

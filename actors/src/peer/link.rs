@@ -61,6 +61,11 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
     fn lanes(&self) -> usize {
         1
     }
+    /// The owner no longer accepts this link (its data grant was revoked or expired): the
+    /// peers make a new one, with a new handshake, for the next plan.
+    fn stale(&self) -> bool {
+        false
+    }
     /// Pins the present prefix of `hashes` on the owner.
     fn pin(&self, ns: Namespace, hashes: Vec<BlockHash>)
         -> BoxFut<Result<PinnedRemote, NodeError>>;

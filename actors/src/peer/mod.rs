@@ -66,4 +66,9 @@ pub trait Peers: Send + Sync + std::fmt::Debug {
     fn attach_verbs(&self, side: crate::nic::runtime::VerbsSide) {
         let _ = side;
     }
+    /// What `node`'s tcp data server refused, by reason (none without a tcp data server).
+    fn data_rejections(&self, node: &str) -> Option<Arc<kvferry_transport::Rejections>> {
+        let _ = node;
+        None
+    }
 }

@@ -17,8 +17,8 @@ use kvferry_transport::fault::{Fault, FaultyConnector};
 use kvferry_transport::tcp::TcpConnector;
 use kvferry_transport::verbs::RdmaNic;
 use kvferry_transport::{
-    CompletionStatus, Connector, DeviceSink, LocalSegment, MrKey, MrTable, NodeId, ReadRequest,
-    RemoteDescriptor,
+    CompletionStatus, Connector, DeviceSink, LinkGrant, LocalSegment, MrKey, MrTable, NodeId,
+    ReadRequest, RemoteDescriptor,
 };
 use tokio::sync::oneshot;
 
@@ -56,7 +56,10 @@ pub struct RcLink {
     faults: Vec<Fault>,
     connector: Option<Arc<dyn Connector>>,
     rdma: Option<Arc<dyn RdmaNic>>,
+    grant: Option<LinkGrant>,
     connected: Arc<AtomicBool>,
+    /// The owner refused this link's grant (revoked or expired): a new handshake is needed.
+    refused: Arc<AtomicBool>,
     next_wr: AtomicU64,
     /// Pinned bounce rings for reads into device memory, kept for later loads.
     rings: RingPool,
@@ -91,6 +94,9 @@ pub struct RcEndpoints {
     pub connector: Option<Arc<dyn Connector>>,
     /// Verbs: the NIC device destinations are registered with (DMA-BUF, local write).
     pub rdma: Option<Arc<dyn RdmaNic>>,
+    /// tcp: the data link the owner's Handshake authorised; without one a tcp connection
+    /// is refused by the owner.
+    pub grant: Option<LinkGrant>,
 }
 
 impl RcLink {
@@ -110,7 +116,9 @@ impl RcLink {
             faults: e.faults,
             connector: e.connector,
             rdma: e.rdma,
+            grant: e.grant,
             connected: Arc::new(AtomicBool::new(false)),
+            refused: Arc::new(AtomicBool::new(false)),
             next_wr: AtomicU64::new(1),
             rings: RingPool::default(),
         }
@@ -139,16 +147,23 @@ impl RcLink {
         let worker = self.worker.clone();
         let (peer, local, addr) = (self.peer, self.local, self.addr);
         let connected = Arc::clone(&self.connected);
+        let refused = Arc::clone(&self.refused);
         let name = self.node_id.clone();
         let faults = self.faults.clone();
         let given = self.connector.clone();
+        let grant = self.grant.clone();
         Box::pin(async move {
             let err = |e: RemoteError| NodeError::remote(name.clone(), e);
             let stopped = || NodeError::Stopped { what: "nic worker" };
             if !connected.load(Ordering::Acquire) {
-                let base: Arc<dyn Connector> = match given {
-                    Some(c) => c,
-                    None => Arc::new(TcpConnector::new(local, peer, addr)),
+                let base: Arc<dyn Connector> = match (given, grant) {
+                    (Some(c), _) => c,
+                    (None, Some(g)) => Arc::new(TcpConnector::new(local, peer, addr, g)),
+                    (None, None) => {
+                        return Err(err(RemoteError::no_path(
+                            "the owner authorised no tcp data link",
+                        )))
+                    }
                 };
                 let connector: Arc<dyn Connector> = if faults.is_empty() {
                     base
@@ -167,7 +182,12 @@ impl RcLink {
                     })
                     .await
                     .map_err(|_| stopped())?
-                    .map_err(|e| err(RemoteError::connect("the data connection", e)))?;
+                    .map_err(|e| {
+                        if unauthorized(&e) {
+                            refused.store(true, Ordering::Release);
+                        }
+                        err(RemoteError::connect("the data connection", e))
+                    })?;
                 connected.store(true, Ordering::Release);
             }
             let t = std::time::Instant::now();
@@ -235,6 +255,10 @@ impl RcLink {
                 }
             }
             if let Some(e) = failed {
+                // A rebuilt connection the owner refused: the link's grant is gone.
+                if unauthorized(&e) {
+                    refused.store(true, Ordering::Release);
+                }
                 return Err(match e.kind() {
                     FailureKind::Connection => err(RemoteError::lost("a read", e)),
                     FailureKind::Local => err(RemoteError::local("posting the reads", e)),
@@ -287,6 +311,10 @@ impl PeerLink for RcLink {
 
     fn lanes(&self) -> usize {
         self.qps
+    }
+
+    fn stale(&self) -> bool {
+        self.refused.load(Ordering::Acquire)
     }
 
     fn pin(
@@ -471,6 +499,21 @@ impl PeerLink for RcLink {
             Some(bounce),
         )
     }
+}
+
+/// Whether `e` (or what caused it) is the owner refusing this link's grant.
+fn unauthorized(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut at = Some(e);
+    while let Some(e) = at {
+        if matches!(
+            e.downcast_ref::<kvferry_transport::ConnectionError>(),
+            Some(kvferry_transport::ConnectionError::Unauthorized { .. })
+        ) {
+            return true;
+        }
+        at = e.source();
+    }
+    false
 }
 
 /// The key of the registered plane that holds each destination piece of a direct load. The

@@ -25,6 +25,7 @@ use kvferry_proto::v1::{
     PinBlocksResponse, PinnedBlock, PoolRegion, UnpinRequest, UnpinResponse,
 };
 use kvferry_proto::{CAPABILITIES, MAX_PEER_REQUEST_BYTES, MAX_PIN_HASHES, PROTOCOL, VERSION};
+use kvferry_transport::DataAuth;
 
 /// Requests in flight on one connection; more wait for a free slot.
 const MAX_IN_FLIGHT_PER_CONNECTION: usize = 64;
@@ -50,7 +51,7 @@ pub enum PeerServeError {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NicRegistration {
     pub nic: String,
-    pub rkey: u32,
+    pub rkey: u64,
 }
 
 /// One data path this node serves its pool on (a `TcpOwner`, an `ShmOwner`, verbs NICs).
@@ -60,6 +61,8 @@ pub struct DataEndpoint {
     /// Where requesters connect: "host:port" for tcp, the Unix socket path for shm.
     pub endpoint: String,
     pub nics: Vec<NicRegistration>,
+    /// tcp: the grants the data server checks; each Handshake issues one to its requester.
+    pub auth: Option<DataAuth>,
 }
 
 /// What the Peer service needs from a node: its store, id, pool and peer-pin TTL, and the
@@ -309,6 +312,8 @@ impl PeerService {
             regions: wire.iter().flat_map(|e| e.regions.clone()).collect(),
             verbs: wire,
             incarnation: b.incarnation,
+            data_link: 0,
+            data_secret: Vec::new(),
         }))
     }
 
@@ -393,13 +398,27 @@ impl Peer for PeerService {
                 served.join(", ")
             )));
         };
+        // A tcp data connection must prove a grant of this handshake (bound to the
+        // requester's node id; its previous one is revoked).
+        let grant = match &ep.auth {
+            Some(auth) => Some(
+                auth.issue(crate::peer::cluster::transport_id(&req.node_id))
+                    .map_err(|e| Status::unavailable(format!("node {}: {e}", b.node_id)))?,
+            ),
+            None => None,
+        };
         tracing::info!(
             node = %b.node_id,
             peer = %req.node_id,
             provider = provider.as_str(),
             "peer handshake: serving the pool"
         );
+        let (data_link, data_secret) = grant
+            .map(|g| (g.link, g.secret.as_bytes().to_vec()))
+            .unwrap_or_default();
         Ok(Response::new(HandshakeResponse {
+            data_link,
+            data_secret,
             incarnation: b.incarnation,
             provider: provider.as_str().to_owned(),
             endpoint: ep.endpoint.clone(),

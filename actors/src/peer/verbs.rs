@@ -244,6 +244,7 @@ pub fn connect_link(
                 faults: Vec::new(),
                 connector: Some(connector),
                 rdma: Some(Arc::clone(&n.nic)),
+                grant: None,
             },
         ));
         names.push(n.name.clone());

@@ -2,6 +2,7 @@
 //! two cores instead of seven): each module is one area, named as its tests are filtered
 //! (`cargo test -p kvferry-tests --test integration engine_rpc::`).
 
+mod data_plane;
 mod engine_rpc;
 mod node;
 mod peer_rpc;

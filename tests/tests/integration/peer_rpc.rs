@@ -143,8 +143,11 @@ fn hello_returns_node_id_and_version() {
 #[test]
 fn handshake_answers_the_served_provider_only() {
     rt().block_on(async {
-        let o = Owner::start_with(TOKEN, |b| {
+        let auth = kvferry_transport::DataAuth::new();
+        let served = auth.clone();
+        let o = Owner::start_with(TOKEN, move |b| {
             b.with_endpoint(DataEndpoint {
+                auth: Some(served),
                 provider: Provider::Tcp,
                 endpoint: "127.0.0.1:7000".into(),
                 nics: vec![
@@ -167,6 +170,18 @@ fn handshake_answers_the_served_provider_only() {
 
         let h = c.handshake("requester", Provider::Tcp).await.unwrap();
         assert_eq!(h.endpoint, "127.0.0.1:7000");
+        // A tcp handshake authorises one data link for the requester; another handshake
+        // replaces it (the first is revoked), so the owner holds one per requester.
+        let first = h
+            .grant
+            .clone()
+            .expect("a tcp handshake authorises a data link");
+        assert_eq!(auth.grants(), 1);
+        let again = c.handshake("requester", Provider::Tcp).await.unwrap();
+        let second = again.grant.expect("a data link");
+        assert_ne!(second.link, first.link);
+        assert_ne!(second.secret, first.secret);
+        assert_eq!(auth.grants(), 1);
         assert_eq!(h.regions.len(), 2);
         for (r, (nic, rkey)) in h.regions.iter().zip([("tcp0", 7), ("tcp1", 9)]) {
             assert_eq!((r.nic.as_str(), r.rkey), (nic, rkey));
@@ -725,7 +740,7 @@ impl VerbsResponder for FakeResponder {
                         nic: r.nic.clone(),
                         addr,
                         len,
-                        rkey: 0x77 + i as u32,
+                        rkey: 0x77 + i as u64,
                     });
                 }
                 endpoints_from_proto(&[e], Role::Answer).unwrap().remove(0)

@@ -232,8 +232,10 @@ async fn reads_through_worker(provider: ProviderKind) {
     let connector: Arc<dyn Connector> = match provider {
         ProviderKind::Tcp => {
             let l = TcpListener::bind("127.0.0.1:0").unwrap();
-            let o = TcpOwner::spawn(l, OWNER, src.table.clone()).unwrap();
-            let c = TcpConnector::new(ME, OWNER, o.local_addr())
+            let auth = kvferry_transport::DataAuth::new();
+            let grant = auth.issue(ME).unwrap();
+            let o = TcpOwner::spawn(l, OWNER, src.table.clone(), auth).unwrap();
+            let c = TcpConnector::new(ME, OWNER, o.local_addr(), grant)
                 .with_io_timeout(Duration::from_secs(3));
             _tcp_owner = Some(o);
             Arc::new(c)
