@@ -230,3 +230,77 @@ fn strangers_read_nothing_while_the_linked_peer_loads() {
         owner.shutdown();
     });
 }
+
+/// A requester whose link the owner revoked (here: its node id handshook again elsewhere)
+/// fails the load that finds out, with nothing written outside the destination, and the next
+/// plan links again with a fresh handshake and loads.
+#[test]
+fn a_revoked_link_is_made_again() {
+    rt().block_on(async {
+        let shape = KvShape::new(2, 1, 2, 1024).unwrap();
+        let owner_peers = grpc_peers("a", Provider::Tcp, "t", &[], None);
+        let mut cfg = config(64 << 10, 16);
+        cfg.node_id = "a".into();
+        let (owner, owner_dev) = start(cfg, Clock::system(), Some(Arc::clone(&owner_peers)));
+        let _okv =
+            register_ranks(&owner, &owner_dev, "eng", shape, KvKind::Split, 8, 0, 0..8).await;
+        let backend = owner
+            .peer_backend()
+            .with_endpoint(owner_peers.data_endpoint().expect("a tcp data side"));
+        let server = PeerServer::start(backend, "t").await;
+        let peers = grpc_peers(
+            "b",
+            Provider::Tcp,
+            "t",
+            &[("a", server.addr.to_string())],
+            None,
+        );
+        let mut cfg = config(64 << 10, 16);
+        cfg.node_id = "b".into();
+        let (node, dev) = start(cfg, Clock::system(), Some(peers));
+        let kv = register(&node, &dev, "eng", shape, 0, KvKind::Split, 16, 0).await;
+        let q = query(&node, "eng", 0..4, false).await;
+        load(&node, q.lease.unwrap(), "eng", 0, &[9, 2, 5, 0])
+            .await
+            .unwrap();
+        kv.verify(&expected(&[9, 2, 5, 0], 0), 0).unwrap();
+        settled(&node).await;
+        node.drop_reclaimable().await.unwrap();
+
+        // Another handshake in b's name revokes b's link.
+        let other = PeerClient::connect(server.addr.to_string(), "t")
+            .await
+            .unwrap();
+        other.handshake("b", Provider::Tcp).await.unwrap();
+        // The next load through the old link fails (its connections are served no further
+        // and cannot be rebuilt); loads after it link again.
+        let mut ok = None;
+        for attempt in 0..3 {
+            kv.reset().unwrap();
+            let q = query(&node, "eng", 4..8, false).await;
+            if q.remote_blocks != 4 {
+                continue;
+            }
+            match load(&node, q.lease.unwrap(), "eng", 0, &[1, 3, 6, 7]).await {
+                Ok(_) => {
+                    ok = Some(attempt);
+                    break;
+                }
+                Err(_) => {
+                    // Nothing of a failed load is outside its destination blocks.
+                    settled(&node).await;
+                }
+            }
+        }
+        let attempt = ok.expect("a new link loads");
+        assert!(attempt >= 1, "the revoked link should fail one load first");
+        kv.verify(&expected(&[1, 3, 6, 7], 4), 0).unwrap();
+        assert!(rejected(&owner, "stale_link").await >= 1);
+        settled(&node).await;
+        settled_with_peers(&owner).await;
+        drop(other);
+        server.stop().await;
+        node.shutdown();
+        owner.shutdown();
+    });
+}
