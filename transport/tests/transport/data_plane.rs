@@ -17,18 +17,21 @@ use super::*;
 
 const SEED: u8 = 0x3c;
 
+/// Every refusal the owner reported, in order.
+type Seen = Arc<Mutex<Vec<(Option<SocketAddr>, Reject)>>>;
+
 struct Owner {
     pool: Pool,
     auth: DataAuth,
     tcp: TcpOwner,
-    seen: Arc<Mutex<Vec<(Option<SocketAddr>, Reject)>>>,
+    seen: Seen,
 }
 
 impl Owner {
     fn start(hello_deadline: Duration, max_pending: usize, guard: SourceGuard) -> Owner {
         let pool = pool(SEED, 4 << 20);
         let auth = DataAuth::new();
-        let seen: Arc<Mutex<Vec<(Option<SocketAddr>, Reject)>>> = Arc::default();
+        let seen: Seen = Arc::default();
         let mut opts = TcpOwnerOptions::new(auth.clone());
         opts.hello_deadline = hello_deadline;
         opts.max_pending = max_pending;
