@@ -45,6 +45,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub const HELLO_DEADLINE: Duration = Duration::from_secs(5);
 /// Connections in their hello at once by default; more are closed on accept.
 pub const MAX_PENDING_HELLOS: usize = 64;
+/// Connections served at once by default (a thread each), hellos included; more are closed
+/// on accept. A requester opens `qps-per-peer` per link.
+pub const MAX_CONNECTIONS: usize = 4096;
 
 /// Refusals the owner reports as they happen (the node counts them in its metrics and writes
 /// a rate-limited log line): the source address and why.
@@ -57,6 +60,7 @@ pub struct TcpOwnerOptions {
     pub auth: DataAuth,
     pub hello_deadline: Duration,
     pub max_pending: usize,
+    pub max_connections: usize,
     /// Sources that keep failing are refused for a while.
     pub guard: Arc<Mutex<SourceGuard>>,
     pub on_reject: Option<RejectHook>,
@@ -68,6 +72,7 @@ impl TcpOwnerOptions {
             auth,
             hello_deadline: HELLO_DEADLINE,
             max_pending: MAX_PENDING_HELLOS,
+            max_connections: MAX_CONNECTIONS,
             guard: Arc::new(Mutex::new(SourceGuard::default())),
             on_reject: None,
         }
@@ -106,6 +111,8 @@ struct OwnerCtx {
     table: MrTable,
     opts: TcpOwnerOptions,
     pending: AtomicUsize,
+    /// Connections with a serving thread (in their hello or past it).
+    served: AtomicUsize,
     rejections: Arc<Rejections>,
 }
 
@@ -155,6 +162,7 @@ impl TcpOwner {
             table,
             opts,
             pending: AtomicUsize::new(0),
+            served: AtomicUsize::new(0),
             rejections: rejections.clone(),
         });
         let admit = {
@@ -165,11 +173,17 @@ impl TcpOwner {
                     ctx.reject(from, Reject::Banned);
                     return false;
                 }
+                if ctx.served.load(Ordering::Acquire) >= ctx.opts.max_connections {
+                    ctx.reject(from, Reject::Busy);
+                    return false;
+                }
                 if ctx.pending.fetch_add(1, Ordering::AcqRel) >= ctx.opts.max_pending {
                     ctx.pending.fetch_sub(1, Ordering::AcqRel);
                     ctx.reject(from, Reject::Busy);
                     return false;
                 }
+                // Counted here, on the accept thread, so the next accept sees it.
+                ctx.served.fetch_add(1, Ordering::AcqRel);
                 true
             })
         };
@@ -322,7 +336,9 @@ fn owner_hello(
 }
 
 fn serve(mut stream: TcpStream, qp: u32, ctx: &OwnerCtx) {
-    // Admission counted this connection as pending; it stays so until its hello is done.
+    // Admission counted this connection as served and pending; it stays pending until its
+    // hello is done and served until this returns.
+    let _served = Pending(&ctx.served);
     let pending = Pending(&ctx.pending);
     let from = stream.peer_addr().ok();
     let deadline = Instant::now() + ctx.opts.hello_deadline;

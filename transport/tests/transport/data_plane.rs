@@ -339,6 +339,46 @@ fn too_many_pending_hellos_are_refused_at_once() {
 }
 
 #[test]
+fn connections_past_the_limit_are_refused_and_the_served_ones_go_on() {
+    let pool = pool(SEED, 4 << 20);
+    let auth = DataAuth::new();
+    let mut opts = TcpOwnerOptions::new(auth.clone());
+    opts.max_connections = 2;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let tcp = TcpOwner::spawn_with(l, OWNER, pool.table.clone(), opts).unwrap();
+    let grant = auth.issue(ME).unwrap();
+    let r = requester(2 << 20);
+    let c = TcpConnector::new(ME, OWNER, tcp.local_addr(), grant);
+    let mut qps: Vec<Qp> = (1..=2).map(|n| r.qp(OWNER, n, limits(4, 4))).collect();
+    for qp in &mut qps {
+        qp.connect(&c, r.cq.clone()).unwrap();
+    }
+    // A third is closed before its hello: the requester gets no challenge.
+    let mut third = r.qp(OWNER, 3, limits(4, 4));
+    assert!(matches!(
+        third.connect(&c, r.cq.clone()),
+        Err(QpError::Connect { .. })
+    ));
+    assert_eq!(tcp.rejections().get(Reject::Busy), 1);
+    // The two served ones still read.
+    let p = plan(&r, (&pool, SEED), 4, 8_000, 2, 0);
+    let (done, errs) = post_and_drive(&mut qps[0], &r.cq, &p.reads);
+    assert!(errs.is_empty() && all_ok(&done));
+    verify(&r.dest, &p, &done);
+    // Once one closes, a new one is served.
+    drop(qps.pop());
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut again = r.qp(OWNER, 4, limits(4, 4));
+        if again.connect(&c, r.cq.clone()).is_ok() {
+            break;
+        }
+        assert!(Instant::now() < until, "no room after a connection closed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
 fn a_source_that_keeps_failing_is_refused_while_others_read() {
     let guard = SourceGuard::new(4, Duration::from_secs(60), Duration::from_secs(60), 64);
     let o = Owner::start(Duration::from_secs(5), 64, guard);
