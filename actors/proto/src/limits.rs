@@ -2,8 +2,10 @@
 //! and the most one request may carry. Both sides read them from here, so a limit the node
 //! enforces is the one a client is told about.
 
-/// The peer protocol revision this build speaks.
-pub const PROTOCOL: u32 = 1;
+/// The peer protocol revision this build speaks. 2: a tcp Handshake grants a data link, and
+/// the data port (wire version 2) serves only connections that prove one, so a node of
+/// revision 1 is told at Hello rather than failing on the data port.
+pub const PROTOCOL: u32 = 2;
 
 /// What this build can do for peers, announced in Hello.
 pub const CAPABILITIES: &[&str] = &["pin-blocks", "pin-ttl", "unpin"];
