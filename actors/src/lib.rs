@@ -8,7 +8,8 @@
 //!   ([`tier::store::BlockStore`]);
 //! - [`peer`]: links to other nodes, the directory, the owner side of the Peer API;
 //! - [`service`]: the engine and peer gRPC servers, the fd socket and request mailboxes;
-//! - [`nic`]: RDMA NIC workers, pure per-peer queues and the MR registry.
+//! - [`nic`]: RDMA NIC workers, pure per-peer queues and the MR registry;
+//! - [`events`]: what the node stores and drops, as vLLM KV events (a ring, a ZMQ publisher).
 //!
 //! [`Node`] is the in-process handle over them; the wire and the ids are `kvferry-proto`'s.
 
@@ -17,6 +18,7 @@ pub mod bytes;
 pub mod clock;
 pub mod config;
 pub mod error;
+pub mod events;
 pub mod lease;
 pub mod load;
 pub(crate) mod log_limit;

@@ -42,6 +42,9 @@ struct Inner {
     pool_region: (u64, u64),
     /// The `[[nic]]` actors and the pool's registration on them.
     nics: Option<crate::nic::NodeNics>,
+    /// The KV event log (`[events]`) and its publisher, when configured.
+    events: Option<Arc<crate::events::EventHub>>,
+    publisher: Option<crate::events::EventPublisher>,
     /// The engine service serving this node, for its gauges in a scrape.
     engine: Mutex<Option<std::sync::Weak<dyn crate::metrics::EngineProbe>>>,
     /// The TLS counters of the listeners serving this node (`[tls]`), while attached.
@@ -135,6 +138,22 @@ impl Node {
             }
             None => None,
         };
+        let events = config
+            .events
+            .as_ref()
+            .map(|c| crate::events::EventHub::new(c.buffer_events));
+        let publisher = match (&config.events, &events) {
+            (Some(c), Some(hub)) if !c.publish.is_empty() => Some(
+                crate::events::EventPublisher::start(c, Arc::clone(hub)).map_err(|e| {
+                    NodeError::bad(format!(
+                        "starting the event publisher: {e}: {:?}",
+                        std::error::Error::source(&e)
+                    ))
+                })?,
+            ),
+            _ => None,
+        };
+        let store_events = events.clone();
         let counters = Arc::new(Counters::default());
         counters.set_namespace_labels(config.tenants.metric_namespaces);
         let (tx, rx) = std::sync::mpsc::channel();
@@ -167,6 +186,7 @@ impl Node {
                     )
                     .with_ssd(ssd)
                     .with_quotas(cfg.tenants.rules())
+                    .with_events(store_events)
                     .with_save_arbiter(Some(saves.handle()))
                     .start();
                     let keeper = LeaseKeeper::new(
@@ -244,6 +264,8 @@ impl Node {
                 cluster,
                 pool_region,
                 nics,
+                events,
+                publisher,
                 engine: Mutex::new(None),
                 tls: Mutex::new(None),
                 _registrations: registrations,
@@ -528,6 +550,9 @@ impl Node {
         if let Some(t) = self.inner.tls.lock().ok().and_then(|t| t.clone()) {
             sampled.push(Box::new(t.sample()));
         }
+        if let Some(ev) = &self.inner.events {
+            sampled.push(Box::new(ev.stats().totals()));
+        }
         let extra = crate::metrics::Extra {
             peer_pins: self.peer_pins().await?,
             engine: self
@@ -559,6 +584,19 @@ impl Node {
     }
 
     /// The SSD tier's counters and gauges; None without `[ssd]`.
+    /// The node's KV event log, when `[events]` is configured.
+    pub fn events(&self) -> Option<&Arc<crate::events::EventHub>> {
+        self.inner.events.as_ref()
+    }
+
+    /// The PUB and ROUTER endpoints the event publisher bound (ports resolved).
+    pub fn event_endpoints(&self) -> Option<(&str, Option<&str>)> {
+        self.inner
+            .publisher
+            .as_ref()
+            .map(|p| (p.publish_endpoint(), p.replay_endpoint()))
+    }
+
     pub async fn ssd_stats(&self) -> Result<Option<crate::tier::ssd::SsdStats>, NodeError> {
         Ok(self.inner.store.send(store::GetSsdStats).await?)
     }

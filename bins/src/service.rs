@@ -163,6 +163,16 @@ fn metrics_router(node: Node) -> axum::Router {
         .with_state(node)
 }
 
+/// Says where the event publisher bound (its sockets are the node's, started with it).
+fn print_event_endpoints(node: &Node) {
+    if let Some((publish, replay)) = node.event_endpoints() {
+        println!("listening events={publish}");
+        if let Some(r) = replay {
+            println!("listening events-replay={r}");
+        }
+    }
+}
+
 /// Starts the metrics endpoint if the config names one (over TLS where `[tls]` says so).
 async fn start_metrics(
     cfg: &NodeConfig,
@@ -380,6 +390,7 @@ pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
             if let Some(ctx) = &tls {
                 watch_tls(&cfg, &node, ctx);
             }
+            print_event_endpoints(&node);
             let engine = start_engine(&cfg, &node, tls.as_ref()).await?;
             start_metrics(&cfg, &node, tls.as_ref()).await?;
             announce_started(&node, "running on its own; Ctrl-C or SIGTERM stops it");
@@ -435,6 +446,7 @@ pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
         if let Some(ctx) = &tls {
             watch_tls(&cfg, &node, ctx);
         }
+        print_event_endpoints(&node);
         let engine = start_engine(&cfg, &node, tls.as_ref()).await?;
         start_metrics(&cfg, &node, tls.as_ref()).await?;
         let listener = tokio::net::TcpListener::bind(&c.peer_listen)

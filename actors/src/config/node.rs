@@ -42,6 +42,9 @@ pub struct NodeConfig {
     /// TLS on the TCP listeners and between nodes (`[tls]`); absent: plaintext.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls: Option<TlsConfig>,
+    /// KV events for routers (`[events]`); absent: no event log, nothing published.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub events: Option<crate::events::EventsConfig>,
 }
 
 impl Default for NodeConfig {
@@ -61,6 +64,7 @@ impl Default for NodeConfig {
             log: crate::config::log::LogSection::default(),
             tenants: crate::config::TenantsConfig::default(),
             tls: None,
+            events: None,
         }
     }
 }
@@ -455,6 +459,12 @@ impl NodeConfig {
         self.log.validate()?;
         self.tenants
             .validate(self.pool.size.0, self.pool.slot_bytes.0)?;
+        if let Some(ev) = &self.events {
+            ev.validate().map_err(|e| ConfigError::Invalid {
+                key: e.key,
+                reason: e.reason,
+            })?;
+        }
         self.check_listeners_differ()?;
         if let Some(t) = &self.tls {
             t.validate()?;

@@ -69,6 +69,11 @@ pub const SSD_READ_ERRORS: &str = "kvferry_ssd_read_errors_total";
 pub const SSD_PROMOTE_NO_ROOM: &str = "kvferry_ssd_promote_no_room_total";
 pub const SSD_DAMAGED_BLOCKS: &str = "kvferry_ssd_damaged_blocks_total";
 pub const SSD_HIT_BLOCKS: &str = "kvferry_ssd_hit_blocks_total";
+/// KV events (`events::EventTotals`).
+pub const EVENTS_RECORDED: &str = "kvferry_events_total";
+pub const EVENTS_DROPPED: &str = "kvferry_events_dropped_total";
+pub const EVENTS_PUBLISHED: &str = "kvferry_events_published_total";
+pub const EVENTS_REPLAYS: &str = "kvferry_events_replays_total";
 
 /// Describes every family this crate exports to the recorder in effect (one HELP line
 /// each; the exporter writes the TYPE from how a family is recorded).
@@ -229,6 +234,16 @@ pub fn describe() {
             "Rereads of the TLS certificate, key and CA, by result (ok, failed: the old ones stay).",
         ),
         (SSD_EVICTIONS, "Blocks evicted from SSD by capacity."),
+        (EVENTS_RECORDED, "KV events recorded in the node's event log."),
+        (
+            EVENTS_DROPPED,
+            "KV events the publisher could not send (the ring let them go first, or the socket refused them).",
+        ),
+        (EVENTS_PUBLISHED, "KV events sent on the PUB socket."),
+        (
+            EVENTS_REPLAYS,
+            "Replay requests by status (ok, refused: malformed).",
+        ),
         (SSD_WRITES, "Blocks written to SSD."),
         (
             SSD_WRITE_ERRORS,

@@ -26,6 +26,7 @@ use crate::tier::pool::HostPool;
 use crate::tier::ssd::tier::{PendingWrite, WriteRx};
 use crate::tier::ssd::{SsdError, SsdStats, SsdTier};
 
+mod events;
 mod fetch;
 mod pins;
 mod save;
@@ -51,6 +52,8 @@ pub struct BlockStore {
     saves: Option<actix::ArbiterHandle>,
     /// Write-through answers waiting for their blocks to be on disk, by block.
     durable: HashMap<BlockKey, Vec<oneshot::Sender<Result<(), SsdError>>>>,
+    /// The node's KV event log, fed from `run_effects` (`store/events.rs`); None: off.
+    events: Option<Arc<crate::events::EventHub>>,
 }
 
 /// Where a write-through block's outcome arrives: Ok once it is on disk.
@@ -99,6 +102,7 @@ impl BlockStore {
             clock,
             saves: None,
             durable: HashMap::new(),
+            events: None,
         }
     }
 
@@ -115,6 +119,12 @@ impl BlockStore {
         self
     }
 
+    /// Records what the tiers store and drop in `events` (see `store/events.rs`).
+    pub fn with_events(mut self, events: Option<Arc<crate::events::EventHub>>) -> Self {
+        self.events = events;
+        self
+    }
+
     /// Puts an SSD tier behind the pool: evicted sealed blocks are written to it (and every
     /// sealed block if it writes through), lookups continue into it, and what it found on
     /// disk at open is advertised when the store starts.
@@ -126,7 +136,9 @@ impl BlockStore {
     /// Runs what the policy asked for. The directory only queues its calls (it writes in
     /// batches off this thread), so this never waits on the network.
     fn run_effects(&mut self, ctx: &mut Context<Self>) {
-        for fx in self.tiers.take_effects() {
+        let effects = self.tiers.take_effects();
+        self.note_events(&effects);
+        for fx in effects {
             match fx {
                 Effect::Publish { namespace, hashes } => {
                     if let Some(dir) = &self.directory {
@@ -191,10 +203,17 @@ impl Actor for BlockStore {
             act.tiers.sweep_peer_pins(act.clock.now());
         });
         // A warm restart: what the SSD tier found on disk is served again, to peers too.
-        if let (Some(ssd), Some(dir)) = (self.tiers.ssd(), &self.directory) {
-            for (ns, hashes) in by_namespace(ssd.keys().cloned()) {
-                dir.publish(&self.node_id, &ns, &hashes);
+        let found = self
+            .tiers
+            .ssd()
+            .map(|ssd| by_namespace(ssd.keys().cloned()));
+        if let (Some(found), Some(dir)) = (&found, &self.directory) {
+            for (ns, hashes) in found {
+                dir.publish(&self.node_id, ns, hashes);
             }
+        }
+        if let Some(found) = &found {
+            self.note_found_on_disk(found);
         }
     }
 

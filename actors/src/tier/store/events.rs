@@ -1,0 +1,98 @@
+//! The store's one hook into the node's event log ([`crate::events::EventHub`]): what a
+//! round of the policy's effects changed, per namespace and tier.
+//!
+//! From the effects alone: a block newly sealed in RAM (`Publish`) is stored in RAM; a
+//! queued SSD write (`Watch`) is stored on disk, and if RAM no longer holds the block it was
+//! spilled (removed from RAM); a failed write (`Durable` with an error) left the disk; a
+//! withdrawn block (`Withdraw`) left the node, so it is removed from both tiers. Two moves
+//! give no effect and so no event: RAM evicting a block the disk already holds, and the
+//! disk evicting a block RAM still holds. A router then believes the block is in one tier
+//! more than it is until it leaves the node; which node holds it is always right.
+
+use std::time::SystemTime;
+
+use crate::events::{EventHub, EventKind, Medium};
+use crate::model::{BlockHash, Namespace};
+use crate::tier::policy::Effect;
+
+use super::BlockStore;
+
+/// Events of one round, merged while they keep namespace, kind and medium, in order.
+#[derive(Default)]
+struct Round(Vec<(Namespace, EventKind, Medium, Vec<BlockHash>)>);
+
+impl Round {
+    fn add(&mut self, ns: &Namespace, kind: EventKind, medium: Medium, hashes: &[BlockHash]) {
+        if hashes.is_empty() {
+            return;
+        }
+        match self.0.last_mut() {
+            Some((n, k, m, hs)) if n == ns && *k == kind && *m == medium => {
+                hs.extend_from_slice(hashes)
+            }
+            _ => self.0.push((ns.clone(), kind, medium, hashes.to_vec())),
+        }
+    }
+
+    fn record(self, hub: &EventHub) {
+        let now = SystemTime::now();
+        for (ns, kind, medium, hashes) in self.0 {
+            hub.record(now, &ns, kind, medium, &hashes);
+        }
+    }
+}
+
+impl BlockStore {
+    /// Records what `effects` changed; nothing without an event log.
+    pub(super) fn note_events<W>(&self, effects: &[Effect<W>]) {
+        let Some(hub) = &self.events else {
+            return;
+        };
+        let ssd = self.tiers.ssd();
+        let mut round = Round::default();
+        for fx in effects {
+            match fx {
+                Effect::Publish { namespace, hashes } => {
+                    round.add(namespace, EventKind::Stored, Medium::Ram, hashes)
+                }
+                Effect::Withdraw { namespace, hashes } => {
+                    round.add(namespace, EventKind::Removed, Medium::Ram, hashes);
+                    if ssd.is_some() {
+                        round.add(namespace, EventKind::Removed, Medium::Disk, hashes);
+                    }
+                }
+                Effect::Watch { write, .. } => {
+                    let k = &write.key;
+                    round.add(&k.namespace, EventKind::Stored, Medium::Disk, &[k.hash]);
+                    if !self.tiers.cache().contains(&k.namespace, k.hash) {
+                        round.add(&k.namespace, EventKind::Removed, Medium::Ram, &[k.hash]);
+                    }
+                }
+                Effect::Durable { key, out: Err(_) } => {
+                    if !ssd.is_some_and(|s| s.contains(key)) {
+                        round.add(
+                            &key.namespace,
+                            EventKind::Removed,
+                            Medium::Disk,
+                            &[key.hash],
+                        );
+                    }
+                }
+                Effect::Durable { .. } => {}
+            }
+        }
+        round.record(hub);
+    }
+
+    /// A warm restart: what the SSD tier found on disk is stored there.
+    pub(super) fn note_found_on_disk(&self, found: &[(Namespace, Vec<BlockHash>)]) {
+        let Some(hub) = &self.events else {
+            return;
+        };
+        let mut round = Round::default();
+        for (ns, hashes) in found {
+            round.add(ns, EventKind::Stored, Medium::Disk, hashes);
+        }
+        round.record(hub);
+    }
+}
