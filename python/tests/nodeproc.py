@@ -98,6 +98,8 @@ class Node:
             if line.startswith("listening ") and "=" in line:
                 what, addr = line[len("listening "):].split("=", 1)
                 seen[what] = addr
+        # Every "listening WHAT=ADDR" line (the event sockets too, where configured).
+        self.listening = seen
         self.addr = seen["engine"]
         self.fd_socket = seen["engine-fd"]
         self.metrics_addr = seen["metrics"]

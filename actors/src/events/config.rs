@@ -66,7 +66,8 @@ impl EventsConfig {
     pub fn validate(&self) -> Result<(), InvalidEventsConfig> {
         check_endpoint("events.publish", &self.publish)?;
         check_endpoint("events.replay", &self.replay)?;
-        if !self.replay.is_empty() && self.replay == self.publish {
+        // Port 0 asks the OS for a free port each: two of them never collide.
+        if !self.replay.is_empty() && self.replay == self.publish && !self.replay.ends_with(":0") {
             return Err(InvalidEventsConfig {
                 key: "events.replay",
                 reason: format!("{} is also events.publish", self.replay),
@@ -125,6 +126,18 @@ mod tests {
             let e = c.validate().expect_err(text);
             assert_eq!(e.key, key, "{text}");
         }
+    }
+
+    #[test]
+    fn the_sample_config_loads() {
+        let text = include_str!("../../../config/events.toml");
+        let cfg = crate::config::NodeConfig::from_toml(text, "config/events.toml").unwrap();
+        let ev = cfg.events.expect("[events]");
+        assert_eq!(ev.replay, "tcp://127.0.0.1:5558");
+        assert_eq!(ev.topic, "kvferry@node-events:");
+        let broken = text.replace("buffer-events = 10000", "buffer-events = 0");
+        let e = crate::config::NodeConfig::from_toml(&broken, "x").unwrap_err();
+        assert!(e.to_string().contains("events.buffer-events"), "{e}");
     }
 
     #[test]
