@@ -302,6 +302,14 @@ impl<D: Disk> Tiers<D> {
             .copied()
             .filter(|h| self.cache.commit(ns, *h, rank))
             .collect();
+        // Advertised like any sealed block (a put's or a fetch's): peers find saved blocks
+        // in the directory, and the event log hears of them.
+        if !sealed.is_empty() {
+            self.effects.push(Effect::Publish {
+                namespace: ns.clone(),
+                hashes: sealed.clone(),
+            });
+        }
         (sealed.len(), self.write_through(ns, &sealed))
     }
 
