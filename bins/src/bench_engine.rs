@@ -66,6 +66,11 @@ pub struct EngineArgs {
     /// `staging-chunks=4`): measure one device setting against another. Repeatable.
     #[arg(long = "device-set", value_name = "KEY=VALUE")]
     device_set: Vec<String>,
+    /// Measure the sweep twice in this run: against a node without `[events]`, then against
+    /// one publishing KV events to a subscriber in this process that reads every one; prints
+    /// both medians and their ratio (events must cost the data path nothing).
+    #[arg(long)]
+    events: bool,
 }
 
 const INSTANCE: &str = "bench-engine";
@@ -93,7 +98,12 @@ fn free_port() -> anyhow::Result<u16> {
         .port())
 }
 
-fn spawn_node(a: &EngineArgs, slot: u64, slots: u64) -> anyhow::Result<(NodeProcess, String)> {
+fn spawn_node(
+    a: &EngineArgs,
+    slot: u64,
+    slots: u64,
+    events: Option<&str>,
+) -> anyhow::Result<(NodeProcess, String)> {
     let (device, copy_path) = (&a.device, &a.copy_path);
     let mut device_keys = String::new();
     for kv in &a.device_set {
@@ -102,7 +112,14 @@ fn spawn_node(a: &EngineArgs, slot: u64, slots: u64) -> anyhow::Result<(NodeProc
         };
         device_keys.push_str(&format!("{} = {}\n", k.trim(), v.trim()));
     }
-    let dir = std::env::temp_dir().join(format!("kvferry-bench-engine-{}", std::process::id()));
+    if let Some(publish) = events {
+        device_keys.push_str(&format!("[events]\npublish = \"{publish}\"\n"));
+    }
+    let dir = std::env::temp_dir().join(format!(
+        "kvferry-bench-engine-{}{}",
+        std::process::id(),
+        if events.is_some() { "-events" } else { "" }
+    ));
     std::fs::create_dir_all(&dir)?;
     let addr = format!("127.0.0.1:{}", free_port()?);
     let cfg = dir.join("node.toml");
@@ -586,15 +603,52 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
     let num_blocks = 4 * max + 4;
     // Each save uses fresh hashes; the pool evicts the oldest (unpinned) ones.
     let slots = 2 * u64::from(max) + 64;
-    let (mut node, addr) = spawn_node(&a, shape.block_bytes(), slots)?;
+    let (rows, caps, _) = measure(&a, shape, num_blocks, slots, false)?;
+    let with_events = if a.events {
+        Some(measure(&a, shape, num_blocks, slots, true)?)
+    } else {
+        None
+    };
+    report(&a, shape, rows, caps, with_events)
+}
+
+/// One sweep against a node of its own; `events`: the node publishes KV events and a
+/// subscriber here reads them all.
+fn measure(
+    a: &EngineArgs,
+    shape: KvShape,
+    num_blocks: u32,
+    slots: u64,
+    events: bool,
+) -> anyhow::Result<(Vec<Row>, kvferry_proto::v1::CapabilitiesResponse, u64)> {
+    let publish = format!("tcp://127.0.0.1:{}", free_port()?);
+    let (mut node, addr) = spawn_node(
+        a,
+        shape.block_bytes(),
+        slots,
+        events.then_some(publish.as_str()),
+    )?;
     let spin = Duration::from_micros(a.board_spin_us);
     let kv = alloc_kv(&a.device, shape, num_blocks)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
+    let seen = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let out = rt.block_on(async {
         let c = connect(&mut node, &addr).await?;
+        if events {
+            use zeromq::{Socket, SocketRecv};
+            let mut sub = zeromq::SubSocket::new();
+            sub.connect(&publish).await.context("connecting to the event publisher")?;
+            sub.subscribe("").await?;
+            let seen = Arc::clone(&seen);
+            tokio::spawn(async move {
+                while sub.recv().await.is_ok() {
+                    seen.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
         let caps = c.capabilities().await?;
         let id = InstanceId::new(INSTANCE)?;
         let board = Arc::new(Board::create(8)?);
@@ -774,7 +828,40 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
         Ok::<_, anyhow::Error>((rows, caps))
     })?;
     let (rows, caps) = out;
-    let ok = rows.iter().all(|r| r.verified);
+    Ok((rows, caps, seen.load(Ordering::Relaxed)))
+}
+
+fn report(
+    a: &EngineArgs,
+    shape: KvShape,
+    rows: Vec<Row>,
+    caps: kvferry_proto::v1::CapabilitiesResponse,
+    with_events: Option<(Vec<Row>, kvferry_proto::v1::CapabilitiesResponse, u64)>,
+) -> anyhow::Result<()> {
+    let ok = rows.iter().all(|r| r.verified)
+        && with_events
+            .as_ref()
+            .is_none_or(|(r, ..)| r.iter().all(|r| r.verified));
+    let events_cmp: Vec<_> = with_events
+        .as_ref()
+        .map(|(ev, _, seen)| {
+            rows.iter()
+                .zip(ev)
+                .map(|(off, on)| {
+                    json!({
+                        "blocks": off.blocks,
+                        "save_ms": [off.save * 1e3, on.save * 1e3],
+                        "load_ms": [off.load * 1e3, on.load * 1e3],
+                        "query_ms": [off.query * 1e3, on.query * 1e3],
+                        "save_ratio": on.save / off.save,
+                        "load_ratio": on.load / off.load,
+                        "query_ratio": on.query / off.query,
+                        "events_received": seen,
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
     if a.json {
         let sweep: Vec<_> = rows
             .iter()
@@ -819,6 +906,7 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                 "baseline": if a.device == "cuda" { "raw cuMemcpyHtoDAsync from pinned memory" } else { "memcpy (one contiguous copy)" },
                 "duplex_baseline": if a.device == "cuda" { "raw cuMemcpyHtoDAsync and cuMemcpyDtoHAsync at once on two streams, pinned memory" } else { "two memcpys at once on two threads" },
                 "sweep": sweep,
+                "events": events_cmp,
                 "verified": ok,
             })
         );
@@ -870,6 +958,39 @@ pub fn run(a: EngineArgs) -> anyhow::Result<()> {
                 r.raw / r.load,
                 r.raw / r.save,
                 if r.verified { "verified" } else { "WRONG" }
+            );
+        }
+    }
+    if let (false, Some((ev, _, seen))) = (a.json, &with_events) {
+        println!(
+            "with KV events published to a subscriber that read {seen} of them (medians, ms; ratio = with / without):"
+        );
+        println!(
+            "{:>6} {:>9} {:>9} {:>7} {:>9} {:>9} {:>7} {:>9} {:>9} {:>7}",
+            "blocks",
+            "save",
+            "+events",
+            "ratio",
+            "load",
+            "+events",
+            "ratio",
+            "query",
+            "+events",
+            "ratio"
+        );
+        for (off, on) in rows.iter().zip(ev) {
+            println!(
+                "{:>6} {:>9.3} {:>9.3} {:>7.3} {:>9.3} {:>9.3} {:>7.3} {:>9.3} {:>9.3} {:>7.3}",
+                off.blocks,
+                off.save * 1e3,
+                on.save * 1e3,
+                on.save / off.save,
+                off.load * 1e3,
+                on.load * 1e3,
+                on.load / off.load,
+                off.query * 1e3,
+                on.query * 1e3,
+                on.query / off.query
             );
         }
     }

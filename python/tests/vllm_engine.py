@@ -102,7 +102,7 @@ def vllm_config(tmp: Path, extra: Dict[str, Any], *, block_size: int = 16,
                 num_blocks: int = 64, prefix_caching: bool = True,
                 policy: str = "recompute", kv_role: str = "kv_both",
                 max_batched: int = 1024, served_model_name: str = "tiny-llama",
-                async_scheduling: bool = True):
+                async_scheduling: bool = True, kv_events: Any = None):
     from vllm.config import (
         CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig,
     )
@@ -123,6 +123,10 @@ def vllm_config(tmp: Path, extra: Dict[str, Any], *, block_size: int = 16,
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                     device_config=DeviceConfig(device="cpu"), kv_transfer_config=kt)
     vc.cache_config.num_gpu_blocks = num_blocks
+    if kv_events is not None:
+        # vLLM's --kv-events-config: the scheduler publishes its KV events (and the
+        # connector's) on a ZMQ PUB socket.
+        vc.kv_events_config = kv_events
     # vLLM 0.33+: the engine core resolves the layout before connectors exist; tensors
     # below match it. (0.26 has no such setting: its FlashAttention NHD is LBNHC.)
     if hasattr(vc.cache_config, "kv_cache_layout"):

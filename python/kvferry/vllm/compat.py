@@ -210,3 +210,38 @@ def warn_if_untested(api: VllmApi) -> bool:
         "declared" if api.kv_cache_access else "not asked for",
     )
     return True
+
+
+def engine_events(vllm_config: Any, endpoint: Optional[str]) -> Any:
+    """The connector's event book (:class:`kvferry.vllm.events.EngineEvents`) where this
+    engine publishes KV events (``--kv-events-config`` with ``enable_kv_cache_events``),
+    its vLLM has ``KVConnectorBase_V1.take_events`` (0.26 and 0.34 do), and the extra config
+    names the node's publisher (``events``); else None: no socket, nothing tracked."""
+    kec = getattr(vllm_config, "kv_events_config", None)
+    if not endpoint or not getattr(kec, "enable_kv_cache_events", False):
+        return None
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    if not hasattr(KVConnectorBase_V1, "take_events"):
+        log.warning("kvferry: this vLLM has no take_events on its connectors: no events")
+        return None
+    import msgspec
+    from vllm.distributed import kv_events
+
+    from .events import EngineEvents, NodeStream, only_fields
+
+    try:
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as convert
+    except ImportError:  # a release that publishes block hashes as they are
+
+        def convert(h: Any) -> Any:
+            return h
+
+    book = EngineEvents(
+        NodeStream(endpoint),
+        msgspec.msgpack.decode,
+        only_fields(kv_events.BlockStored),
+        only_fields(kv_events.BlockRemoved),
+    )
+    book.convert = convert  # type: ignore[attr-defined]
+    return book

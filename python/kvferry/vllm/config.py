@@ -41,6 +41,9 @@ KEYS: Dict[str, str] = {
     '"exports_fd" where the driver can export vLLM\'s extensible VMM KV cache, else '
     '"legacy_ipc"), "exports_fd" or "legacy_ipc" (CUDA IPC; vLLM turns its extensible '
     "cache off)",
+    "events": "the node's KV event publisher, tcp://host:port (its [events] publish): with "
+    "vLLM's --kv-events-config on, blocks this engine saved are reported in vLLM's event "
+    'stream as stored (medium "CPU", "DISK") and removed as the node evicts them',
     "kv_layout": '"auto" (default: vLLM picks its KV cache layout) or "cross_layer" (ask vLLM '
     "for block-outermost KV, BLHNC, so a load is one copy per block; vLLM falls back with a "
     "warning where the attention backend cannot use it)",
@@ -63,6 +66,7 @@ class KvferryConfig:
     kv_layout: str = "auto"
     mailbox: bool = True
     kv_cache_access: str = "auto"
+    events: Optional[str] = None
 
     @property
     def deadline_s(self) -> float:
@@ -85,7 +89,7 @@ class KvferryConfig:
         return self.load_mode == "async"
 
 
-_STR = ("address", "token", "instance", "model", "fd_socket")
+_STR = ("address", "token", "instance", "model", "fd_socket", "events")
 _BOOL = ("direct_gpu", "mailbox")
 _POSITIVE_INT = ("deadline_ms", "connect_timeout_ms", "load_timeout_ms", "retry_ms")
 
@@ -148,6 +152,9 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvferryConfig:
             f"{prefix}: 'instance' must be 1 to 128 printable ASCII characters without "
             f"spaces, got {inst!r}"
         )
+    ev = values.get("events")
+    if ev is not None and not ev.startswith("tcp://"):
+        raise ConfigError(f"{prefix}: 'events' must be tcp://host:port, got {ev!r}")
     if "address" not in values:
         raise ConfigError(
             f"{prefix}: 'address' is required: the node's engine service as host:port "

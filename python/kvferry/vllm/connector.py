@@ -253,6 +253,7 @@ class KvferryConnector(KVConnectorBase_V1):
                 ),
                 load=ktc.is_kv_consumer,
                 save=ktc.is_kv_producer,
+                events=compat.engine_events(vllm_config, self.cfg.events),
             )
         else:
             num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
@@ -440,6 +441,12 @@ class KvferryConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         if self.scheduler_side is not None:
             self.scheduler_side.update_connector_output(connector_output)
+
+    def take_events(self):
+        # vLLM's scheduler asks once a step: kvferry's tiers as this engine's KV events.
+        if self.scheduler_side is None:
+            return ()
+        return self.scheduler_side.take_events()
 
     def request_finished(self, request: "Request", block_ids: list) -> Tuple[bool, Optional[dict]]:
         assert self.scheduler_side is not None

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .config import KvferryConfig
+from .events import block_infos
 from .hashing import ChainHasher, MmSpan, engine_salt, lora_key, request_salt
 from .link import NodeDown, NodeLink
 from .metadata import LoadSpec, SaveSpec, StepMetadata
@@ -101,6 +102,7 @@ class SchedulerSide:
         save: bool = True,
         client_factory: Optional[Callable[[], Any]] = None,
         clock: Callable[[], float] = time.monotonic,
+        events: Any = None,
     ):
         self.cfg = cfg
         self.instance = instance
@@ -120,6 +122,8 @@ class SchedulerSide:
         self._direct_refusal_logged = False
         # Hashes of blocks whose load failed lately -> when (oldest first).
         self._failed: "OrderedDict[bytes, float]" = OrderedDict()
+        # The node's tiers as this engine's KV events (kvferry.vllm.events); None: off.
+        self.events = events
 
     # ---------------------------------------------------------------- per-request state
 
@@ -418,6 +422,10 @@ class SchedulerSide:
                 continue
             meta.saves.append(SaveSpec(rid, [hashes[i] for i in picks], [ids[i] for i in picks]))
             self._saving.add(rid)
+            if self.events is not None:
+                infos = block_infos(req, picks, bs, getattr(self.events, "convert", lambda h: h))
+                for i, info in infos.items():
+                    self.events.saving(hashes[i], info)
 
     def update_connector_output(self, output: Any) -> None:
         for rid in getattr(output, "finished_sending", None) or ():
@@ -446,9 +454,22 @@ class SchedulerSide:
             self._drop_lease(r)
         return request.request_id in self._saving, None
 
+    def take_events(self) -> List[Any]:
+        """vLLM events for what the node stored and dropped of this engine's saves since the
+        last step (none when events are off)."""
+        if self.events is None:
+            return []
+        try:
+            return self.events.take()
+        except Exception as e:  # noqa: BLE001 - events never fail a step
+            log.warning("kvferry: reading the node's events failed: %s", e)
+            return []
+
     def take_stats(self) -> Dict[str, Any]:
         return self.counters.take()
 
     def shutdown(self) -> None:
+        if self.events is not None:
+            self.events.close()
         for r in list(self._reqs.values()):
             self._drop_lease(r)
