@@ -105,7 +105,7 @@ pub enum ReplayRequestError {
 /// `["", seq as 8 big-endian bytes]`.
 pub fn parse_replay_request(frames: &[&[u8]]) -> Result<u64, ReplayRequestError> {
     match frames {
-        [empty, seq] if empty.is_empty() => {
+        [[], seq] => {
             let bytes: [u8; 8] = (*seq)
                 .try_into()
                 .map_err(|_| ReplayRequestError::SeqLength { len: seq.len() })?;

@@ -573,3 +573,15 @@ fn write_through_of_a_block_being_written_waits_for_that_write() {
     t.handle_write_done(first.unwrap(), Ok(()));
     assert_eq!(durable(&t.take_effects()), vec![(key(1), Ok(()))]);
 }
+
+#[test]
+fn a_saves_sealed_blocks_are_published() {
+    let mut t = tiers(4, None);
+    let (slots, present) = t.reserve_save(&ns(), 1, 0, BLOCK, &[h(1), h(2)]).unwrap();
+    assert_eq!((slots.len(), present), (2, 0));
+    t.take_effects();
+    let (sealed, _) = t.commit(&ns(), 0, &[h(1), h(2)]);
+    assert_eq!(sealed, 2);
+    let fx = t.take_effects();
+    assert!(matches!(&fx[..], [Effect::Publish { hashes, .. }] if *hashes == vec![h(1), h(2)]));
+}
