@@ -584,6 +584,35 @@ impl Node {
     }
 
     /// The SSD tier's counters and gauges; None without `[ssd]`.
+    /// The longest prefix of `hashes` each node holds, longest first: the directory's view
+    /// where this node has peers (it advertises itself there too), else this node's RAM.
+    pub async fn lookup(
+        &self,
+        ns: &crate::model::Namespace,
+        hashes: &[crate::model::BlockHash],
+    ) -> Result<Vec<(String, usize)>, NodeError> {
+        if hashes.is_empty() {
+            return Ok(Vec::new());
+        }
+        if let Some(c) = &self.inner.cluster {
+            let owners = c.directory().owners(ns, hashes, "").await;
+            return Ok(crate::peer::directory::prefix_per_node(&owners));
+        }
+        let n = self
+            .inner
+            .store
+            .send(store::PrefixLen {
+                namespace: ns.clone(),
+                hashes: hashes.to_vec(),
+            })
+            .await?;
+        Ok(if n == 0 {
+            Vec::new()
+        } else {
+            vec![(self.inner.config.node_id.clone(), n)]
+        })
+    }
+
     /// The node's KV event log, when `[events]` is configured.
     pub fn events(&self) -> Option<&Arc<crate::events::EventHub>> {
         self.inner.events.as_ref()

@@ -225,6 +225,17 @@ impl EngineClient {
         Ok(self.wait(py, "health", self.inner.health())?.serving)
     }
 
+    /// `[(node_id, blocks)]`: the longest prefix of `hashes` each node holds, longest first.
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        namespace: &str,
+        hashes: Vec<Vec<u8>>,
+    ) -> PyResult<Vec<(String, u32)>> {
+        let r = self.wait(py, "lookup", self.inner.lookup(namespace, &hashes))?;
+        Ok(r.nodes.into_iter().map(|n| (n.node_id, n.blocks)).collect())
+    }
+
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.wait(py, "stats", self.inner.stats())?;
         convert::stats(py, s)

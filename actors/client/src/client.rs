@@ -629,6 +629,20 @@ impl EngineClient {
         self.call("Health", self.raw.clone().health(r)).await
     }
 
+    /// The longest prefix of `hashes` each node holds (`namespace`: model/dtype/fingerprint);
+    /// at most `MAX_LOOKUP_HASHES` hashes.
+    pub async fn lookup(
+        &self,
+        namespace: &str,
+        hashes: &[Vec<u8>],
+    ) -> Result<LookupResponse, EngineClientError> {
+        let r = self.request(LookupRequest {
+            namespace: namespace.to_owned(),
+            hashes: hashes.to_vec(),
+        });
+        self.call("Lookup", self.raw.clone().lookup(r)).await
+    }
+
     pub async fn stats(&self) -> Result<StatsResponse, EngineClientError> {
         let r = self.request(StatsRequest {});
         self.call("Stats", self.raw.clone().stats(r)).await

@@ -45,6 +45,10 @@ pub const MAX_ENGINE_LAYERS: u32 = kvferry_gpu::KvLayout::MAX_LAYERS;
 /// Most hashes in one engine request (Query, Save, PutBlocks).
 pub const MAX_ENGINE_HASHES: usize = 4096;
 
+/// Most hashes in one Lookup (it pins nothing and answers with counts, so it takes more
+/// than a Query; a router asks about a long prompt at once).
+pub const MAX_LOOKUP_HASHES: usize = 65_536;
+
 /// Most block indices in one engine request (Load's destinations, Save's sources).
 pub const MAX_ENGINE_BLOCKS: usize = MAX_ENGINE_HASHES;
 

@@ -119,6 +119,27 @@ pub trait Directory: Send + Sync + std::fmt::Debug {
     }
 }
 
+/// For each node owning the first hash, how many leading hashes it owns, from per-hash owner
+/// lists (as [`Directory::owners`] answers them); longest prefix first, then by node id.
+pub fn prefix_per_node(per_hash: &[Vec<String>]) -> Vec<(String, usize)> {
+    let Some(first) = per_hash.first() else {
+        return Vec::new();
+    };
+    let mut out: Vec<(String, usize)> = first
+        .iter()
+        .map(|node| {
+            let n = per_hash
+                .iter()
+                .take_while(|owners| owners.contains(node))
+                .count();
+            (node.clone(), n)
+        })
+        .collect();
+    out.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    out.dedup_by(|a, b| a.0 == b.0);
+    out
+}
+
 /// Groups per-hash owner lists into maximal runs that share at least one owner, keeping the
 /// owners common to the whole run (in the first hash's order).
 pub fn segments(per_hash: &[Vec<String>]) -> Vec<Segment> {
@@ -322,6 +343,19 @@ impl crate::metrics::Sampled for DirectoryStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_longest_prefix_of_each_node() {
+        let o = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let per_hash = vec![o(&["b", "a"]), o(&["a", "b"]), o(&["a"]), o(&["a", "c"])];
+        assert_eq!(
+            prefix_per_node(&per_hash),
+            vec![("a".to_string(), 4), ("b".to_string(), 2)],
+            "c holds a later block but not the first: no prefix"
+        );
+        assert!(prefix_per_node(&[]).is_empty());
+        assert!(prefix_per_node(&[o(&[]), o(&["a"])]).is_empty());
+    }
 
     fn ns() -> Namespace {
         Namespace::new("m", "bf16", "x").unwrap()

@@ -264,6 +264,22 @@ impl Handler<GetNamespaceUsage> for BlockStore {
     }
 }
 
+/// How many leading `hashes` RAM holds sealed (Lookup on a node without peers).
+#[derive(Message)]
+#[rtype(result = "usize")]
+pub struct PrefixLen {
+    pub namespace: crate::model::Namespace,
+    pub hashes: Vec<crate::model::BlockHash>,
+}
+
+impl Handler<PrefixLen> for BlockStore {
+    type Result = usize;
+
+    fn handle(&mut self, m: PrefixLen, _: &mut Context<Self>) -> usize {
+        self.tiers.cache().prefix_len(&m.namespace, &m.hashes)
+    }
+}
+
 /// Evicts every unpinned fetched copy (benchmarks and operators: start cold).
 #[derive(Message)]
 #[rtype(result = "usize")]

@@ -117,3 +117,49 @@ fn direct_refusal(node: &Node) -> Option<String> {
     }
     (!node.has_peers()).then(|| DIRECT_REFUSAL.to_owned())
 }
+
+impl EngineService {
+    /// Lookup: the directory's longest prefix per node; bounded by
+    /// [`kvferry_proto::limits::MAX_LOOKUP_HASHES`], checked before anything is parsed.
+    pub(super) async fn handle_lookup(
+        &self,
+        req: Request<LookupRequest>,
+    ) -> Result<Response<LookupResponse>, Status> {
+        use kvferry_proto::limits::MAX_LOOKUP_HASHES;
+        let r = req.into_inner();
+        if r.hashes.len() > MAX_LOOKUP_HASHES {
+            return Err(Status::invalid_argument(format!(
+                "Lookup: {} hashes, at most {MAX_LOOKUP_HASHES} (max_hashes) per call",
+                r.hashes.len()
+            )));
+        }
+        let parts: Vec<&str> = r.namespace.splitn(3, '/').collect();
+        let ns = match parts[..] {
+            [m, d, f] => crate::model::Namespace::new(m, d, f)
+                .map_err(|e| Status::invalid_argument(format!("Lookup: namespace: {e}")))?,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "Lookup: namespace is model/dtype/fingerprint",
+                ))
+            }
+        };
+        let hashes = crate::model::BlockHash::parse_all(&r.hashes)
+            .map_err(|e| Status::invalid_argument(format!("Lookup: {e}")))?;
+        let nodes = self
+            .shared
+            .node
+            .lookup(&ns, &hashes)
+            .await
+            .map_err(|e| status("Lookup", e))?;
+        Ok(Response::new(LookupResponse {
+            nodes: nodes
+                .into_iter()
+                .map(|(node_id, blocks)| NodePrefix {
+                    node_id,
+                    blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
+                })
+                .collect(),
+            max_hashes: MAX_LOOKUP_HASHES as u32,
+        }))
+    }
+}

@@ -105,6 +105,13 @@ impl Engine for EngineService {
         self.handle_stats(req).await
     }
 
+    async fn lookup(
+        &self,
+        req: Request<LookupRequest>,
+    ) -> Result<Response<LookupResponse>, Status> {
+        self.handle_lookup(req).await
+    }
+
     type SessionStream = EventStream<SessionEvent>;
 
     async fn session(
