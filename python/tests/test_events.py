@@ -96,7 +96,7 @@ def test_a_vllm_subscriber_decodes_the_nodes_stores_and_evictions(events_node):
     kv = HostKv.allocate("flash_attn", layers=3)
     # The slot of this node holds 256 KiB; a block of this KV is far smaller.
     ns = kv.register(client, "ev")
-    time.sleep(0.5)  # ZMQ's slow joiner: the subscription reaches the PUB socket first.
+    time.sleep(1.0)  # ZMQ's slow joiner: the subscription reaches the PUB socket first.
     assert put(client, kv, "ev", range(4))["sealed"] == 4
 
     got = []
@@ -171,7 +171,7 @@ def test_a_subscriber_that_never_reads_does_not_hold_up_the_node(events_node):
     reader = ctx.socket(zmq.SUB)
     reader.setsockopt(zmq.SUBSCRIBE, b"")
     reader.connect(events_node.listening["events"])
-    time.sleep(0.5)
+    time.sleep(1.0)
     client = kvferry.EngineClient(events_node.addr, deadline_s=10.0)
     kv = HostKv.allocate("flash_attn", layers=3)
     kv.register(client, "ev3")
