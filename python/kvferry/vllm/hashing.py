@@ -18,7 +18,8 @@ adapters, two salts or two images never share a key even where the token ids are
 (every field is length-prefixed and tagged, so no two tenants' fields run together into
 the same bytes). Prompt embeddings are not hashed: such requests are not named at all.
 
-Only full blocks are hashed. ``h[i]`` names the whole prefix up to block ``i``, so a node
+Only full blocks are hashed (the chain itself is :mod:`kvferry.hashing`, shared with the
+SGLang connector). ``h[i]`` names the whole prefix up to block ``i``, so a node
 answering "the longest prefix of these hashes" answers a prefix hit. Nothing here imports
 vLLM or torch.
 """
@@ -27,23 +28,18 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import sys
-from array import array
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+from ..hashing import MmSpan, chain_hashes
+from ..hashing import field as _field
 
 __all__ = ["HASH_VERSION", "ChainHasher", "LoraKey", "chain_hashes", "engine_salt", "lora_key",
            "request_salt"]
 
 HASH_VERSION = b"kvferry-vllm-v1"
 
-# (content identifier, offset, length) of one multimodal input in the token sequence.
-MmSpan = Tuple[str, int, int]
 # (name, id, path) of a LoRA adapter.
 LoraKey = Tuple[str, int, str]
-
-
-def _field(b: bytes) -> bytes:
-    return struct.pack("<I", len(b)) + b
 
 
 def engine_salt(model: str, kv_dtype: str, block_size: int, tp_size: int) -> bytes:
@@ -91,38 +87,6 @@ def request_salt(base: bytes, lora: Optional[LoraKey], cache_salt: Optional[str]
     else:
         h.update(b"\x00")
     return h.digest()
-
-
-def _token_bytes(tokens: Sequence[int]) -> bytes:
-    a = array("q", tokens)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a.tobytes()
-
-
-def chain_hashes(
-    prev: bytes,
-    tokens: Sequence[int],
-    block_size: int,
-    first_block: int = 0,
-    mm: Sequence[MmSpan] = (),
-) -> List[bytes]:
-    """Hashes of the full blocks of ``tokens`` (token 0 of ``tokens`` is token
-    ``first_block * block_size`` of the sequence), chained from ``prev``."""
-    out: List[bytes] = []
-    n = len(tokens) // block_size
-    for j in range(n):
-        i = first_block + j
-        h = hashlib.sha256(prev)
-        h.update(_token_bytes(tokens[j * block_size : (j + 1) * block_size]))
-        start, end = i * block_size, (i + 1) * block_size
-        for ident, off, length in mm:
-            if off < end and off + length > start:
-                h.update(_field(ident.encode()))
-                h.update(struct.pack("<qq", off, length))
-        prev = h.digest()
-        out.append(prev)
-    return out
 
 
 class ChainHasher:

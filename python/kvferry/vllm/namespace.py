@@ -1,44 +1,6 @@
-"""The model part of a node namespace, from any model name vLLM serves.
+"""The model part of a node namespace: :mod:`kvferry.namespace`, shared with the SGLang
+connector (kept here for the imports that name it)."""
 
-The node keys blocks by namespace ``model/dtype/fingerprint`` and takes each part as 1 to
-128 printable ASCII characters without ``/``. Users name models by Hugging Face id
-(``meta-llama/Llama-3.1-8B-Instruct``), by path (``/models/llama``) or by any served
-name, so the name is escaped, and the escape is one-to-one: two different names never get
-the same namespace, so two models never share blocks.
-
-- A name that is already a valid part and holds no ``%`` is kept as it is (``llama8b``).
-- Otherwise every byte of its UTF-8 form that is not printable ASCII, or is ``/`` or
-  ``%``, becomes ``%XX`` (upper-case hex): ``meta-llama%2FLlama-3.1-8B-Instruct``.
-- An escaped name longer than 128 characters is cut to its first 95 characters and
-  ``%~`` and the first 31 hex digits of the SHA-256 of the name are appended. No escaped
-  name holds ``%~`` (a ``%`` is always followed by two hex digits), so a cut name never
-  equals an uncut one.
-
-The readable name stays in logs next to the namespace. Nothing here imports vLLM.
-"""
-
-from __future__ import annotations
-
-import hashlib
+from ..namespace import MAX_PART, model_namespace
 
 __all__ = ["MAX_PART", "model_namespace"]
-
-#: The node's longest namespace part (characters).
-MAX_PART = 128
-_CUT = MAX_PART - 2 - 31
-
-
-def _plain(b: int) -> bool:
-    return 0x21 <= b <= 0x7E and b not in (0x2F, 0x25)  # printable, not '/', not '%'
-
-
-def model_namespace(name: str) -> str:
-    """The node's namespace model part for model ``name`` (see the module doc)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"kvferry: a model name must be a non-empty string, got {name!r}")
-    raw = name.encode("utf-8", "surrogatepass")
-    out = "".join(chr(b) if _plain(b) else f"%{b:02X}" for b in raw)
-    if len(out) <= MAX_PART:
-        return out
-    digest = hashlib.sha256(raw).hexdigest()[:31]
-    return f"{out[:_CUT]}%~{digest}"
