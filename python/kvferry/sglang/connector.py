@@ -1,0 +1,278 @@
+"""``KvferryConnector``: kvferry loads straight into SGLang's GPU KV pool and saves out of
+it, page by page, through the calls of a KV connector:
+
+=================================  =========================================================
+call                               kvferry
+=================================  =========================================================
+``get_new_hit_length``             rank 0 queries the node for the pages past what SGLang
+                                   already has on the GPU; the answer is a lease on them,
+                                   handed to every TP rank (``broadcast``): one lease, one
+                                   consume per rank
+``release_load_state``             releases a lease nothing will load from
+``start_load_kv``                  this rank's load of the lease into the page slots SGLang
+                                   assigned (device memory, no staging in Python)
+``check_completed_load_tasks``     the loads that ended, with the tokens that landed
+``start_store_kv``                 a save of the request's full pages (in the background)
+``check_completed_store_tasks``    the saves that ended
+=================================  =========================================================
+
+Pages are named by chained hashes over their token ids (:mod:`kvferry.hashing`) from a salt
+naming the engine (``kvferry-sglang-v1``), model, LoRA, KV dtype, page size, the pool's byte
+order and the ranks whose KV differs (TP size for MHA, PP rank, attention CP rank), so an
+SGLang engine and a vLLM engine of one model never share blocks. The pool is described by
+:func:`~kvferry.sglang.layouts.describe_device_pool` at start, which refuses a layout
+kvferry cannot describe, naming it. A node down or slow costs hits: every call has a
+deadline, a failure is logged and counted (``counters``) and answered as zero hits or a
+failed load; nothing raises into the engine.
+
+No SGLang release has a KV connector interface of this shape yet (0.5.16 and 0.5.23 plug
+external caches in as a HiCache storage backend, :class:`kvferry.sglang.KvferryStorage`, or
+as a whole radix cache, ``--radix-cache-backend``); the class takes plain arguments (request
+id, token ids, device slot indices), so it needs no SGLang import and is driven by SGLang's
+pool objects, or tensors in their layouts, directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ..hashing import chain_hashes
+from ..hashing import salt as make_salt
+from .config import SglangConfig, parse_config
+from .layouts import PoolLayout, describe_device_pool
+from .rank import RankKv, landed_of, page_blocks
+
+__all__ = ["HASH_TAG", "KvferryConnector"]
+
+log = logging.getLogger("kvferry.sglang")
+
+HASH_TAG = b"kvferry-sglang-v1"
+
+# broadcast(obj) -> obj: rank 0's obj on every TP rank (SGLang's TP group
+# broadcast_pyobj, or torch.distributed.broadcast_object_list).
+Broadcast = Callable[[Any], Any]
+
+
+@dataclass
+class _Load:
+    lease: Optional[str]
+    first_page: int
+    pages: int
+    load_id: Optional[int] = None
+    dest: List[int] = field(default_factory=list)
+
+
+class KvferryConnector:
+    """One TP rank's connector over ``kv_pool`` (SGLang's ``MHATokenToKVPool`` or
+    ``MLATokenToKVPool``, or an object with its ``k_buffer`` / ``v_buffer`` / ``kv_buffer``
+    and ``page_size``). ``config``: the settings of :mod:`kvferry.sglang.config`."""
+
+    def __init__(
+        self,
+        kv_pool: Any,
+        *,
+        model: str,
+        config: Optional[Mapping[str, Any]] = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        device: Optional[int] = None,
+        broadcast: Optional[Broadcast] = None,
+        client_factory: Optional[Callable[[], Any]] = None,
+    ):
+        self.cfg: SglangConfig = parse_config(config)
+        self.layout: PoolLayout = describe_device_pool(kv_pool)
+        if tp_size > 1 and broadcast is None and self.layout.kind == "mha":
+            raise ValueError("kvferry.sglang: with TP > 1 the ranks share rank 0's lease: "
+                             "pass broadcast (SGLang's TP group broadcast)")
+        self.model = self.cfg.model or model
+        self.page_size = self.layout.page_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        # MLA KV is the same on every TP rank: each rank is an instance of one rank that
+        # finds what rank 0 saved; MHA ranks hold their heads of one block.
+        replicated = self.layout.kind == "mla"
+        self._shares_lease = not replicated and tp_size > 1
+        self._broadcast = broadcast
+        base = self.cfg.instance or f"sglang-{os.getppid()}"
+        instance = base + (f"-pp{pp_rank}" if pp_size > 1 else "") + (
+            f"-cp{cp_rank}" if cp_size > 1 else "") + (f"-tp{tp_rank}" if replicated else "")
+        if device is None:
+            dev = self.layout.device
+            device = int(dev.split(":")[1]) if ":" in dev else 0
+        self.salt = make_salt(
+            HASH_TAG, self.model, self.cfg.lora, self.layout.dtype, self.page_size,
+            self.layout.tag, self.layout.kind, 1 if replicated else tp_size, pp_rank, pp_size,
+            cp_rank, cp_size,
+        )
+        self.rank = RankKv(
+            self.cfg, instance=instance, rank=0 if replicated else tp_rank,
+            tp_size=1 if replicated else tp_size, model=self.model, layout=self.layout,
+            device=device, who=f"sglang connector rank {tp_rank}",
+            client_factory=client_factory,
+        )
+        self._saves_by_rank0 = replicated
+        self.rank.register()
+        self._lock = threading.Lock()
+        self._loads: Dict[str, _Load] = {}
+        self._stores: Dict[str, Future] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvferry-sglang-save")
+
+    @property
+    def counters(self) -> Dict[str, int]:
+        return self.rank.counters
+
+    # -- hashes ------------------------------------------------------------------------------
+
+    def page_hashes(self, token_ids: Sequence[int], pages: Optional[int] = None) -> List[bytes]:
+        """The chained hashes of the first ``pages`` full pages of ``token_ids``."""
+        n = len(token_ids) // self.page_size
+        n = n if pages is None else min(n, pages)
+        return chain_hashes(self.salt, token_ids[: n * self.page_size], self.page_size)
+
+    # -- loads -------------------------------------------------------------------------------
+
+    def get_new_hit_length(self, rid: str, token_ids: Sequence[int],
+                           num_computed_tokens: int = 0) -> int:
+        """Tokens past ``num_computed_tokens`` (page aligned: SGLang's own prefix hit) the
+        node holds and leases for ``rid``; every TP rank calls it, rank 0 asks the node."""
+        self.release_load_state(rid)
+        first = -(-int(num_computed_tokens) // self.page_size)
+        hashes = self.page_hashes(token_ids)[first:]
+        lease, n = None, 0
+        if not self._shares_lease or self.tp_rank == 0:
+            lease, n = self.rank.query(hashes) if hashes else (None, 0)
+        if self._shares_lease:
+            try:
+                assert self._broadcast is not None
+                lease, n = self._broadcast((lease, n))
+            except Exception as e:  # noqa: BLE001 - a miss on every rank, never a crash
+                log.warning("kvferry: broadcasting the lease failed (%s); no hit", e)
+                if self.tp_rank == 0:
+                    self.rank.release(lease)
+                lease, n = None, 0
+        if lease is None or n <= 0:
+            return 0
+        with self._lock:
+            self._loads[rid] = _Load(lease, first, n)
+        return n * self.page_size
+
+    def release_load_state(self, rid: str) -> None:
+        """Drops ``rid``'s lease where no load started from it (rank 0 releases it)."""
+        with self._lock:
+            ld = self._loads.get(rid)
+            if ld is None or ld.load_id is not None:
+                return
+            del self._loads[rid]
+        if not self._shares_lease or self.tp_rank == 0:
+            self.rank.release(ld.lease)
+
+    def start_load_kv(self, rid: str, device_indices: Any) -> bool:
+        """Starts loading ``rid``'s leased pages into the device slots ``device_indices``
+        (token slots of the new tokens, ``page_size`` per page, from the first leased page
+        on). False where nothing started (then :meth:`check_completed_load_tasks` reports 0
+        tokens for it)."""
+        with self._lock:
+            ld = self._loads.get(rid)
+        if ld is None or ld.lease is None:
+            return False
+        dest = page_blocks(device_indices, self.page_size, ld.pages)
+        if len(dest) < ld.pages:
+            log.warning("kvferry: %s: %d leased pages, %d whole aligned pages of slots; the "
+                        "load is skipped", rid, ld.pages, len(dest))
+            dest = []
+        load_id = self.rank.start_load(ld.lease, dest) if dest else None
+        with self._lock:
+            ld.dest = dest
+            ld.load_id = load_id if load_id is not None else -1
+        if load_id is None and (not self._shares_lease or self.tp_rank == 0):
+            self.rank.release(ld.lease)
+        return load_id is not None
+
+    def check_completed_load_tasks(self) -> Dict[str, int]:
+        """The loads that ended since the last call: request id -> tokens that landed (from
+        the first leased page; fewer than leased where the load failed part way)."""
+        with self._lock:
+            started = [(rid, ld) for rid, ld in self._loads.items() if ld.load_id is not None]
+        done: Dict[str, int] = {}
+        for rid, ld in started:
+            if ld.load_id == -1:
+                done[rid] = 0
+                continue
+            assert ld.load_id is not None
+            got = self.rank.poll_load(ld.load_id)
+            if got is None:
+                continue
+            landed = landed_of(got, ld.dest)
+            if landed < len(ld.dest):
+                self.rank.counters["load_failures"] += 1
+                log.warning("kvferry: %s: load failed (%s: %s); %d of %d pages landed", rid,
+                            got.get("error_kind"), got.get("error"), landed, len(ld.dest))
+            else:
+                self.rank.counters["loaded_blocks"] += landed
+            done[rid] = landed * self.page_size
+        with self._lock:
+            for rid in done:
+                self._loads.pop(rid, None)
+        return done
+
+    def wait_load(self, rid: str, timeout_s: Optional[float] = None) -> int:
+        """Waits for ``rid``'s load (at most ``load_timeout_ms``); the tokens that landed."""
+        import time
+
+        end = time.monotonic() + (self.cfg.load_timeout_s if timeout_s is None else timeout_s)
+        while True:
+            done = self.check_completed_load_tasks()
+            if rid in done:
+                return done[rid]
+            with self._lock:
+                if rid not in self._loads:
+                    return 0
+            if time.monotonic() >= end:
+                log.warning("kvferry: %s: load not complete in time; counted as failed", rid)
+                self.rank.counters["load_failures"] += 1
+                return 0
+            time.sleep(0.0005)
+
+    # -- saves -------------------------------------------------------------------------------
+
+    def start_store_kv(self, rid: str, token_ids: Sequence[int], device_indices: Any,
+                       first_page: int = 0) -> bool:
+        """Saves ``rid``'s full pages from page ``first_page`` on (``device_indices``: the
+        device slots of all its tokens) in the background. With MLA only TP rank 0 saves."""
+        if self._saves_by_rank0 and self.tp_rank != 0:
+            return False
+        hashes = self.page_hashes(token_ids)
+        src = page_blocks(device_indices, self.page_size, len(hashes))
+        hashes, src = hashes[first_page : len(src)], src[first_page:]
+        if not hashes:
+            return False
+        fut = self._pool.submit(self.rank.save, hashes, src)
+        with self._lock:
+            self._stores[rid] = fut
+        return True
+
+    def check_completed_store_tasks(self) -> List[Tuple[str, bool]]:
+        """The saves that ended since the last call: (request id, saved)."""
+        with self._lock:
+            ended = [(rid, f) for rid, f in self._stores.items() if f.done()]
+            for rid, _ in ended:
+                del self._stores[rid]
+        return [(rid, bool(f.result())) for rid, f in ended]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            loads, self._loads = list(self._loads.values()), {}
+        if not self._shares_lease or self.tp_rank == 0:
+            for ld in loads:
+                if ld.load_id is None:
+                    self.rank.release(ld.lease)
+        self.rank.unregister()
