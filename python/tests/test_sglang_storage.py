@@ -14,6 +14,7 @@ Run with the interpreter of ``scripts/sglang-env`` (SGLang + pytest).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import time
 
@@ -58,7 +59,14 @@ def device_pool(kind: str):
 
 def host_pool(kind: str, layout: str):
     cls = MHATokenToKVPoolHost if kind == "mha" else MLATokenToKVPoolHost
-    return cls(device_pool(kind), 2.0, 0, PS, layout, False, "cpu")
+    dev = device_pool(kind)
+    if "buffer_info" not in inspect.signature(cls.__init__).parameters:  # 0.5.16
+        return cls(dev, 2.0, 0, PS, layout, False, "cpu")
+    # 0.5.23: built from the device pool's buffer description, as HiCache builds it.
+    extra = {"target_layer_num": dev.layer_num} if kind == "mla" else {}
+    return cls(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PS, layout, False, "cpu",
+               device_capacity_tokens=dev.size, start_layer=dev.start_layer,
+               end_layer=dev.end_layer, **extra)
 
 
 def storage(addr: str, pool, *, instance: str, tp_rank=0, tp_size=1, mla=False, **extra):

@@ -23,7 +23,7 @@ from .layouts import PoolLayout, describe_device_pool, describe_host_pool
 from .storage import StorageSide
 
 #: The SGLang releases these classes are tested with (CPU, SGLang's own pool classes).
-SUPPORTED_SGLANG = ("0.5.16",)
+SUPPORTED_SGLANG = ("0.5.16", "0.5.23")
 
 _LAZY = {"KvferryStorage"}
 

@@ -1,0 +1,238 @@
+"""The GPU half of the SGLang tests (not collected by pytest; needs a CUDA GPU, PyTorch and
+a ``kvferry`` binary, not SGLang):
+
+    KVFERRY_BIN=target/debug/kvferry python3 python/tests/gpu_sglang.py
+
+CUDA tensors are allocated in SGLang's device pool layouts, as ``MHATokenToKVPool`` and
+``MLATokenToKVPool`` allocate them (per layer ``k_buffer[l]`` / ``v_buffer[l]`` of
+``(pages * page_size, heads, head_dim)``, MHA with the HND page layout ``(pages, heads,
+page_size, head_dim)``, MLA ``kv_buffer[l]`` of ``(tokens, 1, kv_lora_rank + rope)``; page
+size 64, SGLang's default), each with a canary page before and after it. Engine A's
+:class:`kvferry.sglang.KvferryConnector` saves pages out of its pool into a ``kvferry node``
+with a CUDA device; engine B's loads them into other page slots of a pool filled with a
+canary, and every byte of B's pool is checked: loaded pages equal A's, every other page and
+both guard pages keep the canary. Then TP=2 MHA, two ranks sharing one lease. Exits 0 when
+every case passed; prints one line per case. ``--cpu`` runs the same cases on CPU (memfd
+tensors, a node with a host device), to check the script where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+
+import kvferry  # noqa: E402
+from kvferry.sglang import KvferryConnector  # noqa: E402
+from nodeproc import Node  # noqa: E402
+
+PS = 64
+CANARY = 0x5A
+MODEL = "gpu-sglang-test"
+DEV = "cpu" if "--cpu" in sys.argv else "cuda"
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def guarded(shape, dtype, page_rows):
+    """A tensor of ``shape`` inside a larger allocation with ``page_rows`` guard rows of
+    canary before and after it (so a write outside the tensor is seen)."""
+    full_shape = (shape[0] + 2 * page_rows, *shape[1:])
+    if DEV == "cuda":
+        full = torch.empty(full_shape, dtype=dtype, device="cuda")
+    else:
+        from kvferry.torch import memfd_empty
+
+        full = memfd_empty(full_shape, dtype, "gpu-sglang")
+    full.view(torch.uint8).fill_(CANARY)
+    return full, full[page_rows:page_rows + shape[0]]
+
+
+def mha_pool(layers=4, pages=24, heads=8, dim=128, hnd=False, dtype=torch.bfloat16):
+    shape = (pages, heads, PS, dim) if hnd else (pages * PS, heads, dim)
+    rows = 1 if hnd else PS
+    ks, vs, fulls = [], [], []
+    for _ in range(layers):
+        fk, k = guarded(shape, dtype, rows)
+        fv, v = guarded(shape, dtype, rows)
+        ks.append(k)
+        vs.append(v)
+        fulls += [fk, fv]
+    pool = SimpleNamespace(page_size=PS, k_buffer=ks, v_buffer=vs, use_hnd=hnd)
+    return pool, fulls
+
+
+def mla_pool(layers=4, pages=24, dim=576, dtype=torch.bfloat16):
+    kvs, fulls = [], []
+    for _ in range(layers):
+        f, t = guarded((pages * PS, 1, dim), dtype, PS)
+        kvs.append(t)
+        fulls.append(f)
+    return SimpleNamespace(page_size=PS, kv_buffer=kvs), fulls
+
+
+def tensors(pool):
+    return list(getattr(pool, "k_buffer", None) or pool.kv_buffer) + list(
+        getattr(pool, "v_buffer", None) or [])
+
+
+def page(pool, p, hnd=False):
+    return [t[p] if hnd else t[p * PS:(p + 1) * PS] for t in tensors(pool)]
+
+
+def fill(pool, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    for t in tensors(pool):
+        r = t.view(torch.uint8)
+        r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, device=DEV, generator=g))
+
+
+def canary(pool, fulls):
+    for f in fulls:
+        f.view(torch.uint8).fill_(CANARY)
+
+
+def check(b_pool, b_fulls, a_pool, loaded, hnd, pages):
+    """``loaded``: {B page: A page}. Every byte of B checked."""
+    sync()
+    for bp, ap in loaded.items():
+        for x, y in zip(page(b_pool, bp, hnd), page(a_pool, ap, hnd)):
+            if not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+                raise AssertionError(f"page {bp} differs from A's page {ap}")
+    for p in range(pages):
+        if p in loaded:
+            continue
+        for x in page(b_pool, p, hnd):
+            if not bool(x.view(torch.uint8).eq(CANARY).all()):
+                raise AssertionError(f"page {p} was written (not loaded)")
+    for t in tensors(b_pool):
+        # The allocation holding t: guard rows before and after it.
+        (f,) = [f for f in b_fulls if f.data_ptr() <= t.data_ptr() < f.data_ptr() + f.nbytes]
+        row = t[0].nbytes
+        start = (t.data_ptr() - f.data_ptr()) // row
+        for g in (f[:start], f[start + t.shape[0]:]):
+            if g.numel() == 0 or not bool(g.view(torch.uint8).eq(CANARY).all()):
+                raise AssertionError("a guard page around a layer tensor was written")
+
+
+def wait_saves(c, n=1):
+    end, got = time.monotonic() + 30, []
+    while time.monotonic() < end and len(got) < n:
+        got += c.check_completed_store_tasks()
+        time.sleep(0.002)
+    if [ok for _, ok in got] != [True] * n:
+        raise AssertionError(f"saves: {got}")
+
+
+def prompt(pages, salt=0):
+    return [(31 * i + salt) % 50000 + 1 for i in range(pages * PS)]
+
+
+def slots(first_page, n):
+    return torch.arange(first_page * PS, (first_page + n) * PS, dtype=torch.int64,
+                        device=DEV)
+
+
+def one_case(addr, name, make, hnd=False):
+    a_pool, _ = make()
+    b_pool, b_fulls = make()
+    cfg = {"address": addr, "deadline_ms": 5000}
+    a = KvferryConnector(a_pool, model=MODEL, config={**cfg, "instance": f"{name}-a"})
+    b = KvferryConnector(b_pool, model=MODEL, config={**cfg, "instance": f"{name}-b"})
+    fill(a_pool, seed=1)
+    sync()
+    toks = prompt(8)
+    if not a.start_store_kv("r", toks, slots(3, 8)):
+        raise AssertionError("no save started")
+    wait_saves(a)
+    canary(b_pool, b_fulls)
+    hit = b.get_new_hit_length("r", toks, 2 * PS)  # SGLang holds 2 pages itself
+    if hit != 6 * PS:
+        raise AssertionError(f"hit {hit}, expected {6 * PS}")
+    t0 = time.perf_counter()
+    if not b.start_load_kv("r", slots(14, 6)):
+        raise AssertionError("no load started")
+    landed = b.wait_load("r")
+    dt = time.perf_counter() - t0
+    if landed != 6 * PS:
+        raise AssertionError(f"landed {landed}")
+    pages = len(tensors(b_pool)[0]) if hnd else tensors(b_pool)[0].shape[0] // PS
+    check(b_pool, b_fulls, a_pool, {14 + i: 5 + i for i in range(6)}, hnd, pages)
+    nbytes = sum(x.numel() * x.element_size() for x in page(b_pool, 14, hnd)) * 6
+    print(f"ok  {name}: 6 pages ({nbytes / 2**20:.1f} MiB) loaded into {DEV} KV in "
+          f"{dt * 1e3:.2f} ms, every byte checked")
+    for c in (a, b):
+        c.close()
+
+
+def tp2_case(addr):
+    box = {}
+
+    def broadcast(obj):
+        if "v" not in box or obj[0] is not None:
+            box["v"] = obj
+        return box["v"]
+
+    src = [mha_pool() for _ in range(2)]
+    dst = [mha_pool() for _ in range(2)]
+    cfg = {"address": addr, "deadline_ms": 5000}
+    savers = [KvferryConnector(src[r][0], model=MODEL, tp_rank=r, tp_size=2,
+                               broadcast=broadcast, config={**cfg, "instance": "tp2-a"})
+              for r in range(2)]
+    loaders = [KvferryConnector(dst[r][0], model=MODEL, tp_rank=r, tp_size=2,
+                                broadcast=broadcast, config={**cfg, "instance": "tp2-b"})
+               for r in range(2)]
+    toks = prompt(4, salt=3)
+    for r in range(2):
+        fill(src[r][0], seed=20 + r)
+        sync()
+        savers[r].start_store_kv("r", toks, slots(1, 4))
+        wait_saves(savers[r])
+        canary(dst[r][0], dst[r][1])
+    box.clear()
+    hits = [loaders[r].get_new_hit_length("q", toks, 0) for r in range(2)]
+    if hits != [4 * PS] * 2:
+        raise AssertionError(f"hits {hits}")
+    for r in range(2):
+        loaders[r].start_load_kv("q", slots(10, 4))
+    if [loaders[r].wait_load("q") for r in range(2)] != [4 * PS] * 2:
+        raise AssertionError("TP loads")
+    for r in range(2):
+        check(dst[r][0], dst[r][1], src[r][0], {10 + i: 1 + i for i in range(4)}, False, 24)
+    if kvferry.EngineClient(addr).stats()["leases_live"] != 0:
+        raise AssertionError("a lease outlived both ranks' loads")
+    print("ok  mha tp=2: both ranks loaded their heads from rank 0's one lease")
+
+
+def main() -> int:
+    if DEV == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --cpu)")
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        node = Node(Path(tmp), device="cuda" if DEV == "cuda" else "host",
+                    pool="2GiB" if DEV == "cuda" else "256MiB", slot="8MiB")
+        try:
+            one_case(node.addr, "mha-nhd", lambda: mha_pool())
+            one_case(node.addr, "mha-hnd", lambda: mha_pool(hnd=True), hnd=True)
+            one_case(node.addr, "mla", lambda: mla_pool())
+            one_case(node.addr, "mha-fp16-small", lambda: mha_pool(layers=2, heads=2, dim=64,
+                                                                   dtype=torch.float16))
+            tp2_case(node.addr)
+        finally:
+            node.kill()
+    print("all SGLang GPU cases passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
