@@ -245,6 +245,26 @@ def test_a_node_killed_after_the_lease_fails_the_load_not_the_engine(tmp_path):
         n.kill()
 
 
+def test_slots_outside_the_pool_are_refused_and_nothing_is_written(node):
+    a_pool, b_pool = gpu_pool("mha"), gpu_pool("mha")
+    a, b = connector(node.addr, a_pool, "engine-a"), connector(node.addr, b_pool, "engine-b")
+    fill(a_pool, seed=4)
+    toks = prompt(2)
+    save(a, "r", toks, slots(1, 2))
+    canary(b_pool)
+    assert b.get_new_hit_length("r", toks, 0) == 2 * PS
+    assert not b.start_load_kv("r", slots(16, 2))  # the pool has 17 pages: 17 is past it
+    assert b.wait_load("r") == 0
+    want = [bytes([CANARY]) * len(x) for x in page(b_pool, 0)]
+    assert all(page(b_pool, p) == want for p in range(17))
+    assert kvferry.EngineClient(node.addr).stats()["leases_live"] == 0
+    # The next load works.
+    assert b.get_new_hit_length("r2", toks, 0) == 2 * PS
+    assert b.start_load_kv("r2", slots(15, 2))
+    assert b.wait_load("r2") == 2 * PS
+    assert page(b_pool, 15) == page(a_pool, 1)
+
+
 def test_a_layout_kvferry_cannot_describe_is_refused_naming_it(node):
     p = memory_pool.MHATokenToKVPool(
         size=256, page_size=PS, dtype=torch.float16, head_num=2, head_dim=32, layer_num=2,

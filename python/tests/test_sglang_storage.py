@@ -292,3 +292,21 @@ def test_the_host_pool_keeps_its_addresses_and_contents(node):
     # Writes through SGLang's views reach the memory the node maps.
     pool.kv_buffer.view(torch.uint8)[0, 0, 0].fill_(1)
     assert pool.kv_buffer.view(torch.uint8)[0, 0, 0].eq(1).all()
+
+
+def test_a_host_pool_the_node_cannot_map_is_refused_at_start(node):
+    pool = host_pool("mha", "layer_first")
+    # Memory from the allocator (private), not SGLang's shared mmap.
+    pool.kv_buffer = torch.zeros(pool.kv_buffer.shape, dtype=pool.kv_buffer.dtype)
+    with pytest.raises(LayoutError, match="page boundary|shared anonymous"):
+        storage(node.addr, pool, instance="engine-private")
+    import mmap
+
+    from kvferry import memfd
+
+    m = mmap.mmap(-1, 1 << 16, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    with pytest.raises(memfd.AdoptError, match="not as shared anonymous"):
+        memfd.adopt(t.data_ptr(), t.numel(), t)
+    with pytest.raises(memfd.AdoptError, match="page boundary"):
+        memfd.adopt(t.data_ptr() + 8, 64, t)
