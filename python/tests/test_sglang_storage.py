@@ -69,14 +69,15 @@ def host_pool(kind: str, layout: str):
                end_layer=dev.end_layer, **extra)
 
 
-def storage(addr: str, pool, *, instance: str, tp_rank=0, tp_size=1, mla=False, **extra):
+def storage(addr: str, pool, *, instance: str, tp_rank=0, tp_size=1, mla=False,
+            metrics=False, **extra):
     cfg = {"backend_name": "kvferry", "module_path": "kvferry.sglang",
            "class_name": "KvferryStorage", "interface_v1": 1, "address": addr,
            "instance": instance, "deadline_ms": 2000, "retry_ms": 100}
     cfg.update(extra)
     sc = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-        attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
+        attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=metrics,
         is_page_first_layout=pool.layout == "page_first", model_name=MODEL, extra_config=cfg,
     )
     backend = StorageBackendFactory.create_backend("dynamic", sc, pool)
@@ -151,7 +152,7 @@ def test_pages_saved_by_one_engine_load_into_another_byte_for_byte(node, kind, l
     for p in range(b_pool.page_num):
         if p not in loaded and (p + 1) * PS <= b_pool.size:
             assert page_bytes(torch, b_pool.get_data_page(p * PS)) == want, f"page {p}"
-    stats = b.get_stats()
+    stats = b.counters()
     assert stats["loaded_blocks"] == 5 and stats["node_failures"] == 0
 
 
@@ -231,7 +232,7 @@ def test_a_node_down_costs_hits_never_an_exception(caplog):
     assert got == [False] * 3 and isinstance(got, list)
     assert s.batch_set_v1(keys, idx) == [False] * 3
     assert time.monotonic() - t0 < 10
-    assert s.get_stats()["node_failures"] >= 1
+    assert s.counters()["node_failures"] >= 1
     assert any("127.0.0.1" in r.getMessage() for r in caplog.records)
 
 
@@ -258,7 +259,7 @@ def test_a_restarted_node_is_registered_with_again(tmp_path):
         dst = pool.alloc(2 * PS)
         assert s.batch_get_v1(keys, dst) == [True, True]
         assert pages(pool, dst) == pages(pool, idx)
-        assert s.get_stats()["registrations"] >= 2
+        assert s.counters()["registrations"] >= 2
     finally:
         n.kill()
 
@@ -310,3 +311,21 @@ def test_a_host_pool_the_node_cannot_map_is_refused_at_start(node):
         memfd.adopt(t.data_ptr(), t.numel(), t)
     with pytest.raises(memfd.AdoptError, match="page boundary"):
         memfd.adopt(t.data_ptr() + 8, 64, t)
+
+
+def test_storage_metrics_are_what_sglangs_collector_takes(node):
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    pool = host_pool("mha", "layer_first")
+    s = storage(node.addr, pool, instance="engine-metrics", metrics=True)
+    keys = get_hash_str(tokens(3), page_size=PS)
+    idx = pool.alloc(3 * PS)
+    assert s.batch_set_v1(keys, idx) == [True] * 3
+    assert s.batch_get_v1(keys, pool.alloc(3 * PS)) == [True] * 3
+    m = s.get_stats()
+    assert isinstance(m, StorageMetrics)  # SGLang's collector asserts exactly this
+    assert m.prefetch_pgs == [3] and m.backup_pgs == [3]
+    assert len(m.prefetch_bandwidth) == 1 and m.prefetch_bandwidth[0] > 0
+    assert s.get_stats().prefetch_pgs == []  # since the last call
+    # Without storage metrics SGLang never asks; None is what it would take.
+    assert storage(node.addr, host_pool("mha", "layer_first"), instance="engine-nm").get_stats() is None

@@ -15,6 +15,7 @@ is :class:`kvferry.sglang.storage.StorageSide`.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, List, Optional
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
@@ -52,6 +53,12 @@ class KvferryStorage(HiCacheStorage):
             rank_replicated=bool(storage_config.is_mla_model),
             client_factory=extra.get("client_factory"),
         )
+        self.enable_storage_metrics = bool(storage_config.enable_storage_metrics)
+        # What get_stats hands SGLang's metrics collector, since the last call.
+        self._prefetch_pgs: List[int] = []
+        self._backup_pgs: List[int] = []
+        self._prefetch_bw: List[float] = []
+        self._backup_bw: List[float] = []
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
@@ -69,21 +76,55 @@ class KvferryStorage(HiCacheStorage):
     def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None
                      ) -> List[bool]:
         # Always a list: SGLang's prefetch thread indexes the answer.
+        t0 = time.perf_counter()
         try:
-            return self.side.get(keys, host_indices)
+            got = self.side.get(keys, host_indices)
         except Exception:  # noqa: BLE001
             log.exception("kvferry: batch_get_v1 failed; answering misses")
             return [False] * len(keys)
+        self._record(self._prefetch_pgs, self._prefetch_bw, sum(got), t0)
+        return got
 
     def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None
                      ) -> List[bool]:
+        t0 = time.perf_counter()
         try:
-            return self.side.set(keys, host_indices)
+            done = self.side.set(keys, host_indices)
         except Exception:  # noqa: BLE001
             log.exception("kvferry: batch_set_v1 failed; answering failures")
             return [False] * len(keys)
+        self._record(self._backup_pgs, self._backup_bw, sum(done), t0)
+        return done
 
-    def get_stats(self) -> Optional[dict]:
+    def _record(self, pages: List[int], bandwidth: List[float], n: int, t0: float) -> None:
+        if not self.enable_storage_metrics or n == 0 or self.side.layout is None:
+            return
+        dt = max(time.perf_counter() - t0, 1e-9)
+        lay = self.side.layout
+        page_bytes = lay.segment_bytes * lay.segments * len(lay.layers)
+        pages.append(n)
+        bandwidth.append(n * page_bytes / dt / (1 << 30))  # GiB/s, as SGLang's backends
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` since the last call (what its metrics collector
+        takes), or None without ``--enable-cache-report`` storage metrics. kvferry's own
+        counters are :meth:`counters`."""
+        if not self.enable_storage_metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        m = StorageMetrics()
+        m.prefetch_pgs.extend(self._prefetch_pgs)
+        m.backup_pgs.extend(self._backup_pgs)
+        m.prefetch_bandwidth.extend(self._prefetch_bw)
+        m.backup_bandwidth.extend(self._backup_bw)
+        for xs in (self._prefetch_pgs, self._backup_pgs, self._prefetch_bw, self._backup_bw):
+            xs.clear()
+        return m
+
+    def counters(self) -> dict:
+        """kvferry's counters of this rank (:data:`kvferry.sglang.rank.COUNTERS`): node
+        failures, hits, loads, saves, registrations."""
         return self.side.stats()
 
     def close(self) -> None:
