@@ -162,6 +162,10 @@ def one_case(addr, name, make, hnd=False):
     t0 = time.perf_counter()
     if not b.start_load_kv("r", slots(14, 6)):
         raise AssertionError("no load started")
+    for layer in range(len(b.layout.layers)):  # layer by layer, from the completion board
+        if not b.wait_for_layer("r", layer, timeout_s=30):
+            raise AssertionError(f"layer {layer} did not land")
+    t_layers = time.perf_counter() - t0
     landed = b.wait_load("r")
     dt = time.perf_counter() - t0
     if landed != 6 * PS:
@@ -169,8 +173,9 @@ def one_case(addr, name, make, hnd=False):
     pages = len(tensors(b_pool)[0]) if hnd else tensors(b_pool)[0].shape[0] // PS
     check(b_pool, b_fulls, a_pool, {14 + i: 5 + i for i in range(6)}, hnd, pages)
     nbytes = sum(x.numel() * x.element_size() for x in page(b_pool, 14, hnd)) * 6
-    print(f"ok  {name}: 6 pages ({nbytes / 2**20:.1f} MiB) loaded into {DEV} KV in "
-          f"{dt * 1e3:.2f} ms, every byte checked")
+    print(f"ok  {name}: 6 pages ({nbytes / 2**20:.1f} MiB) loaded into {DEV} KV; every layer "
+          f"seen on the board after {t_layers * 1e3:.2f} ms, the load reported after "
+          f"{dt * 1e3:.2f} ms; every byte checked")
     for c in (a, b):
         c.close()
 

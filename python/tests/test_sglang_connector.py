@@ -120,7 +120,15 @@ def test_saved_pages_load_into_another_engines_slots_byte_for_byte(node, kind):
     # The scheduler's order: hit length, (slots assigned), load, completion.
     assert b.get_new_hit_length("r1", toks, 0) == 4 * PS
     assert b.start_load_kv("r1", slots(9, 4))
+    # Layer by layer: the node reports each landed layer on the rank's completion board.
+    assert b.rank.board is not None
+    layers = len(b.layout.layers)
+    for layer in range(layers):
+        assert b.wait_for_layer("r1", layer, timeout_s=10)
+    with pytest.raises(ValueError):
+        b.wait_for_layer("r1", layers)
     assert b.wait_load("r1") == 4 * PS
+    assert not b.wait_for_layer("r1", 0)  # ended and reported: nothing to wait for
     for i in range(4):
         assert page(b_pool, 9 + i) == page(a_pool, 2 + i), f"page {i}"
     want = [bytes([CANARY]) * len(x) for x in page(b_pool, 0)]
@@ -226,6 +234,7 @@ def test_a_node_killed_after_the_lease_fails_the_load_not_the_engine(tmp_path):
         assert b.get_new_hit_length("r", toks, 0) == 2 * PS
         n.kill()
         b.start_load_kv("r", slots(4, 2))
+        assert not b.wait_for_layer("r", 0, timeout_s=2)
         assert b.wait_load("r", timeout_s=5) == 0
         assert b.counters["load_failures"] >= 1
         assert page(b_pool, 4)[0] == bytes([CANARY]) * len(page(b_pool, 4)[0])

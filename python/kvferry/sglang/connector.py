@@ -14,6 +14,10 @@ call                               kvferry
 ``check_completed_load_tasks``     the loads that ended, with the tokens that landed
 ``start_store_kv``                 a save of the request's full pages (in the background)
 ``check_completed_store_tasks``    the saves that ended
+``wait_for_layer``                 (layer by layer) returns once a layer of the load landed:
+                                   the node writes each landed layer to a completion board in
+                                   shared memory, so the forward can start before the whole
+                                   load ended (the role of a ``layer_done_counter``)
 =================================  =========================================================
 
 Pages are named by chained hashes over their token ids (:mod:`kvferry.hashing`) from a salt
@@ -53,6 +57,9 @@ log = logging.getLogger("kvferry.sglang")
 
 HASH_TAG = b"kvferry-sglang-v1"
 
+#: Loads of one rank that report to its completion board at once (more are polled).
+BOARD_SLOTS = 64
+
 # broadcast(obj) -> obj: rank 0's obj on every TP rank (SGLang's TP group
 # broadcast_pyobj, or torch.distributed.broadcast_object_list).
 Broadcast = Callable[[Any], Any]
@@ -65,6 +72,10 @@ class _Load:
     pages: int
     load_id: Optional[int] = None
     dest: List[int] = field(default_factory=list)
+    #: (board slot, tag, registration) the load reports to; None: polled only.
+    board: Optional[Tuple[int, int, int]] = None
+    #: The load's completion, once polled.
+    result: Optional[dict] = None
 
 
 class KvferryConnector:
@@ -116,8 +127,11 @@ class KvferryConnector:
             self.cfg, instance=instance, rank=0 if replicated else tp_rank,
             tp_size=1 if replicated else tp_size, model=self.model, layout=self.layout,
             device=device, who=f"sglang connector rank {tp_rank}",
-            client_factory=client_factory,
+            client_factory=client_factory, board_slots=BOARD_SLOTS,
         )
+        self._board_free: List[int] = []
+        self._board_reg = -1
+        self._board_tag = 0
         self._saves_by_rank0 = replicated
         self.rank.register()
         self._lock = threading.Lock()
@@ -188,9 +202,12 @@ class KvferryConnector:
             log.warning("kvferry: %s: %d leased pages, %d whole aligned pages of slots; the "
                         "load is skipped", rid, ld.pages, len(dest))
             dest = []
-        load_id = self.rank.start_load(ld.lease, dest) if dest else None
+        board = self._take_slot() if dest else None
+        load_id = self.rank.start_load(ld.lease, dest, board[:2] if board else None) \
+            if dest else None
         with self._lock:
             ld.dest = dest
+            ld.board = board
             ld.load_id = load_id if load_id is not None else -1
         if load_id is None and (not self._shares_lease or self.tp_rank == 0):
             self.rank.release(ld.lease)
@@ -206,8 +223,7 @@ class KvferryConnector:
             if ld.load_id == -1:
                 done[rid] = 0
                 continue
-            assert ld.load_id is not None
-            got = self.rank.poll_load(ld.load_id)
+            got = self._poll(ld)
             if got is None:
                 continue
             landed = landed_of(got, ld.dest)
@@ -220,11 +236,75 @@ class KvferryConnector:
             done[rid] = landed * self.page_size
         with self._lock:
             for rid in done:
-                self._loads.pop(rid, None)
+                ld = self._loads.pop(rid, None)
+                if ld is not None and ld.board is not None and ld.board[2] == self._board_reg:
+                    self._board_free.append(ld.board[0])
         return done
 
+    def _take_slot(self) -> Optional[Tuple[int, int, int]]:
+        with self._lock:
+            if self.rank.board is None:
+                return None
+            if self._board_reg != self.rank.registration:
+                # A new registration (a restarted node) has a new board: every slot is free.
+                self._board_reg = self.rank.registration
+                self._board_free = list(range(self.rank.board.slots))
+            if not self._board_free:
+                return None
+            self._board_tag = (self._board_tag + 1) & 0xFFFFFFFF
+            return self._board_free.pop(), self._board_tag, self._board_reg
+
+    def wait_for_layer(self, rid: str, layer: int, timeout_s: Optional[float] = None) -> bool:
+        """Waits until layer ``layer`` (0-based, of this rank's layers) of ``rid``'s load
+        landed, at most ``load_timeout_ms``; True once it did. False where the load failed,
+        timed out or never started: the caller recomputes, after
+        :meth:`check_completed_load_tasks` says how many tokens landed. Without a board (a
+        node that has none) it waits for the whole load."""
+        with self._lock:
+            ld = self._loads.get(rid)
+            board = self.rank.board
+        if ld is None or ld.load_id in (None, -1):
+            return False
+        timeout = self.cfg.load_timeout_s if timeout_s is None else timeout_s
+        layers = len(self.layout.layers)
+        if not 0 <= layer < layers:
+            raise ValueError(f"kvferry.sglang: layer {layer} of {layers}")
+        if ld.board is None or board is None or ld.board[2] != self.rank.registration:
+            return self._wait_whole(ld, timeout)
+        slot, tag, _ = ld.board
+        try:
+            v = board.wait(slot, tag, layer + 1, timeout)
+        except Exception as e:  # noqa: BLE001 - a failed wait is a failed layer
+            log.warning("kvferry: %s: waiting on the board failed (%s)", rid, e)
+            return False
+        if v.get("tag") != tag:
+            return False
+        if v.get("done"):
+            return bool(v.get("ok"))
+        return int(v.get("layers", 0)) >= layer + 1
+
+    def _poll(self, ld: _Load) -> Optional[dict]:
+        """The load's completion (kept once seen: polling consumes it on the node)."""
+        if ld.result is None and ld.load_id is not None and ld.load_id != -1:
+            ld.result = self.rank.poll_load(ld.load_id)
+        return ld.result
+
+    def _wait_whole(self, ld: _Load, timeout: float) -> bool:
+        import time
+
+        end = time.monotonic() + timeout
+        while True:
+            got = self._poll(ld)
+            if got is not None:
+                return landed_of(got, ld.dest) == len(ld.dest)
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.0005)
+
     def wait_load(self, rid: str, timeout_s: Optional[float] = None) -> int:
-        """Waits for ``rid``'s load (at most ``load_timeout_ms``); the tokens that landed."""
+        """Waits for ``rid``'s load (at most ``load_timeout_ms``) and reports it as
+        :meth:`check_completed_load_tasks` does; the tokens that landed (0 on a timeout,
+        counted as a failure)."""
         import time
 
         end = time.monotonic() + (self.cfg.load_timeout_s if timeout_s is None else timeout_s)

@@ -58,6 +58,7 @@ class RankKv:
         who: str = "sglang",
         link: Optional[NodeLink] = None,
         client_factory: Optional[Callable[[], Any]] = None,
+        board_slots: int = 0,
     ):
         self.cfg = cfg
         self.instance = instance
@@ -72,11 +73,28 @@ class RankKv:
         )
         self.namespace: Optional[str] = None
         self._generation = -1
+        #: The completion board of the current registration (None: the node has none, or
+        #: ``board_slots`` is 0); loads naming its slots report each layer landing to it.
+        self.board: Any = None
+        self.board_slots = board_slots
+        #: Incremented by every registration: board slots of an earlier one are void.
+        self.registration = 0
 
     def _node_failed(self, what: str) -> None:
         self.counters["node_failures"] += 1
 
+    def _open_board(self, client: Any) -> Any:
+        if not self.board_slots or not hasattr(client, "open_board"):
+            return None
+        try:
+            return client.open_board(self.instance, self.rank, self.board_slots)
+        except Exception as e:  # noqa: BLE001 - loads are polled without one
+            log.info("kvferry: %s rank %d: no completion board (%s); loads are polled",
+                     self.instance, self.rank, e)
+            return None
+
     def _register(self, client: Any) -> None:
+        board = self._open_board(client)
         self.namespace = register_tensors(
             client,
             self.instance,
@@ -85,8 +103,11 @@ class RankKv:
             rank=self.rank,
             tp_size=self.tp_size,
             device=self.device,
+            board=board,
             **self.layout.register_kwargs(),
         )
+        self.board = board
+        self.registration += 1
         self.counters["registrations"] += 1
         self._generation = self.link.generation
         log.info(
@@ -177,13 +198,22 @@ class RankKv:
         self.counters["loaded_blocks"] += good
         return good
 
-    def start_load(self, lease: str, dest_blocks: Sequence[int]) -> Optional[int]:
-        """Starts this rank's load of ``lease`` into ``dest_blocks``; its load id, or None
-        (logged, counted) where it could not start."""
+    def start_load(self, lease: str, dest_blocks: Sequence[int],
+                   board: Optional[Tuple[int, int]] = None) -> Optional[int]:
+        """Starts this rank's load of ``lease`` into ``dest_blocks``, reporting to board
+        slot and tag ``board`` where given; its load id, or None (logged, counted) where it
+        could not start."""
         self.counters["loads"] += 1
         dest = list(dest_blocks)
+
+        def go(c: Any) -> Any:
+            if board is None:
+                return c.load(lease, self.instance, self.rank, dest)
+            return c.load(lease, self.instance, self.rank, dest, board_slot=board[0],
+                          board_tag=board[1])
+
         try:
-            return self._call("load", lambda c: c.load(lease, self.instance, self.rank, dest))
+            return self._call("load", go)
         except (NodeDown, KvferryError) as e:
             self.counters["load_failures"] += 1
             if not isinstance(e, NodeDown):
