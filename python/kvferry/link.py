@@ -136,7 +136,9 @@ class NodeLink:
         try:
             self._had_mailbox = bool(attach(self._mailbox_for))
             if not self._had_mailbox:
-                self._log.info("kvferry (%s): the node takes no request mailbox; calls only", self.who)
+                self._log.info(
+                    "kvferry (%s): the node takes no request mailbox; calls only", self.who
+                )
         except Exception as e:  # noqa: BLE001 - the calls still serve without one
             self._log.warning("kvferry (%s): no request mailbox (%s); calls only", self.who, e)
 

@@ -2,10 +2,10 @@
 own classes on CPU: its host pools (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``) over
 its device pools, in every ``--hicache-mem-layout`` kvferry describes, made by SGLang's
 ``StorageBackendFactory`` from a ``HiCacheStorageConfig`` as ``--hicache-storage-backend
-dynamic`` makes it, named by page keys made as SGLang's ``get_hash_str`` makes them, and called as its
-cache controller calls it (``register_mem_pool_host``, ``batch_exists``, ``batch_set_v1``,
-``batch_get_v1`` with host indices from the pool's ``alloc``), against a real ``kvferry
-node``. Pages saved by one engine and loaded into another engine's fresh pool equal the
+dynamic`` makes it, named by page keys made as SGLang's ``get_hash_str`` makes them, and
+called as its cache controller calls it (``register_mem_pool_host``, ``batch_exists``,
+``batch_set_v1``, ``batch_get_v1`` with host indices from the pool's ``alloc``), against a
+real ``kvferry node``. Pages saved by one engine and loaded into another engine's fresh pool equal the
 originals byte for byte; pages not loaded keep their canary.
 
 Run with the interpreter of ``scripts/sglang-env`` (SGLang + pytest).
@@ -328,4 +328,5 @@ def test_storage_metrics_are_what_sglangs_collector_takes(node):
     assert len(m.prefetch_bandwidth) == 1 and m.prefetch_bandwidth[0] > 0
     assert s.get_stats().prefetch_pgs == []  # since the last call
     # Without storage metrics SGLang never asks; None is what it would take.
-    assert storage(node.addr, host_pool("mha", "layer_first"), instance="engine-nm").get_stats() is None
+    plain = storage(node.addr, host_pool("mha", "layer_first"), instance="engine-nm")
+    assert plain.get_stats() is None
