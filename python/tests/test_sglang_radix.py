@@ -261,3 +261,29 @@ def test_settings_come_from_the_environment_and_are_checked(monkeypatch, tmp_pat
     monkeypatch.setenv(plugin.CONFIG_ENV, "{nope")
     with pytest.raises(ConfigError):
         plugin.load_config()
+
+
+def test_the_factory_builds_the_cache_from_sglangs_build_context(node, monkeypatch):
+    """What create_tree_cache calls for --radix-cache-backend kvferry, with the fields of
+    SGLang's TreeCacheBuildContext it reads."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
+
+    from kvferry.sglang import plugin
+
+    plugin.register()
+    monkeypatch.setenv(plugin.CONFIG_ENV, f'{{"address": "{node.addr}", "instance": "f"}}')
+    e = Engine(node.addr, "engine-a")
+    ctx = SimpleNamespace(
+        params=e.cache.__dict__.get("_params") or CacheInitParams(
+            disable=False, req_to_token_pool=e.rows, token_to_kv_pool_allocator=e.alloc,
+            page_size=PS),
+        server_args=SimpleNamespace(model_path=MODEL, served_model_name=None),
+        tp_rank=0, tp_size=1, tp_group=None,
+    )
+    cache = get_radix_cache_factory("kvferry")(ctx)
+    assert isinstance(cache, KvferryRadixCache)
+    assert cache.kvferry.model == MODEL and cache.page_size == PS
+    assert cache.kvferry.rank.registration >= 0
+    cache.kvferry.close()
