@@ -479,7 +479,8 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// treats `[0, len)` of it as memory of this device: copies may target it and
     /// `check_range` accepts it. The node seals the memfd against shrinking first (a shrunk
     /// mapping would fault on access), so the client must have created it with
-    /// `MFD_ALLOW_SEALING` or sealed it `F_SEAL_SHRINK` itself. Unmapped on drop.
+    /// `MFD_ALLOW_SEALING` or sealed it `F_SEAL_SHRINK` itself. Unmapped on drop. A CUDA
+    /// device registers the mapping as pinned host memory, so its copies reach it by DMA.
     fn import_memfd(
         &self,
         _fd: std::os::fd::OwnedFd,
@@ -488,7 +489,7 @@ pub trait Device: Send + Sync + fmt::Debug {
         Err(DeviceError::Unsupported {
             what: "memfd import (host KV as device memory)",
             reason: format!(
-                "only the host device maps client memory; this is a {} device",
+                "only the host and CUDA devices map client memory; this is a {} device",
                 self.kind().as_str()
             ),
         })

@@ -5,7 +5,7 @@
 use std::alloc::{self, Layout};
 use std::collections::BTreeMap;
 use std::fmt;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::time::Instant;
 
@@ -149,23 +149,19 @@ impl Release for HostAlloc {
 /// A client's memfd mapped shared: device memory until the last user drops it.
 struct MappedMemfd {
     inner: Arc<Inner>,
-    ptr: u64,
-    len: u64,
+    map: Option<crate::memfd::ClientMap>,
 }
 
 impl Release for MappedMemfd {
     fn release(&mut self) {
+        let Some(map) = self.map.take() else { return };
         let mut allocs = match self.inner.allocs.write() {
             Ok(a) => a,
             Err(p) => p.into_inner(),
         };
-        if allocs.remove(&self.ptr).is_some() {
-            // SAFETY: `ptr`/`len` are exactly what `mmap` returned and was given, the range is
-            // still mapped (it was in the table), and holding the write lock means no copy is
-            // using it. munmap cannot fail for such a range; if it did, the mapping would
-            // leak, which is safe.
-            unsafe { libc::munmap(self.ptr as usize as *mut libc::c_void, self.len as usize) };
-        }
+        allocs.remove(&map.ptr());
+        // Unmapped under the write lock: no copy is using it.
+        drop(map);
     }
 }
 
@@ -173,64 +169,23 @@ impl HostDevice {
     /// See [`Device::import_memfd`].
     fn map_memfd(&self, fd: OwnedFd, len: u64) -> Result<DeviceBuffer, DeviceError> {
         let ordinal = self.inner.ordinal;
-        let fail = |reason: String| DeviceError::Import {
+        let map = crate::memfd::map_client(fd, len).map_err(|reason| DeviceError::Import {
             ordinal,
             what: "memfd",
             reason,
-        };
-        let raw = fd.as_raw_fd();
-        if len == 0 {
-            return Err(fail("zero-sized memory".into()));
-        }
-        let size = usize::try_from(len)
-            .map_err(|_| fail(format!("{len} bytes exceed the address space")))?;
-        crate::memfd::seal_against_shrinking(fd.as_fd()).map_err(|e| fail(e.to_string()))?;
-        // SAFETY: a zeroed stat is valid output space for fstat.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: fstat writes into `st`, which lives across the call.
-        if unsafe { libc::fstat(raw, &mut st) } < 0 {
-            return Err(fail(format!("fstat: {}", std::io::Error::last_os_error())));
-        }
-        if (st.st_size as u64) < len {
-            return Err(fail(format!(
-                "it holds {} bytes, {len} were announced",
-                st.st_size
-            )));
-        }
-        // SAFETY: a fresh shared mapping of `size` bytes of a file at least that long (and
-        // sealed against shrinking, so every mapped page stays backed); the kernel picks the
-        // address, so nothing of ours is replaced.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                raw,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(fail(format!("mmap: {}", std::io::Error::last_os_error())));
-        }
-        // The mapping holds its own reference to the memory; the descriptor can go.
-        drop(fd);
-        let ptr = p as usize as u64;
-        let release = MappedMemfd {
-            inner: Arc::clone(&self.inner),
-            ptr,
-            len,
-        };
+        })?;
+        let ptr = map.ptr();
         match self.inner.allocs.write() {
             Ok(mut a) => {
                 a.insert(ptr, len);
             }
-            Err(_) => {
-                // SAFETY: the mapping was made just above and nobody else knows it.
-                unsafe { libc::munmap(p, size) };
-                return Err(DeviceError::Stopped { ordinal });
-            }
+            // `map` unmaps as it drops: nobody else knows it.
+            Err(_) => return Err(DeviceError::Stopped { ordinal }),
         }
+        let release = MappedMemfd {
+            inner: Arc::clone(&self.inner),
+            map: Some(map),
+        };
         Ok(DeviceBuffer::new(ptr, len, ordinal, Box::new(release)))
     }
 }
@@ -366,6 +321,8 @@ impl Device for HostDevice {
 
 #[cfg(test)]
 mod tests {
+    use std::os::fd::AsRawFd;
+
     use super::*;
 
     fn block_on<F: std::future::Future>(f: F) -> F::Output {

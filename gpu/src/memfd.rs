@@ -5,7 +5,7 @@
 //! KV, completion boards, request mailboxes) goes through [`seal_against_shrinking`] before
 //! it is mapped, and the client libraries seal what they create before they send it.
 
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 
 use thiserror::Error;
 
@@ -54,6 +54,73 @@ pub fn seal_against_shrinking(fd: BorrowedFd<'_>) -> Result<(), SealError> {
         });
     }
     Ok(())
+}
+
+/// A client's memfd mapped shared and read-write, `len` bytes from offset 0; unmapped on drop.
+/// Whoever hands its address to copies must drop it only once none can still touch it.
+#[derive(Debug)]
+pub(crate) struct ClientMap {
+    ptr: u64,
+    len: u64,
+}
+
+impl ClientMap {
+    pub(crate) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for ClientMap {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` are exactly what `mmap` returned and was given in `map_client`,
+        // unmapped once (here). munmap cannot fail for such a range; if it did, the mapping
+        // would leak, which is safe.
+        unsafe { libc::munmap(self.ptr as usize as *mut libc::c_void, self.len as usize) };
+    }
+}
+
+/// Seals `fd` against shrinking ([`seal_against_shrinking`]), checks that it holds at least
+/// `len` bytes and maps them shared and read-write. The descriptor is closed: the mapping
+/// keeps the memory. The error says why, for the caller's typed error.
+pub(crate) fn map_client(fd: OwnedFd, len: u64) -> Result<ClientMap, String> {
+    let raw = fd.as_raw_fd();
+    if len == 0 {
+        return Err("zero-sized memory".into());
+    }
+    let size = usize::try_from(len).map_err(|_| format!("{len} bytes exceed the address space"))?;
+    seal_against_shrinking(fd.as_fd()).map_err(|e| e.to_string())?;
+    // SAFETY: a zeroed stat is valid output space for fstat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes into `st`, which lives across the call.
+    if unsafe { libc::fstat(raw, &mut st) } < 0 {
+        return Err(format!("fstat: {}", std::io::Error::last_os_error()));
+    }
+    if (st.st_size as u64) < len {
+        return Err(format!(
+            "it holds {} bytes, {len} were announced",
+            st.st_size
+        ));
+    }
+    // SAFETY: a fresh shared mapping of `size` bytes of a file at least that long (and sealed
+    // against shrinking, so every mapped page stays backed); the kernel picks the address, so
+    // nothing of ours is replaced.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            raw,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(format!("mmap: {}", std::io::Error::last_os_error()));
+    }
+    Ok(ClientMap {
+        ptr: p as usize as u64,
+        len,
+    })
 }
 
 #[cfg(test)]

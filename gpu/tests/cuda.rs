@@ -1642,3 +1642,124 @@ fn vmm_kv_of_another_process_loaded_through_its_fd() {
     assert!(dev.take_teardown_errors().is_empty());
     eprintln!("vmm fd: another process loaded into this one's KV");
 }
+
+/// A client's memfd of `len` bytes (created sealable unless `flags` says otherwise), and its
+/// own shared mapping of it (the client's view).
+fn client_memfd(len: usize, flags: libc::c_uint) -> (std::os::fd::OwnedFd, HostMem) {
+    use std::os::fd::FromRawFd;
+    // SAFETY: creates a new anonymous file; the name is NUL-terminated.
+    let fd = unsafe { libc::memfd_create(c"kvferry-client".as_ptr(), flags) };
+    assert!(fd >= 0);
+    // SAFETY: `fd` is ours; sizes the file.
+    assert_eq!(unsafe { libc::ftruncate(fd, len as i64) }, 0);
+    // SAFETY: a shared mapping of the whole file; checked.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    // SAFETY: a fresh descriptor nobody else owns.
+    (
+        unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) },
+        HostMem { ptr: p.cast(), len },
+    )
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_client_memfd_is_copied_into_and_out_of_like_device_memory() {
+    // SGLang's HiCache host pool, or a CPU engine's KV: a memfd the client keeps mapped.
+    for path in [CopyPath::Auto, CopyPath::Kernel] {
+        let dev = open(path);
+        const LEN: usize = 1 << 20;
+        const CHUNK: u64 = 4096;
+        let (fd, mut client) = client_memfd(LEN, libc::MFD_ALLOW_SEALING);
+        client.bytes().fill(CANARY);
+        let mut pool = HostMem::new(LEN);
+        pool.bytes()
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = (i % 251) as u8);
+        let _reg = dev
+            .register_host(pool.addr(), LEN as u64, false)
+            .expect("pin the pool");
+        let buf = dev
+            .import_memfd(fd, LEN as u64)
+            .expect("import the client memfd");
+        dev.check_range(buf.ptr(), LEN as u64)
+            .expect("its range is the device's");
+        assert!(dev.check_range(buf.ptr(), LEN as u64 + 1).is_err());
+
+        // Pool → client: 16 chunks at unaligned offsets, as a load of 16 pages.
+        let at = |i: u64| i * 65536 + 100;
+        let mut l = CopyList::default();
+        for i in 0..16u64 {
+            l.push(pool.addr() + i * CHUNK, buf.ptr() + at(i), CHUNK);
+        }
+        // SAFETY: the pool and the import outlive the awaited event.
+        wait(unsafe { dev.submit(CopyDirection::HostToDevice, l) }.unwrap()).unwrap();
+        let seen = client.bytes();
+        for (off, &b) in seen.iter().enumerate() {
+            let off = off as u64;
+            let chunk = (off.saturating_sub(100)) / 65536;
+            let inside = off >= 100 && chunk < 16 && off < at(chunk) + CHUNK;
+            let want = if inside {
+                ((chunk * CHUNK + (off - at(chunk))) % 251) as u8
+            } else {
+                CANARY
+            };
+            assert_eq!(b, want, "{path:?}: byte {off} of the client's memfd");
+        }
+
+        // Client → another host buffer (a save out of the client's pages).
+        let mut back = HostMem::new(LEN);
+        back.bytes().fill(0);
+        let _reg2 = dev
+            .register_host(back.addr(), LEN as u64, false)
+            .expect("pin the save buffer");
+        let mut l = CopyList::default();
+        for i in 0..16u64 {
+            l.push(back.addr() + i * CHUNK, buf.ptr() + at(i), CHUNK);
+        }
+        // SAFETY: as above.
+        wait(unsafe { dev.submit(CopyDirection::DeviceToHost, l) }.unwrap()).unwrap();
+        assert_eq!(
+            &back.bytes()[..16 * CHUNK as usize],
+            &pool.bytes()[..16 * CHUNK as usize]
+        );
+
+        // Dropped: unregistered, unmapped, no longer the device's.
+        let ptr = buf.ptr();
+        drop(buf);
+        assert!(dev.check_range(ptr, CHUNK).is_err());
+        assert!(dev.take_teardown_errors().is_empty());
+        // The client's own mapping is untouched by the node's unmapping.
+        assert_eq!(client.bytes()[100], 0);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn client_memfds_the_device_cannot_keep_are_refused_with_a_typed_error() {
+    let dev = open(CopyPath::Auto);
+    let (short, _m) = client_memfd(4096, libc::MFD_ALLOW_SEALING);
+    let err = dev.import_memfd(short, 8192).unwrap_err();
+    assert!(matches!(err, DeviceError::Import { .. }), "{err}");
+    let (unsealable, _m2) = client_memfd(4096, 0);
+    let err = dev.import_memfd(unsealable, 4096).unwrap_err();
+    assert!(err.to_string().contains("seal"), "{err}");
+    let f = std::fs::File::open("/proc/self/stat").unwrap();
+    let err = dev.import_memfd(f.into(), 16).unwrap_err();
+    assert!(err.to_string().contains("not a memfd"), "{err}");
+    // The next import works.
+    let (fd, _m3) = client_memfd(8192, libc::MFD_ALLOW_SEALING);
+    let buf = dev.import_memfd(fd, 8192).expect("import after refusals");
+    drop(buf);
+    assert!(dev.take_teardown_errors().is_empty());
+}

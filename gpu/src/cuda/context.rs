@@ -35,6 +35,9 @@ pub(super) struct Context {
     /// VMM mappings this device made (imported or allocated): start → end. Checked before
     /// the driver's pointer attributes, whose allocation range is not the mapping's.
     pub(super) vmms: RwLock<BTreeMap<u64, u64>>,
+    /// Client memfds mapped and registered as pinned host memory (`import_memfd`): start →
+    /// end. Range checks accept them as this device's memory.
+    pub(super) client_maps: RwLock<BTreeMap<u64, u64>>,
     /// Errors of teardown (frees, unregistrations) that had no caller to return them to.
     pub(super) teardown: Mutex<Vec<DeviceError>>,
     /// Staging buffers per lane, allocated on the lane's first fragmented batch. Only used
@@ -81,6 +84,9 @@ impl Resolver for Context {
         let ordinal = self.ordinal;
         let not_dev = || DeviceError::NotDeviceMemory { ordinal, ptr, len };
         if let Some(found) = self.vmm_range(ptr, len) {
+            return Ok(found);
+        }
+        if let Some(found) = self.client_map_range(ptr, len) {
             return Ok(found);
         }
         let info = ffi::pointer_info(ptr).map_err(|_| not_dev())?;

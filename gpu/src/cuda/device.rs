@@ -111,6 +111,7 @@ impl CudaDevice {
             descs: Mutex::new(Vec::new()),
             hosts: RwLock::new(BTreeMap::new()),
             vmms: RwLock::new(BTreeMap::new()),
+            client_maps: RwLock::new(BTreeMap::new()),
             teardown: Mutex::new(Vec::new()),
             staging: [Mutex::new(None), Mutex::new(None)],
             staged_batches: AtomicU64::new(0),
@@ -309,6 +310,10 @@ impl Device for CudaDevice {
 
     fn import_vmm_fd(&self, fd: OwnedFd, len: u64) -> Result<DeviceBuffer, DeviceError> {
         self.inner.import_vmm_fd(fd, len)
+    }
+
+    fn import_memfd(&self, fd: OwnedFd, len: u64) -> Result<DeviceBuffer, DeviceError> {
+        self.inner.import_memfd(fd, len)
     }
 
     fn export_dmabuf(&self, ptr: u64, len: u64) -> Result<DmaBuf, DeviceError> {

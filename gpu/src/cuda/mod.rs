@@ -2,7 +2,8 @@
 //!
 //! [`CudaDevice`] implements [`crate::Device`]: pointer validation with the driver's pointer
 //! attributes, allocations of this process or mapped from another one by CUDA IPC handle,
-//! VMM allocations imported by POSIX fd (vLLM 0.34's extensible KV cache) and exported,
+//! VMM allocations imported by POSIX fd (vLLM 0.34's extensible KV cache) and exported, a
+//! client's host memfd registered as pinned host memory and copied like device memory,
 //! DMA-BUF export and import, pinned host registrations (read-only for peers' pools), and
 //! batched copies on one stream per direction completed by a backend thread. Fragmented
 //! batches whose host side is long pinned runs go through a device staging buffer (copy
@@ -13,6 +14,7 @@
 //! Layers, as in cudarc: `ffi` makes every raw call; `CudaDevice` and the kernel wrapper own
 //! the resources.
 
+mod client_memfd;
 mod context;
 mod device;
 mod dmabuf;

@@ -12,6 +12,7 @@ use super::context::Context;
 use super::ffi;
 use super::shared;
 use super::vmm::VmmMap;
+use crate::memfd::ClientMap;
 
 /// What a [`DeviceBuffer`] or [`HostRegistration`] of this backend undoes on drop.
 pub(super) enum Held {
@@ -19,6 +20,8 @@ pub(super) enum Held {
     Ipc([u8; 64]),
     Host(u64, u64),
     Vmm(VmmMap),
+    /// A client's memfd, registered (`import_memfd`).
+    Memfd(ClientMap),
 }
 
 pub(super) struct CudaRelease {
@@ -50,6 +53,7 @@ impl Release for CudaRelease {
                 }
                 map.teardown().map_err(|(call, e)| inner.driver(call, e))
             }
+            Held::Memfd(map) => inner.release_memfd(map),
             Held::Host(p, len) => {
                 if let Ok(mut hosts) = inner.hosts.write() {
                     hosts.remove(&p);

@@ -25,7 +25,8 @@ impl EngineService {
             .unwrap_or(kvferry_gpu::DeviceKind::Host);
         let memory_kinds = match kind {
             kvferry_gpu::DeviceKind::Host => vec!["memfd".to_owned()],
-            kvferry_gpu::DeviceKind::Cuda => vec!["dmabuf".to_owned()],
+            // A client memfd is registered as pinned host memory on a CUDA device.
+            kvferry_gpu::DeviceKind::Cuda => vec!["dmabuf".to_owned(), "memfd".to_owned()],
         };
         let o = &self.shared.options;
         let refusal = direct_refusal(node);

@@ -18,7 +18,8 @@ use crate::model::InstanceId;
 /// What kind of memory a handle holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MemoryKind {
-    /// Host KV of a client without a GPU, mapped as memory of the host device.
+    /// Host KV of a client without a GPU (or a host pool such as SGLang HiCache's), mapped as
+    /// memory of the node's device (pinned host memory on a CUDA device).
     Memfd,
     /// An engine worker's GPU KV.
     Dmabuf,
