@@ -219,6 +219,62 @@ def tp2_case(addr):
     print("ok  mha tp=2: both ranks loaded their heads from rank 0's one lease")
 
 
+class HostPool:
+    """SGLang's MHATokenToKVPoolHost (page_first) as kvferry reads it: ``layout``,
+    ``kv_buffer`` (2, tokens, layers, heads, dim) in host memory, ``page_size``. SGLang is not
+    imported here; the CPU tests run its own class."""
+
+    def __init__(self, pages=24, layers=4, heads=8, dim=128, dtype=torch.bfloat16):
+        from kvferry.torch import memfd_empty
+
+        self.layout, self.page_size, self.size = "page_first", PS, pages * PS
+        self.kv_buffer = memfd_empty((2, pages * PS, layers, heads, dim), dtype, "hicache")
+
+    def available_size(self):
+        return self.size
+
+    def page(self, p):
+        return self.kv_buffer[:, p * PS:(p + 1) * PS].contiguous().view(torch.uint8)
+
+
+def hicache_case(addr):
+    """KvferryStorage's logic (StorageSide) against the node: A's host pages saved, B's
+    loaded into other host pages; on a CUDA node the host pool is a client memfd the node
+    registers as pinned host memory."""
+    from kvferry.sglang.config import parse_config
+    from kvferry.sglang.storage import StorageSide
+
+    t0 = time.monotonic()
+    a_pool, b_pool = HostPool(), HostPool()
+    cfg = {"address": addr, "deadline_ms": 5000}
+    a = StorageSide(parse_config({**cfg, "instance": "hc-a"}), model=MODEL)
+    b = StorageSide(parse_config({**cfg, "instance": "hc-b"}), model=MODEL)
+    a.register(a_pool)
+    b.register(b_pool)
+    g = torch.Generator().manual_seed(7)
+    raw = a_pool.kv_buffer.view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+    b_pool.kv_buffer.view(torch.uint8).fill_(CANARY)
+    keys = [f"hc-{i}" for i in range(6)]
+    if not all(a.set(keys, torch.arange(2 * PS, 8 * PS))):
+        raise AssertionError("hicache: save failed")
+    if b.exists(keys) != 6:
+        raise AssertionError(f"hicache: {b.exists(keys)} of 6 pages held")
+    if not all(b.get(keys, torch.arange(10 * PS, 16 * PS))):
+        raise AssertionError("hicache: load failed")
+    for i in range(6):
+        if not torch.equal(b_pool.page(10 + i), a_pool.page(2 + i)):
+            raise AssertionError(f"hicache: page {i} differs")
+    for p in range(b_pool.size // PS):
+        if not 10 <= p < 16 and not bool((b_pool.page(p) == CANARY).all()):
+            raise AssertionError(f"hicache: host page {p} was written")
+    if kvferry.EngineClient(addr).stats()["leases_live"] != 0:
+        raise AssertionError("hicache: a lease was left")
+    a.close()
+    b.close()
+    print(f"ok hicache-page-first: 6 host pages byte for byte ({time.monotonic() - t0:.2f} s)")
+
+
 def main() -> int:
     if DEV == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --cpu)")
@@ -233,6 +289,7 @@ def main() -> int:
             one_case(node.addr, "mha-fp16-small", lambda: mha_pool(layers=2, heads=2, dim=64,
                                                                    dtype=torch.float16))
             tp2_case(node.addr)
+            hicache_case(node.addr)
         finally:
             node.kill()
     print("all SGLang GPU cases passed")
