@@ -33,7 +33,8 @@ No SGLang release has a KV connector interface of this shape yet (0.5.16 and 0.5
 external caches in as a HiCache storage backend, :class:`kvferry.sglang.KvferryStorage`, or
 as a whole radix cache, ``--radix-cache-backend``); the class takes plain arguments (request
 id, token ids, device slot indices), so it needs no SGLang import and is driven by SGLang's
-pool objects, or tensors in their layouts, directly.
+pool objects, or tensors in their layouts, directly; :mod:`kvferry.sglang.radix` drives it
+from SGLang's radix cache calls (``--radix-cache-backend kvferry``).
 """
 
 from __future__ import annotations
