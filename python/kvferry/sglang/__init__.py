@@ -6,6 +6,9 @@
   Python copy (:mod:`kvferry.sglang.storage`).
 - :class:`KvferryConnector`, loads straight into SGLang's GPU KV pool, page by page, and saves
   out of it: query and lease, load, save, release (:mod:`kvferry.sglang.connector`).
+- :class:`~kvferry.sglang.radix.KvferryRadixCache`, SGLang's ``RadixCache`` driving the
+  connector, registered as ``--radix-cache-backend kvferry`` by the ``sglang.srt.plugins``
+  entry point :func:`kvferry.sglang.plugin.register` (:mod:`kvferry.sglang.radix`).
 
 Importing :mod:`kvferry.sglang` does not import SGLang: only ``KvferryStorage`` does, when
 first used. The logic underneath (:class:`~kvferry.sglang.storage.StorageSide`, the
