@@ -1725,7 +1725,7 @@ fn a_client_memfd_is_copied_into_and_out_of_like_device_memory() {
             .expect("pin the save buffer");
         let mut l = CopyList::default();
         for i in 0..16u64 {
-            l.push(back.addr() + i * CHUNK, buf.ptr() + at(i), CHUNK);
+            l.push(buf.ptr() + at(i), back.addr() + i * CHUNK, CHUNK);
         }
         // SAFETY: as above.
         wait(unsafe { dev.submit(CopyDirection::DeviceToHost, l) }.unwrap()).unwrap();
