@@ -22,6 +22,7 @@ mod rc_queue;
 mod region;
 mod scatter;
 mod sink;
+mod tls;
 mod wire;
 
 pub mod fault;

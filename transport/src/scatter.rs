@@ -123,9 +123,9 @@ impl Scatter {
     ///
     /// A device-sink failure does not stop the receive (the stream must stay framed); it is
     /// returned after all bytes were consumed.
-    pub(crate) fn fill_from_fd(
+    pub(crate) fn fill_from(
         &self,
-        fd: RawFd,
+        src: &mut impl ByteSource,
         bounce: &mut [u8],
         mut keep_waiting: impl FnMut() -> bool,
     ) -> Result<(), ScatterError> {
@@ -135,30 +135,28 @@ impl Scatter {
             loop {
                 // SAFETY: callers pass a pointer to at least `n` writable bytes (a checked
                 // destination range, the bounce buffer, or a sink's staging area).
-                let r = unsafe { libc::recv(fd, ptr.cast(), n, 0) };
-                if r > 0 {
-                    return Ok(r as usize);
-                }
-                if r == 0 {
-                    return Err(ScatterError::Eof {
-                        received,
-                        expected: self.len,
-                    });
-                }
-                let e = io::Error::last_os_error();
-                match e.kind() {
-                    io::ErrorKind::Interrupted => continue,
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-                        if !keep_waiting() {
-                            return Err(ScatterError::Abandoned { received });
-                        }
-                    }
-                    _ => {
-                        return Err(ScatterError::Io {
+                match unsafe { src.recv_raw(ptr, n) } {
+                    Ok(0) => {
+                        return Err(ScatterError::Eof {
                             received,
-                            source: e,
+                            expected: self.len,
                         })
                     }
+                    Ok(r) => return Ok(r),
+                    Err(e) => match e.kind() {
+                        io::ErrorKind::Interrupted => continue,
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                            if !keep_waiting() {
+                                return Err(ScatterError::Abandoned { received });
+                            }
+                        }
+                        _ => {
+                            return Err(ScatterError::Io {
+                                received,
+                                source: e,
+                            })
+                        }
+                    },
                 }
             }
         };
@@ -258,6 +256,59 @@ impl Scatter {
         }
         Ok(())
     }
+}
+
+/// Where received bytes come from: a socket, or the plaintext of a TLS connection.
+pub(crate) trait ByteSource {
+    /// Receives up to `n` bytes into `ptr`: `Ok(0)` at the end of the stream, `WouldBlock` or
+    /// `TimedOut` when nothing came within the source's poll interval.
+    ///
+    /// # Safety
+    /// `ptr..ptr+n` must be writable.
+    unsafe fn recv_raw(&mut self, ptr: *mut u8, n: usize) -> io::Result<usize>;
+}
+
+/// A stream socket read with `recv(2)`.
+pub(crate) struct FdSource(pub(crate) RawFd);
+
+impl ByteSource for FdSource {
+    unsafe fn recv_raw(&mut self, ptr: *mut u8, n: usize) -> io::Result<usize> {
+        // SAFETY: the caller guarantees `ptr..ptr+n` is writable.
+        let r = unsafe { libc::recv(self.0, ptr.cast(), n, 0) };
+        if r < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(r as usize)
+        }
+    }
+}
+
+/// Receives exactly `buf.len()` bytes from `src`; `keep_waiting` decides on each timeout.
+pub(crate) fn recv_exact_from(
+    src: &mut impl ByteSource,
+    buf: &mut [u8],
+    mut keep_waiting: impl FnMut() -> bool,
+) -> Result<(), crate::wire::RecvError> {
+    use crate::wire::RecvError;
+    let mut done = 0;
+    while done < buf.len() {
+        let rest = &mut buf[done..];
+        // SAFETY: `rest` is a valid writable buffer of `rest.len()` bytes.
+        match unsafe { src.recv_raw(rest.as_mut_ptr(), rest.len()) } {
+            Ok(0) => return Err(RecvError::Eof),
+            Ok(r) => done += r,
+            Err(e) => match e.kind() {
+                io::ErrorKind::Interrupted => {}
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                    if !keep_waiting() {
+                        return Err(RecvError::Abandoned);
+                    }
+                }
+                _ => return Err(RecvError::Io(e)),
+            },
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -427,7 +478,7 @@ mod tests {
             })
         };
         let mut bounce = vec![0u8; 100];
-        s.fill_from_fd(rx.as_raw_fd(), &mut bounce, || true)
+        s.fill_from(&mut FdSource(rx.as_raw_fd()), &mut bounce, || true)
             .unwrap();
         writer.join().unwrap();
         let mut at = 0usize;

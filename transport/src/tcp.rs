@@ -7,10 +7,9 @@
 //! that keeps failing is refused for a while ([`SourceGuard`]).
 
 use std::collections::VecDeque;
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
@@ -25,8 +24,9 @@ use crate::data_auth::{
 use crate::mr_table::MrTable;
 use crate::owner_loop::OwnerServer;
 use crate::qp_key::{NodeId, QpKey};
-use crate::scatter::{Scatter, ScatterError};
-use crate::wire::{self, Challenge, Hello, HelloAck, Proof, ReadReq, ReadResp, RecvError};
+use crate::scatter::{self, ByteSource, FdSource, Scatter, ScatterError};
+use crate::tls::{self, TlsPipe};
+use crate::wire::{self, Challenge, Hello, HelloAck, Proof, ReadReq, ReadResp};
 
 /// How often blocked receivers wake to check for aborts and timeouts.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
@@ -64,6 +64,9 @@ pub struct TcpOwnerOptions {
     /// Sources that keep failing are refused for a while.
     pub guard: Arc<Mutex<SourceGuard>>,
     pub on_reject: Option<RejectHook>,
+    /// Serve over TLS with this config (which decides what client certificates it accepts);
+    /// the TLS handshake counts against the hello deadline.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 impl TcpOwnerOptions {
@@ -75,6 +78,7 @@ impl TcpOwnerOptions {
             max_connections: MAX_CONNECTIONS,
             guard: Arc::new(Mutex::new(SourceGuard::default())),
             on_reject: None,
+            tls: None,
         }
     }
 }
@@ -84,6 +88,7 @@ impl std::fmt::Debug for TcpOwnerOptions {
         f.debug_struct("TcpOwnerOptions")
             .field("hello_deadline", &self.hello_deadline)
             .field("max_pending", &self.max_pending)
+            .field("tls", &self.tls.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -221,51 +226,110 @@ impl TcpOwner {
 }
 
 /// Receives exactly `buf.len()` bytes before `deadline`, however slowly they come.
-fn recv_before(fd: RawFd, buf: &mut [u8], deadline: Instant) -> Result<(), Reject> {
+fn recv_before(stream: &mut impl Read, buf: &mut [u8], deadline: Instant) -> Result<(), Reject> {
     let mut done = 0;
     while done < buf.len() {
         if Instant::now() >= deadline {
             return Err(Reject::HelloTimeout);
         }
-        let rest = &mut buf[done..];
-        // SAFETY: `rest` is a valid writable buffer of `rest.len()` bytes.
-        let r = unsafe { libc::recv(fd, rest.as_mut_ptr().cast(), rest.len(), 0) };
-        if r > 0 {
-            done += r as usize;
-            continue;
-        }
-        if r == 0 {
-            // Closed before the hello was complete: a truncated hello.
-            return Err(Reject::BadHello);
-        }
-        match io::Error::last_os_error().kind() {
-            io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {}
-            _ => return Err(Reject::BadHello),
+        match stream.read(&mut buf[done..]) {
+            Ok(0) => {
+                // Closed before the hello was complete: a truncated hello.
+                return Err(Reject::BadHello);
+            }
+            Ok(r) => done += r,
+            Err(e) => match e.kind() {
+                io::ErrorKind::Interrupted
+                | io::ErrorKind::WouldBlock
+                | io::ErrorKind::TimedOut => {}
+                _ => return Err(Reject::BadHello),
+            },
         }
     }
     Ok(())
 }
 
+/// Prepares an accepted socket for its hello: blocking, short receive timeouts so the
+/// deadline is checked while a client sends nothing.
+fn prepare_hello(stream: &TcpStream, ctx: &OwnerCtx) -> io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(POLL_INTERVAL))?;
+    stream.set_write_timeout(Some(ctx.opts.hello_deadline))
+}
+
+/// What the owner serves reads over: the socket itself, or TLS on it.
+trait OwnerIo: Read + Write {
+    fn socket(&self) -> &TcpStream;
+    /// Sends a response head and its body.
+    ///
+    /// # Safety
+    /// `body..body+len` must be readable for the duration of the call.
+    unsafe fn send_head_and_body(
+        &mut self,
+        head: &[u8],
+        body: *const u8,
+        len: usize,
+    ) -> io::Result<()>;
+    fn recv_exact(&mut self, buf: &mut [u8]) -> Result<(), wire::RecvError>;
+}
+
+impl OwnerIo for TcpStream {
+    fn socket(&self) -> &TcpStream {
+        self
+    }
+
+    unsafe fn send_head_and_body(
+        &mut self,
+        head: &[u8],
+        body: *const u8,
+        len: usize,
+    ) -> io::Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { wire::send_head_and_body(self.as_raw_fd(), head, body, len) }
+    }
+
+    fn recv_exact(&mut self, buf: &mut [u8]) -> Result<(), wire::RecvError> {
+        wire::recv_exact(self.as_raw_fd(), buf, || true)
+    }
+}
+
+impl OwnerIo for tls::ServerStream {
+    fn socket(&self) -> &TcpStream {
+        &self.sock
+    }
+
+    unsafe fn send_head_and_body(
+        &mut self,
+        head: &[u8],
+        body: *const u8,
+        len: usize,
+    ) -> io::Result<()> {
+        // SAFETY: the caller guarantees `body..body+len` is readable during the call.
+        let body = unsafe { std::slice::from_raw_parts(body, len) };
+        self.write_all(head)?;
+        self.write_all(body)?;
+        self.flush()
+    }
+
+    fn recv_exact(&mut self, buf: &mut [u8]) -> Result<(), wire::RecvError> {
+        self.read_exact(buf).map_err(|e| match e.kind() {
+            io::ErrorKind::UnexpectedEof => wire::RecvError::Eof,
+            _ => wire::RecvError::Io(e),
+        })
+    }
+}
+
 /// The owner's side of the hello: challenge, check the hello and its proof, answer. On
 /// refusal the requester gets a status where one helps it (a version or peer mismatch,
 /// unauthorised) and the connection is closed.
-fn owner_hello(
-    stream: &mut TcpStream,
+fn owner_hello<S: Read + Write>(
+    stream: &mut S,
     qp: u32,
     ctx: &OwnerCtx,
     deadline: Instant,
 ) -> Result<(u64, Admitted), Reject> {
-    let fd = stream.as_raw_fd();
     let setup = |_| Reject::BadHello;
-    stream.set_nonblocking(false).map_err(setup)?;
-    stream.set_nodelay(true).map_err(setup)?;
-    // Short receive timeouts, so the deadline is checked while a client sends nothing.
-    stream
-        .set_read_timeout(Some(POLL_INTERVAL))
-        .map_err(setup)?;
-    stream
-        .set_write_timeout(Some(ctx.opts.hello_deadline))
-        .map_err(setup)?;
     let mut nonce = [0u8; NONCE_LEN];
     data_auth::random(&mut nonce).map_err(|_| Reject::BadHello)?;
     let challenge = Challenge {
@@ -275,15 +339,16 @@ fn owner_hello(
         nonce,
     };
     stream.write_all(&challenge.encode()).map_err(setup)?;
+    stream.flush().map_err(setup)?;
     let mut hb = [0u8; Hello::LEN + Proof::LEN];
-    recv_before(fd, &mut hb, deadline)?;
+    recv_before(stream, &mut hb, deadline)?;
     let mut h = [0u8; Hello::LEN];
     h.copy_from_slice(&hb[..Hello::LEN]);
     let hello = Hello::decode(&h);
     let mut p = [0u8; Proof::LEN];
     p.copy_from_slice(&hb[Hello::LEN..]);
     let proof = Proof::decode(&p);
-    let answer = |stream: &mut TcpStream, status: u8, mac: [u8; PROOF_LEN]| {
+    let answer = |stream: &mut S, status: u8, mac: [u8; PROOF_LEN]| {
         let ack = HelloAck {
             magic: wire::MAGIC,
             version: wire::TCP_VERSION,
@@ -295,9 +360,10 @@ fn owner_hello(
         let mut b = [0u8; HelloAck::LEN + PROOF_LEN];
         b[..HelloAck::LEN].copy_from_slice(&ack.encode());
         b[HelloAck::LEN..].copy_from_slice(&mac);
-        stream.write_all(&b)
+        stream.write_all(&b)?;
+        stream.flush()
     };
-    let refuse = |stream: &mut TcpStream, status: u8, why: Reject| {
+    let refuse = |stream: &mut S, status: u8, why: Reject| {
         let _ = answer(stream, status, [0; PROOF_LEN]);
         Err(why)
     };
@@ -335,13 +401,43 @@ fn owner_hello(
     Ok((proof.link, admitted))
 }
 
-fn serve(mut stream: TcpStream, qp: u32, ctx: &OwnerCtx) {
+fn serve(stream: TcpStream, qp: u32, ctx: &OwnerCtx) {
     // Admission counted this connection as served and pending; it stays pending until its
     // hello is done and served until this returns.
     let _served = Pending(&ctx.served);
     let pending = Pending(&ctx.pending);
     let from = stream.peer_addr().ok();
     let deadline = Instant::now() + ctx.opts.hello_deadline;
+    if prepare_hello(&stream, ctx).is_err() {
+        let _ = stream.shutdown(Shutdown::Both);
+        ctx.reject(from, Reject::BadHello);
+        return;
+    }
+    match &ctx.opts.tls {
+        None => serve_on(stream, qp, ctx, pending, from, deadline),
+        Some(config) => match tls::accept(config.clone(), stream, deadline) {
+            Ok(s) => serve_on(s, qp, ctx, pending, from, deadline),
+            Err((s, e)) => {
+                let _ = s.shutdown(Shutdown::Both);
+                let why = if e.kind() == io::ErrorKind::TimedOut {
+                    Reject::HelloTimeout
+                } else {
+                    Reject::Tls
+                };
+                ctx.reject(from, why);
+            }
+        },
+    }
+}
+
+fn serve_on<S: OwnerIo>(
+    mut stream: S,
+    qp: u32,
+    ctx: &OwnerCtx,
+    pending: Pending<'_>,
+    from: Option<SocketAddr>,
+    deadline: Instant,
+) {
     let hello = owner_hello(&mut stream, qp, ctx, deadline);
     drop(pending);
     let (link, admitted) = match hello {
@@ -349,7 +445,7 @@ fn serve(mut stream: TcpStream, qp: u32, ctx: &OwnerCtx) {
         Err(why) => {
             // The owner server keeps a clone of the stream until it reaps this thread, so
             // dropping ours would not close the connection: shut it down.
-            let _ = stream.shutdown(Shutdown::Both);
+            let _ = stream.socket().shutdown(Shutdown::Both);
             ctx.reject(from, why);
             return;
         }
@@ -359,7 +455,7 @@ fn serve(mut stream: TcpStream, qp: u32, ctx: &OwnerCtx) {
     }
     ctx.opts.auth.attach(link);
     let ended = serve_reads(&mut stream, ctx, &admitted);
-    let _ = stream.shutdown(Shutdown::Both);
+    let _ = stream.socket().shutdown(Shutdown::Both);
     ctx.opts.auth.detach(link);
     if let Some(why) = ended {
         ctx.reject(from, why);
@@ -368,16 +464,18 @@ fn serve(mut stream: TcpStream, qp: u32, ctx: &OwnerCtx) {
 
 /// Serves read requests until the requester closes or errs; `Some` when the owner closed the
 /// connection for a reason worth counting.
-fn serve_reads(stream: &mut TcpStream, ctx: &OwnerCtx, admitted: &Admitted) -> Option<Reject> {
-    let fd = stream.as_raw_fd();
+fn serve_reads<S: OwnerIo>(stream: &mut S, ctx: &OwnerCtx, admitted: &Admitted) -> Option<Reject> {
     // Idle requesters are fine; a shutdown from `TcpOwner` ends the read.
-    if stream.set_read_timeout(None).is_err() {
+    if stream.socket().set_read_timeout(None).is_err() {
         return None;
     }
     let mut rb = [0u8; ReadReq::LEN];
     loop {
-        if wire::recv_exact(fd, &mut rb, || true).is_err() {
-            return None;
+        if let Err(e) = stream.recv_exact(&mut rb) {
+            // A broken TLS record is worth counting; a closed connection is not.
+            let tls_broke =
+                matches!(&e, wire::RecvError::Io(io) if io.kind() == io::ErrorKind::InvalidData);
+            return tls_broke.then_some(Reject::Tls);
         }
         // A revoked or expired link is served no further, whatever the request.
         if admitted.revoked.load(Ordering::Acquire) {
@@ -394,7 +492,7 @@ fn serve_reads(stream: &mut TcpStream, ctx: &OwnerCtx, admitted: &Admitted) -> O
                 .encode();
                 // SAFETY: `src` pins the region and the table checked the range, so
                 // `src.ptr()..+len` stays readable while we send.
-                if unsafe { wire::send_head_and_body(fd, &head, src.ptr(), src.len()) }.is_err() {
+                if unsafe { stream.send_head_and_body(&head, src.ptr(), src.len()) }.is_err() {
                     return None;
                 }
             }
@@ -407,8 +505,8 @@ fn serve_reads(stream: &mut TcpStream, ctx: &OwnerCtx, admitted: &Admitted) -> O
                     status: wire::RESP_ACCESS,
                 }
                 .encode();
-                let _ = stream.write_all(&head);
-                let _ = stream.shutdown(Shutdown::Both);
+                let _ = stream.write_all(&head).and_then(|()| stream.flush());
+                let _ = stream.socket().shutdown(Shutdown::Both);
                 return Some(Reject::BadRead);
             }
         }
@@ -424,6 +522,23 @@ pub struct TcpConnector {
     grant: LinkGrant,
     connect_timeout: Duration,
     io_timeout: Duration,
+    tls: Option<ClientTls>,
+}
+
+/// How a requester dials an owner over TLS: its client config (which presents the node's
+/// certificate and trusts the cluster CA) and the name the owner's certificate must carry.
+#[derive(Clone)]
+pub struct ClientTls {
+    pub config: Arc<rustls::ClientConfig>,
+    pub server_name: rustls::pki_types::ServerName<'static>,
+}
+
+impl std::fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientTls")
+            .field("server_name", &self.server_name)
+            .finish_non_exhaustive()
+    }
 }
 
 impl TcpConnector {
@@ -436,7 +551,14 @@ impl TcpConnector {
             grant,
             connect_timeout: Duration::from_secs(2),
             io_timeout: Duration::from_secs(5),
+            tls: None,
         }
+    }
+
+    /// Dials the owner over TLS.
+    pub fn with_tls(mut self, tls: ClientTls) -> Self {
+        self.tls = Some(tls);
+        self
     }
 
     /// A read outstanding this long with no bytes arriving counts as a lost connection.
@@ -450,7 +572,7 @@ impl TcpConnector {
         self
     }
 
-    fn handshake(&self, stream: &mut TcpStream, qp: QpKey) -> Result<(), ConnectionError> {
+    fn prepare(&self, stream: &TcpStream) -> Result<(), ConnectionError> {
         let peer = self.peer;
         let io_err = |source| ConnectionError::HandshakeIo { peer, source };
         stream.set_nodelay(true).map_err(io_err)?;
@@ -459,20 +581,24 @@ impl TcpConnector {
             .map_err(io_err)?;
         stream
             .set_write_timeout(Some(self.io_timeout))
-            .map_err(io_err)?;
-        let fd = stream.as_raw_fd();
+            .map_err(io_err)
+    }
+
+    fn handshake<S: Read + Write>(&self, stream: &mut S, qp: QpKey) -> Result<(), ConnectionError> {
+        let peer = self.peer;
+        let io_err = |source| ConnectionError::HandshakeIo { peer, source };
         let no_answer = |what: &str| {
             let what = what.to_owned();
-            move |e| match e {
-                RecvError::Io(source) => ConnectionError::HandshakeIo { peer, source },
-                _ => ConnectionError::Handshake {
+            move |e: io::Error| match e.kind() {
+                io::ErrorKind::UnexpectedEof => ConnectionError::Handshake {
                     peer,
                     reason: format!("no {what}"),
                 },
+                _ => ConnectionError::HandshakeIo { peer, source: e },
             }
         };
         let mut cb = [0u8; Challenge::LEN];
-        wire::recv_exact(fd, &mut cb, || false).map_err(no_answer("challenge"))?;
+        stream.read_exact(&mut cb).map_err(no_answer("challenge"))?;
         let challenge = Challenge::decode(&cb);
         if challenge.magic != wire::MAGIC {
             return Err(ConnectionError::Handshake {
@@ -523,8 +649,11 @@ impl TcpConnector {
         out[..Hello::LEN].copy_from_slice(&hello.encode());
         out[Hello::LEN..].copy_from_slice(&proof.encode());
         stream.write_all(&out).map_err(io_err)?;
+        stream.flush().map_err(io_err)?;
         let mut ab = [0u8; HelloAck::LEN + PROOF_LEN];
-        wire::recv_exact(fd, &mut ab, || false).map_err(no_answer("answer to hello"))?;
+        stream
+            .read_exact(&mut ab)
+            .map_err(no_answer("answer to hello"))?;
         let ack = HelloAck::decode(&ab[..HelloAck::LEN]);
         if ack.magic == wire::MAGIC && ack.status == wire::ACK_UNAUTHORIZED {
             return Err(ConnectionError::Unauthorized { peer });
@@ -588,16 +717,35 @@ impl Connector for TcpConnector {
                     source,
                 }
             })?;
-        self.handshake(&mut stream, qp)?;
+        self.prepare(&stream)?;
         let setup = |source| ConnectionError::Setup {
             peer,
             what: "receiver",
             source,
         };
-        stream
-            .set_read_timeout(Some(POLL_INTERVAL))
-            .map_err(setup)?;
-        let rx_stream = stream.try_clone().map_err(setup)?;
+        let tx = match &self.tls {
+            None => {
+                self.handshake(&mut stream, qp)?;
+                stream
+                    .set_read_timeout(Some(POLL_INTERVAL))
+                    .map_err(setup)?;
+                Tx::Plain(stream)
+            }
+            Some(t) => {
+                let tls_err = |source| ConnectionError::HandshakeIo { peer, source };
+                let mut conn =
+                    rustls::ClientConnection::new(t.config.clone(), t.server_name.clone())
+                        .map_err(|e| tls_err(io::Error::new(io::ErrorKind::InvalidData, e)))?;
+                tls::handshake(
+                    &mut conn,
+                    &mut stream,
+                    Instant::now() + self.connect_timeout,
+                )
+                .map_err(tls_err)?;
+                self.handshake(&mut rustls::Stream::new(&mut conn, &mut stream), qp)?;
+                Tx::Tls(Arc::new(TlsPipe::new(conn, stream).map_err(setup)?))
+            }
+        };
         let shared = Arc::new(Shared {
             inflight: Mutex::new(Inflight {
                 dead: false,
@@ -607,14 +755,27 @@ impl Connector for TcpConnector {
         });
         let receiver = {
             let (shared, io_timeout) = (shared.clone(), self.io_timeout);
-            std::thread::Builder::new()
-                .name("kvferry-tcp-recv".into())
-                .spawn(move || receive_loop(rx_stream, qp, shared, sink, io_timeout))
-                .map_err(setup)?
+            let spawn = std::thread::Builder::new().name("kvferry-tcp-recv".into());
+            match &tx {
+                Tx::Plain(stream) => {
+                    let rx = stream.try_clone().map_err(setup)?;
+                    spawn.spawn(move || {
+                        let src = FdSource(rx.as_raw_fd());
+                        receive_loop(src, &rx, qp, shared, sink, io_timeout)
+                    })
+                }
+                Tx::Tls(pipe) => {
+                    let pipe = pipe.clone();
+                    spawn.spawn(move || {
+                        receive_loop(&*pipe, pipe.socket(), qp, shared, sink, io_timeout)
+                    })
+                }
+            }
+            .map_err(setup)?
         };
         Ok(Box::new(TcpConnection {
             peer,
-            stream,
+            tx,
             shared,
             receiver: Some(receiver),
         }))
@@ -637,9 +798,32 @@ struct Shared {
     closing: AtomicBool,
 }
 
+/// How requests leave: straight onto the socket, or through the TLS connection the receiver
+/// shares.
+enum Tx {
+    Plain(TcpStream),
+    Tls(Arc<TlsPipe>),
+}
+
+impl Tx {
+    fn send(&mut self, bytes: &[u8]) -> io::Result<()> {
+        match self {
+            Tx::Plain(s) => s.write_all(bytes),
+            Tx::Tls(p) => p.send(bytes),
+        }
+    }
+
+    fn socket(&self) -> &TcpStream {
+        match self {
+            Tx::Plain(s) => s,
+            Tx::Tls(p) => p.socket(),
+        }
+    }
+}
+
 struct TcpConnection {
     peer: NodeId,
-    stream: TcpStream,
+    tx: Tx,
     shared: Arc<Shared>,
     receiver: Option<JoinHandle<()>>,
 }
@@ -667,8 +851,8 @@ impl Connection for TcpConnection {
                 issued_at: Instant::now(),
             });
         }
-        if let Err(source) = self.stream.write_all(&req.encode()) {
-            let _ = self.stream.shutdown(Shutdown::Both);
+        if let Err(source) = self.tx.send(&req.encode()) {
+            let _ = self.tx.socket().shutdown(Shutdown::Both);
             let mut inf = lock(&self.shared.inflight);
             if let Some(pos) = inf.queue.iter().rposition(|e| e.wr_id == wr.wr_id) {
                 inf.queue.remove(pos);
@@ -686,7 +870,7 @@ impl Connection for TcpConnection {
     fn abort(&mut self) {
         self.shared.closing.store(true, Ordering::Relaxed);
         lock(&self.shared.inflight).dead = true;
-        let _ = self.stream.shutdown(Shutdown::Both);
+        let _ = self.tx.socket().shutdown(Shutdown::Both);
     }
 }
 
@@ -700,13 +884,13 @@ impl Drop for TcpConnection {
 }
 
 fn receive_loop(
-    stream: TcpStream,
+    mut src: impl ByteSource,
+    stream: &TcpStream,
     qp: QpKey,
     shared: Arc<Shared>,
     sink: Arc<dyn CompletionSink>,
     io_timeout: Duration,
 ) {
-    let fd = stream.as_raw_fd();
     let mut bounce = vec![0u8; BOUNCE];
     let keep_waiting = || {
         if shared.closing.load(Ordering::Relaxed) {
@@ -731,7 +915,7 @@ fn receive_loop(
     // so the timeout check and the drain below always see it.
     loop {
         let mut hb = [0u8; ReadResp::LEN];
-        if wire::recv_exact(fd, &mut hb, keep_waiting).is_err() {
+        if scatter::recv_exact_from(&mut src, &mut hb, keep_waiting).is_err() {
             break;
         }
         let resp = ReadResp::decode(&hb);
@@ -747,7 +931,7 @@ fn receive_loop(
         let status = match resp.completion_status() {
             CompletionStatus::Success if resp.len != scatter.len() => break,
             CompletionStatus::Success => {
-                match scatter.fill_from_fd(fd, &mut bounce, keep_waiting) {
+                match scatter.fill_from(&mut src, &mut bounce, keep_waiting) {
                     Ok(()) => match scatter.finish() {
                         Ok(()) => CompletionStatus::Success,
                         Err(_) => CompletionStatus::LocalWriteError,

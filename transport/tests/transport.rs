@@ -29,6 +29,8 @@ use kvferry_transport::{
 
 #[path = "transport/data_plane.rs"]
 mod data_plane;
+#[path = "transport/tls.rs"]
+mod tls;
 
 const CANARY: u8 = 0xA5;
 const OWNER: NodeId = NodeId(100);
