@@ -36,6 +36,10 @@ pub struct TransportArgs {
     /// MiB moved per repetition by the throughput figures.
     #[arg(long, default_value_t = 64)]
     mib: usize,
+    /// Also the tcp provider over mutual TLS (certificates made in-process) against the same
+    /// provider in clear.
+    #[arg(long)]
+    tls: bool,
 }
 
 #[derive(clap::Args)]
@@ -101,6 +105,18 @@ fn transport(a: TransportArgs) -> anyhow::Result<()> {
     let shm = bench::shm_vs_memcpy(&cfg)?;
     progress(a.json, "loopback provider, 4 KiB reads");
     let lo = bench::loopback_rate(&cfg)?;
+    let tls = if a.tls {
+        progress(
+            a.json,
+            &format!(
+                "tcp provider over TLS vs in clear, {} MiB x {}",
+                a.mib, cfg.repetitions
+            ),
+        );
+        Some(bench::tcp_tls_vs_plain(&cfg)?)
+    } else {
+        None
+    };
     let tp = |r: &bench::ThroughputResult| {
         json!({
             "bytes": r.bytes,
@@ -112,6 +128,8 @@ fn transport(a: TransportArgs) -> anyhow::Result<()> {
     };
     if a.json {
         let out = json!({
+            "tcp_tls_vs_plain": tls.as_ref().map(|t| t.ratio),
+            "tcp_tls": tls.as_ref().map(tp),
             "tcp_vs_socket": tcp.ratio,
             "shm_vs_memcpy": shm.ratio,
             "loopback_reads_per_sec": lo.reads_per_sec,
@@ -138,6 +156,13 @@ fn transport(a: TransportArgs) -> anyhow::Result<()> {
             "loopback {} B reads: {:.0} reads/s",
             lo.read_size, lo.reads_per_sec
         );
+        if let Some(t) = &tls {
+            println!(
+                "tcp over TLS {:.2} GiB/s vs in clear {:.2} GiB/s: tcp_tls_vs_plain {:.2} \
+                 (target 0.8)",
+                t.provider_gib_s, t.baseline_gib_s, t.ratio
+            );
+        }
     }
     Ok(())
 }

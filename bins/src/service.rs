@@ -428,9 +428,10 @@ pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
         shm_dir: c.shm_dir.clone().into(),
         data_listen: c.data_listen.clone(),
     };
+    let (peer_tls, data_tls) = (cfg.tls_on(TlsListener::Peer), cfg.tls_on(TlsListener::Data));
     let peers = match &tls {
-        Some(ctx) if cfg.tls_on(TlsListener::Peer) => {
-            GrpcPeers::new_with_tls(peers_config, directory, ctx.clone())?
+        Some(ctx) if peer_tls || data_tls => {
+            GrpcPeers::new_secured(peers_config, directory, ctx.clone(), peer_tls, data_tls)?
         }
         _ => GrpcPeers::new(peers_config, directory),
     };

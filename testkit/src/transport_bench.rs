@@ -304,6 +304,107 @@ pub fn tcp_vs_socket(cfg: &BenchConfig) -> Result<ThroughputResult, BenchError> 
     })
 }
 
+/// The tcp provider over mutual TLS (a self-signed CA made here, rcgen; ring's AES-GCM)
+/// against the same provider in clear, in one run: `provider_gib_s` is TLS, `baseline_gib_s`
+/// plain.
+pub fn tcp_tls_vs_plain(cfg: &BenchConfig) -> Result<ThroughputResult, BenchError> {
+    let pool_len = cfg.bytes.max(cfg.read_size);
+    let owner = owner_pool(pool_len)?;
+    let dst = destination(pool_len)?;
+    let plain = tcp_provider(cfg, &owner, &dst, None)?;
+    let tls = tcp_provider(cfg, &owner, &dst, Some(bench_tls()?))?;
+    let moved = (cfg.bytes / cfg.read_size).max(1) * cfg.read_size;
+    Ok(ThroughputResult {
+        bytes: moved as u64,
+        repetitions: cfg.repetitions,
+        provider_gib_s: tls,
+        baseline_gib_s: plain,
+        ratio: tls / plain.max(1e-12),
+    })
+}
+
+type BenchTls = (Arc<rustls::ServerConfig>, kvferry_transport::tcp::ClientTls);
+
+fn tcp_provider(
+    cfg: &BenchConfig,
+    owner: &Side,
+    dst: &Side,
+    tls: Option<BenchTls>,
+) -> Result<f64, BenchError> {
+    let setup = |what| move |source| BenchError::Setup { what, source };
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(setup("tcp listener"))?;
+    let auth = kvferry_transport::DataAuth::new();
+    let grant = auth.issue(ME).map_err(|e| BenchError::Setup {
+        what: "link grant",
+        source: std::io::Error::other(e),
+    })?;
+    let mut opts = kvferry_transport::tcp::TcpOwnerOptions::new(auth);
+    opts.tls = tls.as_ref().map(|(s, _)| Arc::clone(s));
+    let server = TcpOwner::spawn_with(listener, OWNER, owner.table.clone(), opts)
+        .map_err(setup("tcp owner"))?;
+    let mut connector = TcpConnector::new(ME, OWNER, server.local_addr(), grant);
+    if let Some((_, c)) = tls {
+        connector = connector.with_tls(c);
+    }
+    let r = provider_medians(cfg, owner, dst, &connector);
+    server.shutdown();
+    r
+}
+
+fn bench_tls() -> Result<BenchTls, BenchError> {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+    let bad = |e: String| BenchError::Setup {
+        what: "bench certificates",
+        source: std::io::Error::other(e),
+    };
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut p = CertificateParams::new(Vec::<String>::new()).map_err(|e| bad(e.to_string()))?;
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let key = KeyPair::generate().map_err(|e| bad(e.to_string()))?;
+    let ca = CertifiedIssuer::self_signed(p, key).map_err(|e| bad(e.to_string()))?;
+    let leaf = || -> Result<_, BenchError> {
+        let p = CertificateParams::new(vec!["owner".to_owned()]).map_err(|e| bad(e.to_string()))?;
+        let key = KeyPair::generate().map_err(|e| bad(e.to_string()))?;
+        let cert = p.signed_by(&key, &ca).map_err(|e| bad(e.to_string()))?;
+        let der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+        Ok((vec![cert.der().clone()], der))
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(ca.der().clone())
+        .map_err(|e| bad(e.to_string()))?;
+    let roots = Arc::new(roots);
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        roots.clone(),
+        provider.clone(),
+    )
+    .build()
+    .map_err(|e| bad(e.to_string()))?;
+    let (chain, key) = leaf()?;
+    let server = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad(e.to_string()))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain, key)
+        .map_err(|e| bad(e.to_string()))?;
+    let (chain, key) = leaf()?;
+    let client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .map_err(|e| bad(e.to_string()))?;
+    let name = ServerName::try_from("owner").map_err(|e| bad(e.to_string()))?;
+    Ok((
+        Arc::new(server),
+        kvferry_transport::tcp::ClientTls {
+            config: Arc::new(client),
+            server_name: name,
+        },
+    ))
+}
+
 /// shm provider reading `cfg.bytes` vs memcpy of the same bytes.
 pub fn shm_vs_memcpy(cfg: &BenchConfig) -> Result<ThroughputResult, BenchError> {
     let setup = |what| move |source| BenchError::Setup { what, source };

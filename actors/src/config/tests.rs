@@ -610,10 +610,13 @@ fn the_tls_section_is_checked_naming_the_key() {
         format!("{good}listeners = [\"peer\", \"peer\"]\n"),
         "config key tls.listeners:",
     );
-    refused(
-        format!("{good}listeners = [\"data\"]\n"),
-        "config key tls.listeners:",
-    );
+    // The tcp data plane is served over TLS when listed.
+    let data = NodeConfig::from_toml(
+        &format!("{good}listeners = [\"peer\", \"data\"]\n"),
+        "t.toml",
+    )
+    .unwrap();
+    assert!(data.tls_on(TlsListener::Data));
     refused(format!("{good}listeners = [\"smtp\"]\n"), "smtp");
     refused(
         format!("{good}handshake-timeout-ms = 0\n"),

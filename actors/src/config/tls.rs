@@ -53,8 +53,9 @@ pub struct TlsConfig {
     /// The cluster CA (PEM, one or more certificates): peers must present a certificate it
     /// signed, and so must engines that present one.
     pub ca: PathBuf,
-    /// Which listeners speak TLS (`engine`, `peer`, `metrics`; `data` is refused until it
-    /// does). `peer` also makes this node's own Peer calls TLS.
+    /// Which listeners speak TLS (`engine`, `peer`, `metrics`, `data`). `peer` also makes
+    /// this node's own Peer calls TLS; `data` serves the tcp data port requiring a
+    /// certificate the CA signed, and makes this node's reads from its peers TLS.
     pub listeners: Vec<TlsListener>,
     /// Whether the engine listener asks engines for a certificate.
     pub engine_client_cert: ClientAuth,
@@ -130,17 +131,6 @@ impl TlsConfig {
         for l in &self.listeners {
             if !seen.insert(l) {
                 return invalid("tls.listeners", format!("{:?} is listed twice", l.as_str()));
-            }
-            // Refused rather than served in clear: a listener named here must speak TLS.
-            if *l == TlsListener::Data {
-                return invalid(
-                    "tls.listeners",
-                    format!(
-                        "{:?}: this build does not serve the tcp data plane over TLS yet \
-                         (engine, peer and metrics only)",
-                        l.as_str()
-                    ),
-                );
             }
         }
         if !(100..=MAX_HANDSHAKE_TIMEOUT_MS).contains(&self.handshake_timeout_ms) {

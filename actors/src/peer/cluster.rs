@@ -142,6 +142,7 @@ impl DataSide {
         memory: Arc<HostRegion>,
         dir: &std::path::Path,
         tcp_listen: &str,
+        tls: Option<&super::grpc::DataTls>,
     ) -> Result<Self, NodeError> {
         let table = MrTable::new();
         let mr = table
@@ -187,7 +188,14 @@ impl DataSide {
                 let auth = DataAuth::new();
                 let mut opts = TcpOwnerOptions::new(auth.clone());
                 let me = node.to_owned();
-                opts.on_reject = Some(Arc::new(move |from, why| log_rejection(&me, from, why)));
+                let stats = tls.map(|t| Arc::clone(t.ctx.stats()));
+                opts.on_reject = Some(Arc::new(move |from, why| {
+                    if let (Some(s), Reject::Tls) = (&stats, why) {
+                        s.handshake_failed(crate::tls::TlsSide::Data);
+                    }
+                    log_rejection(&me, from, why)
+                }));
+                opts.tls = tls.map(|t| Arc::clone(&t.server));
                 let owner = TcpOwner::spawn_with(listener, transport_id(node), table.clone(), opts)
                     .map_err(|e| {
                         remote(node, RemoteError::local("serving the pool over tcp", e))
@@ -331,7 +339,7 @@ impl LocalCluster {
         store: Arc<dyn PinService>,
         memory: Arc<HostRegion>,
     ) -> Result<(), NodeError> {
-        let side = DataSide::start(node, self.provider, memory, &self.dir, "127.0.0.1:0")?;
+        let side = DataSide::start(node, self.provider, memory, &self.dir, "127.0.0.1:0", None)?;
         self.members
             .lock()
             .map_err(|_| NodeError::Stopped { what: "cluster" })?

@@ -40,6 +40,16 @@ pub struct GrpcPeers {
     me: Weak<GrpcPeers>,
     /// TLS to the peers' Peer services (`[tls]` with "peer"); none: plaintext.
     tls: Option<PeerTls>,
+    /// TLS on the tcp data plane (`[tls]` with "data"); none: plaintext.
+    data_tls: Option<DataTls>,
+}
+
+/// How a node serves and reads the tcp data plane over TLS.
+#[derive(Clone, Debug)]
+pub(crate) struct DataTls {
+    pub(crate) ctx: crate::tls::TlsContext,
+    pub(crate) server: Arc<rustls::ServerConfig>,
+    pub(crate) client: Arc<rustls::ClientConfig>,
 }
 
 /// How a node calls its peers over TLS.
@@ -107,7 +117,7 @@ fn remote(peer: &str, e: RemoteError) -> NodeError {
 
 impl GrpcPeers {
     pub fn new(cfg: GrpcPeersConfig, directory: Arc<dyn Directory>) -> Arc<Self> {
-        Self::build(cfg, directory, None)
+        Self::build(cfg, directory, None, None)
     }
 
     /// [`Self::new`] with the Peer calls over TLS: this node presents the certificate of
@@ -117,21 +127,49 @@ impl GrpcPeers {
         directory: Arc<dyn Directory>,
         tls: crate::tls::TlsContext,
     ) -> Result<Arc<Self>, crate::tls::TlsError> {
-        let config = tls.client_config(&[crate::tls::ALPN_H2])?;
-        Ok(Self::build(
-            cfg,
-            directory,
-            Some(PeerTls { ctx: tls, config }),
-        ))
+        Self::new_secured(cfg, directory, tls, true, false)
+    }
+
+    /// [`Self::new`] with TLS from `tls` on the Peer calls (`peer`) and on the tcp data
+    /// plane (`data`): the owner serves its data port requiring a certificate the CA signed,
+    /// and dials owners expecting their node id in their certificate.
+    pub fn new_secured(
+        cfg: GrpcPeersConfig,
+        directory: Arc<dyn Directory>,
+        tls: crate::tls::TlsContext,
+        peer: bool,
+        data: bool,
+    ) -> Result<Arc<Self>, crate::tls::TlsError> {
+        let peer_tls = match peer {
+            true => Some(PeerTls {
+                ctx: tls.clone(),
+                config: tls.client_config(&[crate::tls::ALPN_H2])?,
+            }),
+            false => None,
+        };
+        let data_tls = match data {
+            true => {
+                let (server, client) = tls.data_plane_configs()?;
+                Some(DataTls {
+                    ctx: tls,
+                    server,
+                    client,
+                })
+            }
+            false => None,
+        };
+        Ok(Self::build(cfg, directory, peer_tls, data_tls))
     }
 
     fn build(
         cfg: GrpcPeersConfig,
         directory: Arc<dyn Directory>,
         tls: Option<PeerTls>,
+        data_tls: Option<DataTls>,
     ) -> Arc<Self> {
         Arc::new_cyclic(|me| Self {
             tls,
+            data_tls,
             me: me.clone(),
             node_id: cfg.node_id,
             provider: cfg.provider,
@@ -294,6 +332,29 @@ impl GrpcPeers {
                         RemoteError::refused(format!("bad tcp endpoint {:?}", hs.endpoint)),
                     )
                 })?;
+                // Over TLS the link dials with a connector of its own; its grant still goes
+                // in the hello, inside TLS.
+                let connector: Option<Arc<dyn kvferry_transport::Connector>> =
+                    match (&self.data_tls, &hs.grant) {
+                        (Some(t), Some(g)) => {
+                            let server_name = crate::tls::peer_server_name(to)
+                                .map_err(|e| remote(to, RemoteError::refused(e.to_string())))?;
+                            let tls = kvferry_transport::tcp::ClientTls {
+                                config: Arc::clone(&t.client),
+                                server_name,
+                            };
+                            Some(Arc::new(
+                                kvferry_transport::tcp::TcpConnector::new(
+                                    transport_id(from),
+                                    transport_id(to),
+                                    addr,
+                                    g.clone(),
+                                )
+                                .with_tls(tls),
+                            ))
+                        }
+                        _ => None,
+                    };
                 Arc::new(RcLink::new(
                     to.to_owned(),
                     RcEndpoints {
@@ -308,7 +369,7 @@ impl GrpcPeers {
                         max_sge: tcp.max_sge,
                         qps: tcp.qps,
                         faults: Vec::new(),
-                        connector: None,
+                        connector,
                         rdma: None,
                         grant: hs.grant.clone(),
                     },
@@ -402,6 +463,7 @@ impl Peers for GrpcPeers {
             memory,
             &self.shm_dir,
             &self.data_listen,
+            self.data_tls.as_ref(),
         )?;
         *self
             .side

@@ -303,3 +303,73 @@ fn peer_calls_over_mutual_tls_go_on_through_a_rotation() {
     node.shutdown();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Peers of `node_id` over tcp with `[tls] listeners = ["data"]`: its data port over mutual
+/// TLS, and its reads from `owners` over TLS expecting each owner's node id.
+fn tls_data_peers(
+    node_id: &str,
+    tls: TlsContext,
+    owners: &[(&str, String)],
+) -> Arc<kvferry_actors::peer::GrpcPeers> {
+    use kvferry_actors::peer::{GrpcPeers, GrpcPeersConfig, StaticDirectory};
+    let directory = Arc::new(StaticDirectory::new(
+        owners.iter().map(|(n, _)| (*n).to_string()).collect(),
+    ));
+    let cfg = GrpcPeersConfig {
+        node_id: node_id.into(),
+        provider: Provider::Tcp,
+        token: "t".into(),
+        peers: owners
+            .iter()
+            .map(|(n, a)| ((*n).to_string(), a.clone()))
+            .collect(),
+        shm_dir: temp(node_id),
+        data_listen: "127.0.0.1:0".into(),
+    };
+    GrpcPeers::new_secured(cfg, directory, tls, false, true).unwrap()
+}
+
+#[test]
+fn two_nodes_load_over_the_tls_data_plane_byte_exact() {
+    use kvferry_gpu::KvShape;
+    use kvferry_testkit::KvKind;
+    let dir = temp("data");
+    let ca = Ca::new(&dir.join("ca"));
+    let a_tls = TlsContext::load(ca.issue("a")).unwrap();
+    let b_tls = TlsContext::load(ca.issue("b")).unwrap();
+    rt().block_on(async {
+        let shape = KvShape::new(2, 1, 2, 1024).unwrap();
+        let owner_peers = tls_data_peers("a", a_tls.clone(), &[]);
+        let mut cfg = config(64 << 10, 16);
+        cfg.node_id = "a".into();
+        let (owner, owner_dev) = start(cfg, Clock::system(), Some(Arc::clone(&owner_peers)));
+        let _okv =
+            register_ranks(&owner, &owner_dev, "eng", shape, KvKind::Split, 8, 0, 0..6).await;
+        let backend = owner
+            .peer_backend()
+            .with_endpoint(owner_peers.data_endpoint().expect("a tcp data side"));
+        let server = PeerServer::start(backend, "t").await;
+        let peers = tls_data_peers("b", b_tls.clone(), &[("a", server.addr.to_string())]);
+        let mut cfg = config(64 << 10, 16);
+        cfg.node_id = "b".into();
+        let (node, dev) = start(cfg, Clock::system(), Some(peers));
+        let kv = register(&node, &dev, "eng", shape, 0, KvKind::Split, 16, 0).await;
+        let q = query(&node, "eng", 0..6, false).await;
+        assert_eq!((q.local_blocks, q.remote_blocks), (0, 6));
+        load(&node, q.lease.unwrap(), "eng", 0, &[9, 2, 5, 0, 7, 8])
+            .await
+            .unwrap();
+        kv.verify(&expected(&[9, 2, 5, 0, 7, 8], 0), 0).unwrap();
+        settled(&node).await;
+        settled_with_peers(&owner).await;
+        // Nothing was refused on either side.
+        assert_eq!(a_tls.stats().handshake_failures(TlsSide::Data), 0);
+        use kvferry_actors::peer::Peers;
+        let refused = owner_peers.data_rejections("a").expect("a tcp data server");
+        assert_eq!(refused.get(kvferry_transport::Reject::Tls), 0);
+        node.shutdown();
+        server.stop().await;
+        owner.shutdown();
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
