@@ -91,11 +91,14 @@ impl Ca {
     }
 }
 
+/// Every refusal the owner reported, in order.
+type Seen = Arc<Mutex<Vec<(Option<SocketAddr>, Reject)>>>;
+
 struct Owner {
     pool: Pool,
     auth: DataAuth,
     tcp: TcpOwner,
-    seen: Arc<Mutex<Vec<(Option<SocketAddr>, Reject)>>>,
+    seen: Seen,
 }
 
 impl Owner {
@@ -105,7 +108,7 @@ impl Owner {
         let mut opts = TcpOwnerOptions::new(auth.clone());
         opts.tls = Some(ca.server(OWNER_NAME));
         opts.hello_deadline = Duration::from_secs(1);
-        let seen: Arc<Mutex<Vec<_>>> = Arc::default();
+        let seen: Seen = Arc::default();
         let s = seen.clone();
         opts.on_reject = Some(Arc::new(move |from, why| {
             s.lock().unwrap().push((from, why))
