@@ -105,8 +105,9 @@ impl TlsPipe {
         flush(&mut conn, &self.sock)
     }
 
-    /// Moves ciphertext between the socket and rustls until `ready` (holding the lock) says
-    /// there is something, or one poll interval passes (`WouldBlock`).
+    /// Waits up to one poll interval for the socket (readable, or writable while rustls has
+    /// output queued), then moves ciphertext between it and rustls under the lock;
+    /// `WouldBlock` when nothing happened.
     fn pump(&self) -> io::Result<()> {
         let wants_write = lock(&self.conn).wants_write();
         let mut events = libc::POLLIN;
