@@ -23,6 +23,32 @@ MAX_RETRY_S = 30.0
 _NODE_CODES = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "UNKNOWN", "INTERNAL", "CANCELLED", "ABORTED"}
 
 
+class Timeouts:
+    """The seconds :class:`NodeLink` reads, from a connector config's ``*_ms`` fields
+    (``deadline_ms``, ``connect_timeout_ms``, ``retry_ms``, ``load_timeout_ms``)."""
+
+    deadline_ms: int
+    connect_timeout_ms: int
+    retry_ms: int
+    load_timeout_ms: int
+
+    @property
+    def deadline_s(self) -> float:
+        return self.deadline_ms / 1000.0
+
+    @property
+    def connect_timeout_s(self) -> float:
+        return self.connect_timeout_ms / 1000.0
+
+    @property
+    def retry_s(self) -> float:
+        return self.retry_ms / 1000.0
+
+    @property
+    def load_timeout_s(self) -> float:
+        return self.load_timeout_ms / 1000.0
+
+
 class NodeDown(Exception):
     """The node cannot be used now: it failed, or (``skipped``) it is left alone after
     failing and nothing was sent."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional
 
+from ..link import Timeouts
+
 __all__ = ["ConfigError", "KEYS", "SGLANG_KEYS", "SglangConfig", "parse_config"]
 
 
@@ -41,7 +43,7 @@ SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 
 
 @dataclass(frozen=True)
-class SglangConfig:
+class SglangConfig(Timeouts):
     address: str = "127.0.0.1:7200"
     token: Optional[str] = None
     instance: Optional[str] = None
@@ -52,23 +54,6 @@ class SglangConfig:
     load_timeout_ms: int = 30000
     retry_ms: int = 1000
     fd_socket: Optional[str] = None
-
-    # What kvferry.link.NodeLink reads.
-    @property
-    def deadline_s(self) -> float:
-        return self.deadline_ms / 1000.0
-
-    @property
-    def connect_timeout_s(self) -> float:
-        return self.connect_timeout_ms / 1000.0
-
-    @property
-    def retry_s(self) -> float:
-        return self.retry_ms / 1000.0
-
-    @property
-    def load_timeout_s(self) -> float:
-        return self.load_timeout_ms / 1000.0
 
 
 _MS = ("deadline_ms", "connect_timeout_ms", "load_timeout_ms", "retry_ms")

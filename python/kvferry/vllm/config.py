@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional
 
+from ..link import Timeouts
+
 __all__ = ["ConfigError", "KvferryConfig", "KEYS", "parse_extra_config"]
 
 
@@ -51,7 +53,7 @@ KEYS: Dict[str, str] = {
 
 
 @dataclass(frozen=True)
-class KvferryConfig:
+class KvferryConfig(Timeouts):
     address: str
     token: Optional[str] = None
     instance: Optional[str] = None
@@ -67,22 +69,6 @@ class KvferryConfig:
     mailbox: bool = True
     kv_cache_access: str = "auto"
     events: Optional[str] = None
-
-    @property
-    def deadline_s(self) -> float:
-        return self.deadline_ms / 1000.0
-
-    @property
-    def connect_timeout_s(self) -> float:
-        return self.connect_timeout_ms / 1000.0
-
-    @property
-    def load_timeout_s(self) -> float:
-        return self.load_timeout_ms / 1000.0
-
-    @property
-    def retry_s(self) -> float:
-        return self.retry_ms / 1000.0
 
     @property
     def async_load(self) -> bool:
