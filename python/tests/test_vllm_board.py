@@ -304,3 +304,118 @@ def test_a_load_started_while_the_loader_sleeps_on_the_board_starts_at_once():
         assert fake.calls.get("poll_load", 0) == 0
     finally:
         w.shutdown()
+
+
+def _stop_loader(w: WorkerSide) -> None:
+    """Ends the worker's loader thread: what a loader that cannot get the GIL back from a busy
+    engine loop would do in the meantime (nothing)."""
+    from kvferry.vllm.worker import _STOP
+
+    w._load_q.put(_STOP)
+    w._threads[0].join(timeout=10)
+    assert not w._threads[0].is_alive()
+
+
+def test_a_step_without_a_forward_starts_its_load_and_reports_its_end_on_its_own_thread():
+    """In a step where vLLM runs no forward (the one that schedules an async hit), the load
+    starts before start_load returns and its end is reported by that step's get_finished,
+    with no loader thread at all: a loader waiting for the GIL (up to 5 ms behind a busy
+    engine loop) is on neither path."""
+    fake = FakeNode({"ok-lease": None, "later": None})
+    w = fake_worker(fake)
+    try:
+        _stop_loader(w)
+        meta = StepMetadata(loads=[LoadSpec("a", "ok-lease", [1, 2], 2 * BS)], idle=True)
+        w.begin_step(meta)
+        w.start_load(meta)
+        assert fake.calls.get("load", 0) == 1, fake.calls
+        _, recving = w.get_finished(set())
+        assert recving == {"a"}
+        assert w.get_block_ids_with_load_errors() == set()
+        assert fake.calls.get("poll_load", 0) == 0, fake.calls
+        # A step with a forward hands its loads to the loader (none here): not started.
+        meta = StepMetadata(loads=[LoadSpec("b", "later", [3], BS)])
+        w.begin_step(meta)
+        w.start_load(meta)
+        assert fake.calls["load"] == 1, fake.calls
+    finally:
+        w.shutdown()
+
+
+class _Watched(FakeBoard):
+    """A fake board that records who waited on it for a load, and how long they could."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.end_waits: List[Any] = []
+
+    def wait(self, slot, tag, layers, timeout_s: float = 10.0):
+        self.end_waits.append((threading.current_thread().name, timeout_s))
+        return super().wait(slot, tag, layers, timeout_s)
+
+
+def _running_load(fake: FakeNode) -> None:
+    """Loads of lease "slow" are taken and keep running until the test ends them."""
+    real = fake.load
+
+    def load(lease, instance, rank, dest, board_slot=None, board_tag=0):
+        if lease != "slow":
+            return real(lease, instance, rank, dest, board_slot, board_tag)
+        fake._count("load")
+        fake.loads[len(fake.loads) + 1] = lease
+        fake.board.set(board_slot, tag=board_tag, state="running", layers=0, done=False,
+                       ok=False, failed_blocks=0)
+        fake.slow = (board_slot, board_tag)
+        return len(fake.loads)
+
+    fake.load = load
+
+
+def test_a_step_without_a_forward_waits_boundedly_for_a_running_load_to_end():
+    fake = FakeNode({})
+    fake.board = _Watched()
+    _running_load(fake)
+    cfg = parse_extra_config({"address": "127.0.0.1:1", "mailbox": False, "idle_wait_ms": 100})
+    w = WorkerSide(cfg, instance="idle", model="m", kv_dtype="float32", tp_rank=0, tp_size=1,
+                   num_blocks=NB, client_factory=lambda: fake)
+    w.register_kv_caches(kv_tensors(3, NB, HEADS, BS, HEAD, "LBNHC"))
+    me = threading.current_thread().name
+    try:
+        _stop_loader(w)
+        idle = StepMetadata(loads=[LoadSpec("s", "slow", [1, 2], 2 * BS)], idle=True)
+        w.begin_step(idle)
+        w.start_load(idle)
+        # Nothing ends: the step waits once, for at most idle_wait_ms, and reports nothing.
+        _, recving = w.get_finished(set())
+        assert recving == set()
+        assert [t for n, t in fake.board.end_waits if n == me] == [0.1]
+        # A step with a forward never waits, even with the load still running.
+        w.begin_step(StepMetadata())
+        w.get_finished(set())
+        # Nor does one whose metadata vLLM did not bind (the flag lasts one step).
+        w.get_finished(set())
+        assert len([n for n, _ in fake.board.end_waits if n == me]) == 1
+        # The load ends while an idle step waits: that step reports it.
+        slot, tag = fake.slow
+        threading.Timer(0.02, lambda: fake.board.set(
+            slot, tag=tag, state="ok", layers=3, done=True, ok=True, failed_blocks=0)).start()
+        w.begin_step(StepMetadata(idle=True))
+        _, recving = w.get_finished(set())
+        assert recving == {"s"}
+        assert fake.calls.get("poll_load", 0) == 0, fake.calls
+        # Nothing left on the board: an idle step has nothing to wait for.
+        w.begin_step(StepMetadata(idle=True))
+        w.get_finished(set())
+        assert len([n for n, _ in fake.board.end_waits if n == me]) == 2
+    finally:
+        w.shutdown()
+
+
+def test_idle_wait_ms_is_bounded_and_may_be_off():
+    from kvferry.vllm import ConfigError
+
+    assert parse_extra_config({"address": "h:1"}).idle_wait_ms == 2
+    assert parse_extra_config({"address": "h:1", "idle_wait_ms": 0}).idle_wait_s == 0.0
+    for bad in (-1, 101, 2.5, True, "2"):
+        with pytest.raises(ConfigError, match="idle_wait_ms"):
+            parse_extra_config({"address": "h:1", "idle_wait_ms": bad})

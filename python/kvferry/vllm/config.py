@@ -46,6 +46,10 @@ KEYS: Dict[str, str] = {
     "events": "the node's KV event publisher, tcp://host:port (its [events] publish): with "
     "vLLM's --kv-events-config on, blocks this engine saved are reported in vLLM's event "
     'stream as stored (medium "CPU", "DISK") and removed as the node evicts them',
+    "idle_wait_ms": "in a step where vLLM runs no forward (nothing scheduled) while "
+    "asynchronous loads run, how long the worker waits for one of them to end before the "
+    "step returns, in ms, so vLLM schedules the request the moment its KV is in (default 2; "
+    "0: no wait)",
     "kv_layout": '"auto" (default: vLLM picks its KV cache layout) or "cross_layer" (ask vLLM '
     "for block-outermost KV, BLHNC, so a load is one copy per block; vLLM falls back with a "
     "warning where the attention backend cannot use it)",
@@ -69,15 +73,22 @@ class KvferryConfig(Timeouts):
     mailbox: bool = True
     kv_cache_access: str = "auto"
     events: Optional[str] = None
+    idle_wait_ms: int = 2
 
     @property
     def async_load(self) -> bool:
         return self.load_mode == "async"
 
+    @property
+    def idle_wait_s(self) -> float:
+        return self.idle_wait_ms / 1000.0
+
 
 _STR = ("address", "token", "instance", "model", "fd_socket", "events")
 _BOOL = ("direct_gpu", "mailbox")
 _POSITIVE_INT = ("deadline_ms", "connect_timeout_ms", "load_timeout_ms", "retry_ms")
+#: Waits that may be off (0), bounded so a step never sleeps long.
+_WAIT_MS = {"idle_wait_ms": 100}
 
 
 def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvferryConfig:
@@ -107,6 +118,14 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvferryConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(
                     f"{prefix}: {key!r} must be a positive integer (milliseconds), got {value!r}"
+                )
+            values[key] = value
+        elif key in _WAIT_MS:
+            most = _WAIT_MS[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+                raise ConfigError(
+                    f"{prefix}: {key!r} must be an integer from 0 to {most} (milliseconds), "
+                    f"got {value!r}"
                 )
             values[key] = value
         elif key == "load_mode":

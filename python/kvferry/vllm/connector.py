@@ -346,6 +346,12 @@ class KvferryConnector(KVConnectorBase_V1):
         if self.worker_side is not None:
             self.worker_side.handle_preemptions(kv_connector_metadata)  # type: ignore[arg-type]
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker_side is not None:
+            # Every step binds its metadata first, with or without a forward.
+            self.worker_side.begin_step(connector_metadata)  # type: ignore[arg-type]
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         if self.worker_side is not None and self.has_connector_metadata():
             self.worker_side.start_load(self._get_connector_metadata())  # type: ignore[arg-type]

@@ -39,3 +39,7 @@ class StepMetadata:
     #: Requests preempted this step: their blocks are freed, so their saves must finish
     #: before the forward can overwrite them.
     preempted: Set[str] = field(default_factory=set)
+    #: No tokens are scheduled this step: vLLM runs no forward, only the connector's hooks.
+    #: Nothing of any request waits on such a step, so the workers may start its loads on
+    #: vLLM's own thread and wait (``idle_wait_ms``) for a running load to end.
+    idle: bool = False

@@ -359,6 +359,7 @@ class SchedulerSide:
     def build_connector_meta(self, so: Any) -> StepMetadata:
         meta = StepMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        meta.idle = int(getattr(so, "total_num_scheduled_tokens", 1) or 0) == 0
         meta.preempted = set(getattr(so, "preempted_req_ids", None) or ())
         for rid in meta.preempted:
             r = self._reqs.get(rid)

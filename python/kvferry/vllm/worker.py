@@ -157,6 +157,12 @@ class WorkerSide:
         self._board_free: List[int] = []
         # This step's synchronous loads once started, for wait_for_layer_load.
         self._sync_started: List[_Load] = []
+        # Asynchronous loads the node took with a board slot and not reported yet: vLLM's
+        # own thread reads their end from the board in get_finished, so a load's end does
+        # not wait for the loader thread to get the GIL back from a busy engine loop.
+        self._async_on_board: Dict[int, _Load] = {}
+        # Whether the step now running is one without a forward (StepMetadata.idle).
+        self._idle_step = False
         self._sync_begun = 0
         self._layer_index: Dict[str, int] = {}
 
@@ -357,13 +363,17 @@ class WorkerSide:
             board = self._board
         for spec in meta.loads:
             ld = _Load(spec, ev, now, deadline=now + self.cfg.load_timeout_s, checked=now)
-            if not (spec.sync and board is not None):
+            inline = board is not None and (spec.sync or meta.idle)
+            if not inline:
                 self._load_q.put(ld)
                 continue
             # With a board, the forward starts once the loads are started, and
             # wait_for_layer_load waits for each layer as it lands. Started here: the
             # forward waits for the start, and a hand-over to the loader and back would
-            # cost two thread switches. The loader watches it from then on.
+            # cost two thread switches. The loader watches it from then on. An
+            # asynchronous load of a step without a forward starts here too: nothing else
+            # runs in such a step, and the loader would first have to win the GIL from
+            # vLLM's engine loop (up to the interpreter's 5 ms switch interval).
             try:
                 started = self._begin(ld)
             except Exception as e:  # noqa: BLE001 - never lose a load
@@ -411,6 +421,8 @@ class WorkerSide:
             c.add("loaded_tokens", spec.tokens)
             c.add("loaded_blocks", len(spec.dest_blocks))
         with self._lock:
+            if ld is not None:
+                self._async_on_board.pop(id(ld), None)
             self._done.append(_Done(spec.req_id, spec.sync, failed, self._clock()))
             if ld is not None and ld.slot is not None and self._board is not None:
                 self._board_free.append(ld.slot)
@@ -467,11 +479,13 @@ class WorkerSide:
                 log.warning("kvferry: rank %d: load of %s refused: %s", self.rank, spec.req_id, e)
             self._finish(spec, dest, None, ld)
             return None
-        if spec.sync:
-            with self._lock:
+        with self._lock:
+            if spec.sync:
                 self._sync_started.append(ld)
                 self._sync_begun += 1
                 self._lock.notify_all()
+            elif ld.slot is not None and not ld.finished:
+                self._async_on_board[id(ld)] = ld
         return ld
 
     def _poll(self, pending: List[_Load]) -> List[_Load]:
@@ -825,6 +839,7 @@ class WorkerSide:
             self.wait_for_sync_loads()
             with self._lock:
                 self._sync_started = []
+        self._read_async_ends()
         with self._lock:
             done, self._done = self._done, []
             for d in done:
@@ -841,6 +856,57 @@ class WorkerSide:
                     self._save_reqs.discard(rid)
                     sending.add(rid)
         return sending, recving, failed
+
+    def begin_step(self, meta: Optional[StepMetadata]) -> None:
+        """The step's metadata as vLLM binds it (before ``start_load``): whether it is a
+        step without a forward, which :meth:`get_finished` may wait in."""
+        self._idle_step = bool(meta is not None and meta.idle)
+
+    def _read_async_ends(self) -> None:
+        """Reports the asynchronous loads whose board shows an ok end, from the calling
+        thread (vLLM's, in get_finished): the loader would report them too, but only once it
+        has the GIL, which a busy engine loop hands over every 5 ms. Failed ones are left to
+        the loader (their details need a call). In a step without a forward, waits up to
+        ``idle_wait_ms`` for one of them to end first (the GIL released): no request runs
+        in such a step, and the one whose load ends is scheduled in the next."""
+        board = self._board
+        # For this step only: a step whose metadata vLLM did not bind never waits.
+        idle, self._idle_step = self._idle_step, False
+        with self._lock:
+            loads = [ld for ld in self._async_on_board.values() if ld.slot is not None]
+        if board is None or not loads:
+            return
+        views = self._board_views(board, loads)
+        wait = self.cfg.idle_wait_s if idle else 0.0
+        if wait > 0 and views and not any(v.get("done") for _, _, v in views):
+            # For the oldest: a rank's loads share the node's copy lane, so it ends first.
+            # (A wait for its end, not wait_ends: that would take the interrupt start_load
+            # leaves the loader.)
+            ld, slot, _ = min(views, key=lambda x: x[0].started)
+            try:
+                board.wait(slot, ld.tag, ALL_LAYERS, wait)
+            except Exception as e:  # noqa: BLE001 - the loader reports them instead
+                log.debug("kvferry: rank %d: idle board wait: %s", self.rank, e)
+            views = self._board_views(board, loads)
+        for ld, _, v in views:
+            if v.get("done") and v.get("ok"):
+                self._finish(ld.spec, set(), None, ld)
+
+    @staticmethod
+    def _board_views(board: Any, loads: List[_Load]) -> List[Tuple[_Load, int, Dict[str, Any]]]:
+        """(load, slot, what its slot says) for the loads their slot still shows."""
+        out = []
+        for ld in loads:
+            slot = ld.slot
+            if slot is None:
+                continue
+            try:
+                v = board.view(slot)
+            except Exception:  # noqa: BLE001
+                continue
+            if v.get("tag") == ld.tag:
+                out.append((ld, slot, v))
+        return out
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         with self._lock:
