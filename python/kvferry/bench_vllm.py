@@ -20,7 +20,11 @@ Each phase is its own engine process, one after the other, against one ``kvferry
 * ``kv-second``: a second engine process, async: hits on what ``kv-first`` saved.
 * ``kv-sync``: a third one with ``load_mode = "sync"``.
 * ``kv-xl``: cross-layer KV (``kv_layout = "cross_layer"``), cold then hits in one process;
-  skipped, saying so, where the connector does not offer vLLM's cross-layer blocks.
+  skipped, saying so, where the connector does not offer vLLM's cross-layer blocks. On vLLM
+  0.26 it runs on the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``): Model Runner V2, the
+  default for this model, offers no cross-layer KV. ``--model-runner`` puts every phase on
+  one runner (``v1`` compares per-layer and cross-layer on the same one); each phase's result
+  says which runner it had.
 
 TTFT is the wall time of ``LLM.generate`` for one request of one output token (greedy, top-5
 log-probabilities), reported as the median over prompts (and ``--repeats`` hits of each). Each
@@ -92,8 +96,13 @@ PHASES: Dict[str, Dict[str, Any]] = {
     "kv-sync": {"connector": True, "prefix": False, "cold": False, "hits": True,
                 "load_mode": "sync", "kv_layout": "auto"},
     "kv-xl": {"connector": True, "prefix": False, "cold": True, "hits": True,
-              "load_mode": "async", "kv_layout": "cross_layer"},
+              "load_mode": "async", "kv_layout": "cross_layer", "model_runner": "v1"},
 }
+
+#: --model-runner -> VLLM_USE_V2_MODEL_RUNNER ("auto": vLLM decides, except that kv-xl asks for
+#: the V1 runner where vLLM has one: vLLM 0.26's Model Runner V2, its default for a dense
+#: model, registers per-layer KV only).
+MODEL_RUNNERS = {"auto": None, "v1": "0", "v2": "1"}
 
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in the phase's process
@@ -180,6 +189,8 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
         "trace_length": trace if args.trace else None,
         "trace_runs": args.trace_runs,
         "settle_ms": args.settle_ms,
+        "model_runner": args.model_runner,
+        "idle_wait_ms": args.idle_wait_ms,
     }
 
 
@@ -494,14 +505,17 @@ class Tracer:
             targets.append((EngineCore, "step_with_batch_queue", "vllm.engine_step", False, None))
         except ImportError:
             pass
-        try:
-            from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        # Synchronised while tracing, so the span is the forward's GPU time too. Both model
+        # runners: vLLM 0.26 runs a dense model on Model Runner V2 unless told otherwise.
+        for module in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"):
+            try:
+                import importlib
 
-            # Synchronised while tracing, so the span is the forward's GPU time too.
-            targets.append((GPUModelRunner, "execute_model", "vllm.execute_model", True, None))
-            targets.append((GPUModelRunner, "sample_tokens", "vllm.sample_tokens", True, None))
-        except ImportError:
-            pass
+                runner = getattr(importlib.import_module(module), "GPUModelRunner")
+            except (ImportError, AttributeError):
+                continue
+            targets.append((runner, "execute_model", "vllm.execute_model", True, None))
+            targets.append((runner, "sample_tokens", "vllm.sample_tokens", True, None))
         for cls, method, label, sync, note in targets:
             if self.wrap(cls, method, label, sync, note):
                 done.append(f"{cls.__name__}.{method}")
@@ -559,9 +573,32 @@ def child_main(spec_path: str) -> int:
     os._exit(0)
 
 
+def _choose_model_runner(spec: Dict[str, Any]) -> Optional[str]:
+    """Sets VLLM_USE_V2_MODEL_RUNNER for this phase (before vLLM reads it): what
+    --model-runner says, else what the phase asks for where vLLM has that runner."""
+    import importlib.util
+
+    want = spec.get("model_runner") or "auto"
+    if want == "auto":
+        want = PHASES.get(spec["phase"], {}).get("model_runner", "auto")
+        if want == "v1" and importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is None:
+            want = "auto"  # a vLLM without the V1 runner (0.34): its own
+    value = MODEL_RUNNERS.get(want)
+    if value is not None:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = value
+    return want
+
+
+def _model_runner_used(llm: Any) -> Optional[str]:
+    cfg = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    v2 = getattr(cfg, "use_v2_model_runner", None)
+    return None if v2 is None else ("v2" if v2 else "v1")
+
+
 def run_phase(spec: Dict[str, Any]) -> Dict[str, Any]:
     name = spec["phase"]
     t_start = time.perf_counter()
+    asked_runner = _choose_model_runner(spec)
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -599,6 +636,8 @@ def run_phase(spec: Dict[str, Any]) -> Dict[str, Any]:
     if spec["connector"]:
         extra: Dict[str, Any] = {"address": spec["address"], "load_mode": spec["load_mode"],
                                  "kv_layout": spec["kv_layout"]}
+        if spec.get("idle_wait_ms") is not None:
+            extra["idle_wait_ms"] = spec["idle_wait_ms"]
         if spec.get("connector_model"):
             extra["model"] = spec["connector_model"]
         kw["kv_transfer_config"] = {
@@ -609,6 +648,7 @@ def run_phase(spec: Dict[str, Any]) -> Dict[str, Any]:
             "kv_connector_extra_config": extra,
         }
     llm = LLM(**kw)
+    res["model_runner"] = _model_runner_used(llm) or asked_runner
     seed = spec["seed"]
     params = llm.apply_model(lambda model: _redraw_weights(model, seed))
     res["parameters"] = params[0] if params else None
@@ -625,7 +665,8 @@ def run_phase(spec: Dict[str, Any]) -> Dict[str, Any]:
             res["status"] = "failed"
             res["reason"] = f"asked for cross-layer KV, the worker registered {res['kv_layout']!r}"
             return res
-    say(f"{name}: engine up in {res['startup_s']} s (vLLM {vllm.__version__}"
+    say(f"{name}: engine up in {res['startup_s']} s (vLLM {vllm.__version__}, model runner "
+        f"{res['model_runner']}"
         + (f", KV {res.get('kv_layout')}, registered {res.get('kv_registered')}" if worker else "")
         + ")")
 
@@ -783,6 +824,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-runs", type=int, default=5)
     p.add_argument("--settle-ms", type=int, default=300,
                    help="pause after each cold request (its save lands before the next one)")
+    p.add_argument("--model-runner", choices=sorted(MODEL_RUNNERS), default="auto",
+                   help="vLLM's model runner for every phase (VLLM_USE_V2_MODEL_RUNNER); auto: "
+                   "vLLM's choice, V1 for kv-xl where vLLM has it")
+    p.add_argument("--idle-wait-ms", type=int, default=None,
+                   help="the connector's idle_wait_ms (default: the connector's own)")
     p.add_argument("--phase-timeout", type=float, default=600.0)
     p.add_argument("--model-dir", default=None, help="where config.json goes (default --out)")
     p.add_argument("--out", default=None, help="folder for bench-vllm.json and the logs")
@@ -808,6 +854,8 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     short = [n for n in args.tokens if n < args.block_size]
     if short:
         p.error(f"--tokens {short[0]}: shorter than one block of {args.block_size} tokens")
+    if args.idle_wait_ms is not None and not 0 <= args.idle_wait_ms <= 100:
+        p.error("--idle-wait-ms must be within 0..100")
     if args.warmup < 0 or args.repeats < 1 or args.settle_ms < 0:
         p.error("--warmup and --settle-ms must be >= 0 and --repeats >= 1")
     if not 0.05 <= args.gpu_memory_utilization <= 0.95:

@@ -122,3 +122,46 @@ def test_trace_summary_takes_medians_per_label():
     assert s["rpc.query"] == {"first_start_ms": 0.6, "total_ms": 0.4, "count": 1.5}
     assert s["worker.load_finished"]["node_copy_ms"] == 25.0
     assert list(s)[:2] == ["ttft_ms", "rpc.query"]  # labels in the order they first start
+
+
+def test_the_cross_layer_phase_asks_for_the_v1_model_runner_where_vllm_has_one(monkeypatch):
+    """vLLM 0.26's Model Runner V2 (its default for a dense model) registers per-layer KV
+    only, so kv-xl asks for the V1 runner; --model-runner puts every phase on one."""
+    import importlib.util
+
+    has_v1 = {"yes": True}
+    real = importlib.util.find_spec
+
+    def find_spec(name, *a, **kw):
+        if name == "vllm.v1.worker.gpu_model_runner":
+            return object() if has_v1["yes"] else None
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    import os
+
+    assert bv._choose_model_runner({"phase": "kv-first", "model_runner": "auto"}) == "auto"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+    assert bv._choose_model_runner({"phase": "kv-xl", "model_runner": "auto"}) == "v1"
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    assert bv._choose_model_runner({"phase": "kv-first", "model_runner": "v2"}) == "v2"
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    # vLLM 0.34 has Model Runner V2 alone: kv-xl runs on it (0.34 lays cross-layer KV out
+    # as BLHNC there).
+    has_v1["yes"] = False
+    assert bv._choose_model_runner({"phase": "kv-xl", "model_runner": "auto"}) == "auto"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+
+
+def test_the_plan_carries_the_model_runner_and_the_idle_wait(tmp_path):
+    out = run("--dry-run", "--tokens", "40", "--model-runner", "v1", "--idle-wait-ms", "0")
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)
+    assert (p["model_runner"], p["idle_wait_ms"]) == ("v1", 0)
+    out = run("--idle-wait-ms", "101")
+    assert out.returncode == 2 and "--idle-wait-ms" in out.stderr
+    out = run("--model-runner", "v3")
+    assert out.returncode == 2 and "--model-runner" in out.stderr

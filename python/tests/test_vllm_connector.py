@@ -770,3 +770,81 @@ def test_kv_released_and_restored_by_vllm_is_registered_afresh(tmp_path, node):
         assert eng.outputs["b"] == eng.outputs["a"] and eng.invalid_reported == set()
     finally:
         eng.shutdown()
+
+
+def test_vllm_026_model_runners_decide_cross_layer_kv(tmp_path, node, monkeypatch, caplog):
+    """vLLM 0.26 decides cross-layer KV in its model runners, tried here with its own code:
+    the V1 runner's use_uniform_kv_cache asks the connector (prefer_cross_layer_blocks) and
+    allocate_uniform_kv_caches lays one tensor out, whose views the connector describes as
+    vLLM's layers see them; Model Runner V2 (0.26's default for a dense model) hands
+    per-layer tensors to register_kv_caches, which the connector registers per layer and
+    says why at start."""
+    if not runner().cross_layer_register:
+        pytest.skip("vLLM 0.26's cross-layer API (0.33+ asks for a BLHNC layout)")
+    import dataclasses
+    import logging
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+    from vllm.v1.worker.utils import AttentionGroup
+    from vllm_engine import kv_cache_config, vllm_config
+    from vllm_support import kv_tensors
+
+    from kvferry.vllm import KvferryConnector
+    from kvferry.vllm.kvcache import cross_layer_views, describe_kv_caches
+
+    nb = 64
+    made = []
+
+    def connector(kv_layout):
+        vc = vllm_config(tmp_path, {"address": node.addr, "kv_layout": kv_layout})
+        kvc = kv_cache_config(vc, nb)
+        w = KvferryConnector(vc, KVConnectorRole.WORKER, kvc)
+        made.append(w)
+        return vc, kvc, w
+
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
+    try:
+        vc, kvc, w = connector("cross_layer")
+        group = kvc.kv_cache_groups[0]
+        with set_current_vllm_config(vc):
+            indexes = FlashAttentionBackend.indexes_kv_by_block_stride()
+        spec = dataclasses.replace(group.kv_cache_spec, indexes_kv_by_block_stride=indexes)
+        groups = [[AttentionGroup(FlashAttentionBackend, list(group.layer_names), spec, 0)]]
+        mixin = KVConnectorModelRunnerMixin
+        # The V1 runner: cross-layer blocks where the connector asks for them.
+        kv_transfer_state._KV_CONNECTOR_AGENT = w
+        with set_current_vllm_config(vc):
+            assert mixin.use_uniform_kv_cache(groups)
+            views, big, backend = mixin.allocate_uniform_kv_caches(
+                kvc, groups, vc.cache_config.cache_dtype, torch.device("cpu"),
+                [vc.cache_config.block_size])
+            ours = cross_layer_views(big, backend, kvc)
+        assert set(ours) == set(views)
+        for name, t in views.items():
+            assert (ours[name].data_ptr(), ours[name].stride(), ours[name].shape) == \
+                (t.data_ptr(), t.stride(), t.shape), name
+        assert describe_kv_caches(ours, nb, "FLASH_ATTN").kind == "cross_layer"
+        _, _, auto = connector("auto")
+        kv_transfer_state._KV_CONNECTOR_AGENT = auto
+        assert not mixin.use_uniform_kv_cache(groups)
+
+        # Model Runner V2: per-layer tensors, whatever the connector prefers. vLLM picks it
+        # for this model where Triton has a GPU (here it falls back to V1: no driver), so
+        # the config says V2 as it does on the GPU host.
+        vc, kvc, w = connector("cross_layer")
+        monkeypatch.setattr(type(vc), "use_v2_model_runner", property(lambda self: True))
+        kv_transfer_state._KV_CONNECTOR_AGENT = w
+        kv = kv_tensors(2, nb, 2, BS, 32, "LBNHC")
+        with caplog.at_level(logging.WARNING, logger="kvferry.vllm"):
+            ActiveKVConnector(vc, kv)
+        assert w.worker_side.layout.kind == "attention"
+        why = [r.getMessage() for r in caplog.records if "cross_layer" in r.getMessage()]
+        assert len(why) == 1 and "VLLM_USE_V2_MODEL_RUNNER=0" in why[0], why
+    finally:
+        for w in made:
+            w.shutdown()

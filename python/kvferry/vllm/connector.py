@@ -200,6 +200,26 @@ def check_supported(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCach
             raise ConfigError(f"kvferry: KV cache group {spec} (recurrent state) is not supported")
 
 
+def _per_layer_why(vllm_config: Any, api: Any) -> str:
+    """Why vLLM handed per-layer KV tensors although ``kv_layout = "cross_layer"`` asked for
+    cross-layer blocks (loads then copy each layer of each block on its own)."""
+    head = (
+        'kvferry: kv_layout = "cross_layer" was asked for, but vLLM registered one KV tensor '
+        "per layer, so each load copies every layer of every block on its own"
+    )
+    if api.cross_layer == "register" and bool(getattr(vllm_config, "use_v2_model_runner", False)):
+        # vLLM 0.26: Model Runner V2 (its default for dense models where Triton is present)
+        # registers per-layer tensors only; the V1 runner allocates cross-layer blocks.
+        return (
+            f"{head}: vLLM's Model Runner V2 (its default for this model) does not offer "
+            "cross-layer KV; start vLLM with VLLM_USE_V2_MODEL_RUNNER=0 to get it"
+        )
+    return (
+        f"{head}: the attention backend does not lay blocks outermost (vLLM fell back to its "
+        "own layout)"
+    )
+
+
 class KvferryConnector(KVConnectorBase_V1):
     """vLLM KV connector backed by a kvferry node (see the module doc and README)."""
 
@@ -322,7 +342,9 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
         assert self.worker_side is not None
-        self.worker_side.register_kv_caches(kv_caches)
+        layout = self.worker_side.register_kv_caches(kv_caches)
+        if self.cfg.kv_layout == "cross_layer" and layout.kind != "cross_layer":
+            log.warning("%s", _per_layer_why(self._vllm_config, API))
 
     def unregister_kv_caches(self) -> None:
         # vLLM 0.33+: the KV cache's memory is released (sleep, a weight update).
