@@ -867,8 +867,10 @@ class WorkerSide:
         thread (vLLM's, in get_finished): the loader would report them too, but only once it
         has the GIL, which a busy engine loop hands over every 5 ms. Failed ones are left to
         the loader (their details need a call). In a step without a forward, waits up to
-        ``idle_wait_ms`` for one of them to end first (the GIL released): no request runs
-        in such a step, and the one whose load ends is scheduled in the next."""
+        ``idle_wait_ms`` for one of them to end first (the GIL released): no request is
+        scheduled in such a step, and the one whose load ends is scheduled in the next. (With
+        vLLM's async scheduling the previous step's forward may still run on the GPU meanwhile;
+        its output is then taken at most ``idle_wait_ms`` later.)"""
         board = self._board
         # For this step only: a step whose metadata vLLM did not bind never waits.
         idle, self._idle_step = self._idle_step, False
