@@ -29,6 +29,15 @@ pub enum ConnectionError {
         #[source]
         source: io::Error,
     },
+    /// The TLS session with the owner could not be made or broke during the data-plane
+    /// hello: its certificate is not one this node's CA signed for the owner's name, the
+    /// owner refused this node's certificate, or the handshake missed its deadline.
+    #[error("TLS with {peer} failed")]
+    Tls {
+        peer: NodeId,
+        #[source]
+        source: io::Error,
+    },
     #[error("expected peer {expected}, {found} answered")]
     PeerMismatch { expected: NodeId, found: NodeId },
     #[error("peer {peer} speaks protocol version {theirs}, we speak {ours}")]

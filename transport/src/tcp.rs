@@ -732,7 +732,7 @@ impl Connector for TcpConnector {
                 Tx::Plain(stream)
             }
             Some(t) => {
-                let tls_err = |source| ConnectionError::HandshakeIo { peer, source };
+                let tls_err = |source| ConnectionError::Tls { peer, source };
                 let mut conn =
                     rustls::ClientConnection::new(t.config.clone(), t.server_name.clone())
                         .map_err(|e| tls_err(io::Error::new(io::ErrorKind::InvalidData, e)))?;
@@ -742,7 +742,15 @@ impl Connector for TcpConnector {
                     Instant::now() + self.connect_timeout,
                 )
                 .map_err(tls_err)?;
-                self.handshake(&mut rustls::Stream::new(&mut conn, &mut stream), qp)?;
+                // TLS 1.3 judges this node's certificate after the client's side of the
+                // handshake is done: a refusal arrives as an alert during the hello.
+                self.handshake(&mut rustls::Stream::new(&mut conn, &mut stream), qp)
+                    .map_err(|e| match e {
+                        ConnectionError::HandshakeIo { peer, source } if tls::is_tls(&source) => {
+                            ConnectionError::Tls { peer, source }
+                        }
+                        e => e,
+                    })?;
                 Tx::Tls(Arc::new(TlsPipe::new(conn, stream).map_err(setup)?))
             }
         };

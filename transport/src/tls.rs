@@ -25,6 +25,12 @@ fn tls_err(e: rustls::Error) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e)
 }
 
+/// Whether `e` is rustls' (a bad record, an alert from the peer, a certificate refused),
+/// not the socket's.
+pub(crate) fn is_tls(e: &io::Error) -> bool {
+    e.get_ref().is_some_and(|e| e.is::<rustls::Error>())
+}
+
 /// Drives a handshake on a socket with a short read timeout until it completes or
 /// `deadline` passes (`TimedOut`).
 pub(crate) fn handshake<C, D>(

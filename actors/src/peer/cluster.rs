@@ -142,7 +142,7 @@ impl DataSide {
         memory: Arc<HostRegion>,
         dir: &std::path::Path,
         tcp_listen: &str,
-        tls: Option<&super::grpc::DataTls>,
+        tls: Option<&super::data_tls::DataTls>,
     ) -> Result<Self, NodeError> {
         let table = MrTable::new();
         let mr = table
@@ -277,6 +277,8 @@ pub struct LocalCluster {
     links: Mutex<HashMap<(String, String), Arc<dyn PeerLink>>>,
     faults: Mutex<HashMap<String, Vec<kvferry_transport::fault::Fault>>>,
     dir: PathBuf,
+    /// TLS on the tcp data plane between the members; none: in clear.
+    data_tls: Option<super::data_tls::DataTls>,
 }
 
 impl std::fmt::Debug for LocalCluster {
@@ -297,6 +299,29 @@ impl LocalCluster {
     }
 
     pub fn with_directory(provider: Provider, directory: Arc<dyn Directory>) -> Arc<Self> {
+        Self::build(provider, directory, None)
+    }
+
+    /// A tcp cluster whose members serve and read the data plane over mutual TLS with the
+    /// certificate and CA of `tls` (one identity for the process: its certificate must name
+    /// every member's node id, as each member checks the owner it dials).
+    pub fn with_tls(
+        provider: Provider,
+        tls: crate::tls::TlsContext,
+    ) -> Result<Arc<Self>, crate::tls::TlsError> {
+        let data_tls = super::data_tls::DataTls::new(tls)?;
+        Ok(Self::build(
+            provider,
+            Arc::new(EmbeddedDirectory::new()),
+            Some(data_tls),
+        ))
+    }
+
+    fn build(
+        provider: Provider,
+        directory: Arc<dyn Directory>,
+        data_tls: Option<super::data_tls::DataTls>,
+    ) -> Arc<Self> {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("kvferry-{}-{n}", std::process::id()));
@@ -307,6 +332,7 @@ impl LocalCluster {
             links: Mutex::new(HashMap::new()),
             faults: Mutex::new(HashMap::new()),
             dir,
+            data_tls,
         })
     }
 
@@ -339,7 +365,14 @@ impl LocalCluster {
         store: Arc<dyn PinService>,
         memory: Arc<HostRegion>,
     ) -> Result<(), NodeError> {
-        let side = DataSide::start(node, self.provider, memory, &self.dir, "127.0.0.1:0", None)?;
+        let side = DataSide::start(
+            node,
+            self.provider,
+            memory,
+            &self.dir,
+            "127.0.0.1:0",
+            self.data_tls.as_ref(),
+        )?;
         self.members
             .lock()
             .map_err(|_| NodeError::Stopped { what: "cluster" })?
@@ -384,6 +417,17 @@ impl LocalCluster {
                                 RemoteError::no_path(format!("{from} has no tcp endpoint")),
                             )
                         })?;
+                    // In one process the owner's grant is issued directly.
+                    let grant = t.auth.issue(transport_id(from)).map_err(|e| {
+                        remote(to, RemoteError::local("authorising the data link", e))
+                    })?;
+                    let connector = match &self.data_tls {
+                        Some(tls) => Some(
+                            tls.connector(from, to, t.addr, grant.clone())
+                                .map_err(|e| remote(to, e))?,
+                        ),
+                        None => None,
+                    };
                     Arc::new(RcLink::new(
                         to.to_owned(),
                         RcEndpoints {
@@ -403,12 +447,9 @@ impl LocalCluster {
                                 .ok()
                                 .and_then(|f| f.get(to).cloned())
                                 .unwrap_or_default(),
-                            connector: None,
+                            connector,
                             rdma: None,
-                            // In one process the owner's grant is issued directly.
-                            grant: Some(t.auth.issue(transport_id(from)).map_err(|e| {
-                                remote(to, RemoteError::local("authorising the data link", e))
-                            })?),
+                            grant: Some(grant),
                         },
                     ))
                 }

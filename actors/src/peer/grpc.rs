@@ -13,6 +13,7 @@ use super::Peers;
 use crate::error::NodeError;
 use crate::peer::client::PeerClient;
 use crate::peer::cluster::{transport_id, DataSide, Provider};
+use crate::peer::data_tls::DataTls;
 use crate::peer::directory::Directory;
 use crate::peer::error::RemoteError;
 use crate::peer::link::{BoxFut, Control, MappedLink, MappedView, PeerLink};
@@ -42,14 +43,6 @@ pub struct GrpcPeers {
     tls: Option<PeerTls>,
     /// TLS on the tcp data plane (`[tls]` with "data"); none: plaintext.
     data_tls: Option<DataTls>,
-}
-
-/// How a node serves and reads the tcp data plane over TLS.
-#[derive(Clone, Debug)]
-pub(crate) struct DataTls {
-    pub(crate) ctx: crate::tls::TlsContext,
-    pub(crate) server: Arc<rustls::ServerConfig>,
-    pub(crate) client: Arc<rustls::ClientConfig>,
 }
 
 /// How a node calls its peers over TLS.
@@ -148,14 +141,7 @@ impl GrpcPeers {
             false => None,
         };
         let data_tls = match data {
-            true => {
-                let (server, client) = tls.data_plane_configs()?;
-                Some(DataTls {
-                    ctx: tls,
-                    server,
-                    client,
-                })
-            }
+            true => Some(DataTls::new(tls)?),
             false => None,
         };
         Ok(Self::build(cfg, directory, peer_tls, data_tls))
@@ -334,27 +320,13 @@ impl GrpcPeers {
                 })?;
                 // Over TLS the link dials with a connector of its own; its grant still goes
                 // in the hello, inside TLS.
-                let connector: Option<Arc<dyn kvferry_transport::Connector>> =
-                    match (&self.data_tls, &hs.grant) {
-                        (Some(t), Some(g)) => {
-                            let server_name = crate::tls::peer_server_name(to)
-                                .map_err(|e| remote(to, RemoteError::refused(e.to_string())))?;
-                            let tls = kvferry_transport::tcp::ClientTls {
-                                config: Arc::clone(&t.client),
-                                server_name,
-                            };
-                            Some(Arc::new(
-                                kvferry_transport::tcp::TcpConnector::new(
-                                    transport_id(from),
-                                    transport_id(to),
-                                    addr,
-                                    g.clone(),
-                                )
-                                .with_tls(tls),
-                            ))
-                        }
-                        _ => None,
-                    };
+                let connector = match (&self.data_tls, &hs.grant) {
+                    (Some(t), Some(g)) => Some(
+                        t.connector(from, to, addr, g.clone())
+                            .map_err(|e| remote(to, e))?,
+                    ),
+                    _ => None,
+                };
                 Arc::new(RcLink::new(
                     to.to_owned(),
                     RcEndpoints {

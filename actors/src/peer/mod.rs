@@ -8,6 +8,7 @@ pub mod bounce;
 pub mod breaker;
 pub mod client;
 pub mod cluster;
+mod data_tls;
 pub mod directory;
 pub mod endpoint;
 pub mod error;

@@ -19,6 +19,7 @@ mod stats;
 pub use connector::{connect_tls, TlsDial};
 pub use context::{peer_server_name, ClientAuth, TlsContext, ALPN_H2};
 pub use error::TlsError;
+pub(crate) use incoming::handshake_failed;
 pub use incoming::{tls_incoming, ServerTlsStream, TlsAccept, TlsServing, MAX_PENDING_HANDSHAKES};
 pub use material::{TlsFiles, TlsMaterial};
 pub use stats::{TlsSample, TlsSide, TlsStats};

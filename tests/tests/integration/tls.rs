@@ -375,3 +375,164 @@ fn two_nodes_load_over_the_tls_data_plane_byte_exact() {
     });
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Owner "a" over tcp with its data port over mutual TLS, holding blocks 0..6, and its Peer
+/// service (plaintext: these tests are about the data plane).
+struct TlsOwner {
+    node: kvferry_actors::Node,
+    /// Its data side lives as long as these peers.
+    _peers: Arc<kvferry_actors::peer::GrpcPeers>,
+    server: PeerServer,
+    _kv: Vec<kvferry_testkit::DeviceKv>,
+}
+
+fn data_shape() -> kvferry_gpu::KvShape {
+    kvferry_gpu::KvShape::new(2, 1, 2, 1024).unwrap()
+}
+
+impl TlsOwner {
+    async fn start(tls: TlsContext) -> Self {
+        let peers = tls_data_peers("a", tls, &[]);
+        let mut cfg = config(64 << 10, 16);
+        cfg.node_id = "a".into();
+        let (node, dev) = start(cfg, Clock::system(), Some(Arc::clone(&peers)));
+        let kv = register_ranks(
+            &node,
+            &dev,
+            "eng",
+            data_shape(),
+            kvferry_testkit::KvKind::Split,
+            8,
+            0,
+            0..6,
+        )
+        .await;
+        let endpoint = peers.data_endpoint().expect("a tcp data side");
+        let server = PeerServer::start(node.peer_backend().with_endpoint(endpoint), "t").await;
+        Self {
+            node,
+            _peers: peers,
+            server,
+            _kv: kv,
+        }
+    }
+
+    async fn stop(self) {
+        settled_with_peers(&self.node).await;
+        self.server.stop().await;
+        self.node.shutdown();
+    }
+}
+
+/// A requester `name` of `owner` over the TLS data plane with `tls`, its KV registered.
+async fn tls_requester(
+    name: &str,
+    tls: TlsContext,
+    owner: &TlsOwner,
+) -> (kvferry_actors::Node, kvferry_testkit::DeviceKv) {
+    let peers = tls_data_peers(name, tls, &[("a", owner.server.addr.to_string())]);
+    let mut cfg = config(64 << 10, 16);
+    cfg.node_id = name.into();
+    let (node, dev) = start(cfg, Clock::system(), Some(peers));
+    let kv = register(
+        &node,
+        &dev,
+        "eng",
+        data_shape(),
+        0,
+        kvferry_testkit::KvKind::Split,
+        16,
+        0,
+    )
+    .await;
+    (node, kv)
+}
+
+const DATA_DEST: [u32; 6] = [9, 2, 5, 0, 7, 8];
+
+/// Queries blocks 0..6 (all on the owner), loads them into [`DATA_DEST`] and checks every
+/// byte of `kv`; then drops the staged copies, so the next load reads the owner again.
+async fn load_remote_exact(
+    node: &kvferry_actors::Node,
+    kv: &kvferry_testkit::DeviceKv,
+    what: &str,
+) {
+    kv.reset().unwrap();
+    let q = query(node, "eng", 0..6, false).await;
+    assert_eq!((q.local_blocks, q.remote_blocks), (0, 6), "{what}");
+    let req = load_request(q.lease.unwrap(), "eng", 0, &DATA_DEST);
+    load_and_verify(node, kv, req, 0, what).await;
+    node.drop_reclaimable().await.unwrap();
+}
+
+/// Whether a TLS failure of the data connection is somewhere in `e`'s causes.
+fn tls_failure_in(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut at = Some(e);
+    while let Some(e) = at {
+        if matches!(
+            e.downcast_ref::<kvferry_transport::ConnectionError>(),
+            Some(kvferry_transport::ConnectionError::Tls { .. })
+        ) {
+            return true;
+        }
+        at = e.source();
+    }
+    false
+}
+
+/// Issue 29, the requester's side: a requester that does not trust the owner's certificate,
+/// and one whose certificate the owner does not trust, each fail their load with a link
+/// failure whose cause is the data connection's TLS, count it as `data-client` on their own
+/// node (the owner counts its side as `data`), write nothing, and leave nothing held; an
+/// authorised requester's loads go on byte-exact.
+#[test]
+fn a_requester_refused_on_the_tls_data_plane_counts_it_and_fails_typed() {
+    let dir = temp("data-client");
+    let ca = Ca::new(&dir.join("ca"));
+    let other = Ca::new(&dir.join("other"));
+    let a_tls = TlsContext::load(ca.issue("a")).unwrap();
+    let b_tls = TlsContext::load(ca.issue("b")).unwrap();
+    // A certificate of the cluster, but trusting another CA: it refuses the owner.
+    let mut wary = ca.issue("w");
+    wary.ca = other.ca();
+    // Another CA's certificate, trusting the cluster's: the owner refuses it.
+    let mut stranger = other.issue("s");
+    stranger.ca = ca.ca();
+    rt().block_on(async {
+        let owner = TlsOwner::start(a_tls.clone()).await;
+        let (b, b_kv) = tls_requester("b", b_tls.clone(), &owner).await;
+        load_remote_exact(&b, &b_kv, "b before").await;
+        for (name, files, refused_by) in [("w", wary, "requester"), ("s", stranger, "owner")] {
+            let tls = TlsContext::load(files).unwrap();
+            let owner_saw = a_tls.stats().handshake_failures(TlsSide::Data);
+            let (node, kv) = tls_requester(name, tls.clone(), &owner).await;
+            let q = query(&node, "eng", 0..6, false).await;
+            assert_eq!(q.remote_blocks, 6, "{name}");
+            let e = load(&node, q.lease.unwrap(), "eng", 0, &DATA_DEST)
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&e, kvferry_actors::NodeError::Remote { peer, source } if peer == "a" && source.is_link_failure()),
+                "{name} (refused by the {refused_by}): {e}"
+            );
+            assert!(tls_failure_in(&e), "{name}: not a TLS failure: {e:?}");
+            assert!(
+                tls.stats().handshake_failures(TlsSide::DataClient) >= 1,
+                "{name}: the requester did not count its failed handshake"
+            );
+            failures_reach(&a_tls, TlsSide::Data, owner_saw + 1).await;
+            kv.untouched_outside(&[]).unwrap();
+            let s = settled(&node).await;
+            assert_eq!(s.loads_failed, 1, "{name}");
+            node.shutdown();
+        }
+        // The owner's own reads (none) and the authorised requester: no client failures,
+        // and its loads go on.
+        assert_eq!(b_tls.stats().handshake_failures(TlsSide::DataClient), 0);
+        load_remote_exact(&b, &b_kv, "b after the refusals").await;
+        settled(&b).await;
+        b.shutdown();
+        owner.stop().await;
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
