@@ -7,6 +7,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use kvferry_actors::config::ByteSize;
 use kvferry_actors::peer::{GrpcPeers, GrpcPeersConfig, LocalCluster, Provider, StaticDirectory};
+use kvferry_actors::tls::TlsContext;
 use kvferry_actors::{
     BlockHash, Clock, InstanceId, LeaseId, LoadRequest, Node, NodeConfig, QueryRequest,
     TransferReport,
@@ -58,6 +59,11 @@ pub struct RemoteArgs {
     /// the nodes' slot-bytes must hold it).
     #[arg(long, default_value_t = 64)]
     segment_kib: u64,
+    /// With --provider tcp: a second pair of nodes whose data plane is mutual TLS
+    /// (certificates of a lab CA made in-process), measured in the same rounds as the pair
+    /// in clear; reports both and TLS/plain.
+    #[arg(long)]
+    tls: bool,
 }
 
 /// `kvferry owner`: an owner node in its own process holding blocks 0..N of the benchmark's
@@ -138,7 +144,7 @@ fn node_config(name: &str, slot: u64, slots: u64) -> NodeConfig {
 
 use crate::bench::median;
 
-/// One hit-set size measured on both paths.
+/// One hit-set size measured on both paths, on one pair of nodes.
 struct Point {
     blocks: u32,
     bytes: u64,
@@ -208,59 +214,97 @@ async fn load_all_ranks(
     first.context("no ranks")
 }
 
-async fn measure(
-    requester: &Node,
-    kvs: &[DeviceKv],
-    instance: &InstanceId,
-    blocks: u32,
-    iters: usize,
-) -> anyhow::Result<Point> {
+/// A pair of nodes: the owner (in this process, or its own), the requester, and their KV.
+struct Pair {
+    /// "plain" or "tls": what its data plane is.
+    label: &'static str,
+    owner: Option<Node>,
+    child: Option<std::process::Child>,
+    requester: Node,
+    /// The owner's registered KV, kept while it serves.
+    _owner_kvs: Vec<DeviceKv>,
+    kvs: Vec<DeviceKv>,
+    inst: InstanceId,
+}
+
+impl Pair {
+    /// Checks that nothing is left held, and stops both nodes.
+    async fn finish(self) -> anyhow::Result<()> {
+        let st = self.requester.stats().await?;
+        let leaked = st.leases_live != 0 || st.pinned_blocks != 0 || st.transfers_in_flight != 0;
+        let unregistered = self.requester.unregister_instance(self.inst).await;
+        self.requester.shutdown();
+        if let Some(o) = self.owner {
+            o.shutdown();
+        }
+        if let Some(mut c) = self.child {
+            drop(c.stdin.take());
+            let _ = c.wait();
+        }
+        if leaked {
+            bail!("{} pair: leak after the benchmark: {st:?}", self.label);
+        }
+        unregistered?;
+        Ok(())
+    }
+}
+
+/// Measures every pair at `blocks`: in each round every pair loads once on each path, the
+/// pairs and the paths taking turns at going first, so that no pair or path always runs
+/// on the heels of another (after its pool slots were dropped, its connections warm).
+/// One point per pair.
+async fn measure(pairs: &[Pair], blocks: u32, iters: usize) -> anyhow::Result<Vec<Point>> {
     let hashes: Vec<BlockHash> = (0..u64::from(blocks)).map(BlockHash::from_u64).collect();
     let dest: Vec<u32> = (0..blocks).map(|i| i * 3 + 1).collect();
-    let tp = kvs.len() as u32;
-    let bytes = u64::from(blocks) * kvs[0].shape.rank_bytes() * u64::from(tp);
-    let (mut d, mut s) = (Vec::new(), Vec::new());
-    let (mut dr, mut sr) = (None, None);
-    let mut verified = true;
+    let tp = pairs[0].kvs.len() as u32;
+    let bytes = u64::from(blocks) * pairs[0].kvs[0].shape.rank_bytes() * u64::from(tp);
+    let n = pairs.len();
+    let mut times: Vec<(Vec<f64>, Vec<f64>)> = (0..n).map(|_| Default::default()).collect();
+    let mut reports: Vec<(Option<TransferReport>, Option<TransferReport>)> =
+        (0..n).map(|_| (None, None)).collect();
+    let mut verified = vec![true; n];
     let expected: Vec<(u32, u64)> = dest
         .iter()
         .enumerate()
         .map(|(i, x)| (*x, i as u64))
         .collect();
     for i in 0..iters + 1 {
-        // Each path goes first in every other round, so that neither always runs on the
-        // heels of the other (after its pool slots were dropped, its connections warm).
-        let order = if i % 2 == 0 {
+        let paths = if i % 2 == 0 {
             [true, false]
         } else {
             [false, true]
         };
-        for direct in order {
-            let lease = lease_remote(requester, instance, &hashes, direct).await?;
-            let t = Instant::now();
-            let r = load_all_ranks(requester, instance, lease, &dest, tp).await?;
-            let dt = t.elapsed().as_secs_f64();
-            if i == iters {
-                // Check bytes on the last round of each path, then reset the destinations.
-                for (rank, kv) in kvs.iter().enumerate() {
-                    if let Err(e) = kv.verify(&expected, rank as u32) {
-                        eprintln!("bench: rank {rank} direct={direct}: {e}");
-                        verified = false;
+        for k in (0..n).map(|k| (k + i) % n) {
+            let pair = &pairs[k];
+            for direct in paths {
+                let lease = lease_remote(&pair.requester, &pair.inst, &hashes, direct).await?;
+                let t = Instant::now();
+                let r = load_all_ranks(&pair.requester, &pair.inst, lease, &dest, tp)
+                    .await
+                    .with_context(|| format!("{} pair", pair.label))?;
+                let dt = t.elapsed().as_secs_f64();
+                if i == iters {
+                    // Check bytes on the last round of each path, then reset the destinations.
+                    for (rank, kv) in pair.kvs.iter().enumerate() {
+                        if let Err(e) = kv.verify(&expected, rank as u32) {
+                            eprintln!("bench: {} rank {rank} direct={direct}: {e}", pair.label);
+                            verified[k] = false;
+                        }
+                        kv.reset()?;
                     }
-                    kv.reset()?;
                 }
-            }
-            if i > 0 {
-                if direct {
-                    d.push(dt);
-                    dr = Some(r);
-                } else {
-                    s.push(dt);
-                    sr = Some(r);
+                if i > 0 {
+                    if direct {
+                        times[k].0.push(dt);
+                        reports[k].0 = Some(r);
+                    } else {
+                        times[k].1.push(dt);
+                        reports[k].1 = Some(r);
+                    }
                 }
+                // Staged copies would hit locally next time: start every load cold.
+                pair.requester.drop_reclaimable().await?;
             }
-            // Staged copies would hit locally next time: start every load cold.
-            requester.drop_reclaimable().await?;
         }
         eprintln!(
             "bench: {blocks} blocks ({} MiB), round {i}/{iters}{}",
@@ -268,15 +312,22 @@ async fn measure(
             if i == 0 { " (warm-up)" } else { "" }
         );
     }
-    Ok(Point {
-        blocks,
-        bytes,
-        direct_s: median(&mut d),
-        staged_s: median(&mut s),
-        direct_report: dr.context("no direct run")?,
-        staged_report: sr.context("no staged run")?,
-        verified,
-    })
+    times
+        .into_iter()
+        .zip(reports)
+        .zip(verified)
+        .map(|(((mut d, mut s), (dr, sr)), verified)| {
+            Ok(Point {
+                blocks,
+                bytes,
+                direct_s: median(&mut d),
+                staged_s: median(&mut s),
+                direct_report: dr.context("no direct run")?,
+                staged_report: sr.context("no staged run")?,
+                verified,
+            })
+        })
+        .collect()
 }
 
 fn stages(r: &TransferReport) -> serde_json::Value {
@@ -287,10 +338,135 @@ fn stages(r: &TransferReport) -> serde_json::Value {
         .into()
 }
 
+/// The owner and requester nodes of one pair, started (the owner in its own process with
+/// `--owner-process`); `tls`: their data plane over mutual TLS.
+fn start_pair(
+    a: &RemoteArgs,
+    provider: Provider,
+    devices: &[Arc<dyn Device>],
+    slot: u64,
+    max: u32,
+    tls: Option<TlsContext>,
+) -> anyhow::Result<(Option<Node>, Option<std::process::Child>, Node)> {
+    let requester_cfg = node_config("requester", slot, u64::from(max) + 1);
+    if a.owner_process {
+        let (child, addr) = spawn_owner(provider, max, a.tp)?;
+        let peers = GrpcPeers::new(
+            GrpcPeersConfig {
+                node_id: "requester".into(),
+                provider,
+                token: String::new(),
+                peers: vec![("owner".into(), addr)],
+                shm_dir: std::env::temp_dir().join(format!("kvferry-bench-{}", std::process::id())),
+                data_listen: "127.0.0.1:0".into(),
+            },
+            Arc::new(StaticDirectory::new(vec!["owner".into()])),
+        );
+        let requester = Node::start_in(
+            requester_cfg,
+            devices.to_vec(),
+            Clock::system(),
+            Some(peers),
+        )?;
+        return Ok((None, Some(child), requester));
+    }
+    let cluster = match tls {
+        Some(ctx) => LocalCluster::with_tls(provider, ctx).context("TLS for the data plane")?,
+        None => LocalCluster::new(provider),
+    };
+    let owner = Node::start_in(
+        node_config("owner", slot, u64::from(max)),
+        vec![HostDevice::new(0) as Arc<dyn Device>],
+        Clock::system(),
+        Some(Arc::clone(&cluster)),
+    )?;
+    let requester = Node::start_in(
+        requester_cfg,
+        devices.to_vec(),
+        Clock::system(),
+        Some(Arc::clone(&cluster)),
+    )?;
+    Ok((Some(owner), None, requester))
+}
+
+/// Fills the owner's blocks 0..max (in process) and registers the requester's KV.
+async fn prepare_pair(
+    label: &'static str,
+    (owner, child, requester): (Option<Node>, Option<std::process::Child>, Node),
+    devices: &[Arc<dyn Device>],
+    shape: KvShape,
+    max: u32,
+) -> anyhow::Result<Pair> {
+    let mut owner_kvs = Vec::new();
+    if let Some(owner) = &owner {
+        for rank in 0..shape.tp_size() {
+            let okv = DeviceKv::alloc(
+                owner.device(0).context("owner device")?,
+                shape,
+                KvKind::Split,
+                1,
+                64 << 10,
+                0,
+            )?;
+            let oinst = okv.register(owner, ENGINE, "bench", rank).await?;
+            put_pattern(owner, &oinst, &shape, rank, 0..u64::from(max)).await?;
+            owner_kvs.push(okv);
+        }
+    }
+    let mut kvs = Vec::new();
+    let mut inst = None;
+    for (rank, dev) in devices.iter().enumerate() {
+        let kv = DeviceKv::alloc(Arc::clone(dev), shape, KvKind::Split, max * 3, 64 << 10, 0)?;
+        inst = Some(
+            kv.register(&requester, ENGINE, "bench", rank as u32)
+                .await?,
+        );
+        kvs.push(kv);
+    }
+    Ok(Pair {
+        label,
+        owner,
+        child,
+        requester,
+        _owner_kvs: owner_kvs,
+        kvs,
+        inst: inst.context("no ranks")?,
+    })
+}
+
+/// A lab CA and one certificate naming both nodes of a pair (they share the process's
+/// identity), in a private directory removed when this drops.
+struct LabTls {
+    dir: std::path::PathBuf,
+    ctx: TlsContext,
+}
+
+impl LabTls {
+    fn new() -> anyhow::Result<Self> {
+        let dir = std::env::temp_dir().join(format!("kvferry-bench-tls-{}", std::process::id()));
+        let ca = kvferry_testkit::LabCa::new(&dir, "kvferry bench CA")?;
+        let files = ca.issue("node", &["owner", "requester"])?;
+        let ctx = TlsContext::load(files).context("loading the bench certificates")?;
+        Ok(Self { dir, ctx })
+    }
+}
+
+impl Drop for LabTls {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
     let provider = Provider::parse(&a.provider)?;
     if a.tp == 0 {
         bail!("--tp must be at least 1");
+    }
+    if a.tls && (provider != Provider::Tcp || a.owner_process || !a.nodes.is_empty()) {
+        bail!(
+            "--tls measures the tcp data plane of nodes in this process: it takes --provider \
+             tcp, without --owner-process or --nodes"
+        );
     }
     if !a.nodes.is_empty() {
         let shape = KvShape::new(a.layers, 1, 2, a.segment_kib << 10)?;
@@ -316,49 +492,31 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
     };
     let max = *sizes.iter().max().unwrap_or(&a.blocks);
     let slot = shape.block_bytes();
-    let (owner, child, requester) = if a.owner_process {
-        let (child, addr) = spawn_owner(provider, max, a.tp)?;
-        let peers = GrpcPeers::new(
-            GrpcPeersConfig {
-                node_id: "requester".into(),
-                provider,
-                token: String::new(),
-                peers: vec![("owner".into(), addr)],
-                shm_dir: std::env::temp_dir().join(format!("kvferry-bench-{}", std::process::id())),
-                data_listen: "127.0.0.1:0".into(),
-            },
-            Arc::new(StaticDirectory::new(vec!["owner".into()])),
-        );
-        let requester = Node::start_in(
-            node_config("requester", slot, u64::from(max) + 1),
-            devices.clone(),
-            Clock::system(),
-            Some(peers),
-        )?;
-        (None, Some(child), requester)
-    } else {
-        let cluster = LocalCluster::new(provider);
-        let owner = Node::start_in(
-            node_config("owner", slot, u64::from(max)),
-            vec![HostDevice::new(0) as Arc<dyn Device>],
-            Clock::system(),
-            Some(Arc::clone(&cluster)),
-        )?;
-        let requester = Node::start_in(
-            node_config("requester", slot, u64::from(max) + 1),
-            devices.clone(),
-            Clock::system(),
-            Some(Arc::clone(&cluster)),
-        )?;
-        (Some(owner), None, requester)
+    let lab = if a.tls { Some(LabTls::new()?) } else { None };
+    let plain = start_pair(&a, provider, &devices, slot, max, None)?;
+    let tls = match &lab {
+        Some(l) => Some(start_pair(
+            &a,
+            provider,
+            &devices,
+            slot,
+            max,
+            Some(l.ctx.clone()),
+        )?),
+        None => None,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()?;
     eprintln!(
-        "bench: remote suffix over {} into {}{}, {} blocks of {} KiB per rank",
+        "bench: remote suffix over {}{} into {}{}, {} blocks of {} KiB per rank",
         provider.as_str(),
+        if a.tls {
+            ", in clear and over mutual TLS"
+        } else {
+            ""
+        },
         device.name(),
         if a.tp > 1 {
             format!(" and {} more (TP {}, one rank per device)", a.tp - 1, a.tp)
@@ -393,68 +551,62 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
     base_s.remove(0);
     let base_median = median(&mut base_s);
     let baseline = &baselines[0];
-    let points = rt.block_on(async {
-        let mut owner_kvs = Vec::new();
-        if let Some(owner) = &owner {
-            for rank in 0..a.tp {
-                let okv = DeviceKv::alloc(
-                    owner.device(0).context("owner device")?,
-                    shape,
-                    KvKind::Split,
-                    1,
-                    64 << 10,
-                    0,
-                )?;
-                let oinst = okv.register(owner, ENGINE, "bench", rank).await?;
-                put_pattern(owner, &oinst, &shape, rank, 0..u64::from(max)).await?;
-                owner_kvs.push(okv);
+    // Per size, one point per pair: [plain] or [plain, tls].
+    let points: anyhow::Result<Vec<Vec<Point>>> = rt.block_on(async {
+        let mut pairs = vec![prepare_pair("plain", plain, &devices, shape, max).await?];
+        if let Some(t) = tls {
+            pairs.push(prepare_pair("tls", t, &devices, shape, max).await?);
+        }
+        let mut points = Vec::new();
+        let mut failed = None;
+        for &n in &sizes {
+            match measure(&pairs, n, a.iters).await {
+                Ok(p) => points.push(p),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
             }
         }
-        let mut kvs = Vec::new();
-        let mut inst = None;
-        for (rank, dev) in devices.iter().enumerate() {
-            let kv = DeviceKv::alloc(Arc::clone(dev), shape, KvKind::Split, max * 3, 64 << 10, 0)?;
-            inst = Some(
-                kv.register(&requester, ENGINE, "bench", rank as u32)
-                    .await?,
-            );
-            kvs.push(kv);
+        for p in pairs {
+            p.finish().await?;
         }
-        let inst = inst.context("no ranks")?;
-        let mut points = Vec::new();
-        for &n in &sizes {
-            points.push(measure(&requester, &kvs, &inst, n, a.iters).await?);
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(points),
         }
-        let st = requester.stats().await?;
-        if st.leases_live != 0 || st.pinned_blocks != 0 || st.transfers_in_flight != 0 {
-            bail!("leak after the benchmark: {st:?}");
-        }
-        requester.unregister_instance(inst).await?;
-        Ok::<_, anyhow::Error>(points)
     });
-    requester.shutdown();
-    if let Some(o) = owner {
-        o.shutdown();
-    }
-    if let Some(mut c) = child {
-        drop(c.stdin.take());
-        let _ = c.wait();
-    }
+    drop(lab);
     let points = points?;
     let main = points.last().context("no measurement")?;
-    let ratio = main.staged_s / main.direct_s;
+    let (plain_main, tls_main) = (&main[0], main.get(1));
+    let ratio = plain_main.staged_s / plain_main.direct_s;
     let gbps = |b: u64, s: f64| b as f64 / s / 1e9;
+    // TLS throughput over plain throughput (medians), per path.
+    let tls_vs_plain = |p: &[Point]| {
+        p.get(1)
+            .map(|t| (p[0].direct_s / t.direct_s, p[0].staged_s / t.staged_s))
+    };
     if let Some(path) = &a.plot {
         if !a.sweep {
             bail!("--plot needs --sweep");
         }
-        let series = |name: &str, secs: fn(&Point) -> f64| crate::plot::Series {
+        let series = |name: &str, at: usize, secs: fn(&Point) -> f64| crate::plot::Series {
             name: name.into(),
             points: points
                 .iter()
+                .filter_map(|p| p.get(at))
                 .map(|p| ((p.bytes >> 20) as f64, gbps(p.bytes, secs(p))))
                 .collect(),
         };
+        let mut lines = vec![
+            series("direct", 0, |p| p.direct_s),
+            series("staged", 0, |p| p.staged_s),
+        ];
+        if tls_main.is_some() {
+            lines.push(series("direct, TLS", 1, |p| p.direct_s));
+            lines.push(series("staged, TLS", 1, |p| p.staged_s));
+        }
         crate::plot::line_chart(
             path,
             &format!(
@@ -464,66 +616,99 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
             ),
             "hit set (MiB)",
             "GB/s",
-            &[
-                series("direct", |p| p.direct_s),
-                series("staged", |p| p.staged_s),
-            ],
+            &lines,
         )?;
         eprintln!("bench: chart written to {}", path.display());
     }
-    let verified = points.iter().all(|p| p.verified);
+    let verified = points.iter().flatten().all(|p| p.verified);
+    let path_json = |p: &Point| {
+        json!({
+            "direct": {
+                "median_s": p.direct_s,
+                "gbps": gbps(p.bytes, p.direct_s),
+                "stages": stages(&p.direct_report),
+            },
+            "staged": {
+                "median_s": p.staged_s,
+                "gbps": gbps(p.bytes, p.staged_s),
+                "stages": stages(&p.staged_report),
+            },
+            "verified": p.verified,
+        })
+    };
     if a.json {
-        let out = json!({
+        let plain = path_json(plain_main);
+        let mut out = json!({
             "device": device.name(),
             "provider": provider.as_str(),
             "tp": a.tp,
             "devices": devices.iter().map(|d| d.name()).collect::<Vec<_>>(),
-            "blocks": main.blocks,
-            "bytes": main.bytes,
+            "blocks": plain_main.blocks,
+            "bytes": plain_main.bytes,
             "iters": a.iters,
-            "direct": {
-                "median_s": main.direct_s,
-                "gbps": gbps(main.bytes, main.direct_s),
-                "stages": stages(&main.direct_report),
-            },
-            "staged": {
-                "median_s": main.staged_s,
-                "gbps": gbps(main.bytes, main.staged_s),
-                "stages": stages(&main.staged_report),
-            },
+            "direct": plain["direct"],
+            "staged": plain["staged"],
             "direct_vs_staged": ratio,
             "baseline": baseline.name(),
-            "baseline_gbps": gbps(main.bytes, base_median),
-            "direct_vs_baseline": base_median / main.direct_s,
+            "baseline_gbps": gbps(plain_main.bytes, base_median),
+            "direct_vs_baseline": base_median / plain_main.direct_s,
             "verified": verified,
-            "sweep": points.iter().map(|p| json!({
-                "blocks": p.blocks,
-                "bytes": p.bytes,
-                "direct_gbps": gbps(p.bytes, p.direct_s),
-                "staged_gbps": gbps(p.bytes, p.staged_s),
-            })).collect::<Vec<_>>(),
+            "sweep": points.iter().map(|p| {
+                let mut row = json!({
+                    "blocks": p[0].blocks,
+                    "bytes": p[0].bytes,
+                    "direct_gbps": gbps(p[0].bytes, p[0].direct_s),
+                    "staged_gbps": gbps(p[0].bytes, p[0].staged_s),
+                });
+                if let Some(t) = p.get(1) {
+                    row["tls_direct_gbps"] = json!(gbps(t.bytes, t.direct_s));
+                    row["tls_staged_gbps"] = json!(gbps(t.bytes, t.staged_s));
+                }
+                row
+            }).collect::<Vec<_>>(),
         });
+        if let (Some(t), Some((d, s))) = (tls_main, tls_vs_plain(main)) {
+            out["plain"] = plain;
+            out["tls"] = path_json(t);
+            out["tls_vs_plain"] = json!({ "direct": d, "staged": s });
+        }
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         for p in &points {
+            let q = &p[0];
             println!(
                 "{:>4} blocks {:>5} MiB: direct {:>6.2} GB/s, staged {:>6.2} GB/s, direct/staged {:.2}",
-                p.blocks,
-                p.bytes >> 20,
-                gbps(p.bytes, p.direct_s),
-                gbps(p.bytes, p.staged_s),
-                p.staged_s / p.direct_s
+                q.blocks,
+                q.bytes >> 20,
+                gbps(q.bytes, q.direct_s),
+                gbps(q.bytes, q.staged_s),
+                q.staged_s / q.direct_s
             );
+            if let (Some(t), Some((d, s))) = (p.get(1), tls_vs_plain(p)) {
+                println!(
+                    "{:>4} blocks over TLS: direct {:>6.2} GB/s, staged {:>6.2} GB/s; \
+                     tls_vs_plain direct {d:.2}, staged {s:.2}",
+                    t.blocks,
+                    gbps(t.bytes, t.direct_s),
+                    gbps(t.bytes, t.staged_s),
+                );
+            }
         }
         println!(
             "direct_vs_staged ({} blocks): {ratio:.2}; verified: {verified}",
-            main.blocks
+            plain_main.blocks
         );
+        if let Some((d, s)) = tls_vs_plain(main) {
+            println!(
+                "tls_vs_plain ({} blocks, GB/s over TLS / in clear): direct {d:.2}, staged {s:.2}",
+                plain_main.blocks
+            );
+        }
         println!(
             "{}: {:.2} GB/s; direct_vs_baseline {:.2}",
             baseline.name(),
-            gbps(main.bytes, base_median),
-            base_median / main.direct_s
+            gbps(plain_main.bytes, base_median),
+            base_median / plain_main.direct_s
         );
     }
     if !verified {

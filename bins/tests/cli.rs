@@ -895,3 +895,66 @@ fn bench_engine_measures_verifies_and_reports_progress() {
         "{err}"
     );
 }
+
+/// `kvferry bench remote --provider tcp --tls`: a pair of nodes in clear and a pair over
+/// mutual TLS measured in the same run, both paths on each, every byte checked, and the
+/// ratio TLS/plain reported; `--tls` where it cannot apply is refused, naming it.
+#[test]
+fn bench_remote_over_tcp_in_clear_and_over_tls_in_one_run() {
+    let out = kvferry()
+        .args([
+            "bench",
+            "remote",
+            "--device",
+            "host",
+            "--provider",
+            "tcp",
+            "--tls",
+        ])
+        .args(["--blocks", "2", "--iters", "1", "--json"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["verified"], true, "{v}");
+    for side in ["plain", "tls"] {
+        assert_eq!(v[side]["verified"], true, "{side}: {v}");
+        for path in ["direct", "staged"] {
+            let gbps = v[side][path]["gbps"].as_f64();
+            assert!(gbps.is_some_and(|g| g > 0.0), "{side} {path}: {v}");
+        }
+    }
+    // The plain figures are the run's main ones, as without --tls.
+    assert_eq!(v["direct"], v["plain"]["direct"], "{v}");
+    for path in ["direct", "staged"] {
+        let r = v["tls_vs_plain"][path].as_f64().unwrap();
+        let want =
+            v["tls"][path]["gbps"].as_f64().unwrap() / v["plain"][path]["gbps"].as_f64().unwrap();
+        assert!(
+            r > 0.0 && (r - want).abs() < 1e-9 * want.max(1.0),
+            "{path}: {v}"
+        );
+    }
+    let row = &v["sweep"][0];
+    assert_eq!(row["blocks"], 2, "{v}");
+    assert!(
+        row["tls_direct_gbps"].as_f64().is_some_and(|g| g > 0.0),
+        "{v}"
+    );
+
+    for refused in [
+        &["--provider", "shm"][..],
+        &["--provider", "tcp", "--owner-process"],
+    ] {
+        let out = kvferry()
+            .args(["bench", "remote", "--device", "host", "--tls"])
+            .args(refused)
+            .args(["--blocks", "2", "--iters", "1"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{refused:?}: {err}");
+        assert!(err.contains("--tls"), "{refused:?}: {err}");
+    }
+}

@@ -6,13 +6,15 @@
 //! engines allocate, canaries everywhere, [`DeviceKv::verify`]); [`MemfdKv`] and
 //! [`MemfdRegionsKv`] (host KV in memfds, as an engine without a GPU passes it); an owner
 //! node in its own process ([`run_owner_process`]); [`Attached`], an engine process attached
-//! to a running node. Benchmarks: [`transport_bench`] and the raw-driver baselines
-//! [`bench_raw_h2d`] and [`bench_raw_duplex`].
+//! to a running node; [`LabCa`], a lab CA writing node certificates for TLS. Benchmarks:
+//! [`transport_bench`] and the raw-driver baselines [`bench_raw_h2d`] and
+//! [`bench_raw_duplex`].
 
 mod attached;
 mod cuda_bench;
 mod cuda_duplex;
 mod device_kv;
+mod lab_tls;
 mod memfd_kv;
 mod owner;
 mod pattern;
@@ -25,6 +27,7 @@ pub use attached::{AttachError, Attached};
 pub use cuda_bench::bench_raw_h2d;
 pub use cuda_duplex::{bench_raw_duplex, DuplexRanges};
 pub use device_kv::{DeviceKv, KvKind};
+pub use lab_tls::{LabCa, LabTlsError};
 pub use memfd_kv::{MemfdKv, MemfdRegionsKv};
 pub use owner::{run_owner_process, OwnerSpec};
 pub use pattern::{fill_segment, put_pattern, rank_part, CANARY};
