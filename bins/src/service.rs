@@ -248,7 +248,8 @@ impl Engine {
 fn load_tls(cfg: &NodeConfig) -> anyhow::Result<Option<TlsContext>> {
     match &cfg.tls {
         Some(t) => Ok(Some(
-            TlsContext::load(t.files()).context("loading the [tls] files")?,
+            TlsContext::load_with(t.files(), t.expiry_warning())
+                .context("loading the [tls] files")?,
         )),
         None => Ok(None),
     }

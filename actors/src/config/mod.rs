@@ -34,7 +34,7 @@ pub use metrics::MetricsConfig;
 pub use node::NodeConfig;
 pub use pool::PoolConfig;
 pub use tenants::{QuotaSection, TenantsConfig, MAX_METRIC_NAMESPACES};
-pub use tls::{ClientAuth, TlsConfig, TlsListener, MAX_HANDSHAKE_TIMEOUT_MS};
+pub use tls::{ClientAuth, TlsConfig, TlsListener, MAX_EXPIRY_WARN_DAYS, MAX_HANDSHAKE_TIMEOUT_MS};
 
 #[cfg(test)]
 mod tests;

@@ -627,6 +627,37 @@ fn the_tls_section_is_checked_naming_the_key() {
         "config key tls.reload-poll-secs:",
     );
     refused(format!("{good}engine-client-cert = \"maybe\"\n"), "maybe");
+    refused(
+        format!("{good}expiry-warn-days = 4000\n"),
+        "config key tls.expiry-warn-days:",
+    );
+    assert_eq!(
+        NodeConfig::from_toml(&format!("{good}expiry-warn-days = 0\n"), "t.toml")
+            .unwrap()
+            .tls
+            .unwrap()
+            .expiry_warning(),
+        std::time::Duration::ZERO
+    );
+    // A certificate of the right CA and key, but past its notAfter: every peer would refuse
+    // it, so the node does not start with it.
+    let ca = crate::tls::tests::TestCa::new(&dir.join("expiring"), "expiring");
+    let expired = ca.node("a", "expired", true);
+    let err = NodeConfig::from_toml(
+        &format!(
+            "[tls]\ncert = \"{}\"\nkey = \"{}\"\nca = \"{}\"\n",
+            expired.cert.display(),
+            expired.key.display(),
+            expired.ca.display()
+        ),
+        "t.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("config key tls.cert:") && err.contains("expired"),
+        "{err}"
+    );
     refused(format!("{good}certs = \"x\"\n"), "certs");
     // With TLS between nodes, a peer's node id must be a name its certificate can carry.
     refused(
@@ -648,6 +679,7 @@ fn the_tls_sample_loads_with_its_files_beside_it() {
     );
     assert!(cfg.tls_on(TlsListener::Peer) && cfg.tls_on(TlsListener::Engine));
     assert!(t.reload_on_sighup);
+    assert_eq!(t.expiry_warn_days, 14);
     // The same text read from elsewhere finds no files: relative paths are the file's.
     let text = std::fs::read_to_string(path).unwrap();
     let err = NodeConfig::from_toml(&text, "elsewhere.toml")

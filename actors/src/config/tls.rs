@@ -4,8 +4,8 @@
 //! its peer listener only clients whose certificate `ca` signed. Engines are authenticated
 //! by `engine.token`; a client certificate on the engine listener is optional unless
 //! `engine-client-cert = "required"`. Relative paths are taken from the directory of the
-//! config file (`NodeConfig::load`). `validate()` reads the files: they must parse as PEM
-//! and the key must be the certificate's.
+//! config file (`NodeConfig::load`). `validate()` reads the files: they must parse as PEM,
+//! the key must be the certificate's, and the certificate must not have expired.
 
 use std::path::{Path, PathBuf};
 
@@ -67,7 +67,13 @@ pub struct TlsConfig {
     /// A connection that has not finished its handshake this long after it was accepted is
     /// closed (slow or silent clients cannot hold a listener's slots).
     pub handshake_timeout_ms: u64,
+    /// Warn (at start and at each reload) when this node's certificate expires within this
+    /// many days; 0: never.
+    pub expiry_warn_days: u32,
 }
+
+/// Most days `tls.expiry-warn-days` takes (ten years).
+pub const MAX_EXPIRY_WARN_DAYS: u32 = 3650;
 
 impl Default for TlsConfig {
     fn default() -> Self {
@@ -80,6 +86,7 @@ impl Default for TlsConfig {
             reload_on_sighup: true,
             reload_poll_secs: 0,
             handshake_timeout_ms: 5_000,
+            expiry_warn_days: 14,
         }
     }
 }
@@ -101,6 +108,10 @@ impl TlsConfig {
             key: self.key.clone(),
             ca: self.ca.clone(),
         }
+    }
+
+    pub fn expiry_warning(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(u64::from(self.expiry_warn_days) * 86_400)
     }
 
     pub fn handshake_timeout(&self) -> std::time::Duration {
@@ -148,11 +159,25 @@ impl TlsConfig {
                 format!("{} must be 0 (off) to 86400", self.reload_poll_secs),
             );
         }
-        // What the node would load at start, loaded now: a config that passes starts.
-        crate::tls::TlsMaterial::load(&self.files()).map_err(|e| ConfigError::Invalid {
+        if self.expiry_warn_days > MAX_EXPIRY_WARN_DAYS {
+            return invalid(
+                "tls.expiry-warn-days",
+                format!(
+                    "{} must be 0 (never) to {MAX_EXPIRY_WARN_DAYS}",
+                    self.expiry_warn_days
+                ),
+            );
+        }
+        // What the node would load at start, loaded now: a config that passes starts. A
+        // certificate already expired would be refused by every peer.
+        let refused = |e: crate::tls::TlsError| ConfigError::Invalid {
             key: e.key(),
             reason: e.to_string(),
-        })?;
+        };
+        crate::tls::TlsMaterial::load(&self.files())
+            .map_err(refused)?
+            .check_unexpired(&self.cert, std::time::SystemTime::now())
+            .map_err(refused)?;
         Ok(())
     }
 }

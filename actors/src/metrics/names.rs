@@ -42,6 +42,7 @@ pub const QPS: &str = "kvferry_qps";
 pub const COMPLETION_ERRORS: &str = "kvferry_completion_errors_total";
 pub const TLS_HANDSHAKE_FAILURES: &str = "kvferry_tls_handshake_failures_total";
 pub const TLS_RELOADS: &str = "kvferry_tls_reloads_total";
+pub const TLS_CERT_EXPIRY: &str = "kvferry_tls_cert_expiry_seconds";
 pub const ENGINE_SESSIONS: &str = "kvferry_engine_sessions";
 pub const ENGINE_MEMORY_HANDLES: &str = "kvferry_engine_memory_handles";
 pub const ENGINE_LOADS_PENDING: &str = "kvferry_engine_loads_pending";
@@ -132,6 +133,11 @@ pub fn describe() {
         (
             ENGINE_MAILBOXES,
             "Request mailboxes attached to engine sessions (a node thread each).",
+        ),
+        (
+            TLS_CERT_EXPIRY,
+            "Seconds until this node's own TLS certificate expires (its notAfter); negative once \
+             it has. Alert well before 0: peers refuse an expired certificate.",
         ),
         (SSD_BLOCKS, "Blocks held on SSD."),
         (SSD_CAPACITY_BLOCKS, "Block slots of the SSD directories."),

@@ -357,6 +357,12 @@ fn exported_names_kinds_and_labels_through_the_debugging_recorder() {
                         hits_ssd: 3,
                         ..Default::default()
                     }),
+                    Box::new({
+                        let tls = crate::tls::TlsStats::default();
+                        tls.handshake_failed(crate::tls::TlsSide::DataClient);
+                        tls.set_cert_not_after(i64::MAX);
+                        tls.sample()
+                    }),
                 ],
             },
         );
@@ -450,6 +456,12 @@ fn exported_names_kinds_and_labels_through_the_debugging_recorder() {
         (SSD_PROMOTE_NO_ROOM, (MetricKind::Counter, &[][..])),
         (SSD_DAMAGED_BLOCKS, (MetricKind::Counter, &["damage"][..])),
         (SSD_HIT_BLOCKS, (MetricKind::Counter, &["tier"][..])),
+        (
+            TLS_HANDSHAKE_FAILURES,
+            (MetricKind::Counter, &["listener"][..]),
+        ),
+        (TLS_RELOADS, (MetricKind::Counter, &["result"][..])),
+        (TLS_CERT_EXPIRY, (MetricKind::Gauge, &[][..])),
     ]
     .into_iter()
     .collect();

@@ -5,9 +5,12 @@
 //! `Arc<CertifiedKey>` and verifiers built from the new CA, and the next handshake uses
 //! them. Sessions already established keep the keys they agreed and are not touched, so a
 //! rotation drops nothing in flight. A reload that fails (a half-written file, a key that
-//! is not the certificate's) keeps what was loaded and is counted.
+//! is not the certificate's, a certificate already expired) keeps what was loaded and is
+//! counted. The node's own certificate's notAfter is kept for the expiry gauge, and a
+//! certificate that expires within the warning period is logged at load and at each reload.
 
 use std::sync::{Arc, RwLock};
+use std::time::{Duration, SystemTime};
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::{ResolvesClientCert, WebPkiServerVerifier};
@@ -36,6 +39,9 @@ pub enum ClientAuth {
     Required,
 }
 
+/// How long before its certificate expires a node starts warning, unless told otherwise.
+pub const DEFAULT_EXPIRY_WARNING: Duration = Duration::from_secs(14 * 86_400);
+
 /// ALPN of the gRPC listeners (HTTP/2 only).
 pub const ALPN_H2: &[u8] = b"h2";
 
@@ -46,11 +52,14 @@ struct Current {
     required: Arc<dyn ClientCertVerifier>,
     optional: Arc<dyn ClientCertVerifier>,
     server: Arc<WebPkiServerVerifier>,
+    /// The leaf certificate's notAfter, unix seconds.
+    not_after_unix: i64,
 }
 
 #[derive(Debug)]
 struct Inner {
     files: TlsFiles,
+    expiry_warning: Duration,
     provider: Arc<CryptoProvider>,
     current: RwLock<Arc<Current>>,
     stats: Arc<TlsStats>,
@@ -85,22 +94,61 @@ fn build(files: &TlsFiles, provider: &Arc<CryptoProvider>) -> Result<Current, Tl
         required,
         optional,
         server,
+        not_after_unix: m.not_after_unix,
     })
 }
 
 impl TlsContext {
-    /// Loads the files (ring as the crypto provider).
+    /// Loads the files (ring as the crypto provider), warning of a certificate that
+    /// expires within [`DEFAULT_EXPIRY_WARNING`].
     pub fn load(files: TlsFiles) -> Result<Self, TlsError> {
+        Self::load_with(files, DEFAULT_EXPIRY_WARNING)
+    }
+
+    /// [`Self::load`], warning (at load and at each reload) of a certificate that expires
+    /// within `expiry_warning` (zero: never). An expired certificate is loaded (a config's
+    /// `validate()` refuses it; tests present one), but a reload does not swap one in.
+    pub fn load_with(files: TlsFiles, expiry_warning: Duration) -> Result<Self, TlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let current = build(&files, &provider)?;
-        Ok(Self {
+        let stats = Arc::new(TlsStats::default());
+        stats.set_cert_not_after(current.not_after_unix);
+        let ctx = Self {
             inner: Arc::new(Inner {
                 files,
+                expiry_warning,
                 provider,
                 current: RwLock::new(Arc::new(current)),
-                stats: Arc::default(),
+                stats,
             }),
-        })
+        };
+        ctx.warn_if_expiring(SystemTime::now());
+        Ok(ctx)
+    }
+
+    /// Seconds from `now` until the certificate handshakes present expires (negative once
+    /// it has).
+    pub fn cert_expires_in(&self, now: SystemTime) -> i64 {
+        self.current()
+            .not_after_unix
+            .saturating_sub(crate::tls::material::unix_secs(now))
+    }
+
+    /// Logs a warning if the certificate expires within the warning period; whether it did.
+    fn warn_if_expiring(&self, now: SystemTime) -> bool {
+        let left = self.cert_expires_in(now);
+        let warn = i64::try_from(self.inner.expiry_warning.as_secs()).unwrap_or(i64::MAX);
+        if warn == 0 || left >= warn {
+            return false;
+        }
+        tracing::warn!(
+            cert = %self.inner.files.cert.display(),
+            expires_in_days = left as f64 / 86_400.0,
+            warn_days = warn / 86_400,
+            "this node's TLS certificate expires soon: peers will refuse it then; rotate it \
+             (new files, then SIGHUP)"
+        );
+        true
     }
 
     pub fn files(&self) -> &TlsFiles {
@@ -129,8 +177,23 @@ impl TlsContext {
     /// Rereads the files; on success later handshakes use them, on failure nothing changes.
     /// Either way the result is counted and logged.
     pub fn reload(&self) -> Result<(), TlsError> {
-        match build(&self.inner.files, &self.inner.provider) {
+        let now = SystemTime::now();
+        let built = build(&self.inner.files, &self.inner.provider).and_then(|c| {
+            let left = c
+                .not_after_unix
+                .saturating_sub(crate::tls::material::unix_secs(now));
+            match left < 0 {
+                true => Err(TlsError::Expired {
+                    path: self.inner.files.cert.clone(),
+                    not_after_unix: c.not_after_unix,
+                    ago_secs: left.unsigned_abs(),
+                }),
+                false => Ok(c),
+            }
+        });
+        match built {
             Ok(c) => {
+                self.inner.stats.set_cert_not_after(c.not_after_unix);
                 *self
                     .inner
                     .current
@@ -141,6 +204,7 @@ impl TlsContext {
                     cert = %self.inner.files.cert.display(),
                     "TLS certificate, key and CA reloaded; new handshakes use them"
                 );
+                self.warn_if_expiring(now);
                 Ok(())
             }
             Err(e) => {

@@ -29,6 +29,16 @@ pub enum TlsError {
         path: PathBuf,
         expected: &'static str,
     },
+    /// The leaf certificate is not an X.509 certificate its validity can be read from.
+    #[error("certificate {}: not a readable X.509 certificate: {reason}", path.display())]
+    Certificate { path: PathBuf, reason: String },
+    /// The node's own certificate is past its notAfter: every peer would refuse it.
+    #[error("certificate {}: expired {ago_secs} s ago (notAfter {not_after_unix}, unix time)", path.display())]
+    Expired {
+        path: PathBuf,
+        not_after_unix: i64,
+        ago_secs: u64,
+    },
     /// The key parsed but is of a kind rustls cannot sign with.
     #[error("key {}: unsupported private key", path.display())]
     UnsupportedKey {
@@ -79,6 +89,7 @@ impl TlsError {
                     _ => "tls.ca",
                 }
             }
+            Self::Certificate { .. } | Self::Expired { .. } => "tls.cert",
             Self::UnsupportedKey { .. } | Self::KeyMismatch { .. } => "tls.key",
             Self::BadCa { .. } | Self::Verifier { .. } => "tls.ca",
             Self::Setup { .. } => "tls",

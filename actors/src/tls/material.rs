@@ -1,5 +1,6 @@
 //! The files of `[tls]` read into what rustls uses: the node's [`CertifiedKey`] (the key
-//! checked to be the certificate's) and the CA's [`RootCertStore`].
+//! checked to be the certificate's) and the CA's [`RootCertStore`], and the leaf
+//! certificate's notAfter (x509-parser), which the node reports and checks at start.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -36,6 +37,8 @@ impl TlsFiles {
 pub struct TlsMaterial {
     pub certified: Arc<CertifiedKey>,
     pub roots: Arc<RootCertStore>,
+    /// The leaf certificate's notAfter, unix seconds.
+    pub not_after_unix: i64,
 }
 
 fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
@@ -89,6 +92,7 @@ impl TlsMaterial {
                 source,
             }
         })?;
+        let not_after_unix = not_after(&chain[0], &files.cert)?;
         let certified = CertifiedKey::new(chain, signer);
         certified
             .keys_match()
@@ -107,6 +111,43 @@ impl TlsMaterial {
         Ok(Self {
             certified: Arc::new(certified),
             roots: Arc::new(roots),
+            not_after_unix,
         })
     }
+
+    /// Seconds from `now` until the certificate expires; negative once it has.
+    pub fn expires_in(&self, now: SystemTime) -> i64 {
+        self.not_after_unix.saturating_sub(unix_secs(now))
+    }
+
+    /// Refuses a certificate already past its notAfter at `now` (naming `tls.cert`).
+    pub fn check_unexpired(&self, cert: &Path, now: SystemTime) -> Result<(), TlsError> {
+        let left = self.expires_in(now);
+        if left < 0 {
+            return Err(TlsError::Expired {
+                path: cert.to_owned(),
+                not_after_unix: self.not_after_unix,
+                ago_secs: left.unsigned_abs(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// `t` in unix seconds (before 1970: negative).
+pub(crate) fn unix_secs(t: SystemTime) -> i64 {
+    match t.duration_since(SystemTime::UNIX_EPOCH) {
+        Ok(d) => i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        Err(e) => i64::try_from(e.duration().as_secs()).map_or(i64::MIN, |s| -s),
+    }
+}
+
+/// The notAfter of a DER certificate, unix seconds.
+fn not_after(cert: &CertificateDer<'_>, path: &Path) -> Result<i64, TlsError> {
+    let (_, parsed) =
+        x509_parser::parse_x509_certificate(cert.as_ref()).map_err(|e| TlsError::Certificate {
+            path: path.to_owned(),
+            reason: e.to_string(),
+        })?;
+    Ok(parsed.validity().not_after.timestamp())
 }

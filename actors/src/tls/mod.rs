@@ -17,7 +17,7 @@ pub mod reload;
 mod stats;
 
 pub use connector::{connect_tls, TlsDial};
-pub use context::{peer_server_name, ClientAuth, TlsContext, ALPN_H2};
+pub use context::{peer_server_name, ClientAuth, TlsContext, ALPN_H2, DEFAULT_EXPIRY_WARNING};
 pub use error::TlsError;
 pub(crate) use incoming::handshake_failed;
 pub use incoming::{tls_incoming, ServerTlsStream, TlsAccept, TlsServing, MAX_PENDING_HANDSHAKES};

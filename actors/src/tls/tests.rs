@@ -42,6 +42,31 @@ impl TestCa {
 
     /// Writes `<file>.pem` and `<file>.key` for node `name`; `expired`: valid only in 2001.
     pub(crate) fn node(&self, name: &str, file: &str, expired: bool) -> TlsFiles {
+        self.node_with(name, file, |p| {
+            if expired {
+                p.not_before = rcgen::date_time_ymd(2001, 1, 1);
+                p.not_after = rcgen::date_time_ymd(2001, 12, 31);
+            }
+        })
+    }
+
+    /// [`Self::node`] valid from a day ago until `secs` from now.
+    pub(crate) fn node_expiring_in(&self, name: &str, file: &str, secs: u64) -> TlsFiles {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap();
+        self.node_with(name, file, |p| {
+            p.not_before = rcgen::date_time_ymd(1970, 1, 1) + (now - Duration::from_secs(86_400));
+            p.not_after = rcgen::date_time_ymd(1970, 1, 1) + (now + Duration::from_secs(secs));
+        })
+    }
+
+    fn node_with(
+        &self,
+        name: &str,
+        file: &str,
+        edit: impl FnOnce(&mut CertificateParams),
+    ) -> TlsFiles {
         let mut p = CertificateParams::new(vec![name.to_owned(), "localhost".to_owned()]).unwrap();
         p.distinguished_name.push(DnType::CommonName, name);
         p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
@@ -49,10 +74,7 @@ impl TestCa {
             ExtendedKeyUsagePurpose::ServerAuth,
             ExtendedKeyUsagePurpose::ClientAuth,
         ];
-        if expired {
-            p.not_before = rcgen::date_time_ymd(2001, 1, 1);
-            p.not_after = rcgen::date_time_ymd(2001, 12, 31);
-        }
+        edit(&mut p);
         let key = KeyPair::generate().unwrap();
         let cert = p.signed_by(&key, &self.issuer).unwrap();
         let files = TlsFiles {
@@ -469,5 +491,100 @@ fn loading_names_the_file_at_fault() {
         }),
         "tls.cert"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Log lines written while a subscriber of it is the default.
+#[derive(Clone, Default)]
+struct Capture(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Capture {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Capture {
+    fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync {
+        let w = self.clone();
+        tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(move || w.clone())
+            .finish()
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// The node's own certificate's expiry: read at load and reported, counting down, through
+/// the stats; a warning within the warning period (not outside it); an expired certificate
+/// refused by a reload, which keeps the one loaded before.
+#[test]
+fn own_certificate_expiry_is_reported_warned_of_and_an_expired_one_not_swapped_in() {
+    let dir = temp_dir("expiry");
+    let ca = TestCa::new(&dir.join("ca"), "cluster CA");
+    let days = |n: u64| n * 86_400;
+    let files = ca.node_expiring_in("owner", "owner", days(5));
+    let logged = |warn: Duration| {
+        let buf = Capture::default();
+        let ctx = tracing::subscriber::with_default(buf.subscriber(), || {
+            TlsContext::load_with(files.clone(), warn).unwrap()
+        });
+        (ctx, buf.text())
+    };
+    let (ctx, text) = logged(DEFAULT_EXPIRY_WARNING);
+    assert!(text.contains("expires soon"), "{text}");
+    assert!(text.contains("WARN"), "{text}");
+    let now = std::time::SystemTime::now();
+    let left = ctx.cert_expires_in(now);
+    assert!(
+        (days(5) as i64 - 60..=days(5) as i64).contains(&left),
+        "{left}"
+    );
+    assert_eq!(ctx.stats().cert_expires_in(now), Some(left));
+    // Ten seconds on, the gauge says ten seconds less: it is reckoned at the scrape.
+    let later = now + Duration::from_secs(10);
+    assert_eq!(ctx.stats().cert_expires_in(later), Some(left - 10));
+    // A warning period shorter than what is left, or none: no warning.
+    for warn in [Duration::from_secs(days(1)), Duration::ZERO] {
+        let (_, text) = logged(warn);
+        assert!(!text.contains("expires soon"), "{warn:?}: {text}");
+    }
+
+    // Rotated to a certificate valid for a year: the gauge follows the reload.
+    ca.node_expiring_in("owner", "owner", days(365));
+    ctx.reload().unwrap();
+    let left = ctx
+        .stats()
+        .cert_expires_in(std::time::SystemTime::now())
+        .unwrap();
+    assert!(left > days(364) as i64, "{left}");
+    let served = ctx.certified_key().cert[0].clone();
+
+    // One already expired is refused naming tls.cert; the year-long one stays.
+    ca.node("owner", "owner", true);
+    let e = ctx.reload().unwrap_err();
+    assert!(matches!(e, TlsError::Expired { .. }), "{e:?}");
+    assert_eq!(e.key(), "tls.cert");
+    assert_eq!(ctx.stats().reloads(), (1, 1));
+    assert_eq!(ctx.certified_key().cert[0], served);
+    assert!(
+        ctx.stats()
+            .cert_expires_in(std::time::SystemTime::now())
+            .unwrap()
+            > days(364) as i64
+    );
+    // The material itself says so too (what validate() checks).
+    let m = TlsMaterial::load(&files).unwrap();
+    assert!(m.expires_in(std::time::SystemTime::now()) < 0);
+    assert!(m
+        .check_unexpired(&files.cert, std::time::SystemTime::now())
+        .is_err());
     let _ = std::fs::remove_dir_all(&dir);
 }
