@@ -380,9 +380,10 @@ fn two_nodes_load_over_the_tls_data_plane_byte_exact() {
 /// service (plaintext: these tests are about the data plane).
 struct TlsOwner {
     node: kvferry_actors::Node,
-    /// Its data side lives as long as these peers.
-    _peers: Arc<kvferry_actors::peer::GrpcPeers>,
+    peers: Arc<kvferry_actors::peer::GrpcPeers>,
     server: PeerServer,
+    /// The tcp data port.
+    data: std::net::SocketAddr,
     _kv: Vec<kvferry_testkit::DeviceKv>,
 }
 
@@ -408,13 +409,20 @@ impl TlsOwner {
         )
         .await;
         let endpoint = peers.data_endpoint().expect("a tcp data side");
+        let data = endpoint.endpoint.parse().unwrap();
         let server = PeerServer::start(node.peer_backend().with_endpoint(endpoint), "t").await;
         Self {
             node,
-            _peers: peers,
+            peers,
             server,
+            data,
             _kv: kv,
         }
+    }
+
+    fn rejected(&self, why: kvferry_transport::Reject) -> u64 {
+        use kvferry_actors::peer::Peers;
+        self.peers.data_rejections("a").unwrap().get(why)
     }
 
     async fn stop(self) {
@@ -530,6 +538,97 @@ fn a_requester_refused_on_the_tls_data_plane_counts_it_and_fails_typed() {
         // and its loads go on.
         assert_eq!(b_tls.stats().handshake_failures(TlsSide::DataClient), 0);
         load_remote_exact(&b, &b_kv, "b after the refusals").await;
+        settled(&b).await;
+        b.shutdown();
+        owner.stop().await;
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 29's bad input on the TLS data port: garbage, a TLS record header that promises
+/// more than ever comes, and a client sending one byte a second. Garbage is closed at once
+/// and counted as a TLS failure; the other two when the hello deadline passes (5 s), counted
+/// as hello timeouts; meanwhile an authorised requester's loads on the same owner are
+/// byte-exact, and after them too.
+#[test]
+fn garbage_truncated_records_and_slowloris_on_the_tls_data_port_are_closed_and_counted() {
+    use kvferry_transport::Reject;
+    use std::io::{Read, Write};
+    let dir = temp("data-bad");
+    let ca = Ca::new(&dir.join("ca"));
+    let a_tls = TlsContext::load(ca.issue("a")).unwrap();
+    let b_tls = TlsContext::load(ca.issue("b")).unwrap();
+    let deadline = kvferry_transport::tcp::HELLO_DEADLINE;
+    rt().block_on(async {
+        let owner = TlsOwner::start(a_tls.clone()).await;
+        let (b, b_kv) = tls_requester("b", b_tls.clone(), &owner).await;
+        load_remote_exact(&b, &b_kv, "b before").await;
+        let (tls_before, timeouts_before) = (
+            owner.rejected(Reject::Tls),
+            owner.rejected(Reject::HelloTimeout),
+        );
+        // Each bad client on a thread of its own: how long until the owner closed it.
+        let bad = |send: &'static [u8], trickle: bool| {
+            let addr = owner.data;
+            std::thread::spawn(move || {
+                let s = std::net::TcpStream::connect(addr).unwrap();
+                let started = std::time::Instant::now();
+                let mut rx = s.try_clone().unwrap();
+                let closed = std::thread::spawn(move || {
+                    let mut buf = [0u8; 512];
+                    // An alert may come before the close.
+                    while matches!(rx.read(&mut buf), Ok(n) if n > 0) {}
+                    started.elapsed()
+                });
+                let mut tx = s;
+                if trickle {
+                    for b in send {
+                        if closed.is_finished() || tx.write_all(&[*b]).is_err() {
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                } else {
+                    let _ = tx.write_all(send);
+                }
+                closed.join().unwrap()
+            })
+        };
+        let garbage = bad(&[0xff; 64], false);
+        // A handshake record of 16 KiB of which 3 bytes come.
+        let truncated = bad(&[0x16, 0x03, 0x01, 0x40, 0x00, 0x01, 0x00, 0x3f], false);
+        // A ClientHello's first bytes, one a second, for longer than the deadline.
+        let slow = bad(
+            &[
+                0x16, 0x03, 0x01, 0x00, 0xc8, 0x01, 0x00, 0x00, 0xc4, 0x03, 0x03, 0x00,
+            ],
+            true,
+        );
+        // Authorised loads go on while they hold their connections.
+        for i in 0..3 {
+            load_remote_exact(&b, &b_kv, &format!("b during bad clients, {i}")).await;
+        }
+        let waited = |h: std::thread::JoinHandle<Duration>| h.join().unwrap();
+        let g = tokio::task::spawn_blocking(move || waited(garbage))
+            .await
+            .unwrap();
+        assert!(
+            g < Duration::from_secs(1),
+            "garbage held its connection {g:?}"
+        );
+        for (what, h) in [("truncated record", truncated), ("slowloris", slow)] {
+            let t = tokio::task::spawn_blocking(move || waited(h))
+                .await
+                .unwrap();
+            assert!(
+                t >= deadline - Duration::from_millis(500) && t < deadline + Duration::from_secs(2),
+                "{what} closed after {t:?}, the deadline being {deadline:?}"
+            );
+        }
+        assert_eq!(owner.rejected(Reject::Tls), tls_before + 1);
+        assert_eq!(owner.rejected(Reject::HelloTimeout), timeouts_before + 2);
+        assert!(a_tls.stats().handshake_failures(TlsSide::Data) >= 1);
+        load_remote_exact(&b, &b_kv, "b after bad clients").await;
         settled(&b).await;
         b.shutdown();
         owner.stop().await;
