@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use kvferry_actors::peer::{
     BreakerState, Directory, LocalCluster, Peers, Provider, RedisDirectory, RedisOptions,
 };
+use kvferry_actors::tls::{TlsContext, TlsSide};
 use kvferry_actors::{Clock, DirectGrant, Node, NodeError};
 use kvferry_gpu::{Device, HostDevice, KvShape};
 use kvferry_testkit::harness::*;
@@ -131,11 +132,77 @@ fn worked_example_tcp() {
     run_worked_example(Provider::Tcp);
 }
 
+/// A tcp cluster whose data plane is mutual TLS (one lab certificate naming b, a and c, the
+/// process's identity), its TLS context, and the directory of its files.
+fn tls_cluster(what: &str) -> (Arc<LocalCluster>, TlsContext, std::path::PathBuf) {
+    let dir =
+        std::env::temp_dir().join(format!("kvferry-remote-tls-{what}-{}", std::process::id()));
+    let ca = kvferry_testkit::LabCa::new(&dir, "remote test CA").unwrap();
+    let tls = TlsContext::load(ca.issue("nodes", &["b", "a", "c"]).unwrap()).unwrap();
+    let cluster = LocalCluster::with_tls(Provider::Tcp, tls.clone()).unwrap();
+    (cluster, tls, dir)
+}
+
+/// A tcp cluster, in clear or over TLS; the TLS context, if any, and its files.
+fn tcp_cluster(
+    tls: bool,
+    what: &str,
+) -> (Arc<LocalCluster>, Option<(TlsContext, std::path::PathBuf)>) {
+    match tls {
+        false => (LocalCluster::new(Provider::Tcp), None),
+        true => {
+            let (c, t, d) = tls_cluster(what);
+            (c, Some((t, d)))
+        }
+    }
+}
+
+/// Over TLS, a fault of the link is not a TLS failure: nothing counted on either side.
+fn no_tls_failures(tls: &Option<(TlsContext, std::path::PathBuf)>) {
+    if let Some((t, dir)) = tls {
+        for side in [TlsSide::Data, TlsSide::DataClient] {
+            assert_eq!(t.stats().handshake_failures(side), 0, "{}", side.as_str());
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+/// The worked example over the tcp data plane with mutual TLS, direct and staged.
+#[test]
+fn worked_example_tcp_over_tls() {
+    let (cluster, tls, dir) = tls_cluster("worked");
+    rt().block_on(async {
+        let c = Cluster::with(cluster, &["b", "a", "c"]);
+        let kv = worked_example(&c, 1).await;
+        for direct in [true, false] {
+            kv[0].reset().unwrap();
+            let q = query(c.node(0), "eng", 0..12, direct).await;
+            assert_eq!((q.local_blocks, q.remote_blocks), (4, 8));
+            let req = load_request(q.lease.unwrap(), "eng", 0, &DEST);
+            load_and_verify(c.node(0), &kv[0], req, 0, &format!("tls direct={direct}")).await;
+            c.settled().await;
+            c.node(0).drop_reclaimable().await.unwrap();
+        }
+    });
+    no_tls_failures(&Some((tls, dir)));
+}
+
 #[test]
 fn owner_killed_after_pinning_fails_a_tcp_load_hard() {
+    owner_killed_after_pinning(false);
+}
+
+/// The same with the data plane over mutual TLS.
+#[test]
+fn owner_killed_after_pinning_fails_a_tls_load_hard() {
+    owner_killed_after_pinning(true);
+}
+
+fn owner_killed_after_pinning(tls: bool) {
     for direct in [true, false] {
+        let (cluster, tls) = tcp_cluster(tls, &format!("killed-{direct}"));
         rt().block_on(async {
-            let c = Cluster::new(Provider::Tcp, &["b", "a", "c"]);
+            let c = Cluster::with(cluster, &["b", "a", "c"]);
             let kv = worked_example(&c, 1).await;
             let q = query(c.node(0), "eng", 0..12, direct).await;
             assert_eq!(q.remote_blocks, 8);
@@ -165,6 +232,7 @@ fn owner_killed_after_pinning_fails_a_tcp_load_hard() {
             settled(c.node(0)).await;
             assert_eq!(c.node(1).peer_pins().await.unwrap(), 0);
         });
+        no_tls_failures(&tls);
     }
 }
 
@@ -173,6 +241,17 @@ fn owner_killed_after_pinning_fails_a_tcp_load_hard() {
 /// destinations, leaves every gauge at zero, and the next load works.
 #[test]
 fn transport_fault_matrix_end_to_end() {
+    transport_fault_matrix(false);
+}
+
+/// The fault matrix with the data plane over mutual TLS: the faults wrap the TLS connection
+/// as they wrap the plain one, and each ends the same way.
+#[test]
+fn transport_fault_matrix_end_to_end_over_tls() {
+    transport_fault_matrix(true);
+}
+
+fn transport_fault_matrix(tls: bool) {
     use kvferry_transport::fault::{Fault, FaultKind};
     use kvferry_transport::CompletionStatus;
     // Each failure with the kind its caller reacts to: a broken link ("remote": the QP went
@@ -197,8 +276,8 @@ fn transport_fault_matrix_end_to_end() {
     for (name, kind, want) in cases {
         let fails = want.is_some();
         for direct in [true, false] {
+            let (cluster, tls) = tcp_cluster(tls, &format!("matrix-{direct}"));
             rt().block_on(async {
-                let cluster = LocalCluster::new(Provider::Tcp);
                 // The third read to A (block 6) hits the fault.
                 cluster.inject_faults("a", vec![Fault { at: 3, kind }]);
                 let c = Cluster::with(cluster, &["b", "a", "c"]);
@@ -234,6 +313,7 @@ fn transport_fault_matrix_end_to_end() {
                 load_and_verify(c.node(0), &kv[0], req, 0, &what).await;
                 c.settled().await;
             });
+            no_tls_failures(&tls);
         }
     }
 }
