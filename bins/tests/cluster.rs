@@ -780,8 +780,22 @@ fn sighup(node: &NodeProc) {
 /// keeps loading, and A's first link to B, made after, handshakes with the new ones.
 #[test]
 fn three_nodes_with_mutual_tls_a_stranger_refused_and_a_rotation() {
-    let dir =
-        std::env::temp_dir().join(format!("kvferry-cluster-tls-certs-{}", std::process::id()));
+    three_nodes_with_mutual_tls("tls", "[\"peer\"]");
+}
+
+/// The same with the tcp data plane over mutual TLS too: B's reads from A, before and after
+/// the rotation, and A's reads from B made after it, each byte-exact.
+#[test]
+fn three_nodes_with_mutual_tls_on_the_data_plane_too() {
+    three_nodes_with_mutual_tls("tls-data", "[\"peer\", \"data\"]");
+}
+
+/// `what` names the test's directories; `listeners` is `[tls] listeners`.
+fn three_nodes_with_mutual_tls(what: &str, listeners: &str) {
+    let dir = std::env::temp_dir().join(format!(
+        "kvferry-cluster-{what}-certs-{}",
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let cluster = Ca::new(&dir, "cluster-ca");
@@ -790,10 +804,10 @@ fn three_nodes_with_mutual_tls_a_stranger_refused_and_a_rotation() {
     cluster.issue(&dir, "a");
     other.issue(&dir, "c");
     let names = ["b", "a", "c"];
-    let (node_dir, mut nodes) = start_three("tls", "tcp", |i| {
+    let (node_dir, mut nodes) = start_three(what, "tcp", |i| {
         format!(
             "[tls]\ncert = \"{d}/{n}.pem\"\nkey = \"{d}/{n}.key\"\nca = \"{ca}\"\n\
-             listeners = [\"peer\"]\n",
+             listeners = {listeners}\n",
             d = dir.display(),
             n = names[i],
             ca = cluster.pem.display()
