@@ -176,6 +176,7 @@ pub fn store<'py>(py: Python<'py>, s: StoreResponse) -> PyResult<Bound<'py, PyDi
     d.set_item("sealed", s.sealed)?;
     d.set_item("bytes", s.bytes)?;
     d.set_item("seconds", s.seconds)?;
+    d.set_item("not_stored", s.not_stored)?;
     Ok(d)
 }
 

@@ -206,7 +206,7 @@ def test_save_then_load(client):
         for dest, block in zip(src, range(100, 104)):
             kv.write_block(dest, block)
         saved = client.save("py-save", 0, [block_hash(b) for b in range(100, 104)], src)
-        assert set(saved) == {"written", "present", "sealed", "bytes", "seconds"}
+        assert set(saved) == {"written", "present", "sealed", "bytes", "seconds", "not_stored"}
         assert (saved["written"], saved["sealed"]) == (4, 4), saved
         again = client.save("py-save", 0, [block_hash(100)], [0])
         assert (again["written"], again["present"]) == (0, 1)

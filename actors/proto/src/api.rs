@@ -217,6 +217,9 @@ pub struct StoreReport {
     pub sealed: usize,
     pub bytes: u64,
     pub seconds: f64,
+    /// Blocks at the request's end not stored: no slot left that the request did not hold
+    /// itself, or the namespace's quota reached (the blocks before them are stored).
+    pub not_stored: usize,
 }
 
 /// Gauges and counters an operator asks about.

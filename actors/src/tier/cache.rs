@@ -64,6 +64,12 @@ pub enum CacheError {
 }
 
 impl CacheError {
+    /// Ends a put or a save at this block, keeping the blocks before it: refused for the
+    /// namespace's quota, or no slot left that the request itself does not hold.
+    pub fn ends_request(&self) -> bool {
+        self.is_quota() || matches!(self, CacheError::Full { .. })
+    }
+
     /// Refused for the namespace's quota (the request keeps the blocks admitted before).
     pub fn is_quota(&self) -> bool {
         matches!(
@@ -251,6 +257,11 @@ impl BlockCache {
     /// Every namespace's use of RAM, with its quota.
     pub fn usage(&self) -> Vec<TenantUsage> {
         self.tenants.usage()
+    }
+
+    /// Whether a sealed block was evicted since the last [`Self::take_evicted`].
+    pub fn has_evicted(&self) -> bool {
+        !self.evicted.is_empty()
     }
 
     /// Sealed blocks evicted since the last call.

@@ -16,10 +16,17 @@
 //!   RAM, which writes evicted blocks to disk, cannot evict them), then get RAM slots and
 //!   are read into them; the prefix ends at the first block that got no slot or whose read
 //!   was bad, and a damaged block leaves the tier.
+//! - **A request's prefix is kept**: a save's blocks are pinned by their writers until it
+//!   commits, and a put holds its blocks until it ends where RAM is the last tier (no SSD,
+//!   or a namespace under a quota), so neither evicts its own earlier blocks. A block
+//!   refused for its namespace's quota, or for a pool full of pinned blocks (a request
+//!   larger than RAM), ends the request there — the blocks before it are kept, advertised
+//!   and answered as written, the rest are reported not stored (a prefix is what a later
+//!   query can use). With an SSD tier a put larger than RAM spills its first blocks to
+//!   disk; each block is advertised before any move of it, so the directory and the events
+//!   end where the tiers are.
 //! - **Quotas**: a namespace at its RAM quota replaces its own oldest block
-//!   ([`crate::tier::quota`]); a block refused for its quota ends a put or a save there —
-//!   the blocks before it are kept and answered as written, the rest are not stored (a
-//!   prefix is what a later query can use).
+//!   ([`crate::tier::quota`]).
 //! - **Pins**: a lease's RAM blocks are pinned and its SSD blocks held on disk; a peer's pin
 //!   expires after its TTL. Pinned blocks are never evicted.
 
@@ -170,12 +177,7 @@ impl<D: Disk> Tiers<D> {
     /// evicted handled. Returns the keys whose [`Effect::Durable`] answers the caller
     /// (write-through only); the driver registers for them before it runs the effects.
     pub fn handle_sealed(&mut self, ns: &Namespace, sealed: &[BlockHash]) -> Vec<BlockKey> {
-        if !sealed.is_empty() {
-            self.effects.push(Effect::Publish {
-                namespace: ns.clone(),
-                hashes: sealed.to_vec(),
-            });
-        }
+        self.publish(ns, sealed.to_vec());
         let keys = self.write_through(ns, sealed);
         self.handle_evictions();
         keys
@@ -204,7 +206,19 @@ impl<D: Disk> Tiers<D> {
         let mut report = StoreReport::default();
         let offset = shape.rank_offset(rank);
         let mut sealed = Vec::new();
+        // Sealed here and not advertised yet: advertised before any eviction is handled, so
+        // a block this put seals and then spills (or drops) is published before it is
+        // withdrawn or moved, never after.
+        let mut unpublished = Vec::new();
+        // Without an SSD tier a block RAM evicts leaves the node, so the put's blocks are
+        // held until it ends, written or present: its later blocks evict older blocks, never
+        // its own prefix (RAM would keep the put's tail, which no query can use). Under a
+        // quota likewise: a namespace at its quota gives up older blocks, never this
+        // request's. With an SSD tier and no quota, a put larger than RAM spills its first
+        // blocks to disk, where they stay served.
+        let hold = self.ssd.is_none() || self.cache.has_quota(ns);
         let mut held = Vec::new();
+        let mut stored = 0;
         for (hash, data) in blocks {
             let r = self.cache.reserve(
                 ns,
@@ -214,41 +228,64 @@ impl<D: Disk> Tiers<D> {
                 shape.block_bytes(),
                 BlockClass::Retained,
             );
+            if self.cache.has_evicted() {
+                self.publish(ns, std::mem::take(&mut unpublished));
+            }
             // Before the slot is written: an evicted block's bytes are still in it.
             self.handle_evictions();
             match r {
-                // The quota ends the put here: what it wrote before is answered below
-                // (nothing written: the quota's error is the answer).
-                Err(e) if e.is_quota() && report.written > 0 => break,
+                // RAM is full of this put's prefix and pinned blocks, or the namespace's
+                // quota is reached: the put ends here, what it stored before is answered
+                // below (nothing stored: the error is the answer).
+                Err(e) if e.ends_request() && stored > 0 => break,
                 Err(e) => {
                     // The blocks sealed so far are kept; nobody waits for their disk writes.
                     self.cache.unpin(ns, &held);
-                    self.handle_sealed(ns, &sealed);
+                    self.publish(ns, unpublished);
+                    self.write_through(ns, &sealed);
+                    self.handle_evictions();
                     return Err(e.into());
                 }
-                Ok(Reservation::Present) => report.present += 1,
+                Ok(Reservation::Present) => {
+                    if hold {
+                        self.cache.hold(ns, *hash);
+                        held.push(*hash);
+                    }
+                    report.present += 1;
+                }
                 Ok(Reservation::Write(slot)) => {
                     self.cache.pool().write(slot.slot, offset, data);
-                    // Under a quota, held until the put ends as a save's reservations are:
-                    // a namespace at its quota gives up older blocks, never this request's
-                    // prefix. (Without one, a put larger than the pool evicts its own
-                    // first blocks, as it always did.)
-                    if self.cache.has_quota(ns) {
+                    if hold {
                         self.cache.hold(ns, *hash);
                         held.push(*hash);
                     }
                     if self.cache.commit(ns, *hash, rank) {
                         sealed.push(*hash);
+                        unpublished.push(*hash);
                     }
                     report.written += 1;
                     report.bytes += rank_bytes;
                 }
             }
+            stored += 1;
         }
         self.cache.unpin(ns, &held);
+        report.not_stored = blocks.len() - stored;
         report.sealed = sealed.len();
-        let keys = self.handle_sealed(ns, &sealed);
+        self.publish(ns, unpublished);
+        let keys = self.write_through(ns, &sealed);
+        self.handle_evictions();
         Ok((report, keys))
+    }
+
+    /// Advertises newly sealed blocks (nothing for none).
+    fn publish(&mut self, ns: &Namespace, hashes: Vec<BlockHash>) {
+        if !hashes.is_empty() {
+            self.effects.push(Effect::Publish {
+                namespace: ns.clone(),
+                hashes,
+            });
+        }
     }
 
     /// Reserves RAM for a save's blocks (class retained); returns the slots to copy into
@@ -265,6 +302,9 @@ impl<D: Disk> Tiers<D> {
     ) -> Result<(Vec<(usize, SlotRef)>, usize), CacheError> {
         let mut slots = Vec::with_capacity(hashes.len());
         let mut present = 0;
+        // Present blocks are held while the later ones are reserved (the reserved ones are
+        // pinned by their writers): the save's own prefix is never what makes room.
+        let mut held = Vec::new();
         for (i, hash) in hashes.iter().enumerate() {
             let r = self
                 .cache
@@ -272,20 +312,26 @@ impl<D: Disk> Tiers<D> {
             // Before the copies start: an evicted block's bytes are still in its slot.
             self.handle_evictions();
             match r {
-                Ok(Reservation::Present) => present += 1,
+                Ok(Reservation::Present) => {
+                    self.cache.hold(ns, *hash);
+                    held.push(*hash);
+                    present += 1;
+                }
                 Ok(Reservation::Write(slot)) => slots.push((i, slot)),
-                // The quota ends the save here: the blocks before it are copied (none:
-                // the quota's error is the answer).
-                Err(e) if e.is_quota() && !slots.is_empty() => break,
+                // RAM or the quota is full: the save ends here, the blocks before it are
+                // copied (none: the error is the answer).
+                Err(e) if e.ends_request() && !slots.is_empty() => break,
                 Err(e) => {
                     // Aborted synchronously so the error leaves no state.
                     for (i, _) in slots {
                         self.cache.abort(ns, hashes[i]);
                     }
+                    self.cache.unpin(ns, &held);
                     return Err(e);
                 }
             }
         }
+        self.cache.unpin(ns, &held);
         Ok((slots, present))
     }
 

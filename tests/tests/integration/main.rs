@@ -4,6 +4,7 @@
 
 mod data_plane;
 mod engine_rpc;
+mod events;
 mod node;
 mod peer_rpc;
 mod remote;

@@ -204,8 +204,11 @@ fn pool_exhaustion_is_typed_and_pinned_blocks_survive_eviction() {
         put(&node, "e", &shape, 0, 0..2).await;
         let q = query(&node, "e", 0..2, false).await;
         let lease = q.lease.unwrap();
-        // Churn six more blocks through the two free slots: blocks 0 and 1 are pinned.
-        put(&node, "e", &shape, 0, 10..16).await;
+        // Churn six more blocks through the two free slots, two at a time (a put holds its
+        // own blocks: one of six would store two): blocks 0 and 1 are pinned.
+        for first in (10..16).step_by(2) {
+            put(&node, "e", &shape, 0, first..first + 2).await;
+        }
         let s = node.stats().await.unwrap();
         assert_eq!((s.blocks, s.pinned_blocks), (4, 2));
         assert!(s.evictions >= 4);

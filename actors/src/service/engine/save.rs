@@ -85,5 +85,6 @@ fn store_response(r: api::StoreReport) -> StoreResponse {
         sealed: r.sealed as u32,
         bytes: r.bytes,
         seconds: r.seconds,
+        not_stored: u32::try_from(r.not_stored).unwrap_or(u32::MAX),
     }
 }

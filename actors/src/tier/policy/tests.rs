@@ -265,7 +265,8 @@ fn a_put_of_the_wrong_size_changes_nothing() {
 #[test]
 fn ram_only_an_evicted_block_is_withdrawn() {
     let mut t = tiers(2, None);
-    put(&mut t, &[1, 2, 3]);
+    put(&mut t, &[1, 2]);
+    put(&mut t, &[3]);
     let fx = t.take_effects();
     assert_eq!(withdrawn(&fx), vec![h(1)], "the oldest block left the node");
     assert!(writes(&fx).is_empty());
@@ -584,4 +585,132 @@ fn a_saves_sealed_blocks_are_published() {
     assert_eq!(sealed, 2);
     let fx = t.take_effects();
     assert!(matches!(&fx[..], [Effect::Publish { hashes, .. }] if *hashes == vec![h(1), h(2)]));
+}
+
+fn published(fx: &[Effect<()>]) -> Vec<BlockHash> {
+    fx.iter()
+        .flat_map(|e| match e {
+            Effect::Publish { hashes, .. } => hashes.clone(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+/// A put of more blocks than RAM holds used to evict its own first blocks (withdrawn) and
+/// then publish all of them: the directory and the events advertised blocks RAM no longer
+/// held, and RAM kept the put's tail, which no query can use.
+#[test]
+fn a_put_larger_than_ram_keeps_its_prefix_and_advertises_only_what_is_held() {
+    let mut t = tiers(4, None);
+    put(&mut t, &[100]);
+    t.take_effects();
+    let ids: Vec<u64> = (1..=6).collect();
+    let blocks: Vec<_> = ids.iter().map(|&i| (h(i), bytes(i))).collect();
+    let (r, _) = t.put(&ns(), &shape(), 0, &blocks).unwrap();
+    assert_eq!((r.written, r.present, r.not_stored), (4, 0, 2));
+    assert_eq!(r.bytes, 4 * BLOCK);
+    let fx = t.take_effects();
+    // The older block made room, none of the put's own.
+    assert_eq!(withdrawn(&fx), vec![h(100)]);
+    assert_eq!(published(&fx), vec![h(1), h(2), h(3), h(4)]);
+    let hashes: Vec<BlockHash> = ids.iter().map(|&i| h(i)).collect();
+    assert_eq!(t.cache().prefix_len(&ns(), &hashes), 4);
+    let pin = t.pin_prefix(&ns(), &hashes);
+    for (i, s) in pin.blocks.iter().enumerate() {
+        let mut got = vec![0u8; BLOCK as usize];
+        t.pool().read(s.slot, 0, &mut got);
+        assert_eq!(got, bytes(i as u64 + 1), "block {i}");
+    }
+    t.unpin(&ns(), &hashes[..4], &pin.holds);
+    let s = t.cache().stats();
+    assert_eq!((s.blocks, s.pinned_blocks, s.pins), (4, 0, 0));
+    // The next put works, and makes room from the oldest blocks as before.
+    let (r, _) = t.put(&ns(), &shape(), 0, &[(h(7), bytes(7))]).unwrap();
+    assert_eq!((r.written, r.not_stored), (1, 0));
+    assert_eq!(withdrawn(&t.take_effects()), vec![h(1)]);
+}
+
+/// A put whose first blocks are present holds them too: its later blocks evict others'.
+#[test]
+fn a_puts_present_blocks_are_not_what_makes_room_for_its_later_ones() {
+    let mut t = tiers(4, None);
+    put(&mut t, &[1, 2, 50, 51]);
+    t.take_effects();
+    let blocks: Vec<_> = [1, 2, 3, 4].iter().map(|&i| (h(i), bytes(i))).collect();
+    let (r, _) = t.put(&ns(), &shape(), 0, &blocks).unwrap();
+    assert_eq!((r.written, r.present, r.not_stored), (2, 2, 0));
+    let fx = t.take_effects();
+    assert_eq!(withdrawn(&fx), vec![h(50), h(51)]);
+    assert_eq!(published(&fx), vec![h(3), h(4)]);
+    assert_eq!(t.cache().prefix_len(&ns(), &[h(1), h(2), h(3), h(4)]), 4);
+}
+
+/// A pool whose every slot is pinned by others refuses a put with the pool's error.
+#[test]
+fn a_put_into_a_pool_pinned_full_is_refused_and_changes_nothing() {
+    let mut t = tiers(2, None);
+    put(&mut t, &[1, 2]);
+    let pin = t.pin_prefix(&ns(), &[h(1), h(2)]);
+    t.take_effects();
+    let e = t.put(&ns(), &shape(), 0, &[(h(3), bytes(3))]).unwrap_err();
+    assert!(
+        matches!(e, NodeError::Cache(CacheError::Full { capacity: 2, .. })),
+        "{e:?}"
+    );
+    assert!(t.take_effects().is_empty());
+    t.unpin(&ns(), &[h(1), h(2)], &pin.holds);
+    assert_eq!(t.cache().stats().pins, 0);
+}
+
+/// A save larger than RAM: its reservations end where RAM is full of its own, and its
+/// present blocks are held while the later ones are reserved.
+#[test]
+fn a_save_larger_than_ram_reserves_its_prefix() {
+    let mut t = tiers(4, None);
+    put(&mut t, &[1, 2]);
+    t.take_effects();
+    let hashes: Vec<BlockHash> = (1..=6).map(h).collect();
+    let (slots, present) = t.reserve_save(&ns(), 1, 0, BLOCK, &hashes).unwrap();
+    assert_eq!(present, 2);
+    let idx: Vec<usize> = slots.iter().map(|(i, _)| *i).collect();
+    assert_eq!(
+        idx,
+        vec![2, 3],
+        "blocks 3 and 4 fit beside the present 1 and 2"
+    );
+    assert!(withdrawn(&t.take_effects()).is_empty());
+    let (sealed, _) = t.commit(&ns(), 0, &[h(3), h(4)]);
+    assert_eq!(sealed, 2);
+    assert_eq!(published(&t.take_effects()), vec![h(3), h(4)]);
+    assert_eq!(t.cache().prefix_len(&ns(), &hashes), 4);
+    let s = t.cache().stats();
+    assert_eq!((s.pinned_blocks, s.pins), (0, 0));
+}
+
+/// With an SSD tier a put larger than RAM spills its first blocks to disk (they stay
+/// served), and advertises each block before its move: the directory and the event log,
+/// which follow the effects in order, end where the tiers are.
+#[test]
+fn with_an_ssd_a_put_larger_than_ram_spills_its_first_blocks_advertised_first() {
+    let mut t = tiers(4, Some(FakeDisk::new(16)));
+    let blocks: Vec<_> = (1..=6).map(|i| (h(i), bytes(i))).collect();
+    let (r, _) = t.put(&ns(), &shape(), 0, &blocks).unwrap();
+    assert_eq!((r.written, r.not_stored), (6, 0));
+    let fx = t.take_effects();
+    assert!(withdrawn(&fx).is_empty(), "on disk: still served");
+    assert_eq!(writes(&fx), vec![key(1), key(2)]);
+    assert_eq!(published(&fx), (1..=6).map(h).collect::<Vec<_>>());
+    for i in [1, 2] {
+        let published_at = fx
+            .iter()
+            .position(|e| matches!(e, Effect::Publish { hashes, .. } if hashes.contains(&h(i))));
+        let written_at = fx
+            .iter()
+            .position(|e| matches!(e, Effect::Watch { write, .. } if write.key == key(i)));
+        assert!(
+            published_at < written_at,
+            "block {i}: published at {published_at:?}, spilled at {written_at:?}"
+        );
+    }
+    assert_eq!(t.cache().stats().pins, 0);
 }

@@ -184,6 +184,7 @@ impl Handler<Save> for BlockStore {
         };
         let mut report = StoreReport {
             present,
+            not_stored: m.hashes.len().saturating_sub(present + guards.len()),
             ..Default::default()
         };
         if guards.is_empty() {

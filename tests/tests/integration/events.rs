@@ -1,0 +1,125 @@
+//! A node's KV events against what it holds: the event log, the directory (and so Lookup)
+//! and RAM tell the same story, also when a put is larger than RAM.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use kvferry_actors::events::{EventKind, EventsConfig, Medium, NodeEvent};
+use kvferry_actors::peer::{LocalCluster, Provider};
+use kvferry_actors::{BlockHash, Namespace, Node, PutBlocks};
+use kvferry_gpu::KvShape;
+use kvferry_testkit::harness::*;
+use kvferry_testkit::{DeviceKv, KvKind};
+
+fn shape() -> KvShape {
+    KvShape::new(2, 1, 2, 1024).unwrap()
+}
+
+/// A config whose node keeps an event log (published nowhere) in RAM of `slots` blocks.
+fn events_config(node_id: &str, slots: u64) -> kvferry_actors::NodeConfig {
+    let mut cfg = config(shape().block_bytes(), slots);
+    cfg.node_id = node_id.into();
+    cfg.events = Some(EventsConfig {
+        publish: String::new(),
+        ..Default::default()
+    });
+    cfg
+}
+
+fn put_blocks(instance: &str, ids: std::ops::Range<u64>) -> PutBlocks {
+    PutBlocks {
+        instance: id(instance),
+        rank: 0,
+        blocks: ids
+            .map(|i| {
+                (
+                    BlockHash::from_u64(i),
+                    kvferry_testkit::rank_part(&shape(), i, 0),
+                )
+            })
+            .collect(),
+    }
+}
+
+fn all_events(node: &Node) -> Vec<NodeEvent> {
+    node.events()
+        .expect("[events] is configured")
+        .since(0, None, usize::MAX)
+        .events
+}
+
+/// What the events say `medium` holds now: stored, minus removed since, in order.
+fn held_per_events(events: &[NodeEvent], ns: &Namespace, medium: Medium) -> BTreeSet<BlockHash> {
+    let mut held = BTreeSet::new();
+    for e in events {
+        if e.medium != medium || e.namespace != *ns {
+            continue;
+        }
+        match e.kind {
+            EventKind::Stored => held.extend(e.hashes.iter().copied()),
+            EventKind::Removed => {
+                for h in &e.hashes {
+                    held.remove(h);
+                }
+            }
+        }
+    }
+    held
+}
+
+/// A put of 12 blocks into 8 slots: the first 8 are stored and advertised, the last 4 are
+/// reported not stored. Before, the put evicted its own first 4 blocks to make room for its
+/// last 4 and then advertised all 12: Lookup answered 12 blocks that a query found none of
+/// (the prefix was gone), and the events said the same.
+#[test]
+fn a_put_larger_than_ram_advertises_what_ram_holds() {
+    rt().block_on(async {
+        let c = Cluster::of(
+            LocalCluster::new(Provider::Tcp),
+            vec![events_config("solo", 8)],
+        );
+        let node = c.node(0);
+        let kv = DeviceKv::alloc(
+            Arc::clone(c.dev(0)),
+            shape(),
+            KvKind::Split,
+            16,
+            shape().segment_bytes(),
+            0,
+        )
+        .unwrap();
+        kv.register(node, "eng", "m", 0).await.unwrap();
+        let r = node.put_blocks(put_blocks("eng", 0..12)).await.unwrap();
+        assert_eq!((r.written, r.sealed, r.not_stored), (8, 8, 4));
+        let q = query(node, "eng", 0..12, false).await;
+        assert_eq!((q.local_blocks, q.remote_blocks), (8, 0));
+        let ns = q.namespace.clone();
+        node.release(q.lease.unwrap()).await.unwrap();
+        // The directory, through Lookup, says what RAM holds.
+        assert_eq!(
+            node.lookup(&ns, &hashes(0..12)).await.unwrap(),
+            vec![("solo".to_owned(), 8)]
+        );
+        // And so do the events: the first 8 stored in RAM, none of them removed.
+        let events = all_events(node);
+        let held: BTreeSet<BlockHash> = hashes(0..8).into_iter().collect();
+        assert_eq!(held_per_events(&events, &ns, Medium::Ram), held);
+        assert!(
+            events.iter().all(|e| e.kind != EventKind::Removed),
+            "nothing left RAM: {events:?}"
+        );
+        // The next put makes room from the oldest blocks, and all three agree again.
+        let r = node.put_blocks(put_blocks("eng", 20..22)).await.unwrap();
+        assert_eq!((r.written, r.not_stored), (2, 0));
+        let events = all_events(node);
+        let held: BTreeSet<BlockHash> = hashes(2..8).into_iter().chain(hashes(20..22)).collect();
+        assert_eq!(held_per_events(&events, &ns, Medium::Ram), held);
+        assert_eq!(node.lookup(&ns, &hashes(0..8)).await.unwrap(), vec![]);
+        assert_eq!(
+            node.lookup(&ns, &hashes(2..8)).await.unwrap(),
+            vec![("solo".to_owned(), 6)]
+        );
+        let s = settled(node).await;
+        assert_eq!((s.blocks, s.pinned_blocks, s.pins), (8, 0, 0));
+    });
+}
