@@ -143,6 +143,7 @@ pub fn capabilities<'py>(py: Python<'py>, c: CapabilitiesResponse) -> PyResult<B
     d.set_item("max_hash_bytes", c.max_hash_bytes)?;
     d.set_item("slot_bytes", c.slot_bytes)?;
     d.set_item("max_mailboxes", c.max_mailboxes)?;
+    d.set_item("max_lookup_hashes", c.max_lookup_hashes)?;
     Ok(d)
 }
 

@@ -18,7 +18,7 @@ CAPABILITY_KEYS = {
     "providers", "direct_possible", "direct_reason", "fd_socket", "memory_kinds",
     "max_message_bytes", "completion_retention", "handle_ttl_ms", "max_hashes",
     "max_layers", "max_regions", "max_blocks", "max_hash_bytes", "slot_bytes",
-    "max_mailboxes",
+    "max_mailboxes", "max_lookup_hashes",
 }
 COMPLETION_KEYS = {
     "load_id", "instance", "rank", "ok", "error_kind", "error", "bytes", "blocks", "path",
@@ -58,6 +58,7 @@ def test_capabilities_health_stats(client, node):
     assert (caps["max_hashes"], caps["max_blocks"], caps["max_hash_bytes"]) == (4096, 4096, 32)
     assert caps["max_layers"] >= 128 and caps["max_regions"] >= 2 * caps["max_layers"]
     assert caps["slot_bytes"] == 256 << 10
+    assert caps["max_lookup_hashes"] == 65536
     assert client.health() is True
     stats = client.stats()
     assert {"instances", "leases_live", "memory_handles", "sessions", "loads_ok"} <= set(stats)

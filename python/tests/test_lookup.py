@@ -24,9 +24,15 @@ def test_lookup_answers_the_prefix_this_node_holds(client, node):
 
 
 def test_a_lookup_over_the_limit_is_refused_naming_it(client):
-    with pytest.raises(kvferry.InvalidArgument) as e:
+    limit = client.capabilities()["max_lookup_hashes"]
+    assert limit == 65536
+    # The advertised limit is the one enforced: at it, answered; one more, refused.
+    assert client.lookup("m/bf16/f", [block_hash(i) for i in range(limit)]) == []
+    with pytest.raises(kvferry.ResourceExhausted) as e:
+        client.lookup("m/bf16/f", [block_hash(i) for i in range(limit + 1)])
+    assert "65536" in str(e.value) and "max_lookup_hashes" in str(e.value)
+    with pytest.raises(kvferry.ResourceExhausted):
         client.lookup("m/bf16/f", [block_hash(i) for i in range(100_000)])
-    assert "65536" in str(e.value) and "max_hashes" in str(e.value)
     with pytest.raises(kvferry.InvalidArgument) as e:
         client.lookup("not-a-namespace", [block_hash(1)])
     assert "namespace" in str(e.value)

@@ -630,7 +630,8 @@ impl EngineClient {
     }
 
     /// The longest prefix of `hashes` each node holds (`namespace`: model/dtype/fingerprint);
-    /// at most `MAX_LOOKUP_HASHES` hashes.
+    /// at most `Capabilities.max_lookup_hashes` hashes (`MAX_LOOKUP_HASHES`), past it
+    /// RESOURCE_EXHAUSTED.
     pub async fn lookup(
         &self,
         namespace: &str,

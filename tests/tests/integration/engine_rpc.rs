@@ -1013,6 +1013,7 @@ fn the_largest_registration_answers_quickly_and_the_limits_are_advertised() {
         assert_eq!(caps.max_hash_bytes, 32);
         assert_eq!(caps.slot_bytes, SLOT);
         assert_eq!(caps.max_mailboxes as usize, service::MAX_ENGINE_MAILBOXES);
+        assert_eq!(caps.max_lookup_hashes as usize, service::MAX_LOOKUP_HASHES);
         assert!(caps.max_message_bytes > 0);
 
         let layers = caps.max_layers;

@@ -9,7 +9,7 @@ use crate::service::engine::service::EngineService;
 use kvferry_proto::v1::*;
 use kvferry_proto::{
     ENGINE_PROTOCOL, MAX_ENGINE_BLOCKS, MAX_ENGINE_HASHES, MAX_ENGINE_LAYERS, MAX_ENGINE_MAILBOXES,
-    MAX_ENGINE_REGIONS, MAX_HASH_BYTES, VERSION,
+    MAX_ENGINE_REGIONS, MAX_HASH_BYTES, MAX_LOOKUP_HASHES, VERSION,
 };
 
 impl EngineService {
@@ -58,6 +58,7 @@ impl EngineService {
             slot_bytes: node.config().pool.slot_bytes.0,
             max_mailboxes: MAX_ENGINE_MAILBOXES as u32,
             monotonic_ns: crate::fence::monotonic_ns(),
+            max_lookup_hashes: MAX_LOOKUP_HASHES as u32,
         }))
     }
 
@@ -120,17 +121,18 @@ fn direct_refusal(node: &Node) -> Option<String> {
 }
 
 impl EngineService {
-    /// Lookup: the directory's longest prefix per node; bounded by
-    /// [`kvferry_proto::limits::MAX_LOOKUP_HASHES`], checked before anything is parsed.
+    /// Lookup: the directory's longest prefix per node; bounded by [`MAX_LOOKUP_HASHES`]
+    /// (advertised in Capabilities), checked before anything is parsed: past it,
+    /// RESOURCE_EXHAUSTED as every limit of a request.
     pub(super) async fn handle_lookup(
         &self,
         req: Request<LookupRequest>,
     ) -> Result<Response<LookupResponse>, Status> {
-        use kvferry_proto::limits::MAX_LOOKUP_HASHES;
         let r = req.into_inner();
         if r.hashes.len() > MAX_LOOKUP_HASHES {
-            return Err(Status::invalid_argument(format!(
-                "Lookup: {} hashes, at most {MAX_LOOKUP_HASHES} (max_hashes) per call",
+            return Err(Status::resource_exhausted(format!(
+                "Lookup: {} hashes, at most {MAX_LOOKUP_HASHES} (Capabilities.max_lookup_hashes) \
+                 per call",
                 r.hashes.len()
             )));
         }
