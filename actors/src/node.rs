@@ -142,6 +142,11 @@ impl Node {
             .events
             .as_ref()
             .map(|c| crate::events::EventHub::new(c.buffer_events));
+        // First of all (sequence 0, before what a warm restart finds on disk): a router that
+        // kept a view of this node's earlier run drops it.
+        if let Some(hub) = &events {
+            hub.record_cleared(std::time::SystemTime::now());
+        }
         let publisher = match (&config.events, &events) {
             (Some(c), Some(hub)) if !c.publish.is_empty() => Some(
                 crate::events::EventPublisher::start(c, Arc::clone(hub)).map_err(|e| {

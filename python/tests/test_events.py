@@ -11,6 +11,7 @@ import pytest
 import kvferry
 from kvpattern import HostKv, block_hash, rank_block
 from nodeproc import Node as NodeProc
+from nodeproc import free_port
 
 zmq = pytest.importorskip("zmq")
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
@@ -71,19 +72,31 @@ def read_replay(s, timeout_s):
 
 
 def stored_and_removed(messages):
-    """(topic, seq, payload) -> per medium, the hashes stored and removed, in order."""
+    """(topic, seq, payload) -> per medium, the hashes stored and removed, in order, after
+    the node's start (``AllBlocksCleared``, sequence 0, on the bare prefix topic)."""
     dec = decoder()
     stored, removed = {}, {}
-    for _, _, payload in messages:
+    for topic, seq, payload in messages:
         batch = dec.decode(payload)
         for e in batch.events:
             if isinstance(e, kv_events.BlockStored):
                 stored.setdefault(e.medium, []).extend(e.block_hashes)
             elif isinstance(e, kv_events.BlockRemoved):
                 removed.setdefault(e.medium, []).extend(e.block_hashes)
+            elif isinstance(e, kv_events.AllBlocksCleared):
+                assert (seq, topic) == (0, TOPIC.encode()), (seq, topic)
+                stored, removed = {}, {}
             else:
                 raise AssertionError(f"unexpected event {e!r}")
     return stored, removed
+
+
+def next_message(sub, timeout_s=10.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if sub.poll(100):
+            return tuple(sub.recv_multipart())
+    raise AssertionError("no event reached the subscriber")
 
 
 def test_a_vllm_subscriber_decodes_the_nodes_stores_and_evictions(events_node):
@@ -99,15 +112,15 @@ def test_a_vllm_subscriber_decodes_the_nodes_stores_and_evictions(events_node):
     time.sleep(1.0)  # ZMQ's slow joiner: the subscription reaches the PUB socket first.
     assert put(client, kv, "ev", range(4))["sealed"] == 4
 
-    got = []
-    end = time.monotonic() + 10
-    while len(got) < 1 and time.monotonic() < end:
-        if sub.poll(100):
-            got.append(tuple(sub.recv_multipart()))
-    assert got, "no event reached the subscriber"
-    topic, seq, payload = got[0]
+    topic, seq, payload = next_message(sub)
+    if int.from_bytes(seq, "big") == 0:
+        # The node's start, if this subscriber was subscribed in time (see the restart test).
+        assert topic == TOPIC.encode()
+        (e,) = decoder().decode(payload).events
+        assert isinstance(e, kv_events.AllBlocksCleared)
+        topic, seq, payload = next_message(sub)
     assert topic == (TOPIC + ns).encode()
-    assert len(seq) == 8 and int.from_bytes(seq, "big") == 0
+    assert len(seq) == 8 and int.from_bytes(seq, "big") == 1
     batch = decoder().decode(payload)
     assert isinstance(batch, kv_events.KVEventBatch)
     assert batch.ts == pytest.approx(time.time(), abs=60)
@@ -157,7 +170,7 @@ def test_bad_replay_requests_get_an_error_and_the_next_one_works(events_node):
     kv.register(client, "ev2")
     put(client, kv, "ev2", range(2))
     msgs, reason = replay(endpoint, 0)
-    assert reason == b"" and len(msgs) == 1
+    assert reason == b"" and len(msgs) == 2, "the start's AllBlocksCleared, then the put"
     assert 'kvferry_events_replays_total{status="refused"} 3' in events_node.metrics()
 
 
@@ -196,3 +209,44 @@ def test_a_subscriber_that_never_reads_does_not_hold_up_the_node(events_node):
     assert "kvferry_events_total" in scrape and "kvferry_events_dropped_total" in scrape
     stuck.close(linger=0)
     reader.close(linger=0)
+
+
+def test_a_restarted_node_tells_its_subscribers_it_holds_nothing(tmp_path):
+    """A router subscribed to a node that restarts (its SUB socket reconnects on its own)
+    receives the new run's AllBlocksCleared, sequence 0, and drops what it believed; the
+    replay socket answers it from sequence 0 too."""
+    publish, replay_port = free_port(), free_port()
+    extra = (f'[events]\npublish = "tcp://127.0.0.1:{publish}"\n'
+             f'replay = "tcp://127.0.0.1:{replay_port}"\ntopic = "{TOPIC}"\n')
+    node = NodeProc(tmp_path, "py-restart", pool="16MiB", extra=extra)
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RECONNECT_IVL, 100)
+    sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
+    sub.connect(node.listening["events"])
+    try:
+        client = kvferry.EngineClient(node.addr, deadline_s=10.0)
+        kv = HostKv.allocate("flash_attn", layers=3)
+        kv.register(client, "ev")
+        time.sleep(1.0)  # ZMQ's slow joiner
+        put(client, kv, "ev", range(3))
+        seen = []
+        while not any(int.from_bytes(s, "big") >= 1 for _, s, _ in seen):
+            seen.append(next_message(sub))
+        node.stop()
+        node.start()
+        # The same endpoints: the subscriber is back within its reconnect interval, before
+        # the new run's first message.
+        assert node.listening["events"] == f"tcp://127.0.0.1:{publish}"
+        topic, seq, payload = next_message(sub)
+        assert (topic, int.from_bytes(seq, "big")) == (TOPIC.encode(), 0)
+        (e,) = decoder().decode(payload).events
+        assert isinstance(e, kv_events.AllBlocksCleared)
+        msgs, reason = replay(node.listening["events-replay"], 0)
+        assert reason == b""
+        assert [s for _, s, _ in msgs] == [0]
+        assert isinstance(decoder().decode(msgs[0][2]).events[0], kv_events.AllBlocksCleared)
+    finally:
+        sub.close()
+        node.stop()

@@ -15,11 +15,15 @@ from kvferry.vllm.events import BlockInfo, EngineEvents, block_infos, decode_nod
 def batch(events, layout="map"):
     out = []
     for kind, medium, hashes in events:
-        if layout == "map":
+        if layout == "map" and kind == "AllBlocksCleared":
+            e = {"type": kind}
+        elif layout == "map":
             e = {"type": kind, "block_hashes": hashes, "medium": medium}
             if kind == "BlockStored":
                 e.update(parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
                          lora_name=None)
+        elif kind == "AllBlocksCleared":
+            e = [kind]
         elif kind == "BlockStored":
             e = [kind, hashes, None, [], 0, None, medium, None]
         else:
@@ -93,3 +97,24 @@ def test_block_infos_follow_vllms_hashes_tokens_and_lora():
     got = block_infos(req, [1, 2], 4, lambda h: h.decode())
     assert list(got) == [1], "block 2 is not hashed by vLLM yet"
     assert got[1] == BlockInfo("h1", "h0", (4, 5, 6, 7), 4, 7, "ad")
+
+
+@pytest.mark.parametrize("layout", ["map", "array"])
+def test_a_node_restart_removes_this_engines_blocks_from_both_tiers(layout):
+    s, b = book()
+    b.saving(b"k0", info(0))
+    b.saving(b"k1", info(1))
+    assert decode_node_batch(batch([("AllBlocksCleared", None, None)], layout),
+                             msgspec.msgpack.decode) == [("AllBlocksCleared", "", [])]
+    s.queue.append(batch([("AllBlocksCleared", None, None)], layout))
+    # What the restarted node's disk still holds is stored again after the clear.
+    s.queue.append(batch([("BlockStored", "DISK", [b"k1"])], layout))
+    out = b.take()
+    assert out[0] == ("removed", dict(block_hashes=[1000, 1001], medium="CPU"))
+    assert out[1] == ("removed", dict(block_hashes=[1000, 1001], medium="DISK"))
+    assert [k for k, _ in out[2:]] == ["stored"]
+    assert out[2][1]["block_hashes"] == [1001] and out[2][1]["medium"] == "DISK"
+    # Nothing saved yet: a clear reports nothing.
+    _, empty = book()
+    empty._stream.queue.append(batch([("AllBlocksCleared", None, None)], layout))
+    assert empty.take() == []

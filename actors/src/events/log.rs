@@ -7,6 +7,10 @@
 //! - Every event gets the next sequence number, from 0, without gaps; an event names one
 //!   namespace, one kind and one medium, and holds at most [`MAX_HASHES_PER_EVENT`] hashes
 //!   (a longer batch is cut), so the ring's memory is bounded by its capacity.
+//! - [`EventKind::AllCleared`] names no namespace and no hash: every block this node
+//!   advertised before is gone. The node records it first (sequence 0) when it starts, so a
+//!   router that held a view of an earlier incarnation of the node drops it; what a warm
+//!   restart finds on disk is stored after it.
 //! - The ring keeps the newest `capacity` events. A reader asking for events the ring no
 //!   longer has learns how many it missed ([`Since::missed`]) and gets the oldest kept on.
 
@@ -43,6 +47,9 @@ pub enum EventKind {
     Stored,
     /// The blocks left `medium` (they may still be in the other tier).
     Removed,
+    /// Every block of every namespace and medium is gone (vLLM's `AllBlocksCleared`): the
+    /// node started. Such an event has no namespace and no hashes.
+    AllCleared,
 }
 
 /// One event of the log.
@@ -51,8 +58,10 @@ pub struct NodeEvent {
     pub seq: u64,
     /// Seconds since the Unix epoch (vLLM's `ts`).
     pub ts: f64,
-    pub namespace: Namespace,
+    /// None for [`EventKind::AllCleared`], which is about every namespace.
+    pub namespace: Option<Namespace>,
     pub kind: EventKind,
+    /// Unused for [`EventKind::AllCleared`].
     pub medium: Medium,
     pub hashes: Vec<BlockHash>,
 }
@@ -102,20 +111,41 @@ impl EventLog {
             .map_or(0.0, |d| d.as_secs_f64());
         let mut let_go = 0;
         for chunk in hashes.chunks(MAX_HASHES_PER_EVENT) {
-            if self.ring.len() == self.capacity {
-                self.ring.pop_front();
-                let_go += 1;
-            }
-            self.ring.push_back(NodeEvent {
+            let_go += self.push(NodeEvent {
                 seq: self.next_seq,
                 ts,
-                namespace: namespace.clone(),
+                namespace: Some(namespace.clone()),
                 kind,
                 medium,
                 hashes: chunk.to_vec(),
             });
-            self.next_seq += 1;
         }
+        let_go
+    }
+
+    /// Appends an [`EventKind::AllCleared`]; returns how many older events the ring let go.
+    pub fn record_cleared(&mut self, now: SystemTime) -> u64 {
+        let ts = now
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        self.push(NodeEvent {
+            seq: self.next_seq,
+            ts,
+            namespace: None,
+            kind: EventKind::AllCleared,
+            medium: Medium::Ram,
+            hashes: Vec::new(),
+        })
+    }
+
+    fn push(&mut self, e: NodeEvent) -> u64 {
+        let mut let_go = 0;
+        if self.ring.len() == self.capacity {
+            self.ring.pop_front();
+            let_go = 1;
+        }
+        self.ring.push_back(e);
+        self.next_seq += 1;
         let_go
     }
 
@@ -129,7 +159,8 @@ impl EventLog {
         self.ring.front().map_or(self.next_seq, |e| e.seq)
     }
 
-    /// Up to `max` events from `from` on, of `namespace` only when given. A `from` older than
+    /// Up to `max` events from `from` on, of `namespace` only when given (an
+    /// [`EventKind::AllCleared`] is of every namespace). A `from` older than
     /// the ring is answered from the oldest kept, with the difference in `missed`; a `from`
     /// past the end reads nothing (`next` says where the log is).
     pub fn since(&self, from: u64, namespace: Option<&Namespace>, max: usize) -> Since {
@@ -149,7 +180,7 @@ impl EventLog {
         let mut next = start;
         for e in self.ring.iter().skip(skip).take(max) {
             next = e.seq + 1;
-            if namespace.is_none_or(|ns| *ns == e.namespace) {
+            if namespace.is_none_or(|ns| e.namespace.as_ref().is_none_or(|n| n == ns)) {
                 events.push(e.clone());
             }
         }
@@ -192,7 +223,7 @@ mod tests {
         assert_eq!(all.next, 3);
         let seqs: Vec<u64> = all.events.iter().map(|e| e.seq).collect();
         assert_eq!(seqs, [0, 1, 2]);
-        assert_eq!(all.events[1].namespace, b);
+        assert_eq!(all.events[1].namespace.as_ref(), Some(&b));
         assert_eq!(all.events[1].medium, Medium::Disk);
         assert_eq!(all.events[2].kind, EventKind::Removed);
         assert_eq!(all.events[2].hashes, hashes(3, 1));
@@ -272,5 +303,30 @@ mod tests {
         let s = log.since(0, Some(&b), 1);
         assert!(s.events.is_empty());
         assert_eq!(s.next, 1);
+    }
+
+    #[test]
+    fn a_clear_names_no_namespace_and_passes_every_filter() {
+        let mut log = EventLog::new(100);
+        let (a, b) = (ns("a"), ns("b"));
+        assert_eq!(log.record_cleared(at(5)), 0);
+        log.record(at(6), &a, EventKind::Stored, Medium::Disk, &hashes(2, 1));
+        let all = log.since(0, None, usize::MAX);
+        assert_eq!(all.events.len(), 2);
+        let first = &all.events[0];
+        assert_eq!(
+            (first.seq, first.kind, first.namespace.as_ref(), first.ts),
+            (0, EventKind::AllCleared, None, 5.0)
+        );
+        assert!(first.hashes.is_empty());
+        // A reader of one namespace sees the clear too (its view is gone as well).
+        let of_b = log.since(0, Some(&b), usize::MAX);
+        let kinds: Vec<EventKind> = of_b.events.iter().map(|e| e.kind).collect();
+        assert_eq!(kinds, [EventKind::AllCleared]);
+        // A full ring lets a clear go like any event.
+        let mut small = EventLog::new(1);
+        small.record_cleared(at(1));
+        assert_eq!(small.record_cleared(at(2)), 1);
+        assert_eq!(small.oldest_seq(), 1);
     }
 }

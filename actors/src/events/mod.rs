@@ -83,6 +83,14 @@ impl EventHub {
         self.wake.notify_one();
     }
 
+    /// Records that every block this node advertised is gone ([`EventKind::AllCleared`]):
+    /// the node calls it once, first, as it starts.
+    pub fn record_cleared(&self, now: SystemTime) {
+        self.lock().record_cleared(now);
+        self.stats.recorded.fetch_add(1, Relaxed);
+        self.wake.notify_one();
+    }
+
     /// See [`EventLog::since`].
     pub fn since(&self, from: u64, namespace: Option<&Namespace>, max: usize) -> Since {
         self.lock().since(from, namespace, max)

@@ -9,6 +9,11 @@
 //! them are counted in `kvferry_events_dropped_total`. A replay request that is not
 //! `["", seq]` is answered with the end marker carrying the reason, and a replay to a client
 //! that does not read is abandoned after [`REPLAY_SEND_TIMEOUT`].
+//!
+//! The first message (sequence 0, `AllBlocksCleared`: the node started) goes out
+//! [`START_GRACE`] after the bind: subscribers of the node's earlier run reconnect on their
+//! own (ZMQ retries every 100 ms unless told otherwise), and a message sent before they are
+//! back is lost to them. Events recorded meanwhile wait in the ring.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -27,6 +32,8 @@ use super::{EventHub, EventsConfig};
 const ROUND: usize = 1024;
 /// How long one replay message may wait for a client's queue.
 pub const REPLAY_SEND_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long after the bind the first message waits (see the module's header).
+pub const START_GRACE: Duration = Duration::from_millis(500);
 
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -182,13 +189,14 @@ fn frames(parts: [Bytes; 3]) -> ZmqMessage {
 /// One event as its three frames.
 fn event_frames(prefix: &str, e: &super::NodeEvent, layout: Layout) -> [Bytes; 3] {
     [
-        Bytes::from(topic(prefix, &e.namespace)),
+        Bytes::from(topic(prefix, e.namespace.as_ref())),
         Bytes::copy_from_slice(&e.seq.to_be_bytes()),
         Bytes::from(encode_batch(std::slice::from_ref(e), layout)),
     ]
 }
 
 async fn publish_loop(mut socket: PubSocket, hub: Arc<EventHub>, prefix: Arc<str>, layout: Layout) {
+    tokio::time::sleep(START_GRACE).await;
     let mut next = 0;
     loop {
         let read = hub.since(next, None, ROUND);

@@ -60,6 +60,7 @@ fn event_value(e: &NodeEvent, layout: Layout) -> Value {
             ("block_hashes", hashes),
             ("medium", medium),
         ],
+        EventKind::AllCleared => vec![("type", str_value("AllBlocksCleared"))],
     };
     match layout {
         Layout::Array => Value::Array(fields.into_iter().map(|(_, v)| v).collect()),
@@ -81,11 +82,14 @@ pub fn encode_batch(events: &[NodeEvent], layout: Layout) -> Vec<u8> {
     out
 }
 
-/// The topic frame of a namespace's events: the configured prefix, then the namespace.
-pub fn topic(prefix: &str, namespace: &crate::model::Namespace) -> Vec<u8> {
-    let mut t = Vec::with_capacity(prefix.len() + namespace.as_str().len());
+/// The topic frame of a namespace's events: the configured prefix, then the namespace; the
+/// prefix alone for an event of every namespace (`AllBlocksCleared`), which a subscriber of
+/// the whole prefix receives.
+pub fn topic(prefix: &str, namespace: Option<&crate::model::Namespace>) -> Vec<u8> {
+    let ns = namespace.map_or("", |n| n.as_str());
+    let mut t = Vec::with_capacity(prefix.len() + ns.len());
     t.extend_from_slice(prefix.as_bytes());
-    t.extend_from_slice(namespace.as_str().as_bytes());
+    t.extend_from_slice(ns.as_bytes());
     t
 }
 
@@ -127,7 +131,7 @@ mod tests {
         NodeEvent {
             seq: 3,
             ts: 1.5,
-            namespace: Namespace::new("m", "bf16", "f").unwrap(),
+            namespace: Some(Namespace::new("m", "bf16", "f").unwrap()),
             kind,
             medium,
             hashes: vec![
@@ -233,6 +237,23 @@ mod tests {
     #[test]
     fn the_topic_is_the_prefix_then_the_namespace() {
         let ns = Namespace::new("m", "bf16", "f").unwrap();
-        assert_eq!(topic("kv@a:", &ns), b"kv@a:m/bf16/f");
+        assert_eq!(topic("kv@a:", Some(&ns)), b"kv@a:m/bf16/f");
+        assert_eq!(topic("kv@a:", None), b"kv@a:");
+    }
+
+    #[test]
+    fn a_clear_is_the_tag_alone_in_both_layouts() {
+        let cleared = NodeEvent {
+            namespace: None,
+            hashes: Vec::new(),
+            ..event(EventKind::AllCleared, Medium::Ram)
+        };
+        let v = decode(&encode_batch(std::slice::from_ref(&cleared), Layout::Map));
+        assert_eq!(
+            v[1][0],
+            Value::Map(vec![(str_value("type"), str_value("AllBlocksCleared"))])
+        );
+        let v = decode(&encode_batch(&[cleared], Layout::Array));
+        assert_eq!(v[1][0], Value::Array(vec![str_value("AllBlocksCleared")]));
     }
 }

@@ -46,7 +46,8 @@ class BlockInfo:
 
 def decode_node_batch(payload: bytes, decode: Callable[[bytes], Any]) -> List[Tuple[str, str, List[bytes]]]:
     """A node's ``KVEventBatch`` as ``(type, medium, hashes)`` per event, in either of the
-    node's layouts (``[events] layout``: maps, or arrays with the tag first)."""
+    node's layouts (``[events] layout``: maps, or arrays with the tag first).
+    ``AllBlocksCleared`` (the node started) comes as ``("AllBlocksCleared", "", [])``."""
     batch = decode(payload)
     out: List[Tuple[str, str, List[bytes]]] = []
     if not isinstance(batch, (list, tuple)) or len(batch) < 2:
@@ -63,6 +64,8 @@ def decode_node_batch(payload: bytes, decode: Callable[[bytes], Any]) -> List[Tu
             continue
         if kind in ("BlockStored", "BlockRemoved") and isinstance(hashes, list):
             out.append((kind, medium or "CPU", [bytes(h) for h in hashes]))
+        elif kind == "AllBlocksCleared":
+            out.append((kind, "", []))
     return out
 
 
@@ -142,6 +145,12 @@ class EngineEvents:
             except Exception:  # noqa: BLE001  (a message this version cannot read)
                 continue
             for kind, medium, hashes in events:
+                if kind == "AllBlocksCleared":
+                    # The node restarted: nothing this engine saved is in its tiers any more
+                    # (what its disk still holds is stored again after this). Not vLLM's
+                    # AllBlocksCleared, which would clear the engine's own GPU blocks too.
+                    out.extend(self._cleared())
+                    continue
                 infos = [(h, self._known.get(h)) for h in hashes]
                 mine = [(h, i) for h, i in infos if i is not None]
                 self.skipped += len(infos) - len(mine)
@@ -151,6 +160,12 @@ class EngineEvents:
                     out.append(self._removed(
                         block_hashes=[i.block_hash for _, i in mine], medium=medium))
         return out
+
+    def _cleared(self) -> List[Any]:
+        if not self._known:
+            return []
+        hashes = [i.block_hash for i in self._known.values()]
+        return [self._removed(block_hashes=hashes, medium=m) for m in ("CPU", "DISK")]
 
     def _stored_events(self, mine: Sequence[Tuple[bytes, BlockInfo]], medium: str) -> Iterable[Any]:
         # One event per block, as vLLM's own block pool reports them: each has its parent,

@@ -48,14 +48,14 @@ fn all_events(node: &Node) -> Vec<NodeEvent> {
         .events
 }
 
-/// What the events say `medium` holds now: stored, minus removed since, in order.
+/// What the events say `medium` holds now: stored, minus removed since, in order (a clear
+/// empties every medium).
 fn held_per_events(events: &[NodeEvent], ns: &Namespace, medium: Medium) -> BTreeSet<BlockHash> {
     let mut held = BTreeSet::new();
     for e in events {
-        if e.medium != medium || e.namespace != *ns {
-            continue;
-        }
         match e.kind {
+            EventKind::AllCleared => held.clear(),
+            _ if e.medium != medium || e.namespace.as_ref() != Some(ns) => {}
             EventKind::Stored => held.extend(e.hashes.iter().copied()),
             EventKind::Removed => {
                 for h in &e.hashes {
@@ -108,6 +108,7 @@ fn a_put_larger_than_ram_advertises_what_ram_holds() {
             events.iter().all(|e| e.kind != EventKind::Removed),
             "nothing left RAM: {events:?}"
         );
+        assert_eq!(events[0].kind, EventKind::AllCleared, "the node's start");
         // The next put makes room from the oldest blocks, and all three agree again.
         let r = node.put_blocks(put_blocks("eng", 20..22)).await.unwrap();
         assert_eq!((r.written, r.not_stored), (2, 0));
@@ -122,4 +123,77 @@ fn a_put_larger_than_ram_advertises_what_ram_holds() {
         let s = settled(node).await;
         assert_eq!((s.blocks, s.pinned_blocks, s.pins), (8, 0, 0));
     });
+}
+
+/// A node says first that it holds nothing (sequence 0, `AllBlocksCleared`, of no
+/// namespace), so a router that kept a view of its earlier run drops it; a warm restart
+/// then announces what it found on disk, after the clear.
+#[test]
+fn a_started_node_clears_first_then_announces_its_disk() {
+    use kvferry_actors::config::ByteSize;
+    use kvferry_actors::tier::ssd::{format, SsdConfig, SsdDir};
+    let dir = std::env::temp_dir().join(format!("kvferry-events-it-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = || {
+        let mut cfg = events_config("disk", 16);
+        let slot = cfg.pool.slot_bytes.0;
+        cfg.ssd = Some(SsdConfig {
+            dir: vec![SsdDir {
+                path: dir.clone(),
+                capacity: ByteSize(format::HEADER + 32 * format::slot_stride(slot)),
+            }],
+            write_through: true,
+            direct_io: false,
+            ..Default::default()
+        });
+        cfg
+    };
+    rt().block_on(async {
+        let (node, dev) = start(
+            cfg(),
+            kvferry_actors::Clock::system(),
+            None::<Arc<LocalCluster>>,
+        );
+        let events = all_events(&node);
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(
+            (events[0].seq, events[0].kind, events[0].namespace.as_ref()),
+            (0, EventKind::AllCleared, None)
+        );
+        let kv =
+            DeviceKv::alloc(dev, shape(), KvKind::Split, 16, shape().segment_bytes(), 0).unwrap();
+        kv.register(&node, "eng", "m", 0).await.unwrap();
+        node.put_blocks(put_blocks("eng", 0..5)).await.unwrap();
+        node.ssd_sync().await.unwrap();
+        let ns = query(&node, "eng", 0..1, false).await;
+        node.release(ns.lease.unwrap()).await.unwrap();
+        let ns = ns.namespace;
+        node.shutdown();
+        drop(node);
+
+        let (node, _dev) = start(
+            cfg(),
+            kvferry_actors::Clock::system(),
+            None::<Arc<LocalCluster>>,
+        );
+        // The store announces the disk from its actor's start: wait for it.
+        let mut events = all_events(&node);
+        for _ in 0..200 {
+            if events.len() > 1 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            events = all_events(&node);
+        }
+        assert_eq!(events[0].kind, EventKind::AllCleared);
+        assert_eq!(events[0].seq, 0);
+        assert!(events[1..].iter().all(|e| e.kind == EventKind::Stored));
+        let on_disk: BTreeSet<BlockHash> = hashes(0..5).into_iter().collect();
+        assert_eq!(held_per_events(&events, &ns, Medium::Disk), on_disk);
+        assert!(held_per_events(&events, &ns, Medium::Ram).is_empty());
+        // A subscriber of one namespace reads the clear too.
+        let of_ns = node.events().unwrap().since(0, Some(&ns), usize::MAX);
+        assert_eq!(of_ns.events[0].kind, EventKind::AllCleared);
+    });
+    let _ = std::fs::remove_dir_all(&dir);
 }
