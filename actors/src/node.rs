@@ -552,6 +552,9 @@ impl Node {
         }
         let usage = self.inner.store.send(store::GetNamespaceUsage).await?;
         sampled.push(Box::new(self.inner.counters.namespace_usage(&usage)));
+        if let Some(usage) = self.inner.store.send(store::GetSsdNamespaceUsage).await? {
+            sampled.push(Box::new(self.inner.counters.namespace_ssd_usage(&usage)));
+        }
         if let Some(t) = self.inner.tls.lock().ok().and_then(|t| t.clone()) {
             sampled.push(Box::new(t.sample()));
         }

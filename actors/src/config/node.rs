@@ -457,8 +457,17 @@ impl NodeConfig {
             }
         }
         self.log.validate()?;
+        let ssd = self.ssd.as_ref().map(|c| {
+            let stride = crate::tier::ssd::format::slot_stride(self.pool.slot_bytes.0);
+            let slots: u64 = c
+                .dir
+                .iter()
+                .map(|d| crate::tier::ssd::format::slots_for(d.capacity.0, stride))
+                .fold(0, u64::saturating_add);
+            (slots.saturating_mul(stride), stride)
+        });
         self.tenants
-            .validate(self.pool.size.0, self.pool.slot_bytes.0)?;
+            .validate(self.pool.size.0, self.pool.slot_bytes.0, ssd)?;
         if let Some(ev) = &self.events {
             ev.validate().map_err(|e| ConfigError::Invalid {
                 key: e.key,

@@ -1,4 +1,4 @@
-//! `[tenants]`: RAM quotas per namespace (`[[tenants.quota]]`) and how many namespaces the
+//! `[tenants]`: RAM and SSD quotas per namespace (`[[tenants.quota]]`) and how many namespaces the
 //! metrics name (the rest are counted as `"other"`). The rules a quota follows are in
 //! [`crate::tier::quota`].
 
@@ -22,6 +22,9 @@ pub struct TenantsConfig {
     /// The RAM quota of a namespace no `[[tenants.quota]]` matches; absent: unlimited.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub default_ram: Option<ByteSize>,
+    /// The SSD quota of a namespace no `[[tenants.quota]]` matches; absent: unlimited.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub default_ssd: Option<ByteSize>,
     /// `[[tenants.quota]]`, each naming one namespace or a prefix.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub quota: Vec<QuotaSection>,
@@ -32,6 +35,7 @@ impl Default for TenantsConfig {
         Self {
             metric_namespaces: 32,
             default_ram: None,
+            default_ssd: None,
             quota: Vec::new(),
         }
     }
@@ -39,7 +43,8 @@ impl Default for TenantsConfig {
 
 /// One `[[tenants.quota]]`: exactly one of `namespace` (`model/dtype/fingerprint`, as the
 /// node's logs and metrics show it) and `prefix` (e.g. `"llama8b/"`: every dtype and
-/// layout of a model), and its RAM bytes. `ram = 0`: never admitted.
+/// layout of a model), and its RAM bytes, its SSD bytes, or both (one at least). `0`:
+/// never admitted to that tier.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct QuotaSection {
@@ -47,7 +52,10 @@ pub struct QuotaSection {
     pub namespace: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prefix: Option<String>,
-    pub ram: ByteSize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ram: Option<ByteSize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssd: Option<ByteSize>,
 }
 
 impl QuotaSection {
@@ -83,9 +91,42 @@ fn check_ram(ram: u64, pool_size: u64, slot_bytes: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// An SSD quota against the tier: 0 (never admitted), or one disk slot to the whole tier;
+/// `ssd`: `(capacity, slot)` of the tier, None without one.
+fn check_ssd(bytes: u64, ssd: Option<(u64, u64)>) -> Result<(), String> {
+    let Some((capacity, slot)) = ssd else {
+        return Err("the node has no [ssd] tier to hold it to".into());
+    };
+    if bytes == 0 {
+        return Ok(());
+    }
+    if bytes < slot {
+        return Err(format!(
+            "{} is less than one disk slot ({}: pool.slot-bytes and a block header): it would \
+             admit nothing (ssd = 0 says that)",
+            ByteSize(bytes),
+            ByteSize(slot)
+        ));
+    }
+    if bytes > capacity {
+        return Err(format!(
+            "{} is larger than the whole SSD tier ({})",
+            ByteSize(bytes),
+            ByteSize(capacity)
+        ));
+    }
+    Ok(())
+}
+
 impl TenantsConfig {
-    /// Every value against the pool's size and slot, naming the key (and the quota's index).
-    pub fn validate(&self, pool_size: u64, slot_bytes: u64) -> Result<(), ConfigError> {
+    /// Every value against the pool's size and slot and the SSD tier's capacity and slot
+    /// (None: no SSD tier), naming the key (and the quota's index).
+    pub fn validate(
+        &self,
+        pool_size: u64,
+        slot_bytes: u64,
+        ssd: Option<(u64, u64)>,
+    ) -> Result<(), ConfigError> {
         let invalid = |key, reason: String| Err(ConfigError::Invalid { key, reason });
         if self.metric_namespaces > MAX_METRIC_NAMESPACES {
             return invalid(
@@ -99,6 +140,9 @@ impl TenantsConfig {
         }
         if let Some(d) = self.default_ram {
             check_ram(d.0, pool_size, slot_bytes).or_else(|r| invalid("tenants.default-ram", r))?;
+        }
+        if let Some(d) = self.default_ssd {
+            check_ssd(d.0, ssd).or_else(|r| invalid("tenants.default-ssd", r))?;
         }
         let mut seen: Vec<NsMatch> = Vec::new();
         for (i, q) in self.quota.iter().enumerate() {
@@ -140,8 +184,20 @@ impl TenantsConfig {
                 );
             }
             seen.push(m);
-            check_ram(q.ram.0, pool_size, slot_bytes)
-                .or_else(|r| invalid("tenants.quota.ram", format!("quota #{i}: {r}")))?;
+            if q.ram.is_none() && q.ssd.is_none() {
+                return invalid(
+                    "tenants.quota",
+                    format!("quota #{i} must set ram, ssd or both"),
+                );
+            }
+            if let Some(ram) = q.ram {
+                check_ram(ram.0, pool_size, slot_bytes)
+                    .or_else(|r| invalid("tenants.quota.ram", format!("quota #{i}: {r}")))?;
+            }
+            if let Some(b) = q.ssd {
+                check_ssd(b.0, ssd)
+                    .or_else(|r| invalid("tenants.quota.ssd", format!("quota #{i}: {r}")))?;
+            }
         }
         Ok(())
     }
@@ -155,11 +211,13 @@ impl TenantsConfig {
                 .filter_map(|q| {
                     q.matches().map(|matches| QuotaRule {
                         matches,
-                        ram: q.ram.0,
+                        ram: q.ram.map(|b| b.0),
+                        ssd: q.ssd.map(|b| b.0),
                     })
                 })
                 .collect(),
             default_ram: self.default_ram.map(|b| b.0),
+            default_ssd: self.default_ssd.map(|b| b.0),
         }
     }
 }

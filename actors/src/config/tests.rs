@@ -400,6 +400,20 @@ fn the_tenants_sample_gives_the_cache_its_quotas() {
     );
     assert_eq!(rules.ram_for("scratch/bfloat16/l2-kv8-hd64-b16"), Some(0));
     assert_eq!(rules.ram_for("qwen/bfloat16/x"), Some(256 << 20));
+    assert_eq!(
+        rules.ssd_for("meta-llama%2FLlama-3.1-8B-Instruct/bfloat16/x"),
+        Some(32 << 30)
+    );
+    assert_eq!(rules.ssd_for("qwen/bfloat16/x"), Some(8 << 30));
+    assert_eq!(
+        rules.ssd_for("scratch/bfloat16/l2-kv8-hd64-b16"),
+        Some(8 << 30),
+        "its rule sets RAM only"
+    );
+    // An SSD quota past the tier's capacity is refused, naming the key.
+    let broken = text.replace("ssd = \"32GiB\"", "ssd = \"1TiB\"");
+    let e = NodeConfig::from_toml(&broken, "tenants.toml").unwrap_err();
+    assert!(e.to_string().contains("tenants.quota.ssd"), "{e}");
     // Without a [tenants] section: no quota, 32 namespaces named.
     let plain = NodeConfig::from_toml("", "plain.toml").unwrap();
     assert_eq!(plain.tenants, TenantsConfig::default());
@@ -485,9 +499,55 @@ fn bad_tenant_quotas_are_refused_naming_the_key() {
     let cfg: NodeConfig = toml::from_str(&ok).unwrap();
     cfg.validate_on(&host).unwrap();
     // Unknown keys in a quota are refused by the parser.
-    let e = NodeConfig::from_toml(&q("prefix = \"a/\"\nram = 0\nssd = \"1GiB\""), "t.toml")
+    let e = NodeConfig::from_toml(&q("prefix = \"a/\"\nram = 0\ndisk = \"1GiB\""), "t.toml")
         .unwrap_err();
-    assert!(e.to_string().contains("unknown field `ssd`"), "{e}");
+    assert!(e.to_string().contains("unknown field `disk`"), "{e}");
+    // SSD quotas: against the [ssd] tier (here 4 disk slots of 1 MiB and a header).
+    let tier = "[ssd]\n[[ssd.dir]]\npath = \"/tmp/kvferry-quota-cfg\"\ncapacity = \"5MiB\"\n";
+    for (text, want_key, want) in [
+        (
+            q("prefix = \"m/\"\nssd = \"1GiB\""),
+            "tenants.quota.ssd",
+            "no [ssd] tier",
+        ),
+        (
+            format!("{tier}{}", q("prefix = \"m/\"\nssd = \"1GiB\"")),
+            "tenants.quota.ssd",
+            "larger than the whole SSD tier",
+        ),
+        (
+            format!("{tier}{}", q("prefix = \"m/\"\nssd = \"1MiB\"")),
+            "tenants.quota.ssd",
+            "less than one disk slot",
+        ),
+        (
+            format!("{tier}[tenants]\ndefault-ssd = \"1TiB\"\n"),
+            "tenants.default-ssd",
+            "larger than the whole SSD tier",
+        ),
+        (
+            q("prefix = \"m/\""),
+            "tenants.quota",
+            "quota #0 must set ram, ssd or both",
+        ),
+    ] {
+        let (key, reason) = invalid_key(&text, &host);
+        assert_eq!(key, want_key, "{text}: {reason}");
+        assert!(reason.contains(want), "{text}: {reason}");
+    }
+    let ok = format!(
+        "{tier}{}{}",
+        q("prefix = \"a/\"\nssd = 0"),
+        q("prefix = \"b/\"\nram = \"2MiB\"\nssd = \"2MiB\"")
+    );
+    let cfg: NodeConfig = toml::from_str(&ok).unwrap();
+    cfg.validate_on(&host).unwrap();
+    let rules = cfg.tenants.rules();
+    assert_eq!(
+        (rules.ssd_for("a/x/y"), rules.ram_for("a/x/y")),
+        (Some(0), None)
+    );
+    assert_eq!(rules.ssd_for("b/x/y"), Some(2 << 20));
 }
 
 /// Issue 29: a listener other hosts can reach, with nothing that authenticates its callers,

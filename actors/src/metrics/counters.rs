@@ -117,6 +117,14 @@ impl Counters {
         NamespaceUsage::of(&self.namespaces, usage)
     }
 
+    /// The namespaces' SSD use under the same labels, for a scrape.
+    pub fn namespace_ssd_usage(
+        &self,
+        usage: &[TenantUsage],
+    ) -> crate::metrics::namespaces::SsdNamespaceUsage {
+        crate::metrics::namespaces::SsdNamespaceUsage(NamespaceUsage::of(&self.namespaces, usage))
+    }
+
     /// Records where a query's blocks were found: this node's RAM or SSD, a peer, nowhere.
     pub fn query_blocks(&self, ram: usize, ssd: usize, remote: usize, miss: usize) {
         self.registry

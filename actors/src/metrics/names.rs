@@ -21,6 +21,9 @@ pub const NAMESPACE_QUERY_BLOCKS: &str = "kvferry_namespace_query_blocks_total";
 pub const NAMESPACE_RAM_BYTES: &str = "kvferry_namespace_ram_bytes";
 pub const NAMESPACE_RAM_QUOTA_BYTES: &str = "kvferry_namespace_ram_quota_bytes";
 pub const NAMESPACE_REFUSED: &str = "kvferry_namespace_refused_blocks_total";
+pub const NAMESPACE_SSD_BYTES: &str = "kvferry_namespace_ssd_bytes";
+pub const NAMESPACE_SSD_QUOTA_BYTES: &str = "kvferry_namespace_ssd_quota_bytes";
+pub const NAMESPACE_SSD_REFUSED: &str = "kvferry_namespace_ssd_refused_blocks_total";
 pub const ABANDONED: &str = "kvferry_abandoned_total";
 pub const DATA_REJECTED: &str = "kvferry_data_rejected_total";
 pub const LOADS: &str = "kvferry_loads_total";
@@ -158,6 +161,15 @@ pub fn describe() {
             NAMESPACE_RAM_QUOTA_BYTES,
             "RAM quota of each namespace that has one ([[tenants.quota]]), by namespace.",
         ),
+        (
+            NAMESPACE_SSD_BYTES,
+            "SSD tier bytes held by each namespace's blocks (whole disk slots: the block and \
+             its header), by namespace (labelled as the RAM families are).",
+        ),
+        (
+            NAMESPACE_SSD_QUOTA_BYTES,
+            "SSD quota of each namespace that has one ([[tenants.quota]] ssd), by namespace.",
+        ),
     ] {
         describe_gauge!(name, help);
     }
@@ -182,6 +194,11 @@ pub fn describe() {
             NAMESPACE_REFUSED,
             "Blocks refused for their namespace's RAM quota (all of its blocks pinned, or a \
              quota of 0), by namespace.",
+        ),
+        (
+            NAMESPACE_SSD_REFUSED,
+            "SSD writes refused for their namespace's SSD quota (all of its disk blocks busy, \
+             or a quota of 0), by namespace.",
         ),
         (
             LOADS,

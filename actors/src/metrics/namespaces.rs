@@ -13,7 +13,10 @@ use std::sync::Mutex;
 
 use ::metrics::{counter, gauge};
 
-use crate::metrics::names::{NAMESPACE_RAM_BYTES, NAMESPACE_RAM_QUOTA_BYTES, NAMESPACE_REFUSED};
+use crate::metrics::names::{
+    NAMESPACE_RAM_BYTES, NAMESPACE_RAM_QUOTA_BYTES, NAMESPACE_REFUSED, NAMESPACE_SSD_BYTES,
+    NAMESPACE_SSD_QUOTA_BYTES, NAMESPACE_SSD_REFUSED,
+};
 use crate::metrics::Sampled;
 use crate::model::Namespace;
 use crate::tier::quota::TenantUsage;
@@ -127,6 +130,23 @@ impl Sampled for NamespaceUsage {
                 gauge!(NAMESPACE_RAM_QUOTA_BYTES, "namespace" => ns.clone()).set(q as f64);
             }
             counter!(NAMESPACE_REFUSED, "namespace" => ns).absolute(r.refused_blocks);
+        }
+    }
+}
+
+/// The same rows for the SSD tier's use (the `ram_*` fields hold the SSD's bytes and quota).
+#[derive(Clone, Debug, Default)]
+pub struct SsdNamespaceUsage(pub NamespaceUsage);
+
+impl Sampled for SsdNamespaceUsage {
+    fn record(&self) {
+        for r in &self.0 .0 {
+            let ns = r.label.clone();
+            gauge!(NAMESPACE_SSD_BYTES, "namespace" => ns.clone()).set(r.ram_bytes as f64);
+            if let Some(q) = r.ram_quota_bytes {
+                gauge!(NAMESPACE_SSD_QUOTA_BYTES, "namespace" => ns.clone()).set(q as f64);
+            }
+            counter!(NAMESPACE_SSD_REFUSED, "namespace" => ns).absolute(r.refused_blocks);
         }
     }
 }

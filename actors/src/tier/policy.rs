@@ -99,6 +99,8 @@ pub struct Tiers<D: Disk> {
     wt_waiting: VecDeque<WaitingWrite>,
     peer_pins: PeerPins,
     effects: Vec<Effect<D::WriteWait>>,
+    /// The namespaces' quotas, RAM's and the SSD tier's (kept for a tier set later).
+    quotas: QuotaRules,
 }
 
 impl<D: Disk> Tiers<D> {
@@ -113,8 +115,13 @@ impl<D: Disk> Tiers<D> {
         peer_pin_ttl: Duration,
         quotas: QuotaRules,
     ) -> Self {
+        let mut ssd = ssd;
+        if let Some(d) = ssd.as_mut() {
+            d.set_quotas(quotas.clone());
+        }
         Self {
-            cache: BlockCache::with_quotas(pool, quotas),
+            cache: BlockCache::with_quotas(pool, quotas.clone()),
+            quotas,
             ssd,
             shapes: HashMap::new(),
             ssd_held: 0,
@@ -125,14 +132,21 @@ impl<D: Disk> Tiers<D> {
         }
     }
 
-    /// The namespaces' RAM quotas; before any block is stored (see
-    /// [`BlockCache::set_quotas`]).
+    /// The namespaces' RAM and SSD quotas; before any block is stored (see
+    /// [`BlockCache::set_quotas`]; on SSD what a warm restart found counts).
     pub fn set_quotas(&mut self, rules: QuotaRules) {
-        self.cache.set_quotas(rules);
+        self.cache.set_quotas(rules.clone());
+        if let Some(d) = self.ssd.as_mut() {
+            d.set_quotas(rules.clone());
+        }
+        self.quotas = rules;
     }
 
     pub fn set_ssd(&mut self, ssd: Option<D>) {
         self.ssd = ssd;
+        if let Some(d) = self.ssd.as_mut() {
+            d.set_quotas(self.quotas.clone());
+        }
     }
 
     /// What the driver must do now, in order.

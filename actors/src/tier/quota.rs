@@ -1,13 +1,20 @@
-//! Tenants of the RAM cache: which namespace may hold how much of the pool, and what a
-//! namespace at its quota does when it saves more. Plain state, no I/O: the
-//! [`crate::tier::cache::BlockCache`] asks it before it gives a new block a slot, and tells
-//! it what it stored and dropped.
+//! Tenants of the RAM cache and of the SSD tier: which namespace may hold how much of the
+//! pool or of the disks, and what a namespace at its quota does when it stores more. Plain
+//! state, no I/O: the [`crate::tier::cache::BlockCache`] (RAM) and the
+//! [`crate::tier::ssd::index::SsdIndex`] (SSD) each keep a [`Tenants`] of their tier, ask it
+//! before they give a new block a slot, and tell it what they stored and dropped.
 //!
 //! The rules (the README's "Tenants and quotas" says the same to users):
-//! - A namespace's quota is the first rule naming it exactly, else the longest prefix rule
-//!   that matches it, else the default; none of them: unlimited. A quota is counted in pool
-//!   slots (`ram / slot-bytes`, rounded down), since a block takes a whole slot whatever its
-//!   size; every block of the namespace in RAM counts (saved, put or fetched from a peer).
+//! - Per tier (`ram`, `ssd`), a namespace's quota is the first rule naming it exactly that
+//!   sets that tier, else the longest prefix rule that matches it and sets that tier, else
+//!   the tier's default; none of them: unlimited. A quota is counted in slots (RAM: `ram /
+//!   slot-bytes`; SSD: `ssd /` a disk slot, the block and its header; rounded down), since a
+//!   block takes a whole slot whatever its size; every block of the namespace in the tier
+//!   counts (in RAM: saved, put or fetched from a peer; on SSD: written behind or through).
+//! - **On SSD the same rules hold at admission** (a write-behind of a block RAM evicts, or a
+//!   write-through): a namespace at its SSD quota replaces its own oldest idle disk block,
+//!   never another namespace's; when all of its disk blocks are busy (read, held by leases,
+//!   being written) the write is skipped, and a block RAM evicted then leaves the node.
 //! - **Hard at admission.** A namespace below its quota is admitted as any block is (a full
 //!   pool evicts its oldest unpinned block, whoever's it is). A namespace at its quota
 //!   replaces its own oldest unpinned block (fetched copies first, then saved ones): it
@@ -35,40 +42,77 @@ pub enum NsMatch {
     Prefix(String),
 }
 
-/// One quota: RAM bytes for the namespaces it matches.
+/// One quota: RAM and SSD bytes for the namespaces it matches (None: this rule says nothing
+/// about that tier).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct QuotaRule {
     pub matches: NsMatch,
-    pub ram: u64,
+    pub ram: Option<u64>,
+    pub ssd: Option<u64>,
+}
+
+/// The tier a [`Tenants`] counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    Ram,
+    Ssd,
+}
+
+impl QuotaRule {
+    fn bytes(&self, tier: Tier) -> Option<u64> {
+        match tier {
+            Tier::Ram => self.ram,
+            Tier::Ssd => self.ssd,
+        }
+    }
 }
 
 /// The quotas of a node, as the config gives them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct QuotaRules {
     pub rules: Vec<QuotaRule>,
-    /// The quota of a namespace no rule matches; None: unlimited.
+    /// The RAM quota of a namespace no rule gives one; None: unlimited.
     pub default_ram: Option<u64>,
+    /// The SSD quota of a namespace no rule gives one; None: unlimited.
+    pub default_ssd: Option<u64>,
 }
 
 impl QuotaRules {
     /// RAM bytes `ns` may hold (see the module doc for the order); None: unlimited.
     pub fn ram_for(&self, ns: &str) -> Option<u64> {
+        self.quota_for(ns, Tier::Ram)
+    }
+
+    /// SSD bytes `ns` may hold; None: unlimited.
+    pub fn ssd_for(&self, ns: &str) -> Option<u64> {
+        self.quota_for(ns, Tier::Ssd)
+    }
+
+    /// `tier`'s bytes `ns` may hold: the exact rule, else the longest prefix, else the
+    /// default, each only where it sets `tier`.
+    pub fn quota_for(&self, ns: &str, tier: Tier) -> Option<u64> {
         let exact = self.rules.iter().find_map(|r| match &r.matches {
-            NsMatch::Exact(n) if n == ns => Some(r.ram),
+            NsMatch::Exact(n) if n == ns => r.bytes(tier),
             _ => None,
         });
+        let default = match tier {
+            Tier::Ram => self.default_ram,
+            Tier::Ssd => self.default_ssd,
+        };
         exact
             .or_else(|| {
                 self.rules
                     .iter()
                     .filter_map(|r| match &r.matches {
-                        NsMatch::Prefix(p) if ns.starts_with(p.as_str()) => Some((p.len(), r.ram)),
+                        NsMatch::Prefix(p) if ns.starts_with(p.as_str()) => {
+                            r.bytes(tier).map(|b| (p.len(), b))
+                        }
                         _ => None,
                     })
                     .max_by_key(|(len, _)| *len)
-                    .map(|(_, ram)| ram)
+                    .map(|(_, b)| b)
             })
-            .or(self.default_ram)
+            .or(default)
     }
 }
 
@@ -98,12 +142,12 @@ pub enum Admission {
     Never,
 }
 
-/// One namespace's use of RAM, as metrics and operators see it.
+/// One namespace's use of a tier, as metrics and operators see it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TenantUsage {
     pub namespace: Namespace,
     pub blocks: usize,
-    /// Pool bytes its blocks hold (`blocks × slot bytes`).
+    /// Bytes its blocks hold (`blocks × slot bytes`).
     pub bytes: u64,
     /// Its quota in bytes (slots × slot bytes); None: unlimited.
     pub quota_bytes: Option<u64>,
@@ -111,21 +155,29 @@ pub struct TenantUsage {
     pub refused: u64,
 }
 
-/// Every namespace the cache has held, with its quota and use. Namespaces stay once seen:
+/// Every namespace a tier has held, with its quota and use. Namespaces stay once seen:
 /// they come from registered instances (and the leases of their queries), so there are as
 /// many as the engines ever served models and layouts.
 #[derive(Debug)]
 pub struct Tenants {
     rules: QuotaRules,
+    tier: Tier,
     slot_bytes: u64,
     ids: HashMap<Namespace, TenantId>,
     list: Vec<Tenant>,
 }
 
 impl Tenants {
+    /// RAM's tenants, counted in pool slots of `slot_bytes`.
     pub fn new(rules: QuotaRules, slot_bytes: u64) -> Self {
+        Self::of_tier(rules, Tier::Ram, slot_bytes)
+    }
+
+    /// `tier`'s tenants, counted in slots of `slot_bytes`.
+    pub fn of_tier(rules: QuotaRules, tier: Tier, slot_bytes: u64) -> Self {
         Self {
             rules,
+            tier,
             slot_bytes: slot_bytes.max(1),
             ids: HashMap::new(),
             list: Vec::new(),
@@ -140,9 +192,15 @@ impl Tenants {
         }
     }
 
+    /// [`Self::set_rules`], counted in slots of `slot_bytes` from now on.
+    pub fn set_rules_counted_in(&mut self, rules: QuotaRules, slot_bytes: u64) {
+        self.slot_bytes = slot_bytes.max(1);
+        self.set_rules(rules);
+    }
+
     fn quota_slots(&self, ns: &Namespace) -> Option<usize> {
         self.rules
-            .ram_for(ns.as_str())
+            .quota_for(ns.as_str(), self.tier)
             .map(|b| usize::try_from(b / self.slot_bytes).unwrap_or(usize::MAX))
     }
 
@@ -246,22 +304,27 @@ mod tests {
             rules: vec![
                 QuotaRule {
                     matches: NsMatch::Prefix("llama".into()),
-                    ram: 4 << 20,
+                    ram: Some(4 << 20),
+                    ssd: None,
                 },
                 QuotaRule {
                     matches: NsMatch::Prefix("llama-big".into()),
-                    ram: 8 << 20,
+                    ram: Some(8 << 20),
+                    ssd: None,
                 },
                 QuotaRule {
                     matches: NsMatch::Exact("llama-big/bf16/t".into()),
-                    ram: 1 << 20,
+                    ram: Some(1 << 20),
+                    ssd: None,
                 },
                 QuotaRule {
                     matches: NsMatch::Prefix("off".into()),
-                    ram: 0,
+                    ram: Some(0),
+                    ssd: None,
                 },
             ],
             default_ram: None,
+            default_ssd: None,
         }
     }
 
@@ -321,11 +384,88 @@ mod tests {
     #[test]
     fn a_quota_below_one_slot_admits_nothing() {
         let r = QuotaRules {
-            rules: vec![],
             default_ram: Some((1 << 20) - 1),
+            ..Default::default()
         };
         let mut t = Tenants::new(r, 1 << 20);
         let a = t.id(&ns("m"));
         assert_eq!(t.admission(a), Admission::Never);
+    }
+
+    #[test]
+    fn each_tier_takes_the_most_specific_rule_that_sets_it() {
+        let r = QuotaRules {
+            rules: vec![
+                // RAM only for one namespace: its SSD quota comes from the prefix rule.
+                QuotaRule {
+                    matches: NsMatch::Exact("llama/bf16/t".into()),
+                    ram: Some(1 << 20),
+                    ssd: None,
+                },
+                QuotaRule {
+                    matches: NsMatch::Prefix("llama/".into()),
+                    ram: None,
+                    ssd: Some(10 << 20),
+                },
+                QuotaRule {
+                    matches: NsMatch::Prefix("cold/".into()),
+                    ram: None,
+                    ssd: Some(0),
+                },
+            ],
+            default_ram: None,
+            default_ssd: Some(3 << 20),
+        };
+        assert_eq!(r.ram_for("llama/bf16/t"), Some(1 << 20));
+        assert_eq!(r.ssd_for("llama/bf16/t"), Some(10 << 20));
+        assert_eq!(
+            r.ram_for("llama/fp8/t"),
+            None,
+            "the prefix rule sets no RAM quota"
+        );
+        assert_eq!(r.ssd_for("llama/fp8/t"), Some(10 << 20));
+        assert_eq!(r.ssd_for("qwen/bf16/t"), Some(3 << 20));
+        assert_eq!(r.ssd_for("cold/bf16/t"), Some(0));
+        // The SSD's tenants count in disk slots, by their own rules; RAM's are untouched.
+        let mut ssd = Tenants::of_tier(r.clone(), Tier::Ssd, 1 << 20);
+        let (llama, cold, qwen) = (
+            ssd.id(&ns("llama")),
+            ssd.id(&ns("cold")),
+            ssd.id(&ns("qwen")),
+        );
+        assert_eq!(ssd.admission(cold), Admission::Never);
+        for _ in 0..3 {
+            assert_eq!(ssd.admission(qwen), Admission::Admit);
+            ssd.stored(qwen);
+        }
+        assert_eq!(
+            ssd.admission(qwen),
+            Admission::ReplaceOwn { quota_slots: 3 }
+        );
+        for _ in 0..10 {
+            ssd.stored(llama);
+        }
+        assert_eq!(
+            ssd.admission(llama),
+            Admission::ReplaceOwn { quota_slots: 10 }
+        );
+        let u = ssd.usage();
+        assert_eq!(
+            (u[0].blocks, u[0].bytes, u[0].quota_bytes),
+            (10, 10 << 20, Some(10 << 20))
+        );
+        let mut ram = Tenants::new(r, 1 << 20);
+        let llama_ram = ram.id(&ns("llama"));
+        ram.stored(llama_ram);
+        assert_eq!(
+            ram.admission(llama_ram),
+            Admission::ReplaceOwn { quota_slots: 1 }
+        );
+        let cold_ram = ram.id(&ns("cold"));
+        assert_eq!(
+            ram.admission(cold_ram),
+            Admission::Admit,
+            "no RAM quota for cold/"
+        );
     }
 }

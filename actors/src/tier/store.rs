@@ -264,6 +264,19 @@ impl Handler<GetNamespaceUsage> for BlockStore {
     }
 }
 
+/// Every namespace's use of the SSD tier, with its SSD quota; None without a tier.
+#[derive(Message)]
+#[rtype(result = "Option<Vec<crate::tier::quota::TenantUsage>>")]
+pub struct GetSsdNamespaceUsage;
+
+impl Handler<GetSsdNamespaceUsage> for BlockStore {
+    type Result = actix::MessageResult<GetSsdNamespaceUsage>;
+
+    fn handle(&mut self, _: GetSsdNamespaceUsage, _: &mut Context<Self>) -> Self::Result {
+        actix::MessageResult(self.tiers.ssd().map(SsdTier::usage))
+    }
+}
+
 /// How many leading `hashes` RAM holds sealed (Lookup on a node without peers).
 #[derive(Message)]
 #[rtype(result = "usize")]

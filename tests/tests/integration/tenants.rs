@@ -33,12 +33,14 @@ fn equal_hashes_of_two_tenants_never_meet_and_a_quota_caps_one() {
         cfg.tenants.quota.push(QuotaSection {
             namespace: None,
             prefix: Some("small/".into()),
-            ram: ByteSize(2 * slot),
+            ram: Some(ByteSize(2 * slot)),
+            ssd: None,
         });
         cfg.tenants.quota.push(QuotaSection {
             namespace: None,
             prefix: Some("off/".into()),
-            ram: ByteSize(0),
+            ram: Some(ByteSize(0)),
+            ssd: None,
         });
         let (node, dev) = start(
             cfg,
@@ -142,4 +144,121 @@ fn equal_hashes_of_two_tenants_never_meet_and_a_quota_caps_one() {
             "kvferry_namespace_ram_quota_bytes{{namespace=\"{ns_b}\"}}"
         )));
     });
+}
+
+/// An SSD quota through the store actor and a real SSD tier: blocks RAM evicts are written
+/// behind to disk, a namespace at its SSD quota replaces its own oldest disk block (which
+/// leaves the node) and never another namespace's, a quota of 0 keeps a namespace off the
+/// disk, and the per-namespace SSD metrics show it.
+#[test]
+fn an_ssd_quota_caps_one_namespace_on_disk_and_spares_the_others() {
+    use kvferry_actors::tier::ssd::{format, SsdConfig, SsdDir};
+    let dir = std::env::temp_dir().join(format!("kvferry-ssd-quota-it-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    rt().block_on(async {
+        let shape = KvShape::new(2, 1, 2, 1024).unwrap();
+        let slot = shape.block_bytes();
+        let stride = format::slot_stride(slot);
+        // RAM of 4 blocks, a disk of 32.
+        let mut cfg = config(slot, 4);
+        cfg.ssd = Some(SsdConfig {
+            dir: vec![SsdDir {
+                path: dir.clone(),
+                capacity: ByteSize(format::HEADER + 32 * stride),
+            }],
+            direct_io: false,
+            ..Default::default()
+        });
+        for (prefix, ssd) in [("small/", 2 * stride), ("off/", 0)] {
+            cfg.tenants.quota.push(QuotaSection {
+                namespace: None,
+                prefix: Some(prefix.into()),
+                ram: None,
+                ssd: Some(ByteSize(ssd)),
+            });
+        }
+        let (node, dev) = start(
+            cfg,
+            Clock::system(),
+            None::<std::sync::Arc<kvferry_actors::peer::LocalCluster>>,
+        );
+        let mut kvs = Vec::new();
+        for (instance, model) in [("a", "small"), ("b", "big"), ("c", "off")] {
+            let kv = DeviceKv::alloc(
+                dev.clone(),
+                shape,
+                KvKind::Split,
+                16,
+                shape.segment_bytes(),
+                0,
+            )
+            .unwrap();
+            kv.register(&node, instance, model, 0).await.unwrap();
+            kvs.push(kv);
+        }
+        // a fills RAM; then one block at a time pushes a's blocks to disk, each write done
+        // before the next, so which disk block is idle (and so replaceable) is known.
+        node.put_blocks(put_blocks("a", &shape, 0..4))
+            .await
+            .unwrap();
+        for i in 100..104 {
+            node.put_blocks(put_blocks("b", &shape, i..i + 1))
+                .await
+                .unwrap();
+            node.ssd_sync().await.unwrap();
+        }
+        // a's last two are on disk, its first two were replaced by them and left the node.
+        assert_eq!(query(&node, "a", 0..1, false).await.local_blocks, 0);
+        let q = query(&node, "a", 2..4, false).await;
+        assert_eq!((q.local_blocks, q.ssd_blocks), (2, 2));
+        node.release(q.lease.unwrap()).await.unwrap();
+        // b is unlimited: its four evicted blocks all go to disk beside a's two.
+        node.put_blocks(put_blocks("b", &shape, 104..108))
+            .await
+            .unwrap();
+        node.ssd_sync().await.unwrap();
+        let q = query(&node, "b", 100..108, false).await;
+        assert_eq!((q.local_blocks, q.ssd_blocks), (8, 4));
+        node.release(q.lease.unwrap()).await.unwrap();
+        let q = query(&node, "a", 2..4, false).await;
+        assert_eq!(q.local_blocks, 2, "b's writes took free slots, not a's");
+        node.release(q.lease.unwrap()).await.unwrap();
+        // c's quota of 0: what RAM evicts of it never reaches the disk.
+        node.put_blocks(put_blocks("c", &shape, 0..4))
+            .await
+            .unwrap();
+        node.ssd_sync().await.unwrap();
+        node.put_blocks(put_blocks("b", &shape, 200..204))
+            .await
+            .unwrap();
+        node.ssd_sync().await.unwrap();
+        assert_eq!(query(&node, "c", 0..1, false).await.local_blocks, 0);
+        settled(&node).await;
+        let text = node.metrics_text().await.unwrap();
+        let ns = |m: &str| format!("{m}/bf16/{}", shape.fingerprint());
+        for line in [
+            format!(
+                "kvferry_namespace_ssd_bytes{{namespace=\"{}\"}} {}\n",
+                ns("small"),
+                2 * stride
+            ),
+            format!(
+                "kvferry_namespace_ssd_quota_bytes{{namespace=\"{}\"}} {}\n",
+                ns("small"),
+                2 * stride
+            ),
+            format!(
+                "kvferry_namespace_ssd_bytes{{namespace=\"{}\"}} {}\n",
+                ns("big"),
+                8 * stride
+            ),
+            format!(
+                "kvferry_namespace_ssd_refused_blocks_total{{namespace=\"{}\"}} 4\n",
+                ns("off")
+            ),
+        ] {
+            assert!(text.contains(&line), "{line}{text}");
+        }
+    });
+    let _ = std::fs::remove_dir_all(&dir);
 }

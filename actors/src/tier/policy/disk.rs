@@ -37,6 +37,7 @@ pub trait Disk {
     ) -> Option<(PendingRead, Self::ReadWait)>;
     fn read_done(&mut self, r: &PendingRead, out: Option<&ReadOutcome>) -> (bool, bool);
     fn metrics(&self) -> &SsdMetrics;
+    fn set_quotas(&mut self, rules: crate::tier::quota::QuotaRules);
 }
 
 impl Disk for SsdTier {
@@ -96,5 +97,9 @@ impl Disk for SsdTier {
 
     fn metrics(&self) -> &SsdMetrics {
         SsdTier::metrics(self)
+    }
+
+    fn set_quotas(&mut self, rules: crate::tier::quota::QuotaRules) {
+        SsdTier::set_quotas(self, rules)
     }
 }

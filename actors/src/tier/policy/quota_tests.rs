@@ -34,10 +34,11 @@ fn tiers(slots: u64, quotas: &[(&str, u64)]) -> Tiers<SsdTier> {
             .iter()
             .map(|(p, blocks)| QuotaRule {
                 matches: NsMatch::Prefix(format!("{p}/")),
-                ram: blocks * BLOCK,
+                ram: Some(blocks * BLOCK),
+                ssd: None,
             })
             .collect(),
-        default_ram: None,
+        ..Default::default()
     };
     Tiers::with_quotas(
         HostPool::new(slots * BLOCK, BLOCK, false).unwrap(),

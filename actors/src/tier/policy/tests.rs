@@ -90,6 +90,7 @@ impl Disk for FakeDisk {
             Ok(p) => p,
             Err(NoSlot::Present) => return Err(WriteSkip::Present),
             Err(NoSlot::AllBusy) => return Err(WriteSkip::Busy),
+            Err(NoSlot::OverQuota) => return Err(WriteSkip::OverQuota),
         };
         let mut data = vec![0; len as usize];
         fill(&mut data);
@@ -156,6 +157,10 @@ impl Disk for FakeDisk {
 
     fn metrics(&self) -> &SsdMetrics {
         &self.metrics
+    }
+
+    fn set_quotas(&mut self, rules: QuotaRules) {
+        self.index.set_quotas(rules, BLOCK);
     }
 }
 

@@ -6,10 +6,15 @@
 //! peer's promotion cannot have its bytes overwritten) and is freed only once idle, even if
 //! its block is removed meanwhile. A block being written is visible at once: reads of its
 //! slot wait behind the write on the I/O thread.
+//!
+//! Namespaces under an SSD quota ([`crate::tier::quota`]) are admitted by its rules: one at
+//! its quota takes the slot of its own oldest idle block, never a free slot or another
+//! namespace's block, and is refused when it has none idle.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use crate::model::BlockKey;
+use crate::tier::quota::{Admission, QuotaRules, TenantId, TenantUsage, Tenants, Tier};
 
 /// Where a block lives: a directory and a slot of its file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -26,6 +31,7 @@ pub struct Entry {
     /// The block's LRU tick; also its write sequence number on disk.
     tick: u64,
     writing: bool,
+    tenant: TenantId,
 }
 
 impl Entry {
@@ -76,9 +82,11 @@ pub enum NoSlot {
     Present,
     /// Every slot is busy or being written.
     AllBusy,
+    /// Its namespace holds its SSD quota and every block of it is busy, or its quota is 0.
+    OverQuota,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SsdIndex {
     dirs: Vec<Dir>,
     map: HashMap<BlockKey, Entry>,
@@ -90,6 +98,27 @@ pub struct SsdIndex {
     /// Slots whose block was removed while they were busy: freed when idle.
     free_when_idle: HashSet<Loc>,
     pub evictions: u64,
+    tenants: Tenants,
+    /// The ticks of `lru` whose block's namespace is under a quota, by namespace: what a
+    /// namespace at its quota gives up first.
+    own: BTreeSet<(TenantId, u64)>,
+}
+
+impl Default for SsdIndex {
+    fn default() -> Self {
+        Self {
+            dirs: Vec::new(),
+            map: HashMap::new(),
+            lru: BTreeMap::new(),
+            tick: 0,
+            next_dir: 0,
+            busy: HashMap::new(),
+            free_when_idle: HashSet::new(),
+            evictions: 0,
+            tenants: Tenants::of_tier(QuotaRules::default(), Tier::Ssd, 1),
+            own: BTreeSet::new(),
+        }
+    }
 }
 
 impl SsdIndex {
@@ -123,10 +152,13 @@ impl SsdIndex {
             if let Some(old) = idx.map.remove(&key) {
                 idx.lru.remove(&old.tick);
                 taken.remove(&old.loc);
+                idx.tenants.dropped(old.tenant);
             }
             // Ticks must be unique: a damaged sequence number must not hide another block.
             let tick = seq.max(idx.tick + 1);
             idx.tick = tick;
+            let tenant = idx.tenants.id(&key.namespace);
+            idx.tenants.stored(tenant);
             idx.map.insert(
                 key.clone(),
                 Entry {
@@ -135,6 +167,7 @@ impl SsdIndex {
                     len,
                     tick,
                     writing: false,
+                    tenant,
                 },
             );
             idx.lru.insert(tick, key);
@@ -160,6 +193,49 @@ impl SsdIndex {
     fn next_tick(&mut self) -> u64 {
         self.tick += 1;
         self.tick
+    }
+
+    /// Holds the namespaces to `rules`' SSD quotas from now on, counted in disk slots of
+    /// `slot_bytes`; blocks already on disk (a warm restart's) count, and those of a
+    /// namespace with a quota are what it gives up first.
+    pub fn set_quotas(&mut self, rules: QuotaRules, slot_bytes: u64) {
+        self.tenants.set_rules_counted_in(rules, slot_bytes);
+        self.own.clear();
+        for (tick, key) in &self.lru {
+            if let Some(e) = self.map.get(key) {
+                if self.tenants.has_quota(e.tenant) {
+                    self.own.insert((e.tenant, *tick));
+                }
+            }
+        }
+    }
+
+    /// Every namespace's use of the tier, with its quota.
+    pub fn usage(&self) -> Vec<TenantUsage> {
+        self.tenants.usage()
+    }
+
+    fn lru_insert(&mut self, tick: u64, key: BlockKey, tenant: TenantId) {
+        if self.tenants.has_quota(tenant) {
+            self.own.insert((tenant, tick));
+        }
+        self.lru.insert(tick, key);
+    }
+
+    fn lru_remove(&mut self, tick: u64, tenant: TenantId) {
+        self.own.remove(&(tenant, tick));
+        self.lru.remove(&tick);
+    }
+
+    /// `tenant`'s oldest idle block leaves the tier; its slot, for the caller's write.
+    fn evict_own(&mut self, tenant: TenantId) -> Option<(Loc, BlockKey)> {
+        let &(_, tick) = self.own.range((tenant, 0)..=(tenant, u64::MAX)).next()?;
+        self.own.remove(&(tenant, tick));
+        let key = self.lru.remove(&tick)?;
+        let e = self.map.remove(&key)?;
+        self.tenants.dropped(e.tenant);
+        self.evictions += 1;
+        Some((e.loc, key))
     }
 
     pub fn get(&self, key: &BlockKey) -> Option<&Entry> {
@@ -205,32 +281,55 @@ impl SsdIndex {
     }
 
     /// Takes a slot for `key`: a free one (directories in turn), else the least recently
-    /// used idle block's.
+    /// used idle block's; for a namespace at its quota, its own oldest idle block's.
     pub fn begin_write(&mut self, key: &BlockKey, tp: u32, len: u64) -> Result<WritePlan, NoSlot> {
         if self.map.contains_key(key) {
             return Err(NoSlot::Present);
         }
-        let n = self.dirs.len();
+        let tenant = self.tenants.id(&key.namespace);
         let mut loc = None;
+        let mut evicted = None;
+        match self.tenants.admission(tenant) {
+            Admission::Admit => {}
+            Admission::Never => {
+                self.tenants.refused(tenant);
+                return Err(NoSlot::OverQuota);
+            }
+            Admission::ReplaceOwn { .. } => match self.evict_own(tenant) {
+                Some((l, old)) => {
+                    loc = Some(l);
+                    evicted = Some(old);
+                }
+                None => {
+                    self.tenants.refused(tenant);
+                    return Err(NoSlot::OverQuota);
+                }
+            },
+        }
+        let n = self.dirs.len();
         for i in 0..n {
+            if loc.is_some() {
+                break;
+            }
             let d = (self.next_dir + i) % n;
             if let Some(slot) = self.dirs[d].take() {
                 loc = Some(Loc { dir: d, slot });
                 self.next_dir = (d + 1) % n;
-                break;
             }
         }
-        let mut evicted = None;
         let loc = match loc {
             Some(l) => l,
             None => {
-                let (_, old) = self.lru.pop_first().ok_or(NoSlot::AllBusy)?;
+                let (tick, old) = self.lru.pop_first().ok_or(NoSlot::AllBusy)?;
                 let e = self.map.remove(&old).ok_or(NoSlot::AllBusy)?;
+                self.own.remove(&(e.tenant, tick));
+                self.tenants.dropped(e.tenant);
                 self.evictions += 1;
                 evicted = Some(old);
                 e.loc
             }
         };
+        self.tenants.stored(tenant);
         let seq = self.next_tick();
         self.map.insert(
             key.clone(),
@@ -240,6 +339,7 @@ impl SsdIndex {
                 len,
                 tick: 0,
                 writing: true,
+                tenant,
             },
         );
         *self.busy.entry(loc).or_default() += 1;
@@ -266,7 +366,8 @@ impl SsdIndex {
         if let Some(e) = self.map.get_mut(key) {
             if !e.writing && e.tick == 0 {
                 e.tick = tick;
-                self.lru.insert(tick, key.clone());
+                let tenant = e.tenant;
+                self.lru_insert(tick, key.clone(), tenant);
             }
         }
     }
@@ -298,7 +399,9 @@ impl SsdIndex {
                 e.writing = false;
             }
             if !ok {
-                self.map.remove(key);
+                if let Some(e) = self.map.remove(key) {
+                    self.tenants.dropped(e.tenant);
+                }
                 self.free_when_idle.insert(loc);
             } else if idle {
                 self.touch(key);
@@ -311,7 +414,7 @@ impl SsdIndex {
     pub fn begin_read(&mut self, key: &BlockKey) -> Option<Entry> {
         let e = *self.map.get(key)?;
         if e.tick != 0 {
-            self.lru.remove(&e.tick);
+            self.lru_remove(e.tick, e.tenant);
             if let Some(m) = self.map.get_mut(key) {
                 m.tick = 0;
             }
@@ -340,8 +443,9 @@ impl SsdIndex {
         let Some(e) = self.map.remove(key) else {
             return false;
         };
+        self.tenants.dropped(e.tenant);
         if e.tick != 0 {
-            self.lru.remove(&e.tick);
+            self.lru_remove(e.tick, e.tenant);
         }
         self.free_when_idle.insert(e.loc);
         let idle = !self.busy.contains_key(&e.loc);
@@ -444,5 +548,119 @@ mod tests {
         write(&mut idx, 11);
         assert_eq!(write(&mut idx, 12).evicted, Some(k(2)));
         assert!(idx.begin_write(&k(13), 1, 10).unwrap().evicted == Some(k(1)));
+    }
+
+    fn kn(model: &str, i: u64) -> BlockKey {
+        BlockKey {
+            namespace: Namespace::new(model, "bf16", "t").unwrap(),
+            hash: BlockHash::from_u64(i),
+        }
+    }
+
+    fn quotas(rules: &[(&str, u64)]) -> QuotaRules {
+        use crate::tier::quota::{NsMatch, QuotaRule};
+        QuotaRules {
+            rules: rules
+                .iter()
+                .map(|(p, slots)| QuotaRule {
+                    matches: NsMatch::Prefix(format!("{p}/")),
+                    ram: None,
+                    ssd: Some(slots * 10),
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    fn write_key(idx: &mut SsdIndex, key: &BlockKey) -> Result<WritePlan, NoSlot> {
+        let p = idx.begin_write(key, 1, 10)?;
+        idx.end_write(key, p.loc, true, false);
+        Ok(p)
+    }
+
+    #[test]
+    fn a_namespace_at_its_ssd_quota_replaces_its_own_oldest_block_never_anothers() {
+        // 8 slots of 10 bytes: a may hold 2, b is unlimited, off none.
+        let mut idx = SsdIndex::new(&[8]);
+        idx.set_quotas(quotas(&[("a", 2), ("off", 0)]), 10);
+        for i in 0..3 {
+            write_key(&mut idx, &kn("b", i)).unwrap();
+        }
+        write_key(&mut idx, &kn("a", 10)).unwrap();
+        write_key(&mut idx, &kn("a", 11)).unwrap();
+        // At its quota with free slots left: its own oldest goes, b's older blocks stay.
+        let p = write_key(&mut idx, &kn("a", 12)).unwrap();
+        assert_eq!(p.evicted, Some(kn("a", 10)));
+        assert!((0..3).all(|i| idx.contains(&kn("b", i))));
+        let u = idx.usage();
+        let blocks = |m: &str| {
+            u.iter()
+                .find(|x| x.namespace.as_str().starts_with(m))
+                .map_or(0, |x| x.blocks)
+        };
+        assert_eq!((blocks("a/"), blocks("b/")), (2, 3));
+        // Every block of a busy (read, held): refused, nothing evicted, counted.
+        let r11 = idx.begin_read(&kn("a", 11)).unwrap();
+        let r12 = idx.begin_read(&kn("a", 12)).unwrap();
+        assert_eq!(idx.begin_write(&kn("a", 13), 1, 10), Err(NoSlot::OverQuota));
+        assert_eq!(idx.len(), 5);
+        idx.end_read(&kn("a", 11), r11.loc, true);
+        idx.end_read(&kn("a", 12), r12.loc, true);
+        // Quota 0: never admitted, even with free slots.
+        assert_eq!(
+            idx.begin_write(&kn("off", 1), 1, 10),
+            Err(NoSlot::OverQuota)
+        );
+        let u = idx.usage();
+        let a = u
+            .iter()
+            .find(|x| x.namespace.as_str().starts_with("a/"))
+            .unwrap();
+        assert_eq!((a.refused, a.bytes, a.quota_bytes), (1, 20, Some(20)));
+        // b fills the tier: the tier's LRU evicts the oldest whoever's it is (b's own here),
+        // and a's use follows what it loses.
+        for i in 3..10 {
+            write_key(&mut idx, &kn("b", i)).unwrap();
+        }
+        assert_eq!(idx.len(), 8);
+        write_key(&mut idx, &kn("a", 14)).unwrap();
+        let u = idx.usage();
+        assert!(u
+            .iter()
+            .all(|x| !x.namespace.as_str().starts_with("a/") || x.blocks <= 2));
+        // A failed write and a removed block give their quota back.
+        let p = idx.begin_write(&kn("a", 15), 1, 10).unwrap();
+        idx.end_write(&kn("a", 15), p.loc, false, false);
+        let before = idx
+            .usage()
+            .iter()
+            .find(|x| x.namespace.as_str().starts_with("a/"))
+            .unwrap()
+            .blocks;
+        assert!(idx.remove(&kn("a", 14)));
+        let after = idx
+            .usage()
+            .iter()
+            .find(|x| x.namespace.as_str().starts_with("a/"))
+            .unwrap()
+            .blocks;
+        assert_eq!(after + 1, before);
+    }
+
+    #[test]
+    fn quotas_set_after_a_warm_restart_count_what_was_found() {
+        let found = (0..4)
+            .map(|i| (Loc { dir: 0, slot: i }, kn("a", i), 1, 10, i + 1))
+            .collect();
+        let mut idx = SsdIndex::recover(&[8], found);
+        idx.set_quotas(quotas(&[("a", 2)]), 10);
+        // Over its new quota: each write replaces its oldest found block, free slots or not.
+        let p = write_key(&mut idx, &kn("a", 9)).unwrap();
+        assert_eq!(p.evicted, Some(kn("a", 0)));
+        assert_eq!(
+            write_key(&mut idx, &kn("a", 8)).unwrap().evicted,
+            Some(kn("a", 1))
+        );
+        assert_eq!(idx.len(), 4);
     }
 }

@@ -49,6 +49,9 @@ pub enum WriteSkip {
     Backlog,
     /// The directory's I/O thread is gone.
     Stopped,
+    /// The block's namespace holds its SSD quota and every block of it is busy, or its SSD
+    /// quota is 0 ([`crate::tier::quota`]).
+    OverQuota,
 }
 
 impl WriteSkip {
@@ -59,6 +62,7 @@ impl WriteSkip {
             WriteSkip::Busy => "every disk slot busy",
             WriteSkip::Backlog => "write backlog full",
             WriteSkip::Stopped => "I/O thread stopped",
+            WriteSkip::OverQuota => "namespace at its SSD quota",
         }
     }
 }
@@ -229,6 +233,17 @@ impl SsdTier {
         }
     }
 
+    /// Holds the namespaces to `rules`' SSD quotas, counted in disk slots (the stride: a
+    /// block slot and its header).
+    pub fn set_quotas(&mut self, rules: crate::tier::quota::QuotaRules) {
+        self.index.set_quotas(rules, self.stride);
+    }
+
+    /// Every namespace's use of the tier, with its SSD quota.
+    pub fn usage(&self) -> Vec<crate::tier::quota::TenantUsage> {
+        self.index.usage()
+    }
+
     pub fn metrics(&self) -> &Arc<SsdMetrics> {
         &self.metrics
     }
@@ -289,6 +304,7 @@ impl SsdTier {
         let plan = match self.index.begin_write(key, tp, len) {
             Ok(p) => p,
             Err(NoSlot::Present) => return Err(WriteSkip::Present),
+            Err(NoSlot::OverQuota) => return Err(WriteSkip::OverQuota),
             Err(NoSlot::AllBusy) => {
                 self.metrics
                     .writes_skipped
