@@ -82,6 +82,13 @@ pub enum Effect<W> {
         key: BlockKey,
         out: Result<(), SsdError>,
     },
+    /// Blocks left `tier` while the other tier still holds them: nothing changes for the
+    /// directory (the node still serves them); the event log hears of it.
+    LeftTier {
+        namespace: Namespace,
+        hashes: Vec<BlockHash>,
+        tier: crate::tier::quota::Tier,
+    },
 }
 
 pub struct Tiers<D: Disk> {

@@ -152,6 +152,9 @@ impl BlockStore {
                 }
                 Effect::Watch { write, wait } => self.watch_write(write, wait, ctx),
                 Effect::Durable { key, out } => self.answer_durable(&key, out),
+                // The node still serves them: the directory is unchanged (the event log
+                // heard of it in note_events).
+                Effect::LeftTier { .. } => {}
             }
         }
     }

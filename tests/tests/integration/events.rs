@@ -197,3 +197,55 @@ fn a_started_node_clears_first_then_announces_its_disk() {
     });
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Moves between the tiers that leave the node serving a block are events too: RAM evicting
+/// a block the disk holds is BlockRemoved(CPU), the disk evicting one RAM holds is
+/// BlockRemoved(DISK). Before, neither was reported, and the events kept a block "in RAM"
+/// for as long as the disk held it.
+#[test]
+fn events_follow_each_tier_through_evictions_on_both() {
+    use kvferry_actors::config::ByteSize;
+    use kvferry_actors::tier::ssd::{format, SsdConfig, SsdDir};
+    let dir = std::env::temp_dir().join(format!("kvferry-events-moves-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    rt().block_on(async {
+        // RAM of 3 blocks over a disk of 5, every block written through.
+        let mut cfg = events_config("moves", 3);
+        let slot = cfg.pool.slot_bytes.0;
+        cfg.ssd = Some(SsdConfig {
+            dir: vec![SsdDir {
+                path: dir.clone(),
+                capacity: ByteSize(format::HEADER + 5 * format::slot_stride(slot)),
+            }],
+            write_through: true,
+            direct_io: false,
+            ..Default::default()
+        });
+        let (node, dev) = start(
+            cfg,
+            kvferry_actors::Clock::system(),
+            None::<Arc<LocalCluster>>,
+        );
+        let kv =
+            DeviceKv::alloc(dev, shape(), KvKind::Split, 16, shape().segment_bytes(), 0).unwrap();
+        kv.register(&node, "eng", "m", 0).await.unwrap();
+        // One block at a time, each on disk before the next: both tiers evict in order.
+        for i in 0..10 {
+            node.put_blocks(put_blocks("eng", i..i + 1)).await.unwrap();
+            node.ssd_sync().await.unwrap();
+        }
+        let q = query(&node, "eng", 5..10, false).await;
+        assert_eq!(
+            (q.local_blocks, q.ssd_blocks),
+            (5, 2),
+            "5 and 6 on disk only"
+        );
+        let ns = q.namespace.clone();
+        node.release(q.lease.unwrap()).await.unwrap();
+        let events = all_events(&node);
+        let set = |r: std::ops::Range<u64>| hashes(r).into_iter().collect::<BTreeSet<_>>();
+        assert_eq!(held_per_events(&events, &ns, Medium::Ram), set(7..10));
+        assert_eq!(held_per_events(&events, &ns, Medium::Disk), set(5..10));
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}

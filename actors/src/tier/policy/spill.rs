@@ -3,6 +3,7 @@
 
 use super::{by_namespace, Disk, Effect, Tiers};
 use crate::model::{BlockHash, BlockKey, Namespace};
+use crate::tier::quota::Tier;
 use crate::tier::ssd::tier::{PendingWrite, WriteSkip};
 use crate::tier::ssd::SsdError;
 
@@ -26,6 +27,8 @@ impl<D: Disk> Tiers<D> {
             return;
         }
         let mut gone = Vec::new();
+        let mut left_ram = Vec::new();
+        let mut left_disk = Vec::new();
         for ev in evicted {
             let len = self.block_len(&ev.key.namespace);
             let Some(ssd) = self.ssd.as_mut() else {
@@ -33,13 +36,15 @@ impl<D: Disk> Tiers<D> {
                 continue;
             };
             if ssd.contains(&ev.key) {
+                // Still served from disk: only RAM lost it.
+                left_ram.push(ev.key);
                 continue;
             }
             let pool = self.cache.pool();
             match ssd.write(&ev.key, ev.tp, len, |dst| pool.read(ev.slot, 0, dst)) {
                 Ok((write, wait, disk_evicted)) => {
                     self.effects.push(Effect::Watch { write, wait });
-                    gone.extend(disk_evicted);
+                    left_disk.extend(disk_evicted);
                 }
                 // Out of RAM and not on disk: it leaves the node (never wrong bytes: a miss).
                 Err(why) => {
@@ -50,7 +55,29 @@ impl<D: Disk> Tiers<D> {
                 }
             }
         }
+        self.left_tier(left_ram, Tier::Ram);
+        self.disk_evicted(left_disk);
         self.withdraw(gone);
+    }
+
+    /// Blocks the SSD tier evicted: those RAM still holds only left the disk, the others
+    /// left the node.
+    fn disk_evicted(&mut self, keys: Vec<BlockKey>) {
+        let (in_ram, gone): (Vec<BlockKey>, Vec<BlockKey>) = keys
+            .into_iter()
+            .partition(|k| self.cache.contains(&k.namespace, k.hash));
+        self.left_tier(in_ram, Tier::Ssd);
+        self.withdraw(gone);
+    }
+
+    fn left_tier(&mut self, keys: Vec<BlockKey>, tier: Tier) {
+        for (namespace, hashes) in by_namespace(keys) {
+            self.effects.push(Effect::LeftTier {
+                namespace,
+                hashes,
+                tier,
+            });
+        }
     }
 
     /// Withdraws blocks that left this node: those no tier holds any more.
@@ -119,7 +146,7 @@ impl<D: Disk> Tiers<D> {
     /// Queues the writes of waiting write-through blocks, oldest first, while the backlog
     /// has room. A block whose write cannot be queued for another reason is answered here.
     fn pump_write_through(&mut self) {
-        let mut gone = Vec::new();
+        let mut disk_evicted = Vec::new();
         while let (Some(w), Some(ssd)) = (self.wt_waiting.front(), self.ssd.as_mut()) {
             let pool = self.cache.pool();
             let out = ssd.write(&w.key, w.tp, w.len, |dst| pool.read(w.slot, 0, dst));
@@ -134,9 +161,9 @@ impl<D: Disk> Tiers<D> {
             self.cache
                 .unpin(&w.key.namespace, std::slice::from_ref(&w.key.hash));
             match out {
-                Ok((write, wait, disk_evicted)) => {
+                Ok((write, wait, evicted)) => {
                     self.effects.push(Effect::Watch { write, wait });
-                    gone.extend(disk_evicted);
+                    disk_evicted.extend(evicted);
                 }
                 // Its write in flight answers it.
                 Err(WriteSkip::Present) if !present_on_disk => {}
@@ -150,6 +177,6 @@ impl<D: Disk> Tiers<D> {
                 }),
             }
         }
-        self.withdraw(gone);
+        self.disk_evicted(disk_evicted);
     }
 }

@@ -719,3 +719,47 @@ fn with_an_ssd_a_put_larger_than_ram_spills_its_first_blocks_advertised_first() 
     }
     assert_eq!(t.cache().stats().pins, 0);
 }
+
+fn left(fx: &[Effect<()>], want: crate::tier::quota::Tier) -> Vec<BlockHash> {
+    fx.iter()
+        .flat_map(|e| match e {
+            Effect::LeftTier { hashes, tier, .. } if *tier == want => hashes.clone(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+/// A block that leaves one tier while the other holds it is said to have left that tier
+/// (the event log makes BlockRemoved of that medium of it), and is not withdrawn.
+#[test]
+fn a_block_leaving_one_tier_while_the_other_holds_it_is_reported_for_that_tier() {
+    use crate::tier::quota::Tier;
+    let settle = |t: &mut Tiers<FakeDisk>| {
+        for w in pending(t.take_effects()) {
+            t.handle_write_done(w, Ok(()));
+        }
+        t.take_effects();
+    };
+    // RAM of 4, a disk of 2 slots, every sealed block written through: 3's write takes the
+    // disk slot of 1, which RAM still holds.
+    let mut t = tiers(4, Some(FakeDisk::new(2).writing_through()));
+    put(&mut t, &[1, 2]);
+    settle(&mut t);
+    put(&mut t, &[3]);
+    let fx = t.take_effects();
+    assert_eq!(left(&fx, Tier::Ssd), vec![h(1)]);
+    assert!(left(&fx, Tier::Ram).is_empty());
+    assert!(withdrawn(&fx).is_empty(), "RAM still serves 1");
+    assert!(t.cache().contains(&ns(), h(1)) && !t.ssd().unwrap().contains(&key(1)));
+
+    // RAM of 2 over a disk of 8: 3 evicts 1 from RAM, whose copy the disk holds.
+    let mut t = tiers(2, Some(FakeDisk::new(8).writing_through()));
+    put(&mut t, &[1, 2]);
+    settle(&mut t);
+    put(&mut t, &[3]);
+    let fx = t.take_effects();
+    assert_eq!(left(&fx, Tier::Ram), vec![h(1)]);
+    assert!(left(&fx, Tier::Ssd).is_empty());
+    assert!(withdrawn(&fx).is_empty(), "the disk still serves 1");
+    assert!(!t.cache().contains(&ns(), h(1)) && t.ssd().unwrap().contains(&key(1)));
+}

@@ -4,10 +4,9 @@
 //! From the effects alone: a block newly sealed in RAM (`Publish`) is stored in RAM; a
 //! queued SSD write (`Watch`) is stored on disk, and if RAM no longer holds the block it was
 //! spilled (removed from RAM); a failed write (`Durable` with an error) left the disk; a
-//! withdrawn block (`Withdraw`) left the node, so it is removed from both tiers. Two moves
-//! give no effect and so no event: RAM evicting a block the disk already holds, and the
-//! disk evicting a block RAM still holds. A router then believes the block is in one tier
-//! more than it is until it leaves the node; which node holds it is always right.
+//! withdrawn block (`Withdraw`) left the node, so it is removed from both tiers; a block
+//! that left one tier while the other still holds it (`LeftTier`: RAM evicting a block the
+//! disk already holds, the disk evicting one RAM still holds) is removed from that tier.
 
 use std::time::SystemTime;
 
@@ -79,6 +78,17 @@ impl BlockStore {
                     }
                 }
                 Effect::Durable { .. } => {}
+                Effect::LeftTier {
+                    namespace,
+                    hashes,
+                    tier,
+                } => {
+                    let medium = match tier {
+                        crate::tier::quota::Tier::Ram => Medium::Ram,
+                        crate::tier::quota::Tier::Ssd => Medium::Disk,
+                    };
+                    round.add(namespace, EventKind::Removed, medium, hashes);
+                }
             }
         }
         round.record(hub);
