@@ -35,8 +35,10 @@ pub struct EventHub {
 pub struct EventStats {
     /// Events recorded.
     pub recorded: AtomicU64,
-    /// Events the publisher could not send: the ring let them go before it got to them,
-    /// or the socket refused them (a subscriber too slow to keep up).
+    /// Events the publisher could not send: the ring let them go before it got to them
+    /// (or the socket failed a send, which zeromq 0.4's PUB never does: it drops a message
+    /// for a subscriber whose queue is full without a word, so those drops are not counted;
+    /// the subscriber sees the gap in the sequence numbers and replays).
     pub dropped: AtomicU64,
     /// Events sent on the PUB socket.
     pub published: AtomicU64,

@@ -206,7 +206,10 @@ async fn publish_loop(mut socket: PubSocket, hub: Arc<EventHub>, prefix: Arc<str
         next = read.next;
         let sent = read.events.len();
         for e in &read.events {
-            // Never blocks: a subscriber whose queue is full misses this message.
+            // Never blocks: a subscriber whose queue is full misses this message, and the
+            // socket does not say so (zeromq 0.4's PubSocket::send ignores BufferFull and
+            // answers Ok; its per-subscriber queues are private), so the node cannot count
+            // it; the subscriber sees the gap in the sequence and replays.
             match socket.send(frames(event_frames(&prefix, e, layout))).await {
                 Ok(()) => {
                     hub.stats().published.fetch_add(1, Relaxed);

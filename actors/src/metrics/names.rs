@@ -260,7 +260,8 @@ pub fn describe() {
         (EVENTS_RECORDED, "KV events recorded in the node's event log."),
         (
             EVENTS_DROPPED,
-            "KV events the publisher could not send (the ring let them go first, or the socket refused them).",
+            "KV events the publisher could not send: the ring let them go before it got to them \
+             (a PUB socket's drops for one slow subscriber are silent, not counted here).",
         ),
         (EVENTS_PUBLISHED, "KV events sent on the PUB socket."),
         (
