@@ -11,7 +11,8 @@ size 64, SGLang's default), each with a canary page before and after it. Engine 
 :class:`kvferry.sglang.KvferryConnector` saves pages out of its pool into a ``kvferry node``
 with a CUDA device; engine B's loads them into other page slots of a pool filled with a
 canary, and every byte of B's pool is checked: loaded pages equal A's, every other page and
-both guard pages keep the canary. Then TP=2 MHA, two ranks sharing one lease. Exits 0 when
+both guard pages keep the canary. Then TP=2 MHA, two ranks sharing one lease, and the HiCache
+host pool (one rank, then two sharing rank 0's lease). Exits 0 when
 every case passed; prints one line per case. ``--cpu`` runs the same cases on CPU (memfd
 tensors, a node with a host device), to check the script where there is no GPU.
 """
@@ -275,6 +276,59 @@ def hicache_case(addr):
     print(f"ok hicache-page-first: 6 host pages byte for byte ({time.monotonic() - t0:.2f} s)")
 
 
+def hicache_tp2_case(addr):
+    """Two HiCache TP ranks (StorageSide, as KvferryStorage runs them): rank 0 asks the node,
+    rank 1 takes its lease through a store the ranks share (torch.distributed's HashStore
+    here, the process group's TCPStore in SGLang), each loads its own heads."""
+    import threading
+
+    from kvferry.sglang.config import parse_config
+    from kvferry.sglang.storage import StorageSide
+
+    store = torch.distributed.HashStore()
+    cfg = {"address": addr, "deadline_ms": 5000}
+    src, dst = [HostPool() for _ in range(2)], [HostPool() for _ in range(2)]
+    savers = [StorageSide(parse_config({**cfg, "instance": "hc2-a"}), model=MODEL, tp_rank=r,
+                          tp_size=2) for r in range(2)]
+    loaders = [StorageSide(parse_config({**cfg, "instance": "hc2-b"}), model=MODEL,
+                           tp_rank=r, tp_size=2, store=store) for r in range(2)]
+    keys = [f"hc2-{i}" for i in range(4)]
+    for r in range(2):
+        savers[r].register(src[r])
+        loaders[r].register(dst[r])
+        g = torch.Generator().manual_seed(40 + r)
+        raw = src[r].kv_buffer.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+        dst[r].kv_buffer.view(torch.uint8).fill_(CANARY)
+        if not all(savers[r].set(keys, torch.arange(1 * PS, 5 * PS))):
+            raise AssertionError(f"hicache tp=2: rank {r} save failed")
+    got = {}
+
+    def get(r):
+        got[r] = loaders[r].get(keys, torch.arange(8 * PS, 12 * PS))
+
+    t = threading.Thread(target=get, args=(1,))  # rank 1 first: it waits for rank 0's lease
+    t.start()
+    get(0)
+    t.join(30)
+    if got != {0: [True] * 4, 1: [True] * 4}:
+        raise AssertionError(f"hicache tp=2: loads {got}")
+    if loaders[1].rank.counters["queries"] != 0:
+        raise AssertionError("hicache tp=2: rank 1 asked the node itself")
+    for r in range(2):
+        for i in range(4):
+            if not torch.equal(dst[r].page(8 + i), src[r].page(1 + i)):
+                raise AssertionError(f"hicache tp=2: rank {r} page {i} differs")
+        for p in range(dst[r].size // PS):
+            if not 8 <= p < 12 and not bool((dst[r].page(p) == CANARY).all()):
+                raise AssertionError(f"hicache tp=2: rank {r} host page {p} was written")
+    if kvferry.EngineClient(addr).stats()["leases_live"] != 0:
+        raise AssertionError("hicache tp=2: a lease outlived both ranks' loads")
+    for side in savers + loaders:
+        side.close()
+    print("ok  hicache tp=2: both ranks loaded their heads from rank 0's one lease")
+
+
 def main() -> int:
     if DEV == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --cpu)")
@@ -290,6 +344,7 @@ def main() -> int:
                                                                    dtype=torch.float16))
             tp2_case(node.addr)
             hicache_case(node.addr)
+            hicache_tp2_case(node.addr)
         finally:
             node.kill()
     print("all SGLang GPU cases passed")

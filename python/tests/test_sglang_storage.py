@@ -70,7 +70,7 @@ def host_pool(kind: str, layout: str):
 
 
 def storage(addr: str, pool, *, instance: str, tp_rank=0, tp_size=1, mla=False,
-            metrics=False, **extra):
+            metrics=False, store=None, **extra):
     cfg = {"backend_name": "kvferry", "module_path": "kvferry.sglang",
            "class_name": "KvferryStorage", "interface_v1": 1, "address": addr,
            "instance": instance, "deadline_ms": 2000, "retry_ms": 100}
@@ -80,7 +80,10 @@ def storage(addr: str, pool, *, instance: str, tp_rank=0, tp_size=1, mla=False,
         attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=metrics,
         is_page_first_layout=pool.layout == "page_first", model_name=MODEL, extra_config=cfg,
     )
-    backend = StorageBackendFactory.create_backend("dynamic", sc, pool)
+    # SGLang's factory hands its keyword arguments to the backend (its own server finds the
+    # store of its process group instead).
+    kwargs = {"store": store} if store is not None else {}
+    backend = StorageBackendFactory.create_backend("dynamic", sc, pool, **kwargs)
     # What HiCacheController.attach_storage_backend does right after creating it.
     backend.register_mem_pool_host(pool)
     return backend
@@ -217,6 +220,114 @@ def test_tp_ranks_of_one_engine_complete_a_page_together(node):
     assert pages(r0_pool, d0) == pages(r0_pool, i0)
     assert pages(r1_pool, d1) == pages(r1_pool, i1)
     assert pages(r0_pool, d0) != pages(r1_pool, d1)
+
+
+def test_tp_ranks_loads_share_rank_0s_lease(node):
+    """HiCache calls batch_get_v1 on each rank's own thread: rank 0 asks the node, the other
+    rank takes its lease through the store the ranks share, waiting for it where it comes
+    first; a rank that skips a batch, comes late or waits in vain misses, nothing more."""
+    from datetime import timedelta
+    import threading
+
+    store = torch.distributed.HashStore()
+    store.set_timeout(timedelta(seconds=5))
+    src = [host_pool("mha", "layer_first") for _ in range(2)]
+    savers = [storage(node.addr, src[r], instance="tp-save", tp_rank=r, tp_size=2)
+              for r in range(2)]
+    keys = get_hash_str(tokens(3), page_size=PS)
+    s_idx = [src[r].alloc(3 * PS) for r in range(2)]
+    for r in range(2):
+        fill(src[r], s_idx[r], seed=20 + r)
+        assert savers[r].batch_set_v1(keys, s_idx[r]) == [True] * 3
+    want = [pages(src[r], s_idx[r]) for r in range(2)]
+    assert want[0] != want[1]
+
+    dst = [host_pool("mha", "layer_first") for _ in range(2)]
+    ranks = [storage(node.addr, dst[r], instance="tp-load", tp_rank=r, tp_size=2,
+                     store=store, load_timeout_ms=500, share_wait_ms=400) for r in range(2)]
+    client = kvferry.EngineClient(node.addr)
+    for p in dst:
+        canary(p)
+    blank = bytes([CANARY]) * len(want[0][0])
+
+    def get(r, idx, out):
+        out[r] = ranks[r].batch_get_v1(keys, idx)
+
+    # Rank 1 first: it waits for rank 0's lease and asks the node nothing.
+    d_idx = [dst[r].alloc(3 * PS) for r in range(2)]
+    queries = ranks[1].counters()["queries"]
+    out = {}
+    t = threading.Thread(target=get, args=(1, d_idx[1], out))
+    t.start()
+    time.sleep(0.1)
+    assert t.is_alive() and client.stats()["leases_live"] == 0
+    get(0, d_idx[0], out)
+    t.join(5)
+    assert out == {0: [True] * 3, 1: [True] * 3}
+    assert [pages(dst[r], d_idx[r]) for r in range(2)] == want
+    assert ranks[1].counters()["queries"] == queries
+    assert client.stats()["leases_live"] == 0  # both consumed it
+
+    # Rank 1 skipped a batch (an earlier one of its request failed): it takes the lease
+    # rank 0 took after, for the same pages.
+    e_idx = [dst[r].alloc(3 * PS) for r in range(2)]
+    assert ranks[0].batch_get_v1(keys, e_idx[0]) == [True] * 3
+    assert ranks[1].batch_get_v1(keys, e_idx[1]) == [True] * 3
+    assert [pages(dst[r], e_idx[r]) for r in range(2)] == want
+    assert client.stats()["leases_live"] == 0
+
+    # Rank 1 never comes: rank 0 releases the lease once load_timeout_ms passed.
+    f_idx = [dst[r].alloc(3 * PS) for r in range(2)]
+    assert ranks[0].batch_get_v1(keys, f_idx[0]) == [True] * 3
+    assert client.stats()["leases_live"] == 1
+    time.sleep(0.6)
+    assert ranks[0].batch_exists(keys) == 3
+    assert client.stats()["leases_live"] == 0
+    # ... and if it comes after all, its load is refused: a miss, nothing written.
+    failures = ranks[1].counters()["load_failures"]
+    assert ranks[1].batch_get_v1(keys, f_idx[1]) == [False] * 3
+    assert ranks[1].counters()["load_failures"] == failures + 1
+    assert pages(dst[1], f_idx[1]) == [blank] * 3
+
+    # Rank 0 never answers: rank 1 waits share_wait_ms, then misses.
+    t0 = time.monotonic()
+    assert ranks[1].batch_get_v1(keys, f_idx[1]) == [False] * 3
+    assert 0.35 < time.monotonic() - t0 < 3
+    assert ranks[1].counters()["share_failures"] == 1
+    assert pages(dst[1], f_idx[1]) == [blank] * 3
+
+    # Afterwards the ranks load together again; nothing is left on the node.
+    out = {}
+    t = threading.Thread(target=get, args=(1, f_idx[1], out))
+    t.start()
+    get(0, f_idx[0], out)
+    t.join(5)
+    assert out == {0: [True] * 3, 1: [True] * 3}
+    assert [pages(dst[r], f_idx[r]) for r in range(2)] == want
+    stats = client.stats()
+    assert stats["leases_live"] == 0 and stats["transfers_in_flight"] == 0
+    assert node.proc.poll() is None
+
+
+def test_a_batch_whose_store_slot_another_batch_took_misses_never_takes_its_lease():
+    """The store holds one key per slot: where two batches' digests share one, a rank past
+    0 waiting for the first sees only the second's answer, and misses."""
+    from kvferry.sglang.share import StoreExchange, digest_of
+
+    store = torch.distributed.HashStore()
+    rank0 = StoreExchange(store, "kvferry/x", wait_s=0.2, slots=1)
+    rank1 = StoreExchange(store, "kvferry/x", wait_s=0.2, slots=1)
+    x, y = digest_of([b"x" * 32]), digest_of([b"y" * 32])
+    assert rank0.exchange(x, ("lease-x", 2)) == ("lease-x", 2)
+    assert rank0.exchange(y, ("lease-y", 3)) == ("lease-y", 3)
+    with pytest.raises(TimeoutError):
+        rank1.exchange(x, None)
+    assert rank1.exchange(y, None) == ("lease-y", 3)
+    # Taken already: the rank waits for rank 0's next answer for the batch.
+    with pytest.raises(TimeoutError):
+        rank1.exchange(y, None)
+    rank0.exchange(y, (None, 0))  # rank 0 missed this time: so does rank 1, at once
+    assert rank1.exchange(y, None) == (None, 0)
 
 
 def test_a_node_down_costs_hits_never_an_exception(caplog):

@@ -35,6 +35,8 @@ KEYS: Dict[str, str] = {
     "retry_ms": "after the node failed, how long it is left alone before trying again, in "
     "ms; doubles up to 30 s while it keeps failing (default 1000)",
     "fd_socket": "the node's fd socket path where it differs from what the node announces",
+    "share_wait_ms": "HiCache with TP > 1: how long a rank past 0 waits for rank 0's lease of "
+    "a batch before it counts the batch as missed, in ms (default 2000)",
 }
 
 #: Keys of a ``dynamic`` HiCache backend's extra config that SGLang itself reads (and leaves
@@ -54,9 +56,14 @@ class SglangConfig(Timeouts):
     load_timeout_ms: int = 30000
     retry_ms: int = 1000
     fd_socket: Optional[str] = None
+    share_wait_ms: int = 2000
+
+    @property
+    def share_wait_s(self) -> float:
+        return self.share_wait_ms / 1000.0
 
 
-_MS = ("deadline_ms", "connect_timeout_ms", "load_timeout_ms", "retry_ms")
+_MS = ("deadline_ms", "connect_timeout_ms", "load_timeout_ms", "retry_ms", "share_wait_ms")
 _STR = ("address", "token", "instance", "model", "lora", "fd_socket")
 
 

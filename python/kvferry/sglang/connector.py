@@ -51,6 +51,7 @@ from ..hashing import salt as make_salt
 from .config import SglangConfig, parse_config
 from .layouts import PoolLayout, describe_device_pool
 from .rank import RankKv, landed_of, page_blocks
+from .share import BroadcastExchange, LeaseShare
 
 __all__ = ["HASH_TAG", "KvferryConnector"]
 
@@ -111,8 +112,7 @@ class KvferryConnector:
         # MLA KV is the same on every TP rank: each rank is an instance of one rank that
         # finds what rank 0 saved; MHA ranks hold their heads of one block.
         replicated = self.layout.kind == "mla"
-        self._shares_lease = not replicated and tp_size > 1
-        self._broadcast = broadcast
+        shares_lease = not replicated and tp_size > 1
         base = self.cfg.instance or f"sglang-{os.getppid()}"
         instance = base + (f"-pp{pp_rank}" if pp_size > 1 else "") + (
             f"-cp{cp_rank}" if cp_size > 1 else "") + (f"-tp{tp_rank}" if replicated else "")
@@ -130,6 +130,10 @@ class KvferryConnector:
             device=device, who=f"sglang connector rank {tp_rank}",
             client_factory=client_factory, board_slots=BOARD_SLOTS,
         )
+        # Every rank runs get_new_hit_length in the same order (the scheduler thread), so
+        # rank 0's lease goes by a TP-group broadcast.
+        self.share = LeaseShare(self.rank, tp_rank, BroadcastExchange(broadcast)
+                                if shares_lease and broadcast is not None else None)
         self._board_free: List[int] = []
         self._board_reg = -1
         self._board_tag = 0
@@ -161,18 +165,7 @@ class KvferryConnector:
         self.release_load_state(rid)
         first = -(-int(num_computed_tokens) // self.page_size)
         hashes = self.page_hashes(token_ids)[first:]
-        lease, n = None, 0
-        if not self._shares_lease or self.tp_rank == 0:
-            lease, n = self.rank.query(hashes) if hashes else (None, 0)
-        if self._shares_lease:
-            try:
-                assert self._broadcast is not None
-                lease, n = self._broadcast((lease, n))
-            except Exception as e:  # noqa: BLE001 - a miss on every rank, never a crash
-                log.warning("kvferry: broadcasting the lease failed (%s); no hit", e)
-                if self.tp_rank == 0:
-                    self.rank.release(lease)
-                lease, n = None, 0
+        lease, n = self.share.query(hashes)
         if lease is None or n <= 0:
             return 0
         with self._lock:
@@ -186,8 +179,7 @@ class KvferryConnector:
             if ld is None or ld.load_id is not None:
                 return
             del self._loads[rid]
-        if not self._shares_lease or self.tp_rank == 0:
-            self.rank.release(ld.lease)
+        self.share.release(ld.lease)
 
     def start_load_kv(self, rid: str, device_indices: Any) -> bool:
         """Starts loading ``rid``'s leased pages into the device slots ``device_indices``
@@ -210,8 +202,8 @@ class KvferryConnector:
             ld.dest = dest
             ld.board = board
             ld.load_id = load_id if load_id is not None else -1
-        if load_id is None and (not self._shares_lease or self.tp_rank == 0):
-            self.rank.release(ld.lease)
+        if load_id is None:
+            self.share.release(ld.lease)
         return load_id is not None
 
     def check_completed_load_tasks(self) -> Dict[str, int]:
@@ -352,8 +344,7 @@ class KvferryConnector:
         self._pool.shutdown(wait=True)
         with self._lock:
             loads, self._loads = list(self._loads.values()), {}
-        if not self._shares_lease or self.tp_rank == 0:
-            for ld in loads:
-                if ld.load_id is None:
-                    self.rank.release(ld.lease)
+        for ld in loads:
+            if ld.load_id is None:
+                self.share.release(ld.lease)
         self.rank.unregister()

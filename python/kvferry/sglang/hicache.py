@@ -28,11 +28,31 @@ __all__ = ["KvferryStorage"]
 log = logging.getLogger("kvferry.sglang")
 
 
+def _tp_store(storage_config: HiCacheStorageConfig) -> Any:
+    """The c10d store of SGLang's process group, where the TP ranks' loads share rank 0's
+    lease (None with one rank, MLA, or no process group)."""
+    if storage_config.tp_size <= 1 or storage_config.is_mla_model:
+        return None
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        if not dist.is_initialized():
+            return None
+        return distributed_c10d._get_default_store()
+    except Exception as e:  # noqa: BLE001 - without it each rank takes its own lease
+        log.warning("kvferry: no torch.distributed store (%s)", e)
+        return None
+
+
 class KvferryStorage(HiCacheStorage):
     """A HiCache L3 backend whose pages live in a kvferry node (see the module doc)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None, **extra: Any):
         cfg = parse_config(storage_config.extra_config, sglang_keys=True)
+        # SGLang's StorageBackendFactory hands its keyword arguments as one dict.
+        opts = dict(kwargs) if isinstance(kwargs, dict) else {}
+        opts.update(extra)
         if not (storage_config.extra_config or {}).get("interface_v1"):
             # Without it SGLang hands page copies (batch_get / batch_set), which have no
             # place on the node: refuse at start rather than store nothing.
@@ -51,7 +71,9 @@ class KvferryStorage(HiCacheStorage):
             cp_rank=getattr(storage_config, "attn_cp_rank", 0) or 0,
             cp_size=getattr(storage_config, "attn_cp_size", 1) or 1,
             rank_replicated=bool(storage_config.is_mla_model),
-            client_factory=extra.get("client_factory"),
+            dp_rank=getattr(storage_config, "dp_rank", 0) or 0,
+            client_factory=opts.get("client_factory"),
+            store=opts.get("store") or _tp_store(storage_config),
         )
         self.enable_storage_metrics = bool(storage_config.enable_storage_metrics)
         # What get_stats hands SGLang's metrics collector, since the last call.

@@ -37,6 +37,7 @@ COUNTERS = (
     "saved_blocks",
     "save_failures",
     "registrations",
+    "share_failures",  # queries whose answer from TP rank 0 did not reach this rank
 )
 
 

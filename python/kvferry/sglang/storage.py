@@ -19,8 +19,11 @@ LoRA, KV dtype, page size, layout tag and the ranks whose KV differs (TP size un
 is replicated over TP, MLA; PP rank; attention CP rank), so an SGLang engine and a vLLM
 engine of one model, or two SGLang configurations, never share blocks. TP ranks of an MHA
 model are the ranks of one node instance: a block is complete once every rank saved its
-heads. With MLA every rank holds the same KV, so each rank is an instance of one rank of its
-own (SGLang saves from rank 0 only, and every rank loads).
+heads; their loads share rank 0's lease (:class:`~kvferry.sglang.share.StoreExchange`:
+HiCache calls ``batch_get_v1`` on each rank's own I/O thread, in its own time, so the lease
+goes through the c10d store SGLang's ranks share rather than a collective). With MLA every
+rank holds the same KV, so each rank is an instance of one rank of its own (SGLang saves
+from rank 0 only, and every rank loads).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from ..layout import LayoutError
 from .config import SglangConfig
 from .layouts import PoolLayout, describe_host_pool
 from .rank import RankKv, page_blocks
+from .share import LeaseShare, StoreExchange
 
 __all__ = ["HASH_TAG", "StorageSide"]
 
@@ -46,7 +50,9 @@ HASH_TAG = b"kvferry-sglang-hicache-v1"
 
 class StorageSide:
     """One rank's HiCache backend. ``tp_rank`` ... ``cp_size`` and ``rank_replicated``
-    (SGLang's ``is_mla_model``) come from SGLang's ``HiCacheStorageConfig``."""
+    (SGLang's ``is_mla_model``) come from SGLang's ``HiCacheStorageConfig``. ``store``: a
+    ``torch.distributed.Store`` the TP ranks share, through which ranks past 0 take rank 0's
+    lease (without one, with TP > 1, each rank takes its own)."""
 
     def __init__(
         self,
@@ -60,7 +66,9 @@ class StorageSide:
         cp_rank: int = 0,
         cp_size: int = 1,
         rank_replicated: bool = False,
+        dp_rank: int = 0,
         client_factory: Optional[Callable[[], Any]] = None,
+        store: Any = None,
     ):
         model = cfg.model or model
         if not model:
@@ -71,8 +79,11 @@ class StorageSide:
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.rank_replicated = rank_replicated
+        self.dp_rank = dp_rank
         self._client_factory = client_factory
+        self._store = store
         self.rank: Optional[RankKv] = None
+        self.share: Optional[LeaseShare] = None
         self.layout: Optional[PoolLayout] = None
         self._salt = b""
 
@@ -81,6 +92,9 @@ class StorageSide:
     def instance_name(self) -> str:
         base = self.cfg.instance or f"sglang-{os.getppid()}"
         name = f"{base}-hicache"
+        if self.dp_rank > 0:
+            # DP attention: each DP group's TP ranks are an instance of their own.
+            name += f"-dp{self.dp_rank}"
         if self.pp_size > 1:
             name += f"-pp{self.pp_rank}"
         if self.cp_size > 1:
@@ -111,6 +125,16 @@ class StorageSide:
             model=self.model, layout=layout, device=0, who=f"hicache rank {self.tp_rank}",
             client_factory=self._client_factory,
         )
+        exchange = None
+        if not self.rank_replicated and self.tp_size > 1:
+            if self._store is not None:
+                exchange = StoreExchange(self._store, f"kvferry/{self.instance_name()}",
+                                         wait_s=self.cfg.share_wait_s)
+            else:
+                log.warning("kvferry: HiCache rank %d of %d has no store shared with its "
+                            "other ranks; each rank takes its own lease", self.tp_rank,
+                            self.tp_size)
+        self.share = LeaseShare(self.rank, rank, exchange)
         if not self.rank.register():
             log.warning("kvferry: the node at %s cannot be reached; HiCache storage misses "
                         "until it can", self.cfg.address)
@@ -125,6 +149,8 @@ class StorageSide:
         node down)."""
         if self.rank is None or not keys:
             return 0
+        if self.share is not None:
+            self.share.sweep()
         lease, n = self.rank.query(self.hashes(keys))
         self.rank.release(lease)
         return min(n, len(keys))
@@ -142,14 +168,14 @@ class StorageSide:
                         "indices; loading those", len(keys), len(dest))
         if not dest:
             return out
-        lease, n = self.rank.query(self.hashes(keys[: len(dest)]))
+        assert self.share is not None
+        lease, n = self.share.query(self.hashes(keys[: len(dest)]))
+        if lease is None:
+            return out
         try:
-            n = min(n, len(dest))
-            if lease is None or n == 0:
-                return out
             landed = self.rank.load(lease, dest[:n])
         finally:
-            self.rank.release(lease)
+            self.share.loaded(lease, self.cfg.load_timeout_s)
         for i in range(landed):
             out[i] = True
         return out
@@ -167,6 +193,8 @@ class StorageSide:
         return dict(self.rank.counters) if self.rank is not None else {}
 
     def close(self) -> None:
+        if self.share is not None:
+            self.share.close()
         if self.rank is not None:
             self.rank.unregister()
 
