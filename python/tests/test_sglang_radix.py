@@ -87,9 +87,9 @@ class Engine:
         return [page_bytes(torch, t[slot_page * PS:(slot_page + 1) * PS])
                 for t in self.tensors()]
 
-    def match(self, rid: str, toks):
+    def match(self, rid: str, toks, extra_key=None):
         """SGLang's own match call: Req.init_next_round_input -> match_prefix."""
-        req = Req(rid, "", array("q", toks), SamplingParams())
+        req = Req(rid, "", array("q", toks), SamplingParams(), extra_key=extra_key)
         req.init_next_round_input(self.cache)
         return req
 
@@ -205,6 +205,40 @@ def test_pages_this_engine_computed_are_saved_past_what_it_loaded(node):
     rc = c.match("c1", toks)
     assert len(c.prefix(rc)) == 5 * PS
     assert c.conn.counters["loaded_blocks"] == 5
+
+
+def test_tenants_with_equal_tokens_and_other_extra_keys_never_share_pages(node):
+    """SGLang's extra_key (cache salt, LoRA id) salts kvferry's hashes: a tenant finds its
+    own pages on the node, never another tenant's with the same token ids."""
+    a, b = Engine(node.addr, "engine-a"), Engine(node.addr, "engine-b")
+    toks = prompt(3)
+    ra = a.match("a1", toks, extra_key="salt-1")
+    a_slots = a.prefill(ra, seed=7)
+    a.finish(ra)
+    a.saves_ended()
+    assert a.conn.counters["saved_blocks"] == 3
+
+    b.canary()
+    for rid, key in (("b1", "salt-2"), ("b2", None), ("b3", "")):
+        r = b.match(rid, toks, extra_key=key)
+        assert len(b.prefix(r)) == 0, f"extra_key {key!r} found another tenant's pages"
+    assert b.conn.counters["hit_blocks"] == 0
+    assert b.conn.counters["queries"] == 3
+    want = [bytes([CANARY]) * len(x) for x in b.page(0)]
+    assert all(b.page(p) == want for p in range(SIZE // PS + 1))
+
+    rb = b.match("b4", toks, extra_key="salt-1")
+    got = b.prefix(rb)
+    assert len(got) == 3 * PS
+    for i in range(3):
+        assert b.page(int(got[i * PS]) // PS) == a.page(int(a_slots[i * PS]) // PS)
+    # B's tree holds them under the tenant's key only.
+    assert len(b.prefix(b.match("b5", toks, extra_key="salt-1"))) == 3 * PS
+    assert len(b.prefix(b.match("b6", toks))) == 0
+    hashes = {k: tuple(a.conn.page_hashes(toks, extra_key=k))
+              for k in (None, "", "salt-1", "salt-2")}
+    assert len(set(hashes.values())) == 4
+    assert kvferry.EngineClient(node.addr).stats()["leases_live"] == 0
 
 
 def test_a_node_down_costs_hits_never_an_exception(tmp_path):

@@ -58,6 +58,8 @@ __all__ = ["HASH_TAG", "KvferryConnector"]
 log = logging.getLogger("kvferry.sglang")
 
 HASH_TAG = b"kvferry-sglang-v1"
+#: Tags the salt of a request with an ``extra_key`` (SGLang's LoRA id and cache salt).
+EXTRA_KEY_TAG = b"kvferry-sglang-extra-key-v1"
 
 #: Loads of one rank that report to its completion board at once (more are polled).
 BOARD_SLOTS = 64
@@ -150,21 +152,34 @@ class KvferryConnector:
 
     # -- hashes ------------------------------------------------------------------------------
 
-    def page_hashes(self, token_ids: Sequence[int], pages: Optional[int] = None) -> List[bytes]:
-        """The chained hashes of the first ``pages`` full pages of ``token_ids``."""
+    def request_salt(self, extra_key: Optional[str] = None) -> bytes:
+        """The salt of a request's chain: the engine's, or, for a request with SGLang's
+        ``extra_key`` (its cache salt and LoRA id, which SGLang's own tree keeps apart), a
+        salt of the engine's and that key, so two tenants never share a block on the node
+        even where their token ids are equal."""
+        if extra_key is None:
+            return self.salt
+        return make_salt(EXTRA_KEY_TAG, self.salt, str(extra_key))
+
+    def page_hashes(self, token_ids: Sequence[int], pages: Optional[int] = None,
+                    extra_key: Optional[str] = None) -> List[bytes]:
+        """The chained hashes of the first ``pages`` full pages of ``token_ids``, of a
+        request with ``extra_key``."""
         n = len(token_ids) // self.page_size
         n = n if pages is None else min(n, pages)
-        return chain_hashes(self.salt, token_ids[: n * self.page_size], self.page_size)
+        return chain_hashes(self.request_salt(extra_key), token_ids[: n * self.page_size],
+                            self.page_size)
 
     # -- loads -------------------------------------------------------------------------------
 
     def get_new_hit_length(self, rid: str, token_ids: Sequence[int],
-                           num_computed_tokens: int = 0) -> int:
+                           num_computed_tokens: int = 0, extra_key: Optional[str] = None) -> int:
         """Tokens past ``num_computed_tokens`` (page aligned: SGLang's own prefix hit) the
-        node holds and leases for ``rid``; every TP rank calls it, rank 0 asks the node."""
+        node holds and leases for ``rid`` (of SGLang's ``extra_key``, if it has one); every
+        TP rank calls it, rank 0 asks the node."""
         self.release_load_state(rid)
         first = -(-int(num_computed_tokens) // self.page_size)
-        hashes = self.page_hashes(token_ids)[first:]
+        hashes = self.page_hashes(token_ids, extra_key=extra_key)[first:]
         lease, n = self.share.query(hashes)
         if lease is None or n <= 0:
             return 0
@@ -317,12 +332,12 @@ class KvferryConnector:
     # -- saves -------------------------------------------------------------------------------
 
     def start_store_kv(self, rid: str, token_ids: Sequence[int], device_indices: Any,
-                       first_page: int = 0) -> bool:
+                       first_page: int = 0, extra_key: Optional[str] = None) -> bool:
         """Saves ``rid``'s full pages from page ``first_page`` on (``device_indices``: the
         device slots of all its tokens) in the background. With MLA only TP rank 0 saves."""
         if self._saves_by_rank0 and self.tp_rank != 0:
             return False
-        hashes = self.page_hashes(token_ids)
+        hashes = self.page_hashes(token_ids, extra_key=extra_key)
         src = page_blocks(device_indices, self.page_size, len(hashes))
         hashes, src = hashes[first_page : len(src)], src[first_page:]
         if not hashes:

@@ -19,8 +19,11 @@ cache the scheduler builds. This one keeps SGLang's tree and adds two things:
 
 With TP > 1 every rank runs the same calls in lockstep: rank 0's lease is broadcast, and the
 ranks agree on the pages that landed (the fewest) before inserting, so their trees stay the
-same. Requests with an ``extra_key`` (LoRA, cache salt) and EAGLE's bigram keys are left to
-SGLang alone: their pages are named differently from what kvferry's hashes cover.
+same. A request with an ``extra_key`` (SGLang's cache salt and LoRA id) has its pages named
+by hashes salted with that key (:meth:`KvferryConnector.request_salt`), so two tenants with
+equal token ids never share a block on the node, as they never share one in SGLang's tree.
+EAGLE's bigram keys are left to SGLang alone: their pages are named differently from what
+kvferry's hashes cover.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ class KvferryRadixCache(RadixCache):
         res = super().match_prefix(params)
         req = getattr(params, "req", None)
         key = params.key
-        if self.disable or req is None or self.is_eagle or key.extra_key is not None:
+        if self.disable or req is None or self.is_eagle:
             return res
         aligned = key.page_aligned(self.page_size)
         have = len(self._indices(res))
@@ -82,7 +85,7 @@ class KvferryRadixCache(RadixCache):
             return res
         tokens = list(aligned.raw_token_ids()[: len(aligned)])
         try:
-            landed = self._load(req.rid, tokens, have, res)
+            landed = self._load(req.rid, tokens, have, res, key.extra_key)
         except Exception as e:  # noqa: BLE001 - a failed load is a miss, never a crash
             log.warning("kvferry: %s: loading past the GPU prefix failed (%s); no hit",
                         req.rid, e)
@@ -93,10 +96,11 @@ class KvferryRadixCache(RadixCache):
         self._held_pages[req.rid] = (have + landed) // self.page_size
         return super().match_prefix(params)
 
-    def _load(self, rid: str, tokens: list, have: int, res: Any) -> int:
+    def _load(self, rid: str, tokens: list, have: int, res: Any,
+              extra_key: Optional[str] = None) -> int:
         """Loads the node's pages past ``have`` tokens into new slots and inserts them;
         the tokens inserted (0 on a miss or a failure)."""
-        hit = self.kvferry.get_new_hit_length(rid, tokens, have)
+        hit = self.kvferry.get_new_hit_length(rid, tokens, have, extra_key=extra_key)
         hit = self._agree(hit)
         if hit <= 0:
             self.kvferry.release_load_state(rid)
@@ -130,7 +134,7 @@ class KvferryRadixCache(RadixCache):
             return 0
         value = torch.cat([self._indices(res).to(torch.int64),
                            slots[:landed].to(torch.int64)])
-        key = RadixKey(array("q", tokens[: have + landed]), None)
+        key = RadixKey(array("q", tokens[: have + landed]), extra_key)
         inserted = self.insert(InsertParams(key=key, value=value))
         # A page the tree already held (it cannot, with one scheduler thread; kept exact):
         # the tree keeps its own slot, the loaded copy is freed.
@@ -171,9 +175,10 @@ class KvferryRadixCache(RadixCache):
         self._held_pages.pop(req.rid, None)
 
     def _save(self, req: Any, token_ids: list) -> None:
-        if self.disable or self.is_eagle or getattr(req, "extra_key", None) is not None:
+        if self.disable or self.is_eagle:
             return
-        key = RadixKey(array("q", token_ids), None).page_aligned(self.page_size)
+        extra_key = getattr(req, "extra_key", None)
+        key = RadixKey(array("q", token_ids), extra_key).page_aligned(self.page_size)
         m = super().match_prefix(MatchPrefixParams(key=key))
         indices = self._indices(m)
         pages = len(indices) // self.page_size
@@ -184,7 +189,8 @@ class KvferryRadixCache(RadixCache):
         self.inc_lock_ref(m.last_device_node)
         try:
             started = self.kvferry.start_store_kv(
-                sid, token_ids[: pages * self.page_size], indices, first_page=first)
+                sid, token_ids[: pages * self.page_size], indices, first_page=first,
+                extra_key=extra_key)
         except Exception as e:  # noqa: BLE001 - a failed save costs hits, never a crash
             log.warning("kvferry: %s: save failed to start (%s)", req.rid, e)
             started = False
