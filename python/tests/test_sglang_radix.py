@@ -52,7 +52,8 @@ def node(tmp_path):
 class Engine:
     """One SGLang engine's memory: KV pool, allocator, request rows, and the cache."""
 
-    def __init__(self, addr: str, instance: str, **cfg):
+    def __init__(self, addr: str, instance: str, *, tp_rank=0, tp_size=1, broadcast=None,
+                 agree=None, **cfg):
         p = memory_pool.MHATokenToKVPool(
             size=SIZE, page_size=PS, dtype=torch.float16, head_num=2, head_dim=32,
             layer_num=3, device="cpu", enable_memory_saver=False,
@@ -67,8 +68,9 @@ class Engine:
                                  token_to_kv_pool_allocator=self.alloc, page_size=PS)
         config = {"address": addr, "instance": instance, "deadline_ms": 2000,
                   "retry_ms": 100, **cfg}
-        self.conn = KvferryConnector(p, model=MODEL, config=config)
-        self.cache = KvferryRadixCache(params, connector=self.conn)
+        self.conn = KvferryConnector(p, model=MODEL, config=config, tp_rank=tp_rank,
+                                     tp_size=tp_size, broadcast=broadcast)
+        self.cache = KvferryRadixCache(params, connector=self.conn, agree=agree)
 
     @staticmethod
     def _memfd(t):
@@ -239,6 +241,39 @@ def test_tenants_with_equal_tokens_and_other_extra_keys_never_share_pages(node):
               for k in (None, "", "salt-1", "salt-2")}
     assert len(set(hashes.values())) == 4
     assert kvferry.EngineClient(node.addr).stats()["leases_live"] == 0
+
+
+def test_two_tp_ranks_load_each_its_own_heads_from_one_lease(node, tmp_path):
+    """TP 2 through the radix cache: two processes (one per rank, as SGLang runs them) in a
+    gloo group, each rank's engines over SGLang's classes (see ``sglang_tp_rank.py``): rank
+    0's lease loads both ranks' heads byte for byte, a rank whose load lands fewer pages
+    makes both insert the fewest, and the node is left with nothing."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    helper = Path(__file__).with_name("sglang_tp_rank.py")
+    init = tmp_path / "tp-init"
+    procs = [subprocess.Popen([sys.executable, str(helper), str(r), str(init), node.addr],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=300))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} failed:\n{err[-4000:]}"
+    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert [g["rank"] for g in got] == [0, 1]
+    assert got[0]["pages"] != got[1]["pages"], "each rank loads its own heads"
+    stats = kvferry.EngineClient(node.addr).stats()
+    assert stats["leases_live"] == 0 and stats["transfers_in_flight"] == 0
 
 
 def test_a_node_down_costs_hits_never_an_exception(tmp_path):
