@@ -143,3 +143,18 @@ class Node:
                 return
             time.sleep(0.001)
         raise AssertionError(f"node {self.name} did not stop")
+
+
+def cluster_node(tmp: Path, name: str, peer_ports: Dict[str, int], **kw) -> Node:
+    """Node ``name`` of a cluster over TCP (static peers) on loopback: ``peer_ports`` maps
+    every node's name to its peer port."""
+    me = peer_ports[name]
+    extra = (
+        f'[cluster]\nprovider = "tcp"\npeer-listen = "127.0.0.1:{me}"\n'
+        f'data-listen = "127.0.0.1:0"\nshm-dir = "{tmp}"\ntoken = "cluster-secret"\n'
+        'directory = "static"\n'
+    )
+    for peer, port in peer_ports.items():
+        if peer != name:
+            extra += f'[[cluster.peers]]\nnode-id = "{peer}"\naddress = "127.0.0.1:{port}"\n'
+    return Node(tmp, name=name, extra=extra, **kw)

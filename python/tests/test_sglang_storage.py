@@ -330,6 +330,93 @@ def test_a_batch_whose_store_slot_another_batch_took_misses_never_takes_its_leas
     assert rank1.exchange(y, None) == (None, 0)
 
 
+def test_a_timed_out_load_ends_its_lease_not_its_transfer(tmp_path):
+    """What a timed-out batch_get_v1 leaves on the node. The pages live on node B; A leases
+    them (B pins them) and B stalls (SIGSTOP) before A's load reads them. The backend gives
+    up at load_timeout_ms and releases the lease: A's lease gauge is back to zero at once.
+    The node has no call that ends a running load, so its transfer runs on: to B's answer
+    (the bytes then land in pages SGLang has been told are misses), or until the node's
+    completion timeout (5 s) fails it while B stays stopped. Either way every gauge is back
+    to zero afterwards and the next load is byte-exact."""
+    import signal
+
+    from nodeproc import cluster_node
+
+    ports = {"na": free_port(), "nb": free_port()}
+    nb = cluster_node(tmp_path, "nb", ports, pool="32MiB", slot="64KiB")
+    na = cluster_node(tmp_path, "na", ports, pool="32MiB", slot="64KiB")
+    try:
+        # Two prompts' pages (a load of B's pages leaves a copy in A's RAM).
+        keys, keys2 = (get_hash_str(tokens(3, salt=k), page_size=PS) for k in (9, 10))
+        src = host_pool("mha", "layer_first")
+        owner = storage(nb.addr, src, instance="owner")
+        s_idx, s_idx2 = src.alloc(3 * PS), src.alloc(3 * PS)
+        fill(src, s_idx, seed=30)
+        fill(src, s_idx2, seed=31)
+        assert owner.batch_set_v1(keys, s_idx) == [True] * 3
+        assert owner.batch_set_v1(keys2, s_idx2) == [True] * 3
+        want, want2 = pages(src, s_idx), pages(src, s_idx2)
+
+        dst = host_pool("mha", "layer_first")
+        s = storage(na.addr, dst, instance="eng", load_timeout_ms=500, retry_ms=50)
+        canary(dst)
+        blank = bytes([CANARY]) * len(want[0])
+        client = kvferry.EngineClient(na.addr)
+        real_load = s.side.rank.load
+
+        def load_after_pausing_b(lease, dest):
+            nb.pause()  # A holds the lease (B pinned the pages); B stops answering
+            return real_load(lease, dest)
+
+        def settle(want_zero=("leases_live", "transfers_in_flight"), within=15.0):
+            end = time.monotonic() + within
+            while True:
+                st = client.stats()
+                if all(st[k] == 0 for k in want_zero) or time.monotonic() > end:
+                    return st
+                time.sleep(0.05)
+
+        # 1. B answers after A gave up: the transfer lands, later.
+        s.side.rank.load = load_after_pausing_b
+        idx = dst.alloc(3 * PS)
+        t0 = time.monotonic()
+        assert s.batch_get_v1(keys, idx) == [False] * 3
+        assert time.monotonic() - t0 < 3
+        st = client.stats()
+        assert st["leases_live"] == 0, "the timed-out load's lease is released"
+        assert st["transfers_in_flight"] == 1, "...but its transfer still runs"
+        assert pages(dst, idx) == [blank] * 3
+        nb.stop_signal(signal.SIGCONT)
+        st = settle()
+        assert st["leases_live"] == 0 and st["transfers_in_flight"] == 0, st
+        assert pages(dst, idx) == want, "the transfer landed after the client gave up"
+
+        # 2. B stays stopped: the node's completion timeout ends the transfer, unwritten.
+        canary(dst)
+        t0 = time.monotonic()
+        assert s.batch_get_v1(keys2, idx) == [False] * 3
+        assert time.monotonic() - t0 < 3
+        assert client.stats()["leases_live"] == 0
+        st = settle(within=20.0)
+        assert st["leases_live"] == 0 and st["transfers_in_flight"] == 0, st
+        assert pages(dst, idx) == [blank] * 3
+        nb.stop_signal(signal.SIGCONT)
+
+        # The next load (B answering) is byte-exact and leaves nothing behind.
+        s.side.rank.load = real_load
+        end = time.monotonic() + 15
+        while (got := s.batch_get_v1(keys2, idx)) != [True] * 3:
+            assert time.monotonic() < end, f"no load after B resumed: {got}"
+            time.sleep(0.2)
+        assert pages(dst, idx) == want2
+        st = settle()
+        assert st["leases_live"] == 0 and st["transfers_in_flight"] == 0, st
+    finally:
+        nb.stop_signal(signal.SIGCONT)
+        na.kill()
+        nb.kill()
+
+
 def test_a_node_down_costs_hits_never_an_exception(caplog):
     caplog.set_level(logging.WARNING, logger="kvferry.sglang")
     pool = host_pool("mha", "layer_first")

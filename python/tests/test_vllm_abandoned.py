@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kvferry  # noqa: E402
 from vllm_engine import Engine, prompt  # noqa: E402
+from nodeproc import cluster_node  # noqa: E402
 from vllm_support import Node, block_contents, expected_block  # noqa: E402
 
 BS = 16
@@ -220,20 +221,6 @@ def test_tp2_a_rank_whose_loads_fail_costs_one_recompute_and_no_lease(tmp_path, 
         assert settled(node)["leases_live"] == 0
     finally:
         eng.shutdown()
-
-
-def cluster_node(tmp_path, name: str, peer_ports: dict) -> Node:
-    """A node of a two-node cluster over TCP (static peers) on loopback."""
-    me = peer_ports[name]
-    extra = (
-        f'[cluster]\nprovider = "tcp"\npeer-listen = "127.0.0.1:{me}"\n'
-        f'data-listen = "127.0.0.1:0"\nshm-dir = "{tmp_path}"\ntoken = "cluster-secret"\n'
-        'directory = "static"\n'
-    )
-    for peer, port in peer_ports.items():
-        if peer != name:
-            extra += f'[[cluster.peers]]\nnode-id = "{peer}"\naddress = "127.0.0.1:{port}"\n'
-    return Node(tmp_path, name=name, extra=extra)
 
 
 def test_a_load_whose_node_is_killed_fails_within_a_second(tmp_path):
