@@ -262,8 +262,16 @@ def verdict(p: Dict[str, Any], phases: Dict[str, Dict[str, Any]]) -> Dict[str, A
                 e["check_logprobs"] = r["logprobs"]
     checked, failures = 0, []
     per_phase: Dict[str, Dict[str, int]] = {}
+    # vLLM's two model runners need not agree bit for bit (other kernels, other reduction
+    # orders), so a phase is compared only with a reference that ran on the same runner.
+    not_compared: Dict[str, str] = {}
     for name, ph in phases.items():
         if not PHASES.get(name, {}).get("connector") or ph.get("status") != "ok":
+            continue
+        runner, ref_runner = ph.get("model_runner"), ref.get("model_runner")
+        if runner and ref_runner and runner != ref_runner:
+            not_compared[name] = (f"ran on model runner {runner}, the reference on "
+                                  f"{ref_runner}: rerun with --model-runner {runner}")
             continue
         stats = per_phase.setdefault(name, {"runs": 0, "equal": 0})
         for r in ph.get("runs", ()):
@@ -305,6 +313,7 @@ def verdict(p: Dict[str, Any], phases: Dict[str, Dict[str, Any]]) -> Dict[str, A
         "failures": failures[:20],
         "ref_hits_unstable": [list(k) for k in unstable],
         "recompute_differs_from_hit": f"{differ}/{total}",
+        "not_compared": not_compared,
     }
 
 
@@ -878,6 +887,8 @@ def print_table(result: Dict[str, Any]) -> None:
     say(f"correctness (kvferry hit == vLLM GPU prefix-cache hit, bit for bit): {c['verdict']} "
         f"({c.get('checked_runs', 0)} runs: {c.get('per_phase')}; recompute differs from the hit "
         f"in {c.get('recompute_differs_from_hit')} prompts)")
+    for name, why in (c.get("not_compared") or {}).items():
+        say(f"  {name} not compared: {why}")
     for name, ph in result["phases"].items():
         tr = ph.get("trace")
         if tr:

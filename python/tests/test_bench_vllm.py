@@ -104,6 +104,26 @@ def test_different_greedy_tokens_fail_the_verdict():
     assert bv.summarize({"lengths": [33]}, ph)["correctness"]["verdict"] == "FAIL"
 
 
+def test_a_phase_on_another_model_runner_is_not_compared_with_the_reference():
+    # vLLM 0.26's V1 and V2 runners differ in their last bits; a cross-layer phase on V1
+    # against a reference on V2 once failed 4 of 12 runs on the H200 with correct KV.
+    good = {"7": (-0.5).hex(), "9": (-1.25).hex()}
+    off = {"7": (-0.5).hex(), "9": (-1.5).hex()}
+    ph = _phases(good)
+    ph["ref"]["model_runner"] = "v2"
+    ph["kv-first"]["model_runner"] = "v2"
+    ph["kv-xl"] = {"status": "ok", "model_runner": "v1", "runs": [_run("hit", 33, 0, 20.0, off)]}
+    c = bv.summarize({"lengths": [33]}, ph)["correctness"]
+    assert c["verdict"] == "PASS" and c["checked_runs"] == 3
+    assert "kv-xl" not in c["per_phase"] and "v1" in c["not_compared"]["kv-xl"]
+    # On the same runner the same bytes are compared, and a difference fails.
+    ph["ref"]["model_runner"] = "v1"
+    ph["kv-first"]["model_runner"] = "v1"
+    c = bv.summarize({"lengths": [33]}, ph)["correctness"]
+    assert c["verdict"] == "FAIL" and c["not_compared"] == {}
+    assert c["failures"][0]["phase"] == "kv-xl"
+
+
 def test_no_verdict_without_the_reference_phase():
     good = {"7": (-0.5).hex()}
     ph = _phases(good)
