@@ -109,6 +109,7 @@ mod tests {
             peers: vec![("b".into(), "127.0.0.1:1".into())],
             shm_dir: "/tmp".into(),
             data_listen: "127.0.0.1:0".into(),
+            data_lanes: 2,
         };
         for text in [format!("{peers:?}"), format!("{peers:#?}")] {
             assert!(

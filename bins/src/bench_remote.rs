@@ -64,6 +64,10 @@ pub struct RemoteArgs {
     /// in clear; reports both and TLS/plain.
     #[arg(long)]
     tls: bool,
+    /// With --provider tcp: connections each link opens to the owner (`cluster.data-lanes`),
+    /// read side by side; over TLS each encrypts and decrypts on its own core.
+    #[arg(long, default_value_t = kvferry_actors::config::DEFAULT_DATA_LANES)]
+    lanes: u32,
 }
 
 /// `kvferry owner`: an owner node in its own process holding blocks 0..N of the benchmark's
@@ -359,6 +363,7 @@ fn start_pair(
                 peers: vec![("owner".into(), addr)],
                 shm_dir: std::env::temp_dir().join(format!("kvferry-bench-{}", std::process::id())),
                 data_listen: "127.0.0.1:0".into(),
+                data_lanes: a.lanes,
             },
             Arc::new(StaticDirectory::new(vec!["owner".into()])),
         );
@@ -374,6 +379,7 @@ fn start_pair(
         Some(ctx) => LocalCluster::with_tls(provider, ctx).context("TLS for the data plane")?,
         None => LocalCluster::new(provider),
     };
+    cluster.set_data_lanes(a.lanes as usize);
     let owner = Node::start_in(
         node_config("owner", slot, u64::from(max)),
         vec![HostDevice::new(0) as Arc<dyn Device>],
@@ -461,6 +467,10 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
     let provider = Provider::parse(&a.provider)?;
     if a.tp == 0 {
         bail!("--tp must be at least 1");
+    }
+    let max_lanes = kvferry_actors::config::MAX_DATA_LANES;
+    if !(1..=max_lanes).contains(&a.lanes) {
+        bail!("--lanes must be 1 to {max_lanes}");
     }
     if a.tls && (provider != Provider::Tcp || a.owner_process || !a.nodes.is_empty()) {
         bail!(
@@ -646,6 +656,7 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
             "blocks": plain_main.blocks,
             "bytes": plain_main.bytes,
             "iters": a.iters,
+            "lanes": a.lanes,
             "direct": plain["direct"],
             "staged": plain["staged"],
             "direct_vs_staged": ratio,

@@ -35,6 +35,7 @@ pub fn run_owner_process(spec: OwnerSpec) -> Result<(), NodeError> {
             peers: Vec::new(),
             shm_dir: std::env::temp_dir().join(format!("kvferry-owner-{}", std::process::id())),
             data_listen: "127.0.0.1:0".into(),
+            data_lanes: kvferry_actors::config::DEFAULT_DATA_LANES,
         },
         Arc::new(StaticDirectory::new(Vec::new())),
     );

@@ -6,6 +6,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::redact::{Redacted, RedactedUrl};
 
+/// `cluster.data-lanes` by default: what a tcp NIC's `qps-per-peer` has always been.
+pub const DEFAULT_DATA_LANES: u32 = 2;
+/// Most `cluster.data-lanes`: each lane is a connection and a thread on both sides.
+pub const MAX_DATA_LANES: u32 = 16;
+
 /// How a node serves its pool to peers and reaches theirs.
 #[derive(Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case", default)]
@@ -16,6 +21,10 @@ pub struct ClusterConfig {
     pub peer_listen: String,
     /// Where the tcp data server listens (port 0: any).
     pub data_listen: String,
+    /// Connections a tcp link opens to each peer's data port, read side by side (1 to
+    /// [`MAX_DATA_LANES`]). Over TLS each connection is encrypted and decrypted on its own
+    /// thread, so more lanes spread the cipher over more cores.
+    pub data_lanes: u32,
     /// Where the shm socket is created.
     pub shm_dir: String,
     /// Shared secret every peer RPC must carry; empty: not checked.
@@ -43,6 +52,7 @@ impl fmt::Debug for ClusterConfig {
             provider,
             peer_listen,
             data_listen,
+            data_lanes,
             shm_dir,
             token,
             directory,
@@ -53,6 +63,7 @@ impl fmt::Debug for ClusterConfig {
             .field("provider", provider)
             .field("peer_listen", peer_listen)
             .field("data_listen", data_listen)
+            .field("data_lanes", data_lanes)
             .field("shm_dir", shm_dir)
             .field("token", &Redacted(token))
             .field("directory", &RedactedUrl(directory))
@@ -68,6 +79,7 @@ impl Default for ClusterConfig {
             provider: "tcp".into(),
             peer_listen: "127.0.0.1:7100".into(),
             data_listen: "127.0.0.1:0".into(),
+            data_lanes: DEFAULT_DATA_LANES,
             shm_dir: std::env::temp_dir().join("kvferry").display().to_string(),
             token: String::new(),
             directory: "static".into(),

@@ -22,7 +22,7 @@ mod tenants;
 mod tls;
 
 pub use crate::bytes::ByteSize;
-pub use cluster::{ClusterConfig, PeerConfig};
+pub use cluster::{ClusterConfig, PeerConfig, DEFAULT_DATA_LANES, MAX_DATA_LANES};
 pub use device::DeviceConfig;
 pub use directory::DirectoryConfig;
 pub use engine::EngineConfig;

@@ -354,6 +354,16 @@ impl NodeConfig {
                 }
             }
             check_token("cluster.token", &c.token)?;
+            if !(1..=super::cluster::MAX_DATA_LANES).contains(&c.data_lanes) {
+                return invalid(
+                    "cluster.data-lanes",
+                    format!(
+                        "{} must be 1 to {} (connections to each peer's data port)",
+                        c.data_lanes,
+                        super::cluster::MAX_DATA_LANES
+                    ),
+                );
+            }
             if c.provider == "shm" {
                 if !std::path::Path::new(&c.shm_dir).is_absolute() {
                     return invalid(

@@ -129,6 +129,8 @@ fn cross_field_rules_name_the_key() {
             "cluster.peer-listen",
         ),
         ("[cluster]\ndirectory = \"etcd\"\n", "cluster.directory"),
+        ("[cluster]\ndata-lanes = 0\n", "cluster.data-lanes"),
+        ("[cluster]\ndata-lanes = 17\n", "cluster.data-lanes"),
         ("[engine]\nlisten = \"nowhere\"\n", "engine.listen"),
         ("[engine]\nfd-dir = \"relative\"\n", "engine.fd-dir"),
         ("[engine]\ntoken = \"two words\"\n", "engine.token"),

@@ -142,6 +142,7 @@ impl DataSide {
         memory: Arc<HostRegion>,
         dir: &std::path::Path,
         tcp_listen: &str,
+        lanes: usize,
         tls: Option<&super::data_tls::DataTls>,
     ) -> Result<Self, NodeError> {
         let table = MrTable::new();
@@ -209,6 +210,7 @@ impl DataSide {
                     // range): no hardware limit, and a block's rank part (one piece per layer
                     // and K/V) is then one request instead of several.
                     max_sge: TCP_MAX_SGE,
+                    qps_per_peer: u32::try_from(lanes.max(1)).unwrap_or(u32::MAX),
                     ..NicConfig::default()
                 };
                 let (max_sge, qps) = (nic_cfg.max_sge as usize, nic_cfg.qps_per_peer as usize);
@@ -262,6 +264,14 @@ impl DataSide {
             t.kill();
         }
     }
+
+    /// Data connections the tcp server is serving now (0 without one).
+    pub(crate) fn data_connections(&self) -> usize {
+        self.tcp
+            .as_ref()
+            .and_then(|t| t.owner.as_ref())
+            .map_or(0, |o| o.connections())
+    }
 }
 
 struct Member {
@@ -279,6 +289,8 @@ pub struct LocalCluster {
     dir: PathBuf,
     /// TLS on the tcp data plane between the members; none: in clear.
     data_tls: Option<super::data_tls::DataTls>,
+    /// Connections per tcp link of members that join from now on.
+    data_lanes: std::sync::atomic::AtomicUsize,
 }
 
 impl std::fmt::Debug for LocalCluster {
@@ -333,11 +345,21 @@ impl LocalCluster {
             faults: Mutex::new(HashMap::new()),
             dir,
             data_tls,
+            data_lanes: std::sync::atomic::AtomicUsize::new(
+                crate::config::DEFAULT_DATA_LANES as usize,
+            ),
         })
     }
 
     pub fn provider(&self) -> Provider {
         self.provider
+    }
+
+    /// Connections each tcp link of members that join from now on opens to an owner (as
+    /// `cluster.data-lanes` sets for a node; at least 1).
+    pub fn set_data_lanes(&self, lanes: usize) {
+        self.data_lanes
+            .store(lanes.max(1), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Simulates the death of a member's data path: its tcp server drops every connection
@@ -348,6 +370,16 @@ impl LocalCluster {
                 mem.side.kill_server();
             }
         }
+    }
+
+    /// Data connections a member's tcp server is serving now (what its requesters' lanes
+    /// opened; 0 for an unknown member or one without a tcp server).
+    pub fn data_connections(&self, node: &str) -> usize {
+        self.members
+            .lock()
+            .ok()
+            .and_then(|m| m.get(node).map(|mem| mem.side.data_connections()))
+            .unwrap_or(0)
     }
 
     /// Injects transport faults into tcp links made to `node` from now on (request numbers
@@ -371,6 +403,7 @@ impl LocalCluster {
             memory,
             &self.dir,
             "127.0.0.1:0",
+            self.data_lanes.load(std::sync::atomic::Ordering::Relaxed),
             self.data_tls.as_ref(),
         )?;
         self.members

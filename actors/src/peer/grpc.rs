@@ -31,6 +31,7 @@ pub struct GrpcPeers {
     peers: HashMap<String, String>,
     shm_dir: PathBuf,
     data_listen: String,
+    data_lanes: usize,
     side: Mutex<Option<DataSide>>,
     verbs: Mutex<Option<crate::nic::runtime::VerbsSide>>,
     links: Mutex<HashMap<String, Arc<dyn PeerLink>>>,
@@ -74,6 +75,8 @@ pub struct GrpcPeersConfig {
     pub shm_dir: PathBuf,
     /// Where this node's tcp data server listens ("127.0.0.1:0" for any port).
     pub data_listen: String,
+    /// Connections each tcp link opens to a peer's data port (`cluster.data-lanes`).
+    pub data_lanes: u32,
 }
 
 // Written out so that the peer token never reaches a log line or a failed test's output;
@@ -87,6 +90,7 @@ impl std::fmt::Debug for GrpcPeersConfig {
             peers,
             shm_dir,
             data_listen,
+            data_lanes,
         } = self;
         f.debug_struct("GrpcPeersConfig")
             .field("node_id", node_id)
@@ -95,6 +99,7 @@ impl std::fmt::Debug for GrpcPeersConfig {
             .field("peers", peers)
             .field("shm_dir", shm_dir)
             .field("data_listen", data_listen)
+            .field("data_lanes", data_lanes)
             .finish()
     }
 }
@@ -164,6 +169,7 @@ impl GrpcPeers {
             peers: cfg.peers.into_iter().collect(),
             shm_dir: cfg.shm_dir,
             data_listen: cfg.data_listen,
+            data_lanes: cfg.data_lanes.max(1) as usize,
             side: Mutex::new(None),
             verbs: Mutex::new(None),
             links: Mutex::new(HashMap::new()),
@@ -435,6 +441,7 @@ impl Peers for GrpcPeers {
             memory,
             &self.shm_dir,
             &self.data_listen,
+            self.data_lanes,
             self.data_tls.as_ref(),
         )?;
         *self

@@ -72,6 +72,7 @@ pub fn grpc_peers(
                 .collect(),
             shm_dir: std::env::temp_dir().join(format!("kvferry-{node_id}-{}", std::process::id())),
             data_listen: "127.0.0.1:0".into(),
+            data_lanes: kvferry_actors::config::DEFAULT_DATA_LANES,
         },
         directory,
     )

@@ -386,6 +386,33 @@ fn a_failed_staged_load_returns_after_every_read_it_posted() {
     });
 }
 
+/// `cluster.data-lanes` sets how many connections a tcp link opens to an owner (each read
+/// by its own thread; over TLS each encrypts on its own core): a direct load cut over four
+/// lanes lands byte for byte over four connections to each owner, and the default is two.
+#[test]
+fn a_tcp_link_reads_over_as_many_connections_as_its_data_lanes() {
+    rt().block_on(async {
+        for (lanes, expect) in [(None, 2usize), (Some(4usize), 4)] {
+            let cluster = LocalCluster::new(Provider::Tcp);
+            if let Some(n) = lanes {
+                cluster.set_data_lanes(n);
+            }
+            let c = Cluster::with(Arc::clone(&cluster), &["b", "a", "c"]);
+            let kv = worked_example(&c, 1).await;
+            let q = query(c.node(0), "eng", 0..12, false).await;
+            assert_eq!(q.remote_blocks, 8);
+            let req = load_request(q.lease.unwrap(), "eng", 0, &DEST);
+            load_and_verify(c.node(0), &kv[0], req, 0, "a load over the lanes").await;
+            // The worked example's suffix comes from both owners, each over its own link.
+            for owner in ["a", "c"] {
+                let served = cluster.data_connections(owner);
+                assert_eq!(served, expect, "owner {owner}, lanes {lanes:?}");
+            }
+            c.settled().await;
+        }
+    });
+}
+
 #[test]
 fn staged_copies_are_advertised_and_then_hit_locally() {
     rt().block_on(async {

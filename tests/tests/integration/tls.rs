@@ -327,6 +327,7 @@ fn tls_data_peers(
             .collect(),
         shm_dir: temp(node_id),
         data_listen: "127.0.0.1:0".into(),
+        data_lanes: kvferry_actors::config::DEFAULT_DATA_LANES,
     };
     GrpcPeers::new_secured(cfg, directory, tls, false, true).unwrap()
 }
