@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 __all__ = ["BlockInfo", "EngineEvents", "NodeStream", "decode_node_batch"]
 
@@ -129,13 +129,17 @@ class EngineEvents:
         self._removed = removed
         self._max = max_tracked
         self._known: "OrderedDict[bytes, BlockInfo]" = OrderedDict()
+        # The media each block was reported stored in: what a router was told, and so all
+        # that a node's clear has to take back.
+        self._reported: Dict[bytes, Set[str]] = {}
         self.skipped = 0  # node events about blocks this engine did not save
 
     def saving(self, kv_hash: bytes, info: BlockInfo) -> None:
         self._known[kv_hash] = info
         self._known.move_to_end(kv_hash)
         while len(self._known) > self._max:
-            self._known.popitem(last=False)
+            gone, _ = self._known.popitem(last=False)
+            self._reported.pop(gone, None)
 
     def take(self) -> List[Any]:
         out: List[Any] = []
@@ -155,17 +159,27 @@ class EngineEvents:
                 mine = [(h, i) for h, i in infos if i is not None]
                 self.skipped += len(infos) - len(mine)
                 if kind == "BlockStored":
+                    for h, _ in mine:
+                        self._reported.setdefault(h, set()).add(medium)
                     out.extend(self._stored_events(mine, medium))
                 elif mine:
+                    for h, _ in mine:
+                        self._reported.get(h, set()).discard(medium)
                     out.append(self._removed(
                         block_hashes=[i.block_hash for _, i in mine], medium=medium))
         return out
 
     def _cleared(self) -> List[Any]:
-        if not self._known:
-            return []
-        hashes = [i.block_hash for i in self._known.values()]
-        return [self._removed(block_hashes=hashes, medium=m) for m in ("CPU", "DISK")]
+        # Only what was reported stored is taken back: a block saved to a node that had only
+        # just started reaches the stream after the node's clear, which must not remove it.
+        out = []
+        for m in ("CPU", "DISK"):
+            hashes = [i.block_hash for h, i in self._known.items()
+                      if m in self._reported.get(h, ())]
+            if hashes:
+                out.append(self._removed(block_hashes=hashes, medium=m))
+        self._reported.clear()
+        return out
 
     def _stored_events(self, mine: Sequence[Tuple[bytes, BlockInfo]], medium: str) -> Iterable[Any]:
         # One event per block, as vLLM's own block pool reports them: each has its parent,
