@@ -591,9 +591,9 @@ impl Node {
         Ok(self.inner.store.send(store::SweepPeerPins).await?)
     }
 
-    /// The SSD tier's counters and gauges; None without `[ssd]`.
     /// The longest prefix of `hashes` each node holds, longest first: the directory's view
-    /// where this node has peers (it advertises itself there too), else this node's RAM.
+    /// where this node has peers (it advertises itself there too), else this node's RAM and
+    /// SSD tier.
     pub async fn lookup(
         &self,
         ns: &crate::model::Namespace,
@@ -634,6 +634,7 @@ impl Node {
             .map(|p| (p.publish_endpoint(), p.replay_endpoint()))
     }
 
+    /// The SSD tier's counters and gauges; None without `[ssd]`.
     pub async fn ssd_stats(&self) -> Result<Option<crate::tier::ssd::SsdStats>, NodeError> {
         Ok(self.inner.store.send(store::GetSsdStats).await?)
     }

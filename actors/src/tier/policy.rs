@@ -173,6 +173,23 @@ impl<D: Disk> Tiers<D> {
         self.ssd.as_ref()
     }
 
+    /// How many leading `hashes` this node holds, sealed in RAM or on its disk (a query
+    /// would find each in one tier or the other): what a Lookup answers for this node.
+    pub fn held_prefix_len(&self, ns: &Namespace, hashes: &[BlockHash]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| {
+                self.cache.prefix_len(ns, std::slice::from_ref(*h)) == 1
+                    || self.ssd.as_ref().is_some_and(|d| {
+                        d.contains(&BlockKey {
+                            namespace: ns.clone(),
+                            hash: **h,
+                        })
+                    })
+            })
+            .count()
+    }
+
     /// SSD blocks held on disk for leases.
     pub fn ssd_held(&self) -> usize {
         self.ssd_held

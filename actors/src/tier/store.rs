@@ -280,7 +280,8 @@ impl Handler<GetSsdNamespaceUsage> for BlockStore {
     }
 }
 
-/// How many leading `hashes` RAM holds sealed (Lookup on a node without peers).
+/// How many leading `hashes` this node holds, in RAM or on SSD (Lookup on a node without
+/// peers).
 #[derive(Message)]
 #[rtype(result = "usize")]
 pub struct PrefixLen {
@@ -292,7 +293,7 @@ impl Handler<PrefixLen> for BlockStore {
     type Result = usize;
 
     fn handle(&mut self, m: PrefixLen, _: &mut Context<Self>) -> usize {
-        self.tiers.cache().prefix_len(&m.namespace, &m.hashes)
+        self.tiers.held_prefix_len(&m.namespace, &m.hashes)
     }
 }
 

@@ -295,6 +295,35 @@ fn evicted_blocks_come_back_from_ssd_after_the_ram_prefix() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Lookup on a node without peers answers for RAM and SSD alike: blocks evicted to disk are
+/// still this node's (a query finds them), so a router asking must hear of them too.
+#[test]
+fn lookup_counts_the_blocks_on_ssd_as_well_as_those_in_ram() {
+    let dir = fresh("/tmp", "lookup");
+    rt().block_on(async {
+        let (node, dev) = start(ssd_config(16, &dir, 64, false));
+        let _kv = register(&node, &dev, "eng", shape(), 0, KvKind::Split, 16, 128).await;
+        put(&node, "eng", &shape(), 0, 0..20).await;
+        node.ssd_sync().await.unwrap();
+        assert_eq!(ssd(&node).await.blocks, 4, "0..3 on disk only");
+        let q = query(&node, 0..20).await;
+        assert_eq!((q.local_blocks, q.ssd_blocks), (20, 4));
+        let ns = q.namespace.clone();
+        node.release(q.lease.unwrap()).await.unwrap();
+        let me = node.config().node_id.clone();
+        assert_eq!(
+            node.lookup(&ns, &hashes(0..24)).await.unwrap(),
+            vec![(me.clone(), 20)]
+        );
+        assert_eq!(
+            node.lookup(&ns, &hashes(2..6)).await.unwrap(),
+            vec![(me, 4)]
+        );
+        ssd_settled(&node).await;
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A flipped bit found by the load: the load fails naming the block (the engine recomputes
 /// it), nothing is written into its destination, the block leaves the tier, and the next
 /// query ends before it.

@@ -322,6 +322,23 @@ fn disk_full() -> SsdError {
 }
 
 #[test]
+fn the_held_prefix_counts_blocks_in_ram_and_on_disk_alike() {
+    let mut t = tiers(2, Some(FakeDisk::new(8)));
+    put(&mut t, &[1, 2, 3]);
+    for w in pending(t.take_effects()) {
+        t.handle_write_done(w, Ok(()));
+    }
+    t.take_effects();
+    // 1 on disk only, 2 and 3 in RAM; 4 nowhere.
+    assert!(!t.cache().contains(&ns(), h(1)) && t.ssd().unwrap().contains(&key(1)));
+    assert_eq!(t.cache().prefix_len(&ns(), &[h(1), h(2), h(3)]), 0);
+    assert_eq!(t.held_prefix_len(&ns(), &[h(1), h(2), h(3), h(4), h(2)]), 3);
+    assert_eq!(t.held_prefix_len(&ns(), &[h(4), h(1)]), 0);
+    let without_disk = tiers(2, None);
+    assert_eq!(without_disk.held_prefix_len(&ns(), &[h(1)]), 0);
+}
+
+#[test]
 fn a_read_back_hit_promotes_an_ssd_block_into_ram_pinned() {
     let mut t = tiers(2, Some(FakeDisk::new(8)));
     put(&mut t, &[1, 2, 3]);
