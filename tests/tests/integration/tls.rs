@@ -19,51 +19,21 @@ use kvferry_actors::Clock;
 use kvferry_client::{EngineClient, EngineClientError, EngineTls};
 use kvferry_testkit::harness::*;
 
-struct Ca {
-    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
-    dir: PathBuf,
-}
+/// The testkit's lab CA in `dir`; each certificate names one node (and localhost), written
+/// as `<name>.pem` / `.key`.
+struct Ca(kvferry_testkit::LabCa);
 
 impl Ca {
     fn new(dir: &Path) -> Self {
-        std::fs::create_dir_all(dir).unwrap();
-        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        p.key_usages = vec![
-            rcgen::KeyUsagePurpose::KeyCertSign,
-            rcgen::KeyUsagePurpose::CrlSign,
-        ];
-        let issuer =
-            rcgen::CertifiedIssuer::self_signed(p, rcgen::KeyPair::generate().unwrap()).unwrap();
-        std::fs::write(dir.join("ca.pem"), issuer.pem()).unwrap();
-        Self {
-            issuer,
-            dir: dir.to_owned(),
-        }
+        Self(kvferry_testkit::LabCa::new(dir, "tls test CA").unwrap())
     }
 
     fn ca(&self) -> PathBuf {
-        self.dir.join("ca.pem")
+        self.0.ca()
     }
 
-    /// A certificate naming `name` (and localhost), written as `<name>.pem` / `.key`.
     fn issue(&self, name: &str) -> TlsFiles {
-        let mut p =
-            rcgen::CertificateParams::new(vec![name.to_owned(), "localhost".to_owned()]).unwrap();
-        p.extended_key_usages = vec![
-            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
-            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        let key = rcgen::KeyPair::generate().unwrap();
-        let cert = p.signed_by(&key, &self.issuer).unwrap();
-        let files = TlsFiles {
-            cert: self.dir.join(format!("{name}.pem")),
-            key: self.dir.join(format!("{name}.key")),
-            ca: self.ca(),
-        };
-        std::fs::write(&files.cert, cert.pem()).unwrap();
-        std::fs::write(&files.key, key.serialize_pem()).unwrap();
-        files
+        self.0.issue(name, &[name]).unwrap()
     }
 }
 
