@@ -134,3 +134,17 @@ impl From<actix::MailboxError> for NodeError {
         }
     }
 }
+
+/// A link's error is the node's variant of the same name.
+impl From<crate::peer::LinkError> for NodeError {
+    fn from(e: crate::peer::LinkError) -> Self {
+        use crate::peer::LinkError as L;
+        match e {
+            L::Remote { peer, source } => NodeError::Remote { peer, source },
+            L::Stopped { what } => NodeError::Stopped { what },
+            L::Span { what, source } => NodeError::Span { what, source },
+            L::Device(e) => NodeError::Device(e),
+            L::BadRequest { reason } => NodeError::BadRequest { reason },
+        }
+    }
+}

@@ -234,7 +234,7 @@ impl Node {
                 let store: Arc<dyn PinService> = Arc::new(store.clone());
                 let (c, id) = (Arc::clone(c), config.node_id.clone());
                 crate::nic::run_on_system(&system, move || c.join(&id, store, memory)).unwrap_or(
-                    Err(NodeError::Stopped {
+                    Err(crate::peer::LinkError::Stopped {
                         what: "the actor system stopped during start",
                     }),
                 )
@@ -242,7 +242,7 @@ impl Node {
             if let Err(e) = joined {
                 system.stop();
                 let _ = thread.join();
-                return Err(e);
+                return Err(e.into());
             }
             if let Some(side) = nics.as_ref().and_then(|n| n.verbs_side()) {
                 c.attach_verbs(side);

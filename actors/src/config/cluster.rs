@@ -6,10 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::redact::{Redacted, RedactedUrl};
 
-/// `cluster.data-lanes` by default: what a tcp NIC's `qps-per-peer` has always been.
-pub const DEFAULT_DATA_LANES: u32 = 2;
-/// Most `cluster.data-lanes`: each lane is a connection and a thread on both sides.
-pub const MAX_DATA_LANES: u32 = 16;
+pub use crate::peer::rc_link::{DEFAULT_DATA_LANES, MAX_DATA_LANES};
 
 /// How a node serves its pool to peers and reaches theirs.
 #[derive(Clone, Deserialize, Serialize, PartialEq)]

@@ -183,7 +183,7 @@ impl Suffix {
                     .map_err(|_| NodeError::Stopped {
                         what: "remote read",
                     })
-                    .and_then(|r| r);
+                    .and_then(|r| r.map_err(NodeError::from));
                 wire += tr.elapsed().as_secs_f64();
                 let r = match (r, &failed) {
                     (Ok(r), None) => r,

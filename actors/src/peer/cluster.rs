@@ -16,9 +16,9 @@ use kvferry_transport::{
     Rejections,
 };
 
-use crate::error::NodeError;
 use crate::nic::runtime::NicRuntime;
 use crate::peer::directory::{Directory, EmbeddedDirectory};
+use crate::peer::error::LinkError;
 use crate::peer::error::RemoteError;
 use crate::peer::link::{Control, MappedLink, MappedView, PeerLink};
 use crate::peer::pin_service::PinService;
@@ -40,13 +40,13 @@ pub enum Provider {
 }
 
 impl Provider {
-    pub fn parse(s: &str) -> Result<Self, NodeError> {
+    pub fn parse(s: &str) -> Result<Self, LinkError> {
         match s {
             "loopback" => Ok(Provider::Loopback),
             "shm" => Ok(Provider::Shm),
             "tcp" => Ok(Provider::Tcp),
             "verbs" => Ok(Provider::Verbs),
-            other => Err(NodeError::bad(format!(
+            other => Err(LinkError::bad(format!(
                 "provider {other:?} is not one of loopback, shm, tcp, verbs"
             ))),
         }
@@ -144,7 +144,7 @@ impl DataSide {
         tcp_listen: &str,
         lanes: usize,
         tls: Option<&super::data_tls::DataTls>,
-    ) -> Result<Self, NodeError> {
+    ) -> Result<Self, LinkError> {
         let table = MrTable::new();
         let mr = table
             .register_host(Arc::clone(&memory), Access::REMOTE_READ)
@@ -301,8 +301,8 @@ impl std::fmt::Debug for LocalCluster {
     }
 }
 
-fn remote(peer: &str, e: RemoteError) -> NodeError {
-    NodeError::remote(peer, e)
+fn remote(peer: &str, e: RemoteError) -> LinkError {
+    LinkError::remote(peer, e)
 }
 
 impl LocalCluster {
@@ -346,7 +346,7 @@ impl LocalCluster {
             dir,
             data_tls,
             data_lanes: std::sync::atomic::AtomicUsize::new(
-                crate::config::DEFAULT_DATA_LANES as usize,
+                crate::peer::rc_link::DEFAULT_DATA_LANES as usize,
             ),
         })
     }
@@ -396,7 +396,7 @@ impl LocalCluster {
         node: &str,
         store: Arc<dyn PinService>,
         memory: Arc<HostRegion>,
-    ) -> Result<(), NodeError> {
+    ) -> Result<(), LinkError> {
         let side = DataSide::start(
             node,
             self.provider,
@@ -408,7 +408,7 @@ impl LocalCluster {
         )?;
         self.members
             .lock()
-            .map_err(|_| NodeError::Stopped { what: "cluster" })?
+            .map_err(|_| LinkError::Stopped { what: "cluster" })?
             .insert(node.to_owned(), Member { store, side });
         Ok(())
     }
@@ -426,7 +426,7 @@ impl LocalCluster {
     }
 
     /// A link from `from` to `to`, made once and shared.
-    fn link_to(&self, from: &str, to: &str) -> Result<Arc<dyn PeerLink>, NodeError> {
+    fn link_to(&self, from: &str, to: &str) -> Result<Arc<dyn PeerLink>, LinkError> {
         let key = (from.to_owned(), to.to_owned());
         if let Some(l) = self.links.lock().ok().and_then(|l| l.get(&key).cloned()) {
             return Ok(l);
@@ -435,7 +435,7 @@ impl LocalCluster {
             let members = self
                 .members
                 .lock()
-                .map_err(|_| NodeError::Stopped { what: "cluster" })?;
+                .map_err(|_| LinkError::Stopped { what: "cluster" })?;
             let m = members
                 .get(to)
                 .ok_or_else(|| remote(to, RemoteError::no_path("not a member of this cluster")))?;
@@ -553,7 +553,7 @@ impl super::Peers for LocalCluster {
         &self,
         from: &str,
         to: &str,
-    ) -> crate::peer::link::BoxFut<Result<Arc<dyn PeerLink>, NodeError>> {
+    ) -> crate::peer::link::BoxFut<Result<Arc<dyn PeerLink>, LinkError>> {
         let r = self.link_to(from, to);
         Box::pin(async move { r })
     }
@@ -563,7 +563,7 @@ impl super::Peers for LocalCluster {
         node: &str,
         store: Arc<dyn PinService>,
         memory: Arc<HostRegion>,
-    ) -> Result<(), NodeError> {
+    ) -> Result<(), LinkError> {
         self.join_member(node, store, memory)
     }
 

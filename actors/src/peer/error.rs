@@ -4,6 +4,7 @@
 //! a node without a data path for the read must be configured (back off); blocks that
 //! vanished on their owner are reported as failed blocks (the engine recomputes them).
 
+use kvferry_gpu::{DeviceError, SpanError};
 use thiserror::Error;
 
 /// An error from below (a socket, an RPC, a queue) kept as the cause.
@@ -92,6 +93,61 @@ impl RemoteError {
             RemoteError::NoDataPath { .. } => "no_data_path",
             RemoteError::Local { .. } => "local_resource",
             RemoteError::Vanished { .. } => "vanished",
+        }
+    }
+}
+
+/// What a link, or the set of links, reports to the load or the node that called it: a
+/// remote failure names its peer; the rest are this node's own (shutting down, a copy refused,
+/// a name nobody serves). The node's own error keeps each of these as the variant of the same
+/// name.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum LinkError {
+    #[error("peer {peer}: {source}")]
+    Remote {
+        peer: String,
+        #[source]
+        source: RemoteError,
+    },
+    #[error("the node is shutting down ({what})")]
+    Stopped { what: &'static str },
+    /// A copy batch refused a span before anything was copied.
+    #[error("{what}: copy refused: {source}")]
+    Span {
+        what: &'static str,
+        #[source]
+        source: SpanError,
+    },
+    /// Device memory the driver refused.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// A name or value given by the caller that no link can serve (an unknown provider).
+    #[error("bad request: {reason}")]
+    BadRequest { reason: String },
+}
+
+impl LinkError {
+    /// A remote failure with `peer`.
+    pub fn remote(peer: impl Into<String>, source: RemoteError) -> Self {
+        LinkError::Remote {
+            peer: peer.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn bad(reason: impl Into<String>) -> Self {
+        LinkError::BadRequest {
+            reason: reason.into(),
+        }
+    }
+
+    /// A span refused while building `what`'s copies; device memory the driver refused is
+    /// the device error it is.
+    pub(crate) fn span(what: &'static str, e: SpanError) -> Self {
+        match e {
+            SpanError::NotDeviceRange { source, .. } => LinkError::Device(source),
+            source => LinkError::Span { what, source },
         }
     }
 }

@@ -10,11 +10,11 @@ use kvferry_transport::shm::ShmConnector;
 use kvferry_transport::{HostRegion, MrKey};
 
 use super::Peers;
-use crate::error::NodeError;
 use crate::peer::client::PeerClient;
 use crate::peer::cluster::{transport_id, DataSide, Provider};
 use crate::peer::data_tls::DataTls;
 use crate::peer::directory::Directory;
+use crate::peer::error::LinkError;
 use crate::peer::error::RemoteError;
 use crate::peer::link::{BoxFut, Control, MappedLink, MappedView, PeerLink};
 use crate::peer::pin_service::PinService;
@@ -109,8 +109,8 @@ const LINK_FAILURE_LOG_PERIOD: std::time::Duration = std::time::Duration::from_s
 static LINK_FAILURES: crate::log_limit::LogLimit =
     crate::log_limit::LogLimit::new(LINK_FAILURE_LOG_PERIOD);
 
-fn remote(peer: &str, e: RemoteError) -> NodeError {
-    NodeError::remote(peer, e)
+fn remote(peer: &str, e: RemoteError) -> LinkError {
+    LinkError::remote(peer, e)
 }
 
 impl GrpcPeers {
@@ -196,7 +196,7 @@ impl GrpcPeers {
     /// [`Self::link_to`] with its outcome logged: one line per link made, and failures
     /// at most every [`LINK_FAILURE_LOG_PERIOD`] per peer (a peer that is down fails every
     /// plan that names it).
-    async fn connect(&self, from: &str, to: &str) -> Result<Arc<dyn PeerLink>, NodeError> {
+    async fn connect(&self, from: &str, to: &str) -> Result<Arc<dyn PeerLink>, LinkError> {
         // Events of the handshake (the owner's incarnation, a lost peer) carry the link.
         let span = tracing::info_span!("peer_link", node = from, peer = to);
         match tracing::Instrument::instrument(self.link_to(from, to), span).await {
@@ -224,7 +224,7 @@ impl GrpcPeers {
         }
     }
 
-    async fn link_to(&self, from: &str, to: &str) -> Result<Arc<dyn PeerLink>, NodeError> {
+    async fn link_to(&self, from: &str, to: &str) -> Result<Arc<dyn PeerLink>, LinkError> {
         let addr = self
             .peers
             .get(to)
@@ -254,7 +254,7 @@ impl GrpcPeers {
             let side = self
                 .verbs
                 .lock()
-                .map_err(|_| NodeError::Stopped { what: "peers" })?
+                .map_err(|_| LinkError::Stopped { what: "peers" })?
                 .clone()
                 .ok_or_else(|| {
                     remote(
@@ -314,7 +314,7 @@ impl GrpcPeers {
                 let side = self
                     .side
                     .lock()
-                    .map_err(|_| NodeError::Stopped { what: "peers" })?;
+                    .map_err(|_| LinkError::Stopped { what: "peers" })?;
                 let tcp = side.as_ref().and_then(|s| s.tcp.as_ref()).ok_or_else(|| {
                     remote(to, RemoteError::no_path("this node has no tcp data side"))
                 })?;
@@ -378,7 +378,7 @@ impl Peers for GrpcPeers {
         &self.directory
     }
 
-    fn link(&self, from: &str, to: &str) -> BoxFut<Result<Arc<dyn PeerLink>, NodeError>> {
+    fn link(&self, from: &str, to: &str) -> BoxFut<Result<Arc<dyn PeerLink>, LinkError>> {
         let restarted = self
             .clients
             .lock()
@@ -424,7 +424,7 @@ impl Peers for GrpcPeers {
         Box::pin(async move {
             match this {
                 Some(p) => p.connect(&from, &to).await,
-                None => Err(NodeError::Stopped { what: "peers" }),
+                None => Err(LinkError::Stopped { what: "peers" }),
             }
         })
     }
@@ -434,7 +434,7 @@ impl Peers for GrpcPeers {
         node: &str,
         _store: Arc<dyn PinService>,
         memory: Arc<HostRegion>,
-    ) -> Result<(), NodeError> {
+    ) -> Result<(), LinkError> {
         let side = DataSide::start(
             node,
             self.provider,
@@ -447,7 +447,7 @@ impl Peers for GrpcPeers {
         *self
             .side
             .lock()
-            .map_err(|_| NodeError::Stopped { what: "peers" })? = Some(side);
+            .map_err(|_| LinkError::Stopped { what: "peers" })? = Some(side);
         Ok(())
     }
 

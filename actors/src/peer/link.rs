@@ -10,8 +10,8 @@ use kvferry_gpu::{
     CopyBatch, CopyDirection, CopyList, CopyOp, Device, HostMemory, HostRegistration, HostSpan,
 };
 
-use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
+use crate::peer::error::LinkError;
 use crate::peer::pin_service::PinService;
 use crate::peer::plane_regs::PlaneRegs;
 use crate::peer::RemoteError;
@@ -68,11 +68,11 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
     }
     /// Pins the present prefix of `hashes` on the owner.
     fn pin(&self, ns: Namespace, hashes: Vec<BlockHash>)
-        -> BoxFut<Result<PinnedRemote, NodeError>>;
+        -> BoxFut<Result<PinnedRemote, LinkError>>;
     /// Releases a pin (control: fire and forget).
     fn unpin(&self, pin_id: u64);
     /// Reads `(owner address → local host address, len)` ranges; `keep` lives until done.
-    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, NodeError>>;
+    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, LinkError>>;
     /// Reads owner ranges straight into device memory (`src` = owner address); `regions`
     /// are the destination planes `(base, len)` (registered for local write where the
     /// provider needs it; a verbs NIC's registrations are made once and kept in `held`, the
@@ -84,7 +84,7 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
         regions: Vec<(u64, u64)>,
         held: &PlaneRegs,
         keep: Keep,
-    ) -> BoxFut<Result<ReadStats, NodeError>>;
+    ) -> BoxFut<Result<ReadStats, LinkError>>;
     /// [`PeerLink::read_device`] with the NIC each block's read goes through, as the
     /// planner striped them. Links with a single data path (loopback, shm, tcp) have nothing
     /// to choose and ignore it.
@@ -96,7 +96,7 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
         held: &PlaneRegs,
         keep: Keep,
         route: Option<crate::nic::ReadRoute>,
-    ) -> BoxFut<Result<ReadStats, NodeError>> {
+    ) -> BoxFut<Result<ReadStats, LinkError>> {
         let _ = route;
         self.read_device(device, list, regions, held, keep)
     }
@@ -120,12 +120,12 @@ impl Control {
         peer: &str,
         ns: Namespace,
         hashes: Vec<BlockHash>,
-    ) -> BoxFut<Result<PinnedRemote, NodeError>> {
+    ) -> BoxFut<Result<PinnedRemote, LinkError>> {
         let peer = peer.to_owned();
         match self.clone() {
             Control::Local(owner) => Box::pin(async move {
                 owner.pin(ns, hashes).await.map_err(|_| {
-                    NodeError::remote(
+                    LinkError::remote(
                         peer,
                         RemoteError::Connect {
                             what: "the owner's block store is gone".into(),
@@ -139,7 +139,7 @@ impl Control {
                     .pin_blocks(&ns, &hashes)
                     .await
                     .map(|p| p.to_remote())
-                    .map_err(|e| NodeError::remote(peer, RemoteError::lost("a pin", e)))
+                    .map_err(|e| LinkError::remote(peer, RemoteError::lost("a pin", e)))
             }),
         }
     }
@@ -230,11 +230,11 @@ impl MappedLink {
         }
     }
 
-    fn register_with(&self, device: &dyn Device) -> Result<(), NodeError> {
+    fn register_with(&self, device: &dyn Device) -> Result<(), LinkError> {
         let mut regs = self
             .registered
             .lock()
-            .map_err(|_| NodeError::Stopped { what: "link" })?;
+            .map_err(|_| LinkError::Stopped { what: "link" })?;
         if !regs.iter().any(|(o, _)| *o == device.ordinal()) {
             let r = device.register_host(self.view.local_base, self.view.len, true)?;
             regs.push((device.ordinal(), r));
@@ -242,9 +242,9 @@ impl MappedLink {
         Ok(())
     }
 
-    fn remote_err(&self, e: NodeError) -> NodeError {
+    fn remote_err(&self, e: LinkError) -> LinkError {
         match e {
-            NodeError::Remote { source, .. } => NodeError::remote(self.node_id.clone(), source),
+            LinkError::Remote { source, .. } => LinkError::remote(self.node_id.clone(), source),
             other => other,
         }
     }
@@ -272,7 +272,7 @@ impl PeerLink for MappedLink {
         &self,
         ns: Namespace,
         hashes: Vec<BlockHash>,
-    ) -> BoxFut<Result<PinnedRemote, NodeError>> {
+    ) -> BoxFut<Result<PinnedRemote, LinkError>> {
         self.control.pin(&self.node_id, ns, hashes)
     }
 
@@ -280,15 +280,15 @@ impl PeerLink for MappedLink {
         self.control.unpin(pin_id);
     }
 
-    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, NodeError>> {
-        let translated: Result<Vec<CopyOp>, NodeError> = ops
+    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, LinkError>> {
+        let translated: Result<Vec<CopyOp>, LinkError> = ops
             .iter()
             .map(|op| {
                 Ok(CopyOp {
                     src: self
                         .view
                         .translate(op.src, op.len)
-                        .map_err(|e| NodeError::remote(self.node_id.clone(), e))?,
+                        .map_err(|e| LinkError::remote(self.node_id.clone(), e))?,
                     ..*op
                 })
             })
@@ -319,7 +319,7 @@ impl PeerLink for MappedLink {
                 drop(view);
                 bytes
             });
-            let bytes = done.await.map_err(|_| NodeError::Stopped {
+            let bytes = done.await.map_err(|_| LinkError::Stopped {
                 what: "remote read thread",
             })?;
             Ok(ReadStats {
@@ -337,7 +337,7 @@ impl PeerLink for MappedLink {
         _regions: Vec<(u64, u64)>,
         _held: &PlaneRegs,
         keep: Keep,
-    ) -> BoxFut<Result<ReadStats, NodeError>> {
+    ) -> BoxFut<Result<ReadStats, LinkError>> {
         let t = std::time::Instant::now();
         let registered = self.register_with(device.as_ref());
         let register = t.elapsed().as_secs_f64();
@@ -348,10 +348,10 @@ impl PeerLink for MappedLink {
                 let src = self
                     .view
                     .translate(op.src, op.len)
-                    .map_err(|e| NodeError::remote(self.node_id.clone(), e))?;
+                    .map_err(|e| LinkError::remote(self.node_id.clone(), e))?;
                 out.push(src, op.dst, op.len);
             }
-            Ok::<_, NodeError>(out)
+            Ok::<_, LinkError>(out)
         })()
         .map_err(|e| self.remote_err(e));
         let guard = ViewGuard {
@@ -363,9 +363,9 @@ impl PeerLink for MappedLink {
             let t = std::time::Instant::now();
             let len = guard.view.len;
             let host = HostSpan::new(Arc::new(guard), 0, len)
-                .map_err(|e| NodeError::span("direct read", e))?;
+                .map_err(|e| LinkError::span("direct read", e))?;
             let batch = CopyBatch::from_list(CopyDirection::HostToDevice, list, &host)
-                .map_err(|e| NodeError::span("direct read", e))?;
+                .map_err(|e| LinkError::span("direct read", e))?;
             drop(host);
             let ev = batch.submit(device.as_ref(), None)?;
             let post = t.elapsed().as_secs_f64();

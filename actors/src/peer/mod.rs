@@ -30,7 +30,7 @@ pub use directory::{
     Directory, DirectoryHealth, DirectoryStats, EmbeddedDirectory, Segment, StaticDirectory,
 };
 pub use endpoint::{EndpointError, VerbsPeerEndpoint, VerbsResponder};
-pub use error::RemoteError;
+pub use error::{LinkError, RemoteError};
 pub use grpc::{GrpcPeers, GrpcPeersConfig};
 pub use link::{PeerLink, PinnedRemote, RemoteBlock, RemotePin};
 pub use pin_service::{PinService, PinServiceError};
@@ -44,22 +44,20 @@ use std::sync::Arc;
 
 use kvferry_transport::HostRegion;
 
-use crate::error::NodeError;
-
 /// How a node reaches its peers: the directory it shares with them, and a link to each.
 /// [`LocalCluster`] is the in-process implementation.
 pub trait Peers: Send + Sync + std::fmt::Debug {
     fn directory(&self) -> &Arc<dyn Directory>;
     /// A link from node `from` to owner `to` (made once and shared; making one may take a
     /// round trip to the owner).
-    fn link(&self, from: &str, to: &str) -> link::BoxFut<Result<Arc<dyn PeerLink>, NodeError>>;
+    fn link(&self, from: &str, to: &str) -> link::BoxFut<Result<Arc<dyn PeerLink>, LinkError>>;
     /// Makes `node`'s pool reachable to the others; `store` pins its blocks for them.
     fn join(
         &self,
         node: &str,
         store: Arc<dyn PinService>,
         memory: Arc<HostRegion>,
-    ) -> Result<(), NodeError>;
+    ) -> Result<(), LinkError>;
     /// Withdraws `node`: its directory entries go and links to it are dropped.
     fn leave(&self, node: &str);
     /// The RDMA NICs a joined node reads peers with, for links over verbs. Peers that do

@@ -22,14 +22,20 @@ use kvferry_transport::{
 };
 use tokio::sync::oneshot;
 
-use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
 use crate::nic::worker::{Connect, FailureKind, NicWorker, PostReads};
 use crate::peer::batches::{even_batches, even_reads};
 use crate::peer::bounce::{BounceSink, RingPool};
+use crate::peer::error::LinkError;
 use crate::peer::error::RemoteError;
 use crate::peer::link::{BoxFut, Control, Keep, PeerLink, PinnedRemote, ReadStats};
 use crate::peer::plane_regs::{PlaneRegistration, PlaneRegs};
+
+/// `cluster.data-lanes` by default: how many connections a link opens to each owner (what a
+/// tcp NIC's `qps-per-peer` has always been).
+pub const DEFAULT_DATA_LANES: u32 = 2;
+/// Most `cluster.data-lanes`: each lane is a connection and a thread on both sides.
+pub const MAX_DATA_LANES: u32 = 16;
 
 /// Most bytes of one direct read where its pieces allow: one bounce slot, which a read then
 /// fills at once.
@@ -124,8 +130,8 @@ impl RcLink {
         }
     }
 
-    fn err(&self, e: RemoteError) -> NodeError {
-        NodeError::remote(self.node_id.clone(), e)
+    fn err(&self, e: RemoteError) -> LinkError {
+        LinkError::remote(self.node_id.clone(), e)
     }
 
     fn wr(&self) -> u64 {
@@ -143,7 +149,7 @@ impl RcLink {
         keep: Vec<Keep>,
         register: f64,
         drain: Option<Arc<BounceSink>>,
-    ) -> BoxFut<Result<ReadStats, NodeError>> {
+    ) -> BoxFut<Result<ReadStats, LinkError>> {
         let worker = self.worker.clone();
         let (peer, local, addr) = (self.peer, self.local, self.addr);
         let connected = Arc::clone(&self.connected);
@@ -153,8 +159,8 @@ impl RcLink {
         let given = self.connector.clone();
         let grant = self.grant.clone();
         Box::pin(async move {
-            let err = |e: RemoteError| NodeError::remote(name.clone(), e);
-            let stopped = || NodeError::Stopped { what: "nic worker" };
+            let err = |e: RemoteError| LinkError::remote(name.clone(), e);
+            let stopped = || LinkError::Stopped { what: "nic worker" };
             if !connected.load(Ordering::Acquire) {
                 let base: Arc<dyn Connector> = match (given, grant) {
                     (Some(c), _) => c,
@@ -321,7 +327,7 @@ impl PeerLink for RcLink {
         &self,
         ns: Namespace,
         hashes: Vec<BlockHash>,
-    ) -> BoxFut<Result<PinnedRemote, NodeError>> {
+    ) -> BoxFut<Result<PinnedRemote, LinkError>> {
         self.control.pin(&self.node_id, ns, hashes)
     }
 
@@ -329,7 +335,7 @@ impl PeerLink for RcLink {
         self.control.unpin(pin_id);
     }
 
-    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, NodeError>> {
+    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, LinkError>> {
         let reads = ops
             .iter()
             .map(|op| ReadRequest {
@@ -356,7 +362,7 @@ impl PeerLink for RcLink {
         regions: Vec<(u64, u64)>,
         held: &PlaneRegs,
         keep: Keep,
-    ) -> BoxFut<Result<ReadStats, NodeError>> {
+    ) -> BoxFut<Result<ReadStats, LinkError>> {
         let t = std::time::Instant::now();
         // Register the destination planes for local write for this load only; the handles
         // live until the batch has drained, then deregistration completes.

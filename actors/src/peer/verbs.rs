@@ -20,13 +20,13 @@ use kvferry_transport::verbs::{EndpointExchange, QpEndpoint};
 use kvferry_transport::{ConnectionError, MrKey, NodeId, QpKey};
 
 use super::VerbsResponder;
-use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
 use crate::nic::responder::{NicResponder, QpRequest, ServedPort};
 use crate::nic::runtime::VerbsSide;
 use crate::nic::ReadRoute;
 use crate::peer::client::{PeerClient, PeerInfo};
 use crate::peer::endpoint::{check_announced, VerbsPeerEndpoint};
+use crate::peer::error::LinkError;
 use crate::peer::link::{BoxFut, Keep, PeerLink, PinnedRemote, ReadStats};
 use crate::peer::plane_regs::PlaneRegs;
 use crate::peer::rc_link::RcLink;
@@ -177,9 +177,9 @@ impl std::fmt::Debug for VerbsLink {
 
 impl VerbsLink {
     /// `links[i]` reads through NIC `nics[i]`; at least one.
-    pub fn new(node_id: String, nics: Vec<String>, links: Vec<RcLink>) -> Result<Self, NodeError> {
+    pub fn new(node_id: String, nics: Vec<String>, links: Vec<RcLink>) -> Result<Self, LinkError> {
         if links.is_empty() || links.len() != nics.len() {
-            return Err(NodeError::remote(
+            return Err(LinkError::remote(
                 node_id,
                 super::RemoteError::no_path("a verbs link needs one RC link per nic"),
             ));
@@ -200,7 +200,7 @@ pub fn connect_link(
     to: &str,
     control: crate::peer::link::Control,
     client: &PeerClient,
-) -> Result<VerbsLink, NodeError> {
+) -> Result<VerbsLink, LinkError> {
     let (local, peer) = (
         crate::peer::cluster::transport_id(from),
         crate::peer::cluster::transport_id(to),
@@ -218,7 +218,7 @@ pub fn connect_link(
         let connector = Arc::clone(&n.nic)
             .connector(peer, exchange)
             .ok_or_else(|| {
-                NodeError::remote(
+                LinkError::remote(
                     to.to_string(),
                     super::RemoteError::no_path(format!(
                         "nic {} has no verbs provider behind it",
@@ -293,7 +293,7 @@ impl PeerLink for VerbsLink {
         &self,
         ns: Namespace,
         hashes: Vec<BlockHash>,
-    ) -> BoxFut<Result<PinnedRemote, NodeError>> {
+    ) -> BoxFut<Result<PinnedRemote, LinkError>> {
         self.links[0].pin(ns, hashes)
     }
 
@@ -301,7 +301,7 @@ impl PeerLink for VerbsLink {
         self.links[0].unpin(pin_id);
     }
 
-    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, NodeError>> {
+    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, LinkError>> {
         self.links[0].read_host(ops, keep)
     }
 
@@ -312,7 +312,7 @@ impl PeerLink for VerbsLink {
         regions: Vec<(u64, u64)>,
         held: &PlaneRegs,
         keep: Keep,
-    ) -> BoxFut<Result<ReadStats, NodeError>> {
+    ) -> BoxFut<Result<ReadStats, LinkError>> {
         self.links[0].read_device(device, list, regions, held, keep)
     }
 
@@ -324,7 +324,7 @@ impl PeerLink for VerbsLink {
         held: &PlaneRegs,
         keep: Keep,
         route: Option<ReadRoute>,
-    ) -> BoxFut<Result<ReadStats, NodeError>> {
+    ) -> BoxFut<Result<ReadStats, LinkError>> {
         let parts = route
             .as_ref()
             .and_then(|r| split_by_route(&list, r, &self.nics));
