@@ -148,3 +148,27 @@ impl From<crate::peer::LinkError> for NodeError {
         }
     }
 }
+
+/// A tier's error is the node's variant of the same name.
+impl From<crate::tier::TierError> for NodeError {
+    fn from(e: crate::tier::TierError) -> Self {
+        use crate::tier::TierError as T;
+        match e {
+            T::Cache(e) => NodeError::Cache(e),
+            T::Pool(e) => NodeError::Pool(e),
+            T::Ssd(e) => NodeError::Ssd(e),
+            T::NotDurable {
+                failed,
+                blocks,
+                source,
+            } => NodeError::NotDurable {
+                failed,
+                blocks,
+                source,
+            },
+            T::DeadlinePassed { what, late } => NodeError::DeadlinePassed { what, late },
+            T::BadRequest { reason } => NodeError::BadRequest { reason },
+            T::Stopped { what } => NodeError::Stopped { what },
+        }
+    }
+}

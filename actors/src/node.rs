@@ -383,14 +383,17 @@ impl Node {
                 rank: req.rank,
             })
             .await??;
-        self.inner
+        Ok(self
+            .inner
             .store
             .send(store::Put {
-                handle,
+                namespace: handle.namespace.clone(),
+                shape: handle.shape.clone(),
+                rank: handle.rank,
                 blocks: req.blocks,
                 fence,
             })
-            .await?
+            .await??)
     }
 
     /// Saves one rank's device KV blocks into host blocks. With `ssd.write-through`,
@@ -415,15 +418,13 @@ impl Node {
                 rank: req.rank,
             })
             .await??;
-        self.inner
-            .store
-            .send(store::Save {
-                handle,
-                hashes: req.hashes,
-                src_blocks: req.src_blocks,
-                fence,
-            })
-            .await?
+        let args = crate::load::save::SaveArgs {
+            handle,
+            hashes: req.hashes,
+            src_blocks: req.src_blocks,
+            fence,
+        };
+        crate::load::save::save(&self.inner.store, &self.inner.counters, args).await
     }
 
     /// Looks up a prompt's blocks and leases the hit.

@@ -7,6 +7,7 @@ mod memory;
 pub mod plan;
 pub mod rank;
 pub mod remote;
+pub(crate) mod save;
 pub mod share;
 pub mod ssd;
 pub mod transfer;

@@ -4,9 +4,12 @@
 //! store actor that drives it ([`store::BlockStore`]).
 
 pub mod cache;
+mod error;
 pub mod policy;
 pub mod pool;
 pub mod quota;
 pub(crate) mod slot_lru;
 pub mod ssd;
 pub mod store;
+
+pub use error::TierError;

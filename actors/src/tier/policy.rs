@@ -36,7 +36,6 @@ use std::time::Duration;
 use kvferry_gpu::KvShape;
 
 use crate::api::StoreReport;
-use crate::error::NodeError;
 use crate::model::{BlockHash, BlockKey, Namespace};
 use crate::peer::pins::PeerPins;
 use crate::tier::cache::{BlockCache, BlockClass, CacheError, Reservation, SlotRef};
@@ -44,6 +43,7 @@ use crate::tier::pool::HostPool;
 use crate::tier::quota::QuotaRules;
 use crate::tier::ssd::tier::PendingWrite;
 use crate::tier::ssd::{SsdError, SsdTier};
+use crate::tier::TierError;
 
 mod disk;
 mod pins;
@@ -230,12 +230,12 @@ impl<D: Disk> Tiers<D> {
         shape: &KvShape,
         rank: u32,
         blocks: &[(BlockHash, Vec<u8>)],
-    ) -> Result<(StoreReport, Vec<BlockKey>), NodeError> {
+    ) -> Result<(StoreReport, Vec<BlockKey>), TierError> {
         self.learn_shape(ns, shape.tp_size(), shape.block_bytes());
         let rank_bytes = shape.rank_bytes();
         for (i, (_, data)) in blocks.iter().enumerate() {
             if data.len() as u64 != rank_bytes {
-                return Err(NodeError::bad(format!(
+                return Err(TierError::bad(format!(
                     "block #{i} has {} bytes, one rank's part is {rank_bytes}",
                     data.len()
                 )));

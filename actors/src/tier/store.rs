@@ -16,7 +16,6 @@ use actix::{Actor, AsyncContext, Context, Handler, Message, ResponseActFuture};
 use tokio::sync::oneshot;
 
 use crate::clock::Clock;
-use crate::error::NodeError;
 use crate::metrics::Counters;
 use crate::model::BlockKey;
 use crate::peer::directory::Directory;
@@ -25,6 +24,7 @@ use crate::tier::policy::{by_namespace, Effect, Tiers};
 use crate::tier::pool::HostPool;
 use crate::tier::ssd::tier::{PendingWrite, WriteRx};
 use crate::tier::ssd::{SsdError, SsdStats, SsdTier};
+use crate::tier::TierError;
 
 mod events;
 mod fetch;
@@ -37,7 +37,8 @@ pub use crate::tier::policy::SsdBlock;
 pub(crate) use fetch::ReserveFetch;
 pub use pins::{PeerPinCount, PinForPeer, PinGuard, PinPrefix, PinnedPrefix, SweepPeerPins};
 pub use pins::{Unpin, UnpinForPeer};
-pub use save::{Put, Save};
+pub use save::Put;
+pub(crate) use save::{Commit, ReserveSave, SaveSlots};
 pub(crate) use ssd_read::{ReadSsd, ReserveStaging};
 
 pub struct BlockStore {
@@ -60,7 +61,7 @@ pub struct BlockStore {
 pub(crate) type Durable = oneshot::Receiver<Result<(), SsdError>>;
 
 /// Waits until every block of `acks` is on disk; the answer of a write-through put or save.
-async fn durable(acks: Vec<Durable>) -> Result<(), NodeError> {
+pub(crate) async fn durable(acks: Vec<Durable>) -> Result<(), TierError> {
     let blocks = acks.len();
     let mut failed = 0;
     let mut first = None;
@@ -77,7 +78,7 @@ async fn durable(acks: Vec<Durable>) -> Result<(), NodeError> {
     }
     match first {
         None => Ok(()),
-        Some(source) => Err(NodeError::NotDurable {
+        Some(source) => Err(TierError::NotDurable {
             failed,
             blocks,
             source,

@@ -6,12 +6,12 @@ use std::time::Duration;
 use kvferry_gpu::KvShape;
 
 use super::{Effect, Tiers};
-use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
 use crate::tier::cache::CacheError;
 use crate::tier::pool::HostPool;
 use crate::tier::quota::{NsMatch, QuotaRule, QuotaRules};
 use crate::tier::ssd::SsdTier;
+use crate::tier::TierError;
 
 const BLOCK: u64 = 4096;
 
@@ -55,7 +55,7 @@ fn bytes(i: u64, tag: u8) -> Vec<u8> {
     b
 }
 
-fn put(t: &mut Tiers<SsdTier>, n: &Namespace, ids: &[u64], tag: u8) -> Result<usize, NodeError> {
+fn put(t: &mut Tiers<SsdTier>, n: &Namespace, ids: &[u64], tag: u8) -> Result<usize, TierError> {
     let blocks: Vec<_> = ids.iter().map(|&i| (h(i), bytes(i, tag))).collect();
     t.put(n, &shape(), 0, &blocks).map(|(r, _)| r.written)
 }
@@ -169,7 +169,7 @@ fn a_quota_all_pinned_refuses_with_the_namespace_and_the_next_put_works() {
     assert_eq!(lease.blocks.len(), 2);
     let e = put(&mut t, &a, &[3], 0xAA).unwrap_err();
     match &e {
-        NodeError::Cache(CacheError::OverQuota {
+        TierError::Cache(CacheError::OverQuota {
             namespace,
             quota,
             blocks,
@@ -193,7 +193,7 @@ fn a_quota_of_zero_is_never_admitted() {
     let mut t = tiers(8, &[("off", 0)]);
     let e = put(&mut t, &off, &[1, 2], 0xAA).unwrap_err();
     assert!(
-        matches!(&e, NodeError::Cache(CacheError::NotAdmitted { namespace }) if *namespace == off),
+        matches!(&e, TierError::Cache(CacheError::NotAdmitted { namespace }) if *namespace == off),
         "{e:?}"
     );
     assert!(e.to_string().contains("never admitted"), "{e}");

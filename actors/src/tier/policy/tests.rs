@@ -676,7 +676,7 @@ fn a_put_into_a_pool_pinned_full_is_refused_and_changes_nothing() {
     t.take_effects();
     let e = t.put(&ns(), &shape(), 0, &[(h(3), bytes(3))]).unwrap_err();
     assert!(
-        matches!(e, NodeError::Cache(CacheError::Full { capacity: 2, .. })),
+        matches!(e, TierError::Cache(CacheError::Full { capacity: 2, .. })),
         "{e:?}"
     );
     assert!(t.take_effects().is_empty());

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use actix::{Addr, AsyncContext, Context, Handler, Message};
 
 use super::BlockStore;
-use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
 use crate::tier::pool::PoolMemory;
+use crate::tier::TierError;
 
 /// One block reserved for a fetched copy of one rank's part.
 pub(crate) struct FetchSlot {
@@ -20,7 +20,7 @@ pub(crate) struct FetchSlot {
 /// Reserves slots (class reclaimable) for a staged remote read. Replies with the slots and
 /// a guard that keeps them pinned; `FinishFetch` commits the written parts and unpins all.
 #[derive(Message)]
-#[rtype(result = "Result<(Vec<FetchSlot>, FetchGuard), NodeError>")]
+#[rtype(result = "Result<(Vec<FetchSlot>, FetchGuard), TierError>")]
 pub(crate) struct ReserveFetch {
     pub(crate) namespace: Namespace,
     pub(crate) tp: u32,

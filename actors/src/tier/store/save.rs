@@ -1,36 +1,37 @@
-//! Puts (bytes from the client's request) and saves (device → host copies) into the pool.
-//! With write-through, both answer once the blocks they sealed are on disk.
+//! Puts (bytes from the client's request) and the store's side of saves: the slots a
+//! save's device → host copies write, and their commit once the copies are done (the
+//! copies themselves are `load/save.rs`'s). With write-through, both answer once the blocks
+//! they sealed are on disk.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use actix::{Actor, Addr, AsyncContext, Context, Handler, Message, ResponseFuture};
-use kvferry_gpu::{CopyDirection, CopyList};
-use tokio::sync::oneshot;
+use actix::{Addr, AsyncContext, Context, Handler, Message, ResponseFuture};
+use kvferry_gpu::KvShape;
 
 use super::{durable, BlockStore, Durable};
-use crate::api::{Stage, StageName, StoreReport, TransferPath};
-use crate::error::NodeError;
+use crate::api::StoreReport;
 use crate::fence::{monotonic_ns, Fence};
-use crate::load::rank::RankHandle;
-use crate::load::transfer::{Transfer, TransferSpec};
-use crate::metrics::InFlight;
 use crate::model::{BlockHash, Namespace};
+use crate::tier::pool::PoolMemory;
+use crate::tier::TierError;
 
 /// Writes one rank's bytes of whole blocks from host memory.
 #[derive(Message)]
-#[rtype(result = "Result<StoreReport, NodeError>")]
+#[rtype(result = "Result<StoreReport, TierError>")]
 pub struct Put {
-    pub handle: Arc<RankHandle>,
+    pub namespace: Namespace,
+    pub shape: KvShape,
+    pub rank: u32,
     pub blocks: Vec<(BlockHash, Vec<u8>)>,
     /// Past it the client has given up: nothing is written (see [`crate::fence`]).
     pub fence: Option<Fence>,
 }
 
 /// Write-through: answered once the blocks it sealed are on disk, or with
-/// [`NodeError::NotDurable`] if any of them could not be written.
+/// [`TierError::NotDurable`] if any of them could not be written.
 impl Handler<Put> for BlockStore {
-    type Result = ResponseFuture<Result<StoreReport, NodeError>>;
+    type Result = ResponseFuture<Result<StoreReport, TierError>>;
 
     fn handle(&mut self, m: Put, ctx: &mut Context<Self>) -> Self::Result {
         let t0 = Instant::now();
@@ -53,21 +54,20 @@ impl BlockStore {
         &mut self,
         m: Put,
         ctx: &mut Context<Self>,
-    ) -> Result<(StoreReport, Vec<Durable>), NodeError> {
+    ) -> Result<(StoreReport, Vec<Durable>), TierError> {
         let t0 = Instant::now();
-        let h = &m.handle;
         if let Some(f) = m.fence {
             let now = monotonic_ns();
             if f.passed_at(now) {
                 let late = f.late_by(now);
                 self.counters.abandoned("put_blocks", m.blocks.len(), late);
-                return Err(NodeError::DeadlinePassed {
+                return Err(TierError::DeadlinePassed {
                     what: "PutBlocks",
                     late,
                 });
             }
         }
-        let put = self.tiers.put(&h.namespace, &h.shape, h.rank, &m.blocks);
+        let put = self.tiers.put(&m.namespace, &m.shape, m.rank, &m.blocks);
         let out = put.map(|(mut report, keys)| {
             let acks = self.await_durable(keys);
             report.seconds = t0.elapsed().as_secs_f64();
@@ -84,6 +84,17 @@ pub(crate) struct WriteGuard {
     namespace: Namespace,
     hash: BlockHash,
     armed: bool,
+}
+
+impl WriteGuard {
+    pub(crate) fn hash(&self) -> BlockHash {
+        self.hash
+    }
+
+    /// The reservation was committed: dropping the guard no longer aborts it.
+    pub(crate) fn disarm(&mut self) {
+        self.armed = false;
+    }
 }
 
 impl Drop for WriteGuard {
@@ -114,10 +125,10 @@ impl Handler<Abort> for BlockStore {
 }
 
 /// Marks rank parts written; replies with how many blocks this sealed. With a fence that
-/// has passed, marks nothing and answers [`NodeError::DeadlinePassed`]: the caller's writer
+/// has passed, marks nothing and answers [`TierError::DeadlinePassed`]: the caller's writer
 /// guards then abort the reservations (the copied bytes are never sealed nor published).
 #[derive(Message)]
-#[rtype(result = "Result<(usize, Vec<Durable>), NodeError>")]
+#[rtype(result = "Result<(usize, Vec<Durable>), TierError>")]
 pub(crate) struct Commit {
     pub(crate) namespace: Namespace,
     pub(crate) rank: u32,
@@ -127,7 +138,7 @@ pub(crate) struct Commit {
 
 /// Also replies, with write-through, where each sealed block's disk write answers.
 impl Handler<Commit> for BlockStore {
-    type Result = Result<(usize, Vec<Durable>), NodeError>;
+    type Result = Result<(usize, Vec<Durable>), TierError>;
 
     fn handle(&mut self, m: Commit, ctx: &mut Context<Self>) -> Self::Result {
         // Checked here, on the thread that seals, after the copies out of the client's
@@ -138,7 +149,7 @@ impl Handler<Commit> for BlockStore {
             if f.passed_at(now) {
                 let late = f.late_by(now);
                 self.counters.abandoned("save", m.hashes.len(), late);
-                return Err(NodeError::DeadlinePassed { what: "Save", late });
+                return Err(TierError::DeadlinePassed { what: "Save", late });
             }
         }
         let (sealed, keys) = self.tiers.commit(&m.namespace, m.rank, &m.hashes);
@@ -148,155 +159,62 @@ impl Handler<Commit> for BlockStore {
     }
 }
 
-/// Saves one rank's device KV blocks into host blocks (device → host through the layout).
+/// Reserves the slots a save's copies write: `hashes[i]` already present is counted, the
+/// others get a slot each and a [`WriteGuard`] that aborts it unless committed.
 #[derive(Message)]
-#[rtype(result = "Result<StoreReport, NodeError>")]
-pub struct Save {
-    pub handle: Arc<RankHandle>,
-    pub hashes: Vec<BlockHash>,
-    pub src_blocks: Vec<u32>,
-    /// The copies are sealed only if they completed before it (see [`crate::fence`]).
-    pub fence: Option<Fence>,
+#[rtype(result = "Result<SaveSlots, TierError>")]
+pub(crate) struct ReserveSave {
+    pub(crate) namespace: Namespace,
+    pub(crate) shape: KvShape,
+    pub(crate) rank: u32,
+    pub(crate) hashes: Vec<BlockHash>,
 }
 
-impl Handler<Save> for BlockStore {
-    type Result = ResponseFuture<Result<StoreReport, NodeError>>;
-
-    fn handle(&mut self, m: Save, ctx: &mut Context<Self>) -> Self::Result {
-        let t0 = Instant::now();
-        if let Some(f) = m.fence {
-            let now = monotonic_ns();
-            if f.passed_at(now) {
-                // Given up on before it started: nothing is read.
-                let late = f.late_by(now);
-                self.counters.abandoned("save", m.hashes.len(), late);
-                return Box::pin(
-                    async move { Err(NodeError::DeadlinePassed { what: "Save", late }) },
-                );
-            }
-        }
-        let fence = m.fence;
-        let prepared = self.prepare_save(&m, ctx);
-        self.run_effects(ctx);
-        let (guards, present, list) = match prepared {
-            Ok(p) => p,
-            Err(e) => return Box::pin(async move { Err(e) }),
-        };
-        let mut report = StoreReport {
-            present,
-            not_stored: m.hashes.len().saturating_sub(present + guards.len()),
-            ..Default::default()
-        };
-        if guards.is_empty() {
-            report.seconds = t0.elapsed().as_secs_f64();
-            return Box::pin(async move { Ok(report) });
-        }
-        let plan = t0.elapsed().as_secs_f64();
-        let (tx, rx) = oneshot::channel();
-        let spec = TransferSpec {
-            path: TransferPath::Save,
-            dir: CopyDirection::DeviceToHost,
-            device: Arc::clone(&m.handle.device),
-            list,
-            blocks: guards.len(),
-            memory: Arc::clone(self.tiers.pool().memory()),
-            rank: Arc::clone(&m.handle),
-            on_success: None,
-            stages: vec![Stage {
-                name: StageName::Plan,
-                seconds: plan,
-            }],
-            started: t0,
-            in_flight: InFlight::new(Arc::clone(&self.counters)),
-            then: None,
-        };
-        match &self.saves {
-            Some(a) => {
-                Transfer::start_in_arbiter(a, move |_| Transfer::new(spec, tx));
-            }
-            None => {
-                Transfer::new(spec, tx).start();
-            }
-        }
-        let store = ctx.address();
-        let (namespace, rank) = (m.handle.namespace.clone(), m.handle.rank);
-        Box::pin(async move {
-            // The guards stay here until the copies are done: the blocks cannot be evicted
-            // or reused while the device writes them.
-            let mut guards = guards;
-            let done = rx.await.map_err(|_| NodeError::Stopped {
-                what: "save transfer",
-            })??;
-            let hashes: Vec<BlockHash> = guards.iter().map(|g| g.hash).collect();
-            // A passed fence: the guards drop armed and abort the reservations.
-            let (sealed, acks) = store
-                .send(Commit {
-                    namespace,
-                    rank,
-                    hashes,
-                    fence,
-                })
-                .await??;
-            report.sealed = sealed;
-            for g in &mut guards {
-                g.armed = false;
-            }
-            // Write-through: answered once the sealed blocks are on disk.
-            durable(acks).await?;
-            report.written = guards.len();
-            report.bytes = done.bytes;
-            report.seconds = t0.elapsed().as_secs_f64();
-            Ok(report)
-        })
-    }
+/// What a save writes into: `(index into the request's hashes, slot address)` with one guard
+/// each, in the same order.
+pub(crate) struct SaveSlots {
+    pub(crate) slots: Vec<(usize, u64)>,
+    pub(crate) guards: Vec<WriteGuard>,
+    /// Blocks of the request already held.
+    pub(crate) present: usize,
+    /// The pool the slots are in, kept by the copies.
+    pub(crate) memory: Arc<PoolMemory>,
+    /// Where the save's transfer runs: the store's save arbiter, else the store's own.
+    pub(crate) arbiter: actix::ArbiterHandle,
 }
 
-impl BlockStore {
-    /// Validates a save, reserves its blocks and builds its copy list; on any error every
-    /// reservation made so far is aborted.
-    fn prepare_save(
-        &mut self,
-        m: &Save,
-        ctx: &mut Context<Self>,
-    ) -> Result<(Vec<WriteGuard>, usize, CopyList), NodeError> {
-        let h = &m.handle;
-        let shape = &h.shape;
+impl Handler<ReserveSave> for BlockStore {
+    type Result = Result<SaveSlots, TierError>;
+
+    fn handle(&mut self, m: ReserveSave, ctx: &mut Context<Self>) -> Self::Result {
+        let shape = &m.shape;
         self.tiers
-            .learn_shape(&h.namespace, shape.tp_size(), shape.block_bytes());
-        if m.hashes.len() != m.src_blocks.len() {
-            return Err(NodeError::bad(format!(
-                "{} hashes but {} source blocks",
-                m.hashes.len(),
-                m.src_blocks.len()
-            )));
-        }
-        h.layout.check_blocks(&m.src_blocks)?;
-        let (slots, present) = self.tiers.reserve_save(
-            &h.namespace,
+            .learn_shape(&m.namespace, shape.tp_size(), shape.block_bytes());
+        let reserved = self.tiers.reserve_save(
+            &m.namespace,
             shape.tp_size(),
-            h.rank,
+            m.rank,
             shape.block_bytes(),
             &m.hashes,
-        )?;
+        );
+        self.run_effects(ctx);
+        let (slots, present) = reserved?;
         let me = ctx.address();
-        let mut guards = Vec::with_capacity(slots.len());
-        let mut list =
-            CopyList::with_capacity(m.hashes.len() * (shape.layers() * shape.segments()) as usize);
-        let scatter = kvferry_gpu::Scatter::new(shape, &h.layout, h.rank);
-        for (i, slot) in slots {
-            guards.push(WriteGuard {
+        let guards = slots
+            .iter()
+            .map(|(i, _)| WriteGuard {
                 store: me.clone(),
-                namespace: h.namespace.clone(),
-                hash: m.hashes[i],
+                namespace: m.namespace.clone(),
+                hash: m.hashes[*i],
                 armed: true,
-            });
-            scatter.push_block(
-                &mut list,
-                CopyDirection::DeviceToHost,
-                slot.addr,
-                m.src_blocks[i],
-            );
-        }
-        Ok((guards, present, list))
+            })
+            .collect();
+        Ok(SaveSlots {
+            slots: slots.into_iter().map(|(i, s)| (i, s.addr)).collect(),
+            guards,
+            present,
+            memory: Arc::clone(self.tiers.pool().memory()),
+            arbiter: self.saves.clone().unwrap_or_else(actix::Arbiter::current),
+        })
     }
 }

@@ -7,10 +7,10 @@ use actix::fut::{wrap_future, ActorFutureExt};
 use actix::{Addr, AsyncContext, Context, Handler, Message, ResponseActFuture};
 
 use super::BlockStore;
-use crate::error::NodeError;
 use crate::model::{BlockHash, Namespace};
 use crate::tier::policy::ReadFail;
 use crate::tier::pool::PoolMemory;
+use crate::tier::TierError;
 
 /// Pool slots a load reads SSD blocks into. They go back to the pool when the last holder
 /// drops this: the load, every disk read into them (the I/O thread holds it until the read
@@ -41,7 +41,7 @@ impl Drop for StagingGuard {
 /// Lends up to `want` pool slots (at least one, evicting unpinned blocks as needed) for a
 /// load's SSD reads: their addresses and the guard that gives them back.
 #[derive(Message)]
-#[rtype(result = "Result<(Vec<u64>, Arc<StagingGuard>), NodeError>")]
+#[rtype(result = "Result<(Vec<u64>, Arc<StagingGuard>), TierError>")]
 pub(crate) struct ReserveStaging {
     pub(crate) want: usize,
 }
