@@ -4,10 +4,32 @@ use kvferry_gpu::{DeviceError, LayoutError, ShapeError, SpanError};
 use thiserror::Error;
 
 use crate::config::ConfigError;
-use crate::lease::table::LeaseError;
-use crate::model::{InstanceId, ModelError};
+use crate::model::{InstanceId, LeaseId, ModelError};
 use crate::tier::cache::CacheError;
 use crate::tier::pool::PoolError;
+
+/// A lease the table refused to consume (kept here, below `lease/`, so that
+/// [`NodeError`] can wrap it without importing upward).
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LeaseError {
+    #[error("lease {lease} is unknown or expired")]
+    UnknownOrExpired { lease: LeaseId },
+    #[error("lease {lease} belongs to instance {owner}, not {caller}")]
+    WrongInstance {
+        lease: LeaseId,
+        owner: InstanceId,
+        caller: InstanceId,
+    },
+    #[error("rank {rank} already consumed lease {lease}")]
+    RankConsumed { lease: LeaseId, rank: u32 },
+    #[error("rank {rank} is out of range for lease {lease} (tp {world})")]
+    RankOutOfRange {
+        lease: LeaseId,
+        rank: u32,
+        world: u32,
+    },
+}
 
 #[derive(Debug, Error)]
 #[non_exhaustive]

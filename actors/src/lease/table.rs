@@ -3,33 +3,11 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use thiserror::Error;
-
+pub use crate::error::LeaseError;
 use crate::model::{InstanceId, LeaseId};
 
 /// Default lease lifetime.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(600);
-
-#[derive(Debug, Error, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum LeaseError {
-    #[error("lease {lease} is unknown or expired")]
-    UnknownOrExpired { lease: LeaseId },
-    #[error("lease {lease} belongs to instance {owner}, not {caller}")]
-    WrongInstance {
-        lease: LeaseId,
-        owner: InstanceId,
-        caller: InstanceId,
-    },
-    #[error("rank {rank} already consumed lease {lease}")]
-    RankConsumed { lease: LeaseId, rank: u32 },
-    #[error("rank {rank} is out of range for lease {lease} (tp {world})")]
-    RankOutOfRange {
-        lease: LeaseId,
-        rank: u32,
-        world: u32,
-    },
-}
 
 #[derive(Debug)]
 struct Entry<P> {

@@ -6,12 +6,12 @@ use std::sync::Arc;
 use ::metrics::{counter, histogram};
 
 use crate::api::TransferReport;
+use crate::metrics::namespaces::TenantUsage;
 use crate::metrics::namespaces::{NamespaceLabels, NamespaceUsage};
 use crate::metrics::registry::Registry;
 use crate::metrics::STAGE_SECONDS;
 use crate::metrics::{ABANDONED, BYTES, LOADS, NAMESPACE_QUERY_BLOCKS, QUERIES, QUERY_BLOCKS};
 use crate::model::Namespace;
-use crate::tier::quota::TenantUsage;
 
 /// How often one kind of failed transfer is logged per path.
 pub const FAILURE_LOG_PERIOD: std::time::Duration = std::time::Duration::from_secs(10);
@@ -63,7 +63,10 @@ impl Counters {
     /// Logs a failed transfer with its kind (the error's variant): at most one line per
     /// path and kind every [`FAILURE_LOG_PERIOD`], saying how many it stands for, since a
     /// fault (a peer gone, a full pool) fails every load until it clears.
-    pub fn log_failure(&self, path: &'static str, e: &crate::error::NodeError) {
+    pub fn log_failure<E>(&self, path: &'static str, e: &E)
+    where
+        E: std::fmt::Debug + std::fmt::Display,
+    {
         let debug = format!("{e:?}");
         let kind = debug
             .split(|c: char| !c.is_alphanumeric() && c != '_')

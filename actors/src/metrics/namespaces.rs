@@ -19,7 +19,19 @@ use crate::metrics::names::{
 };
 use crate::metrics::Sampled;
 use crate::model::Namespace;
-use crate::tier::quota::TenantUsage;
+
+/// One namespace's use of a tier, as metrics and operators see it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TenantUsage {
+    pub namespace: Namespace,
+    pub blocks: usize,
+    /// Bytes its blocks hold (`blocks × slot bytes`).
+    pub bytes: u64,
+    /// Its quota in bytes (slots × slot bytes); None: unlimited.
+    pub quota_bytes: Option<u64>,
+    /// Blocks refused for its quota since the start.
+    pub refused: u64,
+}
 
 /// The label of every namespace past the cap.
 pub const OTHER: &str = "other";

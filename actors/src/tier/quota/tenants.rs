@@ -1,120 +1,9 @@
-//! Tenants of the RAM cache and of the SSD tier: which namespace may hold how much of the
-//! pool or of the disks, and what a namespace at its quota does when it stores more. Plain
-//! state, no I/O: the [`crate::tier::cache::BlockCache`] (RAM) and the
-//! [`crate::tier::ssd::index::SsdIndex`] (SSD) each keep a [`Tenants`] of their tier, ask it
-//! before they give a new block a slot, and tell it what they stored and dropped.
-//!
-//! The rules (the README's "Tenants and quotas" says the same to users):
-//! - Per tier (`ram`, `ssd`), a namespace's quota is the first rule naming it exactly that
-//!   sets that tier, else the longest prefix rule that matches it and sets that tier, else
-//!   the tier's default; none of them: unlimited. A quota is counted in slots (RAM: `ram /
-//!   slot-bytes`; SSD: `ssd /` a disk slot, the block and its header; rounded down), since a
-//!   block takes a whole slot whatever its size; every block of the namespace in the tier
-//!   counts (in RAM: saved, put or fetched from a peer; on SSD: written behind or through).
-//! - **On SSD the same rules hold at admission** (a write-behind of a block RAM evicts, or a
-//!   write-through): a namespace at its SSD quota replaces its own oldest idle disk block,
-//!   never another namespace's; when all of its disk blocks are busy (read, held by leases,
-//!   being written) the write is skipped, and a block RAM evicted then leaves the node.
-//! - **Hard at admission.** A namespace below its quota is admitted as any block is (a full
-//!   pool evicts its oldest unpinned block, whoever's it is). A namespace at its quota
-//!   replaces its own oldest unpinned block (fetched copies first, then saved ones): it
-//!   never takes a slot from another namespace, so a tenant cannot push the others out.
-//!   When all its blocks are pinned (by leases and writers), the block is refused, with an
-//!   error naming the namespace and its quota; the blocks before it in the request stay.
-//! - So no namespace is ever over its quota: the eviction that "prefers the namespace over
-//!   its quota" is the admission rule itself, and the pool-wide eviction stays plain LRU.
-//! - **A quota of 0** means "never admitted": the namespace's blocks are refused at once
-//!   (for a model that must never be cached here, or a tenant switched off).
-//! - Quotas larger than the pool are refused by the config's `validate()`; quotas that add
-//!   up to more than the pool are allowed (each is a cap, not a reservation).
+//! One tier's tenants: their use, their quotas, and what admitting a block does.
 
 use std::collections::HashMap;
 
+use super::{QuotaRules, TenantUsage, Tier};
 use crate::model::Namespace;
-
-/// Which namespaces a quota rule applies to.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum NsMatch {
-    /// This namespace (`model/dtype/fingerprint`) only.
-    Exact(String),
-    /// Every namespace whose name starts with this (e.g. `"llama8b/"`: every dtype and
-    /// layout of one model).
-    Prefix(String),
-}
-
-/// One quota: RAM and SSD bytes for the namespaces it matches (None: this rule says nothing
-/// about that tier).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct QuotaRule {
-    pub matches: NsMatch,
-    pub ram: Option<u64>,
-    pub ssd: Option<u64>,
-}
-
-/// The tier a [`Tenants`] counts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Tier {
-    Ram,
-    Ssd,
-}
-
-impl QuotaRule {
-    fn bytes(&self, tier: Tier) -> Option<u64> {
-        match tier {
-            Tier::Ram => self.ram,
-            Tier::Ssd => self.ssd,
-        }
-    }
-}
-
-/// The quotas of a node, as the config gives them.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct QuotaRules {
-    pub rules: Vec<QuotaRule>,
-    /// The RAM quota of a namespace no rule gives one; None: unlimited.
-    pub default_ram: Option<u64>,
-    /// The SSD quota of a namespace no rule gives one; None: unlimited.
-    pub default_ssd: Option<u64>,
-}
-
-impl QuotaRules {
-    /// RAM bytes `ns` may hold (see the module doc for the order); None: unlimited.
-    pub fn ram_for(&self, ns: &str) -> Option<u64> {
-        self.quota_for(ns, Tier::Ram)
-    }
-
-    /// SSD bytes `ns` may hold; None: unlimited.
-    pub fn ssd_for(&self, ns: &str) -> Option<u64> {
-        self.quota_for(ns, Tier::Ssd)
-    }
-
-    /// `tier`'s bytes `ns` may hold: the exact rule, else the longest prefix, else the
-    /// default, each only where it sets `tier`.
-    pub fn quota_for(&self, ns: &str, tier: Tier) -> Option<u64> {
-        let exact = self.rules.iter().find_map(|r| match &r.matches {
-            NsMatch::Exact(n) if n == ns => r.bytes(tier),
-            _ => None,
-        });
-        let default = match tier {
-            Tier::Ram => self.default_ram,
-            Tier::Ssd => self.default_ssd,
-        };
-        exact
-            .or_else(|| {
-                self.rules
-                    .iter()
-                    .filter_map(|r| match &r.matches {
-                        NsMatch::Prefix(p) if ns.starts_with(p.as_str()) => {
-                            r.bytes(tier).map(|b| (p.len(), b))
-                        }
-                        _ => None,
-                    })
-                    .max_by_key(|(len, _)| *len)
-                    .map(|(_, b)| b)
-            })
-            .or(default)
-    }
-}
 
 /// A namespace's index in [`Tenants`].
 pub type TenantId = u32;
@@ -140,19 +29,6 @@ pub enum Admission {
     ReplaceOwn { quota_slots: usize },
     /// Quota 0: never admitted.
     Never,
-}
-
-/// One namespace's use of a tier, as metrics and operators see it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TenantUsage {
-    pub namespace: Namespace,
-    pub blocks: usize,
-    /// Bytes its blocks hold (`blocks × slot bytes`).
-    pub bytes: u64,
-    /// Its quota in bytes (slots × slot bytes); None: unlimited.
-    pub quota_bytes: Option<u64>,
-    /// Blocks refused for its quota since the start.
-    pub refused: u64,
 }
 
 /// Every namespace a tier has held, with its quota and use. Namespaces stay once seen:
@@ -294,6 +170,7 @@ impl Tenants {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tier::quota::{NsMatch, QuotaRule};
 
     fn ns(model: &str) -> Namespace {
         Namespace::new(model, "bf16", "t").unwrap()
