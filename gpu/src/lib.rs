@@ -32,4 +32,4 @@ pub use layout::{GroupKind, KvLayout, KvLayoutSpec, LayerLayout, LayoutError};
 pub use owned_event::OwnedCopyEvent;
 pub use scatter::Scatter;
 pub use shape::{KvShape, ShapeError};
-pub use span::{DeviceSpan, HostMemory, HostSpan, SpanError};
+pub use span::{copy_host, DeviceSpan, HostMemory, HostSpan, SpanError};

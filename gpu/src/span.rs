@@ -58,6 +58,8 @@ pub enum SpanError {
     },
     #[error("a host span of {host} bytes paired with a device span of {device} bytes")]
     LengthMismatch { host: u64, device: u64 },
+    #[error("a host copy of {src} bytes into a span of {dst} bytes")]
+    HostLengthMismatch { src: u64, dst: u64 },
     #[error("{given} device planes given for a scatter of {want} segments")]
     PlaneCount { want: usize, given: usize },
 }
@@ -129,6 +131,31 @@ impl HostSpan {
     pub fn guard(&self) -> &Arc<dyn HostMemory> {
         &self.guard
     }
+}
+
+/// Copies `src`'s bytes into `dst`, host to host (an owner's shared pool into this node's
+/// pool): both ranges are checked spans whose guards keep them mapped while this runs.
+/// Refused, with nothing copied, where the lengths differ.
+pub fn copy_host(src: &HostSpan, dst: &HostSpan) -> Result<(), SpanError> {
+    if src.len != dst.len {
+        return Err(SpanError::HostLengthMismatch {
+            src: src.len,
+            dst: dst.len,
+        });
+    }
+    // SAFETY: both ranges lie inside what their guards keep mapped (checked when the spans
+    // were built) and the guards live through the call; `HostMemory` memory is only reached
+    // through raw pointers, so no Rust reference aliases either range. `copy` (a memmove)
+    // stays sound even where the two overlap. A destination mapped read-only is the guard's
+    // contract broken (it promises readable and writable memory).
+    unsafe {
+        std::ptr::copy(
+            src.addr as usize as *const u8,
+            dst.addr as usize as *mut u8,
+            src.len as usize,
+        )
+    };
+    Ok(())
 }
 
 impl fmt::Debug for HostSpan {

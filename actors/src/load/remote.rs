@@ -167,8 +167,7 @@ impl Suffix {
                         len: shape.rank_bytes(),
                     })
                     .collect();
-                let keep: Keep = Box::new(Arc::clone(&memory));
-                reads.push(tokio::spawn(seg.link.read_host(ops, keep)));
+                reads.push(tokio::spawn(seg.link.read_host(ops, host.clone())));
             }
             // The first failure is returned, but only once every read of the segment has been
             // reported and every copy out of its slots has landed: the slots go back to the

@@ -20,9 +20,21 @@ use crate::peer::RemoteError;
 /// many signatures that use it.
 pub type BoxFut<T> = BoxFuture<'static, T>;
 
-/// What a provider's read keeps alive until it has fully landed (pins, slot guards, memory
-/// registrations). Device copies keep theirs in their batch's guard (`ViewGuard` here).
+/// What a read into device memory keeps alive until it has fully landed (the rank handle of
+/// its destinations, their registrations). Reads into host memory land in a [`HostSpan`],
+/// whose guard is what they keep.
 pub type Keep = Box<dyn Any + Send>;
+
+/// Every op's destination `[dst, dst + len)` lies inside `into`: refused before anything is
+/// read where one does not (a local bounds check: no peer is at fault).
+pub(crate) fn check_into(into: &HostSpan, ops: &[CopyOp]) -> Result<(), LinkError> {
+    for op in ops {
+        let off = op.dst.checked_sub(into.addr()).unwrap_or(u64::MAX);
+        into.sub(off, op.len)
+            .map_err(|e| LinkError::span("remote read", e))?;
+    }
+    Ok(())
+}
 
 /// One pinned block on an owner: where its bytes are in the owner's address space.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,8 +83,10 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
         -> BoxFut<Result<PinnedRemote, LinkError>>;
     /// Releases a pin (control: fire and forget).
     fn unpin(&self, pin_id: u64);
-    /// Reads `(owner address → local host address, len)` ranges; `keep` lives until done.
-    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, LinkError>>;
+    /// Reads `(owner address → local host address, len)` ranges into `into`, which every
+    /// destination must lie inside ([`check_into`]); `into` (its guard: the pool memory and
+    /// what pins its slots) lives until every read has landed.
+    fn read_host(&self, ops: Vec<CopyOp>, into: HostSpan) -> BoxFut<Result<ReadStats, LinkError>>;
     /// Reads owner ranges straight into device memory (`src` = owner address); `regions`
     /// are the destination planes `(base, len)` (registered for local write where the
     /// provider needs it; a verbs NIC's registrations are made once and kept in `held`, the
@@ -280,48 +294,53 @@ impl PeerLink for MappedLink {
         self.control.unpin(pin_id);
     }
 
-    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, LinkError>> {
-        let translated: Result<Vec<CopyOp>, LinkError> = ops
-            .iter()
-            .map(|op| {
-                Ok(CopyOp {
-                    src: self
-                        .view
-                        .translate(op.src, op.len)
-                        .map_err(|e| LinkError::remote(self.node_id.clone(), e))?,
-                    ..*op
-                })
+    fn read_host(&self, ops: Vec<CopyOp>, into: HostSpan) -> BoxFut<Result<ReadStats, LinkError>> {
+        // The owner's ranges as spans of its mapping: a range outside it is the owner's
+        // answer at fault; a destination outside `into` is a local bounds check.
+        let view = ViewGuard {
+            view: Arc::clone(&self.view),
+            _keep: Mutex::new(Box::new(())),
+        };
+        let len = view.view.len;
+        let spans = HostSpan::new(Arc::new(view), 0, len)
+            .map_err(|e| LinkError::span("remote read", e))
+            .and_then(|whole| {
+                check_into(&into, &ops)?;
+                ops.iter()
+                    .map(|op| {
+                        let src = self
+                            .view
+                            .translate(op.src, op.len)
+                            .map_err(|e| LinkError::remote(self.node_id.clone(), e))?;
+                        let span = |e| LinkError::span("remote read", e);
+                        let src = whole
+                            .sub(src - self.view.local_base, op.len)
+                            .map_err(span)?;
+                        let dst = into.sub(op.dst - into.addr(), op.len).map_err(span)?;
+                        Ok((src, dst))
+                    })
+                    .collect::<Result<Vec<_>, LinkError>>()
             })
-            .collect();
-        let view = Arc::clone(&self.view);
-        let translated = translated.map_err(|e| self.remote_err(e));
+            .map_err(|e| self.remote_err(e));
         Box::pin(async move {
-            let ops = translated?;
+            let spans = spans?;
             let t = std::time::Instant::now();
             let done = tokio::task::spawn_blocking(move || {
                 let mut bytes = 0;
-                for op in &ops {
-                    // SAFETY: the source lies inside the owner's mapping (translated and
-                    // bounds-checked above; `view` keeps it mapped); the destination is local
-                    // host memory whose owner (`keep`: pool memory and writer pins) outlives
-                    // this closure. The two never overlap: one is the peer's pool mapping,
-                    // the other this node's pool.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            op.src as usize as *const u8,
-                            op.dst as usize as *mut u8,
-                            op.len as usize,
-                        )
-                    };
-                    bytes += op.len;
+                for (src, dst) in &spans {
+                    kvferry_gpu::copy_host(src, dst)
+                        .map_err(|e| LinkError::span("remote read", e))?;
+                    bytes += src.len();
                 }
-                drop(keep);
-                drop(view);
-                bytes
+                // The spans (the owner's mapping, this node's pool and its pins) are let go
+                // only here, after the last copy.
+                drop(spans);
+                drop(into);
+                Ok::<_, LinkError>(bytes)
             });
             let bytes = done.await.map_err(|_| LinkError::Stopped {
                 what: "remote read thread",
-            })?;
+            })??;
             Ok(ReadStats {
                 bytes,
                 wire: t.elapsed().as_secs_f64(),
@@ -390,10 +409,45 @@ struct ViewGuard {
 
 // SAFETY: `[local_base, local_base + len)` is the owner's pool as mapped in this process,
 // kept mapped by `view.holder` while the guard lives, and a pool is only reached through raw
-// pointers. A shm view is mapped read-only: only host-to-device batches are built over it
-// (here), which never write their host side.
+// pointers. A shm view is mapped read-only: it is only ever a source (the host side of
+// host-to-device batches, the `src` of `copy_host`), never written.
 unsafe impl HostMemory for ViewGuard {
     fn span(&self) -> (u64, u64) {
         (self.view.local_base, self.view.len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sixteen bytes at 0x1000 that nothing ever reads or writes: only the bounds matter.
+    struct Bounds;
+
+    // SAFETY: the range is never dereferenced; the test only checks spans against it.
+    unsafe impl HostMemory for Bounds {
+        fn span(&self) -> (u64, u64) {
+            (0x1000, 16)
+        }
+    }
+
+    #[test]
+    fn a_read_landing_outside_its_destination_span_is_refused_before_it_runs() {
+        let into = HostSpan::new(Arc::new(Bounds), 0, 16).unwrap();
+        let op = |dst, len| CopyOp { src: 0, dst, len };
+        assert!(check_into(&into, &[op(0x1000, 16), op(0x1008, 8)]).is_ok());
+        for bad in [op(0x1008, 9), op(0xff8, 8), op(u64::MAX, 1)] {
+            let e = check_into(&into, &[bad]).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    LinkError::Span {
+                        what: "remote read",
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
+        }
     }
 }

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use actix::Addr;
-use kvferry_gpu::{CopyList, CopyOp, Device};
+use kvferry_gpu::{CopyList, CopyOp, Device, HostSpan};
 use kvferry_transport::fault::{Fault, FaultyConnector};
 use kvferry_transport::tcp::TcpConnector;
 use kvferry_transport::verbs::RdmaNic;
@@ -28,7 +28,7 @@ use crate::peer::batches::{even_batches, even_reads};
 use crate::peer::bounce::{BounceSink, RingPool};
 use crate::peer::error::LinkError;
 use crate::peer::error::RemoteError;
-use crate::peer::link::{BoxFut, Control, Keep, PeerLink, PinnedRemote, ReadStats};
+use crate::peer::link::{check_into, BoxFut, Control, Keep, PeerLink, PinnedRemote, ReadStats};
 use crate::peer::plane_regs::{PlaneRegistration, PlaneRegs};
 
 /// `cluster.data-lanes` by default: how many connections a link opens to each owner (what a
@@ -335,7 +335,10 @@ impl PeerLink for RcLink {
         self.control.unpin(pin_id);
     }
 
-    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, LinkError>> {
+    fn read_host(&self, ops: Vec<CopyOp>, into: HostSpan) -> BoxFut<Result<ReadStats, LinkError>> {
+        if let Err(e) = check_into(&into, &ops) {
+            return Box::pin(async move { Err(e) });
+        }
         let reads = ops
             .iter()
             .map(|op| ReadRequest {
@@ -352,7 +355,7 @@ impl PeerLink for RcLink {
                 }],
             })
             .collect();
-        self.post(vec![reads], vec![keep], 0.0, None)
+        self.post(vec![reads], vec![Box::new(into)], 0.0, None)
     }
 
     fn read_device(

@@ -14,7 +14,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use kvferry_gpu::{CopyList, CopyOp, Device};
+use kvferry_gpu::{CopyList, CopyOp, Device, HostSpan};
 use kvferry_transport::verbs::registration::KeyMap;
 use kvferry_transport::verbs::{EndpointExchange, QpEndpoint};
 use kvferry_transport::{ConnectionError, MrKey, NodeId, QpKey};
@@ -301,8 +301,8 @@ impl PeerLink for VerbsLink {
         self.links[0].unpin(pin_id);
     }
 
-    fn read_host(&self, ops: Vec<CopyOp>, keep: Keep) -> BoxFut<Result<ReadStats, LinkError>> {
-        self.links[0].read_host(ops, keep)
+    fn read_host(&self, ops: Vec<CopyOp>, into: HostSpan) -> BoxFut<Result<ReadStats, LinkError>> {
+        self.links[0].read_host(ops, into)
     }
 
     fn read_device(

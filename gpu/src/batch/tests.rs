@@ -378,3 +378,27 @@ fn pushes_within_a_span_and_lists_built_elsewhere_are_checked_against_it() {
     drop(host);
     assert_eq!(Arc::strong_count(&src), 1, "every guard released");
 }
+
+#[test]
+fn host_copies_land_between_canaries_and_refuse_unequal_lengths() {
+    let log = Log::default();
+    let src = Recorded::new(|i| i as u8, 256, &log);
+    let dst = Recorded::new(|_| 0xEE, 256, &log);
+    let from = HostSpan::new(guard(&src), 16, 64).unwrap();
+    let into = HostSpan::new(guard(&dst), 100, 64).unwrap();
+    crate::copy_host(&from, &into).unwrap();
+    let after = dst.bytes();
+    let want: Vec<u8> = (16..80).map(|i| i as u8).collect();
+    assert_eq!(&after[100..164], &want[..]);
+    // Canaries on both sides of the destination are untouched.
+    assert!(after[..100].iter().all(|&b| b == 0xEE));
+    assert!(after[164..].iter().all(|&b| b == 0xEE));
+
+    let short = HostSpan::new(guard(&dst), 0, 63).unwrap();
+    let e = crate::copy_host(&from, &short).unwrap_err();
+    assert_eq!(e, SpanError::HostLengthMismatch { src: 64, dst: 63 });
+    assert!(
+        dst.bytes()[..63].iter().all(|&b| b == 0xEE),
+        "nothing copied"
+    );
+}
