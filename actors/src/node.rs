@@ -388,7 +388,7 @@ impl Node {
             .store
             .send(store::Put {
                 namespace: handle.namespace.clone(),
-                shape: handle.shape.clone(),
+                shape: handle.shape,
                 rank: handle.rank,
                 blocks: req.blocks,
                 fence,

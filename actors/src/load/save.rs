@@ -62,7 +62,7 @@ pub(crate) async fn save(
     } = store
         .send(ReserveSave {
             namespace: h.namespace.clone(),
-            shape: h.shape.clone(),
+            shape: h.shape,
             rank: h.rank,
             hashes: m.hashes.clone(),
         })
