@@ -53,13 +53,7 @@ pub(crate) async fn save(
         )));
     }
     h.layout.check_blocks(&m.src_blocks)?;
-    let SaveSlots {
-        slots,
-        mut guards,
-        present,
-        memory,
-        arbiter,
-    } = store
+    let reserved: SaveSlots = store
         .send(ReserveSave {
             namespace: h.namespace.clone(),
             shape: h.shape,
@@ -67,15 +61,61 @@ pub(crate) async fn save(
             hashes: m.hashes.clone(),
         })
         .await??;
+    let (present, reserving) = (reserved.present, reserved.guards.len());
     let mut report = StoreReport {
         present,
-        not_stored: m.hashes.len().saturating_sub(present + guards.len()),
+        not_stored: m.hashes.len().saturating_sub(present + reserving),
         ..Default::default()
     };
-    if guards.is_empty() {
+    if reserving == 0 {
         report.seconds = t0.elapsed().as_secs_f64();
         return Ok(report);
     }
+    let plan = t0.elapsed().as_secs_f64();
+    // From here the save runs to its end on the arbiter whatever the caller does: a caller
+    // that gives up (its call's deadline drops this future) must neither free the slots
+    // while the copies still write them nor skip the commit that sees its fence passed and
+    // counts the save abandoned.
+    let (done_tx, done_rx) = oneshot::channel();
+    let arbiter = reserved.arbiter.clone();
+    let rest = finish(
+        store.clone(),
+        Arc::clone(counters),
+        m,
+        reserved,
+        report,
+        plan,
+        t0,
+    );
+    if !arbiter.spawn(async move {
+        let _ = done_tx.send(rest.await);
+    }) {
+        return Err(NodeError::Stopped { what: "save" });
+    }
+    done_rx
+        .await
+        .map_err(|_| NodeError::Stopped { what: "save" })?
+}
+
+/// The copies, then the commit (which checks the fence) and, with write-through, the wait
+/// for the disk.
+async fn finish(
+    store: Addr<BlockStore>,
+    counters: Arc<Counters>,
+    m: SaveArgs,
+    r: SaveSlots,
+    mut report: StoreReport,
+    plan: f64,
+    t0: Instant,
+) -> Result<StoreReport, NodeError> {
+    let SaveSlots {
+        slots,
+        mut guards,
+        memory,
+        arbiter,
+        ..
+    } = r;
+    let h = &m.handle;
     let shape = &h.shape;
     let mut list =
         CopyList::with_capacity(slots.len() * (shape.layers() * shape.segments()) as usize);
@@ -88,7 +128,6 @@ pub(crate) async fn save(
             m.src_blocks[i],
         );
     }
-    let plan = t0.elapsed().as_secs_f64();
     let (tx, rx) = oneshot::channel();
     let spec = TransferSpec {
         path: TransferPath::Save,
@@ -104,7 +143,7 @@ pub(crate) async fn save(
             seconds: plan,
         }],
         started: t0,
-        in_flight: InFlight::new(Arc::clone(counters)),
+        in_flight: InFlight::new(Arc::clone(&counters)),
         then: None,
     };
     Transfer::start_in_arbiter(&arbiter, move |_| Transfer::new(spec, tx));
