@@ -228,7 +228,7 @@ struct Engine {
 }
 
 impl Engine {
-    /// Stops accepting, ends sessions and completion streams, and waits (bounded) for the
+    /// Stops accepting, ends sessions, answers waiting polls, and waits (bounded) for the
     /// calls in flight; the fd socket is removed.
     async fn stop(self) -> anyhow::Result<()> {
         tracing::info!(drain = ?DRAIN, "engine service: no new calls; open calls and streams drain");

@@ -166,8 +166,8 @@ fn dests(n: usize) -> Vec<u32> {
     (0..n as u32).map(|i| KV_BLOCKS - 1 - i).collect()
 }
 
-/// Queries `ids`, expects `hit` blocks, loads them and returns the completion (from the
-/// completion stream), with the lease's destinations.
+/// Queries `ids`, expects `hit` blocks, loads them and returns the completion (from a
+/// waiting poll), with the lease's destinations.
 async fn query_and_load(
     e: &Attached,
     ids: &[u64],
@@ -330,11 +330,11 @@ fn three_node_processes(provider: &str) {
         assert_eq!((q.local_blocks, q.remote_blocks), (4, 64), "{q:?}");
         assert!(q.direct.is_granted(), "{q:?}");
         let dest = dests(68);
-        let mut stream = b.client.completions(&b.instance, 0).await.unwrap();
         let load = b.start_load(q.lease.unwrap(), &dest).await.unwrap();
         nodes[1].kill9();
-        let done = stream
-            .wait_for(load, Duration::from_secs(30))
+        let done = b
+            .client
+            .wait_load(load, Duration::from_secs(30))
             .await
             .expect("the load neither completed nor failed within 30 s");
         match done.status() {

@@ -243,10 +243,7 @@ async fn put_and_load(
         Some(s) => c.load(&req, LoadOptions::board(Some(s))).await.unwrap(),
         None => c.load(&req, LoadOptions::default()).await.unwrap(),
     };
-    let done = c
-        .wait_polling(load, Duration::from_millis(2), Duration::from_secs(10))
-        .await
-        .unwrap();
+    let done = c.wait_load(load, Duration::from_secs(10)).await.unwrap();
     assert_eq!(done.blocks as usize, hashes.len(), "{done:?}");
     let want: Vec<(u32, u64)> = dest.iter().copied().zip(hashes.iter().copied()).collect();
     kv.verify(&want, 0).unwrap();

@@ -90,10 +90,7 @@ fn blocks_survive_sigterm_and_a_restart_on_the_same_directory() {
             )
             .await
             .unwrap();
-        let done = c
-            .wait_polling(load, Duration::from_millis(5), Duration::from_secs(10))
-            .await
-            .unwrap();
+        let done = c.wait_load(load, Duration::from_secs(10)).await.unwrap();
         assert_eq!(done.blocks, 12, "{done:?}");
         let want: Vec<(u32, u64)> = dest.iter().zip(0..).map(|(d, b)| (*d, b)).collect();
         kv.verify(&want, 0).unwrap();

@@ -116,10 +116,7 @@ fn write_through_loses_no_acknowledged_block_to_sigkill() {
                 )
                 .await
                 .unwrap();
-            let done = c
-                .wait_polling(load, Duration::from_millis(5), Duration::from_secs(10))
-                .await
-                .unwrap();
+            let done = c.wait_load(load, Duration::from_secs(10)).await.unwrap();
             assert_eq!(done.blocks as u64, PER_PUT, "{done:?}");
             let want: Vec<(u32, u64)> = dest.iter().map(|d| (*d, first + *d as u64)).collect();
             kv.verify(&want, 0).unwrap();

@@ -16,7 +16,6 @@ layouts engines allocate; :mod:`kvferry.layout` holds the layout logic without t
 from ._native import (
     DEFAULT_DEADLINE_S,
     CompletionBoard,
-    Completions,
     EngineClient,
     Session,
     __version__,
@@ -41,7 +40,6 @@ __all__ = [
     "DEFAULT_DEADLINE_S",
     "EngineClient",
     "Session",
-    "Completions",
     "CompletionBoard",
     "__version__",
     "KvferryError",

@@ -3,8 +3,8 @@
 Starts a ``kvferry node`` (``--kvferry-bin``), registers KV the way vLLM allocates it (one
 tensor per layer, FlashAttention layout, and vLLM's cross-layer blocks), saves N blocks from
 it, then times from this Python client: the query of N hashes, the load of the leased blocks
-into every third block (Load RPC to the completion seen here, on the node's completion
-stream), and the save. The baseline is
+into every third block (Load RPC to the completion seen here, from a PollLoad the node
+holds until the load ends), and the save. The baseline is
 a raw copy of the same bytes in the same run: pinned host memory to the GPU in one piece
 (``--device cuda``), or a plain CPU copy (``--device cpu``, KV in memfds on a host node).
 
@@ -121,8 +121,6 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             kt.register_kv(c, instance, f"bench-{layout}", tensors, kv_name, device=0,
                            dtype_name="u8")
             session = c.open_session([instance])
-            # Completions pushed by the node, as an engine waits for them (no polling delay).
-            stream = c.completions(instance, 0)
 
             planes = tensors if layout == "per_layer" else [tensors]
             dim = 1 if layout == "per_layer" else 0  # the block dimension
@@ -159,7 +157,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                     if q["local_blocks"] != n:
                         raise SystemExit(f"query of {n} hit {q}")
                     lid = c.load(q["lease"], instance, 0, dst)
-                    done = stream.wait_for(lid, 60.0)
+                    done = c.wait_load(lid, 60.0)  # answered as the load ends
                     t2 = time.perf_counter()
                     if not done["ok"]:
                         raise SystemExit(f"load of {n} failed: {done}")
@@ -198,7 +196,6 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 }
                 ok &= row["verified"]
                 rows.append(row)
-            stream.close()
             session.close()  # unregisters the instance
             out["layouts"][layout] = rows
     finally:

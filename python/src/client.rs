@@ -20,15 +20,12 @@ use pyo3::types::PyDict;
 use tokio::runtime::Runtime;
 
 use crate::board::CompletionBoard;
-use crate::completions::Completions;
 use crate::session::Session;
 use crate::{convert, errors};
 
 /// Deadline of every call unless the constructor says otherwise.
 pub const DEFAULT_DEADLINE_S: f64 = 10.0;
 
-/// Longest a `wait_load` sleeps between two polls.
-const POLL_MAX: Duration = Duration::from_millis(2);
 /// Longest a `wait_load` stays away from Python, so Ctrl-C interrupts it.
 const SIGNAL_CHECK: Duration = Duration::from_millis(200);
 
@@ -485,20 +482,17 @@ impl EngineClient {
             )
         })?;
         let end = Instant::now() + timeout;
-        let mut every = Duration::from_micros(100);
         loop {
-            // In slices, so Ctrl-C reaches Python between them.
-            let slice_end = end.min(Instant::now() + SIGNAL_CHECK);
+            // In slices, so Ctrl-C reaches Python between them; each slice is one PollLoad
+            // the node holds until the load ends, so the result comes as soon as it is booked.
+            let slice = end
+                .saturating_duration_since(Instant::now())
+                .min(SIGNAL_CHECK);
             let polled = self.wait(py, M, async {
-                loop {
-                    if let Some(c) = self.inner.poll_load(load_id).await? {
-                        return Ok(Some(c));
-                    }
-                    if Instant::now() >= slice_end {
-                        return Ok(None);
-                    }
-                    tokio::time::sleep(every).await;
-                    every = (every * 2).min(POLL_MAX);
+                match self.inner.wait_load(load_id, slice).await {
+                    Ok(c) => Ok(Some(c)),
+                    Err(EngineClientError::WaitTimeout { .. }) => Ok(None),
+                    Err(e) => Err(e),
                 }
             })?;
             if let Some(c) = polled {
@@ -557,14 +551,6 @@ impl EngineClient {
         };
         let s = self.wait(py, M, self.inner.put_blocks(&req))?;
         convert::store(py, s)
-    }
-
-    /// Opens the completion stream of `instance` rank `rank` (replacing an older one): each
-    /// completed load comes once, on it or from `poll_load`.
-    fn completions(&self, py: Python<'_>, instance: &str, rank: u32) -> PyResult<Completions> {
-        let id = convert::instance(py, "completions", instance)?;
-        let s = self.wait(py, "completions", self.inner.completions(&id, rank))?;
-        Ok(Completions::new(self.rt.clone(), s, self.addr.clone()))
     }
 
     /// Releases a lease whatever its ranks still owe.

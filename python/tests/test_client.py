@@ -441,31 +441,32 @@ def test_one_client_from_many_threads(client):
         kv.verify([(2 * i + j, j) for i in range(8) for j in range(2)])
 
 
-def test_completions_stream(client):
+def test_waits_answer_each_load_once_in_any_order(client):
     kv = HostKv.allocate("flash_attn", layers=2)
     with client.open_session() as session:
-        kv.register(client, "py-stream", model="py-stream")
-        session.bind("py-stream")
-        put_pattern(client, kv, "py-stream", range(3))
-        with client.completions("py-stream", 0) as stream:
-            assert stream.next(0) is None  # nothing finished yet
-            loads = []
-            for dests in ([0, 1, 2], [5, 6, 7], [10, 11, 12]):
-                q = client.query("py-stream", [block_hash(b) for b in range(3)])
-                loads.append(client.load(q["lease"], "py-stream", 0, dests))
-            # The last one first: the others are kept for next().
-            last = stream.wait_for(loads[2], 10)
-            assert last["ok"] and last["load_id"] == loads[2]
-            rest = {stream.next(10)["load_id"] for _ in range(2)}
-            assert rest == set(loads[:2])
-            # Delivered on the stream: consumed, so polling no longer finds them.
-            with pytest.raises(kvferry.NotFound):
-                client.poll_load(loads[0])
-            with pytest.raises(kvferry.DeadlineExceeded) as e:
-                stream.wait_for(loads[0] + 1000, 0.2)
-            assert e.value.method == "Completions.wait_for"
-        with pytest.raises(kvferry.FailedPrecondition):
-            stream.next(0)
+        kv.register(client, "py-wait", model="py-wait")
+        session.bind("py-wait")
+        put_pattern(client, kv, "py-wait", range(3))
+        loads = []
+        for dests in ([0, 1, 2], [5, 6, 7], [10, 11, 12]):
+            q = client.query("py-wait", [block_hash(b) for b in range(3)])
+            loads.append(client.load(q["lease"], "py-wait", 0, dests))
+        # The last one first: the others stay with the node for their own waits.
+        last = client.wait_load(loads[2], 10)
+        assert last["ok"] and last["load_id"] == loads[2]
+        rest = {client.wait_load(lid, 10)["load_id"] for lid in loads[:2]}
+        assert rest == set(loads[:2])
+        # Delivered: consumed, so neither a poll nor a wait finds them again, and a wait
+        # for a load the node does not know answers at once rather than at its timeout.
+        with pytest.raises(kvferry.NotFound):
+            client.poll_load(loads[0])
+        t0 = time.monotonic()
+        with pytest.raises(kvferry.NotFound) as e:
+            client.wait_load(loads[0], 5.0)
+        assert e.value.method == "wait_load"
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(kvferry.InvalidArgument):
+            client.wait_load(loads[0], -1.0)
         kv.verify([(d, b) for ds in ([0, 1, 2], [5, 6, 7], [10, 11, 12]) for b, d in enumerate(ds)])
 
 

@@ -116,16 +116,15 @@ impl Attached {
     }
 
     /// Starts rank 0's load of `lease` into `dest` and waits (at most `timeout`) for its
-    /// completion on the completion stream, whatever its status.
+    /// completion (a poll the node holds until the load ends), whatever its status.
     pub async fn load(
         &self,
         lease: LeaseId,
         dest: &[u32],
         timeout: Duration,
     ) -> Result<LoadCompletion, EngineClientError> {
-        let mut stream = self.client.completions(&self.instance, 0).await?;
         let id = self.start_load(lease, dest).await?;
-        stream.wait_for(id, timeout).await
+        self.client.wait_load(id, timeout).await
     }
 
     /// Starts rank 0's load of `lease` into `dest`; returns its load id.

@@ -5,7 +5,7 @@ using the ``kvferry`` package (``pip install ./python``; see scripts/python-env)
 It allocates its host KV the way vLLM does, one tensor per layer (``--layout``), each in a
 memfd of its own (kvferry.memfd), registers them with the node (one region per memfd),
 holds a session, optionally puts pattern blocks, then query -> asynchronous load ->
-completion (from the completion stream, then polled) -> verifies every byte of its KV:
+completion (a wait the node answers as the load ends, then polled) -> verifies every byte of its KV:
 loaded segments hold the pattern kvferry's Rust fixture writes (python/tests/kvpattern.py,
 the same function ported), every other byte of every memfd still holds the canary. Exits
 non-zero on any mismatch; prints one line ``PY-OK {json}`` on success.
@@ -80,7 +80,7 @@ def main():
     hit = a.expect_local + a.expect_remote
     dests = scattered(hit, a.num_blocks)
     runs = []
-    for how in ("stream", "poll"):
+    for how in ("wait", "poll"):
         kv.reset()
         q = client.query(a.instance, hashes, direct_gpu=a.direct)
         got = (q["local_blocks"], q["remote_blocks"])
@@ -89,12 +89,10 @@ def main():
                  f"{(a.expect_local, a.expect_remote)}")
         if a.direct and q["direct"] != "granted":
             fail(f"direct not granted: {q['direct_reason']}")
-        stream = client.completions(a.instance, 0) if how == "stream" else None
         t = time.monotonic()
         load_id = client.load(q["lease"], a.instance, 0, dests)
-        if stream is not None:
-            done = stream.wait_for(load_id, 30)
-            stream.close()
+        if how == "wait":
+            done = client.wait_load(load_id, 30)
         else:
             while (done := client.poll_load(load_id)) is None:
                 if time.monotonic() - t > 30:

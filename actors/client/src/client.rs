@@ -1,6 +1,7 @@
 //! The engine's client of `kvferry.v1.Engine`: typed calls with a deadline on each unary
 //! call, memory sent on the node's fd socket, loads started without waiting and awaited on
-//! the completion stream or by polling, and the session that ties instances to this client.
+//! their completion board or by `PollLoad` (which waits on the node), and the session that
+//! ties instances to this client.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -11,7 +12,6 @@ mod fd;
 pub use fd::KvFd;
 mod mailbox_link;
 
-use crate::completions::CompletionStream;
 use crate::error::EngineClientError;
 use crate::register::{LoadOptions, Registration};
 use crate::session::EngineSession;
@@ -173,7 +173,8 @@ impl EngineClient {
     ) -> Result<Self, EngineClientError> {
         let addr = addr.into();
         let deadline = DEFAULT_DEADLINE;
-        // No per-request timeout on the channel: sessions and completion streams stay open.
+        // No per-request timeout on the channel: sessions stay open, and a waiting PollLoad
+        // sets its own.
         let scheme = if tls.is_some() { "https" } else { "http" };
         let endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))
             .map_err(|e| EngineClientError::Address {
@@ -559,8 +560,58 @@ impl EngineClient {
         &self,
         load_id: u64,
     ) -> Result<Option<LoadCompletion>, EngineClientError> {
-        let r = self.request(PollLoadRequest { load_id });
-        let resp = self.call("PollLoad", self.raw.clone().poll_load(r)).await?;
+        self.poll_waiting(load_id, Duration::ZERO).await
+    }
+
+    /// Waits up to `timeout` for load `load_id` to end and returns its result (consuming
+    /// it): the way to learn a load's outcome without a completion board. The node holds
+    /// each `PollLoad` until the load ends or up to `Capabilities.max_poll_wait_ms`, so a
+    /// result arrives as soon as it is booked, with a call per that many ms at most.
+    pub async fn wait_load(
+        &self,
+        load_id: u64,
+        timeout: Duration,
+    ) -> Result<LoadCompletion, EngineClientError> {
+        let end = Instant::now() + timeout;
+        let most = Duration::from_millis(kvferry_proto::MAX_POLL_WAIT_MS.into());
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            if let Some(c) = self.poll_waiting(load_id, left.min(most)).await? {
+                return Ok(c);
+            }
+            if Instant::now() >= end {
+                return Err(EngineClientError::WaitTimeout {
+                    load_id,
+                    after: timeout,
+                });
+            }
+        }
+    }
+
+    /// One `PollLoad` that the node may hold for `wait`; its deadline is the client's on
+    /// top of the wait.
+    async fn poll_waiting(
+        &self,
+        load_id: u64,
+        wait: Duration,
+    ) -> Result<Option<LoadCompletion>, EngineClientError> {
+        let wait_ms = u32::try_from(wait.as_millis()).unwrap_or(u32::MAX);
+        let wait_ms = wait_ms.min(kvferry_proto::MAX_POLL_WAIT_MS);
+        let deadline = self.deadline + Duration::from_millis(wait_ms.into());
+        let mut r = Request::new(PollLoadRequest { load_id, wait_ms });
+        r.set_timeout(deadline);
+        self.authorize(&mut r);
+        let mut raw = self.raw.clone();
+        let resp = match tokio::time::timeout(deadline, raw.poll_load(r)).await {
+            Ok(Ok(r)) => r.into_inner(),
+            Ok(Err(s)) => return Err(self.failed("PollLoad", s)),
+            Err(_) => {
+                return Err(self.failed(
+                    "PollLoad",
+                    Status::deadline_exceeded(format!("no answer within {deadline:?}")),
+                ))
+            }
+        };
         match (resp.pending, resp.completion) {
             (true, None) => Ok(None),
             (false, Some(c)) if c.load_id == load_id => Ok(Some(c)),
@@ -570,49 +621,6 @@ impl EngineClient {
                 reason: format!("no completion for load {load_id} and not pending"),
             }),
         }
-    }
-
-    /// Polls every `every` until load `load_id` completed or `timeout` passed.
-    pub async fn wait_polling(
-        &self,
-        load_id: u64,
-        every: Duration,
-        timeout: Duration,
-    ) -> Result<LoadCompletion, EngineClientError> {
-        let end = Instant::now() + timeout;
-        loop {
-            if let Some(c) = self.poll_load(load_id).await? {
-                return Ok(c);
-            }
-            if Instant::now() >= end {
-                return Err(EngineClientError::WaitTimeout {
-                    load_id,
-                    after: timeout,
-                });
-            }
-            tokio::time::sleep(every).await;
-        }
-    }
-
-    /// Opens the completion stream of `instance` rank `rank` (replacing an older one).
-    pub async fn completions(
-        &self,
-        instance: &InstanceId,
-        rank: u32,
-    ) -> Result<CompletionStream, EngineClientError> {
-        let mut r = Request::new(CompletionsRequest {
-            instance: instance.as_str().to_owned(),
-            rank,
-        });
-        self.authorize(&mut r);
-        let stream = self
-            .call("Completions", self.raw.clone().completions(r))
-            .await?;
-        Ok(CompletionStream {
-            stream,
-            early: Vec::new(),
-            addr: self.addr.clone(),
-        })
     }
 
     /// Releases a lease whatever its ranks still owe.

@@ -29,8 +29,10 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// served. 5: request mailboxes (`SessionRequest.mailbox`): Query, Load and Save through shared
 /// memory beside the calls. 6: fences (`fence_ns` in Save, PutBlocks and Query, see
 /// [`crate::fence`]) and `CapabilitiesResponse.monotonic_ns`; requests without one are served
-/// as before.
-pub const ENGINE_PROTOCOL: u32 = 6;
+/// as before. 7: one way a load's outcome reaches the engine — the board's final word, or
+/// `PollLoad` (which may now wait, `PollLoadRequest.wait_ms`); the `Completions` stream is
+/// gone.
+pub const ENGINE_PROTOCOL: u32 = 7;
 
 // Limits on what one engine request carries, advertised in `Capabilities`; a request over
 // one is refused with RESOURCE_EXHAUSTED before it reaches the node, so the work one request
@@ -51,6 +53,9 @@ pub const MAX_LOOKUP_HASHES: usize = 65_536;
 
 /// Most block indices in one engine request (Load's destinations, Save's sources).
 pub const MAX_ENGINE_BLOCKS: usize = MAX_ENGINE_HASHES;
+
+/// Longest wait one PollLoad takes, in ms (a client waiting longer polls again).
+pub const MAX_POLL_WAIT_MS: u32 = 10_000;
 
 /// Most request mailboxes attached on one node at once (a node thread each).
 pub const MAX_ENGINE_MAILBOXES: usize = 64;

@@ -23,7 +23,7 @@ pub struct EngineConfig {
     pub token: String,
     /// Largest gRPC message decoded or sent (PutBlocks carries block bytes).
     pub max_message_bytes: ByteSize,
-    /// Completed load results kept per instance rank until polled or streamed.
+    /// Completed load results kept per instance rank until polled.
     pub completion_retention: u32,
     /// Memory handles no RegisterInstance used within this long are closed.
     pub handle_ttl_secs: u64,

@@ -131,7 +131,7 @@ pub fn describe() {
         ),
         (
             ENGINE_COMPLETIONS_RETAINED,
-            "Load completions waiting for a stream or poll.",
+            "Load completions waiting for a poll.",
         ),
         (
             ENGINE_MAILBOXES,

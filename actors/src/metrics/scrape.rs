@@ -39,7 +39,7 @@ pub struct EngineGauges {
     pub memory_handles: u64,
     /// Loads accepted whose completion has not come yet.
     pub loads_pending: u64,
-    /// Completions kept for a stream or poll to collect.
+    /// Completions kept for a poll to collect.
     pub completions_retained: u64,
     /// Completions dropped uncollected (over the retention bound).
     pub completions_dropped: u64,

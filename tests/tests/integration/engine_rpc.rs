@@ -1,7 +1,7 @@
 //! `kvferry.v1.Engine` over real gRPC on loopback TCP, with the test playing an engine
 //! client without a GPU: its KV lives in a memfd it hands the node on the fd socket, loads
-//! are started without waiting and their results taken from the completion stream and by
-//! polling, and the bytes are checked in the memfd with canaries around them. Then the
+//! are started without waiting and their results taken by polls the node holds until they
+//! end and by plain polling, and the bytes are checked in the memfd with canaries around them. Then the
 //! session rule (closing it unregisters and releases) and the bad-input matrix: every
 //! refusal has its status code, and the node's stats are exactly as before. The last test
 //! runs the node in a child process (this binary re-executed), so the memfd really crosses
@@ -87,7 +87,7 @@ async fn stats_until(
 }
 
 #[test]
-fn memfd_kv_loads_with_completions_on_the_stream_and_by_poll() {
+fn memfd_kv_loads_with_completions_by_a_waiting_poll_and_by_polling() {
     rt().block_on(async {
         let srv = with_token().await;
         let c = srv.client(TOKEN).await;
@@ -111,8 +111,8 @@ fn memfd_kv_loads_with_completions_on_the_stream_and_by_poll() {
         let _session = c.open_session(&[id("eng")]).await.unwrap();
         put_over_grpc(&c, shape(), "eng", 0..6).await;
 
-        // Completion on the stream; the load call itself returned at once with an id.
-        let mut stream = c.completions(&id("eng"), 0).await.unwrap();
+        // Completion by a poll the node holds until the load ends; the load call itself
+        // returned at once with an id.
         let lease = lease_for(&c, "eng", 0..3).await;
         let first = c
             .load(
@@ -121,16 +121,21 @@ fn memfd_kv_loads_with_completions_on_the_stream_and_by_poll() {
             )
             .await
             .unwrap();
-        let done = stream.wait_for(first, WAIT).await.unwrap();
+        let t = std::time::Instant::now();
+        let done = c.wait_load(first, WAIT).await.unwrap();
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the wait ends with the load, not at its {} ms limit",
+            service::MAX_POLL_WAIT_MS
+        );
         ok(&done, 3);
         assert_eq!((done.instance.as_str(), done.rank), ("eng", 0));
         kv.verify(&[(3, 0), (5, 1), (7, 2)], 0).unwrap();
         let err = c.poll_load(first).await.unwrap_err();
-        assert_eq!(err.code(), Some(Code::NotFound), "the stream consumed it");
+        assert_eq!(err.code(), Some(Code::NotFound), "the wait consumed it");
 
-        // Completion by poll, with no stream open; a direct request is refused, not
-        // downgraded silently.
-        drop(stream);
+        // Completion by polls that do not wait; a direct request is refused, not downgraded
+        // silently.
         let q = c.query(&id("eng"), &hashes(0..6), true).await.unwrap();
         // Capabilities told the same reason before any query.
         assert_eq!(
@@ -146,10 +151,7 @@ fn memfd_kv_loads_with_completions_on_the_stream_and_by_poll() {
             )
             .await
             .unwrap();
-        let done = c
-            .wait_polling(second, Duration::from_millis(5), WAIT)
-            .await
-            .unwrap();
+        let done = polled(&c, second).await;
         ok(&done, 6);
         let expected: Vec<(u32, u64)> = (0..6).map(|i| (10 + i as u32, i)).collect();
         let mut all = vec![(3, 0), (5, 1), (7, 2)];
@@ -192,10 +194,7 @@ async fn round_trip(c: &EngineClient, kv: &DeviceKv, instance: &str, what: &str)
         let req = load_request(lease.expect("a lease"), instance, 0, dest);
         async move {
             let l = c.load(&req, LoadOptions::default()).await.unwrap();
-            let done = c
-                .wait_polling(l, Duration::from_millis(1), WAIT)
-                .await
-                .unwrap();
+            let done = c.wait_load(l, WAIT).await.unwrap();
             assert_eq!(
                 done.status,
                 proto::LoadStatus::LoadOk as i32,
@@ -410,10 +409,7 @@ fn bad_region_registrations_are_refused_and_change_nothing() {
             )
             .await
             .unwrap();
-        let done = c
-            .wait_polling(l, Duration::from_millis(2), WAIT)
-            .await
-            .unwrap();
+        let done = c.wait_load(l, WAIT).await.unwrap();
         assert_eq!(done.status, proto::LoadStatus::LoadOk as i32, "{done:?}");
         kv.verify(&[(6, 1)], 0).unwrap();
         drop(c);
@@ -482,16 +478,23 @@ fn closing_the_session_unregisters_and_releases_leases() {
             )
             .await
             .unwrap();
-        ok(
-            &c.wait_polling(l, Duration::from_millis(5), WAIT)
-                .await
-                .unwrap(),
-            4,
-        );
+        ok(&c.wait_load(l, WAIT).await.unwrap(), 4);
         kv.verify(&[(8, 0), (9, 1), (10, 2), (11, 3)], 0).unwrap();
         drop(c);
         srv.stop().await;
     });
+}
+
+/// A load's result by polls that do not wait (the node answers each at once).
+async fn polled(c: &EngineClient, load: u64) -> proto::LoadCompletion {
+    let end = std::time::Instant::now() + WAIT;
+    loop {
+        if let Some(done) = c.poll_load(load).await.unwrap() {
+            return done;
+        }
+        assert!(std::time::Instant::now() < end, "load {load} still running");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
 }
 
 fn code<T: std::fmt::Debug>(r: Result<T, EngineClientError>) -> Code {
@@ -855,7 +858,21 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
         );
         unchanged("bad token").await;
         assert_eq!(code(c.poll_load(12345).await), Code::NotFound);
-        assert_eq!(code(c.completions(&id("eng"), 3).await), Code::NotFound);
+        assert_eq!(
+            code(c.wait_load(12345, WAIT).await),
+            Code::NotFound,
+            "a wait for an unknown load answers at once"
+        );
+        // A wait longer than advertised is refused, not cut short silently.
+        let max_wait = c.capabilities().await.unwrap().max_poll_wait_ms;
+        assert_eq!(max_wait, service::MAX_POLL_WAIT_MS);
+        let r = raw
+            .poll_load(c.request(proto::PollLoadRequest {
+                load_id: 12345,
+                wait_ms: max_wait + 1,
+            }))
+            .await;
+        assert_eq!(raw_code(r), Code::ResourceExhausted);
         let mut session = c.open_session(&[]).await.unwrap();
         assert_eq!(code(session.bind(&id("nobody")).await), Code::NotFound);
         drop(session);
@@ -923,7 +940,6 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
             "Query",
             "Load",
             "Release",
-            "Completions",
             "PollLoad",
         ] {
             let path: &'static str = Box::leak(format!("/kvferry.v1.Engine/{method}").into());
@@ -977,12 +993,7 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
             )
             .await
             .unwrap();
-        ok(
-            &c.wait_polling(l, Duration::from_millis(5), WAIT)
-                .await
-                .unwrap(),
-            3,
-        );
+        ok(&c.wait_load(l, WAIT).await.unwrap(), 3);
         kv.verify(&[(0, 0), (1, 1), (2, 2)], 0).unwrap();
         other.verify(&[], 0).unwrap();
         c.register(Registration::in_handle(&good, handle))
@@ -1094,7 +1105,6 @@ fn a_client_process_loads_into_its_memfd_through_a_node_process() {
         kv.register_with(&c, &id("far"), "m", 0).await.unwrap();
         let session = c.open_session(&[id("far")]).await.unwrap();
         put_over_grpc(&c, shape(), "far", 0..4).await;
-        let mut stream = c.completions(&id("far"), 0).await.unwrap();
         let lease = lease_for(&c, "far", 0..4).await;
         let l = c
             .load(
@@ -1103,10 +1113,9 @@ fn a_client_process_loads_into_its_memfd_through_a_node_process() {
             )
             .await
             .unwrap();
-        ok(&stream.wait_for(l, WAIT).await.unwrap(), 4);
+        ok(&c.wait_load(l, WAIT).await.unwrap(), 4);
         // The node process wrote into this process's memfd through its own mapping.
         kv.verify(&[(15, 0), (0, 1), (7, 2), (8, 3)], 0).unwrap();
-        drop(stream);
         drop(session);
         stats_until(&c, "the session ends", |s| {
             s.sessions == 0 && s.instances == 0
@@ -1154,7 +1163,6 @@ fn a_failed_load_completes_failed_with_its_blocks_and_the_next_one_works() {
         let kv = MemfdKv::create(shape(), 16, 0).unwrap();
         kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
         put_over_grpc(&c, shape(), "eng", 0..4).await;
-        let mut stream = c.completions(&id("eng"), 0).await.unwrap();
 
         failing.hook.0.store(true, Ordering::Relaxed);
         let lease = lease_for(&c, "eng", 0..4).await;
@@ -1165,7 +1173,7 @@ fn a_failed_load_completes_failed_with_its_blocks_and_the_next_one_works() {
             )
             .await
             .unwrap();
-        let done = stream.wait_for(l, WAIT).await.unwrap();
+        let done = c.wait_load(l, WAIT).await.unwrap();
         assert_eq!(
             done.status,
             proto::LoadStatus::LoadFailed as i32,
@@ -1194,9 +1202,9 @@ fn a_failed_load_completes_failed_with_its_blocks_and_the_next_one_works() {
             )
             .await
             .unwrap();
-        ok(&stream.wait_for(l, WAIT).await.unwrap(), 4);
+        ok(&c.wait_load(l, WAIT).await.unwrap(), 4);
         kv.verify(&[(9, 0), (3, 1), (4, 2), (12, 3)], 0).unwrap();
-        drop((stream, c));
+        drop(c);
         srv.stop().await;
     });
 }
@@ -1240,12 +1248,7 @@ fn save_stores_the_clients_blocks_from_its_memfd() {
             )
             .await
             .unwrap();
-        ok(
-            &c.wait_polling(l, Duration::from_millis(5), WAIT)
-                .await
-                .unwrap(),
-            3,
-        );
+        ok(&c.wait_load(l, WAIT).await.unwrap(), 3);
         kv.verify(&[(5, 20), (6, 21), (7, 22), (0, 20), (1, 21), (2, 22)], 0)
             .unwrap();
         drop(c);
@@ -1353,10 +1356,7 @@ fn a_remote_suffix_loads_direct_when_granted_and_staged_otherwise() {
                 )
                 .await
                 .unwrap();
-            let done = c
-                .wait_polling(l, Duration::from_millis(5), WAIT)
-                .await
-                .unwrap();
+            let done = c.wait_load(l, WAIT).await.unwrap();
             assert_eq!(done.status, proto::LoadStatus::LoadOk as i32, "{done:?}");
             assert_eq!((done.path.as_str(), done.blocks), (path, 8));
             assert_eq!(done.bytes, 8 * shape().rank_bytes());
@@ -1584,10 +1584,9 @@ fn an_engine_workers_cuda_kv_in_another_process_through_an_ipc_handle() {
         let _session = c.open_session(&[id("gpu-eng")]).await.unwrap();
         put_over_grpc(&c, shape(), "gpu-eng", 0..4).await;
         let dest = [9u32, 3, 4, 12];
-        for by_stream in [true, false] {
+        for waiting in [true, false] {
             let lease = lease_for(&c, "gpu-eng", 0..4).await;
-            let done = if by_stream {
-                let mut stream = c.completions(&id("gpu-eng"), 0).await.unwrap();
+            let done = if waiting {
                 let l = c
                     .load(
                         &load_request(lease, "gpu-eng", 0, &dest),
@@ -1595,7 +1594,7 @@ fn an_engine_workers_cuda_kv_in_another_process_through_an_ipc_handle() {
                     )
                     .await
                     .unwrap();
-                stream.wait_for(l, WAIT).await.unwrap()
+                c.wait_load(l, WAIT).await.unwrap()
             } else {
                 let l = c
                     .load(
@@ -1604,14 +1603,12 @@ fn an_engine_workers_cuda_kv_in_another_process_through_an_ipc_handle() {
                     )
                     .await
                     .unwrap();
-                c.wait_polling(l, Duration::from_millis(1), WAIT)
-                    .await
-                    .unwrap()
+                polled(&c, l).await
             };
             ok(&done, 4);
             let checked = kv
                 .verify(&[(9, 0), (3, 1), (4, 2), (12, 3)], 0)
-                .unwrap_or_else(|e| panic!("by_stream={by_stream}: {e}"));
+                .unwrap_or_else(|e| panic!("waiting={waiting}: {e}"));
             assert_eq!(checked, 4 * shape().rank_bytes());
             eprintln!(
                 "cuda ipc: {} bytes loaded into another process's GPU KV in {:.3} ms",
@@ -1670,10 +1667,9 @@ fn an_engine_workers_vmm_kv_in_another_process_through_its_fd() {
         let _session = c.open_session(&[id("vmm-eng")]).await.unwrap();
         put_over_grpc(&c, shape(), "vmm-eng", 0..4).await;
         let dest = [9u32, 3, 4, 12];
-        for by_stream in [true, false] {
+        for waiting in [true, false] {
             let lease = lease_for(&c, "vmm-eng", 0..4).await;
-            let done = if by_stream {
-                let mut stream = c.completions(&id("vmm-eng"), 0).await.unwrap();
+            let done = if waiting {
                 let l = c
                     .load(
                         &load_request(lease, "vmm-eng", 0, &dest),
@@ -1681,7 +1677,7 @@ fn an_engine_workers_vmm_kv_in_another_process_through_its_fd() {
                     )
                     .await
                     .unwrap();
-                stream.wait_for(l, WAIT).await.unwrap()
+                c.wait_load(l, WAIT).await.unwrap()
             } else {
                 let l = c
                     .load(
@@ -1690,14 +1686,12 @@ fn an_engine_workers_vmm_kv_in_another_process_through_its_fd() {
                     )
                     .await
                     .unwrap();
-                c.wait_polling(l, Duration::from_millis(1), WAIT)
-                    .await
-                    .unwrap()
+                polled(&c, l).await
             };
             ok(&done, 4);
             let checked = kv
                 .verify(&[(9, 0), (3, 1), (4, 2), (12, 3)], 0)
-                .unwrap_or_else(|e| panic!("by_stream={by_stream}: {e}"));
+                .unwrap_or_else(|e| panic!("waiting={waiting}: {e}"));
             assert_eq!(checked, 4 * shape().rank_bytes());
             eprintln!(
                 "vmm fd: {} bytes loaded into another process's VMM KV in {:.3} ms",
@@ -1821,12 +1815,7 @@ fn a_completion_board_shows_loads_landing_without_an_rpc() {
             )
             .await
             .unwrap();
-        ok(
-            &c.wait_polling(third, Duration::from_millis(2), WAIT)
-                .await
-                .unwrap(),
-            2,
-        );
+        ok(&c.wait_load(third, WAIT).await.unwrap(), 2);
 
         let s = c.stats().await.unwrap();
         assert_eq!((s.loads_ok, s.loads_failed, s.leases_live), (3, 0, 0));
@@ -1971,12 +1960,7 @@ fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
             )
             .await
             .unwrap();
-        ok(
-            &c.wait_polling(l, Duration::from_millis(1), WAIT)
-                .await
-                .unwrap(),
-            4,
-        );
+        ok(&c.wait_load(l, WAIT).await.unwrap(), 4);
         kv.verify(&expected(&dest, 0), 0).unwrap();
         // A save through it: destination 9 (pattern block 0) under a new hash, loaded back
         // into block 11.
@@ -1998,12 +1982,7 @@ fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
             )
             .await
             .unwrap();
-        ok(
-            &c.wait_polling(l, Duration::from_millis(1), WAIT)
-                .await
-                .unwrap(),
-            1,
-        );
+        ok(&c.wait_load(l, WAIT).await.unwrap(), 1);
         kv.verify(&[(9, 0), (2, 1), (14, 2), (5, 3), (11, 0)], 0)
             .unwrap();
         // A miss, then refusals with the codes the calls give for the same requests.
@@ -2096,13 +2075,7 @@ fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
             )
             .await
             .unwrap();
-        ok(
-            &plain
-                .wait_polling(l, Duration::from_millis(1), WAIT)
-                .await
-                .unwrap(),
-            2,
-        );
+        ok(&plain.wait_load(l, WAIT).await.unwrap(), 2);
         let s = plain.stats().await.unwrap();
         assert_eq!((s.leases_live, s.loads_failed), (0, 0));
         plain.unregister(&id("eng")).await.unwrap();

@@ -1,26 +1,20 @@
-//! Where accepted loads report: a completed load's result goes to the `Completions` stream
-//! of its instance rank if one is open and keeping up, and is otherwise retained (the last
-//! `retention` per rank) until a `PollLoad` or a later stream takes it. Whatever delivers a
-//! result consumes it, so the engine sees each result once. A load that ended ok on a
-//! completion board was delivered by the board's final word: without a stream its result is
-//! kept only for a `PollLoad` that wants its details, and dropping it past the retention
-//! loses nothing undelivered. Plain state; the engine server holds it behind a lock and never
-//! awaits while holding it.
+//! Where accepted loads report: a completed load's result is retained (the last `retention`
+//! per instance rank) until a `PollLoad` takes it, so the engine sees each result once. A
+//! load that ended ok on a completion board was delivered by the board's final word: its
+//! result is kept only for a `PollLoad` that wants its details, and dropping it past the
+//! retention loses nothing undelivered. Plain state; the engine server holds it behind a
+//! lock and never awaits while holding it (a waiting `PollLoad` waits on [`Shared`]'s
+//! notifier, outside the lock).
+//!
+//! [`Shared`]: crate::service::engine::shared::Shared
 
 use std::collections::{HashMap, VecDeque};
-
-use tokio::sync::mpsc;
-use tonic::Status;
 
 use crate::model::InstanceId;
 use kvferry_proto::v1::LoadCompletion;
 
 /// One engine worker: an instance's rank.
 pub type RankKey = (InstanceId, u32);
-
-/// What a stream receives.
-pub type CompletionTx = mpsc::Sender<Result<LoadCompletion, Status>>;
-pub type CompletionRx = mpsc::Receiver<Result<LoadCompletion, Status>>;
 
 /// The state of one load, as PollLoad answers it.
 #[derive(Debug, PartialEq)]
@@ -38,7 +32,6 @@ pub struct CompletionBook {
     done: HashMap<RankKey, VecDeque<LoadCompletion>>,
     /// Results a board delivered, for their details (the last `retention` per rank).
     shown: HashMap<RankKey, VecDeque<LoadCompletion>>,
-    streams: HashMap<RankKey, CompletionTx>,
     dropped: u64,
 }
 
@@ -49,7 +42,6 @@ impl CompletionBook {
             running: HashMap::new(),
             done: HashMap::new(),
             shown: HashMap::new(),
-            streams: HashMap::new(),
             dropped: 0,
         }
     }
@@ -87,15 +79,14 @@ impl CompletionBook {
         self.running.values().filter(|k| *k == key).count()
     }
 
-    /// A load finished: hand its result to the rank's stream, or retain it. `shown`: a
-    /// completion board delivered it (an ok end on the board), so without a stream it is kept
-    /// for its details alone. A result of a load no longer tracked (its instance's session
-    /// ended) is dropped.
+    /// A load finished: retain its result. `shown`: a completion board delivered it (an ok
+    /// end on the board), so it is kept for its details alone. A result of a load no longer
+    /// tracked (its instance's session ended) is dropped.
     pub fn finish(&mut self, c: LoadCompletion, shown: bool) {
         let Some(key) = self.running.remove(&c.load_id) else {
             return;
         };
-        if shown && !self.streams.contains_key(&key) {
+        if shown {
             let queue = self.shown.entry(key).or_default();
             queue.push_back(c);
             if queue.len() > self.retention {
@@ -103,51 +94,12 @@ impl CompletionBook {
             }
             return;
         }
-        let queue = self.done.entry(key.clone()).or_default();
+        let queue = self.done.entry(key).or_default();
         queue.push_back(c);
         while queue.len() > self.retention {
             queue.pop_front();
             self.dropped += 1;
         }
-        self.flush(&key);
-    }
-
-    /// Sends retained results of `key` to its stream while the stream takes them.
-    fn flush(&mut self, key: &RankKey) {
-        let Some(tx) = self.streams.get(key) else {
-            return;
-        };
-        let Some(queue) = self.done.get_mut(key) else {
-            return;
-        };
-        while let Some(c) = queue.pop_front() {
-            match tx.try_send(Ok(c)) {
-                Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full(Ok(c))) => {
-                    queue.push_front(c);
-                    break;
-                }
-                Err(mpsc::error::TrySendError::Closed(Ok(c))) => {
-                    // The client went away: keep the result for a poll or the next stream.
-                    queue.push_front(c);
-                    self.streams.remove(key);
-                    break;
-                }
-                Err(_) => break,
-            }
-        }
-        if queue.is_empty() {
-            self.done.remove(key);
-        }
-    }
-
-    /// Opens the stream of `key` (replacing an older one, which ends) and sends it what is
-    /// retained so far.
-    pub fn subscribe(&mut self, key: RankKey) -> CompletionRx {
-        let (tx, rx) = mpsc::channel(self.retention);
-        self.streams.insert(key.clone(), tx);
-        self.flush(&key);
-        rx
     }
 
     /// Where load `id` stands; a completed result is consumed.
@@ -161,8 +113,8 @@ impl CompletionBook {
         }
     }
 
-    /// Forgets everything of `instance`: its running loads' results will be dropped, its
-    /// retained results are, and its streams end.
+    /// Forgets everything of `instance`: its running loads' results will be dropped, and its
+    /// retained results are.
     pub fn drop_instance(&mut self, instance: &InstanceId) {
         self.running.retain(|_, k| k.0 != *instance);
         self.shown.retain(|k, _| k.0 != *instance);
@@ -174,12 +126,6 @@ impl CompletionBook {
                 true
             }
         });
-        self.streams.retain(|k, _| k.0 != *instance);
-    }
-
-    /// Ends every stream (the node is stopping); results are retained from now on.
-    pub fn close_streams(&mut self) {
-        self.streams.clear();
     }
 
     pub fn running(&self) -> usize {
@@ -248,27 +194,6 @@ mod tests {
     }
 
     #[test]
-    fn streams_get_the_backlog_then_live_results_and_fall_back_when_closed() {
-        let mut b = CompletionBook::new(4);
-        let first = b.begin(key("a"));
-        let other = b.begin(key("b"));
-        b.finish(done(first), false);
-        let mut rx = b.subscribe(key("a"));
-        assert_eq!(rx.try_recv().unwrap().unwrap().load_id, first);
-        let second = b.begin(key("a"));
-        b.finish(done(second), false);
-        b.finish(done(other), false);
-        assert_eq!(rx.try_recv().unwrap().unwrap().load_id, second);
-        assert!(rx.try_recv().is_err(), "b's result is not a's");
-        assert_eq!(b.poll(second), LoadState::Unknown, "the stream consumed it");
-        drop(rx);
-        let third = b.begin(key("a"));
-        b.finish(done(third), false);
-        assert_eq!(b.poll(third), LoadState::Done(done(third)));
-        assert_eq!(b.poll(other), LoadState::Done(done(other)));
-    }
-
-    #[test]
     fn a_result_a_board_delivered_is_kept_for_details_and_never_counted_dropped() {
         let mut b = CompletionBook::new(2);
         let ids: Vec<u64> = (0..3).map(|_| b.begin(key("a"))).collect();
@@ -285,11 +210,6 @@ mod tests {
         b.finish(done(failed), false);
         assert_eq!(b.retained(), 1);
         assert_eq!(b.poll(failed), LoadState::Done(done(failed)));
-        // A stream that is open gets what the board showed too: it asked for every result.
-        let mut rx = b.subscribe(key("a"));
-        let streamed = b.begin(key("a"));
-        b.finish(done(streamed), true);
-        assert_eq!(rx.try_recv().unwrap().unwrap().load_id, streamed);
         b.drop_instance(&InstanceId::new("a").unwrap());
         assert_eq!(b.poll(ids[1]), LoadState::Unknown, "gone with the instance");
         assert_eq!(b.dropped(), 0);

@@ -9,7 +9,7 @@ use crate::service::engine::service::EngineService;
 use kvferry_proto::v1::*;
 use kvferry_proto::{
     ENGINE_PROTOCOL, MAX_ENGINE_BLOCKS, MAX_ENGINE_HASHES, MAX_ENGINE_LAYERS, MAX_ENGINE_MAILBOXES,
-    MAX_ENGINE_REGIONS, MAX_HASH_BYTES, MAX_LOOKUP_HASHES, VERSION,
+    MAX_ENGINE_REGIONS, MAX_HASH_BYTES, MAX_LOOKUP_HASHES, MAX_POLL_WAIT_MS, VERSION,
 };
 
 impl EngineService {
@@ -59,6 +59,7 @@ impl EngineService {
             max_mailboxes: MAX_ENGINE_MAILBOXES as u32,
             monotonic_ns: crate::fence::monotonic_ns(),
             max_lookup_hashes: MAX_LOOKUP_HASHES as u32,
+            max_poll_wait_ms: MAX_POLL_WAIT_MS,
         }))
     }
 

@@ -1,22 +1,22 @@
 //! Query, Load, Release and the load results: a lease handed over only to a client still
 //! waiting, loads accepted at once with an id, and their results reported into the
-//! completion book (PollLoad, the Completions stream) and the client's completion board.
+//! completion book (PollLoad, which may wait for them) and the client's completion board.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use crate::api;
 use crate::fence::Fence;
 use crate::service::engine::completions::LoadState;
 use crate::service::engine::request::{self as check, status};
-use crate::service::engine::service::{EngineService, EventStream};
+use crate::service::engine::service::EngineService;
 use crate::service::engine::shared::Shared;
 use kvferry_proto::shm::board::{Board, BoardError, Outcome};
 use kvferry_proto::v1::*;
+use kvferry_proto::MAX_POLL_WAIT_MS;
 
 /// Loads accepted and not yet completed, per instance rank.
 const MAX_RUNNING_PER_RANK: usize = 4096;
@@ -204,40 +204,55 @@ impl EngineService {
         Ok(Response::new(ReleaseResponse {}))
     }
 
-    pub(super) async fn handle_completions(
-        &self,
-        req: Request<CompletionsRequest>,
-    ) -> Result<Response<EventStream<LoadCompletion>>, Status> {
-        const M: &str = "Completions";
-        let r = req.into_inner();
-        let instance = check::instance(M, &r.instance)?;
-        self.shared
-            .node
-            .check_registered(&instance, Some(r.rank))
-            .await
-            .map_err(|e| status(M, e))?;
-        // Ends when the book drops the sender: replaced, instance gone, node stopping.
-        let rx = self.shared.book().subscribe((instance, r.rank));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
-    }
-
+    /// Where a load stands; with `wait_ms`, answers when it ends (or its instance's results
+    /// are dropped, or the node stops) or the wait is over, whichever comes first. The wait
+    /// stays inside the service's call timeout.
     pub(super) async fn handle_poll_load(
         &self,
         req: Request<PollLoadRequest>,
     ) -> Result<Response<PollLoadResponse>, Status> {
-        let id = req.into_inner().load_id;
-        match self.shared.book().poll(id) {
-            LoadState::Running => Ok(Response::new(PollLoadResponse {
-                completion: None,
-                pending: true,
-            })),
-            LoadState::Done(c) => Ok(Response::new(PollLoadResponse {
-                completion: Some(c),
-                pending: false,
-            })),
-            LoadState::Unknown => Err(Status::not_found(format!(
-                "PollLoad: load {id} is unknown, already delivered, or dropped"
-            ))),
+        const M: &str = "PollLoad";
+        let r = req.into_inner();
+        if r.wait_ms > MAX_POLL_WAIT_MS {
+            return Err(Status::resource_exhausted(format!(
+                "{M}: wait_ms {} is over {MAX_POLL_WAIT_MS} (Capabilities.max_poll_wait_ms)",
+                r.wait_ms
+            )));
+        }
+        let most = self.shared.options.call_timeout.mul_f64(0.75);
+        let until = tokio::time::Instant::now() + Duration::from_millis(r.wait_ms.into()).min(most);
+        let mut stop = self.shared.stop.clone();
+        let id = r.load_id;
+        loop {
+            // Registered before the look, so a result booked in between still wakes it.
+            let ended = self.shared.ended.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            match self.shared.book().poll(id) {
+                LoadState::Running => {}
+                LoadState::Done(c) => {
+                    return Ok(Response::new(PollLoadResponse {
+                        completion: Some(c),
+                        pending: false,
+                    }))
+                }
+                LoadState::Unknown => {
+                    return Err(Status::not_found(format!(
+                        "{M}: load {id} is unknown, already delivered, or dropped"
+                    )))
+                }
+            }
+            if *stop.borrow() || tokio::time::Instant::now() >= until {
+                return Ok(Response::new(PollLoadResponse {
+                    completion: None,
+                    pending: true,
+                }));
+            }
+            tokio::select! {
+                _ = ended => {}
+                _ = tokio::time::sleep_until(until) => {}
+                _ = stop.changed() => {}
+            }
         }
     }
 }
@@ -270,6 +285,7 @@ impl LoadWatch {
         // The board's ok is the delivery: that result stays in the book only for details.
         let shown = self.board.is_some() && outcome == Outcome::Ok;
         self.shared.book().finish(c, shown);
+        self.shared.ended.notify_waiters();
         // After the book: a client woken by the board finds the details in PollLoad.
         if let Some((b, slot, tag)) = &self.board {
             b.finish(*slot, *tag, outcome);

@@ -128,8 +128,8 @@ impl EngineOptions {
 }
 
 /// Serves `kvferry.v1.Engine` on `listener` (and memory fds on `fd_socket`, whose file is
-/// removed at the end) until `shutdown` resolves; then ends the open sessions and
-/// completion streams and waits for the calls in flight.
+/// removed at the end) until `shutdown` resolves; then ends the open sessions, answers the
+/// waiting polls and waits for the calls in flight.
 pub async fn serve(
     listener: TcpListener,
     fd_socket: Option<FdSocket>,
@@ -148,6 +148,7 @@ pub async fn serve(
     let shared = Arc::new(Shared {
         handles: Mutex::new(MemoryHandles::new(options.handle_ttl, MAX_HANDLES)),
         book: Mutex::new(CompletionBook::new(options.completion_retention)),
+        ended: tokio::sync::Notify::new(),
         boards: Mutex::new(HashMap::new()),
         sessions: AtomicUsize::new(0),
         mailboxes: AtomicUsize::new(0),
@@ -190,10 +191,10 @@ pub async fn serve(
         .http2_keepalive_timeout(Some(Duration::from_secs(20)));
     let shutdown = async {
         shutdown.await;
-        // No new memory is taken, and sessions and completion streams end, so the
-        // drain can finish.
+        // No new memory is taken, sessions end and waiting polls answer, so the drain can
+        // finish.
         let _ = stop_tx.send(true);
-        closing.book().close_streams();
+        closing.ended.notify_waiters();
         if let Some(p) = &fd_path {
             let _ = std::fs::remove_file(p);
         }

@@ -121,15 +121,6 @@ impl Engine for EngineService {
         self.handle_session(req).await
     }
 
-    type CompletionsStream = EventStream<LoadCompletion>;
-
-    async fn completions(
-        &self,
-        req: Request<CompletionsRequest>,
-    ) -> Result<Response<Self::CompletionsStream>, Status> {
-        self.handle_completions(req).await
-    }
-
     async fn poll_load(
         &self,
         req: Request<PollLoadRequest>,

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 use tonic::Status;
 
 use crate::model::InstanceId;
@@ -22,6 +22,9 @@ pub(crate) struct Shared {
     pub(crate) options: EngineOptions,
     pub(super) handles: Mutex<MemoryHandles>,
     pub(super) book: Mutex<CompletionBook>,
+    /// Woken whenever a result enters the book or an instance's results leave it, for the
+    /// PollLoads that wait.
+    pub(super) ended: Notify,
     /// Completion boards of registered ranks, with the rank's layer count.
     pub(super) boards: Mutex<HashMap<RankKey, (Arc<Board>, u32)>>,
     pub(super) sessions: AtomicUsize,
@@ -75,6 +78,7 @@ impl Shared {
             let _ = self.node.unregister_instance(instance.clone()).await;
             self.handles().drop_instance(&instance);
             self.book().drop_instance(&instance);
+            self.ended.notify_waiters();
             self.boards().retain(|(i, _), _| *i != instance);
         }
         self.sessions.fetch_sub(1, Ordering::Relaxed);
