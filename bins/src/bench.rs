@@ -7,7 +7,8 @@ use anyhow::{bail, Context};
 use kvferry_actors::config::ByteSize;
 use kvferry_actors::{BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, QueryRequest};
 use kvferry_gpu::{Device, DeviceKind, KvShape};
-use kvferry_testkit::{put_pattern, DeviceKv, KvKind};
+use kvferry_harness::{put_pattern, RegisterKv};
+use kvferry_testkit::{DeviceKv, KvKind};
 use serde_json::json;
 
 #[derive(clap::Subcommand)]

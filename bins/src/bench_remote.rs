@@ -13,7 +13,8 @@ use kvferry_actors::{
     TransferReport,
 };
 use kvferry_gpu::{Device, HostDevice, KvShape};
-use kvferry_testkit::{put_pattern, DeviceKv, KvKind};
+use kvferry_harness::{put_pattern, RegisterKv};
+use kvferry_testkit::{DeviceKv, KvKind};
 use serde_json::json;
 
 #[derive(clap::Args)]
@@ -87,7 +88,7 @@ pub struct OwnerArgs {
 }
 
 pub fn owner(a: OwnerArgs) -> anyhow::Result<()> {
-    kvferry_testkit::run_owner_process(kvferry_testkit::OwnerSpec {
+    kvferry_harness::run_owner_process(kvferry_harness::OwnerSpec {
         node_id: a.node_id,
         model: "bench".into(),
         provider: Provider::parse(&a.provider)?,
@@ -451,7 +452,7 @@ impl LabTls {
     fn new() -> anyhow::Result<Self> {
         let dir = std::env::temp_dir().join(format!("kvferry-bench-tls-{}", std::process::id()));
         let ca = kvferry_testkit::LabCa::new(&dir, "kvferry bench CA")?;
-        let files = ca.issue("node", &["owner", "requester"])?;
+        let files = kvferry_harness::tls_files(ca.issue("node", &["owner", "requester"])?);
         let ctx = TlsContext::load(files).context("loading the bench certificates")?;
         Ok(Self { dir, ctx })
     }

@@ -20,6 +20,7 @@ use kvferry_actors::{
     BlockHash, InstanceId, LoadRequest, Node, NodeConfig, PutBlocks, QueryRequest,
 };
 use kvferry_gpu::{CopyDirection, CopyEvent, CopyList, Device, KvShape};
+use kvferry_harness::RegisterKv;
 use kvferry_testkit::{median, rank_part, DeviceKv, KvKind};
 use serde_json::json;
 

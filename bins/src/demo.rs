@@ -14,7 +14,8 @@ use kvferry_actors::{
     BlockHash, Clock, InstanceId, LoadRequest, Node, NodeConfig, QueryRequest, TransferReport,
 };
 use kvferry_gpu::{Device, HostDevice, KvShape};
-use kvferry_testkit::{put_pattern, DeviceKv, KvKind};
+use kvferry_harness::{put_pattern, RegisterKv};
+use kvferry_testkit::{DeviceKv, KvKind};
 use serde_json::json;
 
 #[derive(clap::Args)]

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use kvferry_testkit::harness::{free_port, promtool_check, wait_listening, RedisServer};
+use kvferry_harness::{free_port, promtool_check, wait_listening, RedisServer};
 
 fn kvferry() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvferry"))

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use kvferry_actors::BlockHash;
 use kvferry_gpu::KvShape;
+use kvferry_harness::{free_port, wait_listening};
 use kvferry_proto::v1::{LoadCompletion, LoadStatus};
-use kvferry_testkit::harness::{free_port, wait_listening};
 use kvferry_testkit::Attached;
 
 /// 4 layers x split K/V x 16 KiB: 128 KiB per block.

@@ -15,8 +15,8 @@ use kvferry_client::EngineClient;
 use kvferry_client::KvFd;
 use kvferry_client::{LoadOptions, Registration};
 use kvferry_gpu::KvShape;
+use kvferry_harness::{id, wait_listening, RedisServer};
 use kvferry_proto::shm::mailbox::{self, Mailbox, Op};
-use kvferry_testkit::harness::{id, wait_listening, RedisServer};
 use kvferry_testkit::{rank_part, MemfdKv};
 
 /// A node process, killed if the test fails before it stops it; its stderr goes to a file.

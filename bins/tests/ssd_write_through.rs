@@ -7,7 +7,7 @@ use std::time::Duration;
 use kvferry_actors::{BlockHash, LoadRequest, PutBlocks};
 use kvferry_client::{EngineClient, LoadOptions};
 use kvferry_gpu::KvShape;
-use kvferry_testkit::harness::id;
+use kvferry_harness::id;
 use kvferry_testkit::{rank_part, MemfdKv};
 
 #[path = "common/node_child.rs"]

@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use kvferry_actors::model::ModelError;
-use kvferry_actors::{BlockHash, InstanceId, LeaseId, LoadRequest, PutBlocks};
 use kvferry_client::{EngineClient, EngineClientError, EngineSession, LoadOptions};
 use kvferry_gpu::{DeviceError, KvShape};
+use kvferry_proto::api::{LoadRequest, PutBlocks};
 use kvferry_proto::v1::LoadCompletion;
+use kvferry_proto::{BlockHash, InstanceId, LeaseId, ModelError};
 
 use crate::memfd_kv::MemfdKv;
 use crate::pattern::rank_part;

@@ -2,11 +2,12 @@
 
 use std::sync::Arc;
 
-use kvferry_actors::{InstanceId, Node, NodeError, RegisterInstance};
 use kvferry_client::{PlanePlacement, RegionLayer};
 use kvferry_gpu::{
     Device, DeviceBuffer, DeviceError, GroupKind, KvLayoutSpec, KvShape, LayerLayout,
 };
+use kvferry_proto::api::RegisterInstance;
+use kvferry_proto::InstanceId;
 
 use crate::pattern::{fill_segment, CANARY};
 
@@ -317,16 +318,15 @@ impl DeviceKv {
         self.buffers.iter().map(Span::ptr).collect()
     }
 
-    /// Registers this KV as `rank` of `instance` on `node` (model `model`, dtype bf16).
-    pub async fn register(
+    /// The registration of this KV as `rank` of `instance` (model `model`, dtype bf16), its
+    /// planes at the device addresses of [`DeviceKv::spec`].
+    pub fn register_request(
         &self,
-        node: &Node,
-        instance: &str,
+        instance: &InstanceId,
         model: &str,
         rank: u32,
-    ) -> Result<InstanceId, NodeError> {
-        let instance = InstanceId::new(instance)?;
-        node.register_instance(RegisterInstance {
+    ) -> RegisterInstance {
+        RegisterInstance {
             instance: instance.clone(),
             model: model.into(),
             dtype: "bf16".into(),
@@ -334,9 +334,7 @@ impl DeviceKv {
             rank,
             device: self.device.ordinal(),
             layout: self.spec(),
-        })
-        .await?;
-        Ok(instance)
+        }
     }
 
     /// Sets every byte back to [`CANARY`] (between loads that reuse the destinations).

@@ -9,7 +9,6 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
-use kvferry_actors::tls::TlsFiles;
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa, KeyPair,
     KeyUsagePurpose,
@@ -28,6 +27,18 @@ pub enum LabTlsError {
     },
     #[error("{0:?} is before 1970")]
     Time(SystemTime),
+}
+
+/// The files of one issued certificate, as a node's `[tls]` names them (the harness turns
+/// them into the runtime's `TlsFiles`: `kvferry_harness::tls_files`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CertFiles {
+    /// The certificate, PEM.
+    pub cert: PathBuf,
+    /// Its private key, PEM (0600).
+    pub key: PathBuf,
+    /// The CA's certificate, PEM.
+    pub ca: PathBuf,
 }
 
 /// A CA whose certificate is `<dir>/ca.pem`; its key stays in memory.
@@ -100,7 +111,7 @@ impl LabCa {
 
     /// (Re)writes `<stem>.pem` and `<stem>.key`: a fresh key and a certificate naming
     /// `names` (and localhost), valid from 1975 to 4096.
-    pub fn issue(&self, stem: &str, names: &[&str]) -> Result<TlsFiles, LabTlsError> {
+    pub fn issue(&self, stem: &str, names: &[&str]) -> Result<CertFiles, LabTlsError> {
         self.issue_with(stem, names, |_| {})
     }
 
@@ -111,7 +122,7 @@ impl LabCa {
         stem: &str,
         names: &[&str],
         not_after: SystemTime,
-    ) -> Result<TlsFiles, LabTlsError> {
+    ) -> Result<CertFiles, LabTlsError> {
         let not_before = since_epoch(
             not_after
                 .min(SystemTime::now())
@@ -130,7 +141,7 @@ impl LabCa {
         stem: &str,
         names: &[&str],
         edit: impl FnOnce(&mut CertificateParams),
-    ) -> Result<TlsFiles, LabTlsError> {
+    ) -> Result<CertFiles, LabTlsError> {
         let mut sans: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
         sans.push("localhost".into());
         let mut p = CertificateParams::new(sans)?;
@@ -145,7 +156,7 @@ impl LabCa {
         edit(&mut p);
         let key = KeyPair::generate()?;
         let cert = p.signed_by(&key, &self.issuer)?;
-        let files = TlsFiles {
+        let files = CertFiles {
             cert: self.dir.join(format!("{stem}.pem")),
             key: self.dir.join(format!("{stem}.key")),
             ca: self.ca(),

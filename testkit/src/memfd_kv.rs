@@ -3,11 +3,12 @@
 
 use std::sync::Arc;
 
-use kvferry_actors::{InstanceId, RegisterInstance};
 use kvferry_client::KvFd;
 use kvferry_client::Registration;
 use kvferry_client::{EngineClient, EngineClientError, MemoryRegion, RegisterRegions};
 use kvferry_gpu::{Device, DeviceBuffer, DeviceError, KvLayoutSpec, KvShape};
+use kvferry_proto::api::RegisterInstance;
+use kvferry_proto::InstanceId;
 
 use crate::device_kv::{DeviceKv, KvKind};
 

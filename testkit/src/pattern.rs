@@ -1,7 +1,6 @@
 //! Deterministic KV contents: every byte a load writes is predictable from (block, rank,
 //! layer, segment, offset), and every byte it must not write holds [`CANARY`].
 
-use kvferry_actors::{BlockHash, InstanceId, Node, NodeError, PutBlocks};
 use kvferry_gpu::KvShape;
 
 /// The byte every untouched device byte holds.
@@ -35,28 +34,4 @@ pub fn rank_part(shape: &KvShape, block: u64, rank: u32) -> Vec<u8> {
         }
     }
     out
-}
-
-/// Puts pattern blocks `ids` (hash = pattern block = id) for `rank`, 16 blocks per call.
-pub async fn put_pattern(
-    node: &Node,
-    instance: &InstanceId,
-    shape: &KvShape,
-    rank: u32,
-    ids: std::ops::Range<u64>,
-) -> Result<(), NodeError> {
-    let ids: Vec<u64> = ids.collect();
-    for chunk in ids.chunks(16) {
-        let blocks = chunk
-            .iter()
-            .map(|&i| (BlockHash::from_u64(i), rank_part(shape, i, rank)))
-            .collect();
-        node.put_blocks(PutBlocks {
-            instance: instance.clone(),
-            rank,
-            blocks,
-        })
-        .await?;
-    }
-    Ok(())
 }

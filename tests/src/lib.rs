@@ -1,2 +1,2 @@
 //! Nothing but the integration tests (`tests/integration`); their harness is
-//! `kvferry_testkit::harness`.
+//! `kvferry_harness`.

@@ -3,7 +3,7 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use kvferry_testkit::harness::wait_listening;
+use kvferry_harness::wait_listening;
 
 /// A node process, killed if the test fails before it ends it.
 pub struct NodeChild(std::process::Child);

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvferry_actors::peer::{PeerClient, Provider};
 use kvferry_actors::{Clock, Node};
 use kvferry_gpu::KvShape;
-use kvferry_testkit::harness::*;
+use kvferry_harness::*;
 use kvferry_testkit::KvKind;
 use kvferry_transport::tcp::TcpConnector;
 use kvferry_transport::{

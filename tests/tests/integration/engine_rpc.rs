@@ -17,7 +17,7 @@ use kvferry_client::KvFd;
 use kvferry_client::{EngineClient, EngineClientError};
 use kvferry_client::{LoadOptions, Registration};
 use kvferry_gpu::{Device, HostDevice, KvShape, LayerLayout};
-use kvferry_testkit::harness::*;
+use kvferry_harness::*;
 use kvferry_testkit::{DeviceKv, KvKind, MemfdRegionsKv};
 
 const TOKEN: &str = "engine-secret";

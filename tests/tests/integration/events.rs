@@ -8,7 +8,7 @@ use kvferry_actors::events::{EventKind, EventsConfig, Medium, NodeEvent};
 use kvferry_actors::peer::{LocalCluster, Provider};
 use kvferry_actors::{BlockHash, Namespace, Node, PutBlocks};
 use kvferry_gpu::KvShape;
-use kvferry_testkit::harness::*;
+use kvferry_harness::*;
 use kvferry_testkit::{DeviceKv, KvKind};
 
 fn shape() -> KvShape {

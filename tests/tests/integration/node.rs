@@ -9,7 +9,7 @@ use kvferry_actors::{
     Clock, DirectGrant, LoadRequest, NodeConfig, NodeError, RegisterInstance, SaveRequest,
 };
 use kvferry_gpu::{GroupKind, KvShape, LayerLayout, LayoutError};
-use kvferry_testkit::harness::*;
+use kvferry_harness::*;
 use kvferry_testkit::KvKind;
 
 fn shape(layers: u32, tp: u32, segs: u32) -> KvShape {

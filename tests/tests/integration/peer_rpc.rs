@@ -20,7 +20,7 @@ use kvferry_actors::peer::{Provider, VerbsPeerEndpoint, VerbsResponder};
 use kvferry_actors::service::{self, proto, Code};
 use kvferry_actors::{BlockHash, Clock, Namespace, Node};
 use kvferry_gpu::{Device, KvShape};
-use kvferry_testkit::harness::*;
+use kvferry_harness::*;
 use kvferry_testkit::{DeviceKv, KvKind};
 
 const TOKEN: &str = "cluster-secret";

@@ -11,7 +11,7 @@ use kvferry_actors::peer::{
 use kvferry_actors::tls::{TlsContext, TlsSide};
 use kvferry_actors::{Clock, DirectGrant, Node, NodeError};
 use kvferry_gpu::{Device, HostDevice, KvShape};
-use kvferry_testkit::harness::*;
+use kvferry_harness::*;
 use kvferry_testkit::{DeviceKv, KvKind};
 
 fn shape(tp: u32) -> KvShape {
@@ -138,7 +138,7 @@ fn tls_cluster(what: &str) -> (Arc<LocalCluster>, TlsContext, std::path::PathBuf
     let dir =
         std::env::temp_dir().join(format!("kvferry-remote-tls-{what}-{}", std::process::id()));
     let ca = kvferry_testkit::LabCa::new(&dir, "remote test CA").unwrap();
-    let tls = TlsContext::load(ca.issue("nodes", &["b", "a", "c"]).unwrap()).unwrap();
+    let tls = TlsContext::load(tls_files(ca.issue("nodes", &["b", "a", "c"]).unwrap())).unwrap();
     let cluster = LocalCluster::with_tls(Provider::Tcp, tls.clone()).unwrap();
     (cluster, tls, dir)
 }
@@ -581,7 +581,7 @@ const OWNER_TP_ENV: &str = "KVFERRY_REMOTE_OWNER_TP";
 fn child_owner_process() {
     let provider = std::env::var(OWNER_ENV).expect("started by a two-process test");
     let tp = std::env::var(OWNER_TP_ENV).map_or(1, |t| t.parse().unwrap());
-    kvferry_testkit::run_owner_process(kvferry_testkit::OwnerSpec {
+    kvferry_harness::run_owner_process(kvferry_harness::OwnerSpec {
         node_id: "a".into(),
         model: "m".into(),
         provider: Provider::parse(&provider).unwrap(),

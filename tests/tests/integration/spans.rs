@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use kvferry_actors::{Clock, LoadRequest, NodeError, QueryRequest};
 
 use kvferry_gpu::KvShape;
-use kvferry_testkit::harness::*;
+use kvferry_harness::*;
 use kvferry_testkit::KvKind;
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};

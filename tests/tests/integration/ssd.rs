@@ -20,7 +20,7 @@ use kvferry_actors::{
     TransferReport,
 };
 use kvferry_gpu::{Device, HostDevice, KvShape};
-use kvferry_testkit::harness::*;
+use kvferry_harness::*;
 use kvferry_testkit::{DeviceKv, KvKind};
 
 const SLOT: u64 = 64 << 10;
@@ -1215,7 +1215,7 @@ fn write_through_does_not_acknowledge_a_block_the_full_disk_refused() {
             let mut refused = Vec::new();
             for i in 0..150u64 {
                 let r =
-                    kvferry_testkit::put_pattern(&node, &id("eng"), &shape(), 0, i..i + 1).await;
+                    kvferry_harness::put_pattern(&node, &id("eng"), &shape(), 0, i..i + 1).await;
                 if let Err(e) = r {
                     assert!(
                         matches!(

@@ -6,7 +6,7 @@ use kvferry_actors::config::{ByteSize, QuotaSection};
 use kvferry_actors::tier::cache::CacheError;
 use kvferry_actors::{BlockHash, Clock, NodeError, PutBlocks};
 use kvferry_gpu::KvShape;
-use kvferry_testkit::harness::*;
+use kvferry_harness::*;
 use kvferry_testkit::{DeviceKv, KvKind};
 
 fn put_blocks(instance: &str, shape: &KvShape, ids: std::ops::Range<u64>) -> PutBlocks {

@@ -17,7 +17,7 @@ use kvferry_actors::tls::{
 };
 use kvferry_actors::Clock;
 use kvferry_client::{EngineClient, EngineClientError, EngineTls};
-use kvferry_testkit::harness::*;
+use kvferry_harness::*;
 
 /// The testkit's lab CA in `dir`; each certificate names one node (and localhost), written
 /// as `<name>.pem` / `.key`.
@@ -33,7 +33,7 @@ impl Ca {
     }
 
     fn issue(&self, name: &str) -> TlsFiles {
-        self.0.issue(name, &[name]).unwrap()
+        tls_files(self.0.issue(name, &[name]).unwrap())
     }
 }
 

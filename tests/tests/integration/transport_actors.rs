@@ -8,7 +8,7 @@
 //! (registrations, QPs by state, completion errors) move under injected faults and the QP
 //! gauges return to zero after the drain.
 
-use kvferry_testkit::harness::{self, rt};
+use kvferry_harness::{self as harness, rt};
 use kvferry_testkit::CANARY;
 use std::net::TcpListener;
 use std::sync::Arc;

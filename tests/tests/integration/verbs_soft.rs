@@ -10,7 +10,7 @@ use kvferry_actors::peer;
 use kvferry_actors::peer::{Directory, DirectoryStats, LocalCluster, Provider};
 use kvferry_actors::{BlockHash, Clock, Namespace, Node};
 use kvferry_gpu::{Device, KvShape};
-use kvferry_testkit::harness::*;
+use kvferry_harness::*;
 use kvferry_testkit::{DeviceKv, KvKind};
 use kvferry_transport::verbs::work::wc;
 use kvferry_transport::verbs::{SoftFault, SoftOps};

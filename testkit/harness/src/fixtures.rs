@@ -1,33 +1,13 @@
-//! The integration tests' harness (`tests/tests/integration`, and the `kvferry` binary's
-//! tests): a node over a host-emulated device ([`node`], [`start`]), in-process clusters of
-//! them ([`Cluster`]), their Peer service ([`PeerServer`], [`grpc_peers`]) and engine service
-//! with its fd socket ([`EngineServer`]); instances with canaried device KV (allocated by the
-//! node's device, or held by the test in a memfd as a client without a GPU does:
-//! [`MemfdKv`]); the requests every test makes ([`query`], [`load`], [`load_and_verify`],
-//! [`expected`]); gauge checks ([`settled`], [`Cluster::settled`]); and real processes the
-//! tests start (`redis-server`, `promtool`, this test binary as a child).
-
-mod cluster;
-mod engine_server;
-mod hooked;
-mod peer_server;
-mod process;
-pub mod raw;
-
-pub use crate::attached::put_pattern_over;
-pub use cluster::Cluster;
-pub use engine_server::EngineServer;
-pub use hooked::{HookedDevice, SubmitHook};
-pub use peer_server::{grpc_peers, PeerServer};
-pub use process::{
-    free_port, promtool_check, stdin_closed, wait_listening, ChildTest, RedisServer,
-};
+//! The requests every test makes: a node over a host-emulated device ([`node`], [`start`]),
+//! instances over canaried device KV ([`register`], [`register_ranks`], [`put`]), queries and
+//! loads ([`query`], [`load`], [`load_and_verify`], [`expected`]) and gauge checks
+//! ([`settled`], [`settled_with_peers`]).
 
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{DeviceKv, KvKind};
+use crate::{put_pattern, RegisterKv};
 use kvferry_actors::config::ByteSize;
 use kvferry_actors::peer::{LocalCluster, Peers};
 use kvferry_actors::{
@@ -35,6 +15,7 @@ use kvferry_actors::{
     QueryResponse, Stats, TransferReport,
 };
 use kvferry_gpu::{Device, HostDevice, KvShape};
+use kvferry_testkit::{DeviceKv, KvKind};
 
 pub fn config(slot: u64, slots: u64) -> NodeConfig {
     let mut cfg = NodeConfig {
@@ -146,7 +127,7 @@ pub async fn put(
     rank: u32,
     ids: std::ops::Range<u64>,
 ) {
-    crate::put_pattern(node, &id(instance), shape, rank, ids)
+    put_pattern(node, &id(instance), shape, rank, ids)
         .await
         .unwrap();
 }
@@ -255,7 +236,3 @@ pub async fn settled_with_peers(node: &Node) -> Stats {
     let peer_pins = node.peer_pins().await.unwrap();
     panic!("gauges did not return to zero: {s:?}, {peer_pins} peer pins");
 }
-
-/// Host KV of a client without a GPU, as the tests play that client (a memfd with the
-/// fixture's pattern and canaries).
-pub use crate::MemfdKv;

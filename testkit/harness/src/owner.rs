@@ -7,8 +7,9 @@ use kvferry_actors::peer::{GrpcPeers, GrpcPeersConfig, Provider, StaticDirectory
 use kvferry_actors::{Clock, Node, NodeConfig, NodeError};
 use kvferry_gpu::{Device, KvShape};
 
-use crate::device_kv::{DeviceKv, KvKind};
-use crate::pattern::put_pattern;
+use kvferry_testkit::{DeviceKv, KvKind};
+
+use crate::{put_pattern, stdin_closed, RegisterKv};
 
 /// An owner node in its own process, for multi-process tests and benchmarks: it holds every
 /// rank's part of pattern blocks `blocks` of namespace `model/bf16/<shape>`, serves
@@ -99,7 +100,7 @@ pub fn run_owner_process(spec: OwnerSpec) -> Result<(), NodeError> {
         use std::io::Write;
         let _ = std::io::stdout().flush();
         // Serve until the parent closes our stdin.
-        crate::harness::stdin_closed().await;
+        stdin_closed().await;
         let _ = stop.send(());
         let _ = server.await;
         drop(kvs);
