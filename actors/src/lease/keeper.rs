@@ -22,7 +22,7 @@ use crate::lease::registry::InstanceRegistry;
 use crate::lease::table::LeaseTable;
 use crate::load::share::prepare;
 use crate::load::share::{LeasePlan, RemoteSeg};
-use crate::load::transfer::{LoadJob, Transfer};
+use crate::load::transfer::{reservation, LoadJob, Transfer};
 use crate::metrics::{Counters, InFlight};
 use crate::model::BlockHash;
 use crate::model::{InstanceId, LeaseId, Namespace};
@@ -278,7 +278,11 @@ pub struct Load(
 impl Handler<Load> for LeaseKeeper {
     type Result = Result<ReportRx, NodeError>;
 
-    fn handle(&mut self, Load(req, observer, fence): Load, _: &mut Context<Self>) -> Self::Result {
+    fn handle(
+        &mut self,
+        Load(req, observer, fence): Load,
+        ctx: &mut Context<Self>,
+    ) -> Self::Result {
         let t0 = Instant::now();
         if let Some(f) = fence {
             let now = monotonic_ns();
@@ -312,18 +316,33 @@ impl Handler<Load> for LeaseKeeper {
             });
         }
         let (tx, rx) = oneshot::channel();
-        let job = LoadJob {
+        let reserve = reservation(&plan, &share, &handle);
+        let mut job = LoadJob {
             plan,
             share,
             handle,
             store: self.store.clone(),
+            slots: Ok(Default::default()),
             route,
             observer,
             stages,
             started: t0,
             in_flight: InFlight::new(Arc::clone(&self.counters)),
         };
-        Transfer::load(job, tx).start();
+        if reserve.is_empty() {
+            Transfer::load(job, tx).start();
+            return Ok(rx);
+        }
+        // One round trip to the store for every slot the load's parts use; the transfer
+        // owns them from its start (a refusal fails it, after its local copies drained).
+        let asked = self.store.send(reserve);
+        ctx.spawn(wrap_future(asked).map(move |r, _: &mut Self, _| {
+            job.slots = match r {
+                Ok(r) => r.map_err(NodeError::from),
+                Err(e) => Err(NodeError::from(e)),
+            };
+            Transfer::load(job, tx).start();
+        }));
         Ok(rx)
     }
 }

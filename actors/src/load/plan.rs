@@ -53,8 +53,8 @@ pub struct RemotePart {
     /// Destination device blocks, in the segment's block order.
     pub dest: Vec<u32>,
     /// Direct loads: the segment's blocks scattered straight into device KV (sources are the
-    /// owner's addresses); `None` for staged loads, whose sources are slots reserved at run
-    /// time.
+    /// owner's addresses); `None` for staged loads, whose sources are pool slots reserved
+    /// with the load before its transfer starts (`tier::store::ReserveLoad`).
     pub direct: Option<CopyList>,
 }
 

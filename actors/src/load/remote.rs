@@ -7,7 +7,6 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use actix::Addr;
 use kvferry_gpu::{CopyBatch, CopyDirection, CopyOp, OwnedCopyEvent, Scatter};
 
 use crate::api::{Stage, StageName};
@@ -17,11 +16,10 @@ use crate::load::plan::RemotePart;
 use crate::load::rank::RankHandle;
 use crate::load::share::LeasePlan;
 use crate::load::transfer::PartDone;
-use crate::model::BlockHash;
 use crate::nic::stripe::{ReadRoute, StripePlan};
 use crate::peer::batches::even_batches;
 use crate::peer::link::{BoxFut, Keep, ReadStats};
-use crate::tier::store::{BlockStore, ReserveFetch};
+use crate::tier::store::{FetchGuard, FetchSlot};
 
 pub use crate::peer::batches::STAGED_CHUNK;
 
@@ -30,7 +28,8 @@ pub struct Suffix {
     pub parts: Vec<RemotePart>,
     pub share: LeasePlan,
     pub handle: Arc<RankHandle>,
-    pub store: Addr<BlockStore>,
+    /// Staged: each part's pool slots, reserved with the load when it was planned.
+    pub(crate) fetches: Vec<(Vec<FetchSlot>, FetchGuard)>,
     pub route: Option<StripePlan>,
 }
 
@@ -125,7 +124,7 @@ impl Suffix {
             parts,
             share,
             handle,
-            store,
+            fetches,
             ..
         } = self;
         let shape = handle.shape;
@@ -136,18 +135,15 @@ impl Suffix {
         let (mut wire, mut h2d, mut post) = (0.0f64, 0.0f64, 0.0f64);
         let mut bytes = 0;
         let mut copies: Vec<OwnedCopyEvent> = Vec::new();
-        for part in parts {
+        if fetches.len() != parts.len() {
+            return Err(NodeError::bad(format!(
+                "{} staged parts but {} reservations",
+                parts.len(),
+                fetches.len()
+            )));
+        }
+        for (part, (slots, guard)) in parts.into_iter().zip(fetches) {
             let seg = &share.remote[part.segment];
-            let hashes: Vec<BlockHash> = seg.blocks.iter().map(|b| b.hash).collect();
-            let (slots, guard) = store
-                .send(ReserveFetch {
-                    namespace: share.namespace.clone(),
-                    tp: shape.tp_size(),
-                    rank,
-                    block_bytes: shape.block_bytes(),
-                    hashes,
-                })
-                .await??;
             let memory = Arc::clone(guard.memory());
             // The copies out of the slots hold the pool memory and the destinations' handle
             // until they resolved; the pins stay with `guard`, released after them (below).

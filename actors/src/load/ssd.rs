@@ -34,7 +34,7 @@ use crate::load::transfer::PartDone;
 use crate::model::{BlockHash, Namespace};
 use crate::peer::link::BoxFut;
 use crate::tier::ssd::error::{ReadFailure, SsdError};
-use crate::tier::store::{BlockStore, ReadFail, ReadSsd, ReserveStaging};
+use crate::tier::store::{BlockStore, ReadFail, ReadSsd, StagingGuard};
 
 /// Everything the SSD part needs, owned (it runs as a future of the transfer).
 pub struct SsdLoad {
@@ -43,6 +43,10 @@ pub struct SsdLoad {
     pub hashes: Vec<BlockHash>,
     pub part: SsdPart,
     pub handle: Arc<RankHandle>,
+    /// The staging ring, reserved with the load when it was planned: its slots' addresses
+    /// and the guard that gives them back.
+    pub(crate) staging: (Vec<u64>, Arc<StagingGuard>),
+    /// Where the reads are asked for: the SSD tier's bookkeeping is the store's.
     pub store: Addr<BlockStore>,
     /// When the transfer started: the spans are seconds since then.
     pub started: Instant,
@@ -110,12 +114,7 @@ impl SsdLoad {
     /// after every read and copy already started has finished (errors drain first).
     async fn pipeline(self) -> Result<PartDone, NodeError> {
         let n = self.hashes.len().min(self.part.dest.len());
-        let (addrs, staging) = self
-            .store
-            .send(ReserveStaging {
-                want: self.part.staging_slots.max(1),
-            })
-            .await??;
+        let (addrs, staging) = (self.staging.0.clone(), Arc::clone(&self.staging.1));
         // Two chunks at least, so one reads while the other copies.
         let chunk = self.part.chunk.min(addrs.len() / 2).max(1);
         let sc = Scatter::new(&self.handle.shape, &self.handle.layout, self.handle.rank);

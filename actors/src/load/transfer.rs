@@ -35,7 +35,7 @@ use crate::metrics::InFlight;
 use crate::nic::stripe::StripePlan;
 use crate::peer::link::BoxFut;
 use crate::tier::pool::PoolMemory;
-use crate::tier::store::BlockStore;
+use crate::tier::store::{BlockStore, LoadSlots, ReserveLoad};
 
 /// Batches a transfer keeps queued on the device (see `Transfer::submit_ahead`).
 const SUBMIT_AHEAD: usize = 2;
@@ -226,12 +226,37 @@ pub struct TransferSpec {
     pub then: Option<Then>,
 }
 
+/// The pool slots `plan` needs, to be reserved before its transfer starts: a slot per
+/// block of each staged remote part, and the SSD part's staging ring.
+pub(crate) fn reservation(plan: &LoadPlan, share: &LeasePlan, handle: &RankHandle) -> ReserveLoad {
+    let fetches = if share.direct {
+        Vec::new()
+    } else {
+        plan.remote
+            .iter()
+            .filter_map(|p| share.remote.get(p.segment))
+            .map(|seg| seg.blocks.iter().map(|b| b.hash).collect())
+            .collect()
+    };
+    ReserveLoad {
+        namespace: share.namespace.clone(),
+        tp: handle.shape.tp_size(),
+        rank: handle.rank,
+        block_bytes: handle.shape.block_bytes(),
+        fetches,
+        staging: plan.ssd.as_ref().map(|p| p.staging_slots.max(1)),
+    }
+}
+
 /// One rank's load: its plan and what executing it needs.
 pub struct LoadJob {
     pub plan: LoadPlan,
     pub share: LeasePlan,
     pub handle: Arc<RankHandle>,
     pub store: Addr<BlockStore>,
+    /// The pool slots the staged suffix and the SSD part use, reserved when the load was
+    /// planned; a refusal fails the load before any part starts.
+    pub(crate) slots: Result<LoadSlots, NodeError>,
     pub route: Option<StripePlan>,
     pub observer: Option<Arc<dyn LoadObserver>>,
     pub stages: Vec<Stage>,
@@ -277,12 +302,21 @@ impl Transfer {
             share,
             handle,
             store,
+            slots,
             route,
             observer,
             stages,
             started,
             in_flight,
         } = job;
+        let (LoadSlots { fetches, staging }, mut refused) = match slots {
+            Ok(s) => (s, None),
+            Err(e) => (LoadSlots::default(), Some(e)),
+        };
+        if refused.is_none() && plan.ssd.is_some() && staging.is_none() {
+            // Never skipped silently: its destinations would keep stale bytes.
+            refused = Some(NodeError::bad("an SSD part without staging slots"));
+        }
         let trace = tracing::info_span!(
             "load",
             instance = %handle.instance,
@@ -294,14 +328,20 @@ impl Transfer {
         );
         use tracing::Instrument;
         let mut then: Vec<(&'static str, Then)> = Vec::new();
+        // Refused slots: no part starts (the local copies still run and drain).
+        if refused.is_some() {
+            plan.ssd = None;
+            plan.remote.clear();
+        }
         // The SSD part first: its disk reads start while the rest is set up.
-        if let Some(part) = plan.ssd.take() {
+        if let (Some(part), Some(staging)) = (plan.ssd.take(), staging) {
             let f = SsdLoad {
                 namespace: share.namespace.clone(),
                 hashes: share.ssd.iter().map(|b| b.hash).collect(),
                 part,
                 handle: Arc::clone(&handle),
-                store: store.clone(),
+                staging,
+                store,
                 started,
             }
             .run()
@@ -316,7 +356,7 @@ impl Transfer {
                 parts: remote,
                 share: share.clone(),
                 handle: Arc::clone(&handle),
-                store,
+                fetches,
                 route,
             }
             .run()
@@ -353,6 +393,7 @@ impl Transfer {
             queue: BatchQueue::new(CopyDirection::HostToDevice, device, batches, host),
             parts: Parts {
                 waiting: then,
+                error: refused,
                 ..Parts::default()
             },
             progress: Progress {

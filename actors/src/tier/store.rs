@@ -4,8 +4,9 @@
 //! transfers, and the answers of callers waiting for their blocks to be durable.
 //!
 //! Its messages, by concept: pins for leases and peers (`store/pins.rs`), puts and saves
-//! (`save.rs`), staged remote fetches (`fetch.rs`), SSD reads of loads (`ssd_read.rs`); the
-//! queries are here.
+//! (`save.rs`), a load's slots reserved once when it is planned (`reserve.rs`: staged remote
+//! fetches, `fetch.rs`, and SSD staging, `ssd_read.rs`), SSD reads of loads (`ssd_read.rs`);
+//! the queries are here.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -29,17 +30,19 @@ use crate::tier::TierError;
 mod events;
 mod fetch;
 mod pins;
+mod reserve;
 mod save;
 mod ssd_read;
 
 pub(crate) use crate::tier::policy::ReadFail;
 pub use crate::tier::policy::SsdBlock;
-pub(crate) use fetch::ReserveFetch;
+pub(crate) use fetch::{FetchGuard, FetchSlot};
 pub use pins::{PeerPinCount, PinForPeer, PinGuard, PinPrefix, PinnedPrefix, SweepPeerPins};
 pub use pins::{Unpin, UnpinForPeer};
+pub(crate) use reserve::{LoadSlots, ReserveLoad};
 pub use save::Put;
 pub(crate) use save::{Commit, ReserveSave, SaveSlots};
-pub(crate) use ssd_read::{ReadSsd, ReserveStaging};
+pub(crate) use ssd_read::{ReadSsd, StagingGuard};
 
 pub struct BlockStore {
     tiers: Tiers<SsdTier>,

@@ -386,6 +386,50 @@ fn a_failed_staged_load_returns_after_every_read_it_posted() {
     });
 }
 
+/// A staged load reserves every pool slot its parts use once, before any part starts: where
+/// the pool cannot hold its whole suffix it fails typed without reading a block (none of
+/// the suffix is fetched into B's pool), writes nothing outside its destinations, leaks
+/// nothing, and a load the pool can hold then lands byte for byte. B's 10 slots: its own 4
+/// blocks pinned by the lease, 6 free against the suffix's 8 (reserved a segment at a time,
+/// as before, A's 4 would have been read and then evicted for C's).
+#[test]
+fn a_staged_suffix_the_pool_cannot_hold_fails_before_any_read() {
+    rt().block_on(async {
+        let cluster = LocalCluster::new(Provider::Tcp);
+        let configs = [("b", 10), ("a", 32), ("c", 32)]
+            .into_iter()
+            .map(|(n, slots)| {
+                let mut cfg = kvferry_harness::config(64 << 10, slots);
+                cfg.node_id = n.into();
+                cfg
+            })
+            .collect();
+        let c = Cluster::of(cluster, configs);
+        let kv = worked_example(&c, 1).await;
+        let q = query(c.node(0), "eng", 0..12, false).await;
+        assert_eq!((q.local_blocks, q.remote_blocks), (4, 8));
+        let r = load(c.node(0), q.lease.unwrap(), "eng", 0, &DEST).await;
+        assert!(matches!(r, Err(NodeError::Cache(_))), "{r:?}");
+        kv[0].untouched_outside(&DEST).unwrap();
+        c.settled().await;
+        let q = query(c.node(0), "eng", 4..12, false).await;
+        assert_eq!(
+            (q.local_blocks, q.remote_blocks),
+            (0, 8),
+            "nothing was fetched"
+        );
+        c.node(0).release(q.lease.unwrap()).await.unwrap();
+
+        // Four remote blocks fit beside the four local ones.
+        kv[0].reset().unwrap();
+        let q = query(c.node(0), "eng", 0..8, false).await;
+        assert_eq!((q.local_blocks, q.remote_blocks), (4, 4));
+        let req = load_request(q.lease.unwrap(), "eng", 0, &DEST[..8]);
+        load_and_verify(c.node(0), &kv[0], req, 0, "a load the pool holds").await;
+        c.settled().await;
+    });
+}
+
 /// `cluster.data-lanes` sets how many connections a tcp link opens to an owner (each read
 /// by its own thread; over TLS each encrypts on its own core): a direct load cut over four
 /// lanes lands byte for byte over four connections to each owner, and the default is two.

@@ -17,18 +17,6 @@ pub(crate) struct FetchSlot {
     pub(crate) must_write: bool,
 }
 
-/// Reserves slots (class reclaimable) for a staged remote read. Replies with the slots and
-/// a guard that keeps them pinned; `FinishFetch` commits the written parts and unpins all.
-#[derive(Message)]
-#[rtype(result = "Result<(Vec<FetchSlot>, FetchGuard), TierError>")]
-pub(crate) struct ReserveFetch {
-    pub(crate) namespace: Namespace,
-    pub(crate) tp: u32,
-    pub(crate) rank: u32,
-    pub(crate) block_bytes: u64,
-    pub(crate) hashes: Vec<BlockHash>,
-}
-
 /// Pins of a staged fetch; unpins everything (committing nothing) if dropped unfinished.
 pub(crate) struct FetchGuard {
     store: Addr<BlockStore>,
@@ -70,18 +58,24 @@ impl Drop for FetchGuard {
     }
 }
 
-impl Handler<ReserveFetch> for BlockStore {
-    type Result = actix::MessageResult<ReserveFetch>;
-
-    fn handle(&mut self, m: ReserveFetch, ctx: &mut Context<Self>) -> Self::Result {
-        let reserved =
-            self.tiers
-                .reserve_fetch(&m.namespace, m.tp, m.rank, m.block_bytes, &m.hashes);
+impl BlockStore {
+    /// Reserves slots (class reclaimable) for a staged remote read of `hashes`: the slots
+    /// and a guard that keeps them pinned; its `finish` commits the written parts and
+    /// unpins all (part of [`super::ReserveLoad`]).
+    pub(super) fn reserve_fetch(
+        &mut self,
+        namespace: &Namespace,
+        tp: u32,
+        rank: u32,
+        block_bytes: u64,
+        hashes: &[BlockHash],
+        ctx: &mut Context<Self>,
+    ) -> Result<(Vec<FetchSlot>, FetchGuard), TierError> {
+        let reserved = self
+            .tiers
+            .reserve_fetch(namespace, tp, rank, block_bytes, hashes);
         self.run_effects(ctx);
-        let reserved = match reserved {
-            Ok(r) => r,
-            Err(e) => return actix::MessageResult(Err(e.into())),
-        };
+        let reserved = reserved?;
         let mut slots = Vec::with_capacity(reserved.len());
         let mut pinned = Vec::with_capacity(reserved.len());
         for (hash, slot, must_write) in reserved {
@@ -93,12 +87,12 @@ impl Handler<ReserveFetch> for BlockStore {
         }
         let guard = FetchGuard {
             store: ctx.address(),
-            namespace: m.namespace,
-            rank: m.rank,
+            namespace: namespace.clone(),
+            rank,
             pinned,
             memory: Arc::clone(self.tiers.pool().memory()),
         };
-        actix::MessageResult(Ok((slots, guard)))
+        Ok((slots, guard))
     }
 }
 

@@ -38,33 +38,27 @@ impl Drop for StagingGuard {
     }
 }
 
-/// Lends up to `want` pool slots (at least one, evicting unpinned blocks as needed) for a
-/// load's SSD reads: their addresses and the guard that gives them back.
-#[derive(Message)]
-#[rtype(result = "Result<(Vec<u64>, Arc<StagingGuard>), TierError>")]
-pub(crate) struct ReserveStaging {
-    pub(crate) want: usize,
-}
-
-impl Handler<ReserveStaging> for BlockStore {
-    type Result = actix::MessageResult<ReserveStaging>;
-
-    fn handle(&mut self, m: ReserveStaging, ctx: &mut Context<Self>) -> Self::Result {
-        let reserved = self.tiers.reserve_staging(m.want);
+impl BlockStore {
+    /// Lends up to `want` pool slots (at least one, evicting unpinned blocks as needed) for
+    /// a load's SSD reads: their addresses and the guard that gives them back (part of
+    /// [`super::ReserveLoad`]).
+    pub(super) fn reserve_staging(
+        &mut self,
+        want: usize,
+        ctx: &mut Context<Self>,
+    ) -> Result<(Vec<u64>, Arc<StagingGuard>), TierError> {
+        let reserved = self.tiers.reserve_staging(want);
         self.run_effects(ctx);
-        let slots = match reserved {
-            Ok(s) => s,
-            Err(e) => return actix::MessageResult(Err(e.into())),
-        };
+        let slots = reserved?;
         let addrs = slots.iter().map(|s| s.addr).collect();
-        actix::MessageResult(Ok((
+        Ok((
             addrs,
             Arc::new(StagingGuard {
                 store: ctx.address(),
                 slots: slots.iter().map(|s| s.slot).collect(),
                 memory: Arc::clone(self.tiers.pool().memory()),
             }),
-        )))
+        ))
     }
 }
 
