@@ -3,8 +3,8 @@
 Starts a ``kvferry node`` (``--kvferry-bin``), registers KV the way vLLM allocates it (one
 tensor per layer, FlashAttention layout, and vLLM's cross-layer blocks), saves N blocks from
 it, then times from this Python client: the query of N hashes, the load of the leased blocks
-into every third block (Load RPC to the completion seen here, from a PollLoad the node
-holds until the load ends), and the save. The baseline is
+into every third block (Load RPC to the completion seen here, on the rank's completion
+board, as vLLM's worker sees it: the board's final word, no call), and the save. The baseline is
 a raw copy of the same bytes in the same run: pinned host memory to the GPU in one piece
 (``--device cuda``), or a plain CPU copy (``--device cpu``, KV in memfds on a host node).
 
@@ -27,6 +27,8 @@ import time
 from typing import Any, Dict, List
 
 CANARY = 0xA5
+#: A board wait for this many layers returns at the load's end.
+ALL_LAYERS = 0xFFFFFFFF
 
 
 def _free_port() -> int:
@@ -118,8 +120,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 tensors = empty((nb, layers, 2, seg))
                 kv_name = "cross_layer"
             instance = f"bench-{layout}"
+            # The outcome as the engine's worker learns it: the board's final word.
+            board = c.open_board(instance, 0, 8)
             kt.register_kv(c, instance, f"bench-{layout}", tensors, kv_name, device=0,
-                           dtype_name="u8")
+                           dtype_name="u8", board=board)
+            tag = 0
             session = c.open_session([instance])
 
             planes = tensors if layout == "per_layer" else [tensors]
@@ -156,11 +161,17 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                     t1 = time.perf_counter()
                     if q["local_blocks"] != n:
                         raise SystemExit(f"query of {n} hit {q}")
-                    lid = c.load(q["lease"], instance, 0, dst)
-                    done = c.wait_load(lid, 60.0)  # answered as the load ends
+                    tag += 1
+                    lid = c.load(q["lease"], instance, 0, dst, board_slot=0, board_tag=tag)
+                    end = board.wait(0, tag, ALL_LAYERS, 60.0)
                     t2 = time.perf_counter()
-                    if not done["ok"]:
-                        raise SystemExit(f"load of {n} failed: {done}")
+                    if not end["done"]:
+                        raise SystemExit(f"load of {n}: no end on the board within 60 s")
+                    # The details (the node's own seconds; a failure's error) by a poll,
+                    # outside the timed span.
+                    done = c.poll_load(lid)
+                    if not end["ok"] or done is None or not done["ok"]:
+                        raise SystemExit(f"load of {n} failed: {end} {done}")
                     if it > 0:
                         query_s.append(t1 - t0)
                         load_s.append(t2 - t1)
