@@ -264,12 +264,22 @@ impl EngineClient {
         method: &'static str,
         fut: impl std::future::Future<Output = Result<tonic::Response<T>, Status>>,
     ) -> Result<T, EngineClientError> {
-        match tokio::time::timeout(self.deadline, fut).await {
+        self.call_within(method, self.deadline, fut).await
+    }
+
+    /// [`Self::call`] with a deadline of its own (a call the node may hold longer).
+    async fn call_within<T>(
+        &self,
+        method: &'static str,
+        deadline: Duration,
+        fut: impl std::future::Future<Output = Result<tonic::Response<T>, Status>>,
+    ) -> Result<T, EngineClientError> {
+        match tokio::time::timeout(deadline, fut).await {
             Ok(Ok(r)) => Ok(r.into_inner()),
             Ok(Err(s)) => Err(self.failed(method, s)),
             Err(_) => Err(self.failed(
                 method,
-                Status::deadline_exceeded(format!("no answer within {:?}", self.deadline)),
+                Status::deadline_exceeded(format!("no answer within {deadline:?}")),
             )),
         }
     }
@@ -602,16 +612,9 @@ impl EngineClient {
         r.set_timeout(deadline);
         self.authorize(&mut r);
         let mut raw = self.raw.clone();
-        let resp = match tokio::time::timeout(deadline, raw.poll_load(r)).await {
-            Ok(Ok(r)) => r.into_inner(),
-            Ok(Err(s)) => return Err(self.failed("PollLoad", s)),
-            Err(_) => {
-                return Err(self.failed(
-                    "PollLoad",
-                    Status::deadline_exceeded(format!("no answer within {deadline:?}")),
-                ))
-            }
-        };
+        let resp = self
+            .call_within("PollLoad", deadline, raw.poll_load(r))
+            .await?;
         match (resp.pending, resp.completion) {
             (true, None) => Ok(None),
             (false, Some(c)) if c.load_id == load_id => Ok(Some(c)),

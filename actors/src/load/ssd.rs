@@ -112,9 +112,12 @@ impl SsdLoad {
     /// chunk's reads) — is handled first, so neither the disk nor the copy engine waits for
     /// the other. On the first failure nothing more is queued, and the part returns only
     /// after every read and copy already started has finished (errors drain first).
-    async fn pipeline(self) -> Result<PartDone, NodeError> {
+    async fn pipeline(mut self) -> Result<PartDone, NodeError> {
         let n = self.hashes.len().min(self.part.dest.len());
-        let (addrs, staging) = (self.staging.0.clone(), Arc::clone(&self.staging.1));
+        let (addrs, staging) = (
+            std::mem::take(&mut self.staging.0),
+            Arc::clone(&self.staging.1),
+        );
         // Two chunks at least, so one reads while the other copies.
         let chunk = self.part.chunk.min(addrs.len() / 2).max(1);
         let sc = Scatter::new(&self.handle.shape, &self.handle.layout, self.handle.rank);
