@@ -321,7 +321,6 @@ impl Handler<Load> for LeaseKeeper {
             plan,
             share,
             handle,
-            store: self.store.clone(),
             slots: Ok(Default::default()),
             route,
             observer,

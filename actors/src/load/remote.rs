@@ -142,7 +142,10 @@ impl Suffix {
                 fetches.len()
             )));
         }
-        for (part, (slots, guard)) in parts.into_iter().zip(fetches) {
+        // Segments that landed: their parts are committed when the suffix ends (the guards
+        // drop), in one message each, not while later segments still run.
+        let mut landed = Vec::with_capacity(fetches.len());
+        for (part, (slots, mut guard)) in parts.into_iter().zip(fetches) {
             let seg = &share.remote[part.segment];
             let memory = Arc::clone(guard.memory());
             // The copies out of the slots hold the pool memory and the destinations' handle
@@ -225,7 +228,9 @@ impl Suffix {
                 return Err(e);
             }
             guard.finish();
+            landed.push(guard);
         }
+        drop(landed);
         let stages = [
             (StageName::Post, post),
             (StageName::Wire, wire),

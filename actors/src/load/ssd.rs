@@ -15,12 +15,10 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
-use actix::Addr;
-use futures::future::{select, Either};
+use futures::future::{poll_fn, select, Either};
 use kvferry_gpu::{
     CopyBatch, CopyDirection, CopyStats, DeviceError, HostSpan, OwnedCopyEvent, Scatter,
 };
@@ -31,14 +29,13 @@ use crate::load::memory::PoolGuard;
 use crate::load::plan::SsdPart;
 use crate::load::rank::RankHandle;
 use crate::load::transfer::PartDone;
-use crate::model::{BlockHash, Namespace};
+use crate::model::BlockHash;
 use crate::peer::link::BoxFut;
 use crate::tier::ssd::error::{ReadFailure, SsdError};
-use crate::tier::store::{BlockStore, ReadFail, ReadSsd, StagingGuard};
+use crate::tier::store::{ReadFail, SsdReads, StagingGuard};
 
 /// Everything the SSD part needs, owned (it runs as a future of the transfer).
 pub struct SsdLoad {
-    pub namespace: Namespace,
     /// The lease's SSD blocks, in prefix order (`part.dest` gives their destinations).
     pub hashes: Vec<BlockHash>,
     pub part: SsdPart,
@@ -46,19 +43,20 @@ pub struct SsdLoad {
     /// The staging ring, reserved with the load when it was planned: its slots' addresses
     /// and the guard that gives them back.
     pub(crate) staging: (Vec<u64>, Arc<StagingGuard>),
-    /// Where the reads are asked for: the SSD tier's bookkeeping is the store's.
-    pub store: Addr<BlockStore>,
+    /// The blocks, held on disk for this load since it was planned: the reads are queued
+    /// through it, and it tells the store how each ended when the load drops it.
+    pub(crate) reads: SsdReads,
     /// When the transfer started: the spans are seconds since then.
     pub started: Instant,
 }
 
-/// One chunk's reads in flight: its blocks, its slots and when it was queued.
+/// One chunk's reads in flight: its blocks, its slots, when it was queued, and the blocks
+/// that failed before their read could be queued.
 struct Reading {
     blocks: Range<usize>,
     slots: Vec<u64>,
-    /// Boxed: a request is not `Unpin`, and it is raced against the oldest copy.
-    reply: Pin<Box<actix::dev::Request<BlockStore, ReadSsd>>>,
     start: f64,
+    refused: Vec<(usize, ReadFail)>,
 }
 
 /// One chunk's copy to the device in flight.
@@ -71,7 +69,7 @@ struct Copying {
 
 /// What happened first: the oldest chunk's reads landed, or the oldest copy drained.
 enum Event {
-    Landed(Result<Vec<Result<(), ReadFail>>, actix::MailboxError>),
+    Landed(Vec<Result<(), ReadFail>>),
     Copied(Result<CopyStats, DeviceError>),
 }
 
@@ -140,33 +138,38 @@ impl SsdLoad {
                 }
                 let slots: Vec<u64> = p.free.drain(..k).collect();
                 let blocks = p.next..p.next + k;
-                let reads = self.hashes[blocks.clone()]
-                    .iter()
-                    .copied()
-                    .zip(slots.iter().copied())
-                    .collect();
-                let reply = Box::pin(self.store.send(ReadSsd {
-                    namespace: self.namespace.clone(),
-                    reads,
-                    staging: Arc::clone(&staging),
-                }));
+                let mut refused = Vec::new();
+                for (i, &addr) in blocks.clone().zip(&slots) {
+                    let keep = Arc::clone(&staging) as Arc<dyn Send + Sync>;
+                    if let Err(f) = self.reads.start(i, addr, keep) {
+                        refused.push((i, f));
+                    }
+                }
                 p.reading.push_back(Reading {
                     blocks,
                     slots,
-                    reply,
                     start: self.now(),
+                    refused,
                 });
                 p.next += k;
             }
             let t = Instant::now();
-            let event = match (p.reading.front_mut(), p.copying.front_mut()) {
+            let reads = &mut self.reads;
+            let event = match (p.reading.front(), p.copying.front_mut()) {
                 (None, None) => break,
-                (Some(r), None) => Event::Landed((&mut r.reply).await),
+                (Some(r), None) => {
+                    let b = r.blocks.clone();
+                    Event::Landed(poll_fn(|cx| reads.poll_ended(b.clone(), cx)).await)
+                }
                 (None, Some(c)) => Event::Copied((&mut c.copy).await),
-                (Some(r), Some(c)) => match select(&mut r.reply, &mut c.copy).await {
-                    Either::Left((o, _)) => Event::Landed(o),
-                    Either::Right((o, _)) => Event::Copied(o),
-                },
+                (Some(r), Some(c)) => {
+                    let b = r.blocks.clone();
+                    let landed = poll_fn(|cx| reads.poll_ended(b.clone(), cx));
+                    match select(std::pin::pin!(landed), &mut c.copy).await {
+                        Either::Left((o, _)) => Event::Landed(o),
+                        Either::Right((o, _)) => Event::Copied(o),
+                    }
+                }
             };
             let waited = t.elapsed().as_secs_f64();
             match event {
@@ -220,13 +223,13 @@ impl SsdLoad {
         })
     }
 
-    /// A chunk's reads are all done (the store replied after the last one): its copy is
-    /// submitted, unless a block of it (or of an earlier chunk) failed.
+    /// A chunk's reads are all done: its copy is submitted, unless a block of it (or of an
+    /// earlier chunk) failed.
     fn landed(
         &self,
         p: &mut Pipe,
-        r: Reading,
-        outcomes: Result<Vec<Result<(), ReadFail>>, actix::MailboxError>,
+        mut r: Reading,
+        mut outcomes: Vec<Result<(), ReadFail>>,
         sc: &Scatter<'_>,
         host: &HostSpan,
     ) {
@@ -235,15 +238,12 @@ impl SsdLoad {
             start: r.start,
             end: self.now(),
         });
-        let outcomes = match outcomes {
-            Ok(o) => o,
-            Err(e) => {
-                // The store is gone: its reads may still land in these slots, so they are
-                // not reused (the staging guard keeps them until then).
-                p.error.get_or_insert(e.into());
-                return;
+        // A block refused before its read was queued fails as it was refused.
+        for (i, f) in r.refused.drain(..) {
+            if let Some(o) = outcomes.get_mut(i - r.blocks.start) {
+                *o = Err(f);
             }
-        };
+        }
         for (i, o) in r.blocks.clone().zip(outcomes) {
             if let Err(f) = o {
                 p.failed.push((self.hashes[i], f.failure));

@@ -16,7 +16,7 @@ use std::task::{self, Poll};
 use std::time::Instant;
 
 use actix::fut::ActorFutureExt;
-use actix::{Actor, ActorContext, ActorFuture, Addr, AsyncContext, Context};
+use actix::{Actor, ActorContext, ActorFuture, AsyncContext, Context};
 use kvferry_gpu::{
     CopyBatch, CopyDirection, CopyList, CopyStats, Device, DeviceError, HostSpan, Landed,
     OwnedCopyEvent,
@@ -35,7 +35,7 @@ use crate::metrics::InFlight;
 use crate::nic::stripe::StripePlan;
 use crate::peer::link::BoxFut;
 use crate::tier::pool::PoolMemory;
-use crate::tier::store::{BlockStore, LoadSlots, ReserveLoad};
+use crate::tier::store::{LoadSlots, ReserveLoad, SsdSlots};
 
 /// Batches a transfer keeps queued on the device (see `Transfer::submit_ahead`).
 const SUBMIT_AHEAD: usize = 2;
@@ -245,6 +245,11 @@ pub(crate) fn reservation(plan: &LoadPlan, share: &LeasePlan, handle: &RankHandl
         block_bytes: handle.shape.block_bytes(),
         fetches,
         staging: plan.ssd.as_ref().map(|p| p.staging_slots.max(1)),
+        ssd: if plan.ssd.is_some() {
+            share.ssd.iter().map(|b| b.hash).collect()
+        } else {
+            Vec::new()
+        },
     }
 }
 
@@ -253,7 +258,6 @@ pub struct LoadJob {
     pub plan: LoadPlan,
     pub share: LeasePlan,
     pub handle: Arc<RankHandle>,
-    pub store: Addr<BlockStore>,
     /// The pool slots the staged suffix and the SSD part use, reserved when the load was
     /// planned; a refusal fails the load before any part starts.
     pub(crate) slots: Result<LoadSlots, NodeError>,
@@ -301,7 +305,6 @@ impl Transfer {
             mut plan,
             share,
             handle,
-            store,
             slots,
             route,
             observer,
@@ -309,11 +312,11 @@ impl Transfer {
             started,
             in_flight,
         } = job;
-        let (LoadSlots { fetches, staging }, mut refused) = match slots {
+        let (LoadSlots { fetches, ssd }, mut refused) = match slots {
             Ok(s) => (s, None),
             Err(e) => (LoadSlots::default(), Some(e)),
         };
-        if refused.is_none() && plan.ssd.is_some() && staging.is_none() {
+        if refused.is_none() && plan.ssd.is_some() && ssd.is_none() {
             // Never skipped silently: its destinations would keep stale bytes.
             refused = Some(NodeError::bad("an SSD part without staging slots"));
         }
@@ -334,14 +337,13 @@ impl Transfer {
             plan.remote.clear();
         }
         // The SSD part first: its disk reads start while the rest is set up.
-        if let (Some(part), Some(staging)) = (plan.ssd.take(), staging) {
+        if let (Some(part), Some(SsdSlots { staging, reads })) = (plan.ssd.take(), ssd) {
             let f = SsdLoad {
-                namespace: share.namespace.clone(),
                 hashes: share.ssd.iter().map(|b| b.hash).collect(),
                 part,
                 handle: Arc::clone(&handle),
                 staging,
-                store,
+                reads,
                 started,
             }
             .run()

@@ -53,7 +53,6 @@ mod spill;
 pub use disk::Disk;
 pub use pins::{LeasePin, SsdBlock};
 pub use promote::LocalPin;
-pub(crate) use promote::ReadFail;
 use spill::WaitingWrite;
 
 #[cfg(test)]

@@ -34,15 +34,14 @@ mod reserve;
 mod save;
 mod ssd_read;
 
-pub(crate) use crate::tier::policy::ReadFail;
 pub use crate::tier::policy::SsdBlock;
 pub(crate) use fetch::{FetchGuard, FetchSlot};
 pub use pins::{PeerPinCount, PinForPeer, PinGuard, PinPrefix, PinnedPrefix, SweepPeerPins};
 pub use pins::{Unpin, UnpinForPeer};
-pub(crate) use reserve::{LoadSlots, ReserveLoad};
+pub(crate) use reserve::{LoadSlots, ReserveLoad, SsdSlots};
 pub use save::Put;
 pub(crate) use save::{Commit, ReserveSave, SaveSlots};
-pub(crate) use ssd_read::{ReadSsd, StagingGuard};
+pub(crate) use ssd_read::{ReadFail, SsdReads, StagingGuard};
 
 pub struct BlockStore {
     tiers: Tiers<SsdTier>,

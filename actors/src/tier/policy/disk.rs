@@ -4,6 +4,7 @@
 use crate::model::BlockKey;
 use crate::tier::ssd::index::Entry;
 use crate::tier::ssd::io::{ReadInto, ReadOutcome};
+use crate::tier::ssd::port::ReadEnd;
 use crate::tier::ssd::tier::{PendingRead, PendingWrite, ReadRx, WriteRx, WriteSkip};
 use crate::tier::ssd::{SsdError, SsdMetrics, SsdTier};
 
@@ -36,6 +37,7 @@ pub trait Disk {
         into: ReadInto,
     ) -> Option<(PendingRead, Self::ReadWait)>;
     fn read_done(&mut self, r: &PendingRead, out: Option<&ReadOutcome>) -> (bool, bool);
+    fn read_ended(&mut self, r: &PendingRead, end: ReadEnd) -> bool;
     fn metrics(&self) -> &SsdMetrics;
     fn set_quotas(&mut self, rules: crate::tier::quota::QuotaRules);
 }
@@ -93,6 +95,10 @@ impl Disk for SsdTier {
 
     fn read_done(&mut self, r: &PendingRead, out: Option<&ReadOutcome>) -> (bool, bool) {
         SsdTier::read_done(self, r, out)
+    }
+
+    fn read_ended(&mut self, r: &PendingRead, end: ReadEnd) -> bool {
+        SsdTier::read_ended(self, r, end)
     }
 
     fn metrics(&self) -> &SsdMetrics {

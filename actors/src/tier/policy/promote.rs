@@ -7,10 +7,9 @@ use std::sync::Arc;
 use super::{Disk, Tiers};
 use crate::model::{BlockHash, BlockKey, Namespace};
 use crate::tier::cache::{BlockClass, Reservation, SlotRef};
-use crate::tier::ssd::error::ReadFailure;
 use crate::tier::ssd::io::{ReadInto, ReadOutcome};
+use crate::tier::ssd::port::ReadEnd;
 use crate::tier::ssd::tier::PendingRead;
-use crate::tier::ssd::SsdError;
 
 /// SSD blocks being read into RAM slots for one lookup, in prefix order. Each block's slot
 /// holds a writer pin for every rank until the read is done.
@@ -24,28 +23,6 @@ pub struct LocalPin {
     namespace: Namespace,
     parts: Vec<Option<SlotRef>>,
     promotion: Option<Promotion>,
-}
-
-/// Why one SSD block of a load was not read.
-#[derive(Debug)]
-pub(crate) struct ReadFail {
-    pub(crate) failure: ReadFailure,
-    pub(crate) source: Option<SsdError>,
-}
-
-/// SSD reads of a load begun by [`Tiers::begin_ssd_reads`].
-pub(crate) struct SsdReads {
-    out: Vec<Option<Result<(), ReadFail>>>,
-    pending: Vec<(usize, PendingRead)>,
-}
-
-impl ReadFail {
-    fn of(failure: ReadFailure) -> Self {
-        Self {
-            failure,
-            source: None,
-        }
-    }
 }
 
 impl<D: Disk> Tiers<D> {
@@ -258,84 +235,43 @@ impl<D: Disk> Tiers<D> {
         out
     }
 
-    /// Queues the reads of a lease's SSD blocks into staging slots (`(block, address)`);
-    /// each read holds its block itself (the lease's hold may go meanwhile). The driver
-    /// awaits the waits in order and hands the outcomes to [`Self::finish_ssd_reads`].
-    pub(crate) fn begin_ssd_reads(
+    /// Holds a load's SSD blocks on disk (in order; None where a block is no longer there)
+    /// until the load hands each one's [`ReadEnd`] to [`Self::end_ssd_reads`]: the load
+    /// reads them through the tier's [`crate::tier::ssd::port::ReadPort`] meanwhile, and
+    /// the lease's own hold may go first.
+    pub(crate) fn hold_ssd_reads(
         &mut self,
         ns: &Namespace,
-        reads: Vec<(BlockHash, u64)>,
-        keep: Arc<dyn Send + Sync>,
-    ) -> (SsdReads, Vec<D::ReadWait>) {
-        let cap = self.cache.pool().slot_bytes();
-        let mut r = SsdReads {
-            out: Vec::with_capacity(reads.len()),
-            pending: Vec::new(),
-        };
-        let mut waits = Vec::new();
-        for (i, (hash, addr)) in reads.into_iter().enumerate() {
-            let key = BlockKey {
-                namespace: ns.clone(),
-                hash,
-            };
-            let Some(tier) = self.ssd.as_mut() else {
-                r.out.push(Some(Err(ReadFail::of(ReadFailure::Vanished))));
-                continue;
-            };
-            // The read's own hold: the lease's may be released while the read runs.
-            let Some(e) = tier.hold(&key) else {
-                r.out.push(Some(Err(ReadFail::of(ReadFailure::Vanished))));
-                continue;
-            };
-            let into = ReadInto {
-                addr,
-                cap,
-                keep: Arc::clone(&keep),
-            };
-            match tier.read_held(&key, e, into) {
-                Some((p, wait)) => {
-                    r.out.push(None);
-                    r.pending.push((i, p));
-                    waits.push(wait);
-                }
-                None => r.out.push(Some(Err(ReadFail::of(ReadFailure::Io)))),
-            }
-        }
-        (r, waits)
+        hashes: &[BlockHash],
+    ) -> Vec<Option<PendingRead>> {
+        hashes
+            .iter()
+            .map(|&hash| {
+                let key = BlockKey {
+                    namespace: ns.clone(),
+                    hash,
+                };
+                let tier = self.ssd.as_mut()?;
+                let e = tier.hold(&key)?;
+                Some(PendingRead {
+                    key,
+                    loc: e.loc,
+                    len: e.len,
+                })
+            })
+            .collect()
     }
 
-    /// Each block's outcome, in order; damaged blocks leave the tier.
-    pub(crate) fn finish_ssd_reads(
-        &mut self,
-        r: SsdReads,
-        got: Vec<Option<ReadOutcome>>,
-    ) -> Vec<Result<(), ReadFail>> {
-        let SsdReads { mut out, pending } = r;
-        let mut gone = Vec::new();
-        for ((i, p), outcome) in pending.into_iter().zip(got) {
-            let (ok, removed) = match self.ssd.as_mut() {
-                Some(t) => t.read_done(&p, outcome.as_ref()),
-                None => (false, false),
-            };
-            if removed {
-                gone.push(p.key.clone());
-            }
-            out[i] = Some(if ok {
-                Ok(())
-            } else {
-                Err(match outcome {
-                    Some(ReadOutcome::Damaged(d)) => ReadFail::of(ReadFailure::Damaged(d)),
-                    Some(ReadOutcome::Failed(e)) => ReadFail {
-                        failure: ReadFailure::Io,
-                        source: Some(e),
-                    },
-                    _ => ReadFail::of(ReadFailure::Io),
-                })
-            });
-        }
+    /// A load's held SSD blocks, each with how its read ended: the holds end, and damaged
+    /// or unreadable blocks leave the tier and are withdrawn.
+    pub(crate) fn end_ssd_reads(&mut self, ends: Vec<(PendingRead, ReadEnd)>) {
+        let Some(tier) = self.ssd.as_mut() else {
+            return;
+        };
+        let gone = ends
+            .into_iter()
+            .filter_map(|(r, end)| tier.read_ended(&r, end).then_some(r.key))
+            .collect();
         self.withdraw(gone);
-        out.into_iter()
-            .map(|o| o.unwrap_or(Err(ReadFail::of(ReadFailure::Io))))
-            .collect()
     }
 }

@@ -11,6 +11,7 @@ use super::*;
 use crate::tier::ssd::format::Damage;
 use crate::tier::ssd::index::{Entry as SsdEntry, Loc, NoSlot, SsdIndex};
 use crate::tier::ssd::io::{ReadInto, ReadOutcome};
+use crate::tier::ssd::port::ReadEnd;
 use crate::tier::ssd::tier::{PendingRead, WriteSkip};
 use crate::tier::ssd::SsdMetrics;
 
@@ -153,6 +154,11 @@ impl Disk for FakeDisk {
                 (false, false)
             }
         }
+    }
+
+    fn read_ended(&mut self, r: &PendingRead, end: ReadEnd) -> bool {
+        let ok = matches!(end, ReadEnd::Ok | ReadEnd::NotRead);
+        self.index.end_read(&r.key, r.loc, ok)
     }
 
     fn metrics(&self) -> &SsdMetrics {
@@ -534,6 +540,62 @@ fn a_disk_eviction_withdraws_the_block_it_replaced() {
     let fx = t.take_effects();
     assert_eq!(writes(&fx), vec![key(2)]);
     assert_eq!(withdrawn(&fx), vec![h(1)], "its disk slot went to block 2");
+}
+
+/// Block 1 on the only disk slot, held for a load's read that ended as `end`.
+fn held_for_a_load(end: ReadEnd) -> Tiers<FakeDisk> {
+    let mut t = tiers(1, Some(FakeDisk::new(1)));
+    put(&mut t, &[1, 2]);
+    for w in pending(t.take_effects()) {
+        t.handle_write_done(w, Ok(()));
+    }
+    t.take_effects();
+    let mut held = t.hold_ssd_reads(&ns(), &[h(1), h(9)]);
+    assert!(held[1].is_none(), "block 9 is on no tier: nothing held");
+    let r = held.remove(0).expect("block 1 is on disk");
+    assert_eq!(r.key, key(1));
+    // Block 2 leaves RAM while the load holds block 1: the disk slot is not reused.
+    put(&mut t, &[3]);
+    let fx = t.take_effects();
+    assert!(writes(&fx).is_empty(), "the one disk slot is held");
+    assert_eq!(withdrawn(&fx), vec![h(2)], "block 2 had nowhere to go");
+    assert!(t.ssd().unwrap().contains(&key(1)));
+    t.end_ssd_reads(vec![(r, end)]);
+    t
+}
+
+#[test]
+fn a_load_holds_its_ssd_blocks_until_it_ends_and_a_damaged_one_then_leaves() {
+    let mut t = held_for_a_load(ReadEnd::Damaged(Damage::Checksum));
+    assert_eq!(withdrawn(&t.take_effects()), vec![h(1)]);
+    assert!(!t.ssd().unwrap().contains(&key(1)));
+    // The slot is free again: the next block out of RAM goes to disk.
+    put(&mut t, &[4]);
+    assert_eq!(writes(&t.take_effects()), vec![key(3)]);
+}
+
+#[test]
+fn a_held_block_a_load_did_not_read_stays_on_disk_and_its_slot_is_free_to_reuse() {
+    for end in [ReadEnd::NotRead, ReadEnd::Ok] {
+        let mut t = held_for_a_load(end);
+        assert!(withdrawn(&t.take_effects()).is_empty(), "{end:?}");
+        assert!(t.ssd().unwrap().contains(&key(1)), "{end:?}");
+        put(&mut t, &[4]);
+        let fx = t.take_effects();
+        assert_eq!(writes(&fx), vec![key(3)], "{end:?}: the hold ended");
+        assert_eq!(
+            withdrawn(&fx),
+            vec![h(1)],
+            "{end:?}: its slot went to block 3"
+        );
+    }
+}
+
+#[test]
+fn a_failed_read_of_a_held_block_drops_it_from_the_tier() {
+    let mut t = held_for_a_load(ReadEnd::Failed);
+    assert_eq!(withdrawn(&t.take_effects()), vec![h(1)]);
+    assert!(!t.ssd().unwrap().contains(&key(1)));
 }
 
 #[test]

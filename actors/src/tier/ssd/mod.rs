@@ -15,6 +15,7 @@ pub mod format;
 pub mod index;
 pub mod io;
 pub mod metrics;
+pub mod port;
 pub mod tier;
 
 pub use config::{SsdConfig, SsdDir};

@@ -20,6 +20,7 @@ use crate::tier::ssd::io::{
     open_file, AlignedBuf, Backlog, DirIo, IoMode, Op, ReadInto, ReadOutcome,
 };
 use crate::tier::ssd::metrics::{SsdDirStats, SsdMetrics, SsdStats};
+use crate::tier::ssd::port::{ReadEnd, ReadPort};
 
 struct DirHandle {
     path: PathBuf,
@@ -471,34 +472,69 @@ impl SsdTier {
         ))
     }
 
+    /// Holds `key`'s disk slot for a load that reads it later through a [`ReadPort`]; the
+    /// hold ends with [`Self::read_ended`]. None if the block is not on disk.
+    pub fn hold_read(&mut self, key: &BlockKey) -> Option<PendingRead> {
+        let e = self.hold(key)?;
+        Some(PendingRead {
+            key: key.clone(),
+            loc: e.loc,
+            len: e.len,
+        })
+    }
+
+    /// The I/O threads, for a load's reads of blocks held with [`Self::hold_read`].
+    pub fn read_port(&self) -> ReadPort {
+        ReadPort {
+            dirs: self.dirs.iter().map(|d| d.tx.clone()).collect(),
+            stride: self.stride,
+        }
+    }
+
+    /// A held block's read ended (through a [`ReadPort`]) as `end` says: the hold ends, and
+    /// a damaged or unreadable block leaves the tier (true when this removed it, to withdraw
+    /// it).
+    pub fn read_ended(&mut self, r: &PendingRead, end: ReadEnd) -> bool {
+        if end == ReadEnd::Failed {
+            tracing::warn!(dir = %self.dir_path(r.loc.dir), slot = r.loc.slot, key = ?r.key,
+                "ssd: block read failed: a miss, dropped from the tier");
+        }
+        self.end_hold(r, end)
+    }
+
     /// A queued read finished; true when its bytes are good. A damaged block leaves the
     /// tier (returns its key in `gone` when this removed it, to withdraw it).
     pub fn read_done(&mut self, r: &PendingRead, out: Option<&ReadOutcome>) -> (bool, bool) {
+        if let Some(ReadOutcome::Failed(e)) = out {
+            tracing::warn!(error = %e, "ssd: block read failed: a miss");
+        }
+        let end = out.map_or(ReadEnd::NotRead, ReadEnd::of);
+        (end == ReadEnd::Ok, self.end_hold(r, end))
+    }
+
+    fn end_hold(&mut self, r: &PendingRead, end: ReadEnd) -> bool {
         use std::sync::atomic::Ordering::Relaxed;
-        match out {
-            Some(ReadOutcome::Ok) => {
+        match end {
+            ReadEnd::Ok => {
                 self.metrics.reads.fetch_add(1, Relaxed);
                 self.metrics.read_bytes.fetch_add(r.len, Relaxed);
                 self.index.end_read(&r.key, r.loc, true);
-                (true, false)
+                false
             }
-            Some(ReadOutcome::Damaged(d)) => {
-                self.metrics.damaged(*d);
+            ReadEnd::Damaged(d) => {
+                self.metrics.damaged(d);
                 tracing::warn!(dir = %self.dir_path(r.loc.dir), slot = r.loc.slot,
                     damage = d.as_str(), key = ?r.key,
                     "ssd: damaged block on disk: a miss, dropped from the tier");
-                let gone = self.index.end_read(&r.key, r.loc, false);
-                (false, gone)
+                self.index.end_read(&r.key, r.loc, false)
             }
-            Some(ReadOutcome::Failed(e)) => {
+            ReadEnd::Failed => {
                 self.metrics.read_errors.fetch_add(1, Relaxed);
-                tracing::warn!(error = %e, "ssd: block read failed: a miss");
-                let gone = self.index.end_read(&r.key, r.loc, false);
-                (false, gone)
+                self.index.end_read(&r.key, r.loc, false)
             }
-            None => {
+            ReadEnd::NotRead => {
                 self.index.end_read(&r.key, r.loc, true);
-                (false, false)
+                false
             }
         }
     }

@@ -1,5 +1,5 @@
 //! Staged remote fetches: pool slots (class reclaimable) a remote read lands in before its
-//! copy to the device; the written parts seal and are advertised when the fetch finishes.
+//! copy to the device; the written parts seal and are advertised when the load ends.
 
 use std::sync::Arc;
 
@@ -17,26 +17,23 @@ pub(crate) struct FetchSlot {
     pub(crate) must_write: bool,
 }
 
-/// Pins of a staged fetch; unpins everything (committing nothing) if dropped unfinished.
+/// Pins of a staged fetch, released in one message when this drops: committing the written
+/// parts if [`Self::finish`] was called (they seal and are advertised once every rank has
+/// them), nothing otherwise. The load holds it until its suffix ends, so a running load does
+/// not message the store as its segments finish.
 pub(crate) struct FetchGuard {
     store: Addr<BlockStore>,
     namespace: Namespace,
     rank: u32,
     pinned: Vec<(BlockHash, bool)>,
     memory: Arc<PoolMemory>,
+    commit: bool,
 }
 
 impl FetchGuard {
-    /// Commits the written parts (they seal and are advertised once every rank has them)
-    /// and unpins every block.
-    pub(crate) fn finish(mut self) {
-        let pinned = std::mem::take(&mut self.pinned);
-        self.store.do_send(FinishFetch {
-            namespace: self.namespace.clone(),
-            rank: self.rank,
-            pinned,
-            commit: true,
-        });
+    /// Every part was written and copied: commit them when this drops.
+    pub(crate) fn finish(&mut self) {
+        self.commit = true;
     }
 
     pub(crate) fn memory(&self) -> &Arc<PoolMemory> {
@@ -52,7 +49,7 @@ impl Drop for FetchGuard {
                 namespace: self.namespace.clone(),
                 rank: self.rank,
                 pinned,
-                commit: false,
+                commit: self.commit,
             });
         }
     }
@@ -91,6 +88,7 @@ impl BlockStore {
             rank,
             pinned,
             memory: Arc::clone(self.tiers.pool().memory()),
+            commit: false,
         };
         Ok((slots, guard))
     }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use actix::{Context, Handler, Message};
 
 use super::fetch::{FetchGuard, FetchSlot};
-use super::ssd_read::StagingGuard;
+use super::ssd_read::{SsdReads, StagingGuard};
 use super::BlockStore;
 use crate::model::{BlockHash, Namespace};
 use crate::tier::TierError;
@@ -25,6 +25,8 @@ pub(crate) struct ReserveLoad {
     pub(crate) fetches: Vec<Vec<BlockHash>>,
     /// Staging slots for the SSD part (at least one); None: the load reads no SSD block.
     pub(crate) staging: Option<usize>,
+    /// The SSD part's blocks, in prefix order: held on disk for the load's reads.
+    pub(crate) ssd: Vec<BlockHash>,
 }
 
 impl ReserveLoad {
@@ -39,8 +41,16 @@ impl ReserveLoad {
 pub(crate) struct LoadSlots {
     /// One per staged segment, in the order of [`ReserveLoad::fetches`].
     pub(crate) fetches: Vec<(Vec<FetchSlot>, FetchGuard)>,
-    /// The staging slots' addresses and the guard that gives them back.
-    pub(crate) staging: Option<(Vec<u64>, Arc<StagingGuard>)>,
+    /// The SSD part's staging ring, and its blocks held on disk.
+    pub(crate) ssd: Option<SsdSlots>,
+}
+
+/// What the SSD part of a load was lent.
+pub(crate) struct SsdSlots {
+    /// The staging slots' addresses, and the guard that gives them back.
+    pub(crate) staging: (Vec<u64>, Arc<StagingGuard>),
+    /// The SSD blocks, held on disk until this drops.
+    pub(crate) reads: SsdReads,
 }
 
 impl Handler<ReserveLoad> for BlockStore {
@@ -62,7 +72,9 @@ impl BlockStore {
         ctx: &mut Context<Self>,
     ) -> Result<(), TierError> {
         if let Some(want) = m.staging {
-            slots.staging = Some(self.reserve_staging(want, ctx)?);
+            let staging = self.reserve_staging(want, ctx)?;
+            let reads = self.hold_ssd_reads(&m.namespace, &m.ssd, ctx);
+            slots.ssd = Some(SsdSlots { staging, reads });
         }
         for hashes in &m.fetches {
             let f = self.reserve_fetch(&m.namespace, m.tp, m.rank, m.block_bytes, hashes, ctx)?;
