@@ -7,6 +7,7 @@ use kvferry_gpu::{Device, DeviceSpan, KvLayout, KvShape, Scatter, SpanError};
 use tokio::sync::oneshot;
 
 use crate::model::{InstanceId, Namespace};
+use crate::peer::link::DeviceDest;
 use crate::peer::plane_regs::PlaneRegs;
 
 /// Sends once when dropped: the drain signal of a rank handle.
@@ -66,6 +67,16 @@ pub struct RankKv {
     pub shape: KvShape,
     pub layout: KvLayout,
     pub device: Arc<dyn Device>,
+}
+
+impl DeviceDest for RankHandle {
+    fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    fn plane_regs(&self) -> &PlaneRegs {
+        &self.plane_regs
+    }
 }
 
 impl RankHandle {

@@ -18,7 +18,7 @@ use crate::load::share::LeasePlan;
 use crate::load::transfer::PartDone;
 use crate::nic::stripe::{ReadRoute, StripePlan};
 use crate::peer::batches::even_batches;
-use crate::peer::link::{BoxFut, Keep, ReadStats};
+use crate::peer::link::{BoxFut, DeviceDest, ReadStats};
 use crate::tier::store::{FetchGuard, FetchSlot};
 
 pub use crate::peer::batches::STAGED_CHUNK;
@@ -84,17 +84,10 @@ impl Suffix {
             });
             next_read += seg.blocks.len();
             bytes += list.bytes();
-            let keep: Keep = Box::new(Arc::clone(&handle));
+            let dest: Arc<dyn DeviceDest> = Arc::clone(&handle) as _;
             let r = seg
                 .link
-                .read_device_routed(
-                    Arc::clone(&handle.device),
-                    list,
-                    planes.clone(),
-                    &handle.plane_regs,
-                    keep,
-                    seg_route,
-                )
+                .read_device_routed(dest, list, planes.clone(), seg_route)
                 .await?;
             total.register += r.register;
             total.post += r.post;

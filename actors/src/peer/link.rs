@@ -20,10 +20,16 @@ use crate::peer::RemoteError;
 /// many signatures that use it.
 pub type BoxFut<T> = BoxFuture<'static, T>;
 
-/// What a read into device memory keeps alive until it has fully landed (the rank handle of
-/// its destinations, their registrations). Reads into host memory land in a [`HostSpan`],
-/// whose guard is what they keep.
-pub type Keep = Box<dyn Any + Send>;
+/// Where a direct read lands: one rank's device memory, valid while this lives, and the
+/// rank's registrations of it with the NICs. A read holds it (an `Arc`) until every byte
+/// has landed or the read has drained, as a read into host memory holds its [`HostSpan`]'s
+/// guard; the load's rank handle is the one implementation.
+pub trait DeviceDest: Send + Sync + fmt::Debug {
+    /// The device the destination planes are on (direct writes are fenced on it).
+    fn device(&self) -> &Arc<dyn Device>;
+    /// The planes' registrations with verbs NICs, kept for the rank's life.
+    fn plane_regs(&self) -> &PlaneRegs;
+}
 
 /// Every op's destination `[dst, dst + len)` lies inside `into`: refused before anything is
 /// read where one does not (a local bounds check: no peer is at fault).
@@ -87,32 +93,29 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
     /// destination must lie inside ([`check_into`]); `into` (its guard: the pool memory and
     /// what pins its slots) lives until every read has landed.
     fn read_host(&self, ops: Vec<CopyOp>, into: HostSpan) -> BoxFut<Result<ReadStats, LinkError>>;
-    /// Reads owner ranges straight into device memory (`src` = owner address); `regions`
-    /// are the destination planes `(base, len)` (registered for local write where the
-    /// provider needs it; a verbs NIC's registrations are made once and kept in `held`, the
-    /// rank's); `keep` lives until the device reports the batch landed.
+    /// Reads owner ranges straight into `dest`'s device memory (`src` = owner address);
+    /// `regions` are the destination planes `(base, len)` (registered for local write where
+    /// the provider needs it; a verbs NIC's registrations are made once and kept in the
+    /// destination's [`DeviceDest::plane_regs`]); `dest` is held until the device reports
+    /// the batch landed.
     fn read_device(
         &self,
-        device: Arc<dyn Device>,
+        dest: Arc<dyn DeviceDest>,
         list: CopyList,
         regions: Vec<(u64, u64)>,
-        held: &PlaneRegs,
-        keep: Keep,
     ) -> BoxFut<Result<ReadStats, LinkError>>;
     /// [`PeerLink::read_device`] with the NIC each block's read goes through, as the
     /// planner striped them. Links with a single data path (loopback, shm, tcp) have nothing
     /// to choose and ignore it.
     fn read_device_routed(
         &self,
-        device: Arc<dyn Device>,
+        dest: Arc<dyn DeviceDest>,
         list: CopyList,
         regions: Vec<(u64, u64)>,
-        held: &PlaneRegs,
-        keep: Keep,
         route: Option<crate::nic::ReadRoute>,
     ) -> BoxFut<Result<ReadStats, LinkError>> {
         let _ = route;
-        self.read_device(device, list, regions, held, keep)
+        self.read_device(dest, list, regions)
     }
 }
 
@@ -299,7 +302,7 @@ impl PeerLink for MappedLink {
         // answer at fault; a destination outside `into` is a local bounds check.
         let view = ViewGuard {
             view: Arc::clone(&self.view),
-            _keep: Mutex::new(Box::new(())),
+            _dest: None,
         };
         let len = view.view.len;
         let spans = HostSpan::new(Arc::new(view), 0, len)
@@ -351,12 +354,11 @@ impl PeerLink for MappedLink {
 
     fn read_device(
         &self,
-        device: Arc<dyn Device>,
+        dest: Arc<dyn DeviceDest>,
         list: CopyList,
         _regions: Vec<(u64, u64)>,
-        _held: &PlaneRegs,
-        keep: Keep,
     ) -> BoxFut<Result<ReadStats, LinkError>> {
+        let device = Arc::clone(dest.device());
         let t = std::time::Instant::now();
         let registered = self.register_with(device.as_ref());
         let register = t.elapsed().as_secs_f64();
@@ -375,7 +377,7 @@ impl PeerLink for MappedLink {
         .map_err(|e| self.remote_err(e));
         let guard = ViewGuard {
             view: Arc::clone(&self.view),
-            _keep: Mutex::new(keep),
+            _dest: Some(dest),
         };
         Box::pin(async move {
             let list = prepared?;
@@ -400,11 +402,11 @@ impl PeerLink for MappedLink {
     }
 }
 
-/// An owner's mapped pool as the host side of device copies, with what the caller keeps
-/// until they have landed (the rank handle of the destinations).
+/// An owner's mapped pool as the host side of device copies, with their destination, held
+/// until they have landed.
 struct ViewGuard {
     view: Arc<MappedView>,
-    _keep: Mutex<Keep>,
+    _dest: Option<Arc<dyn DeviceDest>>,
 }
 
 // SAFETY: `[local_base, local_base + len)` is the owner's pool as mapped in this process,

@@ -11,13 +11,25 @@
 //! the rank was unregistered and the last transfer into it ended — and before its memory is
 //! let go.
 
-use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-/// One plane's registration with one NIC (whatever keeps it registered: the MR and the
-/// DMA-BUF it was made from).
-pub type PlaneRegistration = Arc<dyn Any + Send + Sync>;
+use kvferry_gpu::DmaBuf;
+use kvferry_transport::verbs::LocalMr;
+
+/// One plane's registration with one NIC, shared by the rank and the loads that read into
+/// the plane.
+pub type PlaneRegistration = Arc<NicPlane>;
+
+/// What keeps one plane registered with one NIC.
+#[derive(Debug)]
+pub enum NicPlane {
+    /// The plane exported as a DMA-BUF and registered from it. Fields drop in order: the MR
+    /// is undone before the DMA-BUF is closed.
+    DmaBuf { mr: LocalMr, buf: DmaBuf },
+    /// Host memory standing in for a GPU plane (the software verbs device only).
+    StandIn(LocalMr),
+}
 
 /// One NIC's registrations of a rank's planes, by plane `(base, len)`.
 type NicPlanes = HashMap<(u64, u64), PlaneRegistration>;
@@ -90,7 +102,9 @@ mod tests {
         let make = || -> Result<PlaneRegistration, String> {
             made.fetch_add(1, Ordering::SeqCst);
             live.fetch_add(1, Ordering::SeqCst);
-            Ok(Arc::new(Reg(Arc::clone(&live))))
+            Ok(Arc::new(NicPlane::StandIn(LocalMr::new(Reg(Arc::clone(
+                &live,
+            ))))))
         };
         let regs = PlaneRegs::default();
         let a = regs.get_or_register("mlx5_0", 0x1000, 64, make).unwrap();

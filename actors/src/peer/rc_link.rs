@@ -12,13 +12,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use actix::Addr;
-use kvferry_gpu::{CopyList, CopyOp, Device, HostSpan};
+use kvferry_gpu::{CopyList, CopyOp, HostSpan};
 use kvferry_transport::fault::{Fault, FaultyConnector};
 use kvferry_transport::tcp::TcpConnector;
 use kvferry_transport::verbs::RdmaNic;
 use kvferry_transport::{
-    CompletionStatus, Connector, DeviceSink, LinkGrant, LocalSegment, MrKey, MrTable, NodeId,
-    ReadRequest, RemoteDescriptor,
+    CompletionStatus, Connector, DeviceSink, LinkGrant, LocalSegment, MrHandle, MrKey, MrTable,
+    NodeId, ReadRequest, RemoteDescriptor,
 };
 use tokio::sync::oneshot;
 
@@ -28,8 +28,10 @@ use crate::peer::batches::{even_batches, even_reads};
 use crate::peer::bounce::{BounceSink, RingPool};
 use crate::peer::error::LinkError;
 use crate::peer::error::RemoteError;
-use crate::peer::link::{check_into, BoxFut, Control, Keep, PeerLink, PinnedRemote, ReadStats};
-use crate::peer::plane_regs::{PlaneRegistration, PlaneRegs};
+use crate::peer::link::{
+    check_into, BoxFut, Control, DeviceDest, PeerLink, PinnedRemote, ReadStats,
+};
+use crate::peer::plane_regs::{NicPlane, PlaneRegistration};
 
 /// `cluster.data-lanes` by default: how many connections a link opens to each owner (what a
 /// tcp NIC's `qps-per-peer` has always been).
@@ -146,7 +148,7 @@ impl RcLink {
     fn post(
         &self,
         batches: Vec<Vec<ReadRequest>>,
-        keep: Vec<Keep>,
+        keep: Held,
         register: f64,
         drain: Option<Arc<BounceSink>>,
     ) -> BoxFut<Result<ReadStats, LinkError>> {
@@ -302,6 +304,21 @@ impl RcLink {
     }
 }
 
+/// What a batch of reads writes into, held until every request was reported (and, for a
+/// device destination, its received bytes copied): the host span of a staged read, or a
+/// direct read's destination with its memory-table handles and NIC registrations (fields
+/// drop in order: the table's handles before the NICs').
+enum Held {
+    Host {
+        _into: HostSpan,
+    },
+    Device {
+        _dest: Arc<dyn DeviceDest>,
+        _mrs: Vec<MrHandle>,
+        _nic_mrs: Vec<PlaneRegistration>,
+    },
+}
+
 impl PeerLink for RcLink {
     fn node_id(&self) -> &str {
         &self.node_id
@@ -355,17 +372,17 @@ impl PeerLink for RcLink {
                 }],
             })
             .collect();
-        self.post(vec![reads], vec![Box::new(into)], 0.0, None)
+        self.post(vec![reads], Held::Host { _into: into }, 0.0, None)
     }
 
     fn read_device(
         &self,
-        device: Arc<dyn Device>,
+        dest: Arc<dyn DeviceDest>,
         list: CopyList,
         regions: Vec<(u64, u64)>,
-        held: &PlaneRegs,
-        keep: Keep,
     ) -> BoxFut<Result<ReadStats, LinkError>> {
+        let device = Arc::clone(dest.device());
+        let held = dest.plane_regs();
         let t = std::time::Instant::now();
         // Register the destination planes for local write for this load only; the handles
         // live until the batch has drained, then deregistration completes.
@@ -394,14 +411,13 @@ impl PeerLink for RcLink {
                             let r = nic
                                 .register_device(buf.fd(), offset, *len, *base)
                                 .map_err(|e| e.to_string())?;
-                            // The MR is undone before the DMA-BUF is closed (tuple order).
-                            Ok(Arc::new((r, buf)))
+                            Ok(Arc::new(NicPlane::DmaBuf { mr: r, buf }))
                         }
                         // Host memory standing in for a GPU (the software verbs device
                         // only; a real NIC refuses and the load fails as before).
                         Err(e) => nic
                             .register_host_local(*base, *len)
-                            .map(|r| Arc::new(r) as PlaneRegistration)
+                            .map(|r| Arc::new(NicPlane::StandIn(r)))
                             .map_err(|h| format!("{e}; {h}")),
                     }
                 };
@@ -503,7 +519,11 @@ impl PeerLink for RcLink {
         // The NIC registrations drop after the table's (the batch has drained by then).
         self.post(
             batches,
-            vec![keep, Box::new(mrs), Box::new(nic_mrs)],
+            Held::Device {
+                _dest: dest,
+                _mrs: mrs,
+                _nic_mrs: nic_mrs,
+            },
             t.elapsed().as_secs_f64(),
             Some(bounce),
         )

@@ -12,9 +12,9 @@
 //! `direct_gpu`. The code compiles in every build; the rdma-core calls behind it are the
 //! transport's, under its `verbs` feature.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use kvferry_gpu::{CopyList, CopyOp, Device, HostSpan};
+use kvferry_gpu::{CopyList, CopyOp, HostSpan};
 use kvferry_transport::verbs::registration::KeyMap;
 use kvferry_transport::verbs::{EndpointExchange, QpEndpoint};
 use kvferry_transport::{ConnectionError, MrKey, NodeId, QpKey};
@@ -27,8 +27,7 @@ use crate::nic::ReadRoute;
 use crate::peer::client::{PeerClient, PeerInfo};
 use crate::peer::endpoint::{check_announced, VerbsPeerEndpoint};
 use crate::peer::error::LinkError;
-use crate::peer::link::{BoxFut, Keep, PeerLink, PinnedRemote, ReadStats};
-use crate::peer::plane_regs::PlaneRegs;
+use crate::peer::link::{BoxFut, DeviceDest, PeerLink, PinnedRemote, ReadStats};
 use crate::peer::rc_link::RcLink;
 
 /// An announced port as the Peer RPC carries it (no QPs, slots or regions).
@@ -307,42 +306,36 @@ impl PeerLink for VerbsLink {
 
     fn read_device(
         &self,
-        device: Arc<dyn Device>,
+        dest: Arc<dyn DeviceDest>,
         list: CopyList,
         regions: Vec<(u64, u64)>,
-        held: &PlaneRegs,
-        keep: Keep,
     ) -> BoxFut<Result<ReadStats, LinkError>> {
-        self.links[0].read_device(device, list, regions, held, keep)
+        self.links[0].read_device(dest, list, regions)
     }
 
     fn read_device_routed(
         &self,
-        device: Arc<dyn Device>,
+        dest: Arc<dyn DeviceDest>,
         list: CopyList,
         regions: Vec<(u64, u64)>,
-        held: &PlaneRegs,
-        keep: Keep,
         route: Option<ReadRoute>,
     ) -> BoxFut<Result<ReadStats, LinkError>> {
         let parts = route
             .as_ref()
             .and_then(|r| split_by_route(&list, r, &self.nics));
         let Some(mut parts) = parts else {
-            return self.read_device(device, list, regions, held, keep);
+            return self.read_device(dest, list, regions);
         };
         if parts.len() == 1 {
             // One NIC carries it all: the one the route chose, not the first link.
             let (link, part) = parts.remove(0);
-            return self.links[link].read_device(device, part, regions, held, keep);
+            return self.links[link].read_device(dest, part, regions);
         }
-        // Every part holds the caller's guards until the last one has landed.
-        let keep = Arc::new(Mutex::new(keep));
+        // Every part holds the destination until it has landed or drained.
         let reads: Vec<_> = parts
             .into_iter()
             .map(|(link, part)| {
-                let k: Keep = Box::new(Arc::clone(&keep));
-                self.links[link].read_device(Arc::clone(&device), part, regions.clone(), held, k)
+                self.links[link].read_device(Arc::clone(&dest), part, regions.clone())
             })
             .collect();
         Box::pin(async move {
@@ -363,7 +356,7 @@ impl PeerLink for VerbsLink {
                     }
                 }
             }
-            drop(keep);
+            drop(dest);
             match first_err {
                 Some(e) => Err(e),
                 None => Ok(total),

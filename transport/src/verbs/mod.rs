@@ -33,8 +33,8 @@ pub use capability::{probe, VerbsCapability};
 pub use config::{VerbsConfig, VerbsConfigError};
 pub use gid::{choose_address, GidError, PortAddress, PortInfo};
 pub use nic::{
-    compiled, open_nic, register_host_split, AcceptError, ChunkMr, EndpointExchange, NicHostMr,
-    NicLimits, NicOpenError, RdmaNic, RegistrarError,
+    compiled, open_nic, register_host_split, AcceptError, ChunkMr, EndpointExchange, LocalMr,
+    NicHostMr, NicLimits, NicOpenError, RdmaNic, RegistrarError,
 };
 pub use ops::{is_soft_name, VerbsOps};
 pub use qp_attrs::QpEndpoint;

@@ -113,6 +113,27 @@ impl ChunkMr {
     }
 }
 
+/// A NIC registration of memory for local write only (a GPU plane's DMA-BUF, or host memory
+/// standing in for one on the software device); dropping it deregisters the memory.
+pub struct LocalMr {
+    _hold: Box<dyn Any + Send + Sync>,
+}
+
+impl LocalMr {
+    /// `hold` owns the registration until dropped.
+    pub fn new(hold: impl Any + Send + Sync) -> Self {
+        LocalMr {
+            _hold: Box::new(hold),
+        }
+    }
+}
+
+impl std::fmt::Debug for LocalMr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalMr").finish_non_exhaustive()
+    }
+}
+
 impl std::fmt::Debug for ChunkMr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChunkMr")
@@ -161,11 +182,7 @@ pub trait RdmaNic: Send + Sync {
 
     /// Registers host memory standing in for device memory (local write only): only the
     /// software device does, for tests of direct loads without a GPU.
-    fn register_host_local(
-        &self,
-        addr: u64,
-        len: u64,
-    ) -> Result<Box<dyn Any + Send + Sync>, RegistrarError> {
+    fn register_host_local(&self, addr: u64, len: u64) -> Result<LocalMr, RegistrarError> {
         let _ = (addr, len);
         Err(RegistrarError::Unavailable {
             nic: self.name().to_string(),
@@ -188,7 +205,7 @@ pub trait RdmaNic: Send + Sync {
         offset: u64,
         len: u64,
         iova: u64,
-    ) -> Result<Box<dyn Any + Send + Sync>, RegistrarError> {
+    ) -> Result<LocalMr, RegistrarError> {
         let _ = (fd, offset, len, iova);
         Err(RegistrarError::Unavailable {
             nic: self.name().to_string(),

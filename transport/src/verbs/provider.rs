@@ -246,9 +246,9 @@ impl super::nic::RdmaNic for VerbsNic {
         offset: u64,
         len: u64,
         iova: u64,
-    ) -> Result<Box<dyn std::any::Any + Send + Sync>, super::nic::RegistrarError> {
+    ) -> Result<super::nic::LocalMr, super::nic::RegistrarError> {
         self.register_dmabuf(fd, offset, len, iova)
-            .map(|r| Box::new(r) as Box<dyn std::any::Any + Send + Sync>)
+            .map(super::nic::LocalMr::new)
             .map_err(|e| super::nic::RegistrarError::Unavailable {
                 nic: self.inner.device.name().to_string(),
                 reason: e.to_string(),
@@ -259,7 +259,7 @@ impl super::nic::RdmaNic for VerbsNic {
         &self,
         addr: u64,
         len: u64,
-    ) -> Result<Box<dyn std::any::Any + Send + Sync>, super::nic::RegistrarError> {
+    ) -> Result<super::nic::LocalMr, super::nic::RegistrarError> {
         if self.inner.device.ops().kind() != "soft" {
             // Only the software device stands host memory in for device memory.
             return Err(super::nic::RegistrarError::Unavailable {
@@ -270,7 +270,7 @@ impl super::nic::RdmaNic for VerbsNic {
         self.inner
             .device
             .register_local_range(addr, len, &self.cfg)
-            .map(|r| Box::new(r) as Box<dyn std::any::Any + Send + Sync>)
+            .map(super::nic::LocalMr::new)
             .map_err(|e| super::nic::RegistrarError::Unavailable {
                 nic: self.inner.device.name().to_string(),
                 reason: e.to_string(),
