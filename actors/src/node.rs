@@ -19,7 +19,7 @@ use crate::fence::Fence;
 use crate::lease::keeper::{
     self, LeaseKeeper, LeaseStats, Load, Query, Release, ReleaseInstance, Sweep,
 };
-use crate::lease::registry::{self, CountInstances, GetRank, InstanceRegistry};
+use crate::lease::registry::{self, CountInstances, GetRank, InstanceRegistry, RankHandle};
 use crate::metrics::Counters;
 use crate::model::{BlockHash, InstanceId, LeaseId, Namespace};
 use crate::peer::link::BoxFut;
@@ -318,13 +318,7 @@ impl Node {
     ) -> Result<(), NodeError> {
         match rank {
             Some(rank) => {
-                self.inner
-                    .keeper
-                    .send(GetRank {
-                        instance: instance.clone(),
-                        rank,
-                    })
-                    .await??;
+                self.rank(instance.clone(), rank).await?;
             }
             None => {
                 self.inner
@@ -362,6 +356,11 @@ impl Node {
         Ok(released)
     }
 
+    /// The handle of a registered rank (`NotFound` if there is none).
+    async fn rank(&self, instance: InstanceId, rank: u32) -> Result<Arc<RankHandle>, NodeError> {
+        self.inner.keeper.send(GetRank { instance, rank }).await?
+    }
+
     /// Puts one rank's bytes of whole blocks from host memory. With `ssd.write-through`,
     /// answered once the blocks it sealed are on disk ([`NodeError::NotDurable`] if not).
     pub async fn put_blocks(&self, req: PutBlocks) -> Result<StoreReport, NodeError> {
@@ -375,14 +374,7 @@ impl Node {
         req: PutBlocks,
         fence: Option<Fence>,
     ) -> Result<StoreReport, NodeError> {
-        let handle = self
-            .inner
-            .keeper
-            .send(GetRank {
-                instance: req.instance,
-                rank: req.rank,
-            })
-            .await??;
+        let handle = self.rank(req.instance, req.rank).await?;
         Ok(self
             .inner
             .store
@@ -410,14 +402,7 @@ impl Node {
         req: SaveRequest,
         fence: Option<Fence>,
     ) -> Result<StoreReport, NodeError> {
-        let handle = self
-            .inner
-            .keeper
-            .send(GetRank {
-                instance: req.instance,
-                rank: req.rank,
-            })
-            .await??;
+        let handle = self.rank(req.instance, req.rank).await?;
         let args = crate::load::save::SaveArgs {
             handle,
             hashes: req.hashes,

@@ -5,6 +5,7 @@
 use std::error::Error as _;
 
 use kvferry_client::proto::shm::mailbox::MailboxError;
+use kvferry_client::proto::shm::ShmError;
 use kvferry_client::{Code, EngineClientError};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -27,7 +28,9 @@ pub fn client(py: Python<'_>, method: &str, e: &EngineClientError) -> PyErr {
         // This process could not make its mailbox (memory, descriptors); anything else the
         // mailbox says is a broken answer.
         EngineClientError::Mailbox {
-            source: MailboxError::Os { .. },
+            source: MailboxError::Shm {
+                source: ShmError::Os { .. },
+            },
             ..
         } => ("call", "RESOURCE_EXHAUSTED"),
         EngineClientError::Mailbox { .. } => ("call", "INTERNAL"),

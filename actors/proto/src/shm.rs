@@ -5,3 +5,5 @@
 pub mod board;
 pub mod mailbox;
 mod shared_map;
+
+pub use shared_map::ShmError;

@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use super::shared_map::{futex_wake, poll_then_sleep, MapError, OsError, SharedMap};
+use super::shared_map::{futex_wake, poll_then_sleep, SharedMap, ShmError};
 
 pub const MAGIC: u32 = 0x4246_564b;
 /// The board layout and word this build writes and reads (2: a failed slot's count is its
@@ -160,37 +160,12 @@ pub enum BoardError {
     SlotRange { slot: u32, slots: u32 },
     #[error("slot {slot} still shows a running load (tag {tag})")]
     SlotBusy { slot: u32, tag: u32 },
-    /// The memfd could shrink under the node's mapping (a fault the node cannot catch), and
-    /// it cannot be sealed: refused.
-    #[error("the completion board memfd cannot be kept from shrinking: {source}")]
-    Unsealable {
-        #[source]
-        source: kvferry_gpu::memfd::SealError,
+    /// Its memfd could not be made or mapped, or could shrink under the node's mapping.
+    #[error("the completion board memfd")]
+    Shm {
+        #[from]
+        source: ShmError,
     },
-    #[error("{call} failed")]
-    Os {
-        call: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
-}
-
-impl From<MapError> for BoardError {
-    fn from(e: MapError) -> Self {
-        match e {
-            MapError::Os(e) => e.into(),
-            MapError::Unsealable(source) => BoardError::Unsealable { source },
-        }
-    }
-}
-
-impl From<OsError> for BoardError {
-    fn from(e: OsError) -> Self {
-        BoardError::Os {
-            call: e.call,
-            source: e.source,
-        }
-    }
 }
 
 /// Bytes of a board with `slots` slots.

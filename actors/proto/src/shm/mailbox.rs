@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use super::shared_map::{futex_wait, futex_wake, poll_then_sleep, MapError, OsError, SharedMap};
+use super::shared_map::{futex_wait, futex_wake, poll_then_sleep, SharedMap, ShmError};
 
 pub const MAGIC: u32 = 0x4d46_564b;
 pub const VERSION: u32 = 1;
@@ -120,37 +120,12 @@ pub enum MailboxError {
     TimedOut { op: &'static str, waited: Duration },
     #[error("the node answered with a length of {len} bytes, past the slot")]
     BadAnswer { len: u32 },
-    /// The memfd could shrink under the node's mapping (a fault the node cannot catch), and
-    /// it cannot be sealed: refused.
-    #[error("the request mailbox memfd cannot be kept from shrinking: {source}")]
-    Unsealable {
-        #[source]
-        source: kvferry_gpu::memfd::SealError,
+    /// Its memfd could not be made or mapped, or could shrink under the node's mapping.
+    #[error("the request mailbox memfd")]
+    Shm {
+        #[from]
+        source: ShmError,
     },
-    #[error("{call} failed")]
-    Os {
-        call: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
-}
-
-impl From<MapError> for MailboxError {
-    fn from(e: MapError) -> Self {
-        match e {
-            MapError::Os(e) => e.into(),
-            MapError::Unsealable(source) => MailboxError::Unsealable { source },
-        }
-    }
-}
-
-impl From<OsError> for MailboxError {
-    fn from(e: OsError) -> Self {
-        MailboxError::Os {
-            call: e.call,
-            source: e.source,
-        }
-    }
 }
 
 /// Bytes of a mailbox of `slots` slots of `slot_bytes` each.
@@ -617,7 +592,15 @@ mod tests {
         // A memfd that could shrink under the node's mapping, and cannot be sealed.
         let e = Mailbox::open(memfd(MemfdFlags::CLOEXEC), mailbox_bytes(2, MIN_SLOT_BYTES))
             .unwrap_err();
-        assert!(matches!(e, MailboxError::Unsealable { .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                MailboxError::Shm {
+                    source: ShmError::Unsealable { .. }
+                }
+            ),
+            "{e}"
+        );
         assert!(e.to_string().contains("request mailbox"), "{e}");
         for (slots, bytes) in [
             (0, MIN_SLOT_BYTES),

@@ -11,32 +11,35 @@ use std::time::{Duration, Instant};
 use rustix::mm::{MapFlags, ProtFlags};
 use rustix::thread::futex;
 
-/// A failed system call, with its name.
-#[derive(Debug)]
-pub(crate) struct OsError {
-    pub call: &'static str,
-    pub source: std::io::Error,
+/// Why a memfd shared with the node could not be made or mapped: a failed call, or a file
+/// that could shrink under the mapping. Boards and mailboxes report it as their own.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShmError {
+    #[error("{call} failed")]
+    Os {
+        call: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Not sealed against shrinking, and it cannot be (a shrunk file faults its mappings, a
+    /// fault the node cannot catch): refused.
+    #[error("the memfd cannot be kept from shrinking")]
+    Unsealable {
+        #[source]
+        source: kvferry_gpu::memfd::SealError,
+    },
 }
 
-fn os(call: &'static str) -> impl FnOnce(rustix::io::Errno) -> OsError {
-    move |e| OsError {
+fn os(call: &'static str) -> impl FnOnce(rustix::io::Errno) -> ShmError {
+    move |e| ShmError::Os {
         call,
         source: e.into(),
     }
 }
 
-/// Why a memfd was not mapped: a failed call, or a file that could shrink under the mapping.
-#[derive(Debug)]
-pub(crate) enum MapError {
-    Os(OsError),
-    /// Not sealed against shrinking, and it cannot be (a shrunk file faults its mappings).
-    Unsealable(kvferry_gpu::memfd::SealError),
-}
-
-impl From<OsError> for MapError {
-    fn from(e: OsError) -> Self {
-        MapError::Os(e)
-    }
+fn unsealable(source: kvferry_gpu::memfd::SealError) -> ShmError {
+    ShmError::Unsealable { source }
 }
 
 /// A shared mapping of a whole memfd. Unmapped on drop.
@@ -57,7 +60,7 @@ unsafe impl Sync for SharedMap {}
 impl SharedMap {
     /// A new zeroed memfd of `len` bytes, sealed against shrinking and mapped (the client
     /// side: the node maps what it is sent, and it must not be able to shrink under the node).
-    pub(crate) fn create(name: &str, len: u64) -> Result<Self, MapError> {
+    pub(crate) fn create(name: &str, len: u64) -> Result<Self, ShmError> {
         let fd = rustix::fs::memfd_create(
             name,
             rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
@@ -70,8 +73,8 @@ impl SharedMap {
     /// Seals `fd` against shrinking (the node side, before it checks the size: a size read
     /// before the seal could be gone by the time the mapping is touched) and returns the size
     /// of the file, which it now keeps.
-    pub(crate) fn sealed_len(fd: &OwnedFd) -> Result<u64, MapError> {
-        kvferry_gpu::memfd::seal_against_shrinking(fd.as_fd()).map_err(MapError::Unsealable)?;
+    pub(crate) fn sealed_len(fd: &OwnedFd) -> Result<u64, ShmError> {
+        kvferry_gpu::memfd::seal_against_shrinking(fd.as_fd()).map_err(unsealable)?;
         let st = rustix::fs::fstat(fd).map_err(os("fstat"))?;
         Ok(u64::try_from(st.st_size).unwrap_or(0))
     }
@@ -79,12 +82,12 @@ impl SharedMap {
     /// Maps the first `len` bytes of `fd`, which the caller checked the file holds. The file
     /// is sealed against shrinking first, whoever maps it: every mapping this type makes stays
     /// backed for its whole life, so no access through it can fault.
-    pub(crate) fn map(fd: OwnedFd, len: u64) -> Result<Self, MapError> {
-        kvferry_gpu::memfd::seal_against_shrinking(fd.as_fd()).map_err(MapError::Unsealable)?;
+    pub(crate) fn map(fd: OwnedFd, len: u64) -> Result<Self, ShmError> {
+        kvferry_gpu::memfd::seal_against_shrinking(fd.as_fd()).map_err(unsealable)?;
         let n = usize::try_from(len)
             .ok()
             .filter(|n| *n > 0)
-            .ok_or_else(|| OsError {
+            .ok_or_else(|| ShmError::Os {
                 call: "mmap",
                 source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
             })?;
@@ -101,7 +104,7 @@ impl SharedMap {
             )
         }
         .map_err(os("mmap"))?;
-        let base = NonNull::new(p.cast::<u8>()).ok_or_else(|| OsError {
+        let base = NonNull::new(p.cast::<u8>()).ok_or_else(|| ShmError::Os {
             call: "mmap",
             source: std::io::Error::from(std::io::ErrorKind::AddrNotAvailable),
         })?;
@@ -246,11 +249,11 @@ mod tests {
         rustix::fs::ftruncate(&fd, 8192).unwrap();
         assert!(matches!(
             SharedMap::sealed_len(&fd),
-            Err(MapError::Unsealable(_))
+            Err(ShmError::Unsealable { .. })
         ));
         assert!(matches!(
             SharedMap::map(fd, 8192),
-            Err(MapError::Unsealable(_))
+            Err(ShmError::Unsealable { .. })
         ));
     }
 }

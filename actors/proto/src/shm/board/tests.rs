@@ -312,7 +312,15 @@ fn bad_boards_are_refused() {
     ));
     // A memfd that could shrink under the node's mapping, and cannot be sealed.
     let e = Board::open(memfd(MemfdFlags::CLOEXEC), board_bytes(4)).unwrap_err();
-    assert!(matches!(e, BoardError::Unsealable { .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            BoardError::Shm {
+                source: ShmError::Unsealable { .. }
+            }
+        ),
+        "{e}"
+    );
     assert!(e.to_string().contains("completion board"), "{e}");
     assert!(matches!(
         Board::create(0),
