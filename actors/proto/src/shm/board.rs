@@ -161,7 +161,7 @@ pub enum BoardError {
     #[error("slot {slot} still shows a running load (tag {tag})")]
     SlotBusy { slot: u32, tag: u32 },
     /// Its memfd could not be made or mapped, or could shrink under the node's mapping.
-    #[error("the completion board memfd")]
+    #[error("the completion board memfd: {source}")]
     Shm {
         #[from]
         source: ShmError,

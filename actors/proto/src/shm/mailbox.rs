@@ -121,7 +121,7 @@ pub enum MailboxError {
     #[error("the node answered with a length of {len} bytes, past the slot")]
     BadAnswer { len: u32 },
     /// Its memfd could not be made or mapped, or could shrink under the node's mapping.
-    #[error("the request mailbox memfd")]
+    #[error("the request mailbox memfd: {source}")]
     Shm {
         #[from]
         source: ShmError,
