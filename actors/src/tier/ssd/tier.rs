@@ -472,18 +472,7 @@ impl SsdTier {
         ))
     }
 
-    /// Holds `key`'s disk slot for a load that reads it later through a [`ReadPort`]; the
-    /// hold ends with [`Self::read_ended`]. None if the block is not on disk.
-    pub fn hold_read(&mut self, key: &BlockKey) -> Option<PendingRead> {
-        let e = self.hold(key)?;
-        Some(PendingRead {
-            key: key.clone(),
-            loc: e.loc,
-            len: e.len,
-        })
-    }
-
-    /// The I/O threads, for a load's reads of blocks held with [`Self::hold_read`].
+    /// The I/O threads, for a load's reads of blocks it holds ([`Self::hold`]).
     pub fn read_port(&self) -> ReadPort {
         ReadPort {
             dirs: self.dirs.iter().map(|d| d.tx.clone()).collect(),
