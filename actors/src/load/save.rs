@@ -2,10 +2,13 @@
 //! layout). The store reserves the slots and seals them once the copies are done; the copies
 //! run as a [`Transfer`] on the store's save arbiter, never on the store's thread.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{ready, Context, Poll};
 use std::time::Instant;
 
-use actix::{Actor, Addr};
+use actix::{Actor, Addr, ArbiterHandle};
 use kvferry_gpu::{CopyDirection, CopyList};
 use tokio::sync::oneshot;
 
@@ -72,29 +75,57 @@ pub(crate) async fn save(
         return Ok(report);
     }
     let plan = t0.elapsed().as_secs_f64();
-    // From here the save runs to its end on the arbiter whatever the caller does: a caller
-    // that gives up (its call's deadline drops this future) must neither free the slots
-    // while the copies still write them nor skip the commit that sees its fence passed and
-    // counts the save abandoned.
-    let (done_tx, done_rx) = oneshot::channel();
+    // From here the save runs to its end whatever the caller does: a caller that gives up
+    // (its call's deadline drops this future) must neither free the slots while the copies
+    // still write them nor skip the commit that sees its fence passed and counts the save
+    // abandoned. It is polled here, so a save that is awaited costs no thread wake; only one
+    // dropped before its end moves to the save arbiter.
     let arbiter = reserved.arbiter.clone();
-    let rest = finish(
-        store.clone(),
-        Arc::clone(counters),
-        m,
-        reserved,
-        report,
-        plan,
-        t0,
-    );
-    if !arbiter.spawn(async move {
-        let _ = done_tx.send(rest.await);
-    }) {
-        return Err(NodeError::Stopped { what: "save" });
+    RunToEnd {
+        fut: Some(Box::pin(finish(
+            store.clone(),
+            Arc::clone(counters),
+            m,
+            reserved,
+            report,
+            plan,
+            t0,
+        ))),
+        arbiter,
     }
-    done_rx
-        .await
-        .map_err(|_| NodeError::Stopped { what: "save" })?
+    .await
+}
+
+/// A future that is finished even if its awaiter drops it: polled in place while awaited,
+/// handed to `arbiter` (its output discarded) if dropped before its end.
+struct RunToEnd<T: Send + 'static> {
+    fut: Option<Pin<Box<dyn Future<Output = T> + Send>>>,
+    arbiter: ArbiterHandle,
+}
+
+impl<T: Send + 'static> Future for RunToEnd<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let Some(fut) = self.fut.as_mut() else {
+            // Polled again after its end: nothing more will come.
+            return Poll::Pending;
+        };
+        let out = ready!(fut.as_mut().poll(cx));
+        self.fut = None;
+        Poll::Ready(out)
+    }
+}
+
+impl<T: Send + 'static> Drop for RunToEnd<T> {
+    fn drop(&mut self) {
+        if let Some(fut) = self.fut.take() {
+            // A stopped arbiter drops it here: its guards abort the reservations.
+            let _ = self.arbiter.spawn(async move {
+                let _ = fut.await;
+            });
+        }
+    }
 }
 
 /// The copies, then the commit (which checks the fence) and, with write-through, the wait
