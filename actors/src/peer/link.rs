@@ -90,7 +90,7 @@ pub trait PeerLink: Send + Sync + fmt::Debug {
     /// Releases a pin (control: fire and forget).
     fn unpin(&self, pin_id: u64);
     /// Reads `(owner address → local host address, len)` ranges into `into`, which every
-    /// destination must lie inside ([`check_into`]); `into` (its guard: the pool memory and
+    /// destination must lie inside (`check_into`); `into` (its guard: the pool memory and
     /// what pins its slots) lives until every read has landed.
     fn read_host(&self, ops: Vec<CopyOp>, into: HostSpan) -> BoxFut<Result<ReadStats, LinkError>>;
     /// Reads owner ranges straight into `dest`'s device memory (`src` = owner address);

@@ -3,11 +3,11 @@
 //! access and bounds of every read against its MR table and streams the bytes from its
 //! registered memory; the requester receives them straight into the destination region
 //! (device pieces through a bounce buffer and the sink). A connection that fails its hello or
-//! names a read the owner does not serve is closed and counted ([`Rejections`]), and a source
-//! that keeps failing is refused for a while ([`SourceGuard`]).
+//! names a read the owner does not serve is closed and counted ([`Rejections`](crate::data_auth::Rejections)), and a source
+//! that keeps failing is refused for a while ([`SourceGuard`](crate::data_auth::SourceGuard)).
 //!
-//! The owner side (accepting, the hello, serving reads) is [`owner`]; the requester side
-//! (connecting, posting reads, receiving them) is [`connector`].
+//! The owner side (accepting, the hello, serving reads) is `owner`; the requester side
+//! (connecting, posting reads, receiving them) is `connector`.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;

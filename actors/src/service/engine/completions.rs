@@ -3,10 +3,8 @@
 //! load that ended ok on a completion board was delivered by the board's final word: its
 //! result is kept only for a `PollLoad` that wants its details, and dropping it past the
 //! retention loses nothing undelivered. Plain state; the engine server holds it behind a
-//! lock and never awaits while holding it (a waiting `PollLoad` waits on [`Shared`]'s
+//! lock and never awaits while holding it (a waiting `PollLoad` waits on `Shared`'s
 //! notifier, outside the lock).
-//!
-//! [`Shared`]: crate::service::engine::shared::Shared
 
 use std::collections::{HashMap, VecDeque};
 

@@ -19,7 +19,7 @@ pub struct QuotaRule {
     pub ssd: Option<u64>,
 }
 
-/// The tier a [`Tenants`] counts.
+/// The tier a [`Tenants`](super::Tenants) counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tier {
     Ram,
