@@ -22,9 +22,15 @@ impl Drop for DrainSignal {
     }
 }
 
-/// Memory a registration keeps alive for as long as any transfer may touch it: a client's
-/// memfd mapped as device memory, an imported DMA-BUF.
-pub type Memory = Arc<dyn std::any::Any + Send + Sync>;
+/// Memory a registration keeps alive for as long as any transfer may touch it.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum Memory {
+    /// A client's memfd, a VMM allocation or a CUDA IPC allocation, mapped as device memory.
+    Mapped(Arc<kvferry_gpu::DeviceBuffer>),
+    /// An imported DMA-BUF.
+    DmaBuf(Arc<kvferry_gpu::DmaBuf>),
+}
 
 /// One registered rank: what a transfer needs to address its device KV. Transfers hold an
 /// `Arc` of it for their whole life.

@@ -30,8 +30,9 @@ use tonic::Status;
 
 use kvferry_proto::fd_line::code_name;
 
+use crate::lease::registry::Memory;
 use crate::model::InstanceId;
-use crate::service::engine::memory_handles::{MemoryHandle, MemoryKind};
+use crate::service::engine::memory_handles::{Held, MemoryHandle, MemoryKind};
 use crate::service::engine::server::{EngineServeError, Shared};
 
 /// Longest request line.
@@ -197,10 +198,14 @@ fn handle(shared: &Shared, line: &str, mut fds: Vec<OwnedFd>) -> Result<u64, Sta
     if matches!(req.kind, MemoryKind::Board | MemoryKind::Mailbox) {
         // Not device memory: mapped here, checked, and kept until a registration (a board)
         // or a session (a mailbox) takes it.
-        let memory: crate::lease::registry::Memory = if req.kind == MemoryKind::Board {
-            Arc::new(kvferry_proto::shm::board::Board::open(fd, req.len).map_err(invalid)?)
+        let memory = if req.kind == MemoryKind::Board {
+            Held::Board(Arc::new(
+                kvferry_proto::shm::board::Board::open(fd, req.len).map_err(invalid)?,
+            ))
         } else {
-            Arc::new(kvferry_proto::shm::mailbox::Mailbox::open(fd, req.len).map_err(invalid)?)
+            Held::Mailbox(Arc::new(
+                kvferry_proto::shm::mailbox::Mailbox::open(fd, req.len).map_err(invalid)?,
+            ))
         };
         let h = MemoryHandle {
             instance: req.instance,
@@ -230,20 +235,20 @@ fn handle(shared: &Shared, line: &str, mut fds: Vec<OwnedFd>) -> Result<u64, Sta
         }
         _ => invalid(e),
     };
-    let (base, memory): (u64, crate::lease::registry::Memory) = match req.kind {
+    let (base, memory) = match req.kind {
         MemoryKind::Memfd => {
             let buf = device.import_memfd(fd, req.len).map_err(imported)?;
-            (buf.ptr(), Arc::new(buf))
+            (buf.ptr(), Memory::Mapped(Arc::new(buf)))
         }
         MemoryKind::Dmabuf => {
             let buf = device
                 .import_dmabuf(fd, req.base, req.len)
                 .map_err(imported)?;
-            (buf.base(), Arc::new(buf))
+            (buf.base(), Memory::DmaBuf(Arc::new(buf)))
         }
         MemoryKind::Vmm => {
             let buf = device.import_vmm_fd(fd, req.len).map_err(imported)?;
-            (buf.ptr(), Arc::new(buf))
+            (buf.ptr(), Memory::Mapped(Arc::new(buf)))
         }
         // Taken above; kept total so no request can reach a panic.
         MemoryKind::Board | MemoryKind::Mailbox => {
@@ -259,7 +264,7 @@ fn handle(shared: &Shared, line: &str, mut fds: Vec<OwnedFd>) -> Result<u64, Sta
         kind: req.kind,
         base,
         len: req.len,
-        memory,
+        memory: Held::Kv(memory),
     };
     shared
         .handles()

@@ -8,7 +8,11 @@
 //! and so are an instance's unused handles when its session ends.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use kvferry_proto::shm::board::Board;
+use kvferry_proto::shm::mailbox::Mailbox;
 
 use thiserror::Error;
 
@@ -55,6 +59,17 @@ impl MemoryKind {
     }
 }
 
+/// What a handle keeps open until a registration or a session takes it.
+#[derive(Clone)]
+pub enum Held {
+    /// KV memory, for a registration's region.
+    Kv(Memory),
+    /// A completion board, for a registration.
+    Board(Arc<Board>),
+    /// A request mailbox, for a session.
+    Mailbox(Arc<Mailbox>),
+}
+
 /// One imported piece of client memory.
 #[derive(Clone)]
 pub struct MemoryHandle {
@@ -66,7 +81,7 @@ pub struct MemoryHandle {
     /// added to it.
     pub base: u64,
     pub len: u64,
-    pub memory: Memory,
+    pub memory: Held,
 }
 
 impl std::fmt::Debug for MemoryHandle {
@@ -178,11 +193,11 @@ impl MemoryHandles {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
+    use kvferry_gpu::{Device, DeviceBuffer, HostDevice};
 
     use super::*;
 
-    fn handle(instance: &str, memory: &Memory) -> MemoryHandle {
+    fn handle(instance: &str, memory: &Arc<DeviceBuffer>) -> MemoryHandle {
         MemoryHandle {
             instance: InstanceId::new(instance).unwrap(),
             rank: 0,
@@ -190,14 +205,14 @@ mod tests {
             kind: MemoryKind::Memfd,
             base: 0x1000,
             len: 4096,
-            memory: Arc::clone(memory),
+            memory: Held::Kv(Memory::Mapped(Arc::clone(memory))),
         }
     }
 
     #[test]
     fn handles_expire_drop_with_their_instance_and_are_bounded() {
         let t0 = Instant::now();
-        let memory: Memory = Arc::new(7u32);
+        let memory = Arc::new(HostDevice::new(0).alloc(4096).unwrap());
         let mut h = MemoryHandles::new(Duration::from_secs(10), 3);
         let a = h.insert(handle("a", &memory), t0).unwrap();
         let b = h

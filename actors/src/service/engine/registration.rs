@@ -7,8 +7,9 @@ use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
 use crate::api;
+use crate::lease::registry::Memory;
 use crate::model::InstanceId;
-use crate::service::engine::memory_handles::MemoryKind;
+use crate::service::engine::memory_handles::Held;
 use crate::service::engine::request::{self as check, status};
 use crate::service::engine::service::EngineService;
 use kvferry_proto::shm::board::Board;
@@ -110,19 +111,19 @@ impl EngineService {
                 h.instance, h.rank, r.rank
             )));
         }
-        if matches!(h.kind, MemoryKind::Board | MemoryKind::Mailbox) {
+        let Held::Kv(memory) = h.memory else {
             return Err(Status::invalid_argument(format!(
                 "{m}: memory handle {handle} is a {}, not KV memory",
                 h.kind.as_str()
             )));
-        }
+        };
         if h.device != r.device {
             return Err(Status::invalid_argument(format!(
                 "{m}: memory handle {handle} is memory of device {}, not {}",
                 h.device, r.device
             )));
         }
-        Ok((h.base, h.len, Arc::clone(&h.memory)))
+        Ok((h.base, h.len, memory))
     }
 
     /// The completion board a registration names (0: none), checked against the request.
@@ -146,12 +147,12 @@ impl EngineService {
                 h.instance, h.rank, r.rank
             )));
         }
-        let board = Arc::downcast::<Board>(h.memory).map_err(|_| {
-            Status::invalid_argument(format!(
+        let Held::Board(board) = h.memory else {
+            return Err(Status::invalid_argument(format!(
                 "{m}: handle {id} is {} memory, not a completion board",
                 h.kind.as_str()
-            ))
-        })?;
+            )));
+        };
         Ok(Some(board))
     }
 
@@ -177,7 +178,7 @@ impl EngineService {
                 r.device
             ))
         })?;
-        Ok((buf.ptr(), buf.len(), Arc::new(buf)))
+        Ok((buf.ptr(), buf.len(), Memory::Mapped(Arc::new(buf))))
     }
 
     /// The memory regions of a registration, in the request's order, and the fd-socket

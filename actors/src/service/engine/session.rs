@@ -10,10 +10,10 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::model::InstanceId;
 use crate::service::engine::mailbox::{self as mailbox_thread, MailboxThread};
+use crate::service::engine::memory_handles::Held;
 use crate::service::engine::request::{self as check, status};
 use crate::service::engine::service::{EngineService, EventStream};
 use crate::statuses;
-use kvferry_proto::shm::mailbox::Mailbox;
 use kvferry_proto::v1::*;
 
 impl EngineService {
@@ -98,12 +98,12 @@ impl EngineService {
             format!("{M}: mailbox {id} is unknown, expired or already attached")
         })?;
         let kind = h.kind;
-        let mailbox = Arc::downcast::<Mailbox>(h.memory).map_err(|_| {
-            Status::invalid_argument(format!(
+        let Held::Mailbox(mailbox) = h.memory else {
+            return Err(Status::invalid_argument(format!(
                 "{M}: handle {id} is {} memory, not a mailbox",
                 kind.as_str()
-            ))
-        })?;
+            )));
+        };
         let thread = mailbox_thread::attach(self.clone(), mailbox)?;
         self.shared.handles().take(id);
         Ok(thread)
