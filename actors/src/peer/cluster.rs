@@ -20,7 +20,7 @@ use crate::nic::runtime::NicRuntime;
 use crate::peer::directory::{Directory, EmbeddedDirectory};
 use crate::peer::error::LinkError;
 use crate::peer::error::RemoteError;
-use crate::peer::link::{Control, MappedLink, MappedView, PeerLink};
+use crate::peer::link::{Control, MappedLink, MappedView, PeerLink, ViewOwner};
 use crate::peer::pin_service::PinService;
 use crate::peer::rc_link::{RcEndpoints, RcLink};
 
@@ -498,7 +498,7 @@ impl LocalCluster {
                         .find(|r| r.remote_addr == m.side.memory.addr())
                         .ok_or_else(|| remote(to, RemoteError::refused("owner exports no pool")))?;
                     let view = MappedView {
-                        holder: Arc::new(Mutex::new(mapping)),
+                        holder: Arc::new(ViewOwner::Shm(mapping)),
                         remote_base: r.remote_addr,
                         local_base: r.local_addr,
                         len: r.len,
@@ -512,7 +512,7 @@ impl LocalCluster {
                 }
                 (Provider::Loopback, _, _) => {
                     let view = MappedView {
-                        holder: Arc::clone(&m.side.memory) as Arc<dyn std::any::Any + Send + Sync>,
+                        holder: Arc::new(ViewOwner::Pool(Arc::clone(&m.side.memory))),
                         remote_base: m.side.memory.addr(),
                         local_base: m.side.memory.addr(),
                         len: m.side.memory.len() as u64,

@@ -16,7 +16,7 @@ use crate::peer::data_tls::DataTls;
 use crate::peer::directory::Directory;
 use crate::peer::error::LinkError;
 use crate::peer::error::RemoteError;
-use crate::peer::link::{BoxFut, Control, MappedLink, MappedView, PeerLink};
+use crate::peer::link::{BoxFut, Control, MappedLink, MappedView, PeerLink, ViewOwner};
 use crate::peer::pin_service::PinService;
 use crate::peer::rc_link::{RcEndpoints, RcLink};
 use crate::peer::{DataEndpoint, NicRegistration};
@@ -303,7 +303,7 @@ impl GrpcPeers {
                         )
                     })?;
                 let view = MappedView {
-                    holder: Arc::new(Mutex::new(mapping)),
+                    holder: Arc::new(ViewOwner::Shm(mapping)),
                     remote_base: r.remote_addr,
                     local_base: r.local_addr,
                     len: r.len,

@@ -1,7 +1,6 @@
 //! The requester's link to one owner: pinning on the owner, and one-sided reads of the
 //! owner's host pool into local host memory (staged) or device memory (direct).
 
-use std::any::Any;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
@@ -196,11 +195,19 @@ impl fmt::Debug for RemotePin {
     }
 }
 
+/// What keeps a [`MappedView`]'s memory mapped.
+pub enum ViewOwner {
+    /// The owner's own pool (in-process loopback).
+    Pool(Arc<kvferry_transport::HostRegion>),
+    /// A read-only mapping of the owner's memfd (same host).
+    Shm(kvferry_transport::shm::ShmMapping),
+}
+
 /// An owner pool this process can address: the owner's own mapping (in-process loopback) or
 /// a read-only shm mapping of its memfd. Reads are copies out of the view.
 pub struct MappedView {
     /// Keeps the mapping alive.
-    pub holder: Arc<dyn Any + Send + Sync>,
+    pub holder: Arc<ViewOwner>,
     pub remote_base: u64,
     pub local_base: u64,
     pub len: u64,
