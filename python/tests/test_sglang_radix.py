@@ -305,6 +305,49 @@ def test_a_node_killed_after_saving_costs_hits_and_frees_the_slots(node):
     assert b.alloc.available_size() == free, "no slot kept for a load that never happened"
 
 
+def test_a_load_given_up_on_keeps_its_slots_until_it_ends_then_frees_them(node):
+    """wait_load gives up at load_timeout_ms while the node may still write the slots: they
+    must not go back to SGLang's allocator (another request would get them, and the late
+    bytes would land in its KV) until the load is seen to end; then they are freed, and the
+    next load is byte-exact."""
+    a = Engine(node.addr, "engine-a")
+    b = Engine(node.addr, "engine-b", load_timeout_ms=200)
+    toks = prompt(3)
+    ra = a.match("a1", toks)
+    a_slots = a.prefill(ra, seed=8)
+    a.finish(ra)
+    a.saves_ended()
+
+    # The node's answer is held back: to the connector the load is still running.
+    real_poll, held = b.conn._poll, [True]
+    b.conn._poll = lambda ld: None if held[0] else real_poll(ld)
+    free = b.alloc.available_size()
+    rb = b.match("b1", toks)
+    assert len(b.prefix(rb)) == 0, "a load that did not end in time is a miss"
+    assert b.conn.counters["load_failures"] == 1
+    assert b.conn.counters["parked_loads"] == 1
+    assert b.alloc.available_size() == free - 3 * PS, "its slots are not handed out again"
+    assert b.conn.load_pending("b1")
+
+    # Still running at the next load: the slots stay parked.
+    b.match("b2", prompt(2, salt=5))
+    assert b.alloc.available_size() == free - 3 * PS
+
+    held[0] = False
+    b.canary()
+    rb3 = b.match("b3", toks)
+    assert not b.conn.load_pending("b1")
+    got = b.prefix(rb3)
+    assert len(got) == 3 * PS, "the next load hits"
+    for i in range(3):
+        bp, ap = int(got[i * PS]) // PS, int(a_slots[i * PS]) // PS
+        assert b.page(bp) == a.page(ap), f"page {i}"
+    # The parked slots went back: only the tree's 3 loaded pages are out of the pool.
+    assert b.alloc.available_size() + b.cache.evictable_size() + \
+        b.cache.protected_size() == free
+    assert kvferry.EngineClient(node.addr).stats()["leases_live"] == 0
+
+
 def test_the_plugin_registers_the_backend_sglang_looks_up():
     from sglang.srt.mem_cache.registry import get_radix_cache_factory
 

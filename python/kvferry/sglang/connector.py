@@ -221,6 +221,13 @@ class KvferryConnector:
             self.share.release(ld.lease)
         return load_id is not None
 
+    def load_pending(self, rid: str) -> bool:
+        """Whether ``rid``'s load started and has not been seen to end (by
+        :meth:`check_completed_load_tasks`): the node may still write its slots."""
+        with self._lock:
+            ld = self._loads.get(rid)
+            return ld is not None and ld.load_id is not None and ld.load_id != -1
+
     def check_completed_load_tasks(self) -> Dict[str, int]:
         """The loads that ended since the last call: request id -> tokens that landed (from
         the first leased page; fewer than leased where the load failed part way)."""

@@ -12,7 +12,9 @@ cache the scheduler builds. This one keeps SGLang's tree and adds two things:
   its own prefix. The load is waited for here, on the scheduler's thread (at most
   ``load_timeout_ms``): the forward that follows reads those slots. A miss, a node that is
   down or slow, or a load that fails part way costs hits only: what did not land is freed
-  and recomputed.
+  and recomputed. A load given up on at ``load_timeout_ms`` may still be written by the
+  node: its slots are kept out of the allocator until it is seen to end (counted as
+  ``parked_loads``), on every TP rank alike.
 - **cache_finished_req / cache_unfinished_req**: after SGLang inserted the request's pages,
   the full pages not yet in kvferry are saved, in the background; the tree node holding them
   is locked until the save ended, so eviction cannot reuse the slots it reads.
@@ -32,7 +34,7 @@ import itertools
 from array import array
 import logging
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
@@ -61,6 +63,9 @@ class KvferryRadixCache(RadixCache):
         self._agree = agree or (lambda n: n)
         # request id -> pages of it known to be in kvferry (loaded or saved).
         self._held_pages: Dict[str, int] = {}
+        # Slots of loads given up on (``load_timeout_ms`` passed) that the node may still
+        # write, oldest first: freed only once the load has ended on every rank.
+        self._parked: List[Tuple[str, Any]] = []
         # save id -> the tree node it locked.
         self._saving: Dict[str, Any] = {}
         self._save_ids = itertools.count()
@@ -100,6 +105,7 @@ class KvferryRadixCache(RadixCache):
               extra_key: Optional[str] = None) -> int:
         """Loads the node's pages past ``have`` tokens into new slots and inserts them;
         the tokens inserted (0 on a miss or a failure)."""
+        self._free_parked()
         hit = self.kvferry.get_new_hit_length(rid, tokens, have, extra_key=extra_key)
         hit = self._agree(hit)
         if hit <= 0:
@@ -126,9 +132,21 @@ class KvferryRadixCache(RadixCache):
             else:
                 self.kvferry.check_completed_load_tasks()
         finally:
-            landed = self._agree(min(max(landed, 0), hit))
+            # One agreement for both facts: a rank whose load is still running (timed out,
+            # so it reports 0) sends 0; every other rank 2 x landed + 1. The minimum is 0
+            # when any rank's node may still write the slots: then every rank parks them,
+            # so the allocators stay in step.
+            pending = self.kvferry.load_pending(rid)
+            mine = 0 if pending else 2 * min(max(landed, 0), hit) + 1
+            agreed = self._agree(mine)
+            landed = agreed // 2
             landed -= landed % self.page_size
-            if landed < hit:
+            if agreed == 0:
+                log.warning("kvferry: %s: a load past load_timeout_ms still runs; its %d "
+                            "slots are kept until it ends", rid, hit)
+                self._parked.append((rid, slots))
+                self.kvferry.rank.counters["parked_loads"] += 1
+            elif landed < hit:
                 alloc.free(slots[landed:])
         if landed == 0:
             return 0
@@ -142,6 +160,21 @@ class KvferryRadixCache(RadixCache):
         if dup:
             alloc.free(slots[:dup])
         return landed
+
+    def _free_parked(self) -> None:
+        """Frees the slots of given-up loads that have ended on every rank, oldest first."""
+        if not self._parked:
+            return
+        self.kvferry.check_completed_load_tasks()
+        ended = 0
+        for rid, _ in self._parked:
+            if self.kvferry.load_pending(rid):
+                break
+            ended += 1
+        ended = self._agree(ended)
+        for _, slots in self._parked[:ended]:
+            self.token_to_kv_pool_allocator.free(slots)
+        del self._parked[:ended]
 
     def _indices(self, res: Any) -> Any:
         # 0.5.16 answers the matched slots; 0.5.23 the matched length and the node.

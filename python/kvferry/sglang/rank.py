@@ -33,6 +33,7 @@ COUNTERS = (
     "loads",
     "loaded_blocks",
     "load_failures",  # loads that failed or did not complete by load_timeout_ms
+    "parked_loads",  # loads given up on whose slots waited for their end (radix cache)
     "saves",
     "saved_blocks",
     "save_failures",
