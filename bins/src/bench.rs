@@ -302,6 +302,7 @@ fn local(a: LocalArgs) -> anyhow::Result<()> {
                     instance: inst.clone(),
                     rank: 0,
                     dest_blocks: dest.clone(),
+                    per_layer: false,
                 })
                 .await?;
             let dt = t.elapsed().as_secs_f64();

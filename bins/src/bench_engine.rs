@@ -426,6 +426,7 @@ impl DuplexCtx<'_> {
             instance: self.id.clone(),
             rank: 0,
             dest_blocks: self.dest.to_vec(),
+            per_layer: false,
         };
         let sent = Instant::now();
         let w = load_watched(self.c, self.board, self.spin, req, tag).await?;
@@ -710,6 +711,7 @@ fn measure(
                     instance: id.clone(),
                     rank: 0,
                     dest_blocks: dest.clone(),
+                    per_layer: false,
                 };
                 let w = load_watched(&c, &board, spin, req, tag).await?;
                 let (load_id, first_s, load_s) = (w.load_id, w.first_s, w.done_s);

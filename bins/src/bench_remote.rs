@@ -204,6 +204,7 @@ async fn load_all_ranks(
                     instance: instance.clone(),
                     rank,
                     dest_blocks: dest.to_vec(),
+                    per_layer: false,
                 })
                 .await?,
         );

@@ -238,6 +238,7 @@ pub fn run(a: SsdArgs) -> anyhow::Result<()> {
                     instance: instance.clone(),
                     rank: 0,
                     dest_blocks: (0..a.blocks).collect(),
+                    per_layer: false,
                 })
                 .await?;
             let l_s = t1.elapsed().as_secs_f64();

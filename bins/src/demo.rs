@@ -234,6 +234,7 @@ async fn demo(
                 instance: instance.clone(),
                 rank: 0,
                 dest_blocks: DEST.to_vec(),
+                per_layer: false,
             })
             .await?;
         let verified = kv.verify(&expected, 0);

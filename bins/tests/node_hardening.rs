@@ -238,6 +238,7 @@ async fn put_and_load(
         instance: id(instance),
         rank: 0,
         dest_blocks: dest.clone(),
+        per_layer: false,
     };
     let load = match slot {
         Some(s) => c.load(&req, LoadOptions::board(Some(s))).await.unwrap(),

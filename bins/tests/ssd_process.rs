@@ -85,6 +85,7 @@ fn blocks_survive_sigterm_and_a_restart_on_the_same_directory() {
                     instance: id("eng"),
                     rank: 0,
                     dest_blocks: dest.clone(),
+                    per_layer: false,
                 },
                 LoadOptions::default(),
             )

@@ -111,6 +111,7 @@ fn write_through_loses_no_acknowledged_block_to_sigkill() {
                         instance: id("eng"),
                         rank: 0,
                         dest_blocks: dest.clone(),
+                        per_layer: false,
                     },
                     LoadOptions::default(),
                 )

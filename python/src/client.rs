@@ -429,8 +429,10 @@ impl EngineClient {
 
     /// Starts this rank's load of `lease` into `dest_blocks` (one per leased block, in
     /// prefix order); returns its load id at once. With `board_slot`, the load reports its
-    /// layers and its end to that slot of the rank's board under `board_tag`.
-    #[pyo3(signature = (lease, instance, rank, dest_blocks, board_slot=None, board_tag=0))]
+    /// layers and its end to that slot of the rank's board under `board_tag`. With
+    /// `per_layer`, the local prefix lands one layer per copy batch (for a forward that waits
+    /// layer by layer) instead of a few long batches.
+    #[pyo3(signature = (lease, instance, rank, dest_blocks, board_slot=None, board_tag=0, per_layer=false))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         &self,
@@ -441,12 +443,14 @@ impl EngineClient {
         dest_blocks: Vec<u32>,
         board_slot: Option<u32>,
         board_tag: u32,
+        per_layer: bool,
     ) -> PyResult<u64> {
         let req = api::LoadRequest {
             lease: convert::lease(py, "load", lease)?,
             instance: convert::instance(py, "load", instance)?,
             rank,
             dest_blocks,
+            per_layer,
         };
         let board = board_slot.map(|slot| (slot, board_tag));
         self.wait(py, "load", self.inner.load(&req, LoadOptions::board(board)))

@@ -151,6 +151,7 @@ class FakeNode:
         self.calls: Dict[str, int] = {}
         self.loads: Dict[int, str] = {}
         self.polled: List[int] = []
+        self.per_layer: Dict[str, bool] = {}
 
     def _count(self, name: str) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
@@ -173,8 +174,9 @@ class FakeNode:
 
         return S()
 
-    def load(self, lease, instance, rank, dest, board_slot=None, board_tag=0):
+    def load(self, lease, instance, rank, dest, board_slot=None, board_tag=0, per_layer=False):
         self._count("load")
+        self.per_layer[lease] = per_layer
         load_id = len(self.loads) + 1
         self.loads[load_id] = lease
         failed = self.outcomes[lease]
@@ -230,6 +232,8 @@ def test_a_failed_load_is_read_from_the_board_and_its_details_fetched_once():
         assert fake.calls["poll_load"] == 2, fake.calls
         ok_id = next(i for i, lease in fake.loads.items() if lease == "ok-lease")
         assert ok_id not in fake.polled
+        # Async loads land in a few long batches: the node's choice.
+        assert fake.per_layer == {"ok-lease": False, "bad-lease": False, "worse-lease": False}
         s = w.take_stats()
         assert s["load_failures"] == 2 and s["failed_blocks"] == 4, s
         assert s["loaded_blocks"] == 2 and s["loaded_bytes"] == 2 * w.layout.block_bytes, s
@@ -256,6 +260,8 @@ def test_a_sync_load_ends_at_its_last_layer_ok_without_a_call_failed_with_its_bl
         assert recving == set()
         assert w.get_block_ids_with_load_errors() == {3, 4}
         assert fake.calls["poll_load"] == 1, fake.calls
+        # The forward waits layer by layer, so each layer is asked to land on its own.
+        assert fake.per_layer == {"ok-lease": True, "bad-lease": True}
     finally:
         w.shutdown()
 

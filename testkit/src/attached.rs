@@ -136,6 +136,7 @@ impl Attached {
                     instance: self.instance.clone(),
                     rank: 0,
                     dest_blocks: dest.to_vec(),
+                    per_layer: false,
                 },
                 LoadOptions::default(),
             )

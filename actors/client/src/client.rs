@@ -554,6 +554,7 @@ impl EngineClient {
             board_slot: board.map(|b| b.0),
             board_tag: board.map(|b| b.1).unwrap_or(0),
             fence_ns,
+            per_layer: req.per_layer,
         };
         if let Some(answer) = self
             .through_mailbox::<_, LoadResponse>(Op::Load, "Load", &req, None)

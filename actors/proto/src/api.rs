@@ -66,6 +66,11 @@ pub struct LoadRequest {
     pub instance: InstanceId,
     pub rank: u32,
     pub dest_blocks: Vec<u32>,
+    /// The local prefix lands one layer at a time (one copy batch per layer), for an engine
+    /// whose forward waits layer by layer; otherwise as a few long batches, which the copy
+    /// path and a save running beside it prefer. Cross-layer KV and a remote suffix land
+    /// every layer at once either way.
+    pub per_layer: bool,
 }
 
 /// How a transfer moved its bytes.

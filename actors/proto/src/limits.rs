@@ -31,8 +31,8 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// [`crate::fence`]) and `CapabilitiesResponse.monotonic_ns`; requests without one are served
 /// as before. 7: one way a load's outcome reaches the engine — the board's final word, or
 /// `PollLoad` (which may now wait, `PollLoadRequest.wait_ms`); the `Completions` stream is
-/// gone.
-pub const ENGINE_PROTOCOL: u32 = 7;
+/// gone. 8: `LoadRequest.per_layer`: a load whose local prefix lands layer by layer.
+pub const ENGINE_PROTOCOL: u32 = 8;
 
 // Limits on what one engine request carries, advertised in `Capabilities`; a request over
 // one is refused with RESOURCE_EXHAUSTED before it reaches the node, so the work one request

@@ -106,6 +106,9 @@ pub struct PlanInput<'a> {
     pub dest: &'a [u32],
     /// Smallest layer group ([`MIN_LAYER_GROUP_BYTES`] unless a test says otherwise).
     pub min_group_bytes: u64,
+    /// One batch per layer (the engine's forward waits layer by layer and runs each layer
+    /// as soon as it lands), whatever its size; block-contiguous KV stays one batch.
+    pub per_layer: bool,
 }
 
 /// Why a plan cannot be built; nothing has been consumed when it is refused.
@@ -196,7 +199,12 @@ impl LoadPlan {
                 list,
             }]
         } else {
-            layer_groups(layers, bytes_per_layer, inp.min_group_bytes)
+            let groups = if inp.per_layer {
+                (0..layers).map(|l| l..l + 1).collect()
+            } else {
+                layer_groups(layers, bytes_per_layer, inp.min_group_bytes)
+            };
+            groups
                 .into_iter()
                 .map(|g| {
                     let n = (g.end - g.start) as usize * pairs.len() * shape.segments() as usize;
@@ -306,6 +314,7 @@ mod tests {
             direct,
             dest,
             min_group_bytes: 4 * SEG,
+            per_layer: false,
         }
     }
 
@@ -385,6 +394,36 @@ mod tests {
             }
         }
         assert_eq!(seen.len(), 3 * 6 * 2);
+    }
+
+    #[test]
+    fn a_per_layer_load_is_one_batch_per_layer_whatever_its_size() {
+        let (shape, layout) = kv(6, 16);
+        let local = [0x1000_0000, 0x2000_0000, 0x3000_0000];
+        let dest = [4, 9, 1];
+        // The same load as above (three batches), and one block (one batch by size alone).
+        for n in [3, 1] {
+            let mut inp = input(&shape, &layout, &local[..n], &[], false, &dest[..n]);
+            inp.per_layer = true;
+            let p = LoadPlan::build(inp).unwrap();
+            let groups: Vec<_> = p.local.iter().map(|b| b.layers.clone()).collect();
+            assert_eq!(groups, (0..6).map(|l| l..l + 1).collect::<Vec<_>>());
+            let mut seen = std::collections::BTreeSet::new();
+            for b in &p.local {
+                assert_eq!(b.list.len(), 2 * n);
+                for op in b.list.ops() {
+                    let slot = dest[..n]
+                        .iter()
+                        .position(|&d| {
+                            (0..2).any(|seg| op.dst == layout.segment_addr(b.layers.start, seg, d))
+                        })
+                        .unwrap();
+                    assert!(op.src >= local[slot] && op.src < local[slot] + 0x1000_0000);
+                    assert!(seen.insert(op.dst));
+                }
+            }
+            assert_eq!(seen.len(), n * 6 * 2);
+        }
     }
 
     #[test]
@@ -503,9 +542,14 @@ mod tests {
         let layout =
             KvLayout::new(KvLayoutSpec::cross_layer(1 << 30, 8, 2, 32, SEG), &shape).unwrap();
         let local = [0x10_0000, 0x20_0000, 0x30_0000];
-        let p = LoadPlan::build(input(&shape, &layout, &local, &[], false, &[2, 3, 9])).unwrap();
-        assert_eq!(p.local.len(), 1);
-        assert_eq!(p.local[0].layers, 0..8);
-        assert_eq!(p.local[0].list.len(), 3);
+        for per_layer in [false, true] {
+            let mut inp = input(&shape, &layout, &local, &[], false, &[2, 3, 9]);
+            // Asked for layer by layer, it still copies whole blocks: every layer at once.
+            inp.per_layer = per_layer;
+            let p = LoadPlan::build(inp).unwrap();
+            assert_eq!(p.local.len(), 1);
+            assert_eq!(p.local[0].layers, 0..8);
+            assert_eq!(p.local[0].list.len(), 3);
+        }
     }
 }

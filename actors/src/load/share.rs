@@ -79,6 +79,7 @@ pub fn prepare(
         direct: share.direct,
         dest: &req.dest_blocks,
         min_group_bytes: MIN_LAYER_GROUP_BYTES,
+        per_layer: req.per_layer,
     })
     .map_err(|e| NodeError::bad(e.to_string()))?;
     let route = match (routing, share.direct) {

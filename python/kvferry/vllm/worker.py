@@ -463,9 +463,12 @@ class WorkerSide:
 
         def load(c: Any) -> int:
             args = (spec.lease, self.instance, self.rank, list(spec.dest_blocks))
+            # A synchronous load's forward runs each layer as it lands: one copy batch per
+            # layer, so the last layers' compute does not wait for a long final batch.
+            kw = {"per_layer": True} if spec.sync else {}
             if ld.slot is None:
-                return c.load(*args)
-            return c.load(*args, board_slot=ld.slot, board_tag=ld.tag)
+                return c.load(*args, **kw)
+            return c.load(*args, board_slot=ld.slot, board_tag=ld.tag, **kw)
 
         try:
             ld.load_id = self.link.call("load", load)

@@ -165,6 +165,7 @@ pub fn load_request(lease: LeaseId, instance: &str, rank: u32, dest: &[u32]) -> 
         instance: id(instance),
         rank,
         dest_blocks: dest.to_vec(),
+        per_layer: false,
     }
 }
 

@@ -1149,6 +1149,70 @@ impl SubmitHook for FailWhileSet {
     }
 }
 
+/// Counts the host-to-device batches submitted, and passes each on.
+#[derive(Default)]
+struct CountLoads(std::sync::atomic::AtomicUsize);
+
+impl SubmitHook for CountLoads {
+    unsafe fn submit(
+        &self,
+        inner: &HostDevice,
+        dir: kvferry_gpu::CopyDirection,
+        list: kvferry_gpu::CopyList,
+        landed: Option<kvferry_gpu::Landed>,
+    ) -> Result<kvferry_gpu::CopyEvent, kvferry_gpu::DeviceError> {
+        if dir == kvferry_gpu::CopyDirection::HostToDevice {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { inner.submit_then(dir, list, landed) }
+    }
+}
+
+/// `per_layer` reaches the node through the call and through a mailbox: a small load that
+/// is otherwise one batch lands as one batch per layer, byte for byte.
+#[test]
+fn a_per_layer_load_lands_one_layer_per_batch_through_the_call_and_the_mailbox() {
+    rt().block_on(async {
+        let counting = HookedDevice::new(CountLoads::default());
+        let srv = EngineServer::start_on(
+            EngineOptions::default(),
+            Arc::clone(&counting) as Arc<dyn Device>,
+            Arc::clone(&counting.inner),
+        )
+        .await;
+        let c = srv.client("").await;
+        let kv = MemfdKv::create(shape(), 16, 0).unwrap();
+        kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
+        put_over_grpc(&c, shape(), "eng", 0..4).await;
+        let dest = [9, 3, 4, 12];
+        let batches = || counting.hook.0.load(Ordering::SeqCst);
+        let mailbox = srv.client("").await;
+        assert!(mailbox.attach_mailbox(&id("eng")).await.unwrap());
+        for (per_layer, client, want) in [
+            (false, &c, 1),
+            (true, &c, shape().layers() as usize),
+            (true, &mailbox, shape().layers() as usize),
+        ] {
+            kv.reset().unwrap();
+            let lease = lease_for(&c, "eng", 0..4).await;
+            let before = batches();
+            let mut req = load_request(lease, "eng", 0, &dest);
+            req.per_layer = per_layer;
+            let l = client.load(&req, LoadOptions::default()).await.unwrap();
+            ok(&c.wait_load(l, WAIT).await.unwrap(), 4);
+            assert_eq!(batches() - before, want, "per_layer {per_layer}");
+            kv.verify(&[(9, 0), (3, 1), (4, 2), (12, 3)], 0).unwrap();
+            kv.untouched_outside(&dest).unwrap();
+        }
+        let s = stats_until(&c, "the loads drain", |s| s.transfers_in_flight == 0).await;
+        assert_eq!((s.loads_ok, s.loads_failed, s.leases_live), (3, 0, 0));
+        c.unregister(&id("eng")).await.unwrap();
+        drop((c, mailbox));
+        srv.stop().await;
+    });
+}
+
 #[test]
 fn a_failed_load_completes_failed_with_its_blocks_and_the_next_one_works() {
     rt().block_on(async {

@@ -173,6 +173,7 @@ fn child_load_spans() {
                 instance: id(inst),
                 rank: 0,
                 dest_blocks: dest.to_vec(),
+                per_layer: false,
             })
         };
 

@@ -94,6 +94,7 @@ async fn load(
         instance: id("eng"),
         rank,
         dest_blocks: dest.to_vec(),
+        per_layer: false,
     })
     .await
 }
@@ -167,6 +168,7 @@ async fn load_and_verify(
         instance: id("eng"),
         rank: 0,
         dest_blocks: (0..n).collect(),
+        per_layer: false,
     })
     .await
     .unwrap();
@@ -928,6 +930,7 @@ fn ssd_fault_lease_expiry_mid_load() {
                 instance: id("eng"),
                 rank: 0,
                 dest_blocks: dest.clone(),
+                per_layer: false,
             })
             .await
             .unwrap();
@@ -973,6 +976,7 @@ fn ssd_fault_instance_unregistered_during_the_load() {
                 instance: id("eng"),
                 rank: 0,
                 dest_blocks: dest.clone(),
+                per_layer: false,
             })
             .await
             .unwrap();
@@ -1048,6 +1052,7 @@ fn layers_are_reported_once_the_ssd_blocks_landed_too() {
                     instance: id("eng"),
                     rank: 0,
                     dest_blocks: dest.clone(),
+                    per_layer: false,
                 },
                 Arc::clone(&seen) as Arc<dyn kvferry_actors::LoadObserver>,
             )

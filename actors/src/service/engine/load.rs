@@ -152,6 +152,7 @@ impl EngineService {
             instance,
             rank: r.rank,
             dest_blocks: r.dest_blocks,
+            per_layer: r.per_layer,
         };
         // The id first: the watch reports into the book from the node's thread, and a small
         // load may end before `start_load_observed` returns.
