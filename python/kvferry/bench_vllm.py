@@ -15,16 +15,26 @@ Each phase is its own engine process, one after the other, against one ``kvferry
   connector).
 * ``ref``: no connector, prefix caching on: the cold request, then vLLM's own GPU prefix-cache
   hit (the floor: no transfer at all) and the reference tokens and log-probabilities.
-* ``kv-first``: KvferryConnector (``load_mode`` async, per-layer KV), prefix caching off: the
-  cold request, which saves (its cost against ``plain``), then kvferry hits in the same process.
-* ``kv-second``: a second engine process, async: hits on what ``kv-first`` saved.
-* ``kv-sync``: a third one with ``load_mode = "sync"``.
+* ``kv-first``: KvferryConnector (its default ``load_mode``, "auto": a hit alone in the engine
+  loads synchronously; per-layer KV), prefix caching off: the cold request, which saves (its
+  cost against ``plain``), then kvferry hits in the same process.
+* ``kv-second``: a second engine process, the default mode: hits on what ``kv-first`` saved.
+* ``kv-async``: another one with ``load_mode = "async"``.
+* ``kv-sync``: another one with ``load_mode = "sync"``.
 * ``kv-xl``: cross-layer KV (``kv_layout = "cross_layer"``), cold then hits in one process;
   skipped, saying so, where the connector does not offer vLLM's cross-layer blocks. On vLLM
   0.26 it runs on the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``): Model Runner V2, the
   default for this model, offers no cross-layer KV. ``--model-runner`` puts every phase on
   one runner (``v1`` compares per-layer and cross-layer on the same one); each phase's result
   says which runner it had.
+* ``serve-ref`` and ``serve-kv`` (not in the default set): a serving run, as ``vllm bench serve
+  --dataset-name random`` twice: ``--serve-prompts`` prompts of ``--serve-tokens`` random token
+  ids, ``--serve-output`` tokens each, arriving at ``--serve-rate`` requests per second
+  (Poisson, seeded; 0: all at once), through the engine's own request loop; then the same
+  prompts again. ``serve-ref`` has no connector and vLLM's GPU prefix cache (the second pass
+  hits it); ``serve-kv`` the connector without it (the first pass saves, the second loads).
+  Each pass reports TTFT (mean, median, p99), end-to-end latency, its duration and output
+  tokens per second.
 
 TTFT is the wall time of ``LLM.generate`` for one request of one output token (greedy, top-5
 log-probabilities), reported as the median over prompts (and ``--repeats`` hits of each). Each
@@ -90,14 +100,22 @@ PHASES: Dict[str, Dict[str, Any]] = {
     "plain": {"connector": False, "prefix": False, "cold": True, "hits": False},
     "ref": {"connector": False, "prefix": True, "cold": True, "hits": True},
     "kv-first": {"connector": True, "prefix": False, "cold": True, "hits": True,
-                 "load_mode": "async", "kv_layout": "auto"},
+                 "load_mode": "auto", "kv_layout": "auto"},
     "kv-second": {"connector": True, "prefix": False, "cold": False, "hits": True,
-                  "load_mode": "async", "kv_layout": "auto"},
+                  "load_mode": "auto", "kv_layout": "auto"},
+    "kv-async": {"connector": True, "prefix": False, "cold": False, "hits": True,
+                 "load_mode": "async", "kv_layout": "auto"},
     "kv-sync": {"connector": True, "prefix": False, "cold": False, "hits": True,
                 "load_mode": "sync", "kv_layout": "auto"},
     "kv-xl": {"connector": True, "prefix": False, "cold": True, "hits": True,
               "load_mode": "async", "kv_layout": "cross_layer", "model_runner": "v1"},
+    "serve-ref": {"connector": False, "prefix": True, "serve": True},
+    "serve-kv": {"connector": True, "prefix": False, "serve": True, "load_mode": "auto",
+                 "kv_layout": "auto"},
 }
+
+#: What runs without --phases: the TTFT phases (the serving run is asked for by name).
+DEFAULT_PHASES = [name for name, ph in PHASES.items() if not ph.get("serve")]
 
 #: --model-runner -> VLLM_USE_V2_MODEL_RUNNER ("auto": vLLM decides, except that kv-xl asks for
 #: the V1 runner where vLLM has one: vLLM 0.26's Model Runner V2, its default for a dense
@@ -162,9 +180,14 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
     bb = block_bytes(cfg, args.block_size)
     layouts = {PHASES[p]["kv_layout"] for p in args.phases if PHASES[p]["connector"]}
     blocks = sum((args.prompts + args.warmup) * (n // args.block_size) for n in lengths)
+    serve_len = prompt_lengths([args.serve_tokens], args.block_size)[0]
+    serving = any(PHASES[ph].get("serve") for ph in args.phases)
+    if serving:
+        blocks += args.serve_prompts * (serve_len // args.block_size)
     # Every kv layout is its own namespace on the node: the pool holds all of them, plus slack.
     pool = max(1, len(layouts)) * blocks * bb * 11 // 10 + 64 * bb
-    max_len = max(lengths) + max(args.check_tokens, 1) + args.block_size
+    max_len = max(lengths + ([serve_len] if serving else [])) + \
+        max(args.check_tokens, args.serve_output if serving else 1, 1) + args.block_size
     trace = lengths[0] if args.trace_tokens is None else prompt_lengths(
         [args.trace_tokens], args.block_size)[0]
     if args.trace and trace not in lengths:
@@ -191,6 +214,10 @@ def plan(args: argparse.Namespace) -> Dict[str, Any]:
         "settle_ms": args.settle_ms,
         "model_runner": args.model_runner,
         "idle_wait_ms": args.idle_wait_ms,
+        "no_async_scheduling": args.no_async_scheduling,
+        "serve": {"prompts": args.serve_prompts, "length": serve_len,
+                  "output": args.serve_output, "rate": args.serve_rate,
+                  "max_seqs": args.serve_max_seqs},
     }
 
 
@@ -211,8 +238,9 @@ def summarize(p: Dict[str, Any], phases: Dict[str, Dict[str, Any]]) -> Dict[str,
     rows = {
         "recompute": ("plain", "cold"),
         "gpu_prefix_hit": ("ref", "hit"),
-        "kvferry_hit_same_process_async": ("kv-first", "hit"),
-        "kvferry_hit_second_process_async": ("kv-second", "hit"),
+        "kvferry_hit_same_process_default": ("kv-first", "hit"),
+        "kvferry_hit_second_process_default": ("kv-second", "hit"),
+        "kvferry_hit_second_process_async": ("kv-async", "hit"),
         "kvferry_hit_second_process_sync": ("kv-sync", "hit"),
         "kvferry_hit_cross_layer_async": ("kv-xl", "hit"),
         "cold_no_connector": ("plain", "cold"),
@@ -227,8 +255,9 @@ def summarize(p: Dict[str, Any], phases: Dict[str, Dict[str, Any]]) -> Dict[str,
             for name, (ph, kind) in rows.items()
         }
         t = ttft[str(n)]
-        for hit in ("kvferry_hit_same_process_async", "kvferry_hit_second_process_async",
-                    "kvferry_hit_second_process_sync", "kvferry_hit_cross_layer_async"):
+        for hit in ("kvferry_hit_same_process_default", "kvferry_hit_second_process_default",
+                    "kvferry_hit_second_process_async", "kvferry_hit_second_process_sync",
+                    "kvferry_hit_cross_layer_async"):
             if t.get(hit) and t.get("gpu_prefix_hit"):
                 t[hit.replace("kvferry_hit", "x_floor")] = round(t[hit] / t["gpu_prefix_hit"], 2)
             if t.get(hit) and t.get("recompute"):
@@ -238,7 +267,8 @@ def summarize(p: Dict[str, Any], phases: Dict[str, Dict[str, Any]]) -> Dict[str,
                            ("cold_with_connector_cross_layer", "save_cost_pct_cross_layer")):
             if t.get(cold) and t.get("cold_no_connector"):
                 t[name] = round(100.0 * (t[cold] / t["cold_no_connector"] - 1.0), 2)
-    return {"ttft_ms": ttft, "correctness": verdict(p, phases)}
+    serve = {name: ph["serve"] for name, ph in phases.items() if ph.get("serve")}
+    return {"ttft_ms": ttft, "correctness": verdict(p, phases), "serve": serve}
 
 
 def verdict(p: Dict[str, Any], phases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
@@ -635,13 +665,15 @@ def run_phase(spec: Dict[str, Any]) -> Dict[str, Any]:
         dtype="bfloat16",
         max_model_len=spec["max_model_len"],
         max_num_batched_tokens=spec["max_model_len"],  # a whole prompt in one step
-        max_num_seqs=8,
+        max_num_seqs=spec["serve"]["max_seqs"] if PHASES[name].get("serve") else 8,
         gpu_memory_utilization=spec["gpu_memory_utilization"],
         attention_backend="FLASH_ATTN",
         enable_prefix_caching=spec["prefix"],
         block_size=spec["block_size"],
         seed=0,
     )
+    if spec.get("no_async_scheduling"):
+        kw["async_scheduling"] = False
     if spec["connector"]:
         extra: Dict[str, Any] = {"address": spec["address"], "load_mode": spec["load_mode"],
                                  "kv_layout": spec["kv_layout"]}
@@ -658,6 +690,10 @@ def run_phase(spec: Dict[str, Any]) -> Dict[str, Any]:
         }
     llm = LLM(**kw)
     res["model_runner"] = _model_runner_used(llm) or asked_runner
+    try:
+        res["async_scheduling"] = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
+    except AttributeError:
+        res["async_scheduling"] = None
     seed = spec["seed"]
     params = llm.apply_model(lambda model: _redraw_weights(model, seed))
     res["parameters"] = params[0] if params else None
@@ -678,6 +714,16 @@ def run_phase(spec: Dict[str, Any]) -> Dict[str, Any]:
         f"{res['model_runner']}"
         + (f", KV {res.get('kv_layout')}, registered {res.get('kv_registered')}" if worker else "")
         + ")")
+
+    if PHASES[name].get("serve"):
+        res["serve"] = [serve_pass(llm, spec, 0)]
+        say(f"{name}: pass 1 {res['serve'][0]}")
+        time.sleep(1.0)  # the first pass's saves land before the second
+        res["serve"].append(serve_pass(llm, spec, 1))
+        say(f"{name}: pass 2 {res['serve'][1]}")
+        if totals is not None:
+            res["connector_stats"] = dict(totals)
+        return res
 
     def gen(ids: List[int], max_tokens: int) -> Dict[str, Any]:
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=spec["logprobs"],
@@ -755,6 +801,71 @@ def run_phase(spec: Dict[str, Any]) -> Dict[str, Any]:
     return res
 
 
+def _pct(xs: List[float], q: float) -> Optional[float]:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return round(s[min(len(s) - 1, int(q * len(s)))], 2)
+
+
+def serve_pass(llm: Any, spec: Dict[str, Any], k: int) -> Dict[str, Any]:
+    """One pass of the serving run through the engine's own request loop: the prompts
+    arrive (Poisson at the rate, seeded; all at once at rate 0), and each request's first
+    token and end are timed as the engine hands them out."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sv = spec["serve"]
+    eng = llm.llm_engine
+    sp = SamplingParams(max_tokens=sv["output"], temperature=0.0, ignore_eos=True,
+                        detokenize=False)
+    prompts = [prompt_ids(spec["seed"] + 1000, sv["length"], i) for i in range(sv["prompts"])]
+    rng = random.Random(spec["seed"] + 7)
+    at, t = [], 0.0
+    for _ in prompts:
+        at.append(t)
+        t += rng.expovariate(sv["rate"]) if sv["rate"] > 0 else 0.0
+    index: Dict[str, int] = {}
+    sent: Dict[int, float] = {}
+    first: Dict[int, float] = {}
+    done: Dict[int, float] = {}
+    cached = 0
+    nxt = 0
+    t0 = time.perf_counter()
+    while len(done) < len(prompts):
+        now = time.perf_counter()
+        while nxt < len(prompts) and t0 + at[nxt] <= now:
+            rid = f"serve{k}-{nxt}"
+            got = eng.add_request(rid, TokensPrompt(prompt_token_ids=prompts[nxt]), sp)
+            index[rid] = nxt
+            if isinstance(got, str):
+                index[got] = nxt
+            sent[nxt] = time.perf_counter()
+            nxt += 1
+        if not eng.has_unfinished_requests():
+            time.sleep(max(0.0, min(0.001, t0 + at[nxt] - time.perf_counter())))
+            continue
+        for o in eng.step():
+            i = index.get(o.request_id)
+            if i is None:
+                continue
+            now = time.perf_counter()
+            if i not in first and o.outputs and len(o.outputs[0].token_ids) > 0:
+                first[i] = now
+                cached += int(getattr(o, "num_cached_tokens", 0) or 0)
+            if o.finished:
+                done[i] = now
+    dur = time.perf_counter() - t0
+    ttft = [1e3 * (first[i] - sent[i]) for i in first]
+    e2e = [1e3 * (done[i] - sent[i]) for i in done]
+    return {"requests": len(done), "duration_s": round(dur, 3),
+            "ttft_mean_ms": round(statistics.mean(ttft), 2) if ttft else None,
+            "ttft_median_ms": _median(ttft), "ttft_p99_ms": _pct(ttft, 0.99),
+            "e2e_mean_ms": round(statistics.mean(e2e), 2) if e2e else None,
+            "output_tok_s": round(len(done) * sv["output"] / dur, 1),
+            "cached_tokens_mean": round(cached / max(1, len(first)))}
+
+
 def _count_connector_stats() -> Dict[str, float]:
     """The connector's counters summed over the phase (vLLM takes and resets them every step)."""
     from kvferry.vllm import stats
@@ -812,7 +923,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=3, help="prompts per size")
     p.add_argument("--warmup", type=int, default=1, help="warm-up prompts per size and phase")
     p.add_argument("--repeats", type=int, default=2, help="hits of each prompt per phase")
-    p.add_argument("--phases", default=",".join(PHASES),
+    p.add_argument("--phases", default=",".join(DEFAULT_PHASES),
                    type=lambda s: [x for x in s.split(",") if x])
     p.add_argument("--layers", type=int, default=LLAMA_8B["num_hidden_layers"])
     p.add_argument("--block-size", type=int, default=16)
@@ -836,8 +947,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-runner", choices=sorted(MODEL_RUNNERS), default="auto",
                    help="vLLM's model runner for every phase (VLLM_USE_V2_MODEL_RUNNER); auto: "
                    "vLLM's choice, V1 for kv-xl where vLLM has it")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="every phase with vLLM's async scheduling off (then the connector's "
+                   "default load_mode, auto, loads a hit alone in the engine synchronously)")
     p.add_argument("--idle-wait-ms", type=int, default=None,
                    help="the connector's idle_wait_ms (default: the connector's own)")
+    p.add_argument("--serve-prompts", type=int, default=12,
+                   help="serve phases: prompts per pass")
+    p.add_argument("--serve-tokens", type=int, default=10000,
+                   help="serve phases: tokens per prompt (whole blocks, plus one)")
+    p.add_argument("--serve-output", type=int, default=64,
+                   help="serve phases: output tokens per request")
+    p.add_argument("--serve-rate", type=float, default=0.0,
+                   help="serve phases: requests per second, Poisson arrivals (0: all at once)")
+    p.add_argument("--serve-max-seqs", type=int, default=16,
+                   help="serve phases: vLLM's max_num_seqs")
     p.add_argument("--phase-timeout", type=float, default=600.0)
     p.add_argument("--model-dir", default=None, help="where config.json goes (default --out)")
     p.add_argument("--out", default=None, help="folder for bench-vllm.json and the logs")
@@ -867,6 +991,10 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         p.error("--idle-wait-ms must be within 0..100")
     if args.warmup < 0 or args.repeats < 1 or args.settle_ms < 0:
         p.error("--warmup and --settle-ms must be >= 0 and --repeats >= 1")
+    if min(args.serve_prompts, args.serve_output, args.serve_max_seqs) < 1 or \
+            args.serve_tokens < args.block_size or args.serve_rate < 0:
+        p.error("--serve-prompts, --serve-output and --serve-max-seqs must be positive, "
+                "--serve-tokens at least one block and --serve-rate >= 0")
     if not 0.05 <= args.gpu_memory_utilization <= 0.95:
         p.error("--gpu-memory-utilization must be within 0.05..0.95")
     if args.trace and args.trace_tokens is None:
@@ -889,6 +1017,10 @@ def print_table(result: Dict[str, Any]) -> None:
         f"in {c.get('recompute_differs_from_hit')} prompts)")
     for name, why in (c.get("not_compared") or {}).items():
         say(f"  {name} not compared: {why}")
+    for name, passes in (result.get("serve") or {}).items():
+        for i, s in enumerate(passes):
+            say(f"{name} pass {i + 1} ({'cold' if i == 0 else 'again'}): " + ", ".join(
+                f"{k} {v}" for k, v in s.items()))
     for name, ph in result["phases"].items():
         tr = ph.get("trace")
         if tr:
@@ -909,6 +1041,7 @@ def summary(result: Dict[str, Any]) -> Dict[str, Any]:
             d["log_tail"] = ph.get("log_tail", [])[-8:]
         phases[name] = d
     return {"ttft_ms": result["ttft_ms"], "correctness": result["correctness"],
+            "serve": result.get("serve", {}),
             "phases": phases, "wall_s": result["wall_s"],
             "plan": {k: v for k, v in result["plan"].items() if k != "model_dir"}}
 

@@ -82,7 +82,7 @@ def test_summary_medians_save_cost_and_a_passing_verdict():
     s = bv.summarize(p, _phases(good))
     t = s["ttft_ms"]["33"]
     assert t["recompute"] == 98.0 and t["gpu_prefix_hit"] == 11.0
-    assert t["kvferry_hit_same_process_async"] == 22.0 and t["x_floor_same_process_async"] == 2.0
+    assert t["kvferry_hit_same_process_default"] == 22.0 and t["x_floor_same_process_default"] == 2.0
     assert t["kvferry_hit_cross_layer_async"] is None  # skipped, not zero
     assert t["save_cost_pct"] == round(100 * (99.0 / 98.0 - 1), 2)
     c = s["correctness"]
@@ -185,3 +185,28 @@ def test_the_plan_carries_the_model_runner_and_the_idle_wait(tmp_path):
     assert out.returncode == 2 and "--idle-wait-ms" in out.stderr
     out = run("--model-runner", "v3")
     assert out.returncode == 2 and "--model-runner" in out.stderr
+
+
+def test_the_serving_run_is_planned_only_when_asked_for_and_its_passes_are_summarized(tmp_path):
+    assert "serve-kv" not in bv.DEFAULT_PHASES and "kv-first" in bv.DEFAULT_PHASES
+    out = run("--dry-run", "--out", str(tmp_path / "a"), "--tokens", "40", "--prompts", "2",
+              "--warmup", "1", "--phases", "ref,kv-first")
+    plain = json.loads(out.stdout)
+    out = run("--dry-run", "--out", str(tmp_path / "b"), "--tokens", "40", "--prompts", "2",
+              "--warmup", "1", "--phases", "serve-ref,serve-kv", "--serve-prompts", "5",
+              "--serve-tokens", "200", "--serve-output", "20")
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)
+    # 200 -> 12 blocks + 1 token; five of them more in the pool, and room for 20 outputs.
+    assert p["serve"] == {"prompts": 5, "length": 193, "output": 20, "rate": 0.0,
+                          "max_seqs": 16}
+    bb = p["block_bytes"]
+    assert p["pool_bytes"] - plain["pool_bytes"] == 5 * 12 * bb * 11 // 10
+    assert p["max_model_len"] == 193 + 20 + 16
+    for bad in (["--serve-prompts", "0"], ["--serve-tokens", "3"], ["--serve-rate", "-1"]):
+        out = run("--phases", "serve-kv", *bad)
+        assert out.returncode == 2 and "--serve-" in out.stderr, bad
+    passes = [{"ttft_median_ms": 300.0}, {"ttft_median_ms": 40.0}]
+    s = bv.summarize(p, {"serve-kv": {"status": "ok", "serve": passes}, "ref": {}})
+    assert s["serve"] == {"serve-kv": passes}
+    assert bv._pct([5.0, 1.0, 3.0, 2.0, 4.0], 0.99) == 5.0 and bv._pct([], 0.5) is None

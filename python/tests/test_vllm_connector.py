@@ -98,12 +98,17 @@ def test_unknown_extra_config_key_refused_at_start(tmp_path, node):
 
 
 @pytest.mark.parametrize(
-    "layout, async_scheduling",
-    [("LBNHC", True), ("BLHNC", True), ("LBNHC", False)],
-    ids=["LBNHC-async-scheduler", "BLHNC-async-scheduler", "LBNHC-scheduler"],
+    "layout, async_scheduling, load_mode",
+    [("LBNHC", True, None), ("BLHNC", True, None), ("LBNHC", False, None),
+     ("LBNHC", False, "async")],
+    ids=["LBNHC-async-scheduler", "BLHNC-async-scheduler", "LBNHC-scheduler-auto",
+         "LBNHC-scheduler-async"],
 )
-def test_second_prompt_gets_its_prefix_from_kvferry(tmp_path, node, layout, async_scheduling):
+def test_second_prompt_gets_its_prefix_from_kvferry(tmp_path, node, layout, async_scheduling,
+                                                    load_mode):
     extra = {"kv_layout": "cross_layer"} if layout == "BLHNC" else {}
+    if load_mode:
+        extra["load_mode"] = load_mode
     eng = engine(tmp_path, node.addr, layout=layout, extra=extra,
                  async_scheduling=async_scheduling)
     want = "AsyncScheduler" if async_scheduling else "Scheduler"
@@ -124,10 +129,18 @@ def test_second_prompt_gets_its_prefix_from_kvferry(tmp_path, node, layout, asyn
         assert eng.scheduler.reset_prefix_cache()
         eng.stats = {}
         eng.add("b", toks)
-        eng.step()
+        so = eng.step()
         b = eng.requests["b"]
-        assert status(b) == "WAITING_FOR_REMOTE_KVS"  # an asynchronous load
-        assert b.num_computed_tokens == 96  # 6 full blocks of 16 matched
+        (load,) = so.kv_connector_metadata.loads
+        # The default ("auto") loads a lone hit synchronously where vLLM schedules
+        # synchronously: its forward runs in the step of its load.
+        sync = not async_scheduling and load_mode is None
+        assert load.sync == sync
+        if sync:
+            assert status(b) == "RUNNING"
+        else:
+            assert status(b) == "WAITING_FOR_REMOTE_KVS"  # an asynchronous load
+        assert b.num_computed_tokens >= 96  # 6 full blocks of 16 matched
         b_ids = eng.block_ids("b")
         eng.run(until=lambda: status(b) == "RUNNING" or "b" in eng.finished)
         assert eng.invalid_reported == set()

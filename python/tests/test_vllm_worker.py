@@ -65,7 +65,11 @@ def test_importable_without_vllm():
 
 def test_config_is_checked():
     cfg = parse_extra_config({"address": "127.0.0.1:7200", "direct_gpu": True, "deadline_ms": 250})
-    assert cfg.direct_gpu and cfg.deadline_s == 0.25 and cfg.async_load and cfg.mailbox
+    assert cfg.direct_gpu and cfg.deadline_s == 0.25 and cfg.mailbox
+    assert cfg.load_mode == "auto" and cfg.may_load_async and not cfg.async_load
+    for mode, every, some in (("async", True, True), ("sync", False, False)):
+        c = parse_extra_config({"address": "h:1", "load_mode": mode})
+        assert (c.async_load, c.may_load_async) == (every, some), mode
     assert not parse_extra_config({"address": "h:1", "mailbox": False}).mailbox
     with pytest.raises(ConfigError, match=r"unknown keys 'adress', 'timeout'"):
         parse_extra_config({"address": "h:1", "adress": "x", "timeout": 3})
@@ -77,7 +81,7 @@ def test_config_is_checked():
         parse_extra_config({"address": "h:1", "direct_gpu": "yes"})
     with pytest.raises(ConfigError, match="positive integer"):
         parse_extra_config({"address": "h:1", "load_timeout_ms": 0})
-    with pytest.raises(ConfigError, match="load_mode"):
+    with pytest.raises(ConfigError, match='"load_mode" must be "auto", "async" or "sync"'):
         parse_extra_config({"address": "h:1", "load_mode": "eager"})
 
 
@@ -576,5 +580,85 @@ def test_vllm_taking_fewer_blocks_than_leased_loads_exactly_those(node):
         assert w.get_block_ids_with_load_errors() == set()
         got = snapshot(kv, [10, 11])
         assert all(torch.equal(x, y) for g, h in zip(got, want) for x, y in zip(g, h))
+    finally:
+        w.shutdown()
+
+
+def test_auto_load_mode_loads_sync_when_alone_and_async_beside_running_requests(node):
+    from kvferry.vllm.kvcache import layer_names
+
+    cfg = parse_extra_config({"address": node.addr})
+    assert cfg.load_mode == "auto"  # the default
+    kv = kv_tensors(2, NB, HEADS, BS, HEAD, "LBNHC")
+    w = WorkerSide(cfg, instance="auto", model="m", kv_dtype="float32", tp_rank=0, tp_size=1,
+                   num_blocks=NB)
+    w.register_kv_caches(kv)
+    sched = SchedulerSide(cfg, instance="auto", model="m", kv_dtype="float32", block_size=BS,
+                          tp_size=1, async_scheduling=False)
+    # Under vLLM's async scheduling (its default) "auto" is always asynchronous: a failed
+    # synchronous load would leave the request stuck there.
+    under_async = SchedulerSide(cfg, instance="auto", model="m", kv_dtype="float32",
+                                block_size=BS, tp_size=1)
+    try:
+        toks = list(range(7000, 7000 + 4 * BS))
+        fill(kv, [1, 2, 3, 4], seed=5)
+        want = snapshot(kv, [1, 2, 3, 4])
+        a = req("a", toks)
+        sched.get_num_new_matched_tokens(a, 0)
+        meta = sched.build_connector_meta(sched_out({"a": len(toks)}, {"a": [1, 2, 3, 4]}))
+        w.submit_saves(meta)
+        wait_finished([w], {"a"}, "save")
+        sched.request_finished(a)
+        sched.update_connector_output(NS(finished_sending={"a"}))
+
+        lone = req("lone", toks)
+        assert under_async.get_num_new_matched_tokens(lone, 0) == (4 * BS, True)
+        under_async.request_finished(lone)
+        # Alone: synchronous, so one token is left for this step's forward (3 of 4 blocks).
+        b = req("b", toks)
+        assert sched.get_num_new_matched_tokens(b, 0) == (3 * BS, False)
+        canary(kv)
+        sched.update_state_after_alloc(b, NS(get_block_ids=lambda: ([10, 11, 12, 13],)),
+                                       3 * BS)
+        meta = sched.build_connector_meta(sched_out({"b": 1}, {"b": [10, 11, 12, 13]}))
+        (load,) = meta.loads
+        assert load.sync and load.dest_blocks == [10, 11, 12]
+        w.start_load(meta)
+        for name in layer_names(w.layout):
+            w.wait_for_layer_load(name)
+        assert w.get_block_ids_with_load_errors() == set()
+        got = snapshot(kv, [10, 11, 12])
+        assert all(torch.equal(x, y) for g, h in zip(got, want[:3]) for x, y in zip(g, h))
+        rest = snapshot(kv, [i for i in range(NB) if i not in (1, 2, 3, 4, 10, 11, 12)])
+        assert all(bool((t == -7.0).all()) for r in rest for t in r), "a canary changed"
+
+        # Beside a running request (b decodes): asynchronous, every full block.
+        c = req("c", toks)
+        assert sched.get_num_new_matched_tokens(c, 0) == (4 * BS, True)
+        sched.request_finished(c)
+        # b ends: alone again.
+        sched.request_finished(b)
+        d = req("d", toks)
+        assert sched.get_num_new_matched_tokens(d, 0) == (3 * BS, False)
+        sched.update_state_after_alloc(d, NS(get_block_ids=lambda: ([14, 15, 16, 17],)),
+                                       3 * BS)
+        # A second hit in the same step as d's sync load: asynchronous.
+        e = req("e", toks)
+        assert sched.get_num_new_matched_tokens(e, 0) == (4 * BS, True)
+        sched.update_state_after_alloc(e, NS(get_block_ids=lambda: ([18, 19, 20, 21],)),
+                                       4 * BS)
+        meta = sched.build_connector_meta(sched_out({"d": 1}, {"d": [14, 15, 16, 17]}))
+        assert [(s.req_id, s.sync) for s in meta.loads] == [("d", True), ("e", False)]
+        w.start_load(meta)
+        for name in layer_names(w.layout):
+            w.wait_for_layer_load(name)
+        wait_finished([w], {"e"}, "load")
+        got = snapshot(kv, [14, 15, 16, 18, 19, 20, 21])
+        for g, h in zip(got, want[:3] + want):
+            assert all(torch.equal(x, y) for x, y in zip(g, h))
+        s = sched.take_stats()
+        assert (s["sync_hits"], s["async_hits"]) == (2, 2), s
+        for r in (d, e):
+            sched.request_finished(r)
     finally:
         w.shutdown()

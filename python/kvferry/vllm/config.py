@@ -33,8 +33,10 @@ KEYS: Dict[str, str] = {
     "(default 30000)",
     "retry_ms": "after the node failed, how long the connector leaves it alone before trying "
     "again, in ms; doubles up to 30 s while it keeps failing (default 1000)",
-    "load_mode": '"async" (default: loads run between steps) or "sync" (loads finish before '
-    "the forward that needs them)",
+    "load_mode": '"auto" (default: a hit loads "sync" while no other request runs and vLLM\'s '
+    'async scheduling is off, else "async"), "async" (loads run between steps, beside other requests\' forwards) or "sync" '
+    "(the request's forward runs in the step of its load, each layer as it lands; other "
+    "requests of that step wait for it)",
     "fd_socket": "the node's fd socket path where it differs from what the node announces",
     "mailbox": "send queries, loads and saves through a request mailbox in shared memory (default "
     "true; needs the node's fd socket, so the same host; the calls are used where the node "
@@ -67,7 +69,7 @@ class KvferryConfig(Timeouts):
     connect_timeout_ms: int = 1000
     load_timeout_ms: int = 30000
     retry_ms: int = 1000
-    load_mode: str = "async"
+    load_mode: str = "auto"
     fd_socket: Optional[str] = None
     kv_layout: str = "auto"
     mailbox: bool = True
@@ -77,12 +79,21 @@ class KvferryConfig(Timeouts):
 
     @property
     def async_load(self) -> bool:
+        """Every load asynchronous (load_mode "async")."""
         return self.load_mode == "async"
+
+    @property
+    def may_load_async(self) -> bool:
+        """Some loads may be asynchronous (load_mode "async" or "auto")."""
+        return self.load_mode != "sync"
 
     @property
     def idle_wait_s(self) -> float:
         return self.idle_wait_ms / 1000.0
 
+
+#: load_mode's values.
+LOAD_MODES = ("auto", "async", "sync")
 
 _STR = ("address", "token", "instance", "model", "fd_socket", "events")
 _BOOL = ("direct_gpu", "mailbox")
@@ -129,8 +140,10 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvferryConfig:
                 )
             values[key] = value
         elif key == "load_mode":
-            if value not in ("async", "sync"):
-                raise ConfigError(f'{prefix}: "load_mode" must be "async" or "sync", got {value!r}')
+            if value not in LOAD_MODES:
+                raise ConfigError(
+                    f'{prefix}: "load_mode" must be "auto", "async" or "sync", got {value!r}'
+                )
             values[key] = value
         elif key == "kv_cache_access":
             from .vmm import CHOICES

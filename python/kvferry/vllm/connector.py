@@ -273,6 +273,10 @@ class KvferryConnector(KVConnectorBase_V1):
                 ),
                 load=ktc.is_kv_consumer,
                 save=ktc.is_kv_producer,
+                # Resolved by vLLM before the connector is made (None only in a config
+                # that was never finished: treated as vLLM's default, on).
+                async_scheduling=getattr(vllm_config.scheduler_config, "async_scheduling",
+                                         True) is not False,
                 events=compat.engine_events(vllm_config, self.cfg.events),
             )
         else:

@@ -11,9 +11,12 @@ Per request:
 
 1. ``get_num_new_matched_tokens(request, k_tokens)``: hashes of the full blocks beyond
    vLLM's own prefix hit are queried; the node leases the longest prefix it holds (n
-   blocks) and the answer is ``n * block_size`` tokens, loaded asynchronously (or
-   synchronously with ``load_mode = "sync"``). The lease is kept for the request, so
-   asking again (vLLM does when it could not allocate) costs nothing.
+   blocks) and the answer is ``n * block_size`` tokens, loaded asynchronously or
+   synchronously: ``load_mode = "auto"`` (the default) loads synchronously while no other
+   request runs and vLLM schedules synchronously (the forward waits layer by layer and
+   nobody else waits for it), else asynchronously (the running requests' steps go on while
+   it loads). The lease is kept for
+   the request, so asking again (vLLM does when it could not allocate) costs nothing.
 2. ``update_state_after_alloc``: the lease and the request's new blocks become a load for
    the workers (every TP rank loads its share of the one lease). A lease vLLM did not use
    is released.
@@ -57,8 +60,8 @@ MAX_FAILED_BLOCKS = 4096
 class _Req:
     request: Any
     hasher: Optional[ChainHasher]  # None: not cacheable by kvferry (prompt embeddings)
-    # The unconsumed lease: (first block, blocks, lease id, when).
-    lease: Optional[Tuple[int, int, str, float]] = None
+    # The unconsumed lease: (first block, blocks, lease id, when, loaded asynchronously).
+    lease: Optional[Tuple[int, int, str, float, bool]] = None
     # Blocks [load_start, load_end) came from kvferry: not saved again.
     load_start: int = 0
     load_end: int = 0
@@ -103,6 +106,7 @@ class SchedulerSide:
         client_factory: Optional[Callable[[], Any]] = None,
         clock: Callable[[], float] = time.monotonic,
         events: Any = None,
+        async_scheduling: bool = True,
     ):
         self.cfg = cfg
         self.instance = instance
@@ -112,6 +116,10 @@ class SchedulerSide:
         self.counters = Counters()
         self.link = NodeLink(cfg, "scheduler", client_factory, clock, mailbox_for=instance)
         self._clock = clock
+        # vLLM's AsyncScheduler schedules the next step before this one's output is in: a
+        # failed synchronous load leaves the request stuck there (it drops the output and
+        # keeps its placeholder), so "auto" loads synchronously only without it.
+        self.async_scheduling = async_scheduling
         self._salt = engine_salt(model, f"{kv_dtype};{layout_tag}", block_size, tp_size)
         self._reqs: Dict[str, _Req] = {}
         self._pending_loads: List[LoadSpec] = []
@@ -120,6 +128,9 @@ class SchedulerSide:
         self._max_hashes: Optional[int] = None
         self._last_local = 0
         self._direct_refusal_logged = False
+        # Requests vLLM scheduled and has not finished (load_mode "auto" asks whether any
+        # other runs).
+        self._live: Set[str] = set()
         # Hashes of blocks whose load failed lately -> when (oldest first).
         self._failed: "OrderedDict[bytes, float]" = OrderedDict()
         # The node's tiers as this engine's KV events (kvferry.vllm.events); None: off.
@@ -156,8 +167,9 @@ class SchedulerSide:
     def may_load_async(self, request: Any) -> bool:
         """Whether a hit of ``request`` would load asynchronously (vLLM 0.34 asks before
         any query, so this says "may"): in load_mode "async", for a request kvferry can
-        name that has a full block."""
-        if not (self.load_enabled and self.cfg.async_load):
+        name that has a full block (and in "auto", where it would be asynchronous only
+        with other requests running)."""
+        if not (self.load_enabled and self.cfg.may_load_async):
             return False
         if getattr(request, "prompt_embeds", None) is not None or _mm_spans(request) is None:
             return False
@@ -222,6 +234,17 @@ class SchedulerSide:
         self.counters.add("hit_blocks", n)
         return n, lease
 
+    def _load_async(self, rid: str) -> bool:
+        """Whether a hit of request ``rid`` loads asynchronously now. In "auto": under
+        vLLM's async scheduling always (see ``async_scheduling``); else while another request
+        runs or has a load in this step. Alone, the forward waiting layer by layer costs
+        nobody else anything and ends about when the copy does."""
+        if self.cfg.load_mode != "auto":
+            return self.cfg.async_load
+        if self.async_scheduling:
+            return True
+        return bool(self._pending_loads) or any(other != rid for other in self._live)
+
     def _release(self, lease: str) -> None:
         try:
             self.link.call("release", lambda c: c.release(lease))
@@ -243,16 +266,17 @@ class SchedulerSide:
         bs = self.block_size
         k = num_computed_tokens // bs
         ntok = len(request.all_token_ids)
+        load_async = self._load_async(request.request_id)
         # An async load may cover every token (vLLM recomputes the last one); a sync load
         # must leave one token for this step's forward.
-        full = ntok // bs if self.cfg.async_load else (ntok - 1) // bs
+        full = ntok // bs if load_async else (ntok - 1) // bs
         if full <= k:
             self._drop_lease(r)
             return 0, False
         if r.lease is not None:
-            start, n, _, when = r.lease
-            if start == k and self._clock() - when < LEASE_REUSE_S:
-                return n * bs, self.cfg.async_load
+            start, n, _, when, was_async = r.lease
+            if start == k and was_async == load_async and self._clock() - when < LEASE_REUSE_S:
+                return n * bs, load_async
             self._drop_lease(r)
         if self.link.resting():
             # The node failed lately: no hashing, no call, no wait.
@@ -264,9 +288,10 @@ class SchedulerSide:
         n, lease = self._query(hashes)
         if not n or lease is None:
             return 0, False
-        r.lease = (k, n, lease, self._clock())
+        r.lease = (k, n, lease, self._clock(), load_async)
         r.local_blocks = self._last_local
-        return n * bs, self.cfg.async_load
+        self.counters.add("async_hits" if load_async else "sync_hits")
+        return n * bs, load_async
 
     def _drop_lease(self, r: _Req) -> None:
         if r.lease is not None:
@@ -287,7 +312,7 @@ class SchedulerSide:
             # Called a second time after the load (more blocks): nothing to load.
             return
         bs = self.block_size
-        start, n, lease, _ = r.lease
+        start, n, lease, _, load_async = r.lease
         r.lease = None
         m = num_external_tokens // bs
         if m < n:
@@ -312,8 +337,11 @@ class SchedulerSide:
         r.load_lease, r.load_dest = lease, list(dest)
         r.load_hashes = self._hashes(r, start + m)[start:] if lease else []
         self.counters.add("hit_tokens", m * bs)
+        # Live from here: an async load waits unscheduled, and a sync one of another request
+        # would share the copy with it.
+        self._live.add(request.request_id)
         self._pending_loads.append(
-            LoadSpec(request.request_id, lease, dest, m * bs, sync=not self.cfg.async_load)
+            LoadSpec(request.request_id, lease, dest, m * bs, sync=not load_async)
         )
 
     def _without_failed(self, hashes: List[bytes]) -> List[bytes]:
@@ -360,6 +388,7 @@ class SchedulerSide:
         meta = StepMetadata(loads=self._pending_loads)
         self._pending_loads = []
         meta.idle = int(getattr(so, "total_num_scheduled_tokens", 1) or 0) == 0
+        self._live.update(getattr(so, "num_scheduled_tokens", None) or ())
         meta.preempted = set(getattr(so, "preempted_req_ids", None) or ())
         for rid in meta.preempted:
             r = self._reqs.get(rid)
@@ -450,6 +479,7 @@ class SchedulerSide:
                 r.load_start = r.load_end = 0
 
     def request_finished(self, request: Any, block_ids: Any = None) -> Tuple[bool, Optional[dict]]:
+        self._live.discard(request.request_id)
         r = self._reqs.pop(request.request_id, None)
         if r is not None:
             self._drop_lease(r)

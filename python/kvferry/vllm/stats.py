@@ -21,6 +21,10 @@ COUNTERS: Dict[str, str] = {
     "queried_blocks": "Full blocks asked for, beyond vLLM's own prefix cache hit.",
     "hit_blocks": "Blocks the node held (leased) for those queries.",
     "hit_tokens": "Tokens vLLM took from kvferry instead of computing them.",
+    "sync_hits": "Hits loaded synchronously (load_mode \"sync\", or \"auto\" with no other "
+    "request running): the forward runs each layer as it lands.",
+    "async_hits": "Hits loaded asynchronously (load_mode \"async\", or \"auto\" beside running "
+    "requests): the request runs once its load has ended.",
     "direct_refused": "Queries that asked for direct GPU loads and were refused by the node.",
     "loads": "Loads of a lease into a rank's KV (every rank).",
     "load_failures": "Loads that failed (their blocks are recomputed by vLLM).",
