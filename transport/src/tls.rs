@@ -2,7 +2,8 @@
 //! `ServerConnection` before its challenge, so the link-grant proof runs inside TLS; the
 //! requester's [`TlsPipe`] shares one `ClientConnection` between the issuing thread and the
 //! receiver thread: a mutex held only while bytes move between rustls and a non-blocking
-//! socket, never across a wait, so an issue never waits for a read to arrive.
+//! socket, never across a wait, so an issue never waits for a read to arrive. The receiver
+//! reads ciphertext in large pieces and hands it to rustls from memory.
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -76,16 +77,37 @@ pub(crate) fn accept(
         Ok(c) => c,
         Err(e) => return Err((sock, tls_err(e))),
     };
+    conn.set_buffer_limit(Some(SEND_BUFFER));
     match handshake(&mut conn, &mut sock, deadline) {
         Ok(()) => Ok(rustls::StreamOwned::new(conn, sock)),
         Err(e) => Err((sock, e)),
     }
 }
 
+/// Ciphertext read from the socket at once: rustls' `read_tls` asks a reader for at most
+/// 4 KiB, so reading the socket through it cost a `recv(2)` (and a `poll(2)`) per 4 KiB;
+/// reads of this size are served to rustls from memory.
+const CIPHERTEXT_BUF: usize = 256 << 10;
+
+/// Plaintext an owner's connection queues before writing: rustls' default (64 KiB) made a
+/// large read's reply four records per `write_tls`.
+pub(crate) const SEND_BUFFER: usize = 1 << 20;
+
+/// The rustls side of a requester's connection: the connection, and ciphertext received
+/// but not yet handed to it (`ct[start..end]`).
+struct Rx {
+    conn: ClientConnection,
+    ct: Box<[u8]>,
+    start: usize,
+    end: usize,
+    /// The socket reported its end; rustls has been told.
+    eof: bool,
+}
+
 /// A requester's TLS data connection after its handshake, shared by the issuer and the
 /// receiver.
 pub(crate) struct TlsPipe {
-    conn: Mutex<ClientConnection>,
+    rx: Mutex<Rx>,
     sock: TcpStream,
 }
 
@@ -94,7 +116,13 @@ impl TlsPipe {
     pub(crate) fn new(conn: ClientConnection, sock: TcpStream) -> io::Result<Self> {
         sock.set_nonblocking(true)?;
         Ok(Self {
-            conn: Mutex::new(conn),
+            rx: Mutex::new(Rx {
+                conn,
+                ct: vec![0; CIPHERTEXT_BUF].into_boxed_slice(),
+                start: 0,
+                end: 0,
+                eof: false,
+            }),
             sock,
         })
     }
@@ -106,16 +134,47 @@ impl TlsPipe {
     /// Encrypts `bytes` and sends what the socket takes now; the receiver sends the rest when
     /// the socket is writable again.
     pub(crate) fn send(&self, bytes: &[u8]) -> io::Result<()> {
-        let mut conn = lock(&self.conn);
-        conn.writer().write_all(bytes)?;
-        flush(&mut conn, &self.sock)
+        let mut rx = lock(&self.rx);
+        rx.conn.writer().write_all(bytes)?;
+        flush(&mut rx.conn, &self.sock)
+    }
+
+    /// Hands rustls more ciphertext under the lock: what `rx` holds, else what the socket
+    /// has now (one large read); `WouldBlock` when neither has any.
+    fn feed(&self, rx: &mut Rx) -> io::Result<()> {
+        if rx.start == rx.end && !rx.eof {
+            match (&self.sock).read(&mut rx.ct) {
+                Ok(0) => rx.eof = true,
+                Ok(n) => (rx.start, rx.end) = (0, n),
+                Err(e) => return Err(e),
+            }
+            if rx.eof {
+                // Tells rustls the stream ended (a truncated record is its error).
+                rx.conn.read_tls(&mut io::empty())?;
+                rx.conn.process_new_packets().map_err(tls_err)?;
+                return Ok(());
+            }
+        }
+        if rx.start == rx.end {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        let Rx {
+            conn,
+            ct,
+            start,
+            end,
+            ..
+        } = rx;
+        let n = conn.read_tls(&mut &ct[*start..*end])?;
+        *start += n;
+        conn.process_new_packets().map_err(tls_err)?;
+        Ok(())
     }
 
     /// Waits up to one poll interval for the socket (readable, or writable while rustls has
-    /// output queued), then moves ciphertext between it and rustls under the lock;
-    /// `WouldBlock` when nothing happened.
-    fn pump(&self) -> io::Result<()> {
-        let wants_write = lock(&self.conn).wants_write();
+    /// output queued) and flushes that output; `WouldBlock` when nothing happened.
+    fn wait(&self) -> io::Result<()> {
+        let wants_write = lock(&self.rx).conn.wants_write();
         let mut events = libc::POLLIN;
         if wants_write {
             events |= libc::POLLOUT;
@@ -133,19 +192,8 @@ impl TlsPipe {
         if r == 0 {
             return Err(io::ErrorKind::WouldBlock.into());
         }
-        let mut conn = lock(&self.conn);
         if pfd.revents & libc::POLLOUT != 0 {
-            flush(&mut conn, &self.sock)?;
-        }
-        if pfd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
-            match conn.read_tls(&mut &self.sock) {
-                Ok(0) => return Ok(()),
-                Ok(_) => {
-                    conn.process_new_packets().map_err(tls_err)?;
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(e),
-            }
+            flush(&mut lock(&self.rx).conn, &self.sock)?;
         }
         Ok(())
     }
@@ -168,14 +216,29 @@ impl ByteSource for &TlsPipe {
         let buf = unsafe { std::slice::from_raw_parts_mut(ptr, n) };
         let started = Instant::now();
         loop {
-            match lock(&self.conn).reader().read(buf) {
-                Ok(r) => return Ok(r),
+            {
+                let mut rx = lock(&self.rx);
+                loop {
+                    match rx.conn.reader().read(buf) {
+                        Ok(r) => return Ok(r),
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(e) => return Err(e),
+                    }
+                    match self.feed(&mut rx) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+            // Nothing buffered and nothing on the socket: wait for it without the lock, so
+            // the issuer can send meanwhile.
+            match self.wait() {
+                Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Err(e),
             }
-            self.pump()?;
-            // The socket had bytes but not a whole record yet: keep going, but still let the
-            // caller check its deadline now and then.
+            // Let the caller check its deadline now and then.
             if started.elapsed() > Duration::from_millis(POLL_MS as u64) {
                 return Err(io::ErrorKind::WouldBlock.into());
             }
