@@ -416,10 +416,13 @@ pub enum Reject {
     Busy,
     /// The TLS handshake or a TLS record failed.
     Tls,
+    /// The TLS handshake did not finish before the hello deadline (silent, slow or
+    /// truncated, or a plaintext client against a TLS port).
+    TlsTimeout,
 }
 
 impl Reject {
-    pub const ALL: [Reject; 10] = [
+    pub const ALL: [Reject; 11] = [
         Reject::BadHello,
         Reject::HelloTimeout,
         Reject::WrongPeer,
@@ -430,6 +433,7 @@ impl Reject {
         Reject::Banned,
         Reject::Busy,
         Reject::Tls,
+        Reject::TlsTimeout,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -444,6 +448,7 @@ impl Reject {
             Reject::Banned => "banned",
             Reject::Busy => "busy",
             Reject::Tls => "tls",
+            Reject::TlsTimeout => "tls_timeout",
         }
     }
 
@@ -455,6 +460,11 @@ impl Reject {
     /// made for its own reasons (busy, already banned) do not.
     pub fn counts_against_source(self) -> bool {
         !matches!(self, Reject::Banned | Reject::Busy)
+    }
+
+    /// Whether this refusal is a failed TLS handshake (counted with the TLS listeners').
+    pub fn is_tls(self) -> bool {
+        matches!(self, Reject::Tls | Reject::TlsTimeout)
     }
 }
 

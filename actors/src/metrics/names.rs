@@ -208,7 +208,7 @@ pub fn describe() {
             DATA_REJECTED,
             "Connections the tcp data server refused or closed, by reason (bad_hello, \
              hello_timeout, wrong_peer, unknown_link, stale_link, bad_proof, bad_read, banned, \
-             busy, tls).",
+             busy, tls, tls_timeout: a TLS handshake past the hello deadline).",
         ),
         (DIRECTORY_OPERATIONS, "Directory operations by kind."),
         (

@@ -191,7 +191,7 @@ impl DataSide {
                 let me = node.to_owned();
                 let stats = tls.map(|t| Arc::clone(t.ctx.stats()));
                 opts.on_reject = Some(Arc::new(move |from, why| {
-                    if let (Some(s), Reject::Tls) = (&stats, why) {
+                    if let (Some(s), true) = (&stats, why.is_tls()) {
                         s.handshake_failed(crate::tls::TlsSide::Data);
                     }
                     log_rejection(&me, from, why)

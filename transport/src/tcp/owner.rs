@@ -398,7 +398,7 @@ fn serve(stream: TcpStream, qp: u32, ctx: &OwnerCtx) {
             Err((s, e)) => {
                 let _ = s.shutdown(Shutdown::Both);
                 let why = if e.kind() == io::ErrorKind::TimedOut {
-                    Reject::HelloTimeout
+                    Reject::TlsTimeout
                 } else {
                     Reject::Tls
                 };

@@ -222,11 +222,11 @@ fn clients_from_another_ca_without_a_certificate_or_in_clear_are_refused() {
     // Plaintext against a TLS owner: each side waits for the other's first flight until the
     // hello deadline.
     refused(None);
-    o.wait_for(Reject::HelloTimeout, 1);
+    o.wait_for(Reject::TlsTimeout, 1);
     let seen: Vec<Reject> = o.seen.lock().unwrap().iter().map(|(_, w)| *w).collect();
     assert_eq!(
         seen,
-        [Reject::Tls, Reject::Tls, Reject::Tls, Reject::HelloTimeout]
+        [Reject::Tls, Reject::Tls, Reject::Tls, Reject::TlsTimeout]
     );
 
     // The cluster's own requester still reads.
