@@ -339,6 +339,9 @@ def test_a_load_given_up_on_keeps_its_slots_until_it_ends_then_frees_them(node):
     assert not b.conn.load_pending("b1")
     got = b.prefix(rb3)
     assert len(got) == 3 * PS, "the next load hits"
+    # The given-up load counted once, as a failure, not again when it ended.
+    assert b.conn.counters["load_failures"] == 1
+    assert b.conn.counters["loaded_blocks"] == 3, "the b3 load's 3 pages, no more"
     for i in range(3):
         bp, ap = int(got[i * PS]) // PS, int(a_slots[i * PS]) // PS
         assert b.page(bp) == a.page(ap), f"page {i}"

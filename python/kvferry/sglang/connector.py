@@ -80,6 +80,9 @@ class _Load:
     board: Optional[Tuple[int, int, int]] = None
     #: The load's completion, once polled.
     result: Optional[dict] = None
+    #: Given up on at ``load_timeout_ms`` (and counted as a failure then): its end, when it
+    #: comes, is not counted again.
+    given_up: bool = False
 
 
 class KvferryConnector:
@@ -242,7 +245,9 @@ class KvferryConnector:
             if got is None:
                 continue
             landed = landed_of(got, ld.dest)
-            if landed < len(ld.dest):
+            if ld.given_up:
+                pass  # counted as a failure when it was given up on
+            elif landed < len(ld.dest):
                 self.rank.counters["load_failures"] += 1
                 log.warning("kvferry: %s: load failed (%s: %s); %d of %d pages landed", rid,
                             got.get("error_kind"), got.get("error"), landed, len(ld.dest))
@@ -332,6 +337,10 @@ class KvferryConnector:
                     return 0
             if time.monotonic() >= end:
                 log.warning("kvferry: %s: load not complete in time; counted as failed", rid)
+                with self._lock:
+                    ld = self._loads.get(rid)
+                    if ld is not None:
+                        ld.given_up = True
                 self.rank.counters["load_failures"] += 1
                 return 0
             time.sleep(0.0005)
