@@ -56,6 +56,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -808,6 +809,15 @@ def _pct(xs: List[float], q: float) -> Optional[float]:
     return round(s[min(len(s) - 1, int(q * len(s)))], 2)
 
 
+def _serve_index(index: Dict[str, int], rid: str, k: int) -> Optional[int]:
+    """The prompt an engine output is of: by the id given or answered, else by the prefix
+    the id was made from (a vLLM that appends to request ids in its outputs)."""
+    if rid in index:
+        return index[rid]
+    m = re.match(rf"serve{k}-(\d+)(?!\d)", rid)
+    return int(m.group(1)) if m else None
+
+
 def serve_pass(llm: Any, spec: Dict[str, Any], k: int) -> Dict[str, Any]:
     """One pass of the serving run through the engine's own request loop: the prompts
     arrive (Poisson at the rate, seeded; all at once at rate 0), and each request's first
@@ -843,10 +853,12 @@ def serve_pass(llm: Any, spec: Dict[str, Any], k: int) -> Dict[str, Any]:
             sent[nxt] = time.perf_counter()
             nxt += 1
         if not eng.has_unfinished_requests():
+            if nxt >= len(prompts):
+                break  # the engine holds none of them: the rest are reported missing
             time.sleep(max(0.0, min(0.001, t0 + at[nxt] - time.perf_counter())))
             continue
         for o in eng.step():
-            i = index.get(o.request_id)
+            i = _serve_index(index, str(o.request_id), k)
             if i is None:
                 continue
             now = time.perf_counter()
@@ -858,7 +870,8 @@ def serve_pass(llm: Any, spec: Dict[str, Any], k: int) -> Dict[str, Any]:
     dur = time.perf_counter() - t0
     ttft = [1e3 * (first[i] - sent[i]) for i in first]
     e2e = [1e3 * (done[i] - sent[i]) for i in done]
-    return {"requests": len(done), "duration_s": round(dur, 3),
+    return {"requests": len(done), "missing": len(prompts) - len(done),
+            "duration_s": round(dur, 3),
             "ttft_mean_ms": round(statistics.mean(ttft), 2) if ttft else None,
             "ttft_median_ms": _median(ttft), "ttft_p99_ms": _pct(ttft, 0.99),
             "e2e_mean_ms": round(statistics.mean(e2e), 2) if e2e else None,

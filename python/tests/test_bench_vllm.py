@@ -210,3 +210,52 @@ def test_the_serving_run_is_planned_only_when_asked_for_and_its_passes_are_summa
     s = bv.summarize(p, {"serve-kv": {"status": "ok", "serve": passes}, "ref": {}})
     assert s["serve"] == {"serve-kv": passes}
     assert bv._pct([5.0, 1.0, 3.0, 2.0, 4.0], 0.99) == 5.0 and bv._pct([], 0.5) is None
+
+
+def test_a_serving_pass_times_every_request_through_the_engine_loop():
+    """serve_pass against a stand-in engine that answers under suffixed request ids (as some
+    vLLM releases do) and takes two steps per request: every request is found and timed."""
+    from types import SimpleNamespace as NS
+
+    class Eng:
+        def __init__(self):
+            self.live = {}
+
+        def add_request(self, rid, prompt, params):
+            self.live[rid + "-a1b2"] = 0
+            return None
+
+        def has_unfinished_requests(self):
+            return bool(self.live)
+
+        def step(self):
+            out = []
+            for rid in list(self.live):
+                self.live[rid] += 1
+                n = self.live[rid]
+                out.append(NS(request_id=rid, finished=n == 2, num_cached_tokens=16,
+                              outputs=[NS(token_ids=[1] * n)]))
+                if n == 2:
+                    del self.live[rid]
+            return out
+
+    spec = {"seed": 0, "serve": {"prompts": 5, "length": 33, "output": 2, "rate": 0.0}}
+    import sys as _sys
+    import types
+    fake = types.ModuleType("vllm")
+    fake.SamplingParams = lambda **kw: kw
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda **kw: kw
+    saved = {m: _sys.modules.get(m) for m in ("vllm", "vllm.inputs")}
+    _sys.modules.update({"vllm": fake, "vllm.inputs": inputs})
+    try:
+        r = bv.serve_pass(NS(llm_engine=Eng()), spec, 1)
+    finally:
+        for m, v in saved.items():
+            if v is None:
+                _sys.modules.pop(m, None)
+            else:
+                _sys.modules[m] = v
+    assert (r["requests"], r["missing"]) == (5, 0), r
+    assert r["ttft_median_ms"] is not None and r["cached_tokens_mean"] == 16
+    assert bv._serve_index({}, "serve1-12", 1) == 12 and bv._serve_index({}, "serve0-1", 1) is None
