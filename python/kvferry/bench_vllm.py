@@ -46,7 +46,7 @@ recompute's are shown beside them (they differ: the check has teeth). With ``--t
 kvferry and reference phases also run traced hits at one size (``--trace-tokens``) and report
 where the time goes (scheduler, RPCs to the node, the node's copy, the forward).
 
-Progress lines start with ``[bench-vllm]``; the result is one JSON object (``--json``, and
+Progress lines start with ``[bench-vllm]`` (on stderr); the result is one JSON object (``--json``, and
 ``--out DIR``/bench-vllm.json with the engines' and the node's logs beside it).
 """
 
@@ -139,7 +139,8 @@ RESULT = "BENCH-VLLM-RESULT "
 
 
 def say(msg: str) -> None:
-    print(f"[bench-vllm] {msg}", flush=True)
+    # On stderr: stdout is the result (--json), whole.
+    print(f"[bench-vllm] {msg}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- the plan
