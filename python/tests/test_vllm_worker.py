@@ -292,6 +292,17 @@ def sched_out(counts, block_ids):
               scheduled_spec_decode_tokens={})
 
 
+def save_prompt(sched, w, toks, ids, rid="a"):
+    """Request ``rid`` of ``toks`` computed into blocks ``ids``, saved by worker ``w`` and
+    finished: its full blocks are on the node."""
+    a = req(rid, toks)
+    sched.get_num_new_matched_tokens(a, 0)
+    meta = sched.build_connector_meta(sched_out({rid: len(toks)}, {rid: ids}))
+    w.submit_saves(meta)
+    wait_finished([w], {rid}, "save")
+    sched.request_finished(a)
+
+
 def wait_finished(workers, rids, what):
     got = [set() for _ in workers]
     end = time.monotonic() + 20
@@ -562,12 +573,7 @@ def test_vllm_taking_fewer_blocks_than_leased_loads_exactly_those(node):
         toks = list(range(3000, 3000 + 4 * BS))
         fill(kv, [1, 2, 3, 4], seed=9)
         want = snapshot(kv, [1, 2])
-        a = req("a", toks)
-        sched.get_num_new_matched_tokens(a, 0)
-        meta = sched.build_connector_meta(sched_out({"a": len(toks)}, {"a": [1, 2, 3, 4]}))
-        w.submit_saves(meta)
-        wait_finished([w], {"a"}, "save")
-        sched.request_finished(a)
+        save_prompt(sched, w, toks, [1, 2, 3, 4])
         b = req("b", toks)
         assert sched.get_num_new_matched_tokens(b, 0) == (4 * BS, True)
         # vLLM allocates (and loads) only 2 of the 4 blocks: the lease is redone for 2.
@@ -603,12 +609,7 @@ def test_auto_load_mode_loads_sync_when_alone_and_async_beside_running_requests(
         toks = list(range(7000, 7000 + 4 * BS))
         fill(kv, [1, 2, 3, 4], seed=5)
         want = snapshot(kv, [1, 2, 3, 4])
-        a = req("a", toks)
-        sched.get_num_new_matched_tokens(a, 0)
-        meta = sched.build_connector_meta(sched_out({"a": len(toks)}, {"a": [1, 2, 3, 4]}))
-        w.submit_saves(meta)
-        wait_finished([w], {"a"}, "save")
-        sched.request_finished(a)
+        save_prompt(sched, w, toks, [1, 2, 3, 4])
         sched.update_connector_output(NS(finished_sending={"a"}))
 
         lone = req("lone", toks)

@@ -388,7 +388,9 @@ class SchedulerSide:
         meta = StepMetadata(loads=self._pending_loads)
         self._pending_loads = []
         meta.idle = int(getattr(so, "total_num_scheduled_tokens", 1) or 0) == 0
-        self._live.update(getattr(so, "num_scheduled_tokens", None) or ())
+        if self.cfg.load_mode == "auto" and not self.async_scheduling:
+            # Only "auto" asks what runs (see _load_async).
+            self._live.update(getattr(so, "num_scheduled_tokens", None) or ())
         meta.preempted = set(getattr(so, "preempted_req_ids", None) or ())
         for rid in meta.preempted:
             r = self._reqs.get(rid)
