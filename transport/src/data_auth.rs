@@ -514,8 +514,13 @@ struct SourceEntry {
 
 /// Source addresses that keep failing: plain state, `now` passed in. After `max_failures`
 /// failures within `window`, a source is refused for `ban`; a successful hello clears it.
+/// A source with an authorised connection open is never refused: another client on its
+/// host (or behind its NAT), or its own failed attempts while it rotates certificates,
+/// cannot shut an authorised peer out; its failed connections are still closed and counted.
 pub struct SourceGuard {
     sources: HashMap<IpAddr, SourceEntry>,
+    /// Authorised connections open per source (at most the owner's connection limit).
+    live: HashMap<IpAddr, u32>,
     max_failures: u32,
     window: Duration,
     ban: Duration,
@@ -537,6 +542,7 @@ impl SourceGuard {
     pub fn new(max_failures: u32, window: Duration, ban: Duration, max_tracked: usize) -> Self {
         Self {
             sources: HashMap::new(),
+            live: HashMap::new(),
             max_failures: max_failures.max(1),
             window,
             ban,
@@ -546,14 +552,19 @@ impl SourceGuard {
 
     /// Whether `ip` is refused now.
     pub fn is_refused(&self, ip: IpAddr, now: Instant) -> bool {
-        self.sources
-            .get(&ip)
-            .and_then(|e| e.banned_until)
-            .is_some_and(|until| now < until)
+        !self.live.contains_key(&ip)
+            && self
+                .sources
+                .get(&ip)
+                .and_then(|e| e.banned_until)
+                .is_some_and(|until| now < until)
     }
 
     /// One failure from `ip`; true when it gets the source refused from now.
     pub fn failed(&mut self, ip: IpAddr, now: Instant) -> bool {
+        if self.live.contains_key(&ip) {
+            return false;
+        }
         if !self.sources.contains_key(&ip) && self.sources.len() >= self.max_tracked {
             self.forget_one(now);
         }
@@ -582,9 +593,21 @@ impl SourceGuard {
         false
     }
 
-    /// A hello from `ip` succeeded: its failures are forgotten.
+    /// A hello from `ip` succeeded: its failures are forgotten, and it is not refused while
+    /// the connection is open (until the matching [`SourceGuard::closed`]).
     pub fn succeeded(&mut self, ip: IpAddr) {
         self.sources.remove(&ip);
+        *self.live.entry(ip).or_insert(0) += 1;
+    }
+
+    /// An authorised connection from `ip` (one [`SourceGuard::succeeded`]) closed.
+    pub fn closed(&mut self, ip: IpAddr) {
+        if let Some(n) = self.live.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                self.live.remove(&ip);
+            }
+        }
     }
 
     fn forget_one(&mut self, now: Instant) {

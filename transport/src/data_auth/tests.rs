@@ -186,6 +186,30 @@ fn a_source_that_keeps_failing_is_refused_for_a_while() {
 }
 
 #[test]
+fn a_source_with_an_authorised_connection_open_is_never_refused() {
+    let t0 = Instant::now();
+    let mut g = SourceGuard::new(2, Duration::from_secs(60), Duration::from_secs(60), 16);
+    let peer = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 7));
+    g.succeeded(peer);
+    g.succeeded(peer);
+    // Another client on the peer's host fails again and again: the peer's next connections
+    // are still admitted.
+    for i in 0..10 {
+        assert!(!g.failed(peer, t0 + Duration::from_millis(i)));
+    }
+    assert!(!g.is_refused(peer, t0 + Duration::from_secs(1)));
+    g.closed(peer);
+    assert!(!g.failed(peer, t0 + Duration::from_secs(1)));
+    assert!(!g.is_refused(peer, t0 + Duration::from_secs(1)));
+    // With its last connection closed it is a source like any other.
+    g.closed(peer);
+    g.closed(peer);
+    assert!(!g.failed(peer, t0 + Duration::from_secs(2)));
+    assert!(g.failed(peer, t0 + Duration::from_secs(2)));
+    assert!(g.is_refused(peer, t0 + Duration::from_secs(3)));
+}
+
+#[test]
 fn the_source_guard_is_bounded() {
     let t0 = Instant::now();
     let mut g = SourceGuard::new(2, Duration::from_secs(60), Duration::from_secs(60), 8);

@@ -435,6 +435,9 @@ fn serve_on<S: OwnerIo>(
     let ended = serve_reads(&mut stream, ctx, &admitted);
     let _ = stream.socket().shutdown(Shutdown::Both);
     ctx.opts.auth.detach(link);
+    if let Some(a) = from {
+        lock(&ctx.opts.guard).closed(a.ip());
+    }
     if let Some(why) = ended {
         ctx.reject(from, why);
     }

@@ -401,3 +401,30 @@ fn a_source_that_keeps_failing_is_refused_while_others_read() {
     // Another source (the authorised requester on 127.0.0.1) is served.
     assert!(reads_ok(&o, grant).unwrap());
 }
+
+#[test]
+fn failures_beside_an_open_authorised_connection_do_not_shut_its_host_out() {
+    let guard = SourceGuard::new(4, Duration::from_secs(60), Duration::from_secs(60), 64);
+    let o = Owner::start(Duration::from_secs(5), 64, guard);
+    let grant = o.auth.issue(ME).unwrap();
+    // An authorised requester on 127.0.0.1 keeps its connection open...
+    let r = requester(2 << 20);
+    let c = TcpConnector::new(ME, OWNER, o.addr(), grant.clone())
+        .with_connect_timeout(Duration::from_secs(2));
+    let mut qp = r.qp(OWNER, 1, limits(4, 4));
+    qp.connect(&c, r.cq.clone()).unwrap();
+    // ...while another client of the same host sends garbage, past the ban's threshold.
+    for _ in 0..6 {
+        let mut s = connect_from([127, 0, 0, 1], o.addr());
+        s.write_all(&[0xff; 104]).unwrap();
+        closed_within(s, Duration::from_secs(5));
+    }
+    o.wait_for(Reject::BadHello, 6);
+    assert_eq!(o.rejections().get(Reject::Banned), 0);
+    // The peer's next connection (a lane reconnecting) is still served, and so is the open one.
+    assert!(reads_ok(&o, grant).unwrap());
+    let p = plan(&r, (&o.pool, SEED), 4, 20_000, 2, 0);
+    let (done, errs) = post_and_drive(&mut qp, &r.cq, &p.reads);
+    assert!(errs.is_empty() && all_ok(&done));
+    verify(&r.dest, &p, &done);
+}
