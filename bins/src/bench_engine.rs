@@ -71,6 +71,10 @@ pub struct EngineArgs {
     /// both medians and their ratio (events must cost the data path nothing).
     #[arg(long)]
     events: bool,
+    /// Loads ask for one copy batch per layer (what a vLLM worker's synchronous load does)
+    /// instead of the planner's layer groups.
+    #[arg(long)]
+    per_layer: bool,
 }
 
 const INSTANCE: &str = "bench-engine";
@@ -461,6 +465,7 @@ impl DuplexCtx<'_> {
             rank: 0,
             hashes: fresh.to_vec(),
             src_blocks: self.src.to_vec(),
+            tenant: None,
         };
         let t = Instant::now();
         // The save runs on the runtime's workers while this thread waits on the board.
@@ -693,6 +698,7 @@ fn measure(
                         rank: 0,
                         hashes: hs.clone(),
                         src_blocks: src.clone(),
+                        tenant: None,
                     })
                     .await?;
                 let save_s = t.elapsed().as_secs_f64();
@@ -711,7 +717,7 @@ fn measure(
                     instance: id.clone(),
                     rank: 0,
                     dest_blocks: dest.clone(),
-                    per_layer: false,
+                    per_layer: a.per_layer,
                 };
                 let w = load_watched(&c, &board, spin, req, tag).await?;
                 let (load_id, first_s, load_s) = (w.load_id, w.first_s, w.done_s);

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_support import Node, kv_tensors  # noqa: E402
 from kvferry.bench_finish import CountingClient as Counting  # noqa: E402
 from kvferry.vllm import WorkerSide, parse_extra_config  # noqa: E402
+from kvferry.vllm.config import ConfigError  # noqa: E402
 from kvferry.vllm.kvcache import layer_names  # noqa: E402
 from kvferry.vllm.metadata import LoadSpec, StepMetadata  # noqa: E402
 
@@ -203,9 +204,9 @@ class FakeNode:
         return {"lease": None, "local_blocks": 0}
 
 
-def fake_worker(fake: FakeNode) -> WorkerSide:
+def fake_worker(fake: FakeNode, **extra) -> WorkerSide:
     cfg = parse_extra_config({"address": "127.0.0.1:1", "load_timeout_ms": 5000,
-                              "mailbox": False})
+                              "mailbox": False, **extra})
     kv = kv_tensors(3, NB, HEADS, BS, HEAD, "LBNHC")
     w = WorkerSide(cfg, instance="fake", model="m", kv_dtype="float32", tp_rank=0, tp_size=1,
                    num_blocks=NB, client_factory=lambda: fake)
@@ -264,6 +265,23 @@ def test_a_sync_load_ends_at_its_last_layer_ok_without_a_call_failed_with_its_bl
         assert fake.per_layer == {"ok-lease": True, "bad-lease": True}
     finally:
         w.shutdown()
+
+
+def test_sync_batches_grouped_leaves_a_sync_load_to_the_node_layer_groups():
+    fake = FakeNode({"ok-lease": None})
+    w = fake_worker(fake, sync_batches="grouped")
+    try:
+        w.start_load(StepMetadata(loads=[LoadSpec("s-ok", "ok-lease", [1, 2], 2 * BS,
+                                                  sync=True)]))
+        for name in layer_names(w.layout):
+            w.wait_for_layer_load(name)
+        assert fake.per_layer == {"ok-lease": False}
+        _, recving = w.get_finished(set())
+        assert w.get_block_ids_with_load_errors() == set()
+    finally:
+        w.shutdown()
+    with pytest.raises(ConfigError, match="sync_batches"):
+        parse_extra_config({"address": "127.0.0.1:1", "sync_batches": "per-layer"})
 
 
 def test_a_failure_whose_details_cannot_be_fetched_fails_every_block():

@@ -37,6 +37,10 @@ KEYS: Dict[str, str] = {
     'async scheduling is off, else "async"), "async" (loads run between steps, beside other requests\' forwards) or "sync" '
     "(the request's forward runs in the step of its load, each layer as it lands; other "
     "requests of that step wait for it)",
+    "sync_batches": '"layer" (default: a synchronous load lands one copy batch per layer, so '
+    'each layer\'s forward starts as soon as it is in) or "grouped" (the node\'s layer groups: '
+    "layer 0 alone, then a few long batches that move at the copy engines' speed; faster where "
+    "the step computes little beside the hit, a full-prefix hit's one-token tail)",
     "fd_socket": "the node's fd socket path where it differs from what the node announces",
     "mailbox": "send queries, loads and saves through a request mailbox in shared memory (default "
     "true; needs the node's fd socket, so the same host; the calls are used where the node "
@@ -70,6 +74,7 @@ class KvferryConfig(Timeouts):
     load_timeout_ms: int = 30000
     retry_ms: int = 1000
     load_mode: str = "auto"
+    sync_batches: str = "layer"
     fd_socket: Optional[str] = None
     kv_layout: str = "auto"
     mailbox: bool = True
@@ -94,6 +99,8 @@ class KvferryConfig(Timeouts):
 
 #: load_mode's values.
 LOAD_MODES = ("auto", "async", "sync")
+#: sync_batches' values.
+SYNC_BATCHES = ("layer", "grouped")
 
 _STR = ("address", "token", "instance", "model", "fd_socket", "events")
 _BOOL = ("direct_gpu", "mailbox")
@@ -143,6 +150,12 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvferryConfig:
             if value not in LOAD_MODES:
                 raise ConfigError(
                     f'{prefix}: "load_mode" must be "auto", "async" or "sync", got {value!r}'
+                )
+            values[key] = value
+        elif key == "sync_batches":
+            if value not in SYNC_BATCHES:
+                raise ConfigError(
+                    f'{prefix}: "sync_batches" must be "layer" or "grouped", got {value!r}'
                 )
             values[key] = value
         elif key == "kv_cache_access":

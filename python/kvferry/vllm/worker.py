@@ -110,6 +110,7 @@ class WorkerSide:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.cfg = cfg
+        self._per_layer_sync = getattr(cfg, "sync_batches", "layer") == "layer"
         self.instance = instance
         self.model = model
         #: The model as the node's namespace names it (any model name, escaped).
@@ -464,8 +465,9 @@ class WorkerSide:
         def load(c: Any) -> int:
             args = (spec.lease, self.instance, self.rank, list(spec.dest_blocks))
             # A synchronous load's forward runs each layer as it lands: one copy batch per
-            # layer, so the last layers' compute does not wait for a long final batch.
-            kw = {"per_layer": True} if spec.sync else {}
+            # layer, so the last layers' compute does not wait for a long final batch
+            # (sync_batches "grouped" leaves the node's layer groups).
+            kw = {"per_layer": True} if spec.sync and self._per_layer_sync else {}
             if ld.slot is None:
                 return c.load(*args, **kw)
             return c.load(*args, board_slot=ld.slot, board_tag=ld.tag, **kw)
