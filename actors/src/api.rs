@@ -20,4 +20,11 @@ pub trait LoadObserver: Send + Sync {
     fn finished(&self, result: &Result<TransferReport, NodeError>) {
         let _ = result;
     }
+
+    /// Whether the load's client asked it to stop (CancelLoad): read before each copy batch
+    /// is submitted; once true, no more are, and the load ends [`NodeError::Cancelled`]
+    /// when what was submitted has drained.
+    fn cancelled(&self) -> bool {
+        false
+    }
 }

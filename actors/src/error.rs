@@ -71,6 +71,15 @@ pub enum NodeError {
     NoSuchDevice { ordinal: u32, count: usize },
     #[error("bad request: {reason}")]
     BadRequest { reason: String },
+    /// The load's client cancelled it (CancelLoad): what it had submitted drained, nothing
+    /// more was copied, and its destinations hold no valid KV.
+    #[error("cancelled by its client after {landed} of {layers} layers landed")]
+    Cancelled { landed: u32, layers: u32 },
+    /// A request named a new tenant and the node keeps as many apart as it may.
+    #[error(
+        "the node keeps {limit} tenants apart (Capabilities.max_tenants); no new one is taken"
+    )]
+    TooManyTenants { limit: usize },
     #[error("copy failed on {path} load: {source}")]
     Transfer {
         path: &'static str,

@@ -49,6 +49,8 @@ struct Inner {
     engine: Mutex<Option<std::sync::Weak<dyn crate::metrics::EngineProbe>>>,
     /// The TLS counters of the listeners serving this node (`[tls]`), while attached.
     tls: Mutex<Option<Arc<crate::tls::TlsStats>>>,
+    /// The tenant namespaces queries and saves have named (shared with the lease keeper).
+    tenants: Arc<crate::lease::tenants::TenantBook>,
     _registrations: Vec<HostRegistration>,
 }
 
@@ -162,6 +164,8 @@ impl Node {
         let counters = Arc::new(Counters::default());
         counters.set_namespace_labels(config.tenants.metric_namespaces);
         let (tx, rx) = std::sync::mpsc::channel();
+        let tenants = Arc::new(crate::lease::tenants::TenantBook::default());
+        let keeper_tenants = Arc::clone(&tenants);
         let cfg = config.clone();
         let devs = devices.clone();
         let ctrs = Arc::clone(&counters);
@@ -203,7 +207,8 @@ impl Node {
                         ctrs,
                         cfg.node_id.clone(),
                         member,
-                    );
+                    )
+                    .with_tenants(keeper_tenants);
                     let keeper = match verbs_side {
                         Some((refusal, routing)) => keeper.with_verbs(refusal, routing),
                         None => keeper,
@@ -273,6 +278,7 @@ impl Node {
                 publisher,
                 engine: Mutex::new(None),
                 tls: Mutex::new(None),
+                tenants,
                 _registrations: registrations,
             }),
         })
@@ -403,7 +409,12 @@ impl Node {
         fence: Option<Fence>,
     ) -> Result<StoreReport, NodeError> {
         let handle = self.rank(req.instance, req.rank).await?;
+        let namespace = self
+            .inner
+            .tenants
+            .namespace(&handle.namespace, req.tenant.as_deref())?;
         let args = crate::load::save::SaveArgs {
+            namespace,
             handle,
             hashes: req.hashes,
             src_blocks: req.src_blocks,

@@ -237,6 +237,7 @@ fn local(a: LocalArgs) -> anyhow::Result<()> {
                     instance: inst.clone(),
                     hashes: hashes.clone(),
                     direct_gpu: false,
+                    tenant: None,
                 })
                 .await?;
             let dt = t.elapsed().as_secs_f64();
@@ -292,6 +293,7 @@ fn local(a: LocalArgs) -> anyhow::Result<()> {
                     instance: inst.clone(),
                     hashes: hashes.clone(),
                     direct_gpu: false,
+                    tenant: None,
                 })
                 .await?;
             let lease = q.lease.context("no lease")?;

@@ -172,6 +172,7 @@ async fn lease_remote(
             instance: instance.clone(),
             hashes: hashes.to_vec(),
             direct_gpu: direct,
+            tenant: None,
         })
         .await?;
     if q.remote_blocks != hashes.len() {

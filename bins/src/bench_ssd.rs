@@ -225,6 +225,7 @@ pub fn run(a: SsdArgs) -> anyhow::Result<()> {
                     instance: instance.clone(),
                     hashes: (0..n).map(kvferry_actors::BlockHash::from_u64).collect(),
                     direct_gpu: false,
+                    tenant: None,
                 })
                 .await?;
             let q_s = t0.elapsed().as_secs_f64();

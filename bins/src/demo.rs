@@ -222,6 +222,7 @@ async fn demo(
                 instance: instance.clone(),
                 hashes: hashes.clone(),
                 direct_gpu: direct,
+                tenant: None,
             })
             .await?;
         if direct && !q.direct.is_granted() {

@@ -89,7 +89,11 @@ class EngineClient:
     @property
     def has_mailbox(self) -> bool: ...
     def query(
-        self, instance: str, hashes: Sequence[bytes], direct_gpu: bool = False
+        self,
+        instance: str,
+        hashes: Sequence[bytes],
+        direct_gpu: bool = False,
+        tenant: Optional[str] = None,
     ) -> Dict[str, object]: ...
     def load(
         self,
@@ -102,9 +106,15 @@ class EngineClient:
         per_layer: bool = False,
     ) -> int: ...
     def poll_load(self, load_id: int) -> Optional[Dict[str, object]]: ...
+    def cancel_load(self, instance: str, rank: int, load_id: int) -> bool: ...
     def wait_load(self, load_id: int, timeout_s: float = 10.0) -> Dict[str, object]: ...
     def save(
-        self, instance: str, rank: int, hashes: Sequence[bytes], src_blocks: Sequence[int]
+        self,
+        instance: str,
+        rank: int,
+        hashes: Sequence[bytes],
+        src_blocks: Sequence[int],
+        tenant: Optional[str] = None,
     ) -> Dict[str, object]: ...
     def put_blocks(
         self, instance: str, rank: int, blocks: Sequence[Tuple[bytes, bytes]]

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["MAX_PART", "model_namespace"]
+__all__ = ["MAX_PART", "TENANT_PROTOCOL", "model_namespace", "tenant_part"]
+
+#: The node's engine protocol from which a Query or Save may name a tenant.
+TENANT_PROTOCOL = 9
 
 #: The node's longest namespace part (characters).
 MAX_PART = 128
@@ -43,3 +46,11 @@ def model_namespace(name: str) -> str:
         return out
     digest = hashlib.sha256(raw).hexdigest()[:31]
     return f"{out[:_CUT]}%~{digest}"
+
+
+def tenant_part(name: str) -> str:
+    """The node's tenant part for a tenant (a LoRA adapter) named ``name``: escaped as a
+    model name is, so any adapter name is accepted and two names never share a namespace
+    (the node keeps ``model/dtype/fingerprint/tenant`` apart, with its own quota and metric
+    label)."""
+    return model_namespace(name)

@@ -412,18 +412,25 @@ impl EngineClient {
         self.inner.has_mailbox()
     }
 
-    /// Leases the longest prefix of `hashes` the node and its peers hold.
-    #[pyo3(signature = (instance, hashes, direct_gpu=false))]
+    /// Leases the longest prefix of `hashes` the node and its peers hold; with `tenant`, of
+    /// that tenant's blocks (a namespace of their own, node protocol 9).
+    #[pyo3(signature = (instance, hashes, direct_gpu=false, tenant=None))]
     fn query<'py>(
         &self,
         py: Python<'py>,
         instance: &str,
         hashes: Vec<Vec<u8>>,
         direct_gpu: bool,
+        tenant: Option<String>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let id = convert::instance(py, "query", instance)?;
         let hashes = convert::hashes(py, "query", &hashes)?;
-        let q = self.wait(py, "query", self.inner.query(&id, &hashes, direct_gpu))?;
+        let q = self.wait(
+            py,
+            "query",
+            self.inner
+                .query_tenant(&id, &hashes, direct_gpu, tenant.as_deref()),
+        )?;
         convert::query(py, q)
     }
 
@@ -466,6 +473,24 @@ impl EngineClient {
             Some(c) => Ok(Some(convert::completion(py, c)?)),
             None => Ok(None),
         }
+    }
+
+    /// Asks running load `load_id` of `instance`'s `rank` to stop: it copies nothing more and
+    /// ends failed ("cancelled") once what it submitted has drained. True where it was
+    /// running. A node older than protocol 9 refuses (FailedPrecondition).
+    fn cancel_load(
+        &self,
+        py: Python<'_>,
+        instance: &str,
+        rank: u32,
+        load_id: u64,
+    ) -> PyResult<bool> {
+        let id = convert::instance(py, "cancel_load", instance)?;
+        self.wait(
+            py,
+            "cancel_load",
+            self.inner.cancel_load(&id, rank, load_id),
+        )
     }
 
     /// Waits up to `timeout_s` for the completion of `load_id` (DeadlineExceeded after).
@@ -516,7 +541,9 @@ impl EngineClient {
     /// Copies device blocks `src_blocks` of one rank into host blocks named by `hashes`.
     /// Returns, or raises, only once the node is done reading `src_blocks` or can no longer
     /// seal them (a call given up on returns after its fence: see the README), so the
-    /// caller may reuse the blocks whenever it returns.
+    /// caller may reuse the blocks whenever it returns. With `tenant`, into that tenant's
+    /// namespace (see `query`).
+    #[pyo3(signature = (instance, rank, hashes, src_blocks, tenant=None))]
     fn save<'py>(
         &self,
         py: Python<'py>,
@@ -524,12 +551,14 @@ impl EngineClient {
         rank: u32,
         hashes: Vec<Vec<u8>>,
         src_blocks: Vec<u32>,
+        tenant: Option<String>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let req = api::SaveRequest {
             instance: convert::instance(py, "save", instance)?,
             rank,
             hashes: convert::hashes(py, "save", &hashes)?,
             src_blocks,
+            tenant,
         };
         let s = self.wait(py, "save", self.inner.save(&req))?;
         convert::store(py, s)

@@ -101,6 +101,9 @@ def test_put_query_load_wait_and_poll(client):
             assert done["path"] == "local"
             assert done["seconds"] >= 0 and all(v >= 0 for v in done["stages"].values())
             assert kv.verify(zip(dests, range(6))) == 6 * rank_bytes
+            # It ended: nothing of it runs to cancel, nor under another rank or id.
+            assert client.cancel_load("py-load", 0, load_id) is False
+            assert client.cancel_load("py-load", 1, load_id + 1) is False
             # The completion was consumed; the lease too (one rank).
             with pytest.raises(kvferry.NotFound):
                 client.poll_load(load_id)

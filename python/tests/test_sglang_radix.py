@@ -321,11 +321,17 @@ def test_a_load_given_up_on_keeps_its_slots_until_it_ends_then_frees_them(node):
     # The node's answer is held back: to the connector the load is still running.
     real_poll, held = b.conn._poll, [True]
     b.conn._poll = lambda ld: None if held[0] else real_poll(ld)
+    asked, real_cancel = [], b.conn.rank.cancel_load
+    b.conn.rank.cancel_load = lambda lid: asked.append(lid) or real_cancel(lid)
     free = b.alloc.available_size()
     rb = b.match("b1", toks)
     assert len(b.prefix(rb)) == 0, "a load that did not end in time is a miss"
     assert b.conn.counters["load_failures"] == 1
     assert b.conn.counters["parked_loads"] == 1
+    # The node is asked to stop the load (CancelLoad). It had ended already (only this
+    # side's poll is held back), so nothing was cancelled.
+    assert len(asked) == 1 and asked[0] > 0
+    assert b.conn.counters["cancelled_loads"] == 0
     assert b.alloc.available_size() == free - 3 * PS, "its slots are not handed out again"
     assert b.conn.load_pending("b1")
 

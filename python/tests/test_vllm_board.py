@@ -181,7 +181,10 @@ class FakeNode:
         load_id = len(self.loads) + 1
         self.loads[load_id] = lease
         failed = self.outcomes[lease]
-        if failed is None:
+        if failed == "stall":
+            self.board.set(board_slot, tag=board_tag, state="running", layers=0, done=False,
+                           ok=False, failed_blocks=0)
+        elif failed is None:
             self.board.set(board_slot, tag=board_tag, state="ok", layers=3, done=True, ok=True,
                            failed_blocks=0)
         else:
@@ -195,6 +198,8 @@ class FakeNode:
         if self.poll_fails:
             raise RuntimeError("the node went away")
         failed = self.outcomes[self.loads[load_id]]
+        if failed == "stall":
+            return None
         if failed is None:
             return {"ok": True, "bytes": 1, "seconds": 0.001, "failed_blocks": []}
         return {"ok": False, "failed_blocks": failed, "error_kind": "transfer",
@@ -202,6 +207,11 @@ class FakeNode:
 
     def query(self, *a, **kw):
         return {"lease": None, "local_blocks": 0}
+
+    def cancel_load(self, instance, rank, load_id):
+        self._count("cancel_load")
+        self.cancelled = getattr(self, "cancelled", []) + [load_id]
+        return True
 
 
 def fake_worker(fake: FakeNode, **extra) -> WorkerSide:
@@ -282,6 +292,22 @@ def test_sync_batches_grouped_leaves_a_sync_load_to_the_node_layer_groups():
         w.shutdown()
     with pytest.raises(ConfigError, match="sync_batches"):
         parse_extra_config({"address": "127.0.0.1:1", "sync_batches": "per-layer"})
+
+
+def test_a_load_given_up_on_is_cancelled_on_the_node_and_its_blocks_recomputed():
+    fake = FakeNode({"slow-lease": "stall"})
+    w = fake_worker(fake, load_timeout_ms=300)
+    try:
+        w.start_load(StepMetadata(loads=[LoadSpec("slow", "slow-lease", [1, 2], 2 * BS)]))
+        assert w.wait_for_loads({"slow"}, 10.0)
+        _, recving = w.get_finished(set())
+        assert recving == {"slow"}
+        assert w.get_block_ids_with_load_errors() == {1, 2}
+        # The node is asked to stop copying into blocks vLLM now recomputes.
+        assert fake.calls.get("cancel_load") == 1 and fake.cancelled == [1], fake.calls
+        assert w.take_stats().get("loads_cancelled") == 1
+    finally:
+        w.shutdown()
 
 
 def test_a_failure_whose_details_cannot_be_fetched_fails_every_block():

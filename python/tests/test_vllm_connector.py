@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -542,6 +543,13 @@ def test_two_tenants_with_equal_tokens_never_hit_each_others_blocks(tmp_path, no
             assert eng.stats.get("hit_tokens") == 80, (rid, eng.stats)  # all 5 blocks
             assert eng.invalid_reported == set()
             assert eng.outputs[rid] == eng.outputs["a1"]
+        if kind == "lora":
+            # Each adapter's blocks are in a node namespace of their own (model/dtype/
+            # fingerprint/adapter): its own RAM use, quota and label.
+            text = node.metrics()
+            for which in "ab":
+                assert re.search(r'kvferry_namespace_ram_bytes\{namespace="[^"]*/adapter-'
+                                 + which + r'"\} [1-9]', text), text
         # No tenant at all is a tenant of its own too.
         assert eng.scheduler.reset_prefix_cache()
         eng.stats = {}

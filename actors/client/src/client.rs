@@ -75,7 +75,12 @@ struct NodeTraits {
     packed: bool,
     /// Fences (protocol 6) on a clock this process shares with the node.
     fences: bool,
+    /// The node's engine protocol.
+    protocol: u32,
 }
+
+/// The engine protocol of tenants in Query and Save, and of CancelLoad.
+const PROTOCOL_TENANTS: u32 = 9;
 
 /// How far the node's clock may lie outside the interval its Capabilities call took and
 /// still count as this process's own (the same `CLOCK_MONOTONIC`).
@@ -354,8 +359,10 @@ impl EngineClient {
             hashes: req.hashes.iter().map(|h| h.as_bytes().to_vec()).collect(),
             src_blocks: req.src_blocks.clone(),
             fence_ns: 0,
+            tenant: req.tenant.clone().unwrap_or_default(),
         };
         let traits = self.traits().await?;
+        self.check_tenant(req.tenant.as_deref(), &traits)?;
         // Before anything is sent: every wait below gives up at or after it.
         let fence = Fence::after(self.deadline);
         msg.fence_ns = if traits.fences { fence.as_ns() } else { 0 };
@@ -391,6 +398,18 @@ impl EngineClient {
         hashes: &[BlockHash],
         direct_gpu: bool,
     ) -> Result<QueryAnswer, EngineClientError> {
+        self.query_tenant(instance, hashes, direct_gpu, None).await
+    }
+
+    /// [`Self::query`] of one tenant's blocks (see [`kvferry_proto::Namespace::with_tenant`]);
+    /// refused here, before anything is sent, where the node is older than protocol 9.
+    pub async fn query_tenant(
+        &self,
+        instance: &InstanceId,
+        hashes: &[BlockHash],
+        direct_gpu: bool,
+        tenant: Option<&str>,
+    ) -> Result<QueryAnswer, EngineClientError> {
         // One buffer for every hash: sent as it is where the node takes packed hashes and
         // they are all one length, otherwise each repeated field a slice of it.
         let mut all = Vec::with_capacity(hashes.iter().map(|h| h.as_bytes().len()).sum());
@@ -403,11 +422,13 @@ impl EngineClient {
         let len = ends.first().copied().unwrap_or(0);
         let same_len = ends.iter().zip(0..).all(|(&end, i)| end == (i + 1) * len);
         let traits = self.traits().await?;
+        self.check_tenant(tenant, &traits)?;
         let fence = Fence::after(self.deadline);
         let mut req = QueryRequest {
             instance: instance.as_str().to_owned(),
             direct_gpu,
             fence_ns: if traits.fences { fence.as_ns() } else { 0 },
+            tenant: tenant.unwrap_or_default().to_owned(),
             ..Default::default()
         };
         if same_len && len > 0 && traits.packed {
@@ -513,6 +534,37 @@ impl EngineClient {
         }
     }
 
+    /// Refuses here what the node's protocol lacks (`needs`), so it is never served
+    /// without it: an older node would read a tenant's query as the model's own.
+    fn require(
+        &self,
+        traits: &NodeTraits,
+        what: &'static str,
+        needs: u32,
+    ) -> Result<(), EngineClientError> {
+        if traits.protocol < needs {
+            return Err(EngineClientError::Unsupported {
+                addr: self.addr.clone(),
+                what,
+                needs,
+                protocol: traits.protocol,
+            });
+        }
+        Ok(())
+    }
+
+    /// A tenant goes only to a node that keeps tenants apart (protocol 9).
+    fn check_tenant(
+        &self,
+        tenant: Option<&str>,
+        traits: &NodeTraits,
+    ) -> Result<(), EngineClientError> {
+        match tenant {
+            Some(_) => self.require(traits, "a tenant", PROTOCOL_TENANTS),
+            None => Ok(()),
+        }
+    }
+
     /// What the node offers; asked once per handle (a node of an older protocol would read
     /// a packed query as one without hashes). Fences are used only where the node's clock
     /// reads as this process's `CLOCK_MONOTONIC`: inside the interval its answer took.
@@ -528,6 +580,7 @@ impl EngineClient {
                 Ok(NodeTraits {
                     packed: caps.protocol >= 4,
                     fences: caps.protocol >= 6 && shared,
+                    protocol: caps.protocol,
                 })
             })
             .await
@@ -601,6 +654,29 @@ impl EngineClient {
 
     /// One `PollLoad` that the node may hold for `wait`; its deadline is the client's on
     /// top of the wait.
+    /// Asks running load `load_id` of `instance`'s `rank` to stop: it submits no more
+    /// copies and ends failed ("cancelled") once what it submitted has drained; its end
+    /// reaches the board and PollLoad as any load's does. True where the load was running.
+    /// A node older than protocol 9 has no CancelLoad: refused here.
+    pub async fn cancel_load(
+        &self,
+        instance: &InstanceId,
+        rank: u32,
+        load_id: u64,
+    ) -> Result<bool, EngineClientError> {
+        let traits = self.traits().await?;
+        self.require(&traits, "CancelLoad", PROTOCOL_TENANTS)?;
+        let r = self.request(CancelLoadRequest {
+            instance: instance.as_str().to_owned(),
+            rank,
+            load_id,
+        });
+        let resp = self
+            .call("CancelLoad", self.raw.clone().cancel_load(r))
+            .await?;
+        Ok(resp.running)
+    }
+
     async fn poll_waiting(
         &self,
         load_id: u64,

@@ -61,6 +61,15 @@ pub enum EngineClientError {
         #[source]
         source: MailboxError,
     },
+    /// The request asks for what the node's protocol does not have (checked here, so it is
+    /// never silently served without it).
+    #[error("engine service at {addr}: {what} needs engine protocol {needs}; the node speaks {protocol}")]
+    Unsupported {
+        addr: String,
+        what: &'static str,
+        needs: u32,
+        protocol: u32,
+    },
     /// The node took a completion board without saying it writes this build's version.
     #[error("engine service at {addr}: completion board {handle}")]
     Board {
@@ -78,6 +87,7 @@ impl EngineClientError {
             EngineClientError::Call { code, .. } | EngineClientError::FdRefused { code, .. } => {
                 Some(*code)
             }
+            EngineClientError::Unsupported { .. } => Some(Code::FailedPrecondition),
             _ => None,
         }
     }

@@ -24,6 +24,9 @@ pub struct QueryRequest {
     pub hashes: Vec<BlockHash>,
     /// Ask for remote blocks to be read straight into GPU KV.
     pub direct_gpu: bool,
+    /// The tenant of the instance's model (see [`crate::Namespace::with_tenant`]); None:
+    /// the model's own blocks.
+    pub tenant: Option<String>,
 }
 
 /// The answer to a `direct_gpu` request: never silently downgraded.
@@ -200,6 +203,8 @@ pub struct SaveRequest {
     pub rank: u32,
     pub hashes: Vec<BlockHash>,
     pub src_blocks: Vec<u32>,
+    /// As [`QueryRequest::tenant`].
+    pub tenant: Option<String>,
 }
 
 /// Puts one rank's bytes of whole blocks from host memory (clients without a GPU).

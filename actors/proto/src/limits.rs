@@ -31,8 +31,9 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// [`crate::fence`]) and `CapabilitiesResponse.monotonic_ns`; requests without one are served
 /// as before. 7: one way a load's outcome reaches the engine — the board's final word, or
 /// `PollLoad` (which may now wait, `PollLoadRequest.wait_ms`); the `Completions` stream is
-/// gone. 8: `LoadRequest.per_layer`: a load whose local prefix lands layer by layer.
-pub const ENGINE_PROTOCOL: u32 = 8;
+/// gone. 8: `LoadRequest.per_layer`: a load whose local prefix lands layer by layer. 9:
+/// `tenant` in Query and Save: a tenant's blocks in a namespace of their own; `CancelLoad`.
+pub const ENGINE_PROTOCOL: u32 = 9;
 
 // Limits on what one engine request carries, advertised in `Capabilities`; a request over
 // one is refused with RESOURCE_EXHAUSTED before it reaches the node, so the work one request
@@ -50,6 +51,10 @@ pub const MAX_ENGINE_HASHES: usize = 4096;
 /// Most hashes in one Lookup (it pins nothing and answers with counts, so it takes more
 /// than a Query; a router asks about a long prompt at once).
 pub const MAX_LOOKUP_HASHES: usize = 65_536;
+
+/// Most tenants (Query and Save `tenant`) one node keeps apart: each is a namespace with its
+/// own use, quota and metric label, kept while the node runs.
+pub const MAX_TENANTS: usize = 4096;
 
 /// Most block indices in one engine request (Load's destinations, Save's sources).
 pub const MAX_ENGINE_BLOCKS: usize = MAX_ENGINE_HASHES;

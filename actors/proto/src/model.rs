@@ -23,7 +23,10 @@ pub enum ModelError {
         value: String,
         len: usize,
     },
-    #[error("namespace must be model/dtype/fingerprint (three parts separated by '/'), got {0}")]
+    #[error(
+        "namespace must be model/dtype/fingerprint, or model/dtype/fingerprint/tenant (parts \
+         separated by '/'), got {0}"
+    )]
     NamespaceParts(String),
     #[error("instance id must be 1 to 128 printable characters, got {0}")]
     InstanceId(String),
@@ -82,6 +85,51 @@ impl Namespace {
             }
         }
         Ok(Self(format!("{model}/{dtype}/{fingerprint}").into()))
+    }
+
+    /// This namespace for one tenant of its model (a LoRA adapter, say):
+    /// `model/dtype/fingerprint/tenant`, a namespace of its own — its blocks never meet the
+    /// model's or another tenant's, and quotas and metrics count it apart. `tenant` is 1 to
+    /// 128 printable characters without '/'. A namespace that has a tenant keeps it.
+    pub fn with_tenant(&self, tenant: &str) -> Result<Self, ModelError> {
+        if !printable(tenant) {
+            return Err(ModelError::Namespace {
+                field: "tenant",
+                value: shown(tenant),
+                len: tenant.len(),
+            });
+        }
+        if self.tenant().is_some() {
+            return Ok(self.clone());
+        }
+        Ok(Self(format!("{}/{tenant}", self.0).into()))
+    }
+
+    /// The tenant part, where there is one.
+    pub fn tenant(&self) -> Option<&str> {
+        self.0.splitn(4, '/').nth(3)
+    }
+
+    /// A namespace as it displays itself (`model/dtype/fingerprint`, with an optional
+    /// `/tenant`), every part checked.
+    pub fn parse(s: &str) -> Result<Self, ModelError> {
+        let mut parts = s.split('/');
+        match (
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+        ) {
+            (Some(model), Some(dtype), Some(fingerprint), tenant, None) => {
+                let ns = Self::new(model, dtype, fingerprint)?;
+                match tenant {
+                    Some(t) => ns.with_tenant(t),
+                    None => Ok(ns),
+                }
+            }
+            _ => Err(ModelError::NamespaceParts(shown(s))),
+        }
     }
 
     pub fn as_str(&self) -> &str {

@@ -10,8 +10,9 @@ use crate::tier::quota::{NsMatch, QuotaRule, QuotaRules};
 /// Most namespaces the metrics may name (each name is a label value of several families).
 pub const MAX_METRIC_NAMESPACES: usize = 1024;
 
-/// Longest namespace a rule may name: three parts of 128 characters and two `/`.
-const MAX_NAMESPACE: usize = 3 * 128 + 2;
+/// Longest namespace a rule may name: four parts (the last a tenant) of 128 characters and
+/// three `/`.
+const MAX_NAMESPACE: usize = 4 * 128 + 3;
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case", default)]

@@ -456,7 +456,7 @@ fn bad_tenant_quotas_are_refused_naming_the_key() {
         (
             q("prefix = \"\"\nram = 0"),
             "tenants.quota.prefix",
-            "1 to 386 printable",
+            "1 to 515 printable",
         ),
         (
             q("prefix = \"\\u001b[2Jm\\u0007\"\nram = 0"),

@@ -20,6 +20,7 @@ use crate::error::NodeError;
 use crate::fence::{monotonic_ns, Fence};
 use crate::lease::registry::InstanceRegistry;
 use crate::lease::table::LeaseTable;
+use crate::lease::tenants::TenantBook;
 use crate::load::share::prepare;
 use crate::load::share::{LeasePlan, RemoteSeg};
 use crate::load::transfer::{reservation, LoadJob, Transfer};
@@ -48,6 +49,8 @@ pub struct LeaseKeeper {
     direct_refusal: Option<String>,
     /// Which verbs NIC carries each read of a direct remote load.
     routing: Option<Arc<NicRouting>>,
+    /// The tenant namespaces queries name (shared with the node's saves).
+    tenants: Arc<TenantBook>,
 }
 
 impl LeaseKeeper {
@@ -73,7 +76,14 @@ impl LeaseKeeper {
             cluster,
             direct_refusal: None,
             routing: None,
+            tenants: Arc::default(),
         }
+    }
+
+    /// Shares the node's tenant book (its saves name tenants too).
+    pub fn with_tenants(mut self, tenants: Arc<TenantBook>) -> Self {
+        self.tenants = tenants;
+        self
     }
 
     /// The verbs side of a node: the gate's refusal (see [`crate::nic::verbs_refusal`]) and
@@ -114,7 +124,12 @@ impl Handler<Query> for LeaseKeeper {
     fn handle(&mut self, Query(q, fence): Query, _: &mut Context<Self>) -> Self::Result {
         let store = self.store.clone();
         let (cluster, node_id) = (self.cluster.clone(), self.node_id.clone());
-        let known = self.registry.instance(&q.instance);
+        let tenants = Arc::clone(&self.tenants);
+        let tenant = q.tenant;
+        let known = self
+            .registry
+            .instance(&q.instance)
+            .and_then(|(ns, shape)| Ok((tenants.namespace(&ns, tenant.as_deref())?, shape)));
         let hashes = q.hashes;
         let queried = hashes.len();
         let lookup = async move {

@@ -18,12 +18,14 @@ use crate::fence::{monotonic_ns, Fence};
 use crate::load::rank::RankHandle;
 use crate::load::transfer::{Transfer, TransferSpec};
 use crate::metrics::{Counters, InFlight};
-use crate::model::BlockHash;
+use crate::model::{BlockHash, Namespace};
 use crate::tier::store::{durable, BlockStore, Commit, ReserveSave, SaveSlots};
 
 /// One rank's blocks to save: `hashes[i]` is the content of device block `src_blocks[i]`.
 pub(crate) struct SaveArgs {
     pub(crate) handle: Arc<RankHandle>,
+    /// Where the blocks go: the instance's namespace, or its tenant's.
+    pub(crate) namespace: Namespace,
     pub(crate) hashes: Vec<BlockHash>,
     pub(crate) src_blocks: Vec<u32>,
     /// The copies are sealed only if they completed before it (see [`crate::fence`]).
@@ -58,7 +60,7 @@ pub(crate) async fn save(
     h.layout.check_blocks(&m.src_blocks)?;
     let reserved: SaveSlots = store
         .send(ReserveSave {
-            namespace: h.namespace.clone(),
+            namespace: m.namespace.clone(),
             shape: h.shape,
             rank: h.rank,
             hashes: m.hashes.clone(),
@@ -187,7 +189,7 @@ async fn finish(
     // A passed fence: the guards drop armed and abort the reservations.
     let (sealed, acks) = store
         .send(Commit {
-            namespace: h.namespace.clone(),
+            namespace: m.namespace.clone(),
             rank: h.rank,
             hashes,
             fence: m.fence,

@@ -506,6 +506,24 @@ impl Transfer {
             self.queue.batches.clear();
         }
         while self.queue.pending.len() < SUBMIT_AHEAD {
+            if !self.queue.batches.is_empty()
+                && self
+                    .progress
+                    .observer
+                    .as_ref()
+                    .is_some_and(|o| o.cancelled())
+            {
+                // Nothing more is submitted; what was is still awaited.
+                if let Some(g) = &self.progress.gate {
+                    g.fail();
+                }
+                self.queue.error.get_or_insert(NodeError::Cancelled {
+                    landed: self.progress.landed,
+                    layers: self.progress.layers,
+                });
+                self.queue.batches.clear();
+                return;
+            }
             let Some((layers, list)) = self.queue.batches.pop_front() else {
                 return;
             };

@@ -248,15 +248,9 @@ struct PeerService {
     token: String,
 }
 
-/// `model/dtype/fingerprint`, as `Namespace` displays itself.
+/// A namespace as `Namespace` displays itself.
 pub fn parse_namespace(s: &str) -> Result<Namespace, ModelError> {
-    let mut parts = s.split('/');
-    match (parts.next(), parts.next(), parts.next(), parts.next()) {
-        (Some(model), Some(dtype), Some(fingerprint), None) => {
-            Namespace::new(model, dtype, fingerprint)
-        }
-        _ => Err(ModelError::NamespaceParts(crate::model::shown(s))),
-    }
+    Namespace::parse(s)
 }
 
 fn valid_node_id(id: &str) -> bool {
@@ -506,15 +500,36 @@ mod tests {
     fn namespaces() {
         let ns = Namespace::new("m", "bf16", "l4").unwrap();
         assert_eq!(parse_namespace(ns.as_str()).unwrap(), ns);
-        for bad in ["", "m/bf16", "m/bf16/x/y", "m//x", "m/bf 16/x"] {
+        for bad in [
+            "",
+            "m/bf16",
+            "m/bf16/x/y/z",
+            "m//x",
+            "m/bf 16/x",
+            "m/bf16/x/",
+            "m/b/x/a b",
+        ] {
             assert!(parse_namespace(bad).is_err(), "{bad:?}");
         }
         let e = parse_namespace("m/bf16").unwrap_err().to_string();
         assert_eq!(
             e,
-            "namespace must be model/dtype/fingerprint (three parts separated by '/'), got \
-             \"m/bf16\""
+            "namespace must be model/dtype/fingerprint, or model/dtype/fingerprint/tenant \
+             (parts separated by '/'), got \"m/bf16\""
         );
+        // A tenant's namespace is one of its own, and reads back as itself.
+        let lora = ns.with_tenant("lora-a").unwrap();
+        assert_eq!(lora.as_str(), "m/bf16/l4/lora-a");
+        assert_eq!(lora.tenant(), Some("lora-a"));
+        assert_eq!(ns.tenant(), None);
+        assert_ne!(lora, ns);
+        assert_ne!(lora, ns.with_tenant("lora-b").unwrap());
+        assert_eq!(parse_namespace(lora.as_str()).unwrap(), lora);
+        assert_eq!(lora.with_tenant("other").unwrap(), lora);
+        let e = ns.with_tenant("a/b").unwrap_err().to_string();
+        assert!(e.starts_with("namespace tenant must be 1 to 128"), "{e}");
+        assert!(ns.with_tenant("").is_err());
+        assert!(ns.with_tenant(&"x".repeat(129)).is_err());
         let e = parse_namespace("m//x").unwrap_err().to_string();
         assert!(e.starts_with("namespace dtype must be 1 to 128"), "{e}");
     }

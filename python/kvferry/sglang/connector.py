@@ -341,7 +341,11 @@ class KvferryConnector:
                     ld = self._loads.get(rid)
                     if ld is not None:
                         ld.given_up = True
+                    load_id = ld.load_id if ld is not None else None
                 self.rank.counters["load_failures"] += 1
+                if load_id is not None and load_id != -1:
+                    # The node stops copying, so the load (and its parked slots) ends soon.
+                    self.rank.cancel_load(load_id)
                 return 0
             time.sleep(0.0005)
 

@@ -34,6 +34,7 @@ COUNTERS = (
     "loaded_blocks",
     "load_failures",  # loads that failed or did not complete by load_timeout_ms
     "parked_loads",  # loads given up on whose slots waited for their end (radix cache)
+    "cancelled_loads",  # loads given up on that the node was asked to stop (CancelLoad)
     "saves",
     "saved_blocks",
     "save_failures",
@@ -221,6 +222,20 @@ class RankKv:
             if not isinstance(e, NodeDown):
                 log.warning("kvferry: load of %d blocks refused: %s", len(dest), e)
             return None
+
+    def cancel_load(self, load_id: int) -> bool:
+        """Asks the node to stop load ``load_id`` (given up on): it copies nothing more and
+        ends failed soon, so its slots come back sooner. True where it was still running;
+        False too where the node cannot be asked (down, or older than protocol 9)."""
+        try:
+            running = bool(self.link.call(
+                "cancel_load", lambda c: c.cancel_load(self.instance, self.rank, load_id)))
+        except (NodeDown, KvferryError) as e:
+            log.debug("kvferry: cancel of load %d: %s", load_id, e)
+            return False
+        if running:
+            self.counters["cancelled_loads"] += 1
+        return running
 
     def poll_load(self, load_id: int) -> Optional[dict]:
         """The completion of ``load_id``, None while it runs; a failed one where the node

@@ -30,6 +30,8 @@ class SaveSpec:
     req_id: str
     hashes: List[bytes]
     block_ids: List[int]
+    #: The node tenant the blocks go to (the request's LoRA adapter); None: the model's own.
+    tenant: Optional[str] = None
 
 
 @dataclass

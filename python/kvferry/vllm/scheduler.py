@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .config import KvferryConfig
 from .events import block_infos
+from ..namespace import TENANT_PROTOCOL, tenant_part
 from .hashing import ChainHasher, MmSpan, engine_salt, lora_key, request_salt
 from .link import NodeDown, NodeLink
 from .metadata import LoadSpec, SaveSpec, StepMetadata
@@ -77,6 +78,8 @@ class _Req:
     load_hashes: List[bytes] = field(default_factory=list)
     # A load of this request failed: vLLM recomputes it, kvferry offers it no more hits.
     load_failed: bool = False
+    # The node tenant of its blocks (its LoRA adapter, escaped); None: the model's own.
+    tenant: Optional[str] = None
 
 
 def _mm_spans(request: Any) -> Optional[Tuple[MmSpan, ...]]:
@@ -131,6 +134,8 @@ class SchedulerSide:
         # Requests vLLM scheduled and has not finished (load_mode "auto" asks whether any
         # other runs).
         self._live: Set[str] = set()
+        # Whether the node keeps tenants apart (asked with the first LoRA request).
+        self._tenants: Optional[bool] = None
         # Hashes of blocks whose load failed lately -> when (oldest first).
         self._failed: "OrderedDict[bytes, float]" = OrderedDict()
         # The node's tiers as this engine's KV events (kvferry.vllm.events); None: off.
@@ -151,7 +156,7 @@ class SchedulerSide:
                     getattr(request, "cache_salt", None),
                 )
                 hasher = ChainHasher(salt, self.block_size, mm)
-            r = _Req(request, hasher)
+            r = _Req(request, hasher, tenant=self._tenant(request))
             self._reqs[rid] = r
         else:
             r.request = request
@@ -189,7 +194,30 @@ class SchedulerSide:
                 return 4096
         return self._max_hashes
 
-    def _query(self, hashes: List[bytes]) -> Tuple[int, Optional[str]]:
+    def _tenant(self, request: Any) -> Optional[str]:
+        """The node tenant of ``request``'s blocks: its LoRA adapter's name, escaped, where the
+        node keeps tenants apart (protocol 9; an older node keeps the adapter's blocks among
+        the model's, where its salted hashes still never meet another adapter's)."""
+        lora = getattr(request, "lora_request", None)
+        name = getattr(lora, "lora_name", None) if lora else None
+        if not name:
+            return None
+        if self._tenants is None:
+            try:
+                caps = self.link.call("capabilities", lambda c: c.capabilities())
+                self._tenants = int(caps.get("protocol") or 0) >= TENANT_PROTOCOL
+            except Exception as e:  # noqa: BLE001 - asked again with the next adapter request
+                log.debug("kvferry: capabilities of the node failed: %s", e)
+                return None
+            if not self._tenants:
+                log.warning(
+                    "kvferry: the node speaks engine protocol %s, older than %d: LoRA "
+                    "adapters' blocks share their model's namespace and quota",
+                    caps.get("protocol"), TENANT_PROTOCOL,
+                )
+        return tenant_part(str(name)) if self._tenants else None
+
+    def _query(self, hashes: List[bytes], tenant: Optional[str] = None) -> Tuple[int, Optional[str]]:
         """(blocks leased, lease id) for the longest held prefix of ``hashes``; (0, None)
         on a miss or any failure (never raises). ``self._last_local``: how many of the
         leased blocks the node holds itself (the rest come from its peers)."""
@@ -203,7 +231,10 @@ class SchedulerSide:
             self.counters.add("queried_blocks", len(hashes))
             ans = self.link.call(
                 "query",
-                lambda c: c.query(self.instance, hashes, direct_gpu=self.cfg.direct_gpu),
+                lambda c: c.query(
+                    self.instance, hashes, direct_gpu=self.cfg.direct_gpu,
+                    **({"tenant": tenant} if tenant else {}),
+                ),
             )
         except NodeDown as e:
             self.counters.add("queries_skipped" if e.skipped else "query_failures")
@@ -285,7 +316,7 @@ class SchedulerSide:
         wanted = self._hashes(r, full)[k:]
         hashes = self._without_failed(wanted)
         self.counters.add("withheld_blocks", len(wanted) - len(hashes))
-        n, lease = self._query(hashes)
+        n, lease = self._query(hashes, r.tenant)
         if not n or lease is None:
             return 0, False
         r.lease = (k, n, lease, self._clock(), load_async)
@@ -318,7 +349,7 @@ class SchedulerSide:
         if m < n:
             # vLLM took fewer blocks than leased: a lease is loaded whole, so lease exactly m.
             self._release(lease)
-            got, lease = self._query(self._hashes(r, start + m)[start:])
+            got, lease = self._query(self._hashes(r, start + m)[start:], r.tenant)
             r.local_blocks = self._last_local
             if got < m:
                 if lease:
@@ -452,7 +483,8 @@ class SchedulerSide:
             r.saved_upto = max(r.saved_upto, upto)
             if not picks:
                 continue
-            meta.saves.append(SaveSpec(rid, [hashes[i] for i in picks], [ids[i] for i in picks]))
+            meta.saves.append(SaveSpec(rid, [hashes[i] for i in picks], [ids[i] for i in picks],
+                                       tenant=r.tenant))
             self._saving.add(rid)
             if self.events is not None:
                 infos = block_infos(req, picks, bs, getattr(self.events, "convert", lambda h: h))

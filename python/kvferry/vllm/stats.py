@@ -38,6 +38,8 @@ COUNTERS: Dict[str, str] = {
     "saved_blocks": "Blocks written to the node by saves (every rank).",
     "saved_bytes": "Bytes written to the node by saves (every rank).",
     "registrations": "Registrations of a rank's KV with the node (again after a restart).",
+    "loads_cancelled": "Loads given up on at load_timeout_ms that the node was asked to stop "
+    "(CancelLoad) and that were still running.",
     "saves_cancelled": "Saves of preempted requests never sent: the node was too slow, and "
     "vLLM reuses their blocks.",
     "withheld_blocks": "Blocks not asked for because a load of them failed lately (vLLM "

@@ -493,6 +493,16 @@ class WorkerSide:
                 self._async_on_board[id(ld)] = ld
         return ld
 
+    def _cancel(self, load_id: int) -> None:
+        """Asks the node to stop a load given up on (CancelLoad), so it copies no more into
+        blocks vLLM recomputes now; best effort (a node older than protocol 9 cannot)."""
+        try:
+            if self.link.call("cancel_load",
+                              lambda c: c.cancel_load(self.instance, self.rank, load_id)):
+                self.counters.add("loads_cancelled")
+        except Exception as e:  # noqa: BLE001
+            log.debug("kvferry: rank %d: cancel of load %d: %s", self.rank, load_id, e)
+
     def _poll(self, pending: List[_Load]) -> List[_Load]:
         still = []
         board = self._board
@@ -533,6 +543,7 @@ class WorkerSide:
                         "blocks are recomputed",
                         self.rank, spec.req_id, len(spec.dest_blocks), self.cfg.load_timeout_s,
                     )
+                    self._cancel(ld.load_id)
                     self._finish(spec, set(spec.dest_blocks), None, ld)
                 else:
                     still.append(ld)
@@ -709,7 +720,10 @@ class WorkerSide:
         try:
             res = self.link.call(
                 "save",
-                lambda c: c.save(self.instance, self.rank, list(spec.hashes), list(spec.block_ids)),
+                lambda c: c.save(
+                    self.instance, self.rank, list(spec.hashes), list(spec.block_ids),
+                    **({"tenant": spec.tenant} if getattr(spec, "tenant", None) else {}),
+                ),
             )
         except Exception as e:  # noqa: BLE001
             self._lost_registration(e)

@@ -142,6 +142,7 @@ pub fn query_request(instance: &str, ids: Range<u64>, direct_gpu: bool) -> Query
         instance: id(instance),
         hashes: hashes(ids),
         direct_gpu,
+        tenant: None,
     }
 }
 

@@ -221,6 +221,7 @@ async fn round_trip(c: &EngineClient, kv: &DeviceKv, instance: &str, what: &str)
             rank: 0,
             hashes: hashes(100..102),
             src_blocks: vec![0, 1],
+            tenant: None,
         })
         .await
         .unwrap();
@@ -649,6 +650,7 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
             hashes: vec![vec![1u8]; n],
             src_blocks: vec![0; n],
             fence_ns: 0,
+            tenant: String::new(),
         };
         let r = raw
             .save(c.request(save(service::MAX_ENGINE_HASHES + 1)))
@@ -688,6 +690,7 @@ fn bad_input_is_refused_with_its_status_and_changes_nothing() {
             packed_hashes: packed.into(),
             hash_len,
             fence_ns: 0,
+            tenant: String::new(),
         };
         for (what, req, want) in [
             (
@@ -1169,6 +1172,98 @@ impl SubmitHook for CountLoads {
     }
 }
 
+/// Counts load batches and holds each one's submission while set.
+#[derive(Default)]
+struct HoldLoads {
+    held: std::sync::atomic::AtomicBool,
+    submitted: std::sync::atomic::AtomicUsize,
+}
+
+impl SubmitHook for HoldLoads {
+    unsafe fn submit(
+        &self,
+        inner: &HostDevice,
+        dir: kvferry_gpu::CopyDirection,
+        list: kvferry_gpu::CopyList,
+        landed: Option<kvferry_gpu::Landed>,
+    ) -> Result<kvferry_gpu::CopyEvent, kvferry_gpu::DeviceError> {
+        if dir == kvferry_gpu::CopyDirection::HostToDevice {
+            let until = std::time::Instant::now() + WAIT;
+            while self.held.load(Ordering::SeqCst) && std::time::Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            self.submitted.fetch_add(1, Ordering::SeqCst);
+        }
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { inner.submit_then(dir, list, landed) }
+    }
+}
+
+/// CancelLoad stops a load between its batches: of a per-layer load held at its first
+/// batch, only that batch is copied; the load ends failed ("cancelled", every block), on its
+/// board too; nothing stays pinned, leased or in flight; other ranks' and unknown loads are
+/// not touched; the next load lands byte for byte.
+#[test]
+fn a_cancelled_load_copies_no_more_and_ends_failed() {
+    rt().block_on(async {
+        let hooked = HookedDevice::new(HoldLoads::default());
+        let srv = EngineServer::start_on(
+            EngineOptions::default(),
+            Arc::clone(&hooked) as Arc<dyn Device>,
+            Arc::clone(&hooked.inner),
+        )
+        .await;
+        let c = srv.client("").await;
+        let kv = MemfdKv::create(shape(), 16, 0).unwrap();
+        kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
+        put_over_grpc(&c, shape(), "eng", 0..4).await;
+        let dest = [9, 3, 4, 12];
+        hooked.hook.held.store(true, Ordering::SeqCst);
+        let lease = lease_for(&c, "eng", 0..4).await;
+        let mut req = load_request(lease, "eng", 0, &dest);
+        req.per_layer = true;
+        let l = c.load(&req, LoadOptions::default()).await.unwrap();
+        // Not another rank's, not an unknown id.
+        assert!(!c.cancel_load(&id("eng"), 1, l).await.unwrap());
+        assert!(!c.cancel_load(&id("eng"), 0, l ^ 1).await.unwrap());
+        assert!(c.cancel_load(&id("eng"), 0, l).await.unwrap());
+        hooked.hook.held.store(false, Ordering::SeqCst);
+        let done = c.wait_load(l, WAIT).await.unwrap();
+        assert_eq!(
+            done.status,
+            proto::LoadStatus::LoadFailed as i32,
+            "{done:?}"
+        );
+        assert_eq!(done.error_kind, "cancelled", "{done:?}");
+        assert_eq!(done.failed_blocks, dest.to_vec());
+        // The batch held when the cancel came was copied; none of the other layers was.
+        assert_eq!(hooked.hook.submitted.load(Ordering::SeqCst), 1);
+        let s = stats_until(&c, "the cancelled load drains", |s| {
+            s.transfers_in_flight == 0 && s.pinned_blocks == 0 && s.pins == 0
+        })
+        .await;
+        assert_eq!((s.loads_failed, s.leases_live), (1, 0));
+        // It ended: cancelling again finds nothing running.
+        assert!(!c.cancel_load(&id("eng"), 0, l).await.unwrap());
+        // The next load of the same blocks lands whole.
+        kv.reset().unwrap();
+        let lease = lease_for(&c, "eng", 0..4).await;
+        let l = c
+            .load(
+                &load_request(lease, "eng", 0, &dest),
+                LoadOptions::default(),
+            )
+            .await
+            .unwrap();
+        ok(&c.wait_load(l, WAIT).await.unwrap(), 4);
+        kv.verify(&[(9, 0), (3, 1), (4, 2), (12, 3)], 0).unwrap();
+        kv.untouched_outside(&dest).unwrap();
+        c.unregister(&id("eng")).await.unwrap();
+        drop(c);
+        srv.stop().await;
+    });
+}
+
 /// `per_layer` reaches the node through the call and through a mailbox: a small load that
 /// is otherwise one batch lands as one batch per layer, byte for byte.
 #[test]
@@ -1290,6 +1385,7 @@ fn save_stores_the_clients_blocks_from_its_memfd() {
                 rank: 0,
                 hashes: hashes(20..23),
                 src_blocks: vec![5, 6, 7],
+                tenant: None,
             })
             .await
             .unwrap();
@@ -1301,6 +1397,7 @@ fn save_stores_the_clients_blocks_from_its_memfd() {
                 rank: 0,
                 hashes: hashes(30..33),
                 src_blocks: vec![1, 2],
+                tenant: None,
             })
             .await;
         assert_eq!(code(mismatched), Code::InvalidArgument);
@@ -2034,6 +2131,7 @@ fn query_and_load_through_a_mailbox_answer_as_the_calls_do() {
                 rank: 0,
                 hashes: hashes(900..901),
                 src_blocks: vec![9],
+                tenant: None,
             })
             .await
             .unwrap();
@@ -2284,6 +2382,7 @@ fn a_save_the_client_gave_up_on_is_never_sealed_and_returns_after_its_fence() {
                     rank: 0,
                     hashes: hashes(first..first + 2),
                     src_blocks: vec![5, 6],
+                    tenant: None,
                 })
                 .await;
             let took = t0.elapsed();

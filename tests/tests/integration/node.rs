@@ -163,6 +163,7 @@ fn save_then_load_round_trip() {
                 rank: 0,
                 hashes: hashes(0..3),
                 src_blocks: vec![5, 2, 7],
+                tenant: None,
             })
             .await
             .unwrap();
@@ -175,6 +176,7 @@ fn save_then_load_round_trip() {
                 rank: 0,
                 hashes: hashes(0..3),
                 src_blocks: vec![5, 2, 7],
+                tenant: None,
             })
             .await
             .unwrap();
@@ -552,6 +554,7 @@ fn bad_input_matrix() {
                 rank: 0,
                 hashes: hashes(50..52),
                 src_blocks: vec![1],
+                tenant: None,
             })
             .await
             .unwrap_err();
@@ -562,6 +565,7 @@ fn bad_input_matrix() {
                 rank: 0,
                 hashes: hashes(50..52),
                 src_blocks: vec![1, 99],
+                tenant: None,
             })
             .await
             .unwrap_err();
@@ -870,6 +874,7 @@ fn a_load_runs_while_a_save_beside_it_is_still_being_submitted() {
                     rank: 0,
                     hashes: hashes(100..102),
                     src_blocks: vec![8, 9],
+                    tenant: None,
                 })
                 .await
             })
@@ -1031,6 +1036,7 @@ fn a_save_whose_copies_end_after_its_fence_is_discarded_unsealed() {
                         rank: 0,
                         hashes: hashes(range),
                         src_blocks: src,
+                        tenant: None,
                     },
                     Some(fence),
                 )

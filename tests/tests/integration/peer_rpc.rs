@@ -358,8 +358,8 @@ fn malformed_requests_are_invalid_and_change_nothing() {
         h.push(vec![1; 33]);
         let e = pin(ns.clone(), h).await.unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument);
-        // Namespaces that are not model/dtype/fingerprint, each word once in the message.
-        for bad in ["", "m/bf16", "m/bf16/x/y", "m/b f16/x"] {
+        // Namespaces that are not model/dtype/fingerprint[/tenant], each word once in the message.
+        for bad in ["", "m/bf16", "m/bf16/x/y/z", "m/bf16/x/a b", "m/b f16/x"] {
             let e = pin(bad.into(), hashes_bytes(&[0])).await.unwrap_err();
             assert_eq!(e.code(), Code::InvalidArgument, "{bad:?}");
             assert!(

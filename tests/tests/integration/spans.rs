@@ -165,6 +165,7 @@ fn child_load_spans() {
                 instance: id(inst),
                 hashes: hashes(0..n),
                 direct_gpu: false,
+                tenant: None,
             })
         };
         let load = |inst: &'static str, lease, dest: &[u32]| {

@@ -78,6 +78,7 @@ async fn query_hashes(
         instance: id("eng"),
         hashes,
         direct_gpu,
+        tenant: None,
     })
     .await
     .unwrap()
@@ -1287,6 +1288,7 @@ fn write_through_waits_for_backlog_room_instead_of_skipping() {
                 rank: 0,
                 hashes: hashes(1000..1016),
                 src_blocks: (0..16).collect(),
+                tenant: None,
             })
             .await
             .unwrap();

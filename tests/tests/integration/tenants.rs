@@ -262,3 +262,109 @@ fn an_ssd_quota_caps_one_namespace_on_disk_and_spares_the_others() {
     });
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Tenants of one model (LoRA adapters, say) named in Query and Save: equal hashes never
+/// meet across them or the model's own blocks, each has its own quota (an exact rule on its
+/// namespace) and its own metric label, and a bad tenant name is refused with nothing
+/// stored.
+#[test]
+fn tenants_of_one_model_are_namespaces_of_their_own() {
+    rt().block_on(async {
+        let shape = KvShape::new(2, 1, 2, 1024).unwrap();
+        let slot = shape.block_bytes();
+        let base = format!("m/bf16/{}", shape.fingerprint());
+        let mut cfg = config(slot, 16);
+        cfg.tenants.quota.push(QuotaSection {
+            namespace: Some(format!("{base}/lora-a")),
+            prefix: None,
+            ram: Some(ByteSize(2 * slot)),
+            ssd: None,
+        });
+        let (node, dev) = start(
+            cfg,
+            Clock::system(),
+            None::<std::sync::Arc<kvferry_actors::peer::LocalCluster>>,
+        );
+        let kv = register(&node, &dev, "engine", shape, 0, KvKind::Split, 8, 0).await;
+        for (dst, block) in [(0u32, 0u64), (1, 1), (2, 2), (3, 3)] {
+            kv.write_block(dst, block, 0).unwrap();
+        }
+        let save = |tenant: Option<&str>| kvferry_actors::SaveRequest {
+            instance: id("engine"),
+            rank: 0,
+            hashes: hashes(0..4),
+            src_blocks: vec![0, 1, 2, 3],
+            tenant: tenant.map(str::to_owned),
+        };
+        // Loads go into another instance of the model, so the saver's KV stays as written.
+        let dst = register(&node, &dev, "loader", shape, 0, KvKind::Split, 8, 0).await;
+        let query_as = |tenant: Option<&str>| {
+            let mut q = query_request("loader", 0..4, false);
+            q.tenant = tenant.map(str::to_owned);
+            node.query(q)
+        };
+        // lora-a saves first: its quota keeps two of the four blocks.
+        let r = node.save(save(Some("lora-a"))).await.unwrap();
+        assert_eq!((r.written, r.not_stored), (2, 2));
+        // Neither the model itself nor lora-b sees them, though the hashes are equal.
+        for t in [None, Some("lora-b")] {
+            let q = query_as(t).await.unwrap();
+            assert_eq!(q.local_blocks, 0, "{t:?}");
+            assert!(q.lease.is_none());
+        }
+        // Their own saves are not held to lora-a's quota.
+        assert_eq!(node.save(save(Some("lora-b"))).await.unwrap().written, 4);
+        assert_eq!(node.save(save(None)).await.unwrap().written, 4);
+        for (t, hit) in [(Some("lora-a"), 2), (Some("lora-b"), 4), (None, 4)] {
+            let q = query_as(t).await.unwrap();
+            assert_eq!(q.local_blocks, hit, "{t:?}");
+            assert_eq!(
+                q.namespace.as_str(),
+                match t {
+                    Some(t) => format!("{base}/{t}"),
+                    None => base.clone(),
+                }
+            );
+            let lease = q.lease.unwrap();
+            let dest: Vec<u32> = (4..4 + hit as u32).collect();
+            load_and_verify(
+                &node,
+                &dst,
+                load_request(lease, "loader", 0, &dest),
+                0,
+                "a tenant's blocks",
+            )
+            .await;
+        }
+        // A tenant name with a '/' or a control character: refused, nothing stored.
+        for bad in ["a/b", "a\u{1b}b", ""] {
+            let e = node.save(save(Some(bad))).await.unwrap_err();
+            assert!(matches!(e, NodeError::Model(_)), "{e}");
+            let e = query_as(Some(bad)).await.unwrap_err();
+            assert!(matches!(e, NodeError::Model(_)), "{e}");
+        }
+        let s = settled(&node).await;
+        assert_eq!((s.blocks, s.pinned_blocks, s.leases_live), (10, 0, 0));
+        let text = node.metrics_text().await.unwrap();
+        for line in [
+            format!(
+                "kvferry_namespace_ram_bytes{{namespace=\"{base}/lora-a\"}} {}\n",
+                2 * slot
+            ),
+            format!(
+                "kvferry_namespace_ram_quota_bytes{{namespace=\"{base}/lora-a\"}} {}\n",
+                2 * slot
+            ),
+            format!(
+                "kvferry_namespace_ram_bytes{{namespace=\"{base}/lora-b\"}} {}\n",
+                4 * slot
+            ),
+            format!(
+                "kvferry_namespace_ram_bytes{{namespace=\"{base}\"}} {}\n",
+                4 * slot
+            ),
+        ] {
+            assert!(text.contains(&line), "{line}{text}");
+        }
+    });
+}

@@ -7,6 +7,8 @@
 //! notifier, outside the lock).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use crate::model::InstanceId;
 use kvferry_proto::v1::LoadCompletion;
@@ -27,6 +29,8 @@ pub enum LoadState {
 pub struct CompletionBook {
     retention: usize,
     running: HashMap<u64, RankKey>,
+    /// A running load's cancel flag, which its transfer reads before each batch.
+    cancels: HashMap<u64, Arc<AtomicBool>>,
     done: HashMap<RankKey, VecDeque<LoadCompletion>>,
     /// Results a board delivered, for their details (the last `retention` per rank).
     shown: HashMap<RankKey, VecDeque<LoadCompletion>>,
@@ -38,6 +42,7 @@ impl CompletionBook {
         Self {
             retention: retention.max(1),
             running: HashMap::new(),
+            cancels: HashMap::new(),
             done: HashMap::new(),
             shown: HashMap::new(),
             dropped: 0,
@@ -71,6 +76,23 @@ impl CompletionBook {
     /// Forgets a load that was never started (refused after [`Self::begin`]).
     pub fn abandon(&mut self, id: u64) {
         self.running.remove(&id);
+        self.cancels.remove(&id);
+    }
+
+    /// The cancel flag of running load `id`, which its transfer reads (made on first use).
+    pub fn cancel_flag(&mut self, id: u64) -> Arc<AtomicBool> {
+        Arc::clone(self.cancels.entry(id).or_default())
+    }
+
+    /// Asks load `id` of `key` to stop: its transfer submits no more copies and the load
+    /// ends failed once what it submitted has drained. False where `key` has no such load
+    /// running (never accepted, another rank's, or already ended).
+    pub fn cancel(&mut self, id: u64, key: &RankKey) -> bool {
+        if self.running.get(&id) != Some(key) {
+            return false;
+        }
+        self.cancel_flag(id).store(true, Ordering::Release);
+        true
     }
 
     pub fn running_for(&self, key: &RankKey) -> usize {
@@ -81,6 +103,7 @@ impl CompletionBook {
     /// end on the board), so it is kept for its details alone. A result of a load no longer
     /// tracked (its instance's session ended) is dropped.
     pub fn finish(&mut self, c: LoadCompletion, shown: bool) {
+        self.cancels.remove(&c.load_id);
         let Some(key) = self.running.remove(&c.load_id) else {
             return;
         };
@@ -115,6 +138,8 @@ impl CompletionBook {
     /// retained results are.
     pub fn drop_instance(&mut self, instance: &InstanceId) {
         self.running.retain(|_, k| k.0 != *instance);
+        let running = &self.running;
+        self.cancels.retain(|id, _| running.contains_key(id));
         self.shown.retain(|k, _| k.0 != *instance);
         self.done.retain(|k, q| {
             if k.0 == *instance {
@@ -172,6 +197,27 @@ mod tests {
             load_id: id,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn only_a_running_load_of_its_own_rank_is_cancelled() {
+        let mut b = CompletionBook::new(2);
+        let id = b.begin(key("a"));
+        let flag = b.cancel_flag(id);
+        assert!(!b.cancel(id, &key("b")), "another instance's load");
+        assert!(!b.cancel(id ^ 1, &key("a")), "no such load");
+        assert!(!flag.load(Ordering::Acquire));
+        assert!(b.cancel(id, &key("a")));
+        assert!(flag.load(Ordering::Acquire));
+        b.finish(done(id), false);
+        assert!(!b.cancel(id, &key("a")), "it ended");
+        // Flags go with their loads, however those end.
+        let (x, y) = (b.begin(key("a")), b.begin(key("c")));
+        b.cancel_flag(x);
+        b.cancel_flag(y);
+        b.abandon(x);
+        b.drop_instance(&InstanceId::new("c").unwrap());
+        assert!(b.cancels.is_empty());
     }
 
     #[test]

@@ -9,7 +9,7 @@ use crate::service::engine::service::EngineService;
 use kvferry_proto::v1::*;
 use kvferry_proto::{
     ENGINE_PROTOCOL, MAX_ENGINE_BLOCKS, MAX_ENGINE_HASHES, MAX_ENGINE_LAYERS, MAX_ENGINE_MAILBOXES,
-    MAX_ENGINE_REGIONS, MAX_HASH_BYTES, MAX_LOOKUP_HASHES, MAX_POLL_WAIT_MS, VERSION,
+    MAX_ENGINE_REGIONS, MAX_HASH_BYTES, MAX_LOOKUP_HASHES, MAX_POLL_WAIT_MS, MAX_TENANTS, VERSION,
 };
 
 impl EngineService {
@@ -60,6 +60,7 @@ impl EngineService {
             monotonic_ns: crate::fence::monotonic_ns(),
             max_lookup_hashes: MAX_LOOKUP_HASHES as u32,
             max_poll_wait_ms: MAX_POLL_WAIT_MS,
+            max_tenants: MAX_TENANTS as u32,
         }))
     }
 
@@ -137,16 +138,8 @@ impl EngineService {
                 r.hashes.len()
             )));
         }
-        let parts: Vec<&str> = r.namespace.splitn(3, '/').collect();
-        let ns = match parts[..] {
-            [m, d, f] => crate::model::Namespace::new(m, d, f)
-                .map_err(|e| Status::invalid_argument(format!("Lookup: namespace: {e}")))?,
-            _ => {
-                return Err(Status::invalid_argument(
-                    "Lookup: namespace is model/dtype/fingerprint",
-                ))
-            }
-        };
+        let ns = crate::model::Namespace::parse(&r.namespace)
+            .map_err(|e| Status::invalid_argument(format!("Lookup: {e}")))?;
         let hashes = crate::model::BlockHash::parse_all(&r.hashes)
             .map_err(|e| Status::invalid_argument(format!("Lookup: {e}")))?;
         let nodes = self

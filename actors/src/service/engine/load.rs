@@ -92,6 +92,7 @@ impl EngineService {
             instance,
             hashes,
             direct_gpu: r.direct_gpu,
+            tenant: (!r.tenant.is_empty()).then_some(r.tenant),
         };
         let q = self.lease_handed_over(req, fence).await?;
         let (direct, direct_reason) = match q.direct {
@@ -156,13 +157,18 @@ impl EngineService {
         };
         // The id first: the watch reports into the book from the node's thread, and a small
         // load may end before `start_load_observed` returns.
-        let load_id = self.shared.book().begin(key);
+        let (load_id, cancel) = {
+            let mut book = self.shared.book();
+            let id = book.begin(key);
+            (id, book.cancel_flag(id))
+        };
         let watch = Arc::new(LoadWatch {
             shared: Arc::clone(&self.shared),
             load_id,
             req: load.clone(),
             board,
             reported: AtomicBool::new(false),
+            cancel,
         });
         let observer: Arc<dyn api::LoadObserver> = watch.clone();
         let fence = self.fence(r.fence_ns);
@@ -189,6 +195,19 @@ impl EngineService {
             watch.report(r.as_ref().map_err(|_| ()));
         });
         Ok(Response::new(LoadResponse { load_id }))
+    }
+
+    /// Asks a running load to stop (see [`api::LoadObserver::cancelled`]); its end reaches
+    /// the board and PollLoad as any load's does.
+    pub(super) async fn handle_cancel_load(
+        &self,
+        req: Request<CancelLoadRequest>,
+    ) -> Result<Response<CancelLoadResponse>, Status> {
+        const M: &str = "CancelLoad";
+        let r = req.into_inner();
+        let instance = check::instance(M, &r.instance)?;
+        let running = self.shared.book().cancel(r.load_id, &(instance, r.rank));
+        Ok(Response::new(CancelLoadResponse { running }))
     }
 
     pub(super) async fn handle_release(
@@ -267,6 +286,8 @@ struct LoadWatch {
     req: api::LoadRequest,
     board: Option<(Arc<Board>, u32, u32)>,
     reported: AtomicBool,
+    /// Set by CancelLoad; the transfer reads it before each batch.
+    cancel: Arc<AtomicBool>,
 }
 
 impl LoadWatch {
@@ -303,6 +324,10 @@ impl api::LoadObserver for LoadWatch {
 
     fn finished(&self, result: &Result<api::TransferReport, crate::NodeError>) {
         self.report(Ok(result));
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Acquire)
     }
 }
 

@@ -304,7 +304,9 @@ pub(crate) fn place(
 pub(crate) fn status(method: &str, e: NodeError) -> Status {
     let msg = format!("{method}: {e}");
     match &e {
-        NodeError::Layout(LayoutError::TooManyLayers { .. }) => Status::resource_exhausted(msg),
+        NodeError::Layout(LayoutError::TooManyLayers { .. }) | NodeError::TooManyTenants { .. } => {
+            Status::resource_exhausted(msg)
+        }
         NodeError::Model(_)
         | NodeError::Shape(_)
         | NodeError::Layout(_)
@@ -336,6 +338,7 @@ pub(crate) fn status(method: &str, e: NodeError) -> Status {
         NodeError::Unroutable { .. } => Status::failed_precondition(msg),
         NodeError::Remote { .. } | NodeError::Stopped { .. } => Status::unavailable(msg),
         NodeError::DeadlinePassed { .. } => Status::deadline_exceeded(msg),
+        NodeError::Cancelled { .. } => Status::aborted(msg),
         _ => Status::internal(msg),
     }
 }
@@ -349,6 +352,7 @@ pub(crate) fn error_kind(e: &NodeError) -> &'static str {
         NodeError::Unroutable { .. } => "no_data_path",
         NodeError::Stopped { .. } => "stopped",
         NodeError::DeadlinePassed { .. } => "deadline",
+        NodeError::Cancelled { .. } => "cancelled",
         NodeError::Device(_) => "device",
         NodeError::Lease(_) => "lease",
         NodeError::Layout(_) => "layout",

@@ -33,6 +33,7 @@ impl EngineService {
                     rank: r.rank,
                     hashes,
                     src_blocks: r.src_blocks,
+                    tenant: (!r.tenant.is_empty()).then_some(r.tenant),
                 },
                 Some(fence),
             )

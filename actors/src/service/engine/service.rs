@@ -127,4 +127,11 @@ impl Engine for EngineService {
     ) -> Result<Response<PollLoadResponse>, Status> {
         self.handle_poll_load(req).await
     }
+
+    async fn cancel_load(
+        &self,
+        req: Request<CancelLoadRequest>,
+    ) -> Result<Response<CancelLoadResponse>, Status> {
+        self.handle_cancel_load(req).await
+    }
 }
