@@ -136,6 +136,8 @@ class SchedulerSide:
         self._live: Set[str] = set()
         # Whether the node keeps tenants apart (asked with the first LoRA request).
         self._tenants: Optional[bool] = None
+        # The node's Capabilities, once asked (query size, protocol).
+        self._caps: Optional[dict] = None
         # Hashes of blocks whose load failed lately -> when (oldest first).
         self._failed: "OrderedDict[bytes, float]" = OrderedDict()
         # The node's tiers as this engine's KV events (kvferry.vllm.events); None: off.
@@ -182,10 +184,16 @@ class SchedulerSide:
 
     # ---------------------------------------------------------------- node calls
 
+    def _capabilities(self) -> dict:
+        """The node's Capabilities, asked once (and again after a failure)."""
+        if self._caps is None:
+            self._caps = self.link.call("capabilities", lambda c: c.capabilities())
+        return self._caps
+
     def _max_query(self) -> int:
         if self._max_hashes is None:
             try:
-                caps = self.link.call("capabilities", lambda c: c.capabilities())
+                caps = self._capabilities()
                 self._max_hashes = int(caps.get("max_hashes") or 0) or 4096
             except NodeDown:
                 raise
@@ -204,7 +212,7 @@ class SchedulerSide:
             return None
         if self._tenants is None:
             try:
-                caps = self.link.call("capabilities", lambda c: c.capabilities())
+                caps = self._capabilities()
                 self._tenants = int(caps.get("protocol") or 0) >= TENANT_PROTOCOL
             except Exception as e:  # noqa: BLE001 - asked again with the next adapter request
                 log.debug("kvferry: capabilities of the node failed: %s", e)

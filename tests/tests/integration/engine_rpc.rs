@@ -1172,33 +1172,6 @@ impl SubmitHook for CountLoads {
     }
 }
 
-/// Counts load batches and holds each one's submission while set.
-#[derive(Default)]
-struct HoldLoads {
-    held: std::sync::atomic::AtomicBool,
-    submitted: std::sync::atomic::AtomicUsize,
-}
-
-impl SubmitHook for HoldLoads {
-    unsafe fn submit(
-        &self,
-        inner: &HostDevice,
-        dir: kvferry_gpu::CopyDirection,
-        list: kvferry_gpu::CopyList,
-        landed: Option<kvferry_gpu::Landed>,
-    ) -> Result<kvferry_gpu::CopyEvent, kvferry_gpu::DeviceError> {
-        if dir == kvferry_gpu::CopyDirection::HostToDevice {
-            let until = std::time::Instant::now() + WAIT;
-            while self.held.load(Ordering::SeqCst) && std::time::Instant::now() < until {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            self.submitted.fetch_add(1, Ordering::SeqCst);
-        }
-        // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { inner.submit_then(dir, list, landed) }
-    }
-}
-
 /// CancelLoad stops a load between its batches: of a per-layer load held at its first
 /// batch, only that batch is copied; the load ends failed ("cancelled", every block), on its
 /// board too; nothing stays pinned, leased or in flight; other ranks' and unknown loads are
@@ -1206,7 +1179,7 @@ impl SubmitHook for HoldLoads {
 #[test]
 fn a_cancelled_load_copies_no_more_and_ends_failed() {
     rt().block_on(async {
-        let hooked = HookedDevice::new(HoldLoads::default());
+        let hooked = HookedDevice::new(HoldBatches::new(kvferry_gpu::CopyDirection::HostToDevice));
         let srv = EngineServer::start_on(
             EngineOptions::default(),
             Arc::clone(&hooked) as Arc<dyn Device>,
@@ -2327,12 +2300,26 @@ fn a_client_stops_using_a_mailbox_whose_node_went_away() {
     });
 }
 
-/// Holds every device→host batch (a save's copies) on the thread that submits it while the
-/// flag is set (10 s at most), as a node stalled mid-save holds them.
-#[derive(Default)]
-struct HoldSaves(std::sync::atomic::AtomicBool);
+/// Holds each batch of one direction on the thread that submits it while `held` is set
+/// (up to [`WAIT`]), as a node stalled mid-copy holds them, and counts the batches of that
+/// direction it submitted.
+struct HoldBatches {
+    dir: kvferry_gpu::CopyDirection,
+    held: std::sync::atomic::AtomicBool,
+    submitted: std::sync::atomic::AtomicUsize,
+}
 
-impl SubmitHook for HoldSaves {
+impl HoldBatches {
+    fn new(dir: kvferry_gpu::CopyDirection) -> Self {
+        Self {
+            dir,
+            held: Default::default(),
+            submitted: Default::default(),
+        }
+    }
+}
+
+impl SubmitHook for HoldBatches {
     unsafe fn submit(
         &self,
         inner: &HostDevice,
@@ -2340,11 +2327,12 @@ impl SubmitHook for HoldSaves {
         list: kvferry_gpu::CopyList,
         landed: Option<kvferry_gpu::Landed>,
     ) -> Result<kvferry_gpu::CopyEvent, kvferry_gpu::DeviceError> {
-        if dir == kvferry_gpu::CopyDirection::DeviceToHost {
+        if dir == self.dir {
             let until = std::time::Instant::now() + WAIT;
-            while self.0.load(Ordering::SeqCst) && std::time::Instant::now() < until {
+            while self.held.load(Ordering::SeqCst) && std::time::Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(1));
             }
+            self.submitted.fetch_add(1, Ordering::SeqCst);
         }
         // SAFETY: the caller's contract is passed on unchanged.
         unsafe { inner.submit_then(dir, list, landed) }
@@ -2357,7 +2345,7 @@ impl SubmitHook for HoldSaves {
 #[test]
 fn a_save_the_client_gave_up_on_is_never_sealed_and_returns_after_its_fence() {
     rt().block_on(async {
-        let held = HookedDevice::new(HoldSaves::default());
+        let held = HookedDevice::new(HoldBatches::new(kvferry_gpu::CopyDirection::DeviceToHost));
         let srv = EngineServer::start_on(
             EngineOptions::default(),
             Arc::clone(&held) as Arc<dyn Device>,
@@ -2374,7 +2362,7 @@ fn a_save_the_client_gave_up_on_is_never_sealed_and_returns_after_its_fence() {
         let mb = srv.client("").await.with_deadline(deadline);
         assert!(mb.attach_mailbox(&id("eng")).await.unwrap());
         for (via, client, first) in [("grpc", &c, 40u64), ("mailbox", &mb, 60)] {
-            held.hook.0.store(true, Ordering::SeqCst);
+            held.hook.held.store(true, Ordering::SeqCst);
             let t0 = std::time::Instant::now();
             let r = client
                 .save(&kvferry_actors::SaveRequest {
@@ -2390,7 +2378,7 @@ fn a_save_the_client_gave_up_on_is_never_sealed_and_returns_after_its_fence() {
             assert!(took >= deadline, "{via}: returned {took:?} after the call");
             // The engine may reuse its blocks now: what the held copies read is foreign.
             kv.write_block(5, 99, 0).unwrap();
-            held.hook.0.store(false, Ordering::SeqCst);
+            held.hook.held.store(false, Ordering::SeqCst);
             stats_until(&c, "the held save drains", |s| {
                 s.transfers_in_flight == 0 && s.pinned_blocks == 0 && s.pins == 0
             })
