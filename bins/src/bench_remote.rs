@@ -69,6 +69,10 @@ pub struct RemoteArgs {
     /// read side by side; over TLS each encrypts and decrypts on its own core.
     #[arg(long, default_value_t = kvferry_actors::config::DEFAULT_DATA_LANES)]
     lanes: u32,
+    /// With --tls: the TLS pair's connections per link (`cluster.tls-data-lanes`); default
+    /// what a node derives from --lanes, `TLS_LANES_FACTOR` × lanes.
+    #[arg(long)]
+    tls_lanes: Option<u32>,
 }
 
 /// `kvferry owner`: an owner node in its own process holding blocks 0..N of the benchmark's
@@ -378,11 +382,16 @@ fn start_pair(
         )?;
         return Ok((None, Some(child), requester));
     }
+    let lanes = if tls.is_some() {
+        kvferry_actors::config::tls_lanes(a.lanes, a.tls_lanes)
+    } else {
+        a.lanes
+    };
     let cluster = match tls {
         Some(ctx) => LocalCluster::with_tls(provider, ctx).context("TLS for the data plane")?,
         None => LocalCluster::new(provider),
     };
-    cluster.set_data_lanes(a.lanes as usize);
+    cluster.set_data_lanes(lanes as usize);
     let owner = Node::start_in(
         node_config("owner", slot, u64::from(max)),
         vec![HostDevice::new(0) as Arc<dyn Device>],
@@ -474,6 +483,9 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
     let max_lanes = kvferry_actors::config::MAX_DATA_LANES;
     if !(1..=max_lanes).contains(&a.lanes) {
         bail!("--lanes must be 1 to {max_lanes}");
+    }
+    if a.tls_lanes.is_some_and(|n| !(1..=max_lanes).contains(&n)) {
+        bail!("--tls-lanes must be 1 to {max_lanes}");
     }
     if a.tls && (provider != Provider::Tcp || a.owner_process || !a.nodes.is_empty()) {
         bail!(
@@ -660,6 +672,7 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
             "bytes": plain_main.bytes,
             "iters": a.iters,
             "lanes": a.lanes,
+            "tls_lanes": a.tls.then(|| kvferry_actors::config::tls_lanes(a.lanes, a.tls_lanes)),
             "direct": plain["direct"],
             "staged": plain["staged"],
             "direct_vs_staged": ratio,
@@ -714,8 +727,11 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
         );
         if let Some((d, s)) = tls_vs_plain(main) {
             println!(
-                "tls_vs_plain ({} blocks, GB/s over TLS / in clear): direct {d:.2}, staged {s:.2}",
-                plain_main.blocks
+                "tls_vs_plain ({} blocks, GB/s over TLS on {} lanes / in clear on {}): direct \
+                 {d:.2}, staged {s:.2}",
+                plain_main.blocks,
+                kvferry_actors::config::tls_lanes(a.lanes, a.tls_lanes),
+                a.lanes
             );
         }
         println!(

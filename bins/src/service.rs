@@ -428,7 +428,7 @@ pub fn run(cfg: NodeConfig, log_filter: &str) -> anyhow::Result<()> {
             .collect(),
         shm_dir: c.shm_dir.clone().into(),
         data_listen: c.data_listen.clone(),
-        data_lanes: c.data_lanes,
+        data_lanes: c.lanes(cfg.tls_on(TlsListener::Data) && tls.is_some()),
     };
     let (peer_tls, data_tls) = (cfg.tls_on(TlsListener::Peer), cfg.tls_on(TlsListener::Data));
     let peers = match &tls {

@@ -22,7 +22,9 @@ mod tenants;
 mod tls;
 
 pub use crate::bytes::ByteSize;
-pub use cluster::{ClusterConfig, PeerConfig, DEFAULT_DATA_LANES, MAX_DATA_LANES};
+pub use cluster::{
+    tls_lanes, ClusterConfig, PeerConfig, DEFAULT_DATA_LANES, MAX_DATA_LANES, TLS_LANES_FACTOR,
+};
 pub use device::DeviceConfig;
 pub use directory::DirectoryConfig;
 pub use engine::EngineConfig;

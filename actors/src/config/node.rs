@@ -364,6 +364,17 @@ impl NodeConfig {
                     ),
                 );
             }
+            if let Some(n) = c.tls_data_lanes {
+                if !(1..=super::cluster::MAX_DATA_LANES).contains(&n) {
+                    return invalid(
+                        "cluster.tls-data-lanes",
+                        format!(
+                            "{n} must be 1 to {} (connections to each peer's data port over TLS)",
+                            super::cluster::MAX_DATA_LANES
+                        ),
+                    );
+                }
+            }
             if c.provider == "shm" {
                 if !std::path::Path::new(&c.shm_dir).is_absolute() {
                     return invalid(

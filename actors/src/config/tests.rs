@@ -131,6 +131,8 @@ fn cross_field_rules_name_the_key() {
         ("[cluster]\ndirectory = \"etcd\"\n", "cluster.directory"),
         ("[cluster]\ndata-lanes = 0\n", "cluster.data-lanes"),
         ("[cluster]\ndata-lanes = 17\n", "cluster.data-lanes"),
+        ("[cluster]\ntls-data-lanes = 0\n", "cluster.tls-data-lanes"),
+        ("[cluster]\ntls-data-lanes = 17\n", "cluster.tls-data-lanes"),
         ("[engine]\nlisten = \"nowhere\"\n", "engine.listen"),
         ("[engine]\nfd-dir = \"relative\"\n", "engine.fd-dir"),
         ("[engine]\ntoken = \"two words\"\n", "engine.token"),
@@ -355,6 +357,25 @@ fn defaults_are_inside_the_limits() {
     assert!(d.lease.ttl_secs <= MAX_TTL_SECS);
     assert!(EngineConfig::default().handle_ttl_secs <= MAX_TTL_SECS);
     assert!(d.pool.slot_bytes.0 <= MAX_SLOT_BYTES);
+}
+
+/// Over TLS a link opens more connections than in clear unless told how many: the cipher
+/// needs the cores.
+#[test]
+fn tls_links_open_more_lanes_unless_told() {
+    let mut c = ClusterConfig::default();
+    assert_eq!(c.lanes(false), DEFAULT_DATA_LANES);
+    assert_eq!(c.lanes(true), DEFAULT_DATA_LANES * TLS_LANES_FACTOR);
+    c.data_lanes = 7;
+    assert_eq!(c.lanes(true), MAX_DATA_LANES, "capped");
+    c.data_lanes = MAX_DATA_LANES;
+    assert_eq!(c.lanes(true), MAX_DATA_LANES);
+    c.tls_data_lanes = Some(1);
+    assert_eq!(
+        (c.lanes(false), c.lanes(true)),
+        (MAX_DATA_LANES, 1),
+        "explicit wins"
+    );
 }
 
 /// A config is printed (a failed test, a log line, `--check-config` on error paths): its
@@ -742,6 +763,8 @@ fn the_tls_sample_loads_with_its_files_beside_it() {
     assert!(cfg.tls_on(TlsListener::Peer) && cfg.tls_on(TlsListener::Engine));
     assert!(t.reload_on_sighup);
     assert_eq!(t.expiry_warn_days, 14);
+    let c = cfg.cluster.as_ref().unwrap();
+    assert_eq!((c.lanes(false), c.lanes(true)), (2, 6));
     // The same text read from elsewhere finds no files: relative paths are the file's.
     let text = std::fs::read_to_string(path).unwrap();
     let err = NodeConfig::from_toml(&text, "elsewhere.toml")
