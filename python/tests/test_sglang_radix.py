@@ -13,6 +13,7 @@ hands the request back through SGLang's insert call (0.5.16: ``cache_finished_re
 
 from __future__ import annotations
 
+import re
 import time
 from array import array
 
@@ -89,9 +90,10 @@ class Engine:
         return [page_bytes(torch, t[slot_page * PS:(slot_page + 1) * PS])
                 for t in self.tensors()]
 
-    def match(self, rid: str, toks, extra_key=None):
+    def match(self, rid: str, toks, extra_key=None, lora_id=None):
         """SGLang's own match call: Req.init_next_round_input -> match_prefix."""
-        req = Req(rid, "", array("q", toks), SamplingParams(), extra_key=extra_key)
+        kw = {"lora_id": lora_id} if lora_id else {}
+        req = Req(rid, "", array("q", toks), SamplingParams(), extra_key=extra_key, **kw)
         req.init_next_round_input(self.cache)
         return req
 
@@ -240,6 +242,36 @@ def test_tenants_with_equal_tokens_and_other_extra_keys_never_share_pages(node):
     hashes = {k: tuple(a.conn.page_hashes(toks, extra_key=k))
               for k in (None, "", "salt-1", "salt-2")}
     assert len(set(hashes.values())) == 4
+    assert kvferry.EngineClient(node.addr).stats()["leases_live"] == 0
+
+
+def test_lora_adapters_are_node_tenants_of_their_own(node):
+    """A request of SGLang's LoRA adapter (``Req.lora_id``, which SGLang also adds to its
+    extra_key) saves into and queries the node tenant of that adapter: its pages sit in a
+    namespace of their own (own RAM use, quota, label), the same adapter on another engine
+    loads them byte for byte, another adapter and the base model find none."""
+    a, b = Engine(node.addr, "engine-a"), Engine(node.addr, "engine-b")
+    toks = prompt(3)
+    ra = a.match("a1", toks, lora_id="adapter-one")
+    a_slots = a.prefill(ra, seed=11)
+    a.finish(ra)
+    a.saves_ended()
+    assert a.conn.counters["saved_blocks"] == 3
+    text = node.metrics()
+    assert re.search(r'kvferry_namespace_ram_bytes\{namespace="[^"]*/adapter-one"\} [1-9]',
+                     text), text
+
+    b.canary()
+    for rid, lora in (("b1", "adapter-two"), ("b2", None)):
+        r = b.match(rid, toks, lora_id=lora)
+        assert len(b.prefix(r)) == 0, f"lora {lora!r} found adapter-one's pages"
+    assert b.conn.counters["hit_blocks"] == 0
+    rb = b.match("b3", toks, lora_id="adapter-one")
+    got = b.prefix(rb)
+    assert len(got) == 3 * PS
+    for i in range(3):
+        assert b.page(int(got[i * PS]) // PS) == a.page(int(a_slots[i * PS]) // PS)
+    assert b.conn.counters["loaded_blocks"] == 3
     assert kvferry.EngineClient(node.addr).stats()["leases_live"] == 0
 
 

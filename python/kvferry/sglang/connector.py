@@ -176,14 +176,17 @@ class KvferryConnector:
     # -- loads -------------------------------------------------------------------------------
 
     def get_new_hit_length(self, rid: str, token_ids: Sequence[int],
-                           num_computed_tokens: int = 0, extra_key: Optional[str] = None) -> int:
+                           num_computed_tokens: int = 0, extra_key: Optional[str] = None,
+                           lora_id: Optional[str] = None) -> int:
         """Tokens past ``num_computed_tokens`` (page aligned: SGLang's own prefix hit) the
-        node holds and leases for ``rid`` (of SGLang's ``extra_key``, if it has one); every
-        TP rank calls it, rank 0 asks the node."""
+        node holds and leases for ``rid`` (of SGLang's ``extra_key``, if it has one, and in
+        the node tenant of its LoRA adapter ``lora_id``); every TP rank calls it, rank 0
+        asks the node."""
         self.release_load_state(rid)
         first = -(-int(num_computed_tokens) // self.page_size)
         hashes = self.page_hashes(token_ids, extra_key=extra_key)[first:]
-        lease, n = self.share.query(hashes)
+        tenant = self.rank.tenant(lora_id) if self.share.asks else None
+        lease, n = self.share.query(hashes, tenant)
         if lease is None or n <= 0:
             return 0
         with self._lock:
@@ -352,9 +355,11 @@ class KvferryConnector:
     # -- saves -------------------------------------------------------------------------------
 
     def start_store_kv(self, rid: str, token_ids: Sequence[int], device_indices: Any,
-                       first_page: int = 0, extra_key: Optional[str] = None) -> bool:
+                       first_page: int = 0, extra_key: Optional[str] = None,
+                       lora_id: Optional[str] = None) -> bool:
         """Saves ``rid``'s full pages from page ``first_page`` on (``device_indices``: the
-        device slots of all its tokens) in the background. With MLA only TP rank 0 saves."""
+        device slots of all its tokens) in the background, into the node tenant of its LoRA
+        adapter ``lora_id``. With MLA only TP rank 0 saves."""
         if self._saves_by_rank0 and self.tp_rank != 0:
             return False
         hashes = self.page_hashes(token_ids, extra_key=extra_key)
@@ -362,7 +367,7 @@ class KvferryConnector:
         hashes, src = hashes[first_page : len(src)], src[first_page:]
         if not hashes:
             return False
-        fut = self._pool.submit(self.rank.save, hashes, src)
+        fut = self._pool.submit(self.rank.save, hashes, src, self.rank.tenant(lora_id))
         with self._lock:
             self._stores[rid] = fut
         return True

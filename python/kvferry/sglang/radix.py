@@ -90,7 +90,8 @@ class KvferryRadixCache(RadixCache):
             return res
         tokens = list(aligned.raw_token_ids()[: len(aligned)])
         try:
-            landed = self._load(req.rid, tokens, have, res, key.extra_key)
+            landed = self._load(req.rid, tokens, have, res, key.extra_key,
+                                getattr(req, "lora_id", None))
         except Exception as e:  # noqa: BLE001 - a failed load is a miss, never a crash
             log.warning("kvferry: %s: loading past the GPU prefix failed (%s); no hit",
                         req.rid, e)
@@ -102,11 +103,12 @@ class KvferryRadixCache(RadixCache):
         return super().match_prefix(params)
 
     def _load(self, rid: str, tokens: list, have: int, res: Any,
-              extra_key: Optional[str] = None) -> int:
+              extra_key: Optional[str] = None, lora_id: Optional[str] = None) -> int:
         """Loads the node's pages past ``have`` tokens into new slots and inserts them;
         the tokens inserted (0 on a miss or a failure)."""
         self._free_parked()
-        hit = self.kvferry.get_new_hit_length(rid, tokens, have, extra_key=extra_key)
+        hit = self.kvferry.get_new_hit_length(rid, tokens, have, extra_key=extra_key,
+                                              lora_id=lora_id)
         hit = self._agree(hit)
         if hit <= 0:
             self.kvferry.release_load_state(rid)
@@ -223,7 +225,7 @@ class KvferryRadixCache(RadixCache):
         try:
             started = self.kvferry.start_store_kv(
                 sid, token_ids[: pages * self.page_size], indices, first_page=first,
-                extra_key=extra_key)
+                extra_key=extra_key, lora_id=getattr(req, "lora_id", None))
         except Exception as e:  # noqa: BLE001 - a failed save costs hits, never a crash
             log.warning("kvferry: %s: save failed to start (%s)", req.rid, e)
             started = False

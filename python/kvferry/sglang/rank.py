@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ..errors import KvferryError
 from ..layout import register_tensors
 from ..link import NodeDown, NodeLink
-from ..namespace import model_namespace
+from ..namespace import TENANT_PROTOCOL, model_namespace, tenant_part
 from .config import SglangConfig
 from .layouts import PoolLayout
 
@@ -75,6 +75,8 @@ class RankKv:
             cfg, who, client_factory, on_failure=self._node_failed, logger="kvferry.sglang"
         )
         self.namespace: Optional[str] = None
+        # Whether the node keeps tenants apart (protocol 9), asked with the first LoRA request.
+        self._tenants: Optional[bool] = None
         self._generation = -1
         #: The completion board of the current registration (None: the node has none, or
         #: ``board_slots`` is 0); loads naming its slots report each layer landing to it.
@@ -148,15 +150,40 @@ class RankKv:
 
         return self.link.call(what, go)
 
-    def query(self, hashes: Sequence[bytes]) -> Tuple[Optional[str], int]:
-        """(lease, blocks held): the longest prefix of ``hashes`` the node holds, leased for
-        ``tp_size`` consumes; (None, 0) on a miss or a node failure."""
+    def tenant(self, lora_id: Optional[str]) -> Optional[str]:
+        """The node tenant of a request of SGLang's LoRA adapter ``lora_id`` (escaped), where
+        the node keeps tenants apart (protocol 9); None without an adapter, or where an older
+        node keeps the adapter's pages among the model's (their hashes, salted with the
+        adapter, still never meet another's)."""
+        if not lora_id:
+            return None
+        if self._tenants is None:
+            try:
+                caps = self.link.call("capabilities", lambda c: c.capabilities())
+            except (NodeDown, KvferryError) as e:
+                log.debug("kvferry: capabilities of the node failed: %s", e)
+                return None  # asked again with the next adapter request
+            self._tenants = int(caps.get("protocol") or 0) >= TENANT_PROTOCOL
+            if not self._tenants:
+                log.warning(
+                    "kvferry: the node speaks engine protocol %s, older than %d: LoRA "
+                    "adapters' pages share their model's namespace and quota",
+                    caps.get("protocol"), TENANT_PROTOCOL,
+                )
+        return tenant_part(str(lora_id)) if self._tenants else None
+
+    def query(self, hashes: Sequence[bytes],
+              tenant: Optional[str] = None) -> Tuple[Optional[str], int]:
+        """(lease, blocks held): the longest prefix of ``hashes`` the node holds (of
+        ``tenant``'s namespace, see :meth:`tenant`), leased for ``tp_size`` consumes; (None,
+        0) on a miss or a node failure."""
         if not hashes:
             return None, 0
         self.counters["queries"] += 1
         self.counters["query_blocks"] += len(hashes)
+        kw = {"tenant": tenant} if tenant else {}
         try:
-            q = self._call("query", lambda c: c.query(self.instance, list(hashes)))
+            q = self._call("query", lambda c: c.query(self.instance, list(hashes), **kw))
         except (NodeDown, KvferryError) as e:
             if not isinstance(e, NodeDown):
                 log.warning("kvferry: query of %d blocks refused: %s", len(hashes), e)
@@ -245,15 +272,18 @@ class RankKv:
         except (NodeDown, KvferryError) as e:
             return {"ok": False, "error_kind": "node", "error": str(e), "failed_blocks": []}
 
-    def save(self, hashes: Sequence[bytes], src_blocks: Sequence[int]) -> bool:
-        """Copies ``src_blocks`` into the node's blocks ``hashes``; False (logged, counted)
-        where it did not happen."""
+    def save(self, hashes: Sequence[bytes], src_blocks: Sequence[int],
+             tenant: Optional[str] = None) -> bool:
+        """Copies ``src_blocks`` into the node's blocks ``hashes`` (of ``tenant``'s
+        namespace); False (logged, counted) where it did not happen."""
         if not hashes:
             return True
         self.counters["saves"] += 1
+        kw = {"tenant": tenant} if tenant else {}
         try:
             self._call(
-                "save", lambda c: c.save(self.instance, self.rank, list(hashes), list(src_blocks))
+                "save", lambda c: c.save(self.instance, self.rank, list(hashes),
+                                         list(src_blocks), **kw)
             )
         except (NodeDown, KvferryError) as e:
             self.counters["save_failures"] += 1

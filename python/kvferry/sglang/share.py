@@ -142,17 +142,17 @@ class LeaseShare:
         """Whether this rank asks the node (and releases)."""
         return self.exchange is None or self.tp_rank == 0
 
-    def query(self, hashes: Sequence[bytes]) -> Answer:
-        """(lease, blocks held) for ``hashes``: rank 0's on every rank; (None, 0) on a miss,
-        a node failure, or an answer that did not reach this rank."""
+    def query(self, hashes: Sequence[bytes], tenant: Optional[str] = None) -> Answer:
+        """(lease, blocks held) for ``hashes`` (of ``tenant``): rank 0's on every rank; (None,
+        0) on a miss, a node failure, or an answer that did not reach this rank."""
         self._sweep()
         if self.exchange is None:
-            return self.rank.query(hashes) if hashes else (None, 0)
+            return self.rank.query(hashes, tenant) if hashes else (None, 0)
         if not hashes and not self.exchange.lockstep:
             return None, 0
         answer = None
         if self.tp_rank == 0:
-            answer = self.rank.query(hashes) if hashes else (None, 0)
+            answer = self.rank.query(hashes, tenant) if hashes else (None, 0)
         try:
             lease, n = self.exchange.exchange(digest_of(hashes), answer)
         except Exception as e:  # noqa: BLE001 - a miss on this rank, never a crash
