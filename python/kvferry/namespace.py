@@ -21,8 +21,10 @@ the vLLM and SGLang connectors both use it.
 from __future__ import annotations
 
 import hashlib
+import logging
+from typing import Any, Mapping
 
-__all__ = ["MAX_PART", "TENANT_PROTOCOL", "model_namespace", "tenant_part"]
+__all__ = ["MAX_PART", "TENANT_PROTOCOL", "keeps_tenants", "model_namespace", "tenant_part"]
 
 #: The node's engine protocol from which a Query or Save may name a tenant.
 TENANT_PROTOCOL = 9
@@ -54,3 +56,17 @@ def tenant_part(name: str) -> str:
     (the node keeps ``model/dtype/fingerprint/tenant`` apart, with its own quota and metric
     label)."""
     return model_namespace(name)
+
+
+def keeps_tenants(caps: Mapping[str, Any], log: logging.Logger, what: str) -> bool:
+    """Whether the node of Capabilities ``caps`` keeps tenants apart (protocol 9); where it
+    does not, logs that LoRA adapters' ``what`` (blocks, pages) share their model's
+    namespace (their salted hashes still never meet another adapter's)."""
+    ok = int(caps.get("protocol") or 0) >= TENANT_PROTOCOL
+    if not ok:
+        log.warning(
+            "kvferry: the node speaks engine protocol %s, older than %d: LoRA adapters' %s "
+            "share their model's namespace and quota",
+            caps.get("protocol"), TENANT_PROTOCOL, what,
+        )
+    return ok

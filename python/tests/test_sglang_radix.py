@@ -211,16 +211,23 @@ def test_pages_this_engine_computed_are_saved_past_what_it_loaded(node):
     assert c.conn.counters["loaded_blocks"] == 5
 
 
+def _saved(eng, rid, toks, seed, **key):
+    """A request of ``toks`` (of ``key``: extra_key, lora_id) computed and saved whole by
+    ``eng``: the slots of its tokens."""
+    r = eng.match(rid, toks, **key)
+    slots = eng.prefill(r, seed=seed)
+    eng.finish(r)
+    eng.saves_ended()
+    assert eng.conn.counters["saved_blocks"] == len(toks) // PS
+    return slots
+
+
 def test_tenants_with_equal_tokens_and_other_extra_keys_never_share_pages(node):
     """SGLang's extra_key (cache salt, LoRA id) salts kvferry's hashes: a tenant finds its
     own pages on the node, never another tenant's with the same token ids."""
     a, b = Engine(node.addr, "engine-a"), Engine(node.addr, "engine-b")
     toks = prompt(3)
-    ra = a.match("a1", toks, extra_key="salt-1")
-    a_slots = a.prefill(ra, seed=7)
-    a.finish(ra)
-    a.saves_ended()
-    assert a.conn.counters["saved_blocks"] == 3
+    a_slots = _saved(a, "a1", toks, 7, extra_key="salt-1")
 
     b.canary()
     for rid, key in (("b1", "salt-2"), ("b2", None), ("b3", "")):
@@ -252,11 +259,7 @@ def test_lora_adapters_are_node_tenants_of_their_own(node):
     loads them byte for byte, another adapter and the base model find none."""
     a, b = Engine(node.addr, "engine-a"), Engine(node.addr, "engine-b")
     toks = prompt(3)
-    ra = a.match("a1", toks, lora_id="adapter-one")
-    a_slots = a.prefill(ra, seed=11)
-    a.finish(ra)
-    a.saves_ended()
-    assert a.conn.counters["saved_blocks"] == 3
+    a_slots = _saved(a, "a1", toks, 11, lora_id="adapter-one")
     text = node.metrics()
     assert re.search(r'kvferry_namespace_ram_bytes\{namespace="[^"]*/adapter-one"\} [1-9]',
                      text), text

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ..errors import KvferryError
 from ..layout import register_tensors
 from ..link import NodeDown, NodeLink
-from ..namespace import TENANT_PROTOCOL, model_namespace, tenant_part
+from ..namespace import keeps_tenants, model_namespace, tenant_part
 from .config import SglangConfig
 from .layouts import PoolLayout
 
@@ -163,13 +163,7 @@ class RankKv:
             except (NodeDown, KvferryError) as e:
                 log.debug("kvferry: capabilities of the node failed: %s", e)
                 return None  # asked again with the next adapter request
-            self._tenants = int(caps.get("protocol") or 0) >= TENANT_PROTOCOL
-            if not self._tenants:
-                log.warning(
-                    "kvferry: the node speaks engine protocol %s, older than %d: LoRA "
-                    "adapters' pages share their model's namespace and quota",
-                    caps.get("protocol"), TENANT_PROTOCOL,
-                )
+            self._tenants = keeps_tenants(caps, log, "pages")
         return tenant_part(str(lora_id)) if self._tenants else None
 
     def query(self, hashes: Sequence[bytes],

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .config import KvferryConfig
 from .events import block_infos
-from ..namespace import TENANT_PROTOCOL, tenant_part
+from ..namespace import keeps_tenants, tenant_part
 from .hashing import ChainHasher, MmSpan, engine_salt, lora_key, request_salt
 from .link import NodeDown, NodeLink
 from .metadata import LoadSpec, SaveSpec, StepMetadata
@@ -213,16 +213,10 @@ class SchedulerSide:
         if self._tenants is None:
             try:
                 caps = self._capabilities()
-                self._tenants = int(caps.get("protocol") or 0) >= TENANT_PROTOCOL
             except Exception as e:  # noqa: BLE001 - asked again with the next adapter request
                 log.debug("kvferry: capabilities of the node failed: %s", e)
                 return None
-            if not self._tenants:
-                log.warning(
-                    "kvferry: the node speaks engine protocol %s, older than %d: LoRA "
-                    "adapters' blocks share their model's namespace and quota",
-                    caps.get("protocol"), TENANT_PROTOCOL,
-                )
+            self._tenants = keeps_tenants(caps, log, "blocks")
         return tenant_part(str(name)) if self._tenants else None
 
     def _query(self, hashes: List[bytes], tenant: Optional[str] = None) -> Tuple[int, Optional[str]]:
