@@ -23,6 +23,8 @@ Each phase is its own engine process, one after the other, against one ``kvferry
 * ``kv-sync``: another one with ``load_mode = "sync"``.
 * ``kv-sync-grouped``: sync with ``sync_batches = "grouped"`` (the node's layer groups rather
   than one copy batch per layer).
+* ``kv-sync-early``: sync with ``load_start = "scheduler"`` (the scheduler starts the load as
+  it allocates the blocks; with ``--no-async-scheduling`` only, else the worker starts it).
 * ``kv-xl``: cross-layer KV (``kv_layout = "cross_layer"``), cold then hits in one process;
   skipped, saying so, where the connector does not offer vLLM's cross-layer blocks. On vLLM
   0.26 it runs on the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``): Model Runner V2, the
@@ -112,6 +114,8 @@ PHASES: Dict[str, Dict[str, Any]] = {
                 "load_mode": "sync", "kv_layout": "auto"},
     "kv-sync-grouped": {"connector": True, "prefix": False, "cold": False, "hits": True,
                         "load_mode": "sync", "kv_layout": "auto", "sync_batches": "grouped"},
+    "kv-sync-early": {"connector": True, "prefix": False, "cold": False, "hits": True,
+                      "load_mode": "sync", "kv_layout": "auto", "load_start": "scheduler"},
     "kv-xl": {"connector": True, "prefix": False, "cold": True, "hits": True,
               "load_mode": "async", "kv_layout": "cross_layer", "model_runner": "v1"},
     "serve-ref": {"connector": False, "prefix": True, "serve": True},
@@ -685,8 +689,9 @@ def run_phase(spec: Dict[str, Any]) -> Dict[str, Any]:
                                  "kv_layout": spec["kv_layout"]}
         if spec.get("idle_wait_ms") is not None:
             extra["idle_wait_ms"] = spec["idle_wait_ms"]
-        if PHASES[name].get("sync_batches"):
-            extra["sync_batches"] = PHASES[name]["sync_batches"]
+        for key in ("sync_batches", "load_start"):
+            if PHASES[name].get(key):
+                extra[key] = PHASES[name][key]
         if spec.get("connector_model"):
             extra["model"] = spec["connector_model"]
         kw["kv_transfer_config"] = {

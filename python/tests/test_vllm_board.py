@@ -292,6 +292,9 @@ def test_sync_batches_grouped_leaves_a_sync_load_to_the_node_layer_groups():
         w.shutdown()
     with pytest.raises(ConfigError, match="sync_batches"):
         parse_extra_config({"address": "127.0.0.1:1", "sync_batches": "per-layer"})
+    with pytest.raises(ConfigError, match="load_start"):
+        parse_extra_config({"address": "127.0.0.1:1", "load_start": "early"})
+    assert parse_extra_config({"address": "127.0.0.1:1"}).load_start == "worker"
 
 
 def test_a_load_given_up_on_is_cancelled_on_the_node_and_its_blocks_recomputed():

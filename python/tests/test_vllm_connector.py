@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_engine import Engine, prompt, runner  # noqa: E402
 from vllm_support import Node, block_contents, expected_block, free_port  # noqa: E402
 
+import kvferry  # noqa: E402
+
 BS = 16
 
 
@@ -206,6 +208,98 @@ def test_sync_load_mode(tmp_path, node):
         eng.run()
         assert eng.invalid_reported == set() and "b" in eng.finished
         assert status(b) != "WAITING_FOR_REMOTE_KVS"
+    finally:
+        eng.shutdown()
+
+
+def test_a_sync_load_started_by_the_scheduler(tmp_path, node):
+    """load_start "scheduler": a synchronous load starts from the scheduler as vLLM
+    allocates its blocks, so its bytes are in before the step reaches the worker, which
+    starts no load of its own and only watches it; a load the node refuses the scheduler
+    leaves to the worker."""
+    eng = engine(tmp_path, node.addr, async_scheduling=False,
+                 extra={"load_mode": "sync", "load_start": "scheduler"})
+    calls = []
+    side = eng.worker.worker_side
+    real_call = side.link.call
+    side.link.call = lambda what, fn: (calls.append(what), real_call(what, fn))[1]
+    try:
+        toks = prompt(90, seed=6)
+        eng.add("a", toks)
+        eng.run()
+        assert eng.scheduler.reset_prefix_cache()
+
+        def landed_before_the_worker(so):
+            (load,) = so.kv_connector_metadata.loads
+            assert load.sync and load.early is not None and len(load.dest_blocks) == 5
+            want = [expected_block(eng.kv, toks, i, BS) for i in range(5)]
+            end = time.monotonic() + 10
+            while not all(blocks_equal(block_contents(eng.kv, b), w)
+                          for b, w in zip(load.dest_blocks, want)):
+                assert time.monotonic() < end, "the scheduler's load never landed"
+                time.sleep(0.005)
+            calls.clear()
+
+        eng.stats = {}
+        eng.add("b", toks)
+        eng.step(before_worker=landed_before_the_worker)
+        assert "load" not in calls, calls
+        assert eng.scheduled_tokens["b"] == 90 - 80
+        eng.run()
+        assert eng.invalid_reported == set() and eng.outputs["b"] == eng.outputs["a"]
+        s = eng.stats
+        assert s.get("early_loads") == 1 and s.get("loaded_blocks") == 5, s
+        assert not s.get("load_failures") and not s.get("early_load_refusals"), s
+
+        # The node refuses the scheduler's load: the worker loads, byte for byte.
+        sched = eng.connector.scheduler_side
+        real = sched.link.call
+
+        def refuse_loads(what, fn):
+            if what == "load":
+                raise RuntimeError("refused for the test")
+            return real(what, fn)
+
+        sched.link.call = refuse_loads
+        assert eng.scheduler.reset_prefix_cache()
+        eng.stats = {}
+        eng.add("c", toks)
+        so = eng.step()
+        (load,) = so.kv_connector_metadata.loads
+        assert load.early is None and "load" in calls
+        ids = eng.block_ids("c")
+        for i in range(5):
+            assert blocks_equal(block_contents(eng.kv, ids[i]), expected_block(eng.kv, toks, i, BS))
+        eng.run()
+        s = eng.stats
+        assert s.get("early_load_refusals") == 1 and not s.get("early_loads"), s
+        assert eng.invalid_reported == set() and eng.outputs["c"] == eng.outputs["a"]
+        assert kvferry.EngineClient(node.addr).stats()["leases_live"] == 0
+    finally:
+        eng.shutdown()
+
+
+def test_load_start_scheduler_is_declined_where_unsafe(tmp_path, node, caplog):
+    """Under vLLM's async scheduling (a step may still run on the blocks it allocates) the
+    scheduler starts no load itself, and says so."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="kvferry.vllm"):
+        eng = engine(tmp_path, node.addr, async_scheduling=True,
+                     extra={"load_mode": "sync", "load_start": "scheduler"})
+    try:
+        assert eng.connector.scheduler_side.early_loads is False
+        assert "vLLM schedules asynchronously" in caplog.text, caplog.text
+        toks = prompt(40, seed=8)
+        eng.add("a", toks)
+        eng.run()
+        assert eng.scheduler.reset_prefix_cache()
+        eng.add("b", toks)
+        so = eng.step()
+        (load,) = so.kv_connector_metadata.loads
+        assert load.early is None
+        eng.run()
+        assert eng.outputs["b"] == eng.outputs["a"] and not eng.stats.get("early_loads")
     finally:
         eng.shutdown()
 

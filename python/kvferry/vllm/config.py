@@ -41,6 +41,11 @@ KEYS: Dict[str, str] = {
     'each layer\'s forward starts as soon as it is in) or "grouped" (the node\'s layer groups: '
     "layer 0 alone, then a few long batches that move at the copy engines' speed; faster where "
     "the step computes little beside the hit, a full-prefix hit's one-token tail)",
+    "load_start": '"worker" (default: a load starts when vLLM\'s worker runs the step) or '
+    '"scheduler" (a synchronous load starts from the scheduler the moment its blocks are '
+    "allocated, before the step reaches the worker; only where vLLM schedules synchronously "
+    "with one TP rank and one pipeline stage, else the worker starts it; not yet measured "
+    "on a GPU)",
     "fd_socket": "the node's fd socket path where it differs from what the node announces",
     "mailbox": "send queries, loads and saves through a request mailbox in shared memory (default "
     "true; needs the node's fd socket, so the same host; the calls are used where the node "
@@ -75,6 +80,7 @@ class KvferryConfig(Timeouts):
     retry_ms: int = 1000
     load_mode: str = "auto"
     sync_batches: str = "layer"
+    load_start: str = "worker"
     fd_socket: Optional[str] = None
     kv_layout: str = "auto"
     mailbox: bool = True
@@ -101,6 +107,8 @@ class KvferryConfig(Timeouts):
 LOAD_MODES = ("auto", "async", "sync")
 #: sync_batches' values.
 SYNC_BATCHES = ("layer", "grouped")
+#: load_start's values.
+LOAD_STARTS = ("worker", "scheduler")
 
 _STR = ("address", "token", "instance", "model", "fd_socket", "events")
 _BOOL = ("direct_gpu", "mailbox")
@@ -156,6 +164,12 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvferryConfig:
             if value not in SYNC_BATCHES:
                 raise ConfigError(
                     f'{prefix}: "sync_batches" must be "layer" or "grouped", got {value!r}'
+                )
+            values[key] = value
+        elif key == "load_start":
+            if value not in LOAD_STARTS:
+                raise ConfigError(
+                    f'{prefix}: "load_start" must be "worker" or "scheduler", got {value!r}'
                 )
             values[key] = value
         elif key == "kv_cache_access":

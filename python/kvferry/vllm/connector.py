@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from . import compat
-from .config import ConfigError, parse_extra_config
+from .config import ConfigError, KvferryConfig, parse_extra_config
 from .kvcache import cross_layer_views
 from .metadata import StepMetadata
 from .namespace import model_namespace
@@ -139,6 +139,22 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
         if hist is not None:
             for s in transfer_stats_data.get("load_seconds_samples", ()):
                 hist.observe(s)
+
+
+def _early_loads(cfg: KvferryConfig, async_scheduling: bool, tp: int, pp: int) -> bool:
+    """Whether the scheduler starts synchronous loads itself (load_start "scheduler"): only
+    where no kernel of an earlier step can still touch the blocks it allocates (vLLM
+    schedules synchronously, one pipeline stage) and one rank loads (its board slot is
+    rank 0's)."""
+    if cfg.load_start != "scheduler":
+        return False
+    why = ("vLLM schedules asynchronously" if async_scheduling
+           else f"TP {tp}" if tp > 1 else f"{pp} pipeline stages" if pp > 1 else None)
+    if why:
+        log.warning('kvferry: load_start "scheduler" needs synchronous scheduling, TP 1 and '
+                    "one pipeline stage (here: %s); loads start on the worker", why)
+        return False
+    return True
 
 
 def _served_model(vllm_config: "VllmConfig") -> str:
@@ -259,6 +275,8 @@ class KvferryConnector(KVConnectorBase_V1):
                     "\"recompute\" to recompute its blocks instead",
                     ktc.kv_load_failure_policy,
                 )
+            async_sched = getattr(vllm_config.scheduler_config, "async_scheduling",
+                                  True) is not False
             self.scheduler_side = SchedulerSide(
                 self.cfg,
                 instance=instance,
@@ -275,8 +293,9 @@ class KvferryConnector(KVConnectorBase_V1):
                 save=ktc.is_kv_producer,
                 # Resolved by vLLM before the connector is made (None only in a config
                 # that was never finished: treated as vLLM's default, on).
-                async_scheduling=getattr(vllm_config.scheduler_config, "async_scheduling",
-                                         True) is not False,
+                async_scheduling=async_sched,
+                early_loads=_early_loads(self.cfg, async_sched, tp_size,
+                                         int(getattr(pc, "pipeline_parallel_size", 1) or 1)),
                 events=compat.engine_events(vllm_config, self.cfg.events),
             )
         else:

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Set
+from typing import List, Optional, Set, Tuple
 
-__all__ = ["LoadSpec", "SaveSpec", "StepMetadata"]
+__all__ = ["BOARD_SLOTS", "EARLY_SLOTS", "LoadSpec", "SaveSpec", "StepMetadata"]
+
+#: Slots of each rank's completion board.
+BOARD_SLOTS = 256
+#: The board's last slots, kept for loads the scheduler starts (load_start "scheduler"):
+#: at most this many per step; the worker's own loads take the others.
+EARLY_SLOTS = 8
 
 
 @dataclass
@@ -21,6 +27,9 @@ class LoadSpec:
     tokens: int
     #: True: vLLM runs this step's forward on the blocks (load_mode "sync").
     sync: bool = False
+    #: Started by the scheduler already (load_start "scheduler"): (board slot, board tag,
+    #: load id) on rank 0; the worker watches it instead of starting it.
+    early: Optional[Tuple[int, int, int]] = None
 
 
 @dataclass

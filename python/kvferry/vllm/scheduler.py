@@ -39,7 +39,7 @@ from .events import block_infos
 from ..namespace import keeps_tenants, tenant_part
 from .hashing import ChainHasher, MmSpan, engine_salt, lora_key, request_salt
 from .link import NodeDown, NodeLink
-from .metadata import LoadSpec, SaveSpec, StepMetadata
+from .metadata import BOARD_SLOTS, EARLY_SLOTS, LoadSpec, SaveSpec, StepMetadata
 from .stats import Counters
 
 __all__ = ["SchedulerSide"]
@@ -110,6 +110,7 @@ class SchedulerSide:
         clock: Callable[[], float] = time.monotonic,
         events: Any = None,
         async_scheduling: bool = True,
+        early_loads: bool = False,
     ):
         self.cfg = cfg
         self.instance = instance
@@ -123,6 +124,10 @@ class SchedulerSide:
         # failed synchronous load leaves the request stuck there (it drops the output and
         # keeps its placeholder), so "auto" loads synchronously only without it.
         self.async_scheduling = async_scheduling
+        # load_start "scheduler" where it is safe (see build_connector_meta); the board tag
+        # of the last load started here.
+        self.early_loads = early_loads
+        self._early_tag = 0
         self._salt = engine_salt(model, f"{kv_dtype};{layout_tag}", block_size, tp_size)
         self._reqs: Dict[str, _Req] = {}
         self._pending_loads: List[LoadSpec] = []
@@ -433,9 +438,41 @@ class SchedulerSide:
                 r.load_dest = []
                 r.block_ids = []
         self._track_block_ids(so)
+        if self.early_loads and not meta.preempted:
+            # vLLM schedules synchronously, so no kernel of an earlier step runs; the
+            # blocks of requests preempted now may still be read by their saves.
+            self._start_early(meta.loads)
         if self.save_enabled:
             self._plan_saves(so, meta)
         return meta
+
+    def _start_early(self, loads: List[LoadSpec]) -> None:
+        """Starts this step's synchronous loads now, before the step reaches the worker
+        (load_start "scheduler"), each reporting to one of the board's EARLY_SLOTS; a load
+        the node refuses is left to the worker."""
+        slots = iter(range(BOARD_SLOTS - EARLY_SLOTS, BOARD_SLOTS))
+        per_layer = getattr(self.cfg, "sync_batches", "layer") == "layer"
+        for spec in loads:
+            if not spec.sync or spec.lease is None or not spec.dest_blocks:
+                continue
+            slot = next(slots, None)
+            if slot is None:
+                return
+            self._early_tag = self._early_tag % 0xFFFFFFFF + 1
+            tag, lease, dest = self._early_tag, spec.lease, list(spec.dest_blocks)
+
+            def load(c: Any) -> int:
+                kw = {"per_layer": True} if per_layer else {}
+                return c.load(lease, self.instance, 0, dest, board_slot=slot, board_tag=tag, **kw)
+
+            try:
+                load_id = self.link.call("load", load)
+            except Exception as e:  # noqa: BLE001 - the worker starts it instead
+                self.counters.add("early_load_refusals")
+                log.debug("kvferry: early load of %s refused: %s", spec.req_id, e)
+                continue
+            spec.early = (slot, tag, int(load_id))
+            self.counters.add("early_loads")
 
     def _track_block_ids(self, so: Any) -> None:
         """Block ids per request for when SchedulerOutput has no kv_connector_block_state."""

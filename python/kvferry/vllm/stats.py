@@ -44,6 +44,10 @@ COUNTERS: Dict[str, str] = {
     "vLLM reuses their blocks.",
     "withheld_blocks": "Blocks not asked for because a load of them failed lately (vLLM "
     "computes them instead of loading them again).",
+    "early_loads": "Synchronous loads the scheduler started the moment their blocks were "
+    "allocated (load_start \"scheduler\").",
+    "early_load_refusals": "Loads the scheduler tried to start early that the node refused "
+    "(the worker then starts them, or vLLM recomputes their blocks).",
     "registration_refusals": "Registrations the node refused after the engine started "
     "(a refusal at start stops the engine).",
 }

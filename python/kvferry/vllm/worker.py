@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from .config import KvferryConfig
 from .kvcache import RankLayout, describe_kv_caches, device_ordinal, register_rank
 from .link import NodeDown, NodeLink
-from .metadata import LoadSpec, SaveSpec, StepMetadata
+from .metadata import BOARD_SLOTS, EARLY_SLOTS, LoadSpec, SaveSpec, StepMetadata
 from .namespace import model_namespace
 from .stats import Counters
 
@@ -41,8 +41,6 @@ PROBE_S = 5.0
 PROBE_HASH = b"kvferry-vllm-probe"
 
 
-#: Slots of a rank's completion board (loads in flight at once that report to it).
-BOARD_SLOTS = 256
 #: A load the board shows running is still asked about this often: a node that died (or
 #: whose connection dropped) writes no final word, and is noticed by the call failing.
 LIVENESS_S = 0.25
@@ -68,6 +66,8 @@ class _Load:
     finished: bool = False
     #: When the node was last asked about it (or it started).
     checked: float = 0.0
+    #: Started by the scheduler, in one of the board's EARLY_SLOTS (never the worker's).
+    early: bool = False
 
 
 @dataclass(eq=False)
@@ -305,7 +305,10 @@ class WorkerSide:
         )
         with self._lock:
             self._board = board
-            self._board_free = list(range(board.slots)) if board is not None else []
+            # The last EARLY_SLOTS are the scheduler's (load_start "scheduler").
+            own = board.slots - EARLY_SLOTS if board is not None and board.slots == BOARD_SLOTS \
+                else (board.slots if board is not None else 0)
+            self._board_free = list(range(own))
         # A session ties the registration to this process: when it ends, the node
         # unregisters the instance. Earlier sessions stay open (closing one that is still
         # alive would unregister what was just registered); they go at shutdown.
@@ -364,6 +367,10 @@ class WorkerSide:
             board = self._board
         for spec in meta.loads:
             ld = _Load(spec, ev, now, deadline=now + self.cfg.load_timeout_s, checked=now)
+            if spec.early is not None and spec.sync:
+                # Started by the scheduler when it allocated the blocks: watched from here.
+                self._adopt(ld, board)
+                continue
             inline = board is not None and (spec.sync or meta.idle)
             if not inline:
                 self._load_q.put(ld)
@@ -388,6 +395,19 @@ class WorkerSide:
             board.interrupt()
         elif sync:
             self.wait_for_sync_loads()
+
+    def _adopt(self, ld: _Load, board: Any) -> None:
+        """Takes over a synchronous load the scheduler started (``spec.early``): its forward
+        waits on its board slot as on one this worker started, and the loader watches it."""
+        slot, tag, load_id = ld.spec.early
+        ld.load_id, ld.early = load_id, True
+        if board is not None:
+            ld.slot, ld.tag = slot, tag
+        with self._lock:
+            self._sync_started.append(ld)
+            self._sync_begun += 1
+            self._lock.notify_all()
+        self._load_q.put(_Started(ld))
 
     def _finish(
         self,
@@ -426,7 +446,8 @@ class WorkerSide:
                 self._async_on_board.pop(id(ld), None)
             self._done.append(_Done(spec.req_id, spec.sync, failed, self._clock()))
             if ld is not None and ld.slot is not None and self._board is not None:
-                self._board_free.append(ld.slot)
+                if not ld.early:
+                    self._board_free.append(ld.slot)
                 ld.slot = None
             if spec.sync:
                 self._sync_outstanding -= 1
