@@ -75,6 +75,14 @@ pub struct RemoteArgs {
     tls_lanes: Option<u32>,
 }
 
+impl RemoteArgs {
+    /// The TLS pair's connections per link: what a node derives from `--lanes` over TLS, or
+    /// `--tls-lanes`.
+    fn tls_lanes(&self) -> u32 {
+        kvferry_actors::config::tls_lanes(self.lanes, self.tls_lanes)
+    }
+}
+
 /// `kvferry owner`: an owner node in its own process holding blocks 0..N of the benchmark's
 /// namespace (internal: started by `bench remote --owner-process`).
 #[derive(clap::Args)]
@@ -383,7 +391,7 @@ fn start_pair(
         return Ok((None, Some(child), requester));
     }
     let lanes = if tls.is_some() {
-        kvferry_actors::config::tls_lanes(a.lanes, a.tls_lanes)
+        a.tls_lanes()
     } else {
         a.lanes
     };
@@ -672,7 +680,7 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
             "bytes": plain_main.bytes,
             "iters": a.iters,
             "lanes": a.lanes,
-            "tls_lanes": a.tls.then(|| kvferry_actors::config::tls_lanes(a.lanes, a.tls_lanes)),
+            "tls_lanes": a.tls.then(|| a.tls_lanes()),
             "direct": plain["direct"],
             "staged": plain["staged"],
             "direct_vs_staged": ratio,
@@ -730,7 +738,7 @@ pub fn run(a: RemoteArgs) -> anyhow::Result<()> {
                 "tls_vs_plain ({} blocks, GB/s over TLS on {} lanes / in clear on {}): direct \
                  {d:.2}, staged {s:.2}",
                 plain_main.blocks,
-                kvferry_actors::config::tls_lanes(a.lanes, a.tls_lanes),
+                a.tls_lanes(),
                 a.lanes
             );
         }

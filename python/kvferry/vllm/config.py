@@ -99,6 +99,11 @@ class KvferryConfig(Timeouts):
         return self.load_mode != "sync"
 
     @property
+    def per_layer_sync(self) -> bool:
+        """A synchronous load lands one copy batch per layer (sync_batches "layer")."""
+        return self.sync_batches == "layer"
+
+    @property
     def idle_wait_s(self) -> float:
         return self.idle_wait_ms / 1000.0
 

@@ -451,7 +451,7 @@ class SchedulerSide:
         (load_start "scheduler"), each reporting to one of the board's EARLY_SLOTS; a load
         the node refuses is left to the worker."""
         slots = iter(range(BOARD_SLOTS - EARLY_SLOTS, BOARD_SLOTS))
-        per_layer = getattr(self.cfg, "sync_batches", "layer") == "layer"
+        kw = {"per_layer": True} if self.cfg.per_layer_sync else {}
         for spec in loads:
             if not spec.sync or spec.lease is None or not spec.dest_blocks:
                 continue
@@ -462,7 +462,6 @@ class SchedulerSide:
             tag, lease, dest = self._early_tag, spec.lease, list(spec.dest_blocks)
 
             def load(c: Any) -> int:
-                kw = {"per_layer": True} if per_layer else {}
                 return c.load(lease, self.instance, 0, dest, board_slot=slot, board_tag=tag, **kw)
 
             try:

@@ -110,7 +110,6 @@ class WorkerSide:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.cfg = cfg
-        self._per_layer_sync = getattr(cfg, "sync_batches", "layer") == "layer"
         self.instance = instance
         self.model = model
         #: The model as the node's namespace names it (any model name, escaped).
@@ -306,8 +305,8 @@ class WorkerSide:
         with self._lock:
             self._board = board
             # The last EARLY_SLOTS are the scheduler's (load_start "scheduler").
-            own = board.slots - EARLY_SLOTS if board is not None and board.slots == BOARD_SLOTS \
-                else (board.slots if board is not None else 0)
+            own = 0 if board is None else board.slots - (
+                EARLY_SLOTS if board.slots == BOARD_SLOTS else 0)
             self._board_free = list(range(own))
         # A session ties the registration to this process: when it ends, the node
         # unregisters the instance. Earlier sessions stay open (closing one that is still
@@ -488,7 +487,7 @@ class WorkerSide:
             # A synchronous load's forward runs each layer as it lands: one copy batch per
             # layer, so the last layers' compute does not wait for a long final batch
             # (sync_batches "grouped" leaves the node's layer groups).
-            kw = {"per_layer": True} if spec.sync and self._per_layer_sync else {}
+            kw = {"per_layer": True} if spec.sync and self.cfg.per_layer_sync else {}
             if ld.slot is None:
                 return c.load(*args, **kw)
             return c.load(*args, board_slot=ld.slot, board_tag=ld.tag, **kw)

@@ -41,6 +41,15 @@ impl EngineServer {
         Self::serve(options, node, dev).await
     }
 
+    /// Serves a node over `hooked`, whose hook sees every copy batch the node submits.
+    pub async fn start_hooked<H: crate::SubmitHook>(
+        options: EngineOptions,
+        hooked: &Arc<crate::HookedDevice<H>>,
+    ) -> Self {
+        let device = Arc::clone(hooked) as Arc<dyn Device>;
+        Self::start_on(options, device, Arc::clone(&hooked.inner)).await
+    }
+
     /// Serves `node` (whose device 0 is `dev`).
     pub async fn serve(options: EngineOptions, node: Node, dev: Arc<HostDevice>) -> Self {
         static N: AtomicUsize = AtomicUsize::new(0);

@@ -53,6 +53,15 @@ async fn put_over_grpc(
     assert!(written > 0);
 }
 
+/// 16 blocks of memfd KV registered as rank 0 of "eng", and pattern blocks 0..4 put on the
+/// node for it.
+async fn four_blocks_on_the_node(c: &EngineClient) -> MemfdKv {
+    let kv = MemfdKv::create(shape(), 16, 0).unwrap();
+    kv.register_with(c, &id("eng"), "m", 0).await.unwrap();
+    put_over_grpc(c, shape(), "eng", 0..4).await;
+    kv
+}
+
 async fn lease_for(c: &EngineClient, instance: &str, ids: std::ops::Range<u64>) -> LeaseId {
     let n = (ids.end - ids.start) as u32;
     let q = c.query(&id(instance), &hashes(ids), false).await.unwrap();
@@ -1180,16 +1189,9 @@ impl SubmitHook for CountLoads {
 fn a_cancelled_load_copies_no_more_and_ends_failed() {
     rt().block_on(async {
         let hooked = HookedDevice::new(HoldBatches::new(kvferry_gpu::CopyDirection::HostToDevice));
-        let srv = EngineServer::start_on(
-            EngineOptions::default(),
-            Arc::clone(&hooked) as Arc<dyn Device>,
-            Arc::clone(&hooked.inner),
-        )
-        .await;
+        let srv = EngineServer::start_hooked(EngineOptions::default(), &hooked).await;
         let c = srv.client("").await;
-        let kv = MemfdKv::create(shape(), 16, 0).unwrap();
-        kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
-        put_over_grpc(&c, shape(), "eng", 0..4).await;
+        let kv = four_blocks_on_the_node(&c).await;
         let dest = [9, 3, 4, 12];
         hooked.hook.held.store(true, Ordering::SeqCst);
         let lease = lease_for(&c, "eng", 0..4).await;
@@ -1243,16 +1245,9 @@ fn a_cancelled_load_copies_no_more_and_ends_failed() {
 fn a_per_layer_load_lands_one_layer_per_batch_through_the_call_and_the_mailbox() {
     rt().block_on(async {
         let counting = HookedDevice::new(CountLoads::default());
-        let srv = EngineServer::start_on(
-            EngineOptions::default(),
-            Arc::clone(&counting) as Arc<dyn Device>,
-            Arc::clone(&counting.inner),
-        )
-        .await;
+        let srv = EngineServer::start_hooked(EngineOptions::default(), &counting).await;
         let c = srv.client("").await;
-        let kv = MemfdKv::create(shape(), 16, 0).unwrap();
-        kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
-        put_over_grpc(&c, shape(), "eng", 0..4).await;
+        let kv = four_blocks_on_the_node(&c).await;
         let dest = [9, 3, 4, 12];
         let batches = || counting.hook.0.load(Ordering::SeqCst);
         let mailbox = srv.client("").await;
@@ -1285,16 +1280,9 @@ fn a_per_layer_load_lands_one_layer_per_batch_through_the_call_and_the_mailbox()
 fn a_failed_load_completes_failed_with_its_blocks_and_the_next_one_works() {
     rt().block_on(async {
         let failing = HookedDevice::new(FailWhileSet::default());
-        let srv = EngineServer::start_on(
-            EngineOptions::default(),
-            Arc::clone(&failing) as Arc<dyn Device>,
-            Arc::clone(&failing.inner),
-        )
-        .await;
+        let srv = EngineServer::start_hooked(EngineOptions::default(), &failing).await;
         let c = srv.client("").await;
-        let kv = MemfdKv::create(shape(), 16, 0).unwrap();
-        kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
-        put_over_grpc(&c, shape(), "eng", 0..4).await;
+        let kv = four_blocks_on_the_node(&c).await;
 
         failing.hook.0.store(true, Ordering::Relaxed);
         let lease = lease_for(&c, "eng", 0..4).await;
@@ -1466,9 +1454,7 @@ fn a_remote_suffix_loads_direct_when_granted_and_staged_otherwise() {
             caps.direct_possible && caps.direct_reason.is_empty(),
             "{caps:?}"
         );
-        let kv = MemfdKv::create(shape(), 16, 0).unwrap();
-        kv.register_with(&c, &id("eng"), "m", 0).await.unwrap();
-        put_over_grpc(&c, shape(), "eng", 0..4).await;
+        let kv = four_blocks_on_the_node(&c).await;
         let dest = [15, 0, 3, 4, 9, 1, 2, 12];
 
         for (direct_gpu, path) in [(true, "direct"), (false, "staged")] {
@@ -1966,13 +1952,12 @@ fn a_board_says_a_loads_outcome_failed_blocks_included_and_successes_need_no_pol
     use kvferry_proto::shm::board::{Board, Outcome, SlotState};
     rt().block_on(async {
         let failing = HookedDevice::new(FailWhileSet::default());
-        let srv = EngineServer::start_on(
+        let srv = EngineServer::start_hooked(
             EngineOptions {
                 completion_retention: 2,
                 ..EngineOptions::default()
             },
-            Arc::clone(&failing) as Arc<dyn Device>,
-            Arc::clone(&failing.inner),
+            &failing,
         )
         .await;
         let c = srv.client("").await;
@@ -2346,12 +2331,7 @@ impl SubmitHook for HoldBatches {
 fn a_save_the_client_gave_up_on_is_never_sealed_and_returns_after_its_fence() {
     rt().block_on(async {
         let held = HookedDevice::new(HoldBatches::new(kvferry_gpu::CopyDirection::DeviceToHost));
-        let srv = EngineServer::start_on(
-            EngineOptions::default(),
-            Arc::clone(&held) as Arc<dyn Device>,
-            Arc::clone(&held.inner),
-        )
-        .await;
+        let srv = EngineServer::start_hooked(EngineOptions::default(), &held).await;
         let deadline = Duration::from_millis(300);
         let c = srv.client("").await.with_deadline(deadline);
         let kv = MemfdKv::create(shape(), 16, 0).unwrap();
